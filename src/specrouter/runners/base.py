@@ -1,0 +1,115 @@
+"""The model-runner interface every pool model implements.
+
+A runner owns a KV cache with `num_slots` independent rows ("slots"); a sequence holds one slot
+per model for its whole life. The runner itself keeps NO lengths: each forward says, per row,
+how many cached positions are valid (`starts`). Positions >= starts are overwritten by the new
+tokens, so rollback is the caller passing a smaller start next time: O(1) and exact
+(gpt-fast's "do not advance the position"). The state manager owns the lengths.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One ragged forward: row b appends `tokens[b, :num_tokens[b]]` after `starts[b]` cached
+    positions of slot `slots[b]`, and asks for logits at `logit_positions[b]` (indices into the
+    new tokens, 0 <= i < num_tokens[b]; rows may repeat their last index as padding)."""
+
+    slots: torch.Tensor  # (B,) int64: cache slot of each row
+    starts: torch.Tensor  # (B,) int64: valid cached positions of each row before this forward
+    tokens: torch.Tensor  # (B, T) int64: new tokens, right-padded (pad value is irrelevant)
+    num_tokens: torch.Tensor  # (B,) int64: valid new tokens per row, 1..T
+    logit_positions: torch.Tensor  # (B, G) int64: where logits are wanted, indices into T
+    # Python mirrors of the small tensors above, so runners can take fast paths without syncs.
+    slots_list: list[int]
+    starts_list: list[int]
+    num_tokens_list: list[int]
+
+    @staticmethod
+    def build(
+        slots: list[int],
+        starts: list[int],
+        new_tokens: list[list[int]],
+        logit_positions: list[list[int]],
+        device: torch.device | str = "cpu",
+    ) -> "ForwardBatch":
+        """Pad ragged Python lists into a batch. `logit_positions[b]` may be shorter than the
+        longest; it is padded by repeating its last index."""
+        B = len(slots)
+        assert B == len(starts) == len(new_tokens) == len(logit_positions) and B > 0
+        T = max(len(t) for t in new_tokens)
+        G = max(len(g) for g in logit_positions)
+        tok = torch.zeros(B, T, dtype=torch.long)
+        pos = torch.zeros(B, G, dtype=torch.long)
+        for b in range(B):
+            n = len(new_tokens[b])
+            assert n >= 1, "every row must feed at least one new token"
+            tok[b, :n] = torch.tensor(new_tokens[b], dtype=torch.long)
+            g = logit_positions[b]
+            pos[b, : len(g)] = torch.tensor(g, dtype=torch.long)
+            pos[b, len(g) :] = g[-1]
+        num = [len(t) for t in new_tokens]
+        return ForwardBatch(
+            slots=torch.tensor(slots, dtype=torch.long, device=device),
+            starts=torch.tensor(starts, dtype=torch.long, device=device),
+            tokens=tok.to(device),
+            num_tokens=torch.tensor(num, dtype=torch.long, device=device),
+            logit_positions=pos.to(device),
+            slots_list=list(slots),
+            starts_list=list(starts),
+            num_tokens_list=num,
+        )
+
+
+class ModelRunner(ABC):
+    """A causal LM with a slot-addressed KV cache. See the module docstring for the contract."""
+
+    name: str  # pool name of the model
+    vocab_size: int  # logits width (tokenizer vocabularies are checked by the pool)
+    max_len: int  # the longest sequence (prompt + generated + draft) a slot can hold now
+    max_context: int  # the model's own limit (max_position_embeddings)
+    num_slots: int  # concurrent sequences the cache holds
+    num_params: int  # parameter count (for display and cost priors)
+    dtype: torch.dtype  # compute dtype
+    device: torch.device
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the new tokens of every row; return logits (B, G, vocab_size) at
+        `batch.logit_positions`, in float32 (float64 if the model computes in float64).
+
+        Precondition: slot `slots[b]` holds the KV of the row's first `starts[b]` tokens, as
+        written by earlier forwards. Postcondition: it holds `starts[b] + num_tokens[b]`."""
+
+    def allocate_slot(self) -> int:
+        """Reserve a free cache slot; raises RuntimeError when all are taken."""
+        free = getattr(self, "_free_slots", None)
+        if free is None:
+            free = self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        if not free:
+            raise RuntimeError(f"model {self.name!r}: all {self.num_slots} cache slots are in use")
+        return free.pop()
+
+    def free_slot(self, slot: int) -> None:
+        """Return a slot to the free list (its contents become garbage)."""
+        free = getattr(self, "_free_slots", None)
+        if free is None:
+            free = self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        assert 0 <= slot < self.num_slots and slot not in free, f"bad slot {slot}"
+        free.append(slot)
+        self.on_slot_freed(slot)
+
+    def on_slot_freed(self, slot: int) -> None:
+        """Hook for runners holding per-slot objects (the transformers fallback)."""
+
+    @abstractmethod
+    def reserve(self, num_slots: int, max_len: int) -> None:
+        """Make the cache hold at least `num_slots` slots of `max_len` positions each. May
+        reallocate (contents are lost): call only when no sequence is live. Raises
+        ContextLengthError if max_len exceeds the model's `max_context`."""

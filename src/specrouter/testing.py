@@ -1,0 +1,118 @@
+"""Tiny random checkpoints for tests, benchmarks and the pre-release demo pool.
+
+Everything here builds real Hugging Face checkpoint directories (config.json + safetensors +
+tokenizer.json) with `save_pretrained`, so loaders are exercised exactly as on real models.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+_CORPUS = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
+    "        self.x = x\n        self.y = y\n\n"
+    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens with a small "
+    "model and verifies them with a large one, so the output stays exactly the same.\n"
+    "User: What is the capital of France?\nAssistant: The capital of France is Paris.\n"
+) * 4
+
+
+def make_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 320) -> int:
+    """Train a byte-level BPE tokenizer of about `vocab_size` tokens and save it (tokenizer.json
+    + tokenizer_config.json). Returns the real vocabulary size. Deterministic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS], trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(str(out_dir))
+    return len(fast)
+
+
+def make_tiny_llama(
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 320,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 512,
+    model_type: str = "llama",
+    tie_word_embeddings: bool = True,
+    rope_scaling: dict | None = None,
+    seed: int = 0,
+    init_from: str | Path | None = None,
+    noise: float = 0.0,
+    dtype: torch.dtype = torch.float32,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Save a random Llama-family checkpoint (llama / qwen2 / mistral) with a tiny tokenizer.
+
+    `init_from` + `noise` make a model that copies another checkpoint's weights and adds
+    Gaussian noise of relative size `noise` (a "similar" draft: noise=0 gives the same model).
+    """
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    real_vocab = make_tiny_tokenizer(out, vocab_size) if with_tokenizer else vocab_size
+    vocab_size = max(vocab_size, real_vocab)
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size + hidden_size // 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=0,
+        eos_token_id=0,
+        rms_norm_eps=1e-5,
+    )
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = rope_scaling
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[model_type]
+    config = cls[0](**kwargs)
+    torch.manual_seed(seed)
+    model = cls[1](config)
+    with torch.no_grad():
+        # random init of transformers is small; widen it so random models are not near-uniform
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif "bias" in name:
+                p.normal_(0.0, 0.02)
+        if init_from is not None:
+            src = cls[1].from_pretrained(str(init_from), dtype=torch.float32)
+            src_params = dict(src.named_parameters())
+            for name, p in model.named_parameters():
+                base = src_params[name].detach()
+                p.copy_(base + noise * base.std() * torch.randn_like(base))
+    model.to(dtype).save_pretrained(str(out))
+    (out / "specrouter_test.json").write_text(json.dumps({"seed": seed, "noise": noise}))
+    return out
