@@ -1,3 +1,19 @@
 """SpecRouter: adaptive multi-level speculative decoding."""
 
 __version__ = "0.1.0"
+
+from .api import GenerationResult, SpecRouter  # noqa: E402
+from .config import SamplingParams  # noqa: E402
+from .errors import (  # noqa: E402
+    ChainError,
+    CheckpointError,
+    ContextLengthError,
+    SamplingParamsError,
+    SpecRouterError,
+    VocabularyMismatchError,
+)
+
+__all__ = [
+    "SpecRouter", "GenerationResult", "SamplingParams", "SpecRouterError", "CheckpointError",
+    "VocabularyMismatchError", "ContextLengthError", "SamplingParamsError", "ChainError",
+]

@@ -87,20 +87,23 @@ class ModelRunner(ABC):
         Precondition: slot `slots[b]` holds the KV of the row's first `starts[b]` tokens, as
         written by earlier forwards. Postcondition: it holds `starts[b] + num_tokens[b]`."""
 
+    def _free_list(self) -> list[int]:
+        # rebuilt when reserve() changed num_slots (only done while no slot is in use)
+        if getattr(self, "_slot_capacity", None) != self.num_slots:
+            self._free_slots = list(range(self.num_slots - 1, -1, -1))
+            self._slot_capacity = self.num_slots
+        return self._free_slots
+
     def allocate_slot(self) -> int:
         """Reserve a free cache slot; raises RuntimeError when all are taken."""
-        free = getattr(self, "_free_slots", None)
-        if free is None:
-            free = self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        free = self._free_list()
         if not free:
             raise RuntimeError(f"model {self.name!r}: all {self.num_slots} cache slots are in use")
         return free.pop()
 
     def free_slot(self, slot: int) -> None:
         """Return a slot to the free list (its contents become garbage)."""
-        free = getattr(self, "_free_slots", None)
-        if free is None:
-            free = self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        free = self._free_list()
         assert 0 <= slot < self.num_slots and slot not in free, f"bad slot {slot}"
         free.append(slot)
         self.on_slot_freed(slot)

@@ -1,0 +1,413 @@
+"""The router's cost model: expected latency, expected committed tokens and T_eff of a chain,
+computed exactly by dynamic programming over lengths (DESIGN.md, Pillar 1). Pure functions.
+
+One cycle of chain C = [M1, ..., MN] (MN = the target) with draft length k:
+
+1. M1 drafts. A model drafter runs k sequential 1-token forwards (the first one may also carry
+   `draft_catchup` pending tokens it has not seen yet) and proposes n_2 = k candidates. A
+   model-free drafter (`ModelFreeDraft`, n-gram / prompt lookup) costs `cost(k)` and proposes
+   k candidates with probability `hit_rate`, none otherwise (n_2 = 0: level 2 then just takes
+   one plain step).
+2. Level j = 2..N receives n_j candidates and runs ONE forward over n_j + 1 positions (its
+   pending last token plus the candidates), costing cost_j(n_j + 1). It accepts the candidates
+   in order, each with probability alpha_j (iid, the acceptance of level j-1's tokens by level
+   j), up to the first rejection: a_j is truncated-geometric on 0..n_j,
+   P(a_j = i) = alpha_j^i (1 - alpha_j) for i < n_j and P(a_j = n_j) = alpha_j^n_j.
+   It passes up its accepted tokens plus one recovered/bonus token: n_{j+1} = a_j + 1.
+   Every level can add one token, so n_j <= k + j - 2.
+3. The target commits n_{N+1} = a_N + 1 tokens.
+
+E[latency] = draft cost + sum_j E[cost_j(n_j + 1)] + overhead,  E[committed] = E[n_{N+1}],
+T_eff(C, k) = E[latency] / E[committed]. The distribution of n_j over all draft lengths
+k = 1..k_max is one (k_max, W) matrix per level, W = k_max + N, and one level is a matrix
+product with the (W, W) transition matrix of its acceptance, so a chain costs N - 1 small
+matmuls for every k at once.
+
+Choices the paper leaves open:
+- `overhead` (Python/bookkeeping seconds per cycle) is charged to speculative chains only;
+  the chain (target,) is plain decoding, T_eff = cost_N(1), whose own per-step overhead is part
+  of the measured cost_N(1). It never depends on k; a Plan reports it with k = 0.
+- Cost profiles T_M(b, t, L) enter as functions of t alone: the caller builds them for the
+  current batch size and context length.
+- Ties between plans go to the earlier candidate, then to the smaller k; `enumerate_chains`
+  lists (target,) first, so a tie with plain decoding picks plain decoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable, Mapping, Sequence, Union
+
+import numpy as np
+
+from ..config import MAX_DRAFT_LENGTH
+from ..errors import ChainError
+
+# Seconds of one forward of a model over t new tokens: a number (the same for every t), a
+# callable t -> seconds, or an array-like indexed by t (entry 0 unused).
+CostSpec = Union[float, Callable[[int], float], Sequence[float], np.ndarray]
+
+
+@dataclass(frozen=True)
+class ModelFreeDraft:
+    """Cost model of a model-free drafter (n-gram / prompt lookup). Only valid as level 1."""
+
+    cost: float | Callable[[int], float] = 0.0  # seconds to propose up to k tokens: constant, or k -> seconds
+    hit_rate: float = 1.0  # probability the lookup proposes k tokens; otherwise it proposes none
+
+    def __post_init__(self) -> None:
+        if not callable(self.cost):
+            _check_seconds("ModelFreeDraft.cost", self.cost)
+        _check_probability("ModelFreeDraft.hit_rate", self.hit_rate)
+
+    def costs(self, ks: np.ndarray) -> np.ndarray:
+        """(K,) seconds of proposing for each draft length in `ks`."""
+        if callable(self.cost):
+            out = np.array([float(self.cost(int(k))) for k in ks])
+            if not (np.all(np.isfinite(out)) and np.all(out >= 0)):
+                raise ValueError(f"ModelFreeDraft.cost(k) must be finite and >= 0, got {out}")
+            return out
+        return np.full(len(ks), float(self.cost))
+
+
+@dataclass(frozen=True)
+class PlanTable:
+    """Every (chain, k) the router evaluated, for display and metrics. Row i is chains[i]."""
+
+    chains: tuple[tuple[str, ...], ...]  # candidate chains, in the order given
+    ks: np.ndarray  # (K,) draft lengths 1..k_max
+    t_eff: np.ndarray  # (C, K) predicted seconds per committed target token
+    expected_tokens: np.ndarray  # (C, K) expected target tokens committed per cycle
+    expected_latency: np.ndarray  # (C, K) expected seconds per cycle
+
+    def format(self, scale: float = 1e3, unit: str = "ms") -> str:
+        """One line per chain: its best k, T_eff there and the speed-up over plain decoding
+        (when the target-only chain is among the candidates)."""
+        plain = [i for i, c in enumerate(self.chains) if len(c) == 1]
+        base = float(self.t_eff[plain[0], 0]) if plain else math.nan
+        lines = [f"{'chain':<40} {'k':>3} {'T_eff ' + unit:>12} {'tok/cycle':>9} {'speedup':>8}"]
+        for i, chain in enumerate(self.chains):
+            j = int(np.argmin(self.t_eff[i]))
+            k = 0 if len(chain) == 1 else int(self.ks[j])
+            t = float(self.t_eff[i, j])
+            lines.append(
+                f"{' -> '.join(chain):<40} {k:>3} {t * scale:>12.4g} "
+                f"{float(self.expected_tokens[i, j]):>9.3f} {base / t:>7.2f}x"
+            )
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The router's decision for the next cycle: the argmin of T_eff over chains and k."""
+
+    chain: tuple[str, ...]  # model names, drafter first, target last
+    k: int  # draft length of the drafter; 0 for the target-only chain (plain decoding)
+    t_eff: float  # predicted seconds per committed target token
+    expected_tokens: float  # expected target tokens committed per cycle
+    expected_latency: float  # expected seconds per cycle (overhead included)
+    table: PlanTable | None = field(default=None, repr=False, compare=False)  # all candidates
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+def _check_probability(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not (0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+
+
+def _check_int(name: str, value: int, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ChainError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_chain(chain_costs: Sequence, alphas: Sequence[float]) -> None:
+    if len(chain_costs) < 1:
+        raise ChainError("a chain needs at least one level (the target)")
+    if len(alphas) != len(chain_costs) - 1:
+        raise ChainError(
+            f"a chain of {len(chain_costs)} levels needs {len(chain_costs) - 1} acceptance "
+            f"probabilities (one per drafter/verifier pair), got {len(alphas)}"
+        )
+    for j, cost in enumerate(chain_costs):
+        if isinstance(cost, ModelFreeDraft) and (j != 0 or len(chain_costs) == 1):
+            raise ChainError("a model-free drafter can only be level 1 of a chain of >= 2 levels")
+    for j, alpha in enumerate(alphas):
+        _check_probability(f"alphas[{j}]", alpha)
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+
+
+def cost_table(cost: CostSpec, t_max: int) -> np.ndarray:
+    """(t_max + 1,) float64: seconds of a forward over t new tokens at index t = 1..t_max
+    (index 0 is 0). `cost` is a CostSpec; an array-like must cover t = 1..t_max."""
+    if callable(cost):
+        table = np.array([0.0] + [float(cost(t)) for t in range(1, t_max + 1)])
+    elif isinstance(cost, (int, float, np.floating)) and not isinstance(cost, bool):
+        table = np.full(t_max + 1, float(cost))
+        table[0] = 0.0
+    else:
+        given = np.asarray(cost, dtype=np.float64)
+        if given.ndim != 1 or len(given) < t_max + 1:
+            raise ValueError(
+                f"a cost table is indexed by the number of new tokens t (entry 0 unused) and must "
+                f"cover t = 1..{t_max}: need length >= {t_max + 1}, got shape {given.shape}"
+            )
+        table = given[: t_max + 1].copy()
+        table[0] = 0.0
+    if not (np.all(np.isfinite(table)) and np.all(table >= 0)):
+        raise ValueError(f"forward costs must be finite and >= 0 seconds, got {table[1:]}")
+    return table
+
+
+@lru_cache(maxsize=32)
+def _transition_geometry(width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Masks of the (W, W) transition n -> m = a + 1 (a accepted of n received)."""
+    n = np.arange(width)[:, None]  # (W, 1) candidates received
+    a = np.arange(width)[None, :] - 1  # (1, W) accepted, for next length m = a + 1
+    rejected = ((a >= 0) & (a < n)).astype(np.float64)  # (W, W) stopped by a rejection at a
+    all_accepted = (a == n).astype(np.float64)  # (W, W) all n accepted (the bonus case)
+    exponent = np.maximum(a, 0).astype(np.float64)  # (1, W) alpha^a
+    return rejected, all_accepted, exponent
+
+
+@lru_cache(maxsize=256)
+def _transition(alpha: float, width: int) -> np.ndarray:
+    """(W, W) read-only: [n, m] = P(a level passes up m tokens | it received n), with iid
+    acceptance alpha. The last row (n = W - 1) loses its m = W mass; a DP never reaches it."""
+    rejected, all_accepted, exponent = _transition_geometry(width)
+    out = np.power(alpha, exponent) * (rejected * (1.0 - alpha) + all_accepted)  # (W, W)
+    out.setflags(write=False)
+    return out
+
+
+def _draft_distribution(hit_rate: float, k_max: int, width: int) -> np.ndarray:
+    """(K, W): row k-1 is the distribution of n_2 (candidates proposed) for draft length k."""
+    dist = hit_rate * np.eye(k_max, width, k=1)  # (K, W) k proposed
+    if hit_rate < 1.0:
+        dist[:, 0] = 1.0 - hit_rate  # a miss proposes nothing
+    return dist
+
+
+def _draft_costs(drafter, table: np.ndarray | None, ks: np.ndarray, draft_catchup: int) -> np.ndarray:
+    """(K,) seconds of drafting k tokens for each k in ks."""
+    if isinstance(drafter, ModelFreeDraft):
+        return drafter.costs(ks)
+    # k sequential forwards; the first one also carries the pending catch-up tokens
+    return table[1 + draft_catchup] + (ks - 1) * table[1]
+
+
+def _cycle_by_k(
+    draft_cost: np.ndarray,  # (K,) seconds of drafting, overhead included
+    draft_dist: np.ndarray,  # (K, W) distribution of n_2
+    verifier_tables: Sequence[np.ndarray],  # N-1 tables of length >= W + 1
+    alphas: Sequence[float],  # N-1 acceptance probabilities
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """The DP: (latency (K,), tokens (K,), [dist of n_2, ..., n_N, n_{N+1}], each (K, W))."""
+    width = draft_dist.shape[1]
+    latency = draft_cost
+    dist = draft_dist
+    dists = [dist]
+    for table, alpha in zip(verifier_tables, alphas):
+        latency = latency + dist @ table[1 : width + 1]  # (K,) E[cost_j(n_j + 1)]
+        dist = dist @ _transition(float(alpha), width)  # (K, W) distribution of n_{j+1}
+        dists.append(dist)
+    tokens = dist @ np.arange(width, dtype=np.float64)  # (K,) E[n_{N+1}]
+    return latency, tokens, dists
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+
+def leviathan_expected_tokens(alpha: float, k: int) -> float:
+    """Closed form for a 2-level chain (Leviathan et al., 2023): E[committed] =
+    (1 - alpha^(k+1)) / (1 - alpha), and k + 1 when alpha = 1."""
+    _check_probability("alpha", alpha)
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def length_distribution(k: int, alphas: Sequence[float], draft_hit_rate: float = 1.0) -> list[np.ndarray]:
+    """Distributions of the lengths through a chain of N = len(alphas) + 1 levels with draft
+    length k: [n_2, ..., n_N, n_{N+1}], each an array of length k + N indexed by the count
+    (n_j = candidates reaching level j, n_{N+1} = tokens committed). `draft_hit_rate` < 1 models
+    a model-free drafter that sometimes proposes nothing. For N = 1 the list is [n_2 = 1 token]."""
+    _check_int("k", k, 1)
+    _check_probability("draft_hit_rate", draft_hit_rate)
+    for j, alpha in enumerate(alphas):
+        _check_probability(f"alphas[{j}]", alpha)
+    n_levels = len(alphas) + 1
+    width = k + n_levels
+    if n_levels == 1:
+        plain = np.zeros(width)
+        plain[1] = 1.0
+        return [plain]
+    draft_dist = _draft_distribution(draft_hit_rate, k, width)[k - 1 : k]  # (1, W)
+    tables = [np.zeros(width + 1)] * len(alphas)
+    _, _, dists = _cycle_by_k(np.zeros(1), draft_dist, tables, alphas)
+    return [d[0] for d in dists]
+
+
+def expected_cycle_by_k(
+    chain_costs: Sequence[CostSpec | ModelFreeDraft],
+    alphas: Sequence[float],
+    k_max: int = MAX_DRAFT_LENGTH,
+    overhead: float = 0.0,
+    draft_catchup: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(expected_latency, expected_tokens), each (k_max,), entry k-1 for draft length k.
+
+    chain_costs: one CostSpec per level M1..MN (M1 may be a ModelFreeDraft); alphas[j-2] is the
+    acceptance of level j-1's tokens by level j (j = 2..N). overhead: seconds per speculative
+    cycle. draft_catchup: pending tokens the drafter's first forward also carries."""
+    _check_chain(chain_costs, alphas)
+    _check_int("k_max", k_max, 1)
+    _check_int("draft_catchup", draft_catchup, 0)
+    _check_seconds("overhead", overhead)
+    if len(chain_costs) == 1:  # plain decoding: one token per target step, whatever k
+        step = cost_table(chain_costs[0], 1)[1]
+        return np.full(k_max, step), np.ones(k_max)
+    width = k_max + len(chain_costs)
+    drafter = chain_costs[0]
+    ks = np.arange(1, k_max + 1)
+    if isinstance(drafter, ModelFreeDraft):
+        draft_cost = drafter.costs(ks)
+        draft_dist = _draft_distribution(drafter.hit_rate, k_max, width)
+    else:
+        draft_cost = _draft_costs(drafter, cost_table(drafter, 1 + draft_catchup), ks, draft_catchup)
+        draft_dist = _draft_distribution(1.0, k_max, width)
+    tables = [cost_table(c, width) for c in chain_costs[1:]]
+    latency, tokens, _ = _cycle_by_k(draft_cost + overhead, draft_dist, tables, alphas)
+    return latency, tokens
+
+
+def expected_cycle(
+    chain_costs: Sequence[CostSpec | ModelFreeDraft],
+    alphas: Sequence[float],
+    k: int,
+    overhead: float = 0.0,
+    draft_catchup: int = 0,
+) -> tuple[float, float]:
+    """(expected seconds per cycle, expected target tokens committed per cycle) of one chain at
+    draft length k; see `expected_cycle_by_k` for the arguments."""
+    _check_int("k", k, 1)
+    latency, tokens = expected_cycle_by_k(chain_costs, alphas, k, overhead, draft_catchup)
+    return float(latency[k - 1]), float(tokens[k - 1])
+
+
+def t_eff(
+    chain_costs: Sequence[CostSpec | ModelFreeDraft],
+    alphas: Sequence[float],
+    k: int,
+    overhead: float = 0.0,
+    draft_catchup: int = 0,
+) -> float:
+    """Predicted seconds per committed target token: E[latency] / E[committed]."""
+    latency, tokens = expected_cycle(chain_costs, alphas, k, overhead, draft_catchup)
+    return latency / tokens
+
+
+def enumerate_chains(
+    pool_names_by_cost: Sequence[str], target: str, max_levels: int | None = None
+) -> list[tuple[str, ...]]:
+    """All ordered sub-chains of the pool ending at the target: every subset of the other
+    models, kept in the given (increasing cost) order, followed by the target. For a pool of p
+    models (target included) that is 2^(p-1) chains, (target,) first, then by depth.
+    `max_levels` caps the chain depth (None: no cap)."""
+    names = list(pool_names_by_cost)
+    if len(set(names)) != len(names):
+        raise ChainError(f"duplicate model names in the pool: {names}")
+    others = [n for n in names if n != target]
+    top = len(others) + 1 if max_levels is None else max_levels
+    _check_int("max_levels", top, 1)
+    chains = []
+    for depth in range(0, min(top - 1, len(others)) + 1):
+        chains.extend(combo + (target,) for combo in itertools.combinations(others, depth))
+    return chains
+
+
+def best_plan(
+    candidates: Sequence[Sequence[str]],
+    k_max: int = MAX_DRAFT_LENGTH,
+    *,
+    costs: Mapping[str, CostSpec | ModelFreeDraft],
+    alphas: Mapping[tuple[str, str], float],
+    overhead: float = 0.0,
+    draft_catchup: int = 0,
+) -> Plan:
+    """The (chain, k) of least T_eff over the candidate chains and k = 1..k_max.
+
+    costs: per model name, its CostSpec (forward seconds vs new tokens) or a ModelFreeDraft.
+    alphas: per pair (lower level, upper level), the acceptance of the lower one's tokens.
+    The returned Plan carries the whole PlanTable. Ties go to the earlier candidate, then the
+    smaller k. Each model's cost table and each pair's transition matrix are built once."""
+    _check_int("k_max", k_max, 1)
+    _check_int("draft_catchup", draft_catchup, 0)
+    _check_seconds("overhead", overhead)
+    chains = tuple(tuple(c) for c in candidates)
+    if not chains:
+        raise ChainError("best_plan needs at least one candidate chain")
+    width = k_max + max(len(c) for c in chains)  # counts 0..k_max+N-1, one width for all
+    ks = np.arange(1, k_max + 1)
+    tables: dict[str, np.ndarray] = {}
+
+    def table(name: str) -> np.ndarray:
+        if name not in tables:
+            if name not in costs:
+                raise ChainError(f"no cost profile for model {name!r}")
+            if isinstance(costs[name], ModelFreeDraft):
+                raise ChainError(f"model-free drafter {name!r} can only be level 1 of a chain of >= 2 levels")
+            tables[name] = cost_table(costs[name], max(width, 1 + draft_catchup))
+        return tables[name]
+
+    latency = np.empty((len(chains), k_max))  # (C, K)
+    tokens = np.empty((len(chains), k_max))  # (C, K)
+    full_draft = _draft_distribution(1.0, k_max, width)  # (K, W) shared by model drafters
+    for i, chain in enumerate(chains):
+        if not chain:
+            raise ChainError("an empty candidate chain")
+        if len(chain) == 1:  # plain decoding
+            latency[i], tokens[i] = table(chain[0])[1], 1.0
+            continue
+        try:
+            pair_alphas = [alphas[pair] for pair in zip(chain[:-1], chain[1:])]
+        except KeyError as err:
+            raise ChainError(f"no acceptance estimate for the pair {err.args[0]} of chain {chain}") from None
+        drafter = costs.get(chain[0])
+        _check_chain([drafter] + [costs.get(n) for n in chain[1:]], pair_alphas)
+        if isinstance(drafter, ModelFreeDraft):
+            draft_cost = drafter.costs(ks)
+            draft_dist = _draft_distribution(drafter.hit_rate, k_max, width)
+        else:
+            draft_cost = _draft_costs(drafter, table(chain[0]), ks, draft_catchup)
+            draft_dist = full_draft
+        latency[i], tokens[i], _ = _cycle_by_k(
+            draft_cost + overhead, draft_dist, [table(n) for n in chain[1:]], pair_alphas
+        )
+    t = latency / tokens  # (C, K)
+    i, j = np.unravel_index(int(np.argmin(t)), t.shape)  # first minimum: earlier chain, smaller k
+    chain = chains[i]
+    return Plan(
+        chain=chain,
+        k=0 if len(chain) == 1 else int(ks[j]),
+        t_eff=float(t[i, j]),
+        expected_tokens=float(tokens[i, j]),
+        expected_latency=float(latency[i, j]),
+        table=PlanTable(chains=chains, ks=ks, t_eff=t, expected_tokens=tokens, expected_latency=latency),
+    )

@@ -1,0 +1,144 @@
+"""The processed next-token distribution, and sampling from it. Pure tensor functions.
+
+Every level of a chain (drafter, verifiers, target) turns its logits into probabilities with
+the SAME `process_logits`, from the SAME per-row `SamplingTensors`; that shared processed
+distribution is what speculative verification is lossless with respect to.
+
+Processing order (the transformers / vLLM order), per row:
+1. temperature: `logits / temperature`; a row with temperature 0 is greedy and gets a one-hot
+   at `argmax(logits)` instead (ties: the lowest index, as `torch.argmax`), whatever its
+   top-k / top-p.
+2. top-k (`top_k > 0` and `< V`): keep the tokens whose scaled logit is >= the k-th largest.
+   Ties with the k-th largest are all kept (as transformers' TopKLogitsWarper), so more than k
+   tokens survive only when logits tie exactly.
+3. top-p (`top_p < 1`), on the softmax of what top-k kept: sort descending and keep the smallest
+   prefix whose cumulative probability is >= top_p (a token is kept iff the mass strictly
+   before it is < top_p, so the top token is always kept). Ties: every token whose probability
+   equals the smallest kept probability is kept too, so the nucleus never depends on the sort
+   order of equal values (it may then hold more mass than the strict smallest set).
+4. softmax over the survivors (renormalized); filtered tokens get exactly 0.
+
+Dtype rule: computation and output are float32, or float64 when the logits are float64 (the
+per-row parameters are stored as float32 and cast to the compute dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingParams
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of a batch, as tensors on the logits' device, plus Python
+    flags so that `process_logits` can take fast paths without a host sync."""
+
+    temperature: torch.Tensor  # (B,) float32: 0 = greedy row
+    top_k: torch.Tensor  # (B,) int64: 0 = no top-k filter
+    top_p: torch.Tensor  # (B,) float32: 1.0 = no nucleus filter
+    all_greedy: bool  # every row has temperature 0: process_logits is a one-hot argmax
+    any_greedy: bool  # some row has temperature 0
+    needs_sort: bool  # some non-greedy row uses top-k or top-p (else the sort is skipped)
+
+    @staticmethod
+    def from_params(params: list[SamplingParams], device: torch.device | str = "cpu") -> "SamplingTensors":
+        """One row per entry of `params` (a request may appear in several rows)."""
+        assert len(params) > 0, "a batch needs at least one row"
+        greedy = [p.temperature == 0.0 for p in params]
+        filtered = [(not g) and (p.top_k > 0 or p.top_p < 1.0) for p, g in zip(params, greedy)]
+        return SamplingTensors(
+            temperature=torch.tensor([float(p.temperature) for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=device),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            needs_sort=any(filtered),
+        )
+
+    def __len__(self) -> int:
+        return self.temperature.shape[0]
+
+    def select(self, rows: torch.Tensor) -> "SamplingTensors":
+        """The sub-batch of `rows` (int64 indices or a (B,) bool mask), in that order. The flags
+        are inherited when that decides them, else recomputed (one small host sync)."""
+        rows = rows.to(self.temperature.device)
+        temperature, top_k, top_p = self.temperature[rows], self.top_k[rows], self.top_p[rows]
+        greedy = temperature == 0
+        if self.all_greedy or not self.any_greedy:
+            all_greedy, any_greedy = self.all_greedy, self.any_greedy
+        else:
+            all_greedy, any_greedy = bool(greedy.all()), bool(greedy.any())
+        needs_sort = self.needs_sort and not all_greedy
+        if needs_sort:
+            needs_sort = bool((~greedy & ((top_k > 0) | (top_p < 1.0))).any())
+        return SamplingTensors(temperature, top_k, top_p, all_greedy, any_greedy, needs_sort)
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _one_hot_argmax(x: torch.Tensor) -> torch.Tensor:
+    """One-hot at argmax over the last dim (ties: lowest index), same shape and dtype."""
+    return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+
+
+def _top_k_top_p_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """x: (B, M, V) temperature-scaled logits. Returns x with filtered tokens set to -inf."""
+    B, M, V = x.shape
+    sorted_x = x.sort(dim=-1, descending=True).values  # (B, M, V)
+    # top-k: threshold = the k-th largest scaled logit (k = V when disabled)
+    k = top_k.view(B, 1, 1)
+    k = torch.where((k <= 0) | (k > V), V, k)
+    thr_k = sorted_x.gather(-1, (k - 1).expand(B, M, 1))  # (B, M, 1)
+    sorted_x = sorted_x.masked_fill(sorted_x < thr_k, float("-inf"))
+    # top-p on what top-k kept: keep sorted position i iff the mass before it is < top_p
+    sorted_probs = sorted_x.softmax(dim=-1)  # (B, M, V)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, M, V); exactly 0 at i = 0
+    p = top_p.to(x.dtype).view(B, 1, 1)
+    num_kept = (mass_before < p).sum(dim=-1, keepdim=True).clamp(1, V)  # (B, M, 1), >= 1
+    num_kept = torch.where(p >= 1.0, V, num_kept)  # disabled rows: float error must not cut tokens
+    thr_p = sorted_x.gather(-1, num_kept - 1)  # (B, M, 1): the smallest kept logit
+    thr = torch.maximum(thr_k, thr_p)  # (B, M, 1)
+    return x.masked_fill(x < thr, float("-inf"))  # ties with the threshold survive
+
+
+def process_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """logits (B, ..., V) -> processed probabilities (B, ..., V), float32 (float64 for float64
+    logits). Row b uses the parameters of row b of `st` at every middle position (for example
+    all drafted positions of a verification forward). See the module docstring for the rules."""
+    B, V = logits.shape[0], logits.shape[-1]
+    assert len(st) == B, f"{len(st)} sampling rows for {B} logit rows"
+    x = logits.to(_compute_dtype(logits)).reshape(B, -1, V)  # (B, M, V)
+    if st.all_greedy:
+        return _one_hot_argmax(x).reshape(logits.shape)
+    temperature = st.temperature.to(x.dtype).view(B, 1, 1)
+    greedy_rows = temperature == 0  # (B, 1, 1)
+    scaled = x / torch.where(greedy_rows, 1.0, temperature)  # (B, M, V)
+    if st.needs_sort:
+        scaled = _top_k_top_p_mask(scaled, st.top_k, st.top_p)
+    probs = scaled.softmax(dim=-1)  # (B, M, V)
+    if st.any_greedy:
+        probs = torch.where(greedy_rows, _one_hot_argmax(x), probs)
+    return probs.reshape(logits.shape)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """probs (..., V), rows need not be exactly normalized -> tokens (...) int64, one draw per
+    row with `torch.multinomial` from `generator` (reproducible for a seeded generator; zero
+    probability tokens are never drawn, so a one-hot row always yields its index)."""
+    V = probs.shape[-1]
+    flat = probs.reshape(-1, V)  # (N, V)
+    if flat.shape[0] == 0:
+        return torch.zeros(probs.shape[:-1], dtype=torch.long, device=probs.device)
+    if flat.dtype not in (torch.float32, torch.float64):
+        flat = flat.float()
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits (..., V) -> argmax tokens (...) int64 (ties: the lowest index)."""
+    return logits.argmax(dim=-1)

@@ -1,0 +1,51 @@
+"""A live generation request: its committed tokens, parameters and counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import SamplingParams
+from .stats import RequestStats
+
+
+@dataclass
+class Sequence:
+    """One row of the running batch."""
+
+    seq_id: int  # unique id, also the StateManager key
+    tokens: list[int]  # committed tokens: prompt followed by generated ones
+    prompt_len: int  # tokens[:prompt_len] is the prompt
+    params: SamplingParams  # decoding parameters of this request
+    stop_ids: frozenset[int]  # token ids that end generation (EOS unless ignore_eos, + the request's own)
+    done: bool = False  # finished: stop token or max_new_tokens
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        """Tokens this request may still generate."""
+        return self.params.max_new_tokens - self.num_generated
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    def append(self, new_tokens: list[int]) -> int:
+        """Append committed tokens, stopping at a stop token or max_new_tokens; returns how
+        many were kept and marks the sequence done when it ends."""
+        kept = 0
+        for tok in new_tokens:
+            if self.remaining <= 0:
+                break
+            self.tokens.append(tok)
+            kept += 1
+            if tok in self.stop_ids:
+                self.done, self.finish_reason = True, "stop"
+                return kept
+        if self.remaining <= 0:
+            self.done, self.finish_reason = True, "length"
+        return kept

@@ -1,0 +1,71 @@
+"""Statistics dataclasses (vLLM style: plain counters with `observe_*` methods).
+
+Conventions: at level j of a chain (j >= 2), `drafted[j]` counts the candidates that reached
+level j and `accepted[j]` those it accepted. Acceptance length counts the bonus token:
+mean acceptance length = committed tokens / cycles (vLLM's 1 + accepted / cycles).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CycleStats:
+    """What one cycle of one chain did, summed over the rows that ran it."""
+
+    chain: tuple[str, ...]  # model names, drafter first, target last
+    k: int  # draft length asked of the drafter
+    rows: int  # sequences in this cycle
+    drafted: list[int]  # per level (index 0 = drafter: tokens proposed; j>=1: candidates reaching level j)
+    accepted: list[int]  # per level (index 0 unused = 0; j>=1: candidates level j accepted)
+    committed: int  # target tokens committed (before stop-token truncation)
+    forward_time: dict[str, float]  # seconds spent in each model's forwards (or proposals)
+    forward_tokens: dict[str, int]  # new tokens fed to each model (incl. catch-up)
+    wall_time: float  # seconds for the whole cycle
+
+
+@dataclass
+class RequestStats:
+    """Per-request counters, filled cycle by cycle."""
+
+    cycles: int = 0
+    generated: int = 0  # tokens appended to the output
+    chains: dict[str, int] = field(default_factory=dict)  # "a>b>c" -> cycles run with it
+    drafted: dict[str, int] = field(default_factory=dict)  # "drafter>verifier" -> candidates
+    accepted: dict[str, int] = field(default_factory=dict)  # "drafter>verifier" -> accepted
+    wall_time: float = 0.0  # seconds from the first cycle to completion
+
+    def observe_cycle(self, chain: tuple[str, ...], drafted: list[int], accepted: list[int],
+                      committed: int) -> None:
+        self.cycles += 1
+        self.generated += committed
+        key = ">".join(chain)
+        self.chains[key] = self.chains.get(key, 0) + 1
+        for j in range(1, len(chain)):
+            pair = f"{chain[j - 1]}>{chain[j]}"
+            self.drafted[pair] = self.drafted.get(pair, 0) + drafted[j]
+            self.accepted[pair] = self.accepted.get(pair, 0) + accepted[j]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.generated / self.cycles if self.cycles else 0.0
+
+    @property
+    def acceptance_rates(self) -> dict[str, float]:
+        return {p: self.accepted[p] / d for p, d in self.drafted.items() if d}
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated / self.wall_time if self.wall_time > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "cycles": self.cycles,
+            "generated_tokens": self.generated,
+            "chains": dict(self.chains),
+            "acceptance_rates": {p: round(r, 4) for p, r in self.acceptance_rates.items()},
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "wall_time_s": round(self.wall_time, 4),
+        }

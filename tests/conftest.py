@@ -1,0 +1,27 @@
+import os
+
+import pytest
+import torch
+
+# Tests are small; one thread keeps them deterministic in time on a 2-core CI machine.
+torch.set_num_threads(int(os.environ.get("SPECROUTER_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def tiny_pool_dirs(tmp_path_factory):
+    """Tiny float64 Llama-family checkpoints sharing one tokenizer:
+    target, a mid verifier (target + 10% noise), a draft (target + 40% noise), a "same" draft
+    (exact copy), and a "random" draft (independent weights)."""
+    from specrouter.testing import make_tiny_llama
+
+    root = tmp_path_factory.mktemp("pool")
+    d = torch.float64
+    # untied embeddings: tied random models mostly repeat their input token, a degenerate test
+    target = make_tiny_llama(root / "target", hidden_size=64, num_layers=3, seed=1, dtype=d, tie_word_embeddings=False)
+    return {
+        "target": target,
+        "mid": make_tiny_llama(root / "mid", hidden_size=64, num_layers=3, seed=2, init_from=target, noise=0.1, dtype=d, tie_word_embeddings=False),
+        "draft": make_tiny_llama(root / "draft", hidden_size=64, num_layers=3, seed=3, init_from=target, noise=0.4, dtype=d, tie_word_embeddings=False),
+        "same": make_tiny_llama(root / "same", hidden_size=64, num_layers=3, seed=4, init_from=target, noise=0.0, dtype=d, tie_word_embeddings=False),
+        "random": make_tiny_llama(root / "random", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=5, dtype=d, tie_word_embeddings=False),
+    }

@@ -1,0 +1,96 @@
+"""Greedy equivalence: whatever the chain and draft length, the output equals target-only
+greedy decoding token for token (float64 tiny models make this exact)."""
+
+import pytest
+import torch
+
+from specrouter import SpecRouter
+
+PROMPT_LENS = (3, 7, 12, 20)
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def router(tiny_pool_dirs):
+    d = tiny_pool_dirs
+    names = ["target", "mid", "draft", "same", "random"]
+    # a small "same" draft must look cheaper than the target: parameter counts tie, so the
+    # target is named explicitly
+    return SpecRouter.from_pretrained([d[n] for n in names], target="target", names=names,
+                                      dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    # repeated fragments so the n-gram drafter has something to find
+    out = []
+    for n in PROMPT_LENS:
+        base = torch.randint(3, 300, (max(2, n // 2),), generator=g).tolist()
+        out.append((base * 3)[:n])
+    return out
+
+
+def reference_greedy(path, prompt, max_new):
+    """Plain transformers greedy decoding, recomputing the full sequence each step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_pool_dirs, prompts):
+    return [reference_greedy(tiny_pool_dirs["target"], p, MAX_NEW) for p in prompts]
+
+
+CHAINS = [
+    ("target",),
+    ("draft", "target"),
+    ("ngram", "target"),
+    ("same", "target"),
+    ("random", "target"),
+    ("draft", "mid", "target"),
+    ("ngram", "draft", "target"),
+    ("ngram", "random", "mid", "target"),
+]
+
+
+@pytest.mark.parametrize("chain", CHAINS, ids=lambda c: ">".join(c))
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_chain_output_equals_target_greedy(router, prompts, expected, chain, k):
+    results = router.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, chain=chain, k=k)
+    for res, exp in zip(results, expected):
+        assert res.token_ids == exp
+        assert res.finish_reason == "length"
+        assert res.stats.generated == MAX_NEW
+
+
+def test_same_draft_accepts_everything_random_draft_almost_nothing(router, prompts):
+    same = router.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, chain=("same", "target"), k=4)
+    rand = router.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, chain=("random", "target"), k=4)
+    for r in same:
+        assert r.stats.acceptance_rates["same>target"] == 1.0
+        assert r.stats.mean_acceptance_length > 4.0  # 5 per full cycle, the last cycle is capped
+    total_d = sum(r.stats.drafted["random>target"] for r in rand)
+    total_a = sum(r.stats.accepted["random>target"] for r in rand)
+    assert total_a / total_d < 0.2
+
+
+def test_stop_tokens_end_rows_independently(router, prompts, expected):
+    # stop each row at the token it generates 5th (under target greedy): rows end at different
+    # cycles, the batch continues with the others
+    for chain in [("target",), ("draft", "mid", "target")]:
+        for p, exp in zip(prompts, expected):
+            stop = exp[4]
+            first = exp.index(stop)
+            res = router.generate([p], max_new_tokens=MAX_NEW, chain=chain, k=3,
+                                  stop_token_ids=(stop,), ignore_eos=True)[0]
+            # ignore_eos only concerns EOS; request stop tokens still stop
+            assert res.token_ids == exp[: first + 1]
+            assert res.finish_reason == "stop"
