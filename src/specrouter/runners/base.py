@@ -43,18 +43,11 @@ class ForwardBatch:
         longest; it is padded by repeating its last index."""
         B = len(slots)
         assert B == len(starts) == len(new_tokens) == len(logit_positions) and B > 0
-        T = max(len(t) for t in new_tokens)
-        G = max(len(g) for g in logit_positions)
-        tok = torch.zeros(B, T, dtype=torch.long)
-        pos = torch.zeros(B, G, dtype=torch.long)
-        for b in range(B):
-            n = len(new_tokens[b])
-            assert n >= 1, "every row must feed at least one new token"
-            tok[b, :n] = torch.tensor(new_tokens[b], dtype=torch.long)
-            g = logit_positions[b]
-            pos[b, : len(g)] = torch.tensor(g, dtype=torch.long)
-            pos[b, len(g) :] = g[-1]
         num = [len(t) for t in new_tokens]
+        npos = [len(g) for g in logit_positions]
+        assert min(num) >= 1 and min(npos) >= 1, "every row feeds a token and wants a logit"
+        tok = _pad(new_tokens, num, 0)
+        pos = _pad(logit_positions, npos, None)
         return ForwardBatch(
             slots=torch.tensor(slots, dtype=torch.long, device=device),
             starts=torch.tensor(starts, dtype=torch.long, device=device),
@@ -65,6 +58,24 @@ class ForwardBatch:
             starts_list=list(starts),
             num_tokens_list=num,
         )
+
+
+def _pad(rows: list[list[int]], lengths: list[int], pad: int | None) -> torch.Tensor:
+    """Right-pad ragged rows into (B, max_len) with one tensor construction (no per-row tensor
+    ops: batches can be large). pad=None repeats each row's last value."""
+    width = max(lengths)
+    flat = torch.tensor([x for r in rows for x in r], dtype=torch.long)
+    if min(lengths) == width:
+        return flat.view(len(rows), width)
+    lens = torch.tensor(lengths, dtype=torch.long)
+    valid = torch.arange(width)[None, :] < lens[:, None]  # (B, W)
+    if pad is None:
+        last = flat[torch.cumsum(lens, 0) - 1]  # (B,)
+        out = last[:, None].expand(-1, width).clone()
+    else:
+        out = torch.full((len(rows), width), pad, dtype=torch.long)
+    out[valid] = flat
+    return out
 
 
 class ModelRunner(ABC):
@@ -91,6 +102,7 @@ class ModelRunner(ABC):
         # rebuilt when reserve() changed num_slots (only done while no slot is in use)
         if getattr(self, "_slot_capacity", None) != self.num_slots:
             self._free_slots = list(range(self.num_slots - 1, -1, -1))
+            self._free_set = set(self._free_slots)
             self._slot_capacity = self.num_slots
         return self._free_slots
 
@@ -99,13 +111,17 @@ class ModelRunner(ABC):
         free = self._free_list()
         if not free:
             raise RuntimeError(f"model {self.name!r}: all {self.num_slots} cache slots are in use")
-        return free.pop()
+        slot = free.pop()
+        self._free_set.discard(slot)
+        return slot
 
     def free_slot(self, slot: int) -> None:
         """Return a slot to the free list (its contents become garbage)."""
         free = self._free_list()
-        assert 0 <= slot < self.num_slots and slot not in free, f"bad slot {slot}"
+        if not 0 <= slot < self.num_slots or slot in self._free_set:
+            raise RuntimeError(f"model {self.name!r}: slot {slot} is not in use")
         free.append(slot)
+        self._free_set.add(slot)
         self.on_slot_freed(slot)
 
     def on_slot_freed(self, slot: int) -> None:

@@ -1,0 +1,193 @@
+"""Tokenizer loading and the pool's "one shared vocabulary" check.
+
+Speculative decoding compares the models' distributions id by id, so every model of a pool must
+map the same token strings to the same ids. What may differ is the logits width: checkpoints pad
+their embedding matrix (Qwen2.5-0.5B has 151936 rows, Qwen2.5-7B 152064) beyond the tokenizer.
+
+The rule `check_same_vocabulary` enforces:
+1. every tokenizer has the same `vocab_fingerprint` (token -> id map and special tokens);
+2. every model's logits width is >= the number of ids the tokenizer uses (max id + 1).
+Widths may then differ: ids at or past the tokenizer's size are never produced by tokenization,
+and the engine compares distributions over the first `shared_vocab_size` ids (the return value).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import CheckpointError, VocabularyMismatchError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Files of which a loadable tokenizer directory has at least one.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model", "tiktoken.model")
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a Hugging Face model directory with `AutoTokenizer`, from local files
+    only and never with the checkpoint's own code. Raises CheckpointError when the directory or
+    its tokenizer files are missing or unreadable."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"tokenizer directory {str(path)!r} does not exist")
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
+        raise CheckpointError(
+            f"no tokenizer files in {str(path)!r} (looked for {', '.join(_TOKENIZER_FILES)}, "
+            "*.tiktoken); copy the tokenizer of the model family next to config.json"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(path), local_files_only=True, trust_remote_code=False
+        )
+    except Exception as e:
+        text = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"cannot load the tokenizer in {str(path)!r}: "
+                              f"{type(e).__name__}: {text}") from e
+
+
+def _special_tokens(tokenizer) -> list[tuple[int, str]]:
+    """(id, text) of every token the tokenizer treats as special, sorted by id."""
+    specials = {}
+    for idx, tok in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(tok, "special", False):
+            specials[int(idx)] = str(tok)
+    for text, idx in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids):
+        if idx is not None:
+            specials[int(idx)] = str(text)
+    return sorted(specials.items())
+
+
+def vocab_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A stable hex SHA-256 of the token -> id map (added tokens included) and of the set of
+    special tokens (id, text). It ignores which special token plays bos/eos/pad: base and
+    instruct variants of a family differ there (SmolLM2's eos is <|endoftext|> vs <|im_end|>)
+    and still share one vocabulary; the target's eos ids govern stopping."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0])),
+        "special": _special_tokens(tokenizer),
+    }
+    blob = json.dumps(payload, ensure_ascii=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def _describe_difference(ref_name: str, ref, name: str, other) -> str:
+    """One line saying how `other`'s vocabulary differs from `ref`'s."""
+    a, b = ref.get_vocab(), other.get_vocab()
+    only_ref = [t for t in a if t not in b]
+    only_other = [t for t in b if t not in a]
+    moved = sorted((t for t in a if t in b and a[t] != b[t]), key=lambda t: a[t])
+    parts = [f"{ref_name!r} has {len(a)} tokens, {name!r} {len(b)}"]
+    if moved:
+        t = moved[0]
+        parts.append(f"{len(moved)} tokens map to different ids (e.g. {t!r}: {a[t]} vs {b[t]})")
+    if only_ref:
+        parts.append(f"{len(only_ref)} only in {ref_name!r} (e.g. {only_ref[0]!r})")
+    if only_other:
+        parts.append(f"{len(only_other)} only in {name!r} (e.g. {only_other[0]!r})")
+    if not (moved or only_ref or only_other):
+        sa, sb = dict(_special_tokens(ref)), dict(_special_tokens(other))
+        parts.append(f"same token map but different special tokens ({sa} vs {sb})")
+    return "; ".join(parts)
+
+
+def check_same_vocabulary(
+    named_tokenizers: dict[str, Any], named_vocab_sizes: dict[str, int]
+) -> int:
+    """Check that a pool shares one vocabulary (module docstring: the rule); return the shared
+    vocabulary size, max token id + 1, which every model's logits width covers.
+
+    named_tokenizers: model name -> tokenizer (the first entry is the reference the others are
+    described against: put the target first). named_vocab_sizes: model name -> logits width.
+    Raises VocabularyMismatchError naming the models that differ and how.
+    """
+    if not named_tokenizers:
+        raise ValueError("check_same_vocabulary needs at least one tokenizer")
+    names = list(named_tokenizers)
+    prints = {n: vocab_fingerprint(named_tokenizers[n]) for n in names}
+    ref = names[0]
+    differ = [n for n in names if prints[n] != prints[ref]]
+    if differ:
+        same = [n for n in names if prints[n] == prints[ref]]
+        details = "\n".join(
+            f"  - {_describe_difference(ref, named_tokenizers[ref], n, named_tokenizers[n])}"
+            for n in differ
+        )
+        raise VocabularyMismatchError(
+            f"models {differ} do not share the tokenizer of {same}; speculative decoding needs "
+            f"one vocabulary across the pool:\n{details}"
+        )
+    ids = named_tokenizers[ref].get_vocab().values()
+    shared = max(ids) + 1 if ids else 0
+    too_small = {n: w for n, w in named_vocab_sizes.items() if w < shared}
+    if too_small:
+        raise VocabularyMismatchError(
+            f"models {sorted(too_small)} have logits widths {too_small}, smaller than the shared "
+            f"tokenizer's {shared} ids (padded widths may differ, but every id must fit every "
+            "model); the tokenizer and the weights are of different models"
+        )
+    return shared
+
+
+def eos_token_ids(
+    tokenizer: PreTrainedTokenizerBase, model_dir: str | Path | None
+) -> tuple[int, ...]:
+    """The ids that end generation: the tokenizer's eos_token_id first, then those of the model's
+    generation_config.json (`eos_token_id`, an int or a list; instruct models often list several,
+    e.g. <|im_end|> and <|endoftext|>), without repeats. `model_dir=None` or no
+    generation_config.json: the tokenizer's only. Raises CheckpointError if the file is corrupt."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    gen_path = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if gen_path is not None and gen_path.is_file():
+        try:
+            value = json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"cannot read {str(gen_path)!r}: {type(e).__name__}: {e}") from e
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                ids.append(v)
+            elif v is not None:
+                raise CheckpointError(f"{str(gen_path)!r}: eos_token_id {value!r} is not an int "
+                                      "or a list of ints")
+    return tuple(dict.fromkeys(ids))
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """Render `messages` ([{"role": ..., "content": ...}, ...]) with the tokenizer's chat template,
+    with the assistant generation prompt appended (as OpenAI-style chat endpoints do), and
+    tokenize it without adding special tokens again (the template writes them).
+
+    Raises CheckpointError if the tokenizer has no chat template (a base model: send a raw
+    prompt to /v1/completions instead), ValueError if `messages` is malformed."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise CheckpointError(
+            "this tokenizer has no chat template (no chat_template in tokenizer_config.json or "
+            "chat_template.jinja); it is likely a base model: use a plain prompt (completions) "
+            "or a chat/instruct checkpoint"
+        )
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content', "
+                             f"got {m!r}")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+__all__ = [
+    "apply_chat_template",
+    "check_same_vocabulary",
+    "eos_token_ids",
+    "load_tokenizer",
+    "vocab_fingerprint",
+]
