@@ -1,19 +1,29 @@
-"""The engine: turns prompts into finished sequences by running cycles of the executor.
+"""The engine: requests in, committed tokens out, one cycle at a time (vLLM's LLMEngine shape).
 
-For now every row runs the chain and draft length it is given (a static chain); the router
-(issue "Adaptive router") replaces `_plan` with a per-row decision.
+`add_request` validates and registers a sequence, `step` runs one cycle for every running row
+(rows that run the same chain, draft length and random stream are batched into one executor
+call), `abort` drops a row and frees its state. `generate_ids` is the offline loop over these.
+
+Which chain and draft length a row runs is `plan(seq)`; here it is the static choice made at
+`add_request` (the adaptive router replaces it).
+
+Capacity: with `max_num_seqs` and `max_model_len` given, caches are allocated once and requests
+that do not fit raise `CapacityError` (a server queues them); without them, caches are sized to
+the batch when no sequence is live (offline use).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .config import MAX_DRAFT_LENGTH, SamplingParams
-from .errors import ChainError, ContextLengthError
+from .errors import ChainError, ContextLengthError, SpecRouterError
 from .executor import ChainExecutor
 from .pool import Pool
 from .sampling import SamplingTensors
@@ -22,19 +32,161 @@ from .state import StateManager
 from .stats import CycleStats
 
 
+class CapacityError(SpecRouterError):
+    """No free cache slot (or not enough positions) for a new request right now."""
+
+
+@dataclass
+class StepOutput:
+    """What one step did to one sequence."""
+
+    seq: Sequence  # the row (its .tokens, .done, .finish_reason, .stats are up to date)
+    new_token_ids: list[int]  # tokens committed by this step (after stop truncation)
+
+
 class Engine:
     """Owns the state manager and executor of one pool."""
 
-    def __init__(self, pool: Pool):
+    def __init__(
+        self,
+        pool: Pool,
+        *,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.pool = pool
+        self.clock = clock
         self.state = StateManager(pool.runners)
         self.executor = ChainExecutor(pool.runners, pool.drafters, pool.target, self.state,
-                                      pool.vocab_width)
+                                      pool.vocab_width, clock=clock)
         self._ids = itertools.count()
+        self.running: dict[int, Sequence] = {}
+        self._plans: dict[int, tuple[tuple[str, ...], int]] = {}
+        self._start: dict[int, float] = {}
+        self.fixed_capacity = max_num_seqs is not None and max_model_len is not None
+        if self.fixed_capacity:
+            for r in pool.runners.values():
+                r.reserve(max_num_seqs, max_model_len)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.on_cycle: Callable[[CycleStats], None] | None = None
 
+    # -- requests ---------------------------------------------------------------------------
     def context_limit(self, chain: tuple[str, ...]) -> int:
-        return min(self.pool.runners[m].max_context for m in chain if m in self.pool.runners)
+        lim = min(self.pool.runners[m].max_context for m in chain if m in self.pool.runners)
+        return min(lim, self.max_model_len) if self.max_model_len else lim
 
+    def check_request(self, prompt: list[int], params: SamplingParams,
+                      chain: tuple[str, ...] | None, k: int) -> tuple[tuple[str, ...], int]:
+        """Validate a request without registering it; returns (chain, positions needed)."""
+        chain = self.pool.validate_chain(chain or self.pool.default_chain)
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_LENGTH:
+            raise ChainError(f"draft length k must be an integer in 1..{MAX_DRAFT_LENGTH}, got {k!r}")
+        if not prompt:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if min(prompt) < 0 or max(prompt) >= self.pool.vocab_width:
+            raise ValueError(f"prompt token ids must be in [0, {self.pool.vocab_width})")
+        limit = self.context_limit(chain)
+        total = len(prompt) + params.max_new_tokens + k + 1
+        if total > limit:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} "
+                f"and draft length {k} it needs {total} positions, over the context of {limit} "
+                f"of the chain {chain}: shorten the prompt or lower max_new_tokens"
+            )
+        return chain, total
+
+    def add_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        chain: tuple[str, ...] | None = None,
+        k: int = 4,
+        generator: torch.Generator | None = None,
+    ) -> Sequence:
+        """Register a request; it runs from the next `step()`. `generator` (optional) is the
+        request's own random stream (seeded requests); rows without one share the engine's."""
+        chain, total = self.check_request(prompt, params, chain, k)
+        self._ensure_capacity(1, total)
+        eos = frozenset() if params.ignore_eos else frozenset(self.pool.eos_ids)
+        seq = Sequence(seq_id=next(self._ids), tokens=list(prompt), prompt_len=len(prompt),
+                       params=params, stop_ids=eos | frozenset(params.stop_token_ids))
+        seq.generator = generator
+        self.state.add(seq.seq_id)
+        self.running[seq.seq_id] = seq
+        self._plans[seq.seq_id] = (chain, k)
+        self._start[seq.seq_id] = self.clock()
+        return seq
+
+    def _ensure_capacity(self, new_rows: int, positions: int) -> None:
+        live = len(self.running)
+        if self.fixed_capacity and (live + new_rows > self.max_num_seqs or positions > self.max_model_len):
+            raise CapacityError(
+                f"{live} of {self.max_num_seqs} sequences running; the request needs {positions} "
+                f"of at most {self.max_model_len} positions"
+            )
+        for r in self.pool.runners.values():
+            if r.num_slots >= live + new_rows and r.max_len >= positions:
+                continue
+            if self.fixed_capacity or live:
+                raise CapacityError(
+                    f"model {r.name!r} has {r.num_slots} slots of {r.max_len} positions, "
+                    f"{live} in use; the request needs {positions} positions"
+                )
+            r.reserve(max(new_rows, r.num_slots), max(positions, 1))
+
+    def reserve(self, num_rows: int, positions: int) -> None:
+        """Offline use: size every cache for `num_rows` rows of `positions` positions."""
+        if self.running:
+            raise RuntimeError("cannot resize caches while sequences are running")
+        if not self.fixed_capacity:
+            for r in self.pool.runners.values():
+                r.reserve(num_rows, positions)
+
+    def abort(self, seq_id: int) -> None:
+        """Stop a row now (e.g. its client went away) and free its state."""
+        seq = self.running.pop(seq_id, None)
+        if seq is not None:
+            seq.done, seq.finish_reason = True, seq.finish_reason or "abort"
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.stats.wall_time = self.clock() - self._start.pop(seq.seq_id, self.clock())
+        self._plans.pop(seq.seq_id, None)
+        self.state.release(seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    # -- scheduling -------------------------------------------------------------------------
+    def plan(self, seq: Sequence) -> tuple[tuple[str, ...], int]:
+        """The chain and draft length this row runs next cycle."""
+        return self._plans[seq.seq_id]
+
+    def step(self, default_generator: torch.Generator | None = None) -> list[StepOutput]:
+        """One cycle for every running row; returns what each row committed."""
+        groups: dict[tuple, list[Sequence]] = defaultdict(list)
+        for seq in self.running.values():
+            chain, k = self.plan(seq)
+            groups[(chain, k, id(seq.generator) if seq.generator is not None else None)].append(seq)
+        outputs = []
+        for (chain, k, _), rows in groups.items():
+            before = [len(s.tokens) for s in rows]
+            sampling = SamplingTensors.from_params([s.params for s in rows])
+            gen = rows[0].generator if rows[0].generator is not None else default_generator
+            stats = self.executor.cycle(rows, chain, k, sampling, gen)
+            if self.on_cycle is not None:
+                self.on_cycle(stats)
+            for s, b in zip(rows, before):
+                outputs.append(StepOutput(seq=s, new_token_ids=s.tokens[b:]))
+                if s.done:
+                    self.running.pop(s.seq_id, None)
+                    self._finish(s)
+        return outputs
+
+    # -- offline ----------------------------------------------------------------------------
     def generate_ids(
         self,
         prompts: list[list[int]],
@@ -46,58 +198,19 @@ class Engine:
         on_cycle: Callable[[CycleStats], None] | None = None,
     ) -> list[Sequence]:
         """Generate for every prompt with a static `chain` and draft length `k`."""
-        pool = self.pool
-        chain = pool.validate_chain(chain or pool.default_chain)
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_LENGTH:
-            raise ChainError(f"draft length k must be an integer in 1..{MAX_DRAFT_LENGTH}, got {k!r}")
         if len(params) != len(prompts):
             raise ValueError("one SamplingParams per prompt")
-        limit = self.context_limit(chain)
-        need = 0
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            if not p:
-                raise ValueError(f"prompt {i} is empty: at least one token is needed")
-            total = len(p) + sp.max_new_tokens + k + 1
-            if total > limit:
-                raise ContextLengthError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={sp.max_new_tokens} and "
-                    f"draft length {k} it needs {total} positions, over the context of {limit} "
-                    f"of the chain {chain}: shorten the prompt or lower max_new_tokens"
-                )
-            need = max(need, total)
-        live = len(self.state.live())
-        for m in chain:
-            if m in pool.runners:
-                r = pool.runners[m]
-                if live == 0:
-                    r.reserve(len(prompts), need)
-                elif r.max_len < need or r.num_slots < live + len(prompts):
-                    raise RuntimeError("cannot grow model caches while sequences are live")
-        eos = frozenset(pool.eos_ids)
-        seqs = [
-            Sequence(seq_id=next(self._ids), tokens=list(p), prompt_len=len(p), params=sp,
-                     stop_ids=(frozenset() if sp.ignore_eos else eos) | frozenset(sp.stop_token_ids))
-            for p, sp in zip(prompts, params)
-        ]
-        for s in seqs:
-            self.state.add(s.seq_id)
-        start = time.perf_counter()
+        need = max(self.check_request(p, sp, chain, k)[1] for p, sp in zip(prompts, params))
+        if not self.running:
+            self.reserve(len(prompts), need)
+        seqs = [self.add_request(p, sp, chain=chain, k=k) for p, sp in zip(prompts, params)]
+        previous, self.on_cycle = self.on_cycle, on_cycle
         try:
-            active = seqs
-            while active:
-                sampling = SamplingTensors.from_params([s.params for s in active])
-                stats = self.executor.cycle(active, chain, k, sampling, generator)
-                if on_cycle is not None:
-                    on_cycle(stats)
-                now = time.perf_counter()
-                for s in active:
-                    if s.done:
-                        s.stats.wall_time = now - start
-                        self.state.release(s.seq_id)
-                active = [s for s in active if not s.done]
+            while any(not s.done for s in seqs):
+                self.step(generator)
         finally:
+            self.on_cycle = previous
             for s in seqs:
                 if not s.done:
-                    s.done, s.finish_reason = True, "abort"
-                    self.state.release(s.seq_id)
+                    self.abort(s.seq_id)
         return seqs

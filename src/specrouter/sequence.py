@@ -20,6 +20,7 @@ class Sequence:
     done: bool = False  # finished: stop token or max_new_tokens
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stats: RequestStats = field(default_factory=RequestStats)
+    generator: object = None  # torch.Generator of a seeded request (None: the engine's stream)
 
     @property
     def num_generated(self) -> int:

@@ -1,0 +1,67 @@
+"""Continuous batching at the engine level: rows join and leave between cycles, run different
+chains at once, and each row's greedy output equals the row run alone."""
+
+import pytest
+import torch
+
+from specrouter.config import SamplingParams
+from specrouter.engine import CapacityError, Engine
+from specrouter.pool import Pool
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_pool_dirs):
+    d = tiny_pool_dirs
+    names = ["draft", "mid", "target"]
+    return Pool.load([d[n] for n in names], names=names, target="target", dtype="float64")
+
+
+def alone(pool, prompt, n):
+    seq = Engine(pool).generate_ids([prompt], [SamplingParams(max_new_tokens=n, ignore_eos=True)],
+                                    chain=("target",))[0]
+    return seq.output_ids
+
+
+def test_rows_join_leave_and_mix_chains(pool):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (4, 9, 15, 6, 11)]
+    lengths = [12, 5, 20, 9, 14]
+    chains = [("draft", "target"), ("ngram", "mid", "target"), ("target",), ("draft", "mid", "target"),
+              ("ngram", "target")]
+    eng = Engine(pool, max_num_seqs=4, max_model_len=64)
+    seqs = {}
+    pending = list(range(5))
+    steps = 0
+    while pending or eng.has_unfinished():
+        # admit one new request every other step while capacity allows
+        if pending and steps % 2 == 0:
+            i = pending[0]
+            try:
+                seqs[i] = eng.add_request(prompts[i], SamplingParams(max_new_tokens=lengths[i], ignore_eos=True),
+                                          chain=chains[i], k=1 + i % 4)
+                pending.pop(0)
+            except CapacityError:
+                pass
+        eng.step()
+        steps += 1
+        assert steps < 200
+    for i, s in seqs.items():
+        assert s.finish_reason == "length"
+        assert s.output_ids == alone(pool, prompts[i], lengths[i]), i
+    assert eng.state.live() == []
+
+
+def test_abort_frees_state_and_capacity(pool):
+    eng = Engine(pool, max_num_seqs=2, max_model_len=64)
+    p = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    a = eng.add_request([5, 6, 7], p, chain=("draft", "target"))
+    eng.add_request([8, 9], p, chain=("draft", "target"))
+    with pytest.raises(CapacityError):
+        eng.add_request([1, 2], p)
+    eng.step()
+    eng.abort(a.seq_id)
+    assert a.finish_reason == "abort" and a.seq_id not in eng.state.live()
+    c = eng.add_request([1, 2], p, chain=("draft", "target"))  # the freed slot is reused
+    while eng.has_unfinished():
+        eng.step()
+    assert c.output_ids == alone(pool, [1, 2], 30)
