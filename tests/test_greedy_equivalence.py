@@ -94,3 +94,13 @@ def test_stop_tokens_end_rows_independently(router, prompts, expected):
             # ignore_eos only concerns EOS; request stop tokens still stop
             assert res.token_ids == exp[: first + 1]
             assert res.finish_reason == "stop"
+
+
+def test_transformers_fallback_backend_is_equivalent(tiny_pool_dirs, prompts, expected):
+    """The same pool through the generic transformers runner (any architecture) is exact too."""
+    d = tiny_pool_dirs
+    sr = SpecRouter.from_pretrained([d["draft"], d["mid"], d["target"]], target="target",
+                                    names=["draft", "mid", "target"], dtype="float64", backend="hf")
+    for chain, k in [(("target",), 1), (("draft", "target"), 3), (("ngram", "draft", "mid", "target"), 2)]:
+        results = sr.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, chain=chain, k=k)
+        assert [r.token_ids for r in results] == expected
