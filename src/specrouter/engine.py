@@ -25,6 +25,7 @@ import torch
 from .config import MAX_DRAFT_LENGTH, SamplingParams
 from .errors import ChainError, ContextLengthError, SpecRouterError
 from .executor import ChainExecutor
+from .faults import ModelFailure, on_model_failure, without_failed
 from .pool import Pool
 from .sampling import SamplingTensors
 from .sequence import Sequence
@@ -71,6 +72,8 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.on_cycle: Callable[[CycleStats], None] | None = None
+        self.failed_models: set[str] = set()  # taken out of every chain (faults.py)
+        self.on_model_failure: Callable[[ModelFailure], None] | None = None
 
     # -- requests ---------------------------------------------------------------------------
     def context_limit(self, chain: tuple[str, ...]) -> int:
@@ -176,8 +179,19 @@ class Engine:
             before = [len(s.tokens) for s in rows]
             sampling = SamplingTensors.from_params([s.params for s in rows])
             gen = rows[0].generator if rows[0].generator is not None else default_generator
-            stats = self.executor.cycle(rows, chain, k, sampling, gen)
-            if self.on_cycle is not None:
+            # -- fault tolerance (faults.py): a model that raised or timed out is out of every
+            # chain; on a failure the rows are rolled back to their committed tokens and the
+            # cycle is retried without it (the target failing ends the rows with "error") ----
+            stats = None
+            while chain is not None:
+                chain = without_failed(chain, self.failed_models, self.pool.target)
+                try:
+                    stats = self.executor.cycle(rows, chain, k, sampling, gen)
+                    break
+                except ModelFailure as failure:
+                    chain = on_model_failure(self, failure, rows, chain, k)
+            # -------------------------------------------------------------------------------
+            if stats is not None and self.on_cycle is not None:
                 self.on_cycle(stats)
             for s, b in zip(rows, before):
                 outputs.append(StepOutput(seq=s, new_token_ids=s.tokens[b:]))

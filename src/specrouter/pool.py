@@ -183,6 +183,11 @@ class Pool:
 
     @property
     def default_chain(self) -> tuple[str, ...]:
-        """Until the router picks chains: the cheapest neural draft, then the target."""
-        models = [n for n in self.order if n in self.runners]
-        return tuple(models[:1] + [self.target]) if len(models) > 1 else (self.target,)
+        """Until the router picks chains: the cheapest neural draft then the target; with no
+        neural draft, the n-gram drafter then the target; else plain decoding."""
+        models = [n for n in self.order if n in self.runners and n != self.target]
+        if models:
+            return (models[0], self.target)
+        if self.drafters:
+            return (next(iter(self.drafters)), self.target)
+        return (self.target,)
