@@ -78,9 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 
-    from . import cli_demo
+    from . import cli_demo, cli_serve
 
     cli_demo.register(sub)
+    cli_serve.register(sub)
     return parser
 
 

@@ -1,0 +1,200 @@
+"""Fault tolerance: a pool model that raises, or hangs, is taken out of the chains.
+
+`GuardedRunner` wraps a `ModelRunner` (same interface): its forwards run in a worker thread
+with a timeout, and an exception or a timeout becomes `ModelFailure(model, cause)`. The engine
+catches it around a cycle (`Engine.step`) and calls `on_model_failure`, which
+
+1. logs it (logger "specrouter.faults", the fields also in `extra`) and counts it
+   (`engine.on_model_failure` hook: the server's metric);
+2. marks the model failed (`engine.failed_models`): it is dropped from every chain from now on;
+3. rolls the rows back to their committed tokens: `StateManager.commit` with nothing new drops
+   every model's speculative tokens and keeps the last committed token pending, so the next
+   cycle starts from a consistent state (the failed cycle committed nothing);
+4. returns the chain without the failed model, which the engine retries in the same step
+   (a model failing outside the chain, e.g. in a probe, is taken out and the same chain retried).
+
+The target failing is fatal for the rows of that cycle: they finish with finish_reason "error"
+(there is no other model whose output is the target's). A target that raised stays in service
+(the next request may succeed); a target that timed out is marked failed, because its hung
+worker thread may still write into its caches: the engine cannot serve any more.
+
+A hung worker thread cannot be killed in Python: it is a daemon, abandoned; the runner refuses
+every later forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import SpecRouterError
+from .runners.base import ForwardBatch, ModelRunner
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .sequence import Sequence
+
+logger = logging.getLogger("specrouter.faults")
+
+
+class ModelFailure(SpecRouterError):
+    """A pool model raised or timed out during a forward."""
+
+    def __init__(self, model: str, cause: BaseException):
+        self.model = model  # pool name of the failed model
+        self.cause = cause  # the exception it raised, or a TimeoutError
+        self.kind = "timeout" if isinstance(cause, TimeoutError) else "exception"
+        super().__init__(f"model {model!r} failed ({self.kind}): {type(cause).__name__}: {cause}")
+
+
+class _Worker:
+    """One daemon thread that runs forwards handed to it, one at a time."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=f"specrouter-forward-{name}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, arg, box, done = job
+            try:
+                box.append((True, fn(arg)))
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                box.append((False, e))
+            done.set()
+
+    def run(self, fn, arg, timeout: float):
+        """fn(arg) in the worker; raises TimeoutError if it does not return within `timeout`."""
+        box: list = []
+        done = threading.Event()
+        self._jobs.put((fn, arg, box, done))
+        if not done.wait(timeout):
+            raise TimeoutError(f"forward did not return within {timeout:g} s")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+class GuardedRunner(ModelRunner):
+    """A `ModelRunner` whose forwards raise `ModelFailure` on an exception or after `timeout`
+    seconds (None: no timeout, the forward runs in the caller's thread). Everything else
+    (slots, reserve, attributes) is the wrapped runner's."""
+
+    def __init__(self, inner: ModelRunner, timeout: float | None):
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"model timeout must be > 0 seconds, got {timeout!r}")
+        self.__dict__["inner"] = inner
+        self.__dict__["timeout"] = timeout
+        self.__dict__["failed"] = None  # ModelFailure of a timeout: the runner is unusable
+        self.__dict__["_worker"] = None
+        self.__dict__["abandoned"] = []  # threads of timed-out forwards (daemons, left running)
+
+    def __getattr__(self, attr):  # name, vocab_size, max_len, num_slots, ... of the wrapped runner
+        return getattr(self.__dict__["inner"], attr)
+
+    def __setattr__(self, attr, value):
+        setattr(self.inner, attr, value)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.failed is not None:
+            raise self.failed
+        if self.timeout is None:
+            try:
+                return self.inner.forward(batch)
+            except Exception as e:
+                raise ModelFailure(self.inner.name, e) from e
+        if self._worker is None:
+            self.__dict__["_worker"] = _Worker(self.inner.name)
+            # torch's grad mode is thread-local: the worker runs in inference mode like the runners
+        try:
+            return self._worker.run(_forward_no_grad, (self.inner, batch), self.timeout)
+        except TimeoutError as e:
+            failure = ModelFailure(self.inner.name, e)
+            self.__dict__["failed"] = failure
+            self._worker.stop()  # it exits if the forward ever returns; abandoned otherwise
+            self.abandoned.append(self._worker.thread)
+            self.__dict__["_worker"] = None
+            raise failure from e
+        except Exception as e:
+            raise ModelFailure(self.inner.name, e) from e
+
+    def reserve(self, num_slots: int, max_len: int) -> None:
+        self.inner.reserve(num_slots, max_len)
+
+    def allocate_slot(self) -> int:
+        return self.inner.allocate_slot()
+
+    def free_slot(self, slot: int) -> None:
+        self.inner.free_slot(slot)
+
+    def close(self) -> None:
+        """Stop the worker thread (a hung one was already abandoned)."""
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker.thread.join(timeout=5)
+            self.__dict__["_worker"] = None
+
+
+def _forward_no_grad(args):
+    runner, batch = args
+    with torch.inference_mode():
+        return runner.forward(batch)
+
+
+def guard_runners(runners: dict[str, ModelRunner], timeout: float | None) -> dict[str, ModelRunner]:
+    """The runners, each wrapped in a `GuardedRunner` (already wrapped ones are kept)."""
+    return {n: r if isinstance(r, GuardedRunner) else GuardedRunner(r, timeout)
+            for n, r in runners.items()}
+
+
+def without_failed(chain: tuple[str, ...], failed: set[str], target: str) -> tuple[str, ...]:
+    """`chain` without failed models (the target is kept: without it there is no output)."""
+    if not failed:
+        return chain
+    return tuple(m for m in chain if m not in failed or m == target)
+
+
+def on_model_failure(engine: "Engine", failure: ModelFailure, rows: list["Sequence"],
+                     chain: tuple[str, ...], k: int) -> tuple[str, ...] | None:
+    """Take the failed model out (see the module docstring). Returns the chain to retry the
+    cycle with, or None when the target failed (the rows are then finished with "error")."""
+    model = failure.model
+    target = engine.pool.target
+    # a model failing again after it was taken out (something outside the chain, e.g. a probe,
+    # still calls it) ends the rows too: every retry takes a new model out, so retries are bounded
+    fatal = model == target or model in engine.failed_models
+    logger.error(
+        "model %r failed (%s) in chain %s for %d row(s): %s%s", model, failure.kind,
+        ">".join(chain), len(rows), failure.cause,
+        "; the rows finish with finish_reason 'error'" if fatal else "; it is taken out of every chain",
+        extra={"model": model, "kind": failure.kind, "chain": ">".join(chain), "rows": len(rows),
+               "seq_ids": [s.seq_id for s in rows]},
+    )
+    if model != target or failure.kind == "timeout":
+        engine.failed_models.add(model)
+    if engine.on_model_failure is not None:
+        engine.on_model_failure(failure)
+    for seq in rows:  # drop speculative tokens, keep the last committed token pending
+        engine.state.commit(seq.seq_id, seq.tokens, len(seq.tokens))
+    if fatal:
+        for seq in rows:
+            seq.done, seq.finish_reason = True, "error"
+        return None
+    new_chain = tuple(m for m in chain if m != model)  # == chain if it failed outside the chain
+    for seq in rows:
+        if seq.seq_id in engine._plans:
+            engine._plans[seq.seq_id] = (new_chain, k)
+    return new_chain

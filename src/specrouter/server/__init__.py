@@ -1,0 +1,7 @@
+"""The OpenAI-compatible server: `create_app(pool, ServerConfig(...))`, run by `specrouter serve`.
+
+Needs the `serve` extra (fastapi, uvicorn, prometheus-client)."""
+
+from .app import ServerConfig, create_app
+
+__all__ = ["ServerConfig", "create_app"]

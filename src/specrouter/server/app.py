@@ -1,0 +1,389 @@
+"""The OpenAI-compatible HTTP server (FastAPI): `create_app(pool, ServerConfig(...))`.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true`: SSE
+`data: {...}` chunks then `data: [DONE]`), GET /v1/models, GET /health, GET /metrics.
+
+Choices written down here (where OpenAI / vLLM leave room):
+- The server serves ONE model, named after the target (or `served_model_name`); `model` may
+  be omitted; another name is a 404 `model_not_found`.
+- `max_tokens` defaults to 16 for completions (OpenAI) and to the rest of the context for chat.
+- The API key (if any) guards /v1/*; /health and /metrics stay open (as vLLM), bind them to
+  loopback or scrape through a proxy.
+- Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`, never FastAPI's
+  422 shape: 400 bad request (named field), 401 auth, 404 model/route, 413 body too large,
+  429 queue full (Retry-After), 500 model failure, 503 target down / engine stopped.
+- Per-request stats (chains used, acceptance per level, mean acceptance length, tokens/s) are in
+  `usage.specrouter`; in a stream, `usage` rides on the chunk that carries `finish_reason`
+  (and, with `stream_options.include_usage`, on a last chunk with no choices, as OpenAI).
+- A request that pins a chain with a failed model runs without that model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import Engine
+from ..errors import CheckpointError
+from ..faults import GuardedRunner, guard_runners
+from ..pool import Pool
+from .async_engine import AsyncEngine, QueueFull, RequestHandle, TokenEvent
+from .metrics import ServerMetrics
+from .protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    RequestError,
+    Usage,
+    error_body,
+)
+from .text import TextStream
+from .validate import Prepared, check_auth, parse, prepare, read_json
+
+logger = logging.getLogger("specrouter.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything `specrouter serve` configures (its flags map onto these fields)."""
+
+    served_model_name: str | None = None  # name in /v1/models and responses; None: the target's
+    api_key: str | None = None  # required as "Authorization: Bearer <key>" on /v1/* when set
+    max_num_seqs: int = 8  # rows in the running batch (cache slots per model)
+    max_model_len: int = 2048  # positions per row (prompt + output + draft); capped by the models
+    chain: tuple[str, ...] | None = None  # default chain; None: the engine's (router / pool default)
+    k: int = 4  # default draft length
+    model_timeout: float | None = 30.0  # seconds a model forward may take before it is taken out
+    max_queue: int = 64  # requests waiting for a row; beyond: 429
+    max_body_bytes: int = 1 << 20  # request body limit (413 beyond)
+    retry_after_s: int = 1  # Retry-After of a 429
+    seed: int | None = None  # seed of the engine's random stream (unseeded sampling requests)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_model_len", "k", "max_queue", "max_body_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.model_timeout is not None and not self.model_timeout > 0:
+            raise ValueError(f"model_timeout must be > 0 seconds or None, got {self.model_timeout!r}")
+
+
+class _Server:
+    """The state behind one app: engine, background loop, metrics."""
+
+    def __init__(self, pool: Pool, config: ServerConfig):
+        self.config = config
+        if config.chain is not None:
+            pool.validate_chain(config.chain)
+        # the guarded runners are this server's own: the caller's pool object is left as it was
+        self.pool = dataclasses.replace(pool, runners=guard_runners(pool.runners, config.model_timeout))
+        max_ctx = min(r.max_context for r in self.pool.runners.values())
+        max_len = min(config.max_model_len, max_ctx)
+        if max_len < config.max_model_len:
+            logger.warning("max_model_len %d is over the pool's context %d: using %d",
+                           config.max_model_len, max_ctx, max_len)
+        self.max_model_len = max_len
+        self.engine = Engine(self.pool, max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+        self.metrics = ServerMetrics()
+        self.engine.on_cycle = self.metrics.observe_cycle
+        self.engine.on_model_failure = self.metrics.observe_failure
+        self.loop_engine = AsyncEngine(self.engine, max_queue=config.max_queue,
+                                       metrics=self.metrics, seed=config.seed)
+        self.model_name = config.served_model_name or self.pool.target
+        self.created = int(time.time())
+
+    def close(self) -> None:
+        self.loop_engine.stop()
+        for r in self.pool.runners.values():
+            if isinstance(r, GuardedRunner):
+                r.close()
+
+    @property
+    def target_down(self) -> bool:
+        return self.pool.target in self.engine.failed_models or not self.loop_engine.alive
+
+
+def _submit(srv: _Server, p: Prepared) -> RequestHandle:
+    try:
+        return srv.loop_engine.submit(p.prompt, p.params, chain=p.chain, k=p.k,
+                                      generator=p.generator)
+    except QueueFull as e:
+        raise RequestError(str(e), status=429, type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(srv.config.retry_after_s)}) from None
+    except RuntimeError as e:
+        raise RequestError(str(e), status=503, type="server_error") from None
+
+
+def _usage(prompt_len: int, ts: TextStream, stats: dict | None) -> Usage:
+    n = len(ts.token_ids)
+    return Usage(prompt_tokens=prompt_len, completion_tokens=n, total_tokens=prompt_len + n,
+                 specrouter=stats)
+
+
+class _Generation:
+    """Runs one request: yields (text delta, finish_reason or None, event stats)."""
+
+    def __init__(self, srv: _Server, p: Prepared, handle: RequestHandle):
+        self.srv, self.p, self.handle = srv, p, handle
+        self.text = TextStream(srv.pool.tokenizer, p.stops)
+        self.stats: dict | None = None
+        self.first_token_at: float | None = None
+
+    async def watch_disconnect(self, request: Request) -> None:
+        """Non-streaming: abort the row as soon as the client goes away (after the body was
+        read, the next ASGI message is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.srv.loop_engine.abort(self.handle)
+        self.handle.events.put_nowait(TokenEvent([], True, "abort"))
+
+    async def events(self) -> AsyncIterator[tuple[str, str | None]]:
+        """Text deltas; the last item carries the finish reason. Raises RequestError(500) if a
+        model failure ended the row, _ClientGone if the client went away."""
+        h = self.handle
+        while True:
+            ev = await h.events.get()
+            if ev.finish_reason == "abort":
+                raise _ClientGone()
+            if ev.token_ids and self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+                self.srv.metrics.ttft_seconds.observe(self.first_token_at - h.submitted)
+            if ev.finish_reason == "error":
+                raise RequestError(f"generation failed: {ev.error}", status=500,
+                                   type="server_error", code="model_failure")
+            delta = self.text.add(ev.token_ids)
+            if self.text.stopped:  # a stop string: done, free the row now
+                self.srv.loop_engine.abort(h)
+                self.stats = ev.stats
+                yield delta, "stop"
+                return
+            if ev.done:
+                self.stats = ev.stats
+                yield delta + self.text.finish(), ("stop" if ev.finish_reason == "stop" else "length")
+                return
+            if delta:
+                yield delta, None
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _sse(obj) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+# -- the app ------------------------------------------------------------------------------------
+def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app serving `pool`. The engine thread starts with the app (lifespan) and
+    stops with it."""
+    config = config or ServerConfig()
+    srv = _Server(pool, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        srv.loop_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(srv.close)
+
+    app = FastAPI(title="SpecRouter", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = srv
+    app.add_middleware(_RequestMetrics, metrics=srv.metrics)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, e: RequestError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        msg = {404: f"no route {request.url.path!r}", 405: f"method {request.method} is not allowed "
+               f"on {request.url.path!r}"}.get(e.status_code, str(e.detail))
+        return _error_response(RequestError(msg, status=e.status_code,
+                                            code="not_found" if e.status_code == 404 else None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error_response(RequestError(f"internal error: {type(e).__name__}", status=500,
+                                            type="server_error"))
+
+    @app.get("/health")
+    async def health():
+        eng = srv.engine
+        body = {"status": "ok", "model": srv.model_name, "failed_models": sorted(eng.failed_models),
+                "running": len(eng.running), "waiting": srv.loop_engine.queue_depth}
+        if srv.target_down:
+            body["status"] = "unavailable"
+            if srv.loop_engine.error is not None:
+                body["error"] = f"{type(srv.loop_engine.error).__name__}: {srv.loop_engine.error}"
+            return Response(json.dumps(body), status_code=503, media_type="application/json")
+        return body
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(srv.metrics.render(), media_type=srv.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(srv, request)
+        card = ModelCard(id=srv.model_name, created=srv.created, specrouter={
+            "pool": list(srv.pool.order), "target": srv.pool.target,
+            "failed_models": sorted(srv.engine.failed_models),
+            "max_model_len": srv.max_model_len, "max_num_seqs": config.max_num_seqs})
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_auth(srv, request)
+        req = parse(CompletionRequest, await read_json(request, config.max_body_bytes))
+        prompt = req.prompt_value()
+        if isinstance(prompt, str):
+            prompt = srv.pool.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        p = prepare(srv, req, prompt, chat=False)
+        return await _respond(srv, request, req, p, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_auth(srv, request)
+        req = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
+        from ..tokenizer import apply_chat_template
+
+        try:
+            prompt = apply_chat_template(srv.pool.tokenizer, req.template_messages())
+        except CheckpointError as e:
+            raise RequestError(str(e), param="messages") from None
+        except Exception as e:  # a template that refuses the conversation (e.g. role order)
+            raise RequestError(f"the chat template of {srv.pool.target!r} rejected the "
+                               f"messages: {e}", param="messages") from None
+        p = prepare(srv, req, prompt, chat=True)
+        return await _respond(srv, request, req, p, chat=True)
+
+    return app
+
+
+async def _respond(srv: _Server, request: Request, req, p: Prepared, *, chat: bool):
+    handle = _submit(srv, p)
+    gen = _Generation(srv, p, handle)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_stream(srv, gen, rid, created, chat, include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    parts: list[str] = []
+    finish = None
+    watcher = asyncio.create_task(gen.watch_disconnect(request))
+    try:
+        async for delta, finish in gen.events():
+            parts.append(delta)
+    except _ClientGone:
+        return Response(status_code=499)  # nobody reads it
+    finally:
+        watcher.cancel()
+        if not handle.finished:
+            srv.loop_engine.abort(handle)
+    text = "".join(parts)
+    usage = _usage(len(p.prompt), gen.text, gen.stats)
+    if chat:
+        body = ChatCompletionResponse(id=rid, created=created, model=srv.model_name, usage=usage,
+                                      choices=[ChatChoice(message=ChatMessageOut(content=text),
+                                                          finish_reason=finish)])
+    else:
+        body = CompletionResponse(id=rid, created=created, model=srv.model_name, usage=usage,
+                                  choices=[CompletionChoice(text=text, finish_reason=finish)])
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def _stream(srv: _Server, gen: _Generation, rid: str, created: int, chat: bool,
+                  include_usage: bool) -> AsyncIterator[str]:
+    model = srv.model_name
+
+    def chunk(text: str | None, finish: str | None, usage: Usage | None = None, role: bool = False):
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else (
+                {"content": text} if text else {})
+            return ChatCompletionChunk(id=rid, created=created, model=model, usage=usage,
+                                       choices=[ChatStreamChoice(delta=delta, finish_reason=finish)])
+        return CompletionResponse(id=rid, created=created, model=model, usage=usage,
+                                  choices=[CompletionChoice(text=text or "", finish_reason=finish)])
+
+    try:
+        if chat:
+            yield _sse(chunk(None, None, role=True))
+        async for delta, finish in gen.events():
+            if finish is None:
+                yield _sse(chunk(delta, None))
+                continue
+            if delta:
+                yield _sse(chunk(delta, None))
+            usage = _usage(len(gen.p.prompt), gen.text, gen.stats)
+            yield _sse(chunk(None, finish, usage))
+            if include_usage:
+                last = chunk(None, None, usage)
+                last.choices = []
+                yield _sse(last)
+        yield "data: [DONE]\n\n"
+    except RequestError as e:  # the response has started: report in the stream, as OpenAI does
+        yield f"data: {json.dumps(error_body(e.message, e.type, e.param, e.code))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # also on client disconnect (the generator is cancelled or closed)
+        if not gen.handle.finished:
+            srv.loop_engine.abort(gen.handle)
+
+
+def _error_response(e: RequestError) -> Response:
+    return Response(json.dumps(error_body(e.message, e.type, e.param, e.code)),
+                    status_code=e.status, headers=e.headers, media_type="application/json")
+
+
+_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                        "/metrics"})
+
+
+class _RequestMetrics:
+    """ASGI middleware: counts requests by endpoint and status, times /v1 requests."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in _ENDPOINTS else "other"
+        status = [500]
+        t0 = time.perf_counter()
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(path, str(status[0])).inc()
+            if path.startswith("/v1/"):
+                self.metrics.request_seconds.labels(path).observe(time.perf_counter() - t0)

@@ -1,0 +1,256 @@
+"""The background loop: ONE thread owns the Engine; the asyncio side only talks to it.
+
+Continuous batching: the thread loops `engine.step()` while rows exist. Between steps it
+1. applies aborts (client gone, stop string found) with `engine.abort`, which frees the state;
+2. admits waiting requests in FIFO order with `engine.add_request` until it raises
+   `CapacityError` (all `max_num_seqs` slots taken): the head of the queue waits for a row to
+   finish; nothing overtakes it.
+After each step, the new tokens of every row go to the requests' asyncio queues in one
+`loop.call_soon_threadsafe` call. The waiting queue is bounded: `submit` raises `QueueFull`
+(the server answers 429 with Retry-After) when it holds `max_queue` requests.
+
+torch work never runs on the event loop; the event loop never blocks on the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SamplingParams
+from ..engine import CapacityError, Engine
+
+logger = logging.getLogger("specrouter.server")
+
+
+class QueueFull(Exception):
+    """The waiting queue is full: try again later."""
+
+
+@dataclass
+class TokenEvent:
+    """What the engine thread reports to one request."""
+
+    token_ids: list[int]  # tokens committed since the last event
+    done: bool = False  # the row finished (or failed, or was refused)
+    finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
+    stats: dict | None = None  # RequestStats.as_dict() when done
+    error: str | None = None  # why, when finish_reason == "error"
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """One submitted request, seen from the asyncio side."""
+
+    prompt: list[int]
+    params: SamplingParams
+    chain: tuple[str, ...] | None
+    k: int
+    generator: torch.Generator | None
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq_id: int | None = None  # set when the engine admits it
+    submitted: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None  # perf_counter time it started running
+    finished: bool = False  # done event delivered, or aborted
+
+
+class AsyncEngine:
+    """Runs `engine` in a background thread; see the module docstring."""
+
+    def __init__(self, engine: Engine, *, max_queue: int = 64, metrics=None, seed: int | None = None):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._generator = torch.Generator()
+        self._generator.manual_seed(seed if seed is not None else torch.seed())
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[RequestHandle] = collections.deque()
+        self._aborts: list[RequestHandle] = []
+        self._by_seq: dict[int, RequestHandle] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # set if the loop itself died
+
+    # -- asyncio side -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="specrouter-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, prompt: list[int], params: SamplingParams, *, chain: tuple[str, ...] | None,
+               k: int, generator: torch.Generator | None = None) -> RequestHandle:
+        """Queue a request (validated by the caller with `engine.check_request`)."""
+        handle = RequestHandle(prompt=prompt, params=params, chain=chain, k=k, generator=generator,
+                               loop=asyncio.get_running_loop())
+        with self._cv:
+            if self._stop or not self.alive:
+                raise RuntimeError("the engine is not running")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is "
+                                f"{self.max_queue}); retry later")
+            self._waiting.append(handle)
+            self._gauges()
+            self._cv.notify()
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Drop a request (client gone, stop string reached); frees its row."""
+        with self._cv:
+            if handle.finished:
+                return
+            handle.finished = True
+            try:
+                self._waiting.remove(handle)
+                self._gauges()
+                return
+            except ValueError:
+                pass
+            self._aborts.append(handle)
+            self._cv.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread; running and waiting requests end with an error event."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- engine thread ----------------------------------------------------------------------
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self._waiting))
+            self.metrics.running_rows.set(len(self.engine.running))
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stop or self._waiting or self._aborts or engine.has_unfinished()):
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    aborts, self._aborts = self._aborts, []
+                    for h in aborts:  # 1. aborts
+                        if h.seq_id is not None and self._by_seq.pop(h.seq_id, None) is not None:
+                            engine.abort(h.seq_id)
+                    refused = self._admit()  # 2. admissions
+                    self._gauges()
+                deliveries = [(h, TokenEvent([], True, "error", error=msg)) for h, msg in refused]
+                if engine.has_unfinished():
+                    deliveries += self._step()
+                if deliveries:
+                    self._deliver(deliveries)
+        except BaseException as e:  # noqa: BLE001 - the server reports it on /health
+            self.error = e
+            logger.exception("the engine loop died")
+        finally:
+            self._shutdown()
+
+    def _admit(self) -> list[tuple[RequestHandle, str]]:
+        """Admit waiting requests in FIFO order while the engine has room (lock held)."""
+        refused = []
+        while self._waiting:
+            h = self._waiting[0]
+            try:
+                seq = self.engine.add_request(h.prompt, h.params, chain=h.chain, k=h.k,
+                                              generator=h.generator)
+            except CapacityError as e:
+                if self.engine.running:
+                    break  # wait for a row to finish
+                self._waiting.popleft()  # it does not fit even in an empty engine: never will
+                h.finished = True
+                refused.append((h, str(e)))
+                continue
+            except Exception as e:  # noqa: BLE001 - validated before; report, do not die
+                self._waiting.popleft()
+                h.finished = True
+                refused.append((h, f"{type(e).__name__}: {e}"))
+                continue
+            self._waiting.popleft()
+            h.seq_id, h.admitted = seq.seq_id, time.perf_counter()
+            self._by_seq[seq.seq_id] = h
+        return refused
+
+    def _step(self) -> list[tuple[RequestHandle, TokenEvent]]:
+        engine = self.engine
+        t0 = time.perf_counter()
+        try:
+            outputs = engine.step(self._generator)
+        except Exception as e:  # noqa: BLE001 - a bug or an unguarded failure: fail the rows
+            logger.exception("engine step failed; the running rows end with an error")
+            out = []
+            with self._cv:
+                for seq_id in list(engine.running):
+                    engine.abort(seq_id)
+                    h = self._by_seq.pop(seq_id, None)
+                    if h is not None:
+                        h.finished = True
+                        out.append((h, TokenEvent([], True, "error", error=f"{type(e).__name__}: {e}")))
+            return out
+        if self.metrics is not None:
+            self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        out = []
+        with self._cv:
+            for o in outputs:
+                h = self._by_seq.get(o.seq.seq_id)
+                if h is None:  # aborted meanwhile
+                    continue
+                if self.metrics is not None and o.new_token_ids:
+                    self.metrics.generated_tokens.inc(len(o.new_token_ids))
+                if o.seq.done:
+                    del self._by_seq[o.seq.seq_id]
+                    h.finished = True
+                    err = "a model of the chain failed (see the server log)" \
+                        if o.seq.finish_reason == "error" else None
+                    out.append((h, TokenEvent(list(o.new_token_ids), True, o.seq.finish_reason,
+                                              stats=o.seq.stats.as_dict(), error=err)))
+                elif o.new_token_ids:
+                    out.append((h, TokenEvent(list(o.new_token_ids))))
+            self._gauges()
+        return out
+
+    @staticmethod
+    def _deliver(deliveries: list[tuple[RequestHandle, TokenEvent]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for h, ev in deliveries:
+            by_loop.setdefault(h.loop, []).append((h.events, ev))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            handles = list(self._waiting) + list(self._by_seq.values())
+            self._waiting.clear()
+            for seq_id in list(self.engine.running):
+                self.engine.abort(seq_id)
+            self._by_seq.clear()
+            for h in handles:
+                h.finished = True
+            self._gauges()
+        self._deliver([(h, TokenEvent([], True, "error", error="the server is shutting down"))
+                       for h in handles])
+
+
+def _put_all(items) -> None:
+    for q, ev in items:
+        q.put_nowait(ev)

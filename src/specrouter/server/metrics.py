@@ -1,0 +1,88 @@
+"""Prometheus metrics of one server (its own registry, never the global one).
+
+Names (all prefixed `specrouter_`):
+- drafted_tokens_total{drafter,verifier}, accepted_tokens_total{drafter,verifier}: per level of
+  every cycle (acceptance rate of a pair = accepted / drafted);
+- chain_choices_total{chain}: rows that ran a cycle with that chain ("ngram>draft>target");
+- cycle_committed_tokens_total{chain}: target tokens those cycles committed (mean acceptance
+  length of a chain = committed / choices); acceptance_length: histogram of the mean tokens
+  committed per row in each cycle;
+- forward_seconds{model}: wall time of a model's forwards within one cycle;
+  forward_tokens_total{model}: tokens fed to it;
+- step_seconds: one engine step (all groups); queue_depth, running_rows: gauges;
+- generated_tokens_total (tokens/s = rate()); requests_total{endpoint,status};
+  request_seconds{endpoint}: end to end; time_to_first_token_seconds;
+- model_failures_total{model,kind}: forwards that raised ("exception") or hung ("timeout").
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..stats import CycleStats
+
+_LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_REQUEST = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = "specrouter_"
+        self.drafted = Counter(p + "drafted_tokens", "Candidates reaching a verifier level",
+                               ["drafter", "verifier"], registry=r)
+        self.accepted = Counter(p + "accepted_tokens", "Candidates a verifier level accepted",
+                                ["drafter", "verifier"], registry=r)
+        self.chain_choices = Counter(p + "chain_choices", "Row-cycles run with each chain",
+                                     ["chain"], registry=r)
+        self.committed = Counter(p + "cycle_committed_tokens",
+                                 "Target tokens committed by cycles of each chain", ["chain"],
+                                 registry=r)
+        self.acceptance_length = Histogram(
+            p + "acceptance_length", "Mean tokens committed per row in one cycle (bonus included)",
+            buckets=tuple(range(1, 18)), registry=r)
+        self.forward_seconds = Histogram(p + "forward_seconds",
+                                         "Wall time of one model's forwards in one cycle",
+                                         ["model"], buckets=_LATENCY, registry=r)
+        self.forward_tokens = Counter(p + "forward_tokens", "Tokens fed to each model",
+                                      ["model"], registry=r)
+        self.step_seconds = Histogram(p + "step_seconds", "One engine step over all rows",
+                                      buckets=_LATENCY, registry=r)
+        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for a row", registry=r)
+        self.running_rows = Gauge(p + "running_rows", "Rows in the running batch", registry=r)
+        self.generated_tokens = Counter(p + "generated_tokens", "Tokens generated", registry=r)
+        self.requests = Counter(p + "requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.request_seconds = Histogram(p + "request_seconds", "End-to-end request latency",
+                                         ["endpoint"], buckets=_REQUEST, registry=r)
+        self.ttft_seconds = Histogram(p + "time_to_first_token_seconds",
+                                      "Submission to first generated token", buckets=_REQUEST,
+                                      registry=r)
+        self.model_failures = Counter(p + "model_failures", "Model forwards that failed",
+                                      ["model", "kind"], registry=r)
+
+    def observe_cycle(self, s: CycleStats) -> None:
+        """Engine.on_cycle hook (engine thread)."""
+        chain = ">".join(s.chain)
+        for j in range(1, len(s.chain)):
+            pair = (s.chain[j - 1], s.chain[j])
+            self.drafted.labels(*pair).inc(s.drafted[j])
+            self.accepted.labels(*pair).inc(s.accepted[j])
+        self.chain_choices.labels(chain).inc(s.rows)
+        self.committed.labels(chain).inc(s.committed)
+        if s.rows:
+            self.acceptance_length.observe(s.committed / s.rows)
+        for model, t in s.forward_time.items():
+            self.forward_seconds.labels(model).observe(t)
+        for model, n in s.forward_tokens.items():
+            self.forward_tokens.labels(model).inc(n)
+
+    def observe_failure(self, failure) -> None:
+        """Engine.on_model_failure hook (engine thread)."""
+        self.model_failures.labels(failure.model, failure.kind).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,89 @@
+"""`specrouter serve` end to end: a subprocess on 127.0.0.1, the API key from the environment,
+a completion through the openai client, a clean shutdown on SIGINT."""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from specrouter import cli_serve  # noqa: E402
+
+# `specrouter serve` once cli.py registers it; the same parser built here otherwise
+LAUNCH = (
+    "import argparse, sys\n"
+    "from specrouter import cli, cli_serve\n"
+    "p = cli.build_parser()\n"
+    "sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))\n"
+    "if 'serve' not in sub.choices: cli_serve.register(sub)\n"
+    "a = p.parse_args(sys.argv[1:])\n"
+    "sys.exit(a.func(a))\n"
+)
+
+
+def _parser():
+    p = argparse.ArgumentParser()
+    cli_serve.register(p.add_subparsers(dest="command"))
+    return p
+
+
+def test_serve_flags_and_defaults():
+    a = _parser().parse_args(["serve", "--models", "x"])
+    assert (a.host, a.port, a.max_num_seqs, a.max_model_len, a.k, a.dtype, a.model_timeout) == (
+        "127.0.0.1", 8000, 8, 2048, 4, "float32", 30.0)
+    a = _parser().parse_args(["serve", "--models", "d", "t", "--chain", "ngram", "d", "t",
+                              "--api-key", "s", "--max-queue", "3"])
+    assert a.chain == ["ngram", "d", "t"] and a.api_key == "s" and a.max_queue == 3
+    assert cli_serve._is_loopback("127.0.0.1") and cli_serve._is_loopback("::1")
+    assert not cli_serve._is_loopback("0.0.0.0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_subprocess(tiny_pool_dirs):
+    d = tiny_pool_dirs
+    port = _free_port()
+    env = {**os.environ, "SPECROUTER_API_KEY": "env-key", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-c", LAUNCH, "serve", "--models", str(d["mid"]), str(d["target"]),
+           "--target", "target", "--dtype", "float64", "--port", str(port), "--max-model-len", "128",
+           "--chain", "ngram", "mid", "target", "--k", "3", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.2)
+        base = f"http://127.0.0.1:{port}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=base, api_key="env-key", max_retries=0, timeout=30)
+        r = client.completions.create(model="target", prompt="def add(a, b):", max_tokens=8,
+                                      temperature=0)
+        assert r.usage.completion_tokens >= 1
+        assert set(r.usage.model_extra["specrouter"]["chains"]) <= {"ngram>mid>target", "target"}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+    assert proc.returncode in (0, 130, -signal.SIGINT), proc.returncode
