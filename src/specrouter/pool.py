@@ -49,6 +49,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return p
 
 
+def default_model_name(ckpt: Path) -> str:
+    """A model's pool name: its folder name, or for a converted GGUF the file's stem without
+    the quantization suffix (SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct)."""
+    marker = ckpt / "specrouter_gguf.json"
+    if marker.is_file():
+        try:
+            gguf_name = json.loads(marker.read_text())["source"]["gguf_name"]
+            return gguf_name.removesuffix(".gguf").split(".")[0]
+        except (OSError, ValueError, KeyError):
+            pass
+    return ckpt.name
+
+
 def load_runner(
     path: str | Path,
     *,
@@ -75,7 +88,7 @@ def load_runner(
             f"{ckpt}: model_type {model_type!r} is not supported by the native runner "
             f"(supported: {sorted(NATIVE_MODEL_TYPES)}); use backend='hf'"
         )
-    kwargs = dict(name=name or ckpt.name, dtype=dt, num_slots=num_slots, max_len=max_len)
+    kwargs = dict(name=name or default_model_name(ckpt), dtype=dt, num_slots=num_slots, max_len=max_len)
     if use_native:
         from .runners.llama import load_llama_runner
 
