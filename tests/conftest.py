@@ -1,7 +1,11 @@
 import os
+import tempfile
 
 import pytest
 import torch
+
+# Converted models, cost profiles and assembled drafts go to a throw-away cache, never ~/.cache.
+os.environ.setdefault("SPECROUTER_CACHE", tempfile.mkdtemp(prefix="specrouter-test-cache-"))
 
 # Tests are small; one thread keeps them deterministic in time on a 2-core CI machine.
 torch.set_num_threads(int(os.environ.get("SPECROUTER_TEST_THREADS", "1")))

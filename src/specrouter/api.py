@@ -31,9 +31,10 @@ class SpecRouter:
     >>> sr.generate("def fib(n):", max_new_tokens=32)[0].text
     """
 
-    def __init__(self, pool: Pool):
+    def __init__(self, pool: Pool, router=None):
         self.pool = pool
-        self.engine = Engine(pool)
+        self.router = router  # None: static chains only (the pool's default chain)
+        self.engine = Engine(pool, router=router)
 
     @classmethod
     def from_pretrained(
@@ -47,13 +48,24 @@ class SpecRouter:
         ngram: bool = True,
         trust_remote_code: bool = False,
         progress: bool = False,
+        adaptive: bool = True,
+        profile_path: str | Path | None = None,
     ) -> "SpecRouter":
         """Load a pool: HF checkpoint directories or .gguf files, plus "ngram" for the
         model-free drafter (added by default). `target` (name or path) defaults to the largest
-        model. Raises CheckpointError / VocabularyMismatchError with a clear message."""
+        model. Raises CheckpointError / VocabularyMismatchError with a clear message.
+
+        With `adaptive` (default) the router picks each request's chain and draft length every
+        cycle; it needs this machine's cost profile of the pool's models, measured by a short
+        sweep the first time (persisted under the cache dir, or `profile_path`)."""
         pool = Pool.load(list(paths), target=target, names=names, backend=backend, dtype=dtype,
                          ngram=ngram, trust_remote_code=trust_remote_code, progress=progress)
-        return cls(pool)
+        router = None
+        if adaptive and len(pool.order) > 1:
+            from .router.setup import build_router
+
+            router = build_router(pool, profile_path=profile_path, progress=progress)
+        return cls(pool, router)
 
     @property
     def tokenizer(self):
@@ -84,13 +96,14 @@ class SpecRouter:
         seed: int | None = None,
         ignore_eos: bool = False,
         chain: list[str] | tuple[str, ...] | None = None,
-        k: int = 4,
+        k: int | None = None,
         chat: bool = False,
     ) -> list[GenerationResult]:
         """Generate for one prompt or a batch (text, token ids, or chat message lists).
 
-        `chain` pins the levels (names from `self.pool.order`, ending at the target; default:
-        the cheapest neural draft then the target) and `k` the draft length. Greedy when
+        `chain` pins the levels (names from `self.pool.order`, ending at the target) and `k`
+        the draft length (default 4); without `chain`, the router chooses both per request every
+        cycle (or, for a pool loaded with adaptive=False, the pool's default chain). Greedy when
         temperature == 0: the output equals the target's own greedy decoding token for token;
         otherwise it follows the target's (temperature / top-k / top-p processed) distribution.
         """
@@ -106,8 +119,10 @@ class SpecRouter:
         )
         generator = torch.Generator()
         generator.manual_seed(seed if seed is not None else torch.seed())
-        seqs = self.engine.generate_ids(ids, [params] * len(ids), chain=chain, k=k,
-                                        generator=generator)
+        if chain is not None:
+            chain = tuple(chain)
+        seqs = self.engine.generate_ids(ids, [params] * len(ids), chain=chain,
+                                        k=4 if k is None else k, generator=generator)
         return [
             GenerationResult(
                 text=self.tokenizer.decode(s.output_ids, skip_special_tokens=True),

@@ -27,6 +27,7 @@ from .errors import ChainError, ContextLengthError, SpecRouterError
 from .executor import ChainExecutor
 from .faults import ModelFailure, on_model_failure, without_failed
 from .pool import Pool
+from .router.records import RowContext, RowOutcome
 from .sampling import SamplingTensors
 from .sequence import Sequence
 from .state import StateManager
@@ -55,15 +56,17 @@ class Engine:
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        router=None,
     ):
         self.pool = pool
+        self.router = router  # router.policy.Router: picks chain and k per row every cycle
         self.clock = clock
         self.state = StateManager(pool.runners)
         self.executor = ChainExecutor(pool.runners, pool.drafters, pool.target, self.state,
                                       pool.vocab_width, clock=clock)
         self._ids = itertools.count()
         self.running: dict[int, Sequence] = {}
-        self._plans: dict[int, tuple[tuple[str, ...], int]] = {}
+        self._plans: dict[int, tuple[tuple[str, ...], int] | None] = {}  # None: the router decides
         self._start: dict[int, float] = {}
         self.fixed_capacity = max_num_seqs is not None and max_model_len is not None
         if self.fixed_capacity:
@@ -82,21 +85,27 @@ class Engine:
 
     def check_request(self, prompt: list[int], params: SamplingParams,
                       chain: tuple[str, ...] | None, k: int) -> tuple[tuple[str, ...], int]:
-        """Validate a request without registering it; returns (chain, positions needed)."""
-        chain = self.pool.validate_chain(chain or self.pool.default_chain)
+        """Validate a request without registering it; returns (chain, positions needed); the
+        chain is None when the router will choose it."""
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_LENGTH:
             raise ChainError(f"draft length k must be an integer in 1..{MAX_DRAFT_LENGTH}, got {k!r}")
+        if chain is None and self.router is not None:
+            # the router may pick any chain and k up to MAX_DRAFT_LENGTH: check the tightest
+            chain, k = None, MAX_DRAFT_LENGTH
+            checked = tuple(m for m in self.pool.order if m in self.pool.runners)
+        else:
+            chain = checked = self.pool.validate_chain(chain or self.pool.default_chain)
         if not prompt:
             raise ValueError("the prompt is empty: at least one token is needed")
         if min(prompt) < 0 or max(prompt) >= self.pool.vocab_width:
             raise ValueError(f"prompt token ids must be in [0, {self.pool.vocab_width})")
-        limit = self.context_limit(chain)
+        limit = self.context_limit(checked)
         total = len(prompt) + params.max_new_tokens + k + 1
         if total > limit:
             raise ContextLengthError(
                 f"the prompt has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} "
                 f"and draft length {k} it needs {total} positions, over the context of {limit} "
-                f"of the chain {chain}: shorten the prompt or lower max_new_tokens"
+                f"of the chain {checked}: shorten the prompt or lower max_new_tokens"
             )
         return chain, total
 
@@ -119,7 +128,7 @@ class Engine:
         seq.generator = generator
         self.state.add(seq.seq_id)
         self.running[seq.seq_id] = seq
-        self._plans[seq.seq_id] = (chain, k)
+        self._plans[seq.seq_id] = (chain, k) if chain is not None else None
         self._start[seq.seq_id] = self.clock()
         return seq
 
@@ -159,14 +168,22 @@ class Engine:
         seq.stats.wall_time = self.clock() - self._start.pop(seq.seq_id, self.clock())
         self._plans.pop(seq.seq_id, None)
         self.state.release(seq.seq_id)
+        if self.router is not None:
+            self.router.release(seq.seq_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
     # -- scheduling -------------------------------------------------------------------------
     def plan(self, seq: Sequence) -> tuple[tuple[str, ...], int]:
-        """The chain and draft length this row runs next cycle."""
-        return self._plans[seq.seq_id]
+        """The chain and draft length this row runs next cycle: pinned at add_request, or the
+        router's decision for this cycle (k == 0 for plain decoding)."""
+        pinned = self._plans[seq.seq_id]
+        if pinned is not None:
+            return pinned
+        d = self.router.decide(RowContext(seq.seq_id, len(seq.tokens), batch_size=len(self.running),
+                                          greedy=seq.params.greedy, remaining=seq.remaining))
+        return d.chain, d.k
 
     def step(self, default_generator: torch.Generator | None = None) -> list[StepOutput]:
         """One cycle for every running row; returns what each row committed."""
@@ -179,6 +196,7 @@ class Engine:
             before = [len(s.tokens) for s in rows]
             sampling = SamplingTensors.from_params([s.params for s in rows])
             gen = rows[0].generator if rows[0].generator is not None else default_generator
+            shadow = self._shadow_proposals(rows, chain) if self.router is not None else None
             # -- fault tolerance (faults.py): a model that raised or timed out is out of every
             # chain; on a failure the rows are rolled back to their committed tokens and the
             # cycle is retried without it (the target failing ends the rows with "error") ----
@@ -191,6 +209,8 @@ class Engine:
                 except ModelFailure as failure:
                     chain = on_model_failure(self, failure, rows, chain, k)
             # -------------------------------------------------------------------------------
+            if stats is not None and self.router is not None:
+                self._observe(rows, stats, shadow)
             if stats is not None and self.on_cycle is not None:
                 self.on_cycle(stats)
             for s, b in zip(rows, before):
@@ -199,6 +219,34 @@ class Engine:
                     self.running.pop(s.seq_id, None)
                     self._finish(s)
         return outputs
+
+    # -- router feedback ----------------------------------------------------------------------
+    SHADOW_K = 16  # tokens asked of model-free drafters when shadow-scoring rows not running them
+
+    def _shadow_proposals(self, rows: list[Sequence], chain: tuple[str, ...]) -> dict:
+        """What each model-free drafter would propose for rows that do not run it (free
+        evidence of its acceptance for this request: tens of microseconds per row)."""
+        out = {}
+        for name, drafter in self.pool.drafters.items():
+            if chain[0] == name:
+                continue
+            tokens, lengths = drafter.propose([s.tokens for s in rows], self.SHADOW_K)
+            out[name] = [t[:m] for t, m in zip(tokens.tolist(), lengths.tolist())]
+        return out
+
+    def _observe(self, rows: list[Sequence], stats: CycleStats, shadow: dict | None) -> None:
+        outcomes = [
+            RowOutcome(seq_id=s.seq_id, chain=stats.chain, k=stats.row_k[b],
+                       drafted=stats.row_drafted[b], accepted=stats.row_accepted[b],
+                       greedy=s.params.greedy, context_len=stats.row_context[b], tv=stats.row_tv[b])
+            for b, s in enumerate(rows)
+        ]
+        self.router.observe_cycle(stats, outcomes, stats.forwards)
+        for name, proposals in (shadow or {}).items():
+            for b, s in enumerate(rows):
+                committed = s.tokens[stats.row_context[b]:]
+                self.router.observe_shadow(s.seq_id, name, proposals[b], committed, self.SHADOW_K,
+                                           s.params.greedy)
 
     # -- offline ----------------------------------------------------------------------------
     def generate_ids(

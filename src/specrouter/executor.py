@@ -21,11 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from .drafters.base import ModelFreeDrafter
+from .router.records import ForwardRecord
 from .runners.base import ForwardBatch, ModelRunner
 from .sampling import SamplingTensors, process_logits, sample
 from .sequence import Sequence
 from .state import StateManager
 from .stats import CycleStats
+from .router.similarity import candidate_tv
 from .verification import LevelResult, verify_greedy, verify_speculative
 
 
@@ -78,8 +80,11 @@ class ChainExecutor:
         runner = self.runners[name]
         t0 = self.clock()
         logits = runner.forward(batch)
-        stats[name] = stats.get(name, 0.0) + self.clock() - t0
+        dt = self.clock() - t0
+        stats[name] = stats.get(name, 0.0) + dt
         tokens_fed[name] = tokens_fed.get(name, 0) + sum(batch.num_tokens_list)
+        self._forwards.append(ForwardRecord(model=name, rows=len(rows), new_tokens=batch.tokens.shape[1],
+                                            context_len=sum(starts) // len(starts), seconds=dt))
         return logits[..., : self.vocab_width]
 
     def _draft_model(
@@ -104,6 +109,7 @@ class ChainExecutor:
         ones = torch.ones(B, dtype=torch.long)
         zeros = torch.zeros(B, 1, dtype=torch.long)
         tokens, probs = [], []
+        steps_time, context = 0.0, sum(st.cache_len for st in states) // B
         for i in range(k):
             if sampling.all_greedy:
                 tok = logits[:, 0].argmax(dim=-1)  # (B,)
@@ -126,8 +132,13 @@ class ChainExecutor:
             )
             t0 = self.clock()
             logits = runner.forward(batch)[..., : self.vocab_width]
-            ftime[name] += self.clock() - t0
+            dt = self.clock() - t0
+            ftime[name] += dt
             ftoks[name] += B
+            steps_time += dt
+        if k > 1:
+            self._forwards.append(ForwardRecord(model=name, rows=B, new_tokens=1, context_len=context,
+                                                seconds=steps_time, count=k - 1))
         draft = torch.stack(tokens, dim=1)  # (B, k)
         return draft, (torch.stack(probs, dim=1) if probs else None)
 
@@ -142,6 +153,7 @@ class ChainExecutor:
     ) -> CycleStats:
         """One cycle of `chain` with draft length `k` for `rows`; commits >= 1 token per row."""
         t_start = self.clock()
+        self._forwards: list[ForwardRecord] = []
         B = len(rows)
         greedy = sampling.all_greedy
         num_before = [len(s.tokens) for s in rows]
@@ -154,6 +166,7 @@ class ChainExecutor:
         zero = torch.zeros(B, dtype=torch.long)
         drafted = [zero] * len(chain)  # per level: (B,) tokens drafted / candidates reaching it
         accepted = [zero] * len(chain)  # per level: (B,) candidates it accepted
+        tv = [None] * len(chain)  # per level: (B,) mean D_TV(level below, level) at candidates (sampling)
         offset = len(chain) - len(levels)  # stats index of levels[0]
 
         # 1. draft
@@ -168,6 +181,8 @@ class ChainExecutor:
                 t0 = self.clock()
                 cand, num_cand = self.drafters[drafter].propose([s.tokens for s in rows], k_eff)
                 ftime[drafter] = self.clock() - t0
+                self._forwards.append(ForwardRecord(model=drafter, rows=B, new_tokens=k_eff,
+                                                    context_len=sum(num_before) // B, seconds=ftime[drafter]))
                 if not greedy:
                     draft_probs = F.one_hot(cand, self.vocab_width).to(torch.float32)
             else:
@@ -192,6 +207,8 @@ class ChainExecutor:
                     draft_probs = verifier_probs[:, :0]
                 else:
                     draft_probs = draft_probs[:, :n].to(verifier_probs.dtype)
+                if n > 0:
+                    tv[offset + j] = candidate_tv(draft_probs, verifier_probs, num_cand)
                 res = verify_speculative(cand, num_cand, draft_probs, verifier_probs, generator)
             drafted[offset + j] = num_cand
             accepted[offset + j] = res.num_accepted
@@ -211,8 +228,17 @@ class ChainExecutor:
                 ran, drafted_rows[b][-len(ran):], accepted_rows[b][-len(ran):],
                 len(seq.tokens) - num_before[b],
             )
+        nan = float("nan")
+        tv_rows = [[nan if t is None else float(t[b]) for t in tv[-len(ran):]] for b in range(B)]
         return CycleStats(
             chain=tuple(ran), k=k_eff, rows=B,
+            row_ids=[s.seq_id for s in rows],
+            row_k=torch.minimum(caps, torch.tensor(k_eff)).tolist() if k_eff > 0 else [0] * B,
+            row_drafted=[d[-len(ran):] for d in drafted_rows],
+            row_accepted=[a[-len(ran):] for a in accepted_rows],
+            row_context=num_before,
+            row_tv=tv_rows,
+            forwards=self._forwards,
             drafted=[int(x.sum()) for x in drafted[-len(ran):]],
             accepted=[int(x.sum()) for x in accepted[-len(ran):]],
             committed=committed, forward_time=ftime, forward_tokens=ftoks,

@@ -23,6 +23,14 @@ class CycleStats:
     forward_time: dict[str, float]  # seconds spent in each model's forwards (or proposals)
     forward_tokens: dict[str, int]  # new tokens fed to each model (incl. catch-up)
     wall_time: float  # seconds for the whole cycle
+    # per row (index b follows the rows passed to the cycle), for the router
+    row_ids: list[int] = field(default_factory=list)  # seq_id of each row
+    row_k: list[int] = field(default_factory=list)  # draft length asked for the row (0: plain)
+    row_drafted: list[list[int]] = field(default_factory=list)  # per row, per level: as `drafted`
+    row_accepted: list[list[int]] = field(default_factory=list)  # per row, per level: as `accepted`
+    row_context: list[int] = field(default_factory=list)  # committed tokens before the cycle
+    row_tv: list[list[float]] = field(default_factory=list)  # per row, per level: mean D_TV (NaN: none)
+    forwards: list = field(default_factory=list)  # router.records.ForwardRecord of every timed forward
 
 
 @dataclass

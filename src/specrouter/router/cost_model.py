@@ -55,16 +55,23 @@ CostSpec = Union[float, Callable[[int], float], Sequence[float], np.ndarray]
 class ModelFreeDraft:
     """Cost model of a model-free drafter (n-gram / prompt lookup). Only valid as level 1."""
 
-    cost: float | Callable[[int], float] = 0.0  # seconds to propose up to k tokens: constant, or k -> seconds
+    cost: float | Callable[[int], float] | np.ndarray = 0.0  # seconds to propose up to k tokens: constant, k -> seconds, or an array indexed by k
     hit_rate: float = 1.0  # probability the lookup proposes k tokens; otherwise it proposes none
 
     def __post_init__(self) -> None:
-        if not callable(self.cost):
+        if isinstance(self.cost, np.ndarray):
+            if self.cost.ndim != 1 or not (np.all(np.isfinite(self.cost)) and np.all(self.cost >= 0)):
+                raise ValueError("ModelFreeDraft.cost as an array must be 1-D, finite and >= 0")
+        elif not callable(self.cost):
             _check_seconds("ModelFreeDraft.cost", self.cost)
         _check_probability("ModelFreeDraft.hit_rate", self.hit_rate)
 
     def costs(self, ks: np.ndarray) -> np.ndarray:
         """(K,) seconds of proposing for each draft length in `ks`."""
+        if isinstance(self.cost, np.ndarray):
+            if int(np.max(ks)) >= len(self.cost):
+                raise ValueError(f"ModelFreeDraft.cost covers k < {len(self.cost)}, asked up to {int(np.max(ks))}")
+            return self.cost[ks].astype(np.float64)
         if callable(self.cost):
             out = np.array([float(self.cost(int(k))) for k in ks])
             if not (np.all(np.isfinite(out)) and np.all(out >= 0)):

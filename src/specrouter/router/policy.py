@@ -1,0 +1,484 @@
+"""The router: per request, every cycle, the chain and draft length of least predicted T_eff
+(DESIGN.md, Pillar 1), with hysteresis, bounded probing and a log of every decision.
+
+Inputs: a `CostProfile` (T_M(b, t, L)), a `SimilarityEstimator` (alpha per pair and mode), the
+pool order (cheapest first, target last) and the names of model-free drafters.
+
+1. `decide(RowContext)`: build each model's cost row T_M(b, ., L) for the row's batch size b and
+   context length L, each pair's alpha for this request, the model-free drafters' hit rates, and
+   evaluate every sub-chain ending at the target (2^(p-1), (target,) included) for k = 1..k_max
+   with `cost_model.best_plan`. The per-cycle overheads are charged on top: the engine's own
+   (cycle wall time minus forward time, learned separately for plain and speculative cycles) and
+   the router's (its measured decide() time times the batch rows).
+2. Hysteresis: keep the current (chain, k) unless the best is predicted faster by more than
+   `switch_margin` (5%), or the current one has been predicted slower than the best by more
+   than `persist_margin` (1%) for `patience` (16) decisions in a row. Hysteresis is for noise,
+   not for a change of regime: when the profile's step detector fired for a model of the plan
+   (it slowed down or sped up), a gain above `persist_margin` switches at once ("changed").
+   And plain decoding is the safe default: a speculative plan not predicted to beat it by more
+   than `persist_margin` falls back to it at once ("fallback").
+3. Probing: pairs with little (or faded) evidence (`needs_probe`) get their optimistic alpha
+   (a Wilson upper bound); when the `ProbeBudget` allows (5% of row-cycles, 2% of wall time)
+   and a chain measuring one of them could beat the plan in that optimistic world, this one
+   cycle runs it (the pair probed least recently first), at its best k up to `probe_k`; its
+   expected extra cost over the plan is charged to the budget. Refuted pairs stop being probed
+   until their evidence fades.
+4. `observe_cycle(stats, rows, forwards)`: acceptance trials (global and per request), D_TV,
+   hit rates, forward timings into the profile, cycle overheads.
+
+Per request (a request type is implicit: code, prose, chat): each request keeps its own decayed
+acceptance counts per pair and hit counts per model-free drafter; its alpha is its own estimate
+shrunk toward the global one (empirical Bayes: (accepted + n0 * global) / (trials + n0) with
+n0 = `request_prior_strength` pseudo-trials, over a window of ~200 trials), so a request with
+little evidence runs on the global estimate and one that differs (code vs prose) soon on its
+own. A pair a request never ran keeps the global estimate; model-free drafters can be
+shadow-scored for free every cycle (`observe_shadow`), so a request's n-gram estimate is always
+its own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..stats import CycleStats
+from .cost_model import ModelFreeDraft, PlanTable, best_plan, enumerate_chains
+from .profile import CostProfile
+from .records import (  # noqa: F401  (re-exported: the router's public boundary)
+    Chain,
+    Decision,
+    DecisionEvent,
+    ForwardRecord,
+    RouterConfig,
+    RowContext,
+    RowOutcome,
+)
+from .similarity import (
+    GREEDY,
+    SAMPLING,
+    Pair,
+    ProbeBudget,
+    SimilarityEstimator,
+    acceptance_trials,
+    shadow_match,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-request state
+
+
+@dataclass
+class RequestState:
+    """The router's memory of one request."""
+
+    greedy: bool
+    plan: tuple[Chain, int] | None = None  # current (chain, k)
+    worse: int = 0  # consecutive decisions the plan was predicted slower than the best
+    epoch: tuple[int, ...] = ()  # step-detector counts of the plan's models when it was chosen
+    counts: dict[Pair, list[float]] = field(default_factory=dict)  # pair -> [accepted, rejections], decayed
+    hits: dict[str, list[float]] = field(default_factory=dict)  # model-free drafter -> [hits, proposals], decayed
+    cycles: int = 0  # cycles observed
+
+    def observe(self, pair: Pair, accepted: float, rejections: float, decay: float) -> None:
+        c = self.counts.setdefault(pair, [0.0, 0.0])
+        f = decay ** (accepted + rejections)
+        c[0], c[1] = f * c[0] + accepted, f * c[1] + rejections
+
+    def observe_hit(self, drafter: str, hit: bool, decay: float) -> None:
+        h = self.hits.setdefault(drafter, [0.0, 0.0])
+        h[0], h[1] = decay * h[0] + float(hit), decay * h[1] + 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# the router
+
+
+class Router:
+    """Chooses (chain, k) per request per cycle; see the module docstring."""
+
+    def __init__(
+        self,
+        order: Sequence[str],
+        target: str,
+        profile: CostProfile,
+        similarity: SimilarityEstimator | None = None,
+        *,
+        model_free: Collection[str] = (),
+        sizes: Mapping[str, int] | None = None,
+        config: RouterConfig | None = None,
+        on_decision: Callable[[DecisionEvent], None] | None = None,
+        timer: Callable[[], float] = time.perf_counter,
+    ):
+        self.config = cfg = config or RouterConfig()
+        if target not in order:
+            raise ValueError(f"target {target!r} is not in the pool order {list(order)}")
+        self.order = list(order)
+        self.target = target
+        self.model_free = frozenset(model_free)
+        unprofiled = [m for m in self.order if m not in profile and m not in self.model_free]
+        if unprofiled:
+            raise ValueError(f"no cost profile for {unprofiled}: run specrouter.router.profile.sweep() or CostProfile.load()")
+        self.profile = profile
+        self.similarity = similarity or SimilarityEstimator(sizes, self.model_free)
+        self.budget = ProbeBudget(cfg.probe_fraction, cfg.probe_time_fraction)
+        self.on_decision = on_decision
+        self.timer = timer  # measures decide() (real time, also under a virtual clock)
+        self.chains: list[Chain] = [
+            c for c in enumerate_chains(self.order, target, cfg.max_levels)
+            if not any(m in self.model_free for m in c[1:])
+        ]
+        self._chain_index = {c: i for i, c in enumerate(self.chains)}
+        self.pairs: list[Pair] = sorted({p for c in self.chains for p in zip(c[:-1], c[1:])},
+                                        key=lambda p: (self.order.index(p[0]), self.order.index(p[1])))
+        self._pair_chains = {p: [i for i, c in enumerate(self.chains) if p in zip(c[:-1], c[1:])]
+                             for p in self.pairs}  # chains that measure the pair
+        self.requests: dict[int, RequestState] = {}
+        self.events: deque[DecisionEvent] = deque(maxlen=cfg.log_size)
+        self.overhead = {"plain": 0.0, "spec": 0.0}  # seconds per cycle outside forwards
+        self.decide_seconds = 0.0  # EMA of decide() wall time
+        self._cost_cache: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
+        self._cost_version = -1
+        self._t_width = cfg.k_max + cfg.max_levels + 2
+        self._next_probe_check = 0  # row-cycle from which _probe is worth computing again
+        self._probes: dict[Pair, tuple[int, float, int]] = {}  # pair -> (row-cycle, trials then, back-off)
+        self._model_seen: dict[str, int] = {}  # row-cycle each model was last timed
+
+    @classmethod
+    def from_pool(cls, pool, profile: CostProfile, **kwargs) -> "Router":
+        """A router over a `Pool` (its order, target, model sizes and model-free drafters)."""
+        sizes = {n: int(getattr(r, "num_params", 0)) for n, r in pool.runners.items()}
+        return cls(pool.order, pool.target, profile, model_free=set(pool.drafters), sizes=sizes, **kwargs)
+
+    # -- estimates --------------------------------------------------------------------------
+    def _request(self, seq_id: int, greedy: bool) -> RequestState:
+        req = self.requests.get(seq_id)
+        if req is None:
+            req = self.requests[seq_id] = RequestState(greedy=greedy)
+        return req
+
+    def alpha(self, pair: Pair, mode: str, req: RequestState | None = None) -> float:
+        """The acceptance estimate of a pair for a request (global when req is None)."""
+        glob = self.similarity.alpha(pair, mode)
+        c = req.counts.get(pair) if req is not None else None
+        if c is None:
+            return glob
+        n0 = self.config.request_prior_strength
+        return (c[0] + n0 * glob) / (c[0] + c[1] + n0)
+
+    def hit_rate(self, drafter: str, req: RequestState | None = None) -> float:
+        glob = self.similarity.hit_rate(drafter)
+        h = req.hits.get(drafter) if req is not None else None
+        if h is None:
+            return glob
+        n0 = self.config.request_prior_strength / 4  # a proposal is one trial, not ~k
+        return (h[0] + n0 * glob) / (h[1] + n0)
+
+    def _cost_rows(self, b: int, L: int) -> dict[str, np.ndarray]:
+        """T_M(b, t, L) for t = 0..width per model, cached until the profile changes."""
+        if self.profile.version != self._cost_version:
+            self._cost_cache.clear()
+            self._cost_version = self.profile.version
+        bucket = self.config.context_bucket
+        key = (b, L // bucket, self._t_width)
+        rows = self._cost_cache.get(key)
+        if rows is None:
+            L_mid = (L // bucket) * bucket + bucket // 2
+            rows = {m: self.profile.cost_row(m, b, L_mid, self._t_width) if m in self.profile
+                    else np.zeros(self._t_width + 1) for m in self.order}  # an unprofiled model-free drafter: free
+            self._cost_cache[key] = rows
+        return rows
+
+    def _inputs(self, row: RowContext, req: RequestState | None):
+        """(costs, alphas, router seconds per cycle) of a row for best_plan."""
+        mode = GREEDY if row.greedy else SAMPLING
+        rows = self._cost_rows(max(row.batch_size, 1), max(row.context_len, 1))
+        costs: dict[str, object] = dict(rows)
+        for d in self.model_free:
+            costs[d] = ModelFreeDraft(cost=rows[d], hit_rate=self.hit_rate(d, req))
+        alphas = {p: round(self.alpha(p, mode, req), 4) for p in self.pairs}  # rounding: cache hits
+        return costs, alphas, self.decide_seconds * max(row.batch_size, 1)
+
+    def _viable(self, chain: Chain, costs, alphas) -> bool:
+        """False for a chain that cannot beat plain decoding: a pair that (almost) never
+        accepts, or a model-free drafter that (almost) never proposes. Pruning them makes
+        decide() cheap exactly when speculation is useless."""
+        cfg = self.config
+        if chain[0] in self.model_free and costs[chain[0]].hit_rate < cfg.prune_below:
+            return False
+        return all(alphas[p] >= cfg.prune_below for p in zip(chain[:-1], chain[1:]))
+
+    def _table(self, costs, alphas, router: float, k_cap: int, keep: int | None = None,
+               prune: bool = True) -> PlanTable:
+        """best_plan over the viable chains (and `keep`), with every overhead, as a PlanTable over
+        all chains: t_eff (C, K) is +inf and the expectations NaN for pruned ones."""
+        idx = [i for i, c in enumerate(self.chains)
+               if not prune or i == 0 or i == keep or self._viable(c, costs, alphas)]
+        plan = best_plan([self.chains[i] for i in idx], k_cap, costs=costs, alphas=alphas,
+                         overhead=self.overhead["spec"] + router)
+        shape = (len(self.chains), k_cap)
+        t, latency, tokens = np.full(shape, np.inf), np.full(shape, np.nan), np.full(shape, np.nan)
+        t[idx], latency[idx], tokens[idx] = plan.table.t_eff, plan.table.expected_latency, plan.table.expected_tokens
+        t[0] += self.overhead["plain"] + router  # chains[0] is (target,): one token per cycle
+        latency[0] += self.overhead["plain"] + router
+        return PlanTable(chains=tuple(self.chains), ks=plan.table.ks, t_eff=t, expected_tokens=tokens,
+                         expected_latency=latency)
+
+    def evaluate(self, row: RowContext, req: RequestState | None = None, k_cap: int | None = None,
+                 prune: bool = False) -> tuple[PlanTable, dict[Pair, float]]:
+        """(PlanTable with all overheads, alphas) of a row: what decide() takes the argmin of,
+        for display (`specrouter profile`) and tests."""
+        costs, alphas, router = self._inputs(row, req)
+        k_cap = self.config.k_max if k_cap is None else k_cap
+        return self._table(costs, alphas, router, k_cap, prune=prune), alphas
+
+    # -- deciding ---------------------------------------------------------------------------
+    def decide(self, row: RowContext) -> Decision:
+        """The (chain, k) this row runs next cycle (module docstring, steps 1-3)."""
+        t0 = self.timer()
+        cfg = self.config
+        req = self._request(row.seq_id, row.greedy)
+        mode = GREEDY if row.greedy else SAMPLING
+        k_cap = cfg.k_max if row.remaining is None else min(cfg.k_max, row.remaining - 1)
+        prev = req.plan
+        plain = (self.target,)
+        if k_cap < 1 or len(self.chains) == 1:
+            t_plain = float(self._cost_rows(max(row.batch_size, 1), max(row.context_len, 1))[self.target][1])
+            req.plan, req.worse = (plain, 0), 0
+            decision = Decision(plain, 0, t_plain, "end" if k_cap < 1 else "only")
+            return self._log(row, req, mode, decision, prev, (plain, 0), t_plain, t_plain, {}, t0)
+        costs, alphas, router = self._inputs(row, req)
+        keep = self._chain_index.get(prev[0]) if prev is not None else None
+        table = self._table(costs, alphas, router, k_cap, keep=keep)
+        t = table.t_eff
+        bi, bj = np.unravel_index(int(np.argmin(t)), t.shape)
+        best = self._plan_at(bi, bj)
+        t_best = float(t[bi, bj])
+
+        # 2. hysteresis
+        ci = self._chain_index.get(prev[0]) if prev is not None else None
+        if prev is None:
+            choice, reason = best, "initial"
+        elif ci is None:
+            choice, reason = best, "invalid"
+        else:
+            cj = 0 if len(prev[0]) == 1 else min(prev[1], k_cap) - 1
+            current = self._plan_at(ci, cj)
+            t_cur = float(t[ci, cj])
+            changed = self._epoch(prev[0]) != req.epoch  # a model of the plan changed speed
+            if current == best:
+                choice, reason = current, "same"
+                req.worse = 0
+            elif t_best < t_cur * (1.0 - cfg.switch_margin):
+                choice, reason = best, "better"
+            elif changed and t_best < t_cur * (1.0 - cfg.persist_margin):
+                choice, reason = best, "changed"
+            elif best[0] == plain and t_best < t_cur * (1.0 + cfg.persist_margin):
+                choice, reason = best, "fallback"  # speculation predicted to gain < 1%: pure risk
+            elif t_cur > t_best * (1.0 + cfg.persist_margin):
+                req.worse += 1
+                choice, reason = (best, "persistent") if req.worse >= cfg.patience else (current, "hysteresis")
+            else:
+                choice, reason = current, "hysteresis"
+                req.worse = 0
+        if choice != prev:
+            req.worse = 0
+        req.plan, req.epoch = choice, self._epoch(choice[0])
+        i, j = self._chain_index[choice[0]], max(choice[1], 1) - 1
+        decision = Decision(choice[0], choice[1], float(t[i, j]), reason)
+
+        # 3. probing, within the budget (the request's plan stays as it is)
+        if self.budget.allow() and self.similarity.now >= self._next_probe_check:
+            probe = self._probe(mode, choice[0], float(t[i, j]), costs, alphas, router, k_cap)
+            if probe is None:
+                self._next_probe_check = self.similarity.now + self.config.probe_recheck
+            else:
+                pi, pk = probe
+                one = best_plan([self.chains[pi]], pk, costs=costs, alphas=alphas,
+                                overhead=self.overhead["spec"] + router).table  # as now estimated
+                latency, tokens = float(one.expected_latency[0, pk - 1]), float(one.expected_tokens[0, pk - 1])
+                self.budget.charge(latency - float(t[i, j]) * tokens)
+                decision = Decision(self.chains[pi], pk, latency / tokens, "probe")
+        return self._log(row, req, mode, decision, prev, best, t_best, float(t[0, 0]), alphas, t0)
+
+    def decide_batch(self, rows: Sequence[RowContext]) -> list[Decision]:
+        return [self.decide(r) for r in rows]
+
+    def _epoch(self, chain: Chain) -> tuple[int, ...]:
+        jumps = self.profile.jumps
+        return tuple(jumps.get(m, 0) for m in chain)
+
+    def _plan_at(self, i: int, j: int) -> tuple[Chain, int]:
+        chain = self.chains[i]
+        return chain, (0 if len(chain) == 1 else j + 1)
+
+    def _probe(self, mode: str, running: Chain, t_plan: float, costs, alphas, router: float,
+               k_cap: int) -> tuple[int, int] | None:
+        """(chain index, k) of a probe, or None (optimism under uncertainty, within the budget).
+
+        Candidates: pairs not in the running chain that need a probe (`needs_probe`) get their
+        optimistic alpha (`SimilarityEstimator.upper`), and models believed slow (speed > 1.1)
+        whose timing is stale (unobserved for `stale_after` row-cycles) their swept speed. A
+        candidate pair is worth a probe when some chain measuring it beats the plan (T_eff below
+        `t_plan`) in that optimistic world; the most promising one goes, with its best chain at
+        that chain's best k up to `probe_k`. A probe that taught nothing about its pair (a
+        model-free miss) doubles the wait before that pair's next one."""
+        sim, now = self.similarity, self.similarity.now
+        busy = set(zip(running[:-1], running[1:]))
+        slow = {m for m in self.order if m in self.profile and self.profile.speed(m) > 1.1
+                and now - self._model_seen.get(m, 0) >= sim.config.stale_after}
+        candidates = [p for p in self.pairs if p not in busy
+                      and (sim.needs_probe(p, mode) or slow.intersection(p))
+                      and now >= self._probe_ready(p, mode)]
+        if not candidates:
+            return None
+        hopeful = dict(alphas)
+        for p in candidates:
+            if sim.needs_probe(p, mode):
+                hopeful[p] = max(alphas[p], round(sim.upper(p, mode, self.config.probe_optimism), 4))
+        hopeful_costs = dict(costs)
+        for m in slow:  # it may have recovered while nobody looked
+            if isinstance(costs[m], np.ndarray):
+                hopeful_costs[m] = costs[m] / self.profile.speed(m)
+        t = self._table(hopeful_costs, hopeful, router, k_cap).t_eff
+        best = None  # (optimistic T_eff, pair, chain index, k index)
+        for p in candidates:
+            for i in self._pair_chains[p]:
+                j = int(np.argmin(t[i]))
+                if t[i, j] < t_plan and (best is None or t[i, j] < best[0]):
+                    best = (float(t[i, j]), p, i, j)
+        if best is None:
+            return None
+        _, p, i, j = best
+        last = self._probes.get(p)
+        wait = 0 if last is None or self._taught(p, mode, last) else max(2 * last[2], self.config.probe_recheck)
+        self._probes[p] = (now, sim.stats(p, mode).trials, min(wait, 4 * sim.config.stale_after))
+        return i, min(j + 1, self.config.probe_k)
+
+    def _taught(self, pair: Pair, mode: str, last: tuple[int, float, int]) -> bool:
+        return self.similarity.stats(pair, mode).trials > last[1] + 0.5
+
+    def _probe_ready(self, pair: Pair, mode: str) -> int:
+        """Row-cycle from which the pair may be probed again: at once if its last probe taught
+        something, else after twice the previous wait (back-off)."""
+        last = self._probes.get(pair)
+        if last is None or self._taught(pair, mode, last):
+            return 0
+        return last[0] + max(2 * last[2], self.config.probe_recheck)
+
+    def _log(self, row, req, mode, decision, prev, best, t_best, t_plain, alphas, t0) -> Decision:
+        elapsed = self.timer() - t0
+        a = self.config.overhead_alpha
+        self.decide_seconds += a * (elapsed - self.decide_seconds) if self.decide_seconds else elapsed
+        event = DecisionEvent(
+            step=self.similarity.now, seq_id=row.seq_id, chain=decision.chain, k=decision.k,
+            t_eff=decision.t_eff, reason=decision.reason, switched=prev is not None and req.plan != prev,
+            best_chain=best[0], best_k=best[1], best_t_eff=t_best, plain_t_eff=t_plain,
+            batch_size=row.batch_size, context_len=row.context_len, mode=mode, alphas=alphas,
+            decide_seconds=elapsed,
+        )
+        self.events.append(event)
+        if self.on_decision is not None:
+            self.on_decision(event)
+        return decision
+
+    # -- observing --------------------------------------------------------------------------
+    def observe_cycle(
+        self,
+        stats: CycleStats | None,
+        rows: Sequence[RowOutcome],
+        forwards: Sequence[ForwardRecord] | None = None,
+    ) -> None:
+        """Learn from one executor cycle: `rows` are its per-row outcomes; `forwards` its timed
+        forwards (without them, timings are attributed from `stats` approximately)."""
+        cfg = self.config
+        sim = self.similarity
+        for r in rows:
+            mode = GREEDY if r.greedy else SAMPLING
+            req = self._request(r.seq_id, r.greedy)
+            req.cycles += 1
+            chain = tuple(r.chain)
+            for j in range(1, len(chain)):
+                pair = (chain[j - 1], chain[j])
+                cand, acc = int(r.drafted[j]), int(r.accepted[j])
+                proposal_len = None
+                if j == 1 and chain[0] in self.model_free:
+                    hit = int(r.drafted[0]) > 0
+                    sim.observe_hits(chain[0], int(hit), 1)
+                    req.observe_hit(chain[0], hit, cfg.request_hit_decay)
+                    proposal_len = r.k
+                a, rej = acceptance_trials(cand, acc, proposal_len)
+                if a + rej:
+                    sim.observe_acceptance(pair, mode, a, rej)
+                    req.observe(pair, a, rej, cfg.request_decay)
+                else:
+                    sim.touch(pair, mode)
+                if r.tv is not None and j < len(r.tv) and r.tv[j] is not None and math.isfinite(r.tv[j]):
+                    sim.observe_tv(pair, mode, float(r.tv[j]), cand)
+        # timings
+        for name in (stats.forward_time if stats is not None else ()):
+            self._model_seen[name] = sim.now
+        for f in forwards or ():
+            self._model_seen[f.model] = sim.now
+        if forwards is not None:
+            for f in forwards:
+                if f.model in self.profile:
+                    self.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
+        elif stats is not None and rows:
+            self._observe_stats_timings(stats, rows)
+        if stats is not None:
+            spent = stats.wall_time - sum(stats.forward_time.values())
+            key = "spec" if len(stats.chain) > 1 else "plain"
+            self.overhead[key] += cfg.overhead_alpha * (max(spent, 0.0) - self.overhead[key])
+        sim.tick(len(rows))
+        self.budget.tick(len(rows), stats.wall_time if stats is not None else 0.0)
+
+    def _observe_stats_timings(self, stats: CycleStats, rows: Sequence[RowOutcome]) -> None:
+        """Approximate forward shapes from CycleStats: a draft model ran k one-token steps, a
+        verifier at level j one forward of max candidates + 1 tokens per row."""
+        chain, b = tuple(stats.chain), max(stats.rows, 1)
+        L = int(sum(r.context_len for r in rows) / len(rows))
+        for j, name in enumerate(chain):
+            seconds = stats.forward_time.get(name)
+            if seconds is None or name not in self.profile:
+                continue
+            if j == 0 and len(chain) > 1:
+                if name in self.model_free:
+                    self.profile.observe(name, b, max(stats.k, 1), L, seconds)
+                else:
+                    self.profile.observe(name, b, 1, L, seconds, count=max(stats.k, 1))
+                continue
+            widest = max(int(r.drafted[j]) for r in rows) + 1 if j < len(rows[0].drafted) else 1
+            per_row = math.ceil(stats.forward_tokens.get(name, b) / b)
+            self.profile.observe(name, b, max(widest, per_row), L, seconds)
+
+    def observe_shadow(self, seq_id: int, drafter: str, proposal: Sequence[int], committed: Sequence[int],
+                       k: int, greedy: bool = True, verifier: str | None = None) -> None:
+        """Free evidence for a model-free drafter the row did not run: what it would have
+        proposed (asked for k tokens before the cycle) against what the target committed."""
+        cfg = self.config
+        req = self._request(seq_id, greedy)
+        hit = len(proposal) > 0
+        self.similarity.observe_hits(drafter, int(hit), 1)
+        req.observe_hit(drafter, hit, cfg.request_hit_decay)
+        a, rej = shadow_match(proposal, committed, k)
+        pair = (drafter, verifier or self.target)
+        mode = GREEDY if greedy else SAMPLING
+        if a + rej:
+            self.similarity.observe_acceptance(pair, mode, a, rej)
+            req.observe(pair, a, rej, cfg.request_decay)
+        else:
+            self.similarity.touch(pair, mode)
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished request."""
+        self.requests.pop(seq_id, None)
+
+    def plan_table(self, row: RowContext) -> PlanTable:
+        """The PlanTable of a row now (display: `PlanTable.format()`)."""
+        return self.evaluate(row, self.requests.get(row.seq_id))[0]

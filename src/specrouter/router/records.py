@@ -1,0 +1,113 @@
+"""The router's boundary dataclasses: its settings, what it is told about a row before a cycle
+(`RowContext`) and after it (`RowOutcome`, `ForwardRecord`), and what it answers (`Decision`,
+`DecisionEvent`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..config import MAX_DRAFT_LENGTH
+
+Chain = tuple[str, ...]  # model names, drafter first, target last
+Pair = tuple[str, str]  # (drafter, verifier): the lower level first
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Router settings (one object for the CLI, the server and the API)."""
+
+    k_max: int = MAX_DRAFT_LENGTH  # draft lengths searched: 1..k_max
+    max_levels: int = 4  # deepest chain considered
+    switch_margin: float = 0.05  # switch at once when the best plan is predicted > 5% faster
+    patience: int = 16  # ... or when it was predicted slower by > persist_margin this many decisions in a row
+    persist_margin: float = 0.01  # the smallest gap that counts toward patience
+    request_decay: float = 0.995  # per trial: a request's own acceptance counts forget (~200 trials)
+    request_prior_strength: float = 32.0  # pseudo-trials of the global alpha in a request's estimate
+    request_hit_decay: float = 0.95  # per proposal: a request's own model-free hit counts forget (~20)
+    probe_k: int = 8  # longest draft of a probe cycle
+    probe_optimism: float = 1.5  # z of the Wilson upper bound that makes a stale pair worth a probe
+    probe_recheck: int = 8  # row-cycles before looking again when no pair was worth a probe
+    probe_fraction: float = 0.05  # at most this fraction of row-cycles are probes
+    probe_time_fraction: float | None = 0.02  # and their cost at most this fraction of wall time
+    overhead_alpha: float = 0.1  # EMA weight of one cycle's overhead (wall - forwards) and decide() time
+    context_bucket: int = 32  # cost rows are cached per (b, L // context_bucket)
+    prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
+    log_size: int = 10_000  # decision events kept
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k_max <= MAX_DRAFT_LENGTH:
+            raise ValueError(f"k_max must be in 1..{MAX_DRAFT_LENGTH}, got {self.k_max}")
+        if not 1 <= self.max_levels <= 4:
+            raise ValueError(f"max_levels must be in 1..4, got {self.max_levels}")
+        if self.switch_margin < 0 or self.patience < 1 or self.probe_k < 1:
+            raise ValueError("switch_margin must be >= 0, patience and probe_k >= 1")
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What the router needs to know about a row to decide its next cycle."""
+
+    seq_id: int  # request id (Sequence.seq_id)
+    context_len: int  # tokens in the row now (prompt + generated): L of its forwards
+    batch_size: int = 1  # rows its forwards are batched with: b of T_M(b, t, L)
+    greedy: bool = True  # temperature 0
+    remaining: int | None = None  # tokens it may still generate (k <= remaining - 1); None: no cap
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The plan of one row for one cycle."""
+
+    chain: Chain  # models to run, drafter first, target last
+    k: int  # draft length; 0 for the target-only chain (plain decoding)
+    t_eff: float  # predicted seconds per committed target token of this plan
+    reason: str  # initial | same | better | changed | fallback | persistent | hysteresis | invalid | probe | end | only
+
+
+@dataclass(frozen=True)
+class DecisionEvent:
+    """One decision, for metrics and plots (`Router.events`, `Router.on_decision`)."""
+
+    step: int  # row-cycles observed by the router when it decided
+    seq_id: int  # the request
+    chain: Chain  # what runs
+    k: int  # its draft length (0: plain)
+    t_eff: float  # its predicted seconds per target token
+    reason: str  # see Decision.reason
+    switched: bool  # the request's plan changed (probes do not change it)
+    best_chain: Chain  # argmin of the predicted T_eff this time
+    best_k: int
+    best_t_eff: float
+    plain_t_eff: float  # predicted seconds per token of plain decoding
+    batch_size: int  # b used for T_M
+    context_len: int  # L used for T_M
+    mode: str  # greedy | sampling
+    alphas: dict[Pair, float]  # the acceptance estimates used
+    decide_seconds: float  # wall time of decide() itself
+
+
+@dataclass(frozen=True)
+class RowOutcome:
+    """What one cycle did to one row (the executor's per-row counters)."""
+
+    seq_id: int  # the request
+    chain: Chain  # chain that ran (CycleStats.chain: (target,) when no candidate was drafted)
+    k: int  # draft length asked of the drafter for this row (0 for plain decoding)
+    drafted: Sequence[int]  # per level, as CycleStats.drafted (0: proposed; j >= 1: candidates reaching level j)
+    accepted: Sequence[int]  # per level, as CycleStats.accepted (0 unused)
+    greedy: bool = True  # the row decodes greedily
+    context_len: int = 0  # tokens in the row before the cycle (L of its forwards)
+    tv: Sequence[float] | None = None  # per level j >= 1: mean D_TV (level j-1 vs j) at the candidates; NaN: none
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """One timed forward (or `count` identical ones), as the executor measures it."""
+
+    model: str  # pool name (or a model-free drafter's: its proposal)
+    rows: int  # b
+    new_tokens: int  # t: new tokens per row, padded width (a model-free drafter: k)
+    context_len: int  # L: mean cached positions of the rows before the forward
+    seconds: float  # wall time, all `count` forwards together
+    count: int = 1  # e.g. a draft model's k sequential one-token steps

@@ -1,0 +1,34 @@
+"""Building the router for a pool: the machine's persisted cost profile (a start-up sweep of
+the models it does not know yet, with a progress bar, saved for next time) and the policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .policy import Router
+from .profile import CostProfile, default_profile_path, identity_of, sweep
+from .records import RouterConfig
+
+
+def load_or_sweep_profile(pool, *, path: str | Path | None = None, progress: bool = True,
+                          force: bool = False) -> CostProfile:
+    """This machine's profile of every pool model; models missing from it are swept now."""
+    path = Path(path) if path is not None else default_profile_path()
+    models = {**pool.runners, **pool.drafters}
+    idents = [identity_of(m) for m in models.values()]
+    profile = CostProfile() if force else CostProfile.load(path, idents)
+    missing = set(models) if force else {i.name for i in profile.missing(idents)}
+    if missing:
+        sweep({n: r for n, r in pool.runners.items() if n in missing},
+              {n: d for n, d in pool.drafters.items() if n in missing},
+              profile=profile, progress=progress)
+        profile.save(path)
+    return profile
+
+
+def build_router(pool, *, profile_path: str | Path | None = None, progress: bool = True,
+                 config: RouterConfig | None = None, on_decision=None) -> Router:
+    """The adaptive router of `pool` (profiles it first if this machine has no profile)."""
+    profile = load_or_sweep_profile(pool, path=profile_path, progress=progress)
+    kwargs = {"config": config} if config is not None else {}
+    return Router.from_pool(pool, profile, on_decision=on_decision, **kwargs)

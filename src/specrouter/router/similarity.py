@@ -1,0 +1,415 @@
+"""Similarity and acceptance of model pairs (DESIGN.md, Pillar 1): what the router believes
+`alpha_ij`, the per-token acceptance of drafter i's tokens by verifier j, to be.
+
+Per ordered pair (drafter, verifier) and decoding mode (greedy / sampling) it keeps:
+- **SimScore** = 1 - E[D_TV], an EMA of the mean total-variation distance between the two
+  models' processed next-token distributions at the same positions (`tv_distance`). In sampling
+  mode the executor has both distributions at every drafted position, so active pairs are
+  measured for free; in greedy mode it has the logits, and `tv_from_logits` compares the
+  temperature-1 distributions (greedy's processed distributions are one-hot, which would make
+  D_TV just a mismatch indicator).
+- **observed acceptance**: the per-token MLE of the iid truncated-geometric model, accepted /
+  (accepted + rejections), where a row rejects iff it accepted fewer than the candidates it
+  received (`acceptance_trials`). Counts decay per trial (window ~1/(1 - decay) trials). For a
+  model-free drafter the proposal counts as k long: a short proposal that was fully accepted
+  also ends in the verifier's token, exactly like a rejection at its end, so the iid fit stays
+  exact; a miss (no proposal at all) is a separate hit rate.
+- **calibration** f(SimScore) -> alpha, per mode: alpha = clip(a + b * SimScore, 0, 1), fitted
+  online by ridge-regularized weighted least squares from (SimScore, observed acceptance) pairs.
+  Priors: identity for sampling (the acceptance of speculative sampling is exactly 1 - D_TV);
+  `1.25 * S - 0.25` for greedy (greedy accepts less than 1 - D_TV at temperature 1 predicts).
+
+`alpha(pair, mode)` prefers the observed acceptance: with n trials of evidence it returns
+(accepted + w * fallback) / (n + w), w = prior_strength * max(0, 1 - n / min_evidence): the
+fallback's pseudo-trials fade out and from `min_evidence` trials on it is the plain MLE. The
+fallback is f(SimScore) when the pair's SimScore is measured, else a transitive estimate
+(D_TV is a metric: SimScore(i, k) >= SimScore(i, j) + SimScore(j, k) - 1, best j), else a cold
+prior: from the relative model size for model drafters, low for model-free ones.
+
+Pairs outside the active chains go stale: evidence fades linearly over `stale_after` row-cycles
+without a measurement (`effective_trials`), `needs_probe` says which pairs have less than
+`min_evidence` of it, `upper` gives their optimistic (Wilson upper bound) alpha, and a
+`ProbeBudget` lets the router spend at most a fraction of row-cycles (5%) and of wall time (2%)
+on probing them, with the cost accounted in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .records import Pair
+
+GREEDY = "greedy"
+SAMPLING = "sampling"
+MODES = (GREEDY, SAMPLING)
+CALIBRATION_PRIORS = {SAMPLING: (0.0, 1.0), GREEDY: (-0.25, 1.25)}  # (intercept, slope)
+CALIBRATION_CENTER = 0.75  # SimScores are centered here for the ridge fit (a typical value)
+CALIBRATION_SPREAD = 0.1  # typical spread of SimScores around it (scales the slope's prior)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# pure functions
+
+
+def candidate_mask(num_candidates: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, n) bool: position i of row b holds a valid candidate (i < num_candidates[b])."""
+    return torch.arange(n, device=num_candidates.device)[None, :] < num_candidates[:, None]
+
+
+def tv_distance(draft_probs: torch.Tensor, verifier_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) float64: per row, the mean over masked positions of D_TV = 1/2 sum_v |p - q|.
+
+    draft_probs (B, n, V): the proposal distribution at each candidate position; verifier_probs
+    (B, >= n, V): the verifier's at the same positions (its extra bonus position is ignored);
+    mask (B, n): valid candidates. Rows without any get NaN."""
+    n = draft_probs.shape[1]
+    if n == 0:
+        return torch.full((draft_probs.shape[0],), math.nan, dtype=torch.float64)
+    tv = 0.5 * (draft_probs - verifier_probs[:, :n].to(draft_probs.dtype)).abs().sum(-1)  # (B, n)
+    m = mask[:, :n].to(torch.float64)
+    count = m.sum(1)  # (B,)
+    total = (tv.to(torch.float64) * m).sum(1)
+    return torch.where(count > 0, total / count.clamp_min(1), torch.full_like(total, math.nan))
+
+
+def candidate_tv(draft_probs: torch.Tensor, verifier_probs: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
+    """(B,) per-row mean D_TV at a level's valid candidates, from what the executor has at the
+    level: draft_probs (B, n, V), verifier_probs (B, n + 1, V), num_candidates (B,). NaN: none."""
+    return tv_distance(draft_probs, verifier_probs, candidate_mask(num_candidates, draft_probs.shape[1]))
+
+
+def tv_from_logits(
+    draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """`tv_distance` of softmax(logits / temperature): greedy mode's SimScore (temperature 1)."""
+    n = draft_logits.shape[1]
+    d = torch.softmax(draft_logits.to(torch.float32) / temperature, dim=-1)  # (B, n, V)
+    v = torch.softmax(verifier_logits[:, :n].to(torch.float32) / temperature, dim=-1)  # (B, n, V)
+    return tv_distance(d, v, mask)
+
+
+def acceptance_trials(candidates: int, accepted: int, proposal_len: int | None = None) -> tuple[int, int]:
+    """(accepted, rejections) of one row at one level for the iid truncated-geometric MLE: a
+    rejection iff fewer were accepted than `proposal_len` (default: the candidates). A model-free
+    drafter passes its draft length k as proposal_len (module docstring)."""
+    if candidates <= 0:
+        return 0, 0
+    full = candidates if proposal_len is None else max(proposal_len, candidates)
+    return accepted, int(accepted < full)
+
+
+def shadow_match(proposal: Sequence[int], committed: Sequence[int], k: int) -> tuple[int, int]:
+    """Shadow-score a model-free proposal made before a cycle against the tokens the target then
+    committed: (accepted, rejections) as if it had drafted with length k. Exact in both modes:
+    a committed token is a sample of the target's distribution, so it equals a one-hot proposal
+    with the probability speculative sampling would have accepted it. Committing ended the
+    evidence without a rejection when every committed token matched."""
+    if not proposal:
+        return 0, 0
+    m = 0
+    for p, c in zip(proposal, committed):
+        if p != c:
+            break
+        m += 1
+    return m, int(m < min(len(committed), k))
+
+
+def blend(accepted: float, rejections: float, fallback: float, prior_strength: float, min_evidence: float) -> float:
+    """The observed acceptance with the fallback's pseudo-trials fading out (module docstring)."""
+    n = accepted + rejections
+    w = prior_strength * max(0.0, 1.0 - n / min_evidence) if min_evidence > 0 else 0.0
+    if n + w <= 0:
+        return fallback
+    return (accepted + w * fallback) / (n + w)
+
+
+def size_prior(drafter_params: int, verifier_params: int) -> float:
+    """Cold-start acceptance of a model drafter: 0.75 + 0.1 * log10(size ratio), in [0.3, 0.85]
+    (0.65 for a 10x smaller draft, 0.55 for 100x); 0.5 when a size is unknown. Mildly
+    optimistic on purpose: the router tries a draft and learns, instead of never trying it."""
+    if drafter_params <= 0 or verifier_params <= 0:
+        return 0.5
+    return min(0.85, max(0.3, 0.75 + 0.1 * math.log10(drafter_params / verifier_params)))
+
+
+# ---------------------------------------------------------------------------------------------
+# state
+
+
+@dataclass(frozen=True)
+class SimilarityConfig:
+    """How the estimator weighs evidence."""
+
+    tv_alpha: float = 0.1  # EMA weight of one observation's mean D_TV (after the first few)
+    min_tv_positions: int = 8  # positions measured before a pair's SimScore is used
+    decay: float = 0.998  # per trial: the global acceptance counts forget (window ~500 trials)
+    prior_strength: float = 4.0  # pseudo-trials of the fallback while evidence is thin
+    min_evidence: float = 64.0  # trials from which the observed acceptance is used alone
+    stale_after: int = 200  # row-cycles without a measurement before a pair needs a probe
+    calib_strength: float = 50.0  # pseudo-trials of the calibration prior (ridge)
+    calib_decay: float = 0.999  # per trial: the calibration data forget
+    model_free_prior: float = 0.2  # acceptance prior of a model-free drafter (given a hit)
+    hit_prior: float = 0.3  # prior probability that a model-free drafter proposes anything
+    hit_decay: float = 0.98  # per proposal: the global hit counts forget
+
+
+@dataclass
+class PairStats:
+    """What is known about one (pair, mode)."""
+
+    tv: float = math.nan  # EMA of mean D_TV
+    tv_positions: float = 0.0  # positions measured (not decayed)
+    accepted: float = 0.0  # decayed accepted tokens
+    rejections: float = 0.0  # decayed rejections
+    last_measured: int = -(1 << 60)  # row-cycle of the last measurement
+
+    @property
+    def trials(self) -> float:
+        return self.accepted + self.rejections
+
+    @property
+    def observed(self) -> float:
+        return self.accepted / self.trials if self.trials > 0 else math.nan
+
+
+@dataclass
+class _Calibration:
+    """alpha = a + b * (S - CALIBRATION_CENTER), ridge-regressed toward the prior line; the
+    sums are over trials (x = centered SimScore, y = acceptance), decayed."""
+
+    prior: tuple[float, float]  # (intercept, slope) of alpha = intercept + slope * S
+    sw: float = 0.0  # sum of weights (trials)
+    sx: float = 0.0
+    sxx: float = 0.0
+    sy: float = 0.0  # sum of accepted (= weight * observed acceptance)
+    sxy: float = 0.0
+    coef: tuple[float, float] | None = None  # cached fit, (intercept, slope) of alpha vs S
+
+    def add(self, sim: float, accepted: float, trials: float, decay: float) -> None:
+        x, f = sim - CALIBRATION_CENTER, decay ** trials
+        self.sw, self.sx, self.sxx, self.sy, self.sxy = (
+            f * self.sw + trials, f * self.sx + trials * x, f * self.sxx + trials * x * x,
+            f * self.sy + accepted, f * self.sxy + accepted * x)
+        self.coef = None
+
+    def fit(self, strength: float) -> tuple[float, float]:
+        if self.coef is None:
+            a0, b0 = self.prior
+            c0 = a0 + b0 * CALIBRATION_CENTER  # the prior's value at the center
+            lam, lam_b = strength, strength * CALIBRATION_SPREAD ** 2  # the slope's prior: lam trials at x = +-spread
+            # ridge: [sw+lam, sx; sx, sxx+lam_b] [c; b] = [sy + lam c0; sxy + lam_b b0]
+            m11, m12, m22 = self.sw + lam, self.sx, self.sxx + lam_b
+            r1, r2 = self.sy + lam * c0, self.sxy + lam_b * b0
+            det = m11 * m22 - m12 * m12
+            c, b = (c0, b0) if det <= 0 else ((r1 * m22 - r2 * m12) / det, (m11 * r2 - m12 * r1) / det)
+            self.coef = (c - b * CALIBRATION_CENTER, b)
+        return self.coef
+
+
+class SimilarityEstimator:
+    """Per (drafter, verifier) pair and mode: SimScore, observed acceptance, calibration, priors,
+    staleness (module docstring). `sizes`: parameter counts by model name; `model_free`: names
+    of model-free drafters."""
+
+    def __init__(
+        self,
+        sizes: Mapping[str, int] | None = None,
+        model_free: Collection[str] = (),
+        config: SimilarityConfig | None = None,
+    ):
+        self.config = config or SimilarityConfig()
+        self.sizes = dict(sizes or {})
+        self.model_free = frozenset(model_free)
+        self.pairs: dict[tuple[Pair, str], PairStats] = {}
+        self.calibrations = {m: _Calibration(CALIBRATION_PRIORS[m]) for m in MODES}
+        self.hits: dict[str, list[float]] = {}  # model-free drafter -> [hits, proposals], decayed
+        self.now = 0  # row-cycles seen (tick)
+
+    def stats(self, pair: Pair, mode: str) -> PairStats:
+        key = (tuple(pair), _check_mode(mode))
+        if key not in self.pairs:
+            self.pairs[key] = PairStats()
+        return self.pairs[key]
+
+    def tick(self, row_cycles: int = 1) -> None:
+        self.now += row_cycles
+
+    # -- observations -----------------------------------------------------------------------
+    def observe_tv(self, pair: Pair, mode: str, tv: float, positions: int) -> None:
+        """One measurement: mean D_TV `tv` over `positions` positions."""
+        if positions <= 0 or not math.isfinite(tv):
+            return
+        s = self.stats(pair, mode)
+        s.tv_positions += positions
+        w = max(self.config.tv_alpha, positions / s.tv_positions)  # plain mean while young
+        s.tv = tv if math.isnan(s.tv) else s.tv + w * (tv - s.tv)
+        s.last_measured = self.now
+
+    def observe_acceptance(self, pair: Pair, mode: str, accepted: float, rejections: float) -> None:
+        """Trials of the iid model (see `acceptance_trials`), summed over rows."""
+        trials = accepted + rejections
+        if trials <= 0:
+            return
+        cfg = self.config
+        s = self.stats(pair, mode)
+        f = cfg.decay ** trials
+        s.accepted = f * s.accepted + accepted
+        s.rejections = f * s.rejections + rejections
+        s.last_measured = self.now
+        sim = self.sim_score(pair, mode)
+        if sim is not None:
+            self.calibrations[mode].add(sim, accepted, trials, cfg.calib_decay)
+
+    def touch(self, pair: Pair, mode: str) -> None:
+        """The pair ran but yielded no trial (a model-free miss): it is not stale, nor known."""
+        self.stats(pair, mode).last_measured = self.now
+
+    def observe_hits(self, drafter: str, hits: int, proposals: int) -> None:
+        """A model-free drafter was asked `proposals` times and proposed something `hits` times."""
+        if proposals <= 0:
+            return
+        h = self.hits.setdefault(drafter, [0.0, 0.0])
+        f = self.config.hit_decay ** proposals
+        h[0], h[1] = f * h[0] + hits, f * h[1] + proposals
+
+    # -- estimates --------------------------------------------------------------------------
+    def sim_score(self, pair: Pair, mode: str) -> float | None:
+        """1 - E[D_TV] when measured over enough positions, else None."""
+        s = self.pairs.get((tuple(pair), mode))
+        if s is None or s.tv_positions < self.config.min_tv_positions:
+            return None
+        return 1.0 - s.tv
+
+    def transitive_sim(self, pair: Pair, mode: str) -> float | None:
+        """Best lower bound max_j SimScore(i, j) + SimScore(j, k) - 1 over measured pairs."""
+        i, k = pair
+        best = None
+        for (p, m), _ in self.pairs.items():
+            if m != mode or p[0] != i or p[1] == k:
+                continue
+            first, second = self.sim_score(p, mode), self.sim_score((p[1], k), mode)
+            if first is not None and second is not None:
+                bound = max(0.0, first + second - 1.0)
+                best = bound if best is None else max(best, bound)
+        return best
+
+    def calibrate(self, sim: float, mode: str) -> float:
+        """f(SimScore) -> alpha for the mode."""
+        a, b = self.calibrations[_check_mode(mode)].fit(self.config.calib_strength)
+        return min(1.0, max(0.0, a + b * sim))
+
+    def prior(self, pair: Pair) -> float:
+        drafter, verifier = pair
+        if drafter in self.model_free:
+            return self.config.model_free_prior
+        return size_prior(self.sizes.get(drafter, 0), self.sizes.get(verifier, 0))
+
+    def fallback(self, pair: Pair, mode: str) -> tuple[float, str]:
+        """(alpha, source) without the observed acceptance: similarity, transitive, prior."""
+        sim = self.sim_score(pair, mode)
+        if sim is not None:
+            return self.calibrate(sim, mode), "similarity"
+        sim = self.transitive_sim(pair, mode)
+        if sim is not None:
+            return self.calibrate(sim, mode), "transitive"
+        return self.prior(pair), "prior"
+
+    def alpha_detail(self, pair: Pair, mode: str) -> tuple[float, str]:
+        """(alpha, source): source is "observed" (MLE alone), "blend" (MLE with the fallback's
+        fading pseudo-trials) or the fallback's source."""
+        s = self.pairs.get((tuple(pair), _check_mode(mode)))
+        cfg = self.config
+        if s is not None and s.trials >= cfg.min_evidence:
+            return s.accepted / s.trials, "observed"
+        fb, source = self.fallback(pair, mode)
+        if s is None or s.trials <= 0:
+            return fb, source
+        value = blend(s.accepted, s.rejections, fb, cfg.prior_strength, cfg.min_evidence)
+        return value, "observed" if s.trials >= cfg.min_evidence else "blend"
+
+    def alpha(self, pair: Pair, mode: str) -> float:
+        return self.alpha_detail(pair, mode)[0]
+
+    def hit_rate(self, drafter: str) -> float:
+        """Probability that a model-free drafter proposes anything (global)."""
+        h = self.hits.get(drafter)
+        cfg = self.config
+        if h is None:
+            return cfg.hit_prior
+        return blend(h[0], h[1] - h[0], cfg.hit_prior, cfg.prior_strength, cfg.min_evidence)
+
+    def effective_trials(self, pair: Pair, mode: str) -> float:
+        """Trials of evidence, discounted linearly to 0 over `stale_after` row-cycles without a
+        measurement: what is known about a pair fades when it is not looked at."""
+        s = self.pairs.get((tuple(pair), _check_mode(mode)))
+        if s is None:
+            return 0.0
+        fresh = max(0.0, 1.0 - (self.now - s.last_measured) / self.config.stale_after)
+        return (s.trials + s.tv_positions) * fresh
+
+    def needs_probe(self, pair: Pair, mode: str) -> bool:
+        """Less than `min_evidence` effective trials: never measured, thinly measured, or not
+        measured for a while (`effective_trials`)."""
+        return self.effective_trials(pair, mode) < self.config.min_evidence
+
+    def upper(self, pair: Pair, mode: str, z: float = 1.5) -> float:
+        """Optimistic alpha: the Wilson upper bound at the current estimate with the effective
+        trials (1 with none). The router probes pairs that could win under it."""
+        n = self.effective_trials(pair, mode)
+        if n <= 0:
+            return 1.0
+        p = self.alpha(pair, mode)
+        z2 = z * z
+        centre = p + z2 / (2 * n)
+        spread = z * math.sqrt(max(p * (1 - p), 0.0) / n + z2 / (4 * n * n))
+        return min(1.0, (centre + spread) / (1 + z2 / n))
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be {GREEDY!r} or {SAMPLING!r}, got {mode!r}")
+    return mode
+
+
+# ---------------------------------------------------------------------------------------------
+# the probing budget
+
+
+@dataclass
+class ProbeBudget:
+    """At most `fraction` of row-cycles may be probes, and (optionally) the probes' accounted
+    cost at most `time_fraction` of the wall time of all cycles. The caller `tick`s every
+    row-cycle that ran (probes included) and `charge`s every probe it makes."""
+
+    fraction: float = 0.05  # probes / row-cycles, at most
+    time_fraction: float | None = 0.02  # probe seconds / cycle seconds, at most (None: no cap)
+    cycles: int = 0  # row-cycles ticked
+    probes: int = 0  # probes charged
+    seconds: float = 0.0  # accounted probe cost
+    total_seconds: float = 0.0  # wall time of all ticked cycles
+    history: list[float] = field(default_factory=list, repr=False)  # cost of each probe
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.fraction <= 1 or (self.time_fraction is not None and not 0 <= self.time_fraction <= 1):
+            raise ValueError("probe fractions must be in [0, 1]")
+
+    def tick(self, row_cycles: int = 1, seconds: float = 0.0) -> None:
+        self.cycles += row_cycles
+        self.total_seconds += max(seconds, 0.0)
+
+    def allow(self) -> bool:
+        """May one more probe run now (counting the row-cycle it will take)?"""
+        if self.probes + 1 > self.fraction * (self.cycles + 1):
+            return False
+        return self.time_fraction is None or self.seconds <= self.time_fraction * self.total_seconds
+
+    def charge(self, seconds: float) -> None:
+        self.probes += 1
+        self.seconds += max(seconds, 0.0)
+        if len(self.history) < 10_000:
+            self.history.append(max(seconds, 0.0))
