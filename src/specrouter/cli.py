@@ -1,4 +1,4 @@
-"""`specrouter` command line: generate | demo | distill (serve, profile, bench: later issues)."""
+"""`specrouter` command line: generate | serve | profile | demo."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     paths = list(args.models)
     sr = SpecRouter.from_pretrained(paths, target=args.target, backend=args.backend,
-                                    dtype=args.dtype, ngram=not args.no_ngram, progress=True)
+                                    dtype=args.dtype, ngram=not args.no_ngram, progress=True,
+                                    adaptive=not args.static and not args.chain)
     print(f"pool (cheapest first): {' < '.join(sr.pool.order)}; target: {sr.pool.target}",
           file=sys.stderr)
     prompts = args.prompt or [sys.stdin.read()]
@@ -69,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", help="a prompt (repeatable; default: stdin)")
     g.add_argument("--chat", action="store_true", help="wrap prompts in the target's chat template")
     g.add_argument("--chain", nargs="+", default=None,
-                   help="pin the chain, e.g. --chain ngram draft target (names: checkpoint folder names)")
-    g.add_argument("--k", type=int, default=4, help="draft length")
+                   help="pin a static chain, e.g. --chain ngram draft target (default: the router "
+                        "picks chain and draft length per request every cycle)")
+    g.add_argument("--k", type=int, default=4, help="draft length of a pinned --chain")
+    g.add_argument("--static", action="store_true", help="no router: the pool's default chain")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float64")
     g.add_argument("--backend", default="auto", help="auto | native | hf")
     g.add_argument("--no-ngram", action="store_true", help="do not add the n-gram drafter")
@@ -78,10 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 
-    from . import cli_demo, cli_serve
+    from . import cli_demo, cli_profile, cli_serve
 
     cli_demo.register(sub)
     cli_serve.register(sub)
+    cli_profile.register(sub)
     return parser
 
 
