@@ -32,6 +32,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chain=tuple(args.chain) if args.chain else None, k=args.k,
         model_timeout=args.model_timeout if args.model_timeout > 0 else None,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, seed=args.seed,
+        adaptive=not args.static,
     )
     # trust_remote_code is never enabled by the server
     pool = Pool.load(list(args.models), target=args.target, backend=args.backend, dtype=args.dtype,
@@ -71,6 +72,8 @@ def register(sub) -> None:
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a row; beyond it: 429 with Retry-After")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (413)")
+    s.add_argument("--static", action="store_true",
+                   help="no router: requests run --chain (or the pool's default chain)")
     s.add_argument("--chain", nargs="+", default=None,
                    help="default chain, e.g. --chain ngram draft target (requests may pin theirs)")
     s.add_argument("--k", type=int, default=4, help="default draft length")

@@ -77,6 +77,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # request body limit (413 beyond)
     retry_after_s: int = 1  # Retry-After of a 429
     seed: int | None = None  # seed of the engine's random stream (unseeded sampling requests)
+    adaptive: bool = True  # the router picks chain and k per request (unless a chain is pinned)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "k", "max_queue", "max_body_bytes"):
@@ -94,6 +95,11 @@ class _Server:
         self.config = config
         if config.chain is not None:
             pool.validate_chain(config.chain)
+        router = None
+        if config.adaptive and len(pool.order) > 1:
+            from ..router.setup import build_router
+
+            router = build_router(pool, progress=False)  # profiled once per machine, then cached
         # the guarded runners are this server's own: the caller's pool object is left as it was
         self.pool = dataclasses.replace(pool, runners=guard_runners(pool.runners, config.model_timeout))
         max_ctx = min(r.max_context for r in self.pool.runners.values())
@@ -102,7 +108,8 @@ class _Server:
             logger.warning("max_model_len %d is over the pool's context %d: using %d",
                            config.max_model_len, max_ctx, max_len)
         self.max_model_len = max_len
-        self.engine = Engine(self.pool, max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+        self.engine = Engine(self.pool, max_num_seqs=config.max_num_seqs, max_model_len=max_len,
+                             router=router)
         self.metrics = ServerMetrics()
         self.engine.on_cycle = self.metrics.observe_cycle
         self.engine.on_model_failure = self.metrics.observe_failure
