@@ -1,0 +1,233 @@
+"""`specrouter distill` on a tiny random target: the fused loss against a dense reference,
+the corpus labels against plain forwards, and an end-to-end run with checkpoint and resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specrouter.corpus import generate_rows, label_rows
+from specrouter.distill import distill, projected_embedding, sparse_kl_loss
+from specrouter.errors import SpecRouterError
+from specrouter.testing import make_tiny_llama
+
+SMALL = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, batch_size=4,
+             seq_len=32, lr=1e-2, corpus_tokens=3000, eval_fraction=0.2, eval_every=10,
+             checkpoint_every=10, threads=1, progress=False, ce_weight=0.0)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_tiny_llama(tmp_path_factory.mktemp("target"), vocab_size=320, hidden_size=64,
+                           num_layers=2, seed=3)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def runs(target, tmp_path_factory):
+    """A 30-step run killed right after its step-20 checkpoint then resumed, and the same run
+    uninterrupted, on one corpus."""
+    import specrouter.distill as distill_module
+
+    root = tmp_path_factory.mktemp("distill")
+    corpus = root / "corpus"
+    save = distill_module._save_checkpoint
+
+    def save_then_die(out, student, opt, step, state):
+        save(out, student, opt, step, state)
+        if step == 20:
+            raise _Interrupted
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distill_module, "_save_checkpoint", save_then_die)
+        with pytest.raises(_Interrupted):
+            distill(target, root / "a", steps=30, corpus_dir=corpus, **SMALL)
+    resumed = distill(target, root / "a", steps=30, corpus_dir=corpus, **SMALL)
+    straight = distill(target, root / "b", steps=30, corpus_dir=corpus, **SMALL)
+    return root, resumed, straight
+
+
+def _dense_reference(hidden, weight, ids, logp, targets, ce_weight):
+    logq = torch.log_softmax((hidden.bfloat16() @ weight.bfloat16().T).float(), -1)
+    logq_k = logq.gather(1, ids)
+    p = logp.float().exp()
+    p_tail = (1 - p.sum(-1)).clamp(min=0)
+    q_tail = (1 - logq_k.exp().sum(-1)).clamp(min=1e-12)
+    kl = (p * (logp.float() - logq_k)).sum() + (p_tail * (p_tail.clamp(min=1e-12).log() - q_tail.log())).sum()
+    ce = -logq.gather(1, targets[:, None]).sum()
+    return (1 - ce_weight) * kl + ce_weight * ce
+
+
+@pytest.mark.parametrize("ce_weight", [0.0, 0.3])
+def test_sparse_kl_loss_matches_dense_reference(ce_weight):
+    g = torch.Generator().manual_seed(0)
+    N, V, d, k = 50, 97, 16, 5
+    teacher = torch.log_softmax(torch.randn(N, V, generator=g) * 2, -1)
+    logp, ids = teacher.topk(k, -1)
+    targets = torch.randint(0, V, (N,), generator=g)
+    grads = []
+    for fn in (sparse_kl_loss, _dense_reference):
+        h = torch.randn(N, d, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        w = (0.3 * torch.randn(V, d, generator=torch.Generator().manual_seed(2))).requires_grad_()
+        loss = (fn(h, w, ids, logp, targets, ce_weight, chunk=16) if fn is sparse_kl_loss
+                else fn(h, w, ids, logp, targets, ce_weight))
+        loss.backward()
+        grads.append((loss.detach(), h.grad, w.grad))
+    (l1, gh1, gw1), (l2, gh2, gw2) = grads
+    assert torch.allclose(l1, l2, rtol=1e-4)
+    # the fused path rounds its logit gradient to bfloat16 before the two matmuls
+    assert torch.allclose(gh1, gh2, atol=2e-2 * gh2.abs().max())
+    assert torch.allclose(gw1, gw2, atol=2e-2 * gw2.abs().max())
+
+
+def test_sampled_vocabulary_estimates_the_full_loss():
+    g = torch.Generator().manual_seed(0)
+    N, V, d, k = 64, 3000, 16, 4
+    w = 0.3 * torch.randn(V, d, generator=g)
+    h = torch.randn(N, d, generator=g)
+    teacher = torch.log_softmax(h @ w.T + 0.5 * torch.randn(N, V, generator=g), -1)
+    logp, ids = teacher.topk(k, -1)
+    full = sparse_kl_loss(h, w, ids, logp)
+    # enough samples for the whole rest: exactly the full loss
+    assert torch.allclose(sparse_kl_loss(h, w, ids, logp, vocab_sample=V), full)
+    estimates = torch.stack([
+        sparse_kl_loss(h, w, ids, logp, vocab_sample=500, generator=torch.Generator().manual_seed(s))
+        for s in range(8)])
+    assert abs(float(estimates.mean() / full) - 1) < 0.02
+    # gradients reach only the used rows of the output embedding, and the hidden states
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    sparse_kl_loss(hh, ww, ids, logp, vocab_sample=100, generator=torch.Generator().manual_seed(0)).backward()
+    touched = (ww.grad.abs().sum(-1) > 0).sum()
+    assert len(torch.unique(ids)) <= touched <= len(torch.unique(ids)) + 100
+    assert hh.grad.abs().sum() > 0
+
+
+def test_output_basis_init_expresses_the_targets_logits(target):
+    from transformers import AutoModelForCausalLM
+
+    from specrouter.distill import init_student, output_basis
+
+    model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    tokens = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(0))
+    basis, rms = output_basis(model, tokens, 64)  # full width: a rotation
+    assert torch.allclose(basis.T @ basis, torch.eye(64), atol=1e-4)
+    assert bool((rms[:-1] >= rms[1:] - 1e-4).all())
+    with torch.no_grad():
+        u = model.model(input_ids=tokens).last_hidden_state  # (B, T, D)
+        emb = model.get_input_embeddings().weight
+        assert torch.allclose((u @ basis) @ (emb @ basis).T, u @ emb.T, atol=1e-3)
+    student = init_student(model, init="output", sample_tokens=tokens, hidden_size=32,
+                           num_layers=1, num_heads=2, num_kv_heads=1)
+    assert torch.allclose(student.get_input_embeddings().weight, emb @ output_basis(model, tokens, 32)[0])
+    assert student.lm_head.weight.data_ptr() == student.get_input_embeddings().weight.data_ptr()
+
+
+def test_projected_embedding_keeps_the_principal_subspace():
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(200, 12, generator=g) @ torch.diag(torch.linspace(3, 0.1, 12))
+    full = projected_embedding(emb, 12)  # a rotation: all inner products kept
+    assert torch.allclose(full @ full.T, emb @ emb.T, atol=1e-3)
+    low = projected_embedding(emb, 4)
+    err_low = (low @ low.T - emb @ emb.T).norm()
+    rand = emb @ torch.linalg.qr(torch.randn(12, 4, generator=g))[0]
+    assert err_low < (rand @ rand.T - emb @ emb.T).norm()  # better than a random projection
+    assert projected_embedding(emb, 16)[:, 12:].abs().max() == 0
+
+
+def test_generated_rows_carry_the_targets_distribution(target):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23]]  # ragged: left padding
+    rows = generate_rows(model, prompts, [True, False, True], max_len=24, k=8, temperature=0.7,
+                         stop_ids={0}, generator=torch.Generator().manual_seed(0))
+    relabelled = label_rows(model, [r[0] for r in rows], 8)
+    for (tokens, ids, logp), (ids2, logp2), prompt in zip(rows, relabelled, prompts):
+        assert tokens[: len(prompt)] == prompt and len(ids) == len(tokens) - 1
+        assert torch.equal(ids, ids2[:-1])
+        assert torch.allclose(logp.float(), logp2[:-1].float(), atol=2e-2)
+    greedy_tokens, greedy_ids, _ = rows[0]
+    assert all(greedy_tokens[t + 1] == int(greedy_ids[t, 0]) for t in range(6, len(greedy_tokens) - 1))
+
+
+def test_distill_trains_checkpoints_and_reports(runs):
+    from transformers import AutoModelForCausalLM
+
+    root, resumed, straight = runs
+    out = root / "b"
+    losses = [h["loss"] for h in straight.history]
+    kls = [h["kl"] for h in straight.history]
+    assert [h["step"] for h in straight.history] == [10, 20, 30]
+    assert losses[-1] < losses[0] and kls[-1] < kls[0]
+    for folder in (out, out / "checkpoint"):
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto")
+        assert model.config.vocab_size == 320 and model.config.hidden_size == 32
+        assert (folder / "tokenizer.json").is_file()
+        assert next(model.parameters()).dtype == (torch.bfloat16 if folder == out else torch.float32)
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert {"args", "seed", "corpus", "steps_done", "versions", "student_config"} <= recipe.keys()
+    assert recipe["steps_done"] == 30 and recipe["args"]["hidden_size"] == 32
+    assert {"torch", "transformers", "python"} <= recipe["versions"].keys()
+    assert recipe["corpus"]["sources"]["stdlib"]["train_tokens"] > 0
+    report = json.loads((out / "report.json").read_text())
+    assert {"agreement", "agreement_by_kind", "kl", "params", "wall_time_s", "history"} <= report.keys()
+    for r in (resumed, straight):
+        assert 0.0 <= r.agreement <= 1.0 and r.kl >= 0.0
+        assert set(r.agreement_by_kind) <= {"code", "prose", "chat"}
+        assert all(0.0 <= a <= 1.0 for a in r.agreement_by_kind.values())
+    assert straight.params == sum(p.numel() for p in model.parameters())
+
+
+def test_resume_continues_from_the_checkpoint(runs):
+    from transformers import AutoModelForCausalLM
+
+    root, resumed, straight = runs
+    assert (resumed.start_step, resumed.steps) == (20, 30)
+    assert (straight.start_step, straight.steps) == (0, 30)
+    assert resumed.tokens_seen == straight.tokens_seen
+    keys = ("step", "loss", "agreement", "kl", "tokens_seen")  # not the timings
+    assert [[h[k] for k in keys] for h in resumed.history] == [[h[k] for k in keys] for h in straight.history]
+    # same batches, same optimizer state, same schedule: resuming is exact
+    a = AutoModelForCausalLM.from_pretrained(str(root / "a" / "checkpoint")).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(str(root / "b" / "checkpoint")).state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_resume_refuses_another_shape(target, runs):
+    root = runs[0]
+    with pytest.raises(SpecRouterError, match="resume=False"):
+        distill(target, root / "a", steps=40, corpus_dir=root / "corpus",
+                **{**SMALL, "hidden_size": 64, "num_heads": 4})
+
+
+def test_corpus_build_resumes_and_checks_its_spec(target, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specrouter.corpus import CorpusSpec, build_corpus
+
+    model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    tok = AutoTokenizer.from_pretrained(str(target))
+    spec = CorpusSpec(target=str(target), vocab_size=320, corpus_tokens=2000, generated_fraction=0.5,
+                      seq_len=32, teacher_topk=4, temperature=0.7, greedy_fraction=0.5,
+                      eval_fraction=0.2, seed=1)
+    full = build_corpus(model, tok, tmp_path, spec, progress=False)
+    shards = sorted(tmp_path.glob("shard-*.pt"))
+    assert int((full.lengths - 1).sum()) >= 2000 and len(shards) >= 3
+    kinds = {int(s) for s in full.source}
+    assert kinds & {0, 1, 2, 3} and kinds & {4, 5}  # generated and natural rows
+    # interrupted after its first shards: the rebuild keeps them and ends with the same rows
+    (tmp_path / "done").unlink()
+    for p in shards[2:]:
+        p.unlink()
+    again = build_corpus(model, tok, tmp_path, spec, progress=False)
+    assert len(sorted(tmp_path.glob("shard-*.pt"))) == len(shards)
+    assert torch.equal(again.source, full.source) and torch.equal(again.is_eval, full.is_eval)
+    assert build_corpus(None, None, tmp_path, spec).tokens.shape == again.tokens.shape  # cached
+    with pytest.raises(SpecRouterError, match="other settings"):
+        build_corpus(None, None, tmp_path, CorpusSpec(**{**spec.__dict__, "seq_len": 64}))
