@@ -23,7 +23,7 @@ class RouterConfig:
     patience: int = 16  # ... or when it was predicted slower by > persist_margin this many decisions in a row
     persist_margin: float = 0.01  # the smallest gap that counts toward patience
     request_decay: float = 0.995  # per trial: a request's own acceptance counts forget (~200 trials)
-    request_prior_strength: float = 32.0  # pseudo-trials of the global alpha in a request's estimate
+    request_prior_strength: float = 8.0  # pseudo-trials of the global alpha in a request's estimate
     request_hit_decay: float = 0.95  # per proposal: a request's own model-free hit counts forget (~20)
     probe_k: int = 8  # longest draft of a probe cycle
     probe_optimism: float = 1.5  # z of the Wilson upper bound that makes a stale pair worth a probe
