@@ -23,6 +23,10 @@ import torch
 EXTRACTION = [
     "Repeat the following list exactly, one item per line: apples, bananas, cherries, dates, "
     "elderberries, figs, grapes, honeydew, kiwis, lemons.",
+    "Repeat this paragraph word for word: Speculative decoding drafts several tokens with a "
+    "small model and lets the large model check them all in one forward pass. When the draft is "
+    "right, many tokens are produced for the price of one step of the large model; when it is "
+    "wrong, the large model's own token is kept, so the output never changes.",
     "Copy this sentence three times: The quick brown fox jumps over the lazy dog.",
     "Rewrite this Python code exactly as it is:\n\ndef add(a, b):\n    return a + b\n\n"
     "def sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n",
@@ -34,6 +38,7 @@ PROSE = [
     "Explain why the sky is blue to a ten year old.",
     "What are three good habits for staying healthy?",
     "Describe a walk through a forest in autumn.",
+    "Give me some advice for a job interview.",
 ]
 
 
