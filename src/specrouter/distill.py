@@ -1,19 +1,24 @@
 """`specrouter distill`: knowledge-distil a small draft model from a target, on CPU.
 
 The student is a small Llama sharing the target's tokenizer and vocabulary, with tied
-embeddings initialised from the target's embedding matrix projected onto its top principal
-directions (so a tiny student starts with the target's token geometry instead of noise).
-It is trained to match the target's next-token distribution at every position,
-KL(target || student) at temperature 1, on a corpus of text the target writes itself plus
-offline natural text (see `corpus.py`). The teacher's distributions are computed once, in
-bfloat16, and cached as top-k log-probabilities plus the mass outside the top k; the loss is
-the KL between the (k+1)-bin coarse-grainings, a lower bound of the full KL that keeps its
-argmax and its large terms. This is the main cost decision: a teacher forward on one core
-costs ~4x a student step, so caching lets every student (and every epoch) reuse it.
+embeddings initialised from the target's embedding matrix projected onto the principal
+directions of the target's final hidden states (the directions its logits are made of; a
+tiny student then starts able to express the target's predictions). It is trained to match
+the target's next-token distribution at every position, KL(target || student) at
+temperature 1, plus (by default, weight 0.5) cross-entropy on the target's argmax, on a corpus
+of text the target writes itself plus offline natural text (see `corpus.py`).
 
-Per step the expensive part is the student's vocabulary projection (49k tokens for SmolLM2),
-so the loss is fused with it: `sparse_kl_loss` computes logits, loss and both gradients chunk
-by chunk in bfloat16 and never materialises a (tokens x vocab) float tensor.
+Cost decisions, all measured on one CPU core:
+- the teacher's distributions are computed once, in bfloat16 (KL to float32 ~1e-3 nats), and
+  cached as top-k log-probabilities plus the mass outside the top k; the loss is the KL between
+  these (k+1)-bin coarse-grainings, a lower bound of the full KL that keeps its argmax and its
+  large terms. A teacher forward costs ~4x a student step, so caching lets every epoch (and
+  every student) reuse it.
+- the student's vocabulary projection (49k tokens for SmolLM2) is most of a step, so the loss
+  is fused with it (`sparse_kl_loss`: logits, loss and both gradients chunk by chunk in
+  bfloat16, never a (tokens x vocab) float tensor) and uses a sampled softmax (the batch's
+  top-k tokens plus 2048 random ones, importance-weighted): ~5x cheaper.
+- small batches (4 rows of <= 256 tokens) learn more per token than large ones at this budget.
 
 The figure of merit is held-out greedy agreement: the fraction of held-out positions where the
 student's argmax equals the target's, a proxy of the per-token acceptance of greedy
