@@ -62,7 +62,7 @@ class Engine:
         self.router = router  # router.policy.Router: picks chain and k per row every cycle
         self.clock = clock
         self.state = StateManager(pool.runners)
-        self.executor = ChainExecutor(pool.runners, pool.drafters, pool.target, self.state,
+        self.executor = ChainExecutor(pool.runners, pool.drafters, self.state,
                                       pool.vocab_width, clock=clock)
         self._ids = itertools.count()
         self.running: dict[int, Sequence] = {}

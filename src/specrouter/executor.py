@@ -42,14 +42,12 @@ class ChainExecutor:
         self,
         runners: dict[str, ModelRunner],
         drafters: dict[str, ModelFreeDrafter],
-        target: str,
         state: StateManager,
         vocab_width: int,
         clock=time.perf_counter,
     ):
         self.runners = runners
         self.drafters = drafters
-        self.target = target
         self.state = state
         self.vocab_width = vocab_width
         self.clock = clock  # timing source (tests inject a virtual clock)
