@@ -113,7 +113,7 @@ class SpecRouter:
         batch = [prompts] if single else list(prompts)
         ids = [self.encode(p, chat=chat) for p in batch]
         params = SamplingParams(
-            temperature=float(temperature) if isinstance(temperature, int) and not isinstance(temperature, bool) else temperature,
+            temperature=temperature,
             top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
             stop_token_ids=tuple(stop_token_ids), seed=seed, ignore_eos=ignore_eos,
         )
