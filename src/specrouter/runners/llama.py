@@ -20,13 +20,12 @@ import torch.nn.functional as F
 
 from specrouter.errors import CheckpointError, ContextLengthError
 from specrouter.runners.base import ForwardBatch, ModelRunner
+from specrouter.runners.linear import Linear, linear, linear_add
 from specrouter.runners.rope import apply_rope, rope_inv_freq, rope_parameters_from_config, rope_tables
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # transformers' config defaults for keys a config.json may omit, per model_type
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072}
-# float32/float64 heads up to this size keep a second, transposed copy (see _make_embed_and_head)
-_DUAL_HEAD_MAX_ELEMENTS = 1 << 26
 _DEFAULT_KV_HEADS = {"llama": None, "qwen2": 32, "mistral": 8}  # None: = num_attention_heads
 
 
@@ -241,8 +240,7 @@ class LlamaRunner(ModelRunner):
         self._embed_fn, self._logits_fn = self._make_embed_and_head(
             w("embed_tokens.weight"), None if arch.tie_word_embeddings else w("lm_head.weight")
         )
-        # per layer: (ln1, w_qkv, b_qkv, w_o, b_o, ln2, w_gate_up, b_gate_up, w_down, b_down),
-        # linear weights as (in, out) views of the (out, in) checkpoint layout
+        # per layer: (ln1, qkv, o, ln2, gate_up, down), linears packed for 1 and for 2+ rows
         self._layers = []
         for i in range(arch.num_layers):
             a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
@@ -250,15 +248,14 @@ class LlamaRunner(ModelRunner):
             self._layers.append(
                 (
                     norm_w(f"layers.{i}.input_layernorm.weight"),
-                    cat(qkv).t(),
-                    cat([n.replace("weight", "bias") for n in qkv]),
-                    w(f"{a}o_proj.weight").t(),
-                    w(f"{a}o_proj.bias") if arch.o_bias else None,
+                    Linear.pack(cat(qkv), cat([n.replace("weight", "bias") for n in qkv])),
+                    Linear.pack(w(f"{a}o_proj.weight"), w(f"{a}o_proj.bias") if arch.o_bias else None),
                     norm_w(f"layers.{i}.post_attention_layernorm.weight"),
-                    cat([f"{m}gate_proj.weight", f"{m}up_proj.weight"]).t(),
-                    cat([f"{m}gate_proj.bias", f"{m}up_proj.bias"]) if arch.mlp_bias else None,
-                    w(f"{m}down_proj.weight").t(),
-                    w(f"{m}down_proj.bias") if arch.mlp_bias else None,
+                    Linear.pack(
+                        cat([f"{m}gate_proj.weight", f"{m}up_proj.weight"]),
+                        cat([f"{m}gate_proj.bias", f"{m}up_proj.bias"]) if arch.mlp_bias else None,
+                    ),
+                    Linear.pack(w(f"{m}down_proj.weight"), w(f"{m}down_proj.bias") if arch.mlp_bias else None),
                 )
             )
         self._inv_freq, self._rope_scaling = rope_inv_freq(
@@ -307,37 +304,17 @@ class LlamaRunner(ModelRunner):
     # ---- forward ---------------------------------------------------------------------------
     def _make_embed_and_head(self, embed: torch.Tensor, lm_head: torch.Tensor | None):
         """(tokens (B, T) -> (B, T, H), hidden (B, G, H) -> logits (B, G, V)), chosen once.
-
-        Measured on the project's CPU (AMD EPYC, MKL): a float32 GEMV against the wide head is
-        ~2-4x faster as `h @ W.T` with W.T stored contiguous, while a few rows (verification
-        steps) are ~2x faster as `W @ h.T` on the (V, H) layout. float32/float64 heads up to
-        `_DUAL_HEAD_MAX_ELEMENTS` keep both layouts (one extra copy of the head); bfloat16 has
-        no such gap (oneDNN) and keeps the (V, H) layout only."""
-        head = embed if lm_head is None else lm_head  # (V, H)
+        The head is a `Linear` like the layers' (see runners/linear.py): tied or not, it keeps
+        its own (H, V) and blocked copies beside the (V, H) embedding table."""
+        head = Linear.pack(embed if lm_head is None else lm_head)  # (V, H) -> packed
+        V = embed.shape[0] if lm_head is None else lm_head.shape[0]
 
         def embed_fn(tokens: torch.Tensor) -> torch.Tensor:
             return F.embedding(tokens, embed)
 
-        if self.dtype == torch.bfloat16:
-
-            def logits_fn(h: torch.Tensor) -> torch.Tensor:
-                return F.linear(h, head)
-
-            return embed_fn, logits_fn
-        head_t = head.t().contiguous()  # (H, V)
-        if head.numel() > _DUAL_HEAD_MAX_ELEMENTS:
-
-            def logits_fn(h: torch.Tensor) -> torch.Tensor:
-                return torch.matmul(h, head_t)
-
-            return embed_fn, logits_fn
-        V, H = head.shape
-
         def logits_fn(h: torch.Tensor) -> torch.Tensor:
-            B, G, _ = h.shape
-            if B * G == 1:
-                return torch.matmul(h, head_t)
-            return torch.mm(head, h.reshape(B * G, H).t()).t().contiguous().view(B, G, V)
+            B, G, H = h.shape
+            return linear(h.reshape(B * G, H), head, B * G == 1).view(B, G, V)
 
         return embed_fn, logits_fn
 
@@ -404,13 +381,11 @@ class LlamaRunner(ModelRunner):
         norm, H, inter, slots_t = self._norm, a.hidden_size, a.intermediate_size, batch.slots
 
         x = self._embed_fn(batch.tokens).view(B * T, H)  # (N, H), N = B*T: 2-D so linears are one mm
-        for (ln1, w_qkv, b_qkv, w_o, b_o, ln2, w_gu, b_gu, w_down, b_down), kc, vc, kw, vw in zip(
+        one = B * T == 1  # one row: MKL GEMV; more: oneDNN's flat, row-invariant kernel
+        for (ln1, w_qkv, w_o, ln2, w_gu, w_down), kc, vc, kw, vw in zip(
             self._layers, self._k, self._v, self._kw, self._vw
         ):
-            # weights are stored as (in, out) views: mm/addmm without a per-call transpose
-            h = norm(x, ln1)
-            qkv = torch.mm(h, w_qkv) if b_qkv is None else torch.addmm(b_qkv, h, w_qkv)
-            qkv = qkv.view(B, T, nh + 2 * nkv, D)
+            qkv = linear(norm(x, ln1), w_qkv, one).view(B, T, nh + 2 * nkv, D)
             qk = apply_rope(qkv[:, :, : nh + nkv], cos, sin)  # (B, T, nh + nkv, D)
             k, v = qk[:, :, nh:], qkv[:, :, nh + nkv :]  # (B, T, nkv, D)
             if uniform:
@@ -430,15 +405,9 @@ class LlamaRunner(ModelRunner):
             q = q.reshape(B, nkv, groups * T, D)  # a view when T == 1
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, nkv, groups*T, D)
             o = o.view(B, nkv, groups, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, nh * D)
-            x = torch.addmm(x, o, w_o)  # residual fused into the matmul
-            if b_o is not None:
-                x = x + b_o
-            h = norm(x, ln2)
-            gu = torch.mm(h, w_gu) if b_gu is None else torch.addmm(b_gu, h, w_gu)  # (N, 2I)
-            act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            x = torch.addmm(x, act, w_down)
-            if b_down is not None:
-                x = x + b_down
+            x = linear_add(x, o, w_o, one)  # residual fused into the matmul
+            gu = linear(norm(x, ln2), w_gu, one)  # (N, 2I)
+            x = linear_add(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down, one)
 
         # logits only where asked: gather BEFORE the final norm and the (wide) lm_head
         G = batch.logit_positions.shape[1]
