@@ -26,7 +26,8 @@ batch rows x new tokens x context length, times one speed factor:
 
 Persistence: one JSON file (`default_profile_path()`, `$SPECROUTER_CACHE/profiles.json`, else
 `$XDG_CACHE_HOME/specrouter/...`, else `~/.cache/specrouter/...`) holds the shapes of every
-machine it met, keyed by a machine fingerprint (CPU model, torch threads, torch version) and, per
+machine it met, keyed by a machine fingerprint (CPU model, torch threads, torch version, linear
+kernels) and, per
 machine, by model identity (name, parameter count, dtype). The speed factor is not saved: a
 transient slowdown should not outlive the process.
 """
@@ -79,9 +80,11 @@ def identity_of(model) -> ModelIdentity:
 
 
 def machine_fingerprint() -> dict[str, object]:
-    """CPU model, torch intra-op threads and torch version: timings from another fingerprint
-    are not reused."""
+    """CPU model, torch intra-op threads, torch version and the runner's linear kernels:
+    timings from another fingerprint are not reused."""
     import torch
+
+    from specrouter.runners.linear import KERNELS
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -92,7 +95,7 @@ def machine_fingerprint() -> dict[str, object]:
                     break
     except OSError:
         pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": KERNELS}
 
 
 def fingerprint_key(fingerprint: Mapping[str, object]) -> str:

@@ -42,6 +42,8 @@ def _onednn_available() -> bool:
 
 
 ONEDNN = _onednn_available()
+# part of the cost-profile fingerprint: timings swept under other kernels are not reused
+KERNELS = "mkl-row+onednn-rows/1" if ONEDNN else "mkl/1"
 
 
 @dataclass(frozen=True, slots=True)
