@@ -15,7 +15,8 @@ from specrouter.testing import make_tiny_llama
 
 SMALL = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, batch_size=4,
              seq_len=32, lr=1e-2, corpus_tokens=3000, eval_fraction=0.2, eval_every=10,
-             checkpoint_every=10, threads=1, progress=False, ce_weight=0.0)
+             checkpoint_every=10, threads=1, progress=False, ce_weight=0.0,
+             greedy_eval_tokens=12)
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +177,10 @@ def test_distill_trains_checkpoints_and_reports(runs):
     assert {"torch", "transformers", "python"} <= recipe["versions"].keys()
     assert recipe["corpus"]["sources"]["stdlib"]["train_tokens"] > 0
     report = json.loads((out / "report.json").read_text())
-    assert {"agreement", "agreement_by_kind", "kl", "params", "wall_time_s", "history"} <= report.keys()
+    assert {"agreement", "agreement_by_kind", "kl", "params", "wall_time_s", "history",
+            "greedy_agreement", "greedy_agreement_by_kind"} <= report.keys()
+    assert 0.0 <= report["greedy_agreement"] <= 1.0
+    assert set(report["greedy_agreement_by_kind"]) == {"code", "prose", "chat", "extraction"}
     for r in (resumed, straight):
         assert 0.0 <= r.agreement <= 1.0 and r.kl >= 0.0
         assert set(r.agreement_by_kind) <= {"code", "prose", "chat"}
@@ -231,3 +235,44 @@ def test_corpus_build_resumes_and_checks_its_spec(target, tmp_path):
     assert build_corpus(None, None, tmp_path, spec).tokens.shape == again.tokens.shape  # cached
     with pytest.raises(SpecRouterError, match="other settings"):
         build_corpus(None, None, tmp_path, CorpusSpec(**{**spec.__dict__, "seq_len": 64}))
+
+
+def test_greedy_agreement_scores_the_targets_own_greedy_output(target, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specrouter.draft_eval import HELDOUT_PROMPTS, greedy_agreement
+
+    t = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(target))
+    other = AutoModelForCausalLM.from_pretrained(
+        str(make_tiny_llama(tmp_path / "other", vocab_size=320, hidden_size=64, num_layers=2, seed=9)),
+        dtype=torch.float32).eval()
+    assert greedy_agreement(t, t, tok, max_new_tokens=10).agreement == 1.0
+    rep = greedy_agreement(other, t, tok, max_new_tokens=10, prompts=HELDOUT_PROMPTS[:2])
+    # reference: generate token by token with the target, ask the draft at every prefix
+    hits = n = 0
+    for _, text, _ in HELDOUT_PROMPTS[:2]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        for _ in range(10):
+            nxt = int(t(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            hits += int(other(input_ids=torch.tensor([ids])).logits[0, -1].argmax()) == nxt
+            n += 1
+            ids.append(nxt)
+            if nxt == t.generation_config.eos_token_id:
+                break
+    assert rep.positions == n and rep.agreement == pytest.approx(hits / n) and rep.agreement < 1.0
+
+
+def test_second_stage_on_two_corpora_starts_from_the_first(target, runs, tmp_path):
+    root, _, straight = runs
+    other = tmp_path / "corpus-s1"
+    distill(target, tmp_path / "s1", steps=10, corpus_dir=other, **{**SMALL, "seed": 1})
+    stage2 = distill(target, tmp_path / "stage2", steps=10, corpus_dir=root / "corpus",
+                     extra_corpus_dirs=[other], init_from=root / "b", **SMALL)
+    recipe = json.loads((tmp_path / "stage2" / "recipe.json").read_text())
+    assert recipe["init_from"] == str(root / "b") and recipe["corpus"]["extra_dirs"] == [str(other)]
+    # a warm start: the first evaluation is already near where stage 1 ended, not at a fresh start
+    assert stage2.history[0]["kl"] < straight.history[0]["kl"]
+    with pytest.raises(SpecRouterError, match="shape"):
+        distill(target, tmp_path / "bad", steps=10, corpus_dir=root / "corpus",
+                init_from=root / "b", **{**SMALL, "hidden_size": 64})

@@ -1,4 +1,4 @@
-"""`specrouter` command line: generate | serve | profile | distill | demo."""
+"""`specrouter` command line: generate | serve | profile | bench | distill | demo."""
 
 from __future__ import annotations
 
@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 
-    from . import cli_demo, cli_distill, cli_profile, cli_serve
+    from . import cli_bench, cli_demo, cli_distill, cli_profile, cli_serve
 
+    cli_bench.register(sub)
     cli_demo.register(sub)
     cli_distill.register(sub)
     cli_serve.register(sub)

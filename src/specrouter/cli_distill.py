@@ -18,13 +18,41 @@ def cmd_distill(args: argparse.Namespace) -> int:
         from .gguf_convert import default_target_dir
 
         target = default_target_dir()
+    if args.eval_only:
+        return _eval_only(resolve_checkpoint(target), args)
     report = distill(
         resolve_checkpoint(target), args.out_dir, hidden_size=args.hidden_size, num_layers=args.num_layers,
         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, steps=args.steps,
         batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, corpus_tokens=args.corpus_tokens,
         seed=args.seed, resume=not args.no_resume, threads=args.threads,
+        corpus_dir=args.corpus_dir, extra_corpus_dirs=args.extra_corpus_dir or (),
+        init_from=args.init_from, greedy_eval_tokens=args.greedy_eval_tokens,
     )
     print(json.dumps(asdict(report), indent=2, default=str))
+    return 0
+
+
+def _eval_only(target, args: argparse.Namespace) -> int:
+    """Held-out greedy agreement of the draft in --out-dir with the target (draft_eval.py)."""
+    from dataclasses import asdict
+
+    import torch
+
+    from .distill import load_target
+    from .draft_eval import greedy_agreement
+    from .errors import CheckpointError
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    teacher, tokenizer = load_target(target)
+    try:  # the draft shares the target's tokenizer: its folder needs no tokenizer files
+        draft = AutoModelForCausalLM.from_pretrained(args.out_dir, dtype=torch.float32).eval()
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"--out-dir {args.out_dir} is not a draft checkpoint: {e}") from e
+    report = greedy_agreement(draft, teacher, tokenizer, max_new_tokens=args.greedy_eval_tokens)
+    print(json.dumps(asdict(report), indent=2))
     return 0
 
 
@@ -45,4 +73,13 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
+    p.add_argument("--corpus-dir", default=None, help="corpus folder (default: OUT_DIR/corpus)")
+    p.add_argument("--extra-corpus-dir", action="append", metavar="DIR",
+                   help="a finished corpus whose rows are added (repeatable)")
+    p.add_argument("--init-from", default=None, metavar="DRAFT",
+                   help="start from this draft checkpoint (same shape) instead of a fresh init")
+    p.add_argument("--greedy-eval-tokens", type=int, default=96,
+                   help="tokens per prompt of the end-to-end greedy-agreement evaluation (0: skip)")
+    p.add_argument("--eval-only", action="store_true",
+                   help="only evaluate the draft in --out-dir: held-out greedy agreement")
     p.set_defaults(func=cmd_distill)

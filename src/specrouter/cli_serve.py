@@ -1,9 +1,12 @@
-"""`specrouter serve`: the OpenAI-compatible server over a pool (see specrouter.server)."""
+"""`specrouter serve`: the OpenAI-compatible server over a pool (see specrouter.server); with
+`--ray`, the same server as replicas of a Ray Serve application (specrouter.server.ray_serve)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import ipaddress
+import json
 import logging
 import os
 import sys
@@ -16,6 +19,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .server import ServerConfig, create_app
     except ImportError as e:
         print(f"specrouter serve needs the serve extra: pip install 'specrouter[serve]' ({e})",
+              file=sys.stderr)
+        return 2
+    if args.ray and importlib.util.find_spec("ray") is None:
+        print("specrouter serve --ray needs the ray extra: pip install 'specrouter[ray]'",
               file=sys.stderr)
         return 2
     from .pool import Pool
@@ -34,6 +41,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, seed=args.seed,
         adaptive=not args.static,
     )
+    if args.ray:
+        return _serve_ray(args, config)
     # trust_remote_code is never enabled by the server
     pool = Pool.load(list(args.models), target=args.target, backend=args.backend, dtype=args.dtype,
                      ngram=not args.no_ngram, trust_remote_code=False, progress=True)
@@ -43,6 +52,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=10)
     return 0
+
+
+def ray_configs(args: argparse.Namespace):
+    """(PoolSpec, RayServeConfig) of `specrouter serve --ray` (no Ray needed to build them)."""
+    from .server.ray_serve import PoolSpec, RayServeConfig
+
+    pool_spec = PoolSpec(paths=tuple(args.models), target=args.target, backend=args.backend,
+                         dtype=args.dtype, ngram=not args.no_ngram)
+    ray_config = RayServeConfig(
+        num_replicas=args.ray_replicas, autoscaling=args.ray_autoscaling,
+        num_cpus=args.ray_num_cpus, num_gpus=args.ray_num_gpus,
+        torch_threads=args.ray_torch_threads, max_ongoing_requests=args.ray_max_ongoing_requests,
+        app_name=args.ray_app_name)
+    return pool_spec, ray_config
+
+
+def _serve_ray(args: argparse.Namespace, config) -> int:
+    from .server.ray_serve import serve_on_ray
+
+    try:
+        pool_spec, ray_config = ray_configs(args)
+        return serve_on_ray(pool_spec, config, ray_config, address=args.ray_address,
+                            host=args.host, port=args.port, detach=args.ray_detach)
+    except (ValueError, RuntimeError) as e:  # bad flags; replicas that could not start
+        print(f"specrouter serve --ray: {e}", file=sys.stderr)
+        return 1
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. "
+                                         "'{\"min_replicas\": 1, \"max_replicas\": 4}'")
+    return value
 
 
 def _is_loopback(host: str) -> bool:
@@ -84,4 +130,27 @@ def register(sub) -> None:
                    help="seconds a model forward may take before the model is taken out (0: none)")
     s.add_argument("--seed", type=int, default=None, help="seed of unseeded sampling requests' stream")
     s.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    r = s.add_argument_group("scale-out on Ray Serve (needs the ray extra; see docs/ray.md)")
+    r.add_argument("--ray", action="store_true",
+                   help="deploy as a Ray Serve application: replicas each holding the pool, "
+                        "behind Serve's HTTP proxy on --host/--port")
+    r.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster ('auto', or HEAD_IP:6379); default: start a local "
+                        "one-node cluster on loopback")
+    r.add_argument("--ray-replicas", type=int, default=1, help="replicas (without autoscaling)")
+    r.add_argument("--ray-autoscaling", type=_json_object, default=None, metavar="JSON",
+                   help="Serve's autoscaling_config, passed through, e.g. '{\"min_replicas\": 1, "
+                        "\"max_replicas\": 4, \"target_ongoing_requests\": 8}' (replaces "
+                        "--ray-replicas)")
+    r.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs reserved per replica")
+    r.add_argument("--ray-num-gpus", type=float, default=0.0, help="GPUs reserved per replica")
+    r.add_argument("--ray-torch-threads", type=int, default=None,
+                   help="torch threads per replica (default: --ray-num-cpus, at least 1)")
+    r.add_argument("--ray-max-ongoing-requests", type=int, default=None,
+                   help="requests one replica takes at once (default: 2 x --max-num-seqs); "
+                        "more wait in Serve's queue (--max-queue per proxy, then 503)")
+    r.add_argument("--ray-app-name", default="specrouter", help="Serve application name")
+    r.add_argument("--ray-detach", action="store_true",
+                   help="with --ray-address: deploy and exit, the app keeps serving "
+                        "(stop it with `serve shutdown` or `serve delete`)")
     s.set_defaults(func=cmd_serve)

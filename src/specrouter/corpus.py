@@ -364,6 +364,14 @@ class Corpus:
         self.source = cat("source")  # (R,) int64: index into SOURCES
         self.is_eval = cat("is_eval")  # (R,) bool
 
+    @staticmethod
+    def merge(corpora: list["Corpus"]) -> "Corpus":
+        """One corpus with the rows of all (same seq_len and teacher k)."""
+        merged = Corpus.__new__(Corpus)
+        for key in ("tokens", "lengths", "topk_ids", "topk_logp", "source", "is_eval"):
+            setattr(merged, key, torch.cat([getattr(c, key) for c in corpora]))
+        return merged
+
     def label_mask(self, rows: torch.Tensor) -> torch.Tensor:
         """(B, T) bool: positions of `rows` that carry a label (all but each row's last)."""
         T = self.tokens.shape[1]
@@ -543,6 +551,21 @@ def build_corpus(
         bar.close()
         (corpus_dir / "done").touch()
     return Corpus(shards)
+
+
+def load_corpus(corpus_dir: str | Path, like: CorpusSpec | None = None) -> Corpus:
+    """A finished corpus folder; with `like`, checked to share its vocabulary, row length and
+    teacher k (what rows of two corpora need to be trained on together)."""
+    corpus_dir = Path(corpus_dir)
+    if not (corpus_dir / "done").exists():
+        raise SpecRouterError(f"{corpus_dir} is not a finished corpus (no 'done' marker)")
+    spec = json.loads((corpus_dir / "spec.json").read_text())
+    if like is not None:
+        for key in ("vocab_size", "seq_len", "teacher_topk"):
+            if spec.get(key) != getattr(like, key):
+                raise SpecRouterError(
+                    f"{corpus_dir} has {key}={spec.get(key)}, the main corpus {getattr(like, key)}")
+    return Corpus([torch.load(p) for p in sorted(corpus_dir.glob("shard-*.pt"))])
 
 
 def _save_shard(corpus_dir: Path, index: int, shard: dict) -> None:

@@ -39,10 +39,12 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
-from .corpus import SOURCE_IDS, SOURCES, Corpus, CorpusSpec, build_corpus
+from .corpus import SOURCE_IDS, SOURCES, Corpus, CorpusSpec, build_corpus, load_corpus
+from .draft_eval import greedy_agreement
 from .errors import CheckpointError, SpecRouterError
 
 TOKENIZER_FILES = (
@@ -66,6 +68,10 @@ class DistillReport:
     agreement_by_kind: dict[str, float]  # code / prose / chat
     agreement_by_source: dict[str, float]  # gen-code, gen-prose, gen-chat, gen-qa, stdlib, docs
     agreement_generated: float  # on text the target wrote itself (what a draft faces)
+    # end to end on draft_eval.HELDOUT_PROMPTS: the target's own greedy continuations of a
+    # hand-written mixed prompt set (code, prose, chat, extraction); the acceptance proxy
+    greedy_agreement: float
+    greedy_agreement_by_kind: dict[str, float]
     kl: float  # held-out KL(target || student), nats per position, (k+1)-bin
     eval_tokens: int  # held-out positions evaluated
     target_step_ms: float  # 1-token decode step of the target (fp32, this process's threads)
@@ -436,7 +442,10 @@ def distill(
     eval_every: int = 250,
     checkpoint_every: int = 250,
     corpus_dir: str | Path | None = None,
+    extra_corpus_dirs: Sequence[str | Path] = (),
+    init_from: str | Path | None = None,
     save_dtype: str = "bfloat16",
+    greedy_eval_tokens: int = 96,
 ) -> DistillReport:
     """Distil a small draft model from TARGET into OUT_DIR (CPU; resumable).
 
@@ -481,7 +490,13 @@ def distill(
         eval_every: steps between held-out evaluations (on up to 64 rows) in the history.
         checkpoint_every: steps between checkpoints.
         corpus_dir: a corpus folder to use (and build if absent); default OUT_DIR/corpus.
+        extra_corpus_dirs: finished corpora (e.g. built with another seed) whose rows are
+            added: their training rows to training, their held-out rows to evaluation.
+        init_from: a draft checkpoint of the same shape to start from (a second stage on more
+            data) instead of the projected-embedding initialisation; ignored when resuming.
         save_dtype: dtype of the final weights: bfloat16, float16 or float32.
+        greedy_eval_tokens: tokens the target writes per prompt of the final end-to-end
+            greedy-agreement evaluation (draft_eval.py); 0 skips it.
     """
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
@@ -527,6 +542,8 @@ def distill(
     if not (cdir / "done").exists():  # a bfloat16 copy: ~2.4x faster, KL to fp32 ~1e-3
         labeller = copy.deepcopy(teacher).to(torch.bfloat16)
     corpus = build_corpus(labeller, tokenizer, cdir, spec, progress=progress)
+    if extra_corpus_dirs:
+        corpus = Corpus.merge([corpus] + [load_corpus(d, like=spec) for d in extra_corpus_dirs])
     corpus_time = time.time() - t0 if labeller is not None else 0.0
     del labeller
     train_rows = (~corpus.is_eval).nonzero()[:, 0]
@@ -549,6 +566,15 @@ def distill(
         student = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
         step, tokens_seen, history = state["step"], state["tokens_seen"], state["history"]
         torch.set_rng_state(state["torch_rng"])
+    elif init_from is not None:
+        student = AutoModelForCausalLM.from_pretrained(str(init_from), dtype=torch.float32)
+        got = dict(hidden_size=student.config.hidden_size, num_layers=student.config.num_hidden_layers,
+                   num_heads=student.config.num_attention_heads,
+                   num_kv_heads=student.config.num_key_value_heads,
+                   intermediate_size=student.config.intermediate_size)
+        if {k: v for k, v in got.items() if shape[k] is not None} != {k: v for k, v in shape.items() if v is not None}:
+            raise SpecRouterError(f"init_from {init_from} has shape {got}, not {shape}")
+        state = None
     else:
         pick = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))[:16]
         sample = corpus.tokens[train_rows[pick], : min(128, seq_len)]  # (16, <=128)
@@ -571,7 +597,9 @@ def distill(
         recipe = {
             "args": args, "seed": seed, "steps_done": done, "tokens_seen": tokens_seen,
             "student_config": student.config.to_dict(), "shape": shape,
-            "corpus": {"dir": str(cdir), "spec": spec.__dict__, "sources": corpus.composition()},
+            "corpus": {"dir": str(cdir), "extra_dirs": [str(d) for d in extra_corpus_dirs],
+                       "spec": spec.__dict__, "sources": corpus.composition()},
+            "init_from": str(init_from) if init_from is not None else None,
             "versions": _versions(),
         }
         (out / "recipe.json").write_text(json.dumps(recipe, indent=1, default=str))
@@ -638,13 +666,17 @@ def distill(
     student.float()
     weights = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20
     target_ms, student_ms = step_ms(get_teacher()), step_ms(student)
+    greedy = (greedy_agreement(student, get_teacher(), tokenizer, max_new_tokens=greedy_eval_tokens)
+              if greedy_eval_tokens > 0 else None)
     write_recipe(step)
     report = DistillReport(
         out_dir=str(out), steps=step, start_step=start_step, tokens_seen=tokens_seen,
         params=sum(p.numel() for p in student.parameters()), weights_mb=round(weights, 2),
         agreement=ev["agreement"], agreement_by_kind=ev["agreement_by_kind"],
         agreement_by_source=ev["agreement_by_source"],
-        agreement_generated=ev["agreement_generated"], kl=ev["kl"],
+        agreement_generated=ev["agreement_generated"],
+        greedy_agreement=greedy.agreement if greedy else float("nan"),
+        greedy_agreement_by_kind=greedy.by_kind if greedy else {}, kl=ev["kl"],
         eval_tokens=ev["eval_tokens"], target_step_ms=round(target_ms, 3),
         student_step_ms=round(student_ms, 3), cost_ratio=round(target_ms / student_ms, 2),
         wall_time_s=round(time.time() - t_start, 1), corpus_time_s=round(corpus_time, 1),
