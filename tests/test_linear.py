@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specrouter.runners.linear import ONEDNN, Linear, linear, linear_add
+from specrouter.runners.linear import ONEDNN, Linear, linear, linear_add, row_mode
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -20,8 +20,8 @@ def test_linear_matches_reference(dtype, with_bias, n):
     r = torch.randn(n, 40, generator=g, dtype=dtype)
     lin = Linear.pack(w, b)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(linear(x, lin, n == 1), F.linear(x, w, b), **tol)
-    torch.testing.assert_close(linear_add(r, x, lin, n == 1), r + F.linear(x, w, b), **tol)
+    torch.testing.assert_close(linear(x, lin, row_mode(n)), F.linear(x, w, b), **tol)
+    torch.testing.assert_close(linear_add(r, x, lin, row_mode(n)), r + F.linear(x, w, b), **tol)
     assert lin.row.is_contiguous() and lin.row.shape == (24, 40)
     assert (lin.rows is not None) == (ONEDNN and dtype == torch.float32)
 
@@ -31,14 +31,14 @@ def test_multi_row_float32_is_row_invariant():
     g = torch.Generator().manual_seed(0)
     lin = Linear.pack(torch.randn(300, 96, generator=g))
     x = torch.randn(9, 96, generator=g)
-    full = linear(x, lin, False)
+    full = linear(x, lin, row_mode(9))
     for n in (2, 3, 4, 5, 8):
-        assert torch.equal(linear(x[:n].clone(), lin, False), full[:n])
-        assert torch.equal(linear(x[-n:].clone(), lin, False), full[-n:])
+        assert torch.equal(linear(x[:n].clone(), lin, row_mode(n)), full[:n])
+        assert torch.equal(linear(x[-n:].clone(), lin, row_mode(n)), full[-n:])
 
 
 def test_bfloat16_keeps_the_checkpoint_layout():
     w = torch.randn(8, 4).bfloat16()
     lin = Linear.pack(w)
     assert lin.rows is None and torch.equal(lin.row.t(), w)
-    torch.testing.assert_close(linear(torch.ones(3, 4).bfloat16(), lin, False), F.linear(torch.ones(3, 4).bfloat16(), w))
+    torch.testing.assert_close(linear(torch.ones(3, 4).bfloat16(), lin, row_mode(3)), F.linear(torch.ones(3, 4).bfloat16(), w))

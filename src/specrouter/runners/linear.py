@@ -10,6 +10,7 @@ DRAM as in a real forward; see benchmarks/runner_micro.py):
   (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, the kernels torch.compile's
   CPU backend uses) is flat from 1 to ~8 rows: memory-bound, as a GEMM of a few rows should be.
   It is also row-invariant: each row's result is bitwise the same whatever the other rows.
+  Except that 2 and 3 rows are slow (~1.5-2x 4 rows), so they are padded to 4.
 - For exactly one row, MKL's GEMV on the (in, out) contiguous layout is the fastest (~1.3x
   oneDNN), so a 1-row call keeps using it.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 _ops = getattr(torch.ops, "mkldnn", None)
 
@@ -43,7 +45,7 @@ def _onednn_available() -> bool:
 
 ONEDNN = _onednn_available()
 # part of the cost-profile fingerprint: timings swept under other kernels are not reused
-KERNELS = "mkl-row+onednn-rows/1" if ONEDNN else "mkl/1"
+KERNELS = "mkl-row+onednn-rows-pad4/2" if ONEDNN else "mkl/1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,18 +68,33 @@ class Linear:
         return Linear(row, blocked, bias)
 
 
-def linear(x: torch.Tensor, w: Linear, one_row: bool) -> torch.Tensor:
-    """x (N, in) -> (N, out). `one_row` is N == 1, known to the caller without a sync."""
-    if one_row or w.rows is None:
+# row counts oneDNN's float32 kernel handles badly: 2 and 3 rows cost ~1.4-2x 4 rows here, so
+# they are padded to PAD_TO rows (row-invariance makes the padding rows harmless)
+PAD_TO = 4
+
+ONE_ROW, ROWS, PADDED = 0, 1, 2  # how a forward's linears run, from its row count
+
+
+def row_mode(n: int) -> int:
+    """The mode of every linear of a forward over `n` rows (a Python int: no sync)."""
+    return ONE_ROW if n == 1 else PADDED if n < PAD_TO else ROWS
+
+
+def linear(x: torch.Tensor, w: Linear, mode: int) -> torch.Tensor:
+    """x (N, in) -> (N, out); `mode` = row_mode(N)."""
+    if mode == ONE_ROW or w.rows is None:
         return torch.mm(x, w.row) if w.bias is None else torch.addmm(w.bias, x, w.row)
+    if mode == PADDED:
+        n = x.shape[0]
+        return _ops._linear_pointwise(F.pad(x, (0, 0, 0, PAD_TO - n)), w.rows, w.bias, "none", [], "")[:n]
     return _ops._linear_pointwise(x, w.rows, w.bias, "none", [], "")
 
 
-def linear_add(residual: torch.Tensor, x: torch.Tensor, w: Linear, one_row: bool) -> torch.Tensor:
+def linear_add(residual: torch.Tensor, x: torch.Tensor, w: Linear, mode: int) -> torch.Tensor:
     """residual + linear(x): the residual add fused into the kernel where it can be."""
-    if one_row or w.rows is None:
+    if mode == ONE_ROW or w.rows is None:
         y = torch.addmm(residual, x, w.row)
         return y if w.bias is None else y.add_(w.bias)
-    if w.bias is None:
+    if mode == ROWS and w.bias is None:
         return _ops._linear_pointwise(x, residual, w.rows, None, "add")
-    return residual + _ops._linear_pointwise(x, w.rows, w.bias, "none", [], "")
+    return residual + linear(x, w, mode)

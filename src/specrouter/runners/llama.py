@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from specrouter.errors import CheckpointError, ContextLengthError
 from specrouter.runners.base import ForwardBatch, ModelRunner
-from specrouter.runners.linear import Linear, linear, linear_add
+from specrouter.runners.linear import Linear, linear, linear_add, row_mode
 from specrouter.runners.rope import apply_rope, rope_inv_freq, rope_parameters_from_config, rope_tables
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -314,7 +314,7 @@ class LlamaRunner(ModelRunner):
 
         def logits_fn(h: torch.Tensor) -> torch.Tensor:
             B, G, H = h.shape
-            return linear(h.reshape(B * G, H), head, B * G == 1).view(B, G, V)
+            return linear(h.reshape(B * G, H), head, row_mode(B * G)).view(B, G, V)
 
         return embed_fn, logits_fn
 
@@ -381,7 +381,7 @@ class LlamaRunner(ModelRunner):
         norm, H, inter, slots_t = self._norm, a.hidden_size, a.intermediate_size, batch.slots
 
         x = self._embed_fn(batch.tokens).view(B * T, H)  # (N, H), N = B*T: 2-D so linears are one mm
-        one = B * T == 1  # one row: MKL GEMV; more: oneDNN's flat, row-invariant kernel
+        one = row_mode(B * T)  # one row: MKL GEMV; more: oneDNN's flat, row-invariant kernel
         for (ln1, w_qkv, w_o, ln2, w_gu, w_down), kc, vc, kw, vw in zip(
             self._layers, self._k, self._v, self._kw, self._vw
         ):
