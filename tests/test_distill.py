@@ -16,7 +16,7 @@ from specrouter.testing import make_tiny_llama
 SMALL = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, batch_size=4,
              seq_len=32, lr=1e-2, corpus_tokens=3000, eval_fraction=0.2, eval_every=10,
              checkpoint_every=10, threads=1, progress=False, ce_weight=0.0,
-             greedy_eval_tokens=12)
+             greedy_eval_tokens=12, draft_vocab_size=100)
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +180,13 @@ def test_distill_trains_checkpoints_and_reports(runs):
     assert {"agreement", "agreement_by_kind", "kl", "params", "wall_time_s", "history",
             "greedy_agreement", "greedy_agreement_by_kind"} <= report.keys()
     assert 0.0 <= report["greedy_agreement"] <= 1.0
+    vocab = json.loads((out / "draft_vocab.json").read_text())
+    ids = vocab["token_ids"]
+    assert 100 <= len(ids) <= 103 and ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < 320
+    assert 0.0 < vocab["heldout_coverage"] <= 1.0
+    from specrouter.runners.llama import load_llama_runner
+
+    assert load_llama_runner(out).draft_vocab == ids
     assert set(report["greedy_agreement_by_kind"]) == {"code", "prose", "chat", "extraction"}
     for r in (resumed, straight):
         assert 0.0 <= r.agreement <= 1.0 and r.kl >= 0.0

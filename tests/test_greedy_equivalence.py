@@ -104,3 +104,37 @@ def test_transformers_fallback_backend_is_equivalent(tiny_pool_dirs, prompts, ex
     for chain, k in [(("target",), 1), (("draft", "target"), 3), (("ngram", "draft", "mid", "target"), 2)]:
         results = sr.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, chain=chain, k=k)
         assert [r.token_ids for r in results] == expected
+
+
+def test_draft_with_a_vocabulary_subset_stays_exact(tiny_pool_dirs, prompts, expected, tmp_path):
+    """A draft that proposes only part of the vocabulary (draft_vocab.json): its logits are
+    -inf elsewhere, the chain's output is still the target's."""
+    import json
+    import shutil
+
+    from specrouter.runners.llama import DRAFT_VOCAB_FILE, load_llama_runner
+    from specrouter.runners.base import ForwardBatch
+
+    sub = tmp_path / "same-sub"
+    shutil.copytree(tiny_pool_dirs["same"], sub)
+    keep = sorted(set(range(0, 320, 2)) | {1})  # half the vocabulary
+    (sub / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": keep}))
+    full = load_llama_runner(tiny_pool_dirs["same"], dtype=torch.float64, max_len=64)
+    part = load_llama_runner(sub, dtype=torch.float64, max_len=64)
+    batch = ForwardBatch.build([0], [0], [prompts[2]], [list(range(len(prompts[2])))])
+    a, b = full.forward(batch), part.forward(batch)  # (1, T, V)
+    mask = torch.zeros(a.shape[-1], dtype=torch.bool)
+    mask[keep] = True
+    torch.testing.assert_close(b[..., mask], a[..., mask], rtol=1e-12, atol=1e-12)
+    assert bool(torch.isneginf(b[..., ~mask]).all())
+
+    sr = SpecRouter.from_pretrained([sub, tiny_pool_dirs["target"]], target="target",
+                                    names=["same-sub", "target"], dtype="float64")
+    outs = sr.generate(prompts, max_new_tokens=MAX_NEW, chain=["same-sub", "target"], k=4)
+    assert [o.token_ids for o in outs] == expected
+    accepted = sum(o.stats.accepted.get("same-sub>target", 0) for o in outs)
+    drafted = sum(o.stats.drafted.get("same-sub>target", 0) for o in outs)
+    assert 0 < accepted < drafted  # an exact copy, yet it misses whatever it cannot propose
+    sampled = sr.generate(prompts[:2], max_new_tokens=8, chain=["same-sub", "target"], k=3,
+                          temperature=0.8, seed=0)
+    assert all(len(o.token_ids) == 8 for o in sampled)

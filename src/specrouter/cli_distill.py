@@ -27,6 +27,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         seed=args.seed, resume=not args.no_resume, threads=args.threads,
         corpus_dir=args.corpus_dir, extra_corpus_dirs=args.extra_corpus_dir or (),
         init_from=args.init_from, greedy_eval_tokens=args.greedy_eval_tokens,
+        draft_vocab_size=args.draft_vocab_size,
     )
     print(json.dumps(asdict(report), indent=2, default=str))
     return 0
@@ -80,6 +81,8 @@ def register(sub) -> None:
                    help="start from this draft checkpoint (same shape) instead of a fresh init")
     p.add_argument("--greedy-eval-tokens", type=int, default=96,
                    help="tokens per prompt of the end-to-end greedy-agreement evaluation (0: skip)")
+    p.add_argument("--draft-vocab-size", type=int, default=16384,
+                   help="the draft proposes only the N most frequent corpus tokens (0: all)")
     p.add_argument("--eval-only", action="store_true",
                    help="only evaluate the draft in --out-dir: held-out greedy agreement")
     p.set_defaults(func=cmd_distill)

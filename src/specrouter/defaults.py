@@ -31,8 +31,9 @@ def assemble_draft(asset: Path, target_dir: Path) -> Path:
     """A complete checkpoint dir for a shipped draft: its files plus the target's tokenizer."""
     out = gguf_cache_dir().parent / "drafts" / asset.name
     stamp = out / ".complete"
-    src_stamp = (asset / "model.safetensors").stat()
-    key = f"{src_stamp.st_size}:{int(src_stamp.st_mtime)}:{target_dir.name}"
+    files = sorted(f for f in asset.iterdir() if f.is_file())
+    key = ";".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)
+    key += f";{target_dir.name}"  # any asset file changed, added or removed: assemble again
     if stamp.is_file() and stamp.read_text() == key:
         return out
     tmp = out.with_name(out.name + ".tmp")

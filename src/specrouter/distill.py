@@ -388,6 +388,33 @@ def _copy_tokenizer(target: Path, tokenizer, out: Path) -> None:
         tokenizer.save_pretrained(str(out))
 
 
+def write_draft_vocab(out: Path, corpus: Corpus, train_rows: torch.Tensor, eval_rows: torch.Tensor,
+                      size: int, vocab: int, always: Sequence[int] = ()) -> dict:
+    """OUT/draft_vocab.json: the `size` most frequent tokens of the training rows (ties and
+    unseen tokens by id, i.e. BPE merge order) plus `always` (special tokens), with their
+    coverage of the held-out rows."""
+    from .runners.llama import DRAFT_VOCAB_FILE
+
+    def tokens(rows: torch.Tensor) -> torch.Tensor:
+        T = corpus.tokens.shape[1]
+        return corpus.tokens[rows][torch.arange(T)[None, :] < corpus.lengths[rows][:, None]]
+
+    count = torch.bincount(tokens(train_rows), minlength=vocab)[:vocab].double()
+    order = (count * vocab - torch.arange(vocab, dtype=torch.float64)).argsort(descending=True)
+    keep = torch.zeros(vocab, dtype=torch.bool)
+    keep[order[: min(size, vocab)]] = True
+    keep[[i for i in always if 0 <= i < vocab]] = True
+    held = tokens(eval_rows)
+    doc = {
+        "token_ids": keep.nonzero()[:, 0].tolist(),
+        "size": int(keep.sum()),
+        "heldout_coverage": round(float(keep[held].double().mean()), 4) if len(held) else None,
+        "note": "the draft proposes only these tokens (the most frequent in its training corpus)",
+    }
+    (out / DRAFT_VOCAB_FILE).write_text(json.dumps(doc))
+    return doc
+
+
 def _versions() -> dict:
     import transformers
 
@@ -446,6 +473,7 @@ def distill(
     init_from: str | Path | None = None,
     save_dtype: str = "bfloat16",
     greedy_eval_tokens: int = 96,
+    draft_vocab_size: int = 16384,
 ) -> DistillReport:
     """Distil a small draft model from TARGET into OUT_DIR (CPU; resumable).
 
@@ -495,6 +523,9 @@ def distill(
         init_from: a draft checkpoint of the same shape to start from (a second stage on more
             data) instead of the projected-embedding initialisation; ignored when resuming.
         save_dtype: dtype of the final weights: bfloat16, float16 or float32.
+        draft_vocab_size: the draft proposes only this many tokens, the most frequent in the
+            training rows (draft_vocab.json; the runner then computes only their logits, ~2.5x
+            cheaper for a 49k vocabulary); 0 keeps the full vocabulary.
         greedy_eval_tokens: tokens the target writes per prompt of the final end-to-end
             greedy-agreement evaluation (draft_eval.py); 0 skips it.
     """
@@ -664,6 +695,10 @@ def distill(
     final = student.to(dtype)
     final.save_pretrained(str(out))
     student.float()
+    if draft_vocab_size > 0:
+        cfg = student.config
+        special = [i for i in (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) if isinstance(i, int)]
+        write_draft_vocab(out, corpus, train_rows, eval_rows, draft_vocab_size, cfg.vocab_size, special)
     weights = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20
     target_ms, student_ms = step_ms(get_teacher()), step_ms(student)
     greedy = (greedy_agreement(student, get_teacher(), tokenizer, max_new_tokens=greedy_eval_tokens)

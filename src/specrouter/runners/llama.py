@@ -26,6 +26,9 @@ from specrouter.runners.rope import apply_rope, rope_inv_freq, rope_parameters_f
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # transformers' config defaults for keys a config.json may omit, per model_type
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072}
+# a draft checkpoint's frequent-token list, {"token_ids": [...], ...}: the runner computes only
+# those logits (see LlamaRunner._make_embed_and_head)
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 _DEFAULT_KV_HEADS = {"llama": None, "qwen2": 32, "mistral": 8}  # None: = num_attention_heads
 
 
@@ -215,6 +218,7 @@ class LlamaRunner(ModelRunner):
         num_slots: int = 1,
         max_len: int | None = None,
         device: torch.device | str = "cpu",
+        draft_vocab: list[int] | None = None,
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16, torch.float64):
             raise ValueError(f"unsupported dtype {dtype}: use float32, bfloat16 or float64")
@@ -237,8 +241,9 @@ class LlamaRunner(ModelRunner):
             return torch.cat([w(n) for n in names], dim=0).contiguous()
 
         self._final_norm = norm_w("norm.weight")
+        self.draft_vocab = draft_vocab
         self._embed_fn, self._logits_fn = self._make_embed_and_head(
-            w("embed_tokens.weight"), None if arch.tie_word_embeddings else w("lm_head.weight")
+            w("embed_tokens.weight"), None if arch.tie_word_embeddings else w("lm_head.weight"), draft_vocab
         )
         # per layer: (ln1, qkv, o, ln2, gate_up, down), linears packed for 1 and for 2+ rows
         self._layers = []
@@ -302,19 +307,41 @@ class LlamaRunner(ModelRunner):
         self.num_slots, self.max_len = num_slots, max_len  # base rebuilds the free list
 
     # ---- forward ---------------------------------------------------------------------------
-    def _make_embed_and_head(self, embed: torch.Tensor, lm_head: torch.Tensor | None):
+    def _make_embed_and_head(self, embed: torch.Tensor, lm_head: torch.Tensor | None,
+                             draft_vocab: list[int] | None = None):
         """(tokens (B, T) -> (B, T, H), hidden (B, G, H) -> logits (B, G, V)), chosen once.
         The head is a `Linear` like the layers' (see runners/linear.py): tied or not, it keeps
-        its own (H, V) and blocked copies beside the (V, H) embedding table."""
-        head = Linear.pack(embed if lm_head is None else lm_head)  # (V, H) -> packed
-        V = embed.shape[0] if lm_head is None else lm_head.shape[0]
+        its own (H, V) and blocked copies beside the (V, H) embedding table.
+
+        With `draft_vocab` (a draft model's frequent tokens, see DRAFT_VOCAB_FILE) only those
+        rows of the head are computed and every other logit is -inf: a draft that can only
+        propose those tokens, at a fraction of the cost (the head is most of a small draft's
+        time). Exactness is untouched: the target verifies, and the draft's distribution is
+        what it is (zero outside the subset) in the sampling acceptance test too."""
+        full = embed if lm_head is None else lm_head  # (V, H)
+        V = full.shape[0]
 
         def embed_fn(tokens: torch.Tensor) -> torch.Tensor:
             return F.embedding(tokens, embed)
 
+        if draft_vocab is None:
+            head = Linear.pack(full)
+
+            def logits_fn(h: torch.Tensor) -> torch.Tensor:
+                B, G, H = h.shape
+                return linear(h.reshape(B * G, H), head, row_mode(B * G)).view(B, G, V)
+
+            return embed_fn, logits_fn
+        ids = torch.tensor(sorted(set(draft_vocab)), dtype=torch.long, device=full.device)  # (V',)
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= V:
+            raise CheckpointError(f"model {self.name!r}: draft vocabulary ids must lie in [0, {V})")
+        head = Linear.pack(full.index_select(0, ids).contiguous())  # (V', H) -> packed
+
         def logits_fn(h: torch.Tensor) -> torch.Tensor:
             B, G, H = h.shape
-            return linear(h.reshape(B * G, H), head, row_mode(B * G)).view(B, G, V)
+            part = linear(h.reshape(B * G, H), head, row_mode(B * G))  # (N, V')
+            out = torch.full((B * G, V), float("-inf"), dtype=part.dtype, device=part.device)
+            return out.index_copy_(1, ids, part).view(B, G, V)
 
         return embed_fn, logits_fn
 
@@ -443,9 +470,17 @@ def load_llama_runner(
         raise ContextLengthError(
             f"max_len {max_len} exceeds the model's context of {arch.max_context} positions"
         )
+    vocab_file = Path(path) / DRAFT_VOCAB_FILE
+    draft_vocab = None
+    if vocab_file.is_file():
+        try:
+            draft_vocab = [int(i) for i in json.loads(vocab_file.read_text())["token_ids"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{vocab_file} is not a draft vocabulary file: {e}") from e
     return LlamaRunner(
         arch,
         tensors,
+        draft_vocab=draft_vocab,
         name=name or Path(path).resolve().name,
         dtype=dtype,
         num_slots=num_slots,
