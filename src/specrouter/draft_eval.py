@@ -1,4 +1,5 @@
-"""Held-out greedy agreement of a draft with its target, end to end: the acceptance proxy.
+"""How good a draft is: held-out greedy agreement with its target, end to end (the acceptance
+proxy), agreement and KL on a corpus's held-out rows, and per-step cost.
 
 The target continues a fixed, mixed set of prompts (code, prose, chat through its template,
 extraction) greedily; one forward of the draft over each whole sequence then says, at every
@@ -13,9 +14,12 @@ construction.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
+
+from .corpus import SOURCES, Corpus
 
 # (kind, text, through the chat template?)
 HELDOUT_PROMPTS: tuple[tuple[str, str, bool], ...] = (
@@ -82,3 +86,75 @@ def greedy_agreement(draft, target, tokenizer, *, max_new_tokens: int = 96,
         by_kind={k: h[0] / h[1] for k, h in hits.items()},
         positions=total, max_new_tokens=max_new_tokens, per_prompt=per_prompt,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# On a distillation corpus (held-out rows) and per-step cost
+
+
+
+@torch.no_grad()
+def evaluate(student, corpus: Corpus, rows: torch.Tensor, batch: int = 8, chunk: int = 512) -> dict:
+    """Held-out agreement (student argmax == teacher argmax) and (k+1)-bin KL on `rows`,
+    float32, overall, per source and per kind."""
+    names = list(SOURCES)
+    agree = torch.zeros(len(names), dtype=torch.float64)
+    kl = torch.zeros(len(names), dtype=torch.float64)
+    count = torch.zeros(len(names), dtype=torch.float64)
+    for s in range(0, len(rows), batch):
+        r = rows[s : s + batch]
+        T = int(corpus.lengths[r].max())
+        mask = corpus.label_mask(r)[:, :T]
+        hidden = student.model(input_ids=corpus.tokens[r, :T]).last_hidden_state[mask]  # (N, d)
+        ids = corpus.topk_ids[r, :T][mask].long()  # (N, k)
+        logp = corpus.topk_logp[r, :T][mask].float()
+        src = corpus.source[r][:, None].expand(-1, T)[mask]  # (N,)
+        for c in range(0, hidden.shape[0], chunk):
+            logq = torch.log_softmax(student.lm_head(hidden[c : c + chunk]).float(), -1)
+            i, lp = ids[c : c + chunk], logp[c : c + chunk]
+            hit = (logq.argmax(-1) == i[:, 0]).double()
+            logq_k = logq.gather(1, i)
+            p = lp.exp()
+            pt = (1 - p.sum(-1)).clamp(min=0)
+            qt = (1 - logq_k.exp().sum(-1)).clamp(min=1e-12)
+            k_l = (p * (lp - logq_k)).sum(-1) + pt * (pt.clamp(min=1e-12).log() - qt.log())
+            sc = src[c : c + chunk]
+            agree.index_add_(0, sc, hit)
+            kl.index_add_(0, sc, k_l.double())
+            count.index_add_(0, sc, torch.ones_like(hit))
+    ratio = lambda a, n: float(a / n) if n > 0 else float("nan")  # noqa: E731
+    by_source = {n: ratio(agree[i], count[i]) for i, n in enumerate(names) if count[i] > 0}
+    by_kind = {}
+    for kind in sorted(set(SOURCES.values())):
+        sel = [i for i, n in enumerate(names) if SOURCES[n] == kind]
+        if count[sel].sum() > 0:
+            by_kind[kind] = ratio(agree[sel].sum(), count[sel].sum())
+    gen = [i for i, n in enumerate(names) if n.startswith("gen-")]
+    return {
+        "agreement": ratio(agree.sum(), count.sum()),
+        "agreement_by_kind": by_kind,
+        "agreement_by_source": by_source,
+        "agreement_generated": ratio(agree[gen].sum(), count[gen].sum()),
+        "kl": ratio(kl.sum(), count.sum()),
+        "eval_tokens": int(count.sum()),
+    }
+
+
+@torch.no_grad()
+def step_ms(model, context: int = 128, steps: int = 16) -> float:
+    """Median wall time (ms) of a 1-token decode step after `context` tokens (transformers,
+    float32, DynamicCache)."""
+    from transformers import DynamicCache
+
+    from .corpus import _cache_kw
+
+    model = model.float().eval()
+    cache = {_cache_kw(model): DynamicCache()}
+    ids = torch.randint(0, model.config.vocab_size, (1, context + steps))
+    model(input_ids=ids[:, :context], **cache, use_cache=True)
+    times = []
+    for t in range(context, context + steps):
+        t0 = time.perf_counter()
+        model(input_ids=ids[:, t : t + 1], **cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+    return 1000 * sorted(times)[len(times) // 2]
