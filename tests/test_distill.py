@@ -283,3 +283,18 @@ def test_second_stage_on_two_corpora_starts_from_the_first(target, runs, tmp_pat
     with pytest.raises(SpecRouterError, match="shape"):
         distill(target, tmp_path / "bad", steps=10, corpus_dir=root / "corpus",
                 init_from=root / "b", **{**SMALL, "hidden_size": 64})
+
+
+def test_decontaminate_drops_training_rows_that_start_like_held_out_ones():
+    from specrouter.corpus import Corpus
+
+    c = Corpus.__new__(Corpus)
+    c.tokens = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 3, 4], [5, 6, 7, 8]])
+    c.lengths = torch.tensor([4, 4, 4, 4])
+    c.topk_ids = torch.zeros(4, 4, 2, dtype=torch.int32)
+    c.topk_logp = torch.zeros(4, 4, 2, dtype=torch.float16)
+    c.source = torch.tensor([0, 0, 0, 1])
+    c.is_eval = torch.tensor([True, False, False, False])
+    assert c.decontaminate(prefix=4) == 1  # row 2 repeats held-out row 0; row 1 only its start
+    assert c.tokens.tolist() == [[1, 2, 3, 4], [1, 2, 3, 9], [5, 6, 7, 8]]
+    assert c.is_eval.tolist() == [True, False, False] and c.topk_ids.shape[0] == 3

@@ -372,6 +372,19 @@ class Corpus:
             setattr(merged, key, torch.cat([getattr(c, key) for c in corpora]))
         return merged
 
+    def decontaminate(self, prefix: int = 64) -> int:
+        """Drop training rows that start like a held-out row (same first `prefix` tokens): two
+        corpora built with other seeds can draw the same templated prompt, one for training and
+        one for evaluation. Returns the number of rows dropped."""
+        n = min(prefix, self.tokens.shape[1])
+        held = {tuple(r) for r in self.tokens[self.is_eval, :n].tolist()}
+        drop = torch.tensor([not e and tuple(r) in held
+                             for r, e in zip(self.tokens[:, :n].tolist(), self.is_eval.tolist())])
+        if bool(drop.any()):
+            for key in ("tokens", "lengths", "topk_ids", "topk_logp", "source", "is_eval"):
+                setattr(self, key, getattr(self, key)[~drop])
+        return int(drop.sum())
+
     def label_mask(self, rows: torch.Tensor) -> torch.Tensor:
         """(B, T) bool: positions of `rows` that carry a label (all but each row's last)."""
         T = self.tokens.shape[1]

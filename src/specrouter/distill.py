@@ -416,6 +416,9 @@ def distill(
     corpus = build_corpus(labeller, tokenizer, cdir, spec, progress=progress)
     if extra_corpus_dirs:
         corpus = Corpus.merge([corpus] + [load_corpus(d, like=spec) for d in extra_corpus_dirs])
+        dropped = corpus.decontaminate()  # templated prompts recur across seeds
+        if progress and dropped:
+            print(f"dropped {dropped} training rows that start like a held-out row")
     corpus_time = time.time() - t0 if labeller is not None else 0.0
     del labeller
     train_rows = (~corpus.is_eval).nonzero()[:, 0]
