@@ -23,6 +23,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# the side-by-side benchmark (issue figures); `make bench ARGS=--quick` for a smoke run
+bench: $(STAMP)
+	$(BIN)/specrouter bench $(ARGS)
+
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 

@@ -1,0 +1,226 @@
+"""The benchmark's outputs: bench.json (everything measured), bench.md (tables of tokens/s,
+ratios, acceptance per level, the goals of the issue met or not)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+ADAPTIVE = "SpecRouter"
+TARGET_ONLY = "target-only"
+
+
+def _aggregate(scenarios: list[dict], system: str) -> float | None:
+    """tokens/s of `system` over several scenarios (tokens and seconds summed), None if absent."""
+    rows = [s["systems"][system] for s in scenarios if system in s["systems"]]
+    seconds = sum(r["seconds"] for r in rows)
+    return sum(r["tokens"] for r in rows) / seconds if rows and seconds else None
+
+
+def _goal(goal: str, scope: str, value: float | None, threshold: float, *, at_most: bool = False) -> dict:
+    met = None if value is None else (value <= threshold if at_most else value >= threshold)
+    return {"goal": goal, "scope": scope, "value": value, "threshold": threshold, "met": met}
+
+
+def evaluate_goals(result: dict) -> list[dict]:
+    """The issue's goals, measured on this run (value None: not measured by this run)."""
+    scenarios = result["scenarios"]
+    plain = [s for s in scenarios if s["slowdown"] is None]
+    goals = []
+    for greedy, threshold, label in ((True, 2.0, "greedy"), (False, 1.5, "sampling")):
+        scs = [s for s in plain if s["greedy"] == greedy]
+        if not scs:
+            continue
+        temps = sorted({s["temperature"] for s in scs})
+        what = "greedy" if greedy else "temperature " + ", ".join(f"{t:g}" for t in temps)
+        sr, base = _aggregate(scs, ADAPTIVE), _aggregate(scs, TARGET_ONLY)
+        goals.append(_goal(f"SpecRouter >= {threshold:g}x target-only tokens/s, {what}",
+                           f"all {label} workloads ({len(scs)} scenarios, tokens and time summed)",
+                           sr / base if sr and base else None, threshold))
+    for s in scenarios:
+        if s["workload"] != "mixed":
+            continue
+        goals.append(_goal("SpecRouter >= 1.2x the best static chain on the mixed stream",
+                           f"{s['name']} (best static: {s['best_static']['system']})",
+                           s["ratios"]["specrouter/best_static"], 1.2))
+        goals.append(_goal("SpecRouter within 10% of the oracle on the mixed stream",
+                           s["name"], s["ratios"]["specrouter/oracle"], 0.9))
+    for greedy in (True, False):
+        scs = [s for s in scenarios if s["greedy"] == greedy and "HF assisted" in s["systems"]]
+        if scs:
+            sr, hf = _aggregate(scs, ADAPTIVE), _aggregate(scs, "HF assisted")
+            goals.append(_goal("SpecRouter >= 2x transformers assisted generation (same models)",
+                               f"{'greedy' if greedy else 'sampling'} scenarios with the baseline "
+                               f"({len(scs)}, tokens and time summed)", sr / hf if sr and hf else None, 2.0))
+    worst = min(scenarios, key=lambda s: s["ratios"]["specrouter/target_only"] or math.inf)
+    goals.append(_goal("SpecRouter never below 0.95x target-only on any workload",
+                       f"worst: {worst['name']}", worst["ratios"]["specrouter/target_only"], 0.95))
+    checked = sum(len(s["requests"]) for s in scenarios if s["greedy"])
+    goals.append({"goal": "greedy outputs identical to target-only (static chains, SpecRouter)",
+                  "scope": f"{checked} greedy requests checked; the bench stops at the first difference",
+                  "value": None, "threshold": None, "met": True})
+    return goals
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON
+
+
+def write_json(result: dict, path: Path) -> None:
+    def default(o):
+        if hasattr(o, "item"):  # numpy / torch scalars
+            return o.item()
+        if isinstance(o, set):
+            return sorted(o)
+        raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+    def clean(o):  # JSON has no inf / nan
+        if isinstance(o, float) and not math.isfinite(o):
+            return None
+        if isinstance(o, dict):
+            return {str(k): clean(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [clean(v) for v in o]
+        return o
+
+    path.write_text(json.dumps(clean(result), indent=1, default=default) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# markdown
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def _x(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0%}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def summary_table(result: dict) -> list[str]:
+    rows = []
+    for s in result["scenarios"]:
+        t = {n: e["tokens_per_second"] for n, e in s["systems"].items()}
+        r = s["ratios"]
+        three = s["best_three_level"]
+        rows.append([
+            s["name"], _f(t.get(TARGET_ONLY)), _f(t.get("HF generate")), _f(t.get("HF assisted")),
+            f"{_f(s['best_static']['tokens_per_second'])} ({s['best_static']['system']})",
+            f"{_f(three['tokens_per_second'])} ({three['system']})" if three else "n/a",
+            _f(s["oracle"]["tokens_per_second"]), _f(t.get(ADAPTIVE)),
+            _x(r["specrouter/target_only"]), _x(r["specrouter/best_static"]), _x(r["specrouter/oracle"]),
+            _x(r["specrouter/hf_assisted"]),
+        ])
+    return _table(["scenario", "target-only", "HF generate", "HF assisted", "best static (chain, k)",
+                   "best 3-level", "oracle", "SpecRouter", "SR / target-only", "SR / best static",
+                   "SR / oracle", "SR / HF assisted"], rows)
+
+
+def goals_table(goals: list[dict]) -> list[str]:
+    rows = [[g["goal"], g["scope"], _x(g["value"]) if g["value"] is not None else "",
+             f"{g['threshold']:g}x" if g["threshold"] is not None else "",
+             {True: "yes", False: "**no**", None: "not measured"}[g["met"]]] for g in goals]
+    return _table(["goal", "scope", "measured", "threshold", "met"], rows)
+
+
+def scenario_section(s: dict) -> list[str]:
+    ks_run: dict[str, int] = {}  # static chain -> how many k it ran at
+    for e in s["systems"].values():
+        if e["kind"] == "static":
+            key = ">".join(e["chain"])
+            ks_run[key] = ks_run.get(key, 0) + 1
+    best_k = {c["system"] for c in s["static_chains_best_k"] if ks_run.get(c["chain"], 0) > 1}
+    lines = [f"### {s['name']} ({len(s['requests'])} requests)", ""]
+    sd = s["slowdown"]
+    if sd:
+        line = f"Slowdown from request {sd['start_request']} on"
+        if "model" in sd:
+            line += (f": {sd['model']} {sd['factor']:g}x slower. SpecRouter's cycles using "
+                     f"{sd['model']}: {_pct(sd['specrouter_cycles_using_it_before'])} before, "
+                     f"{_pct(sd['specrouter_cycles_using_it_after'])} after")
+        lines += [line + ".", ""]
+    rows = []
+    for name, e in s["systems"].items():
+        acc = ", ".join(f"{p} {r:.2f}" for p, r in (e.get("acceptance") or {}).items()) or "-"
+        chains = ""
+        if e["kind"] == "adaptive":
+            chains = ", ".join(f"{c} x{n}" for c, n in (e.get("chain_cycles") or {}).items())
+        mark = " (best k)" if name in best_k else ""
+        rows.append([name + mark, _f(e["tokens_per_second"]), _x(e["vs_target_only"]), acc,
+                     _f(e.get("mean_acceptance_length"), 2), chains])
+    o = s["oracle"]
+    base = s["systems"][TARGET_ONLY]["tokens_per_second"]
+    rows.append(["oracle (best static per request)", _f(o["tokens_per_second"]),
+                 _x(o["tokens_per_second"] / base if base else None), "-", "", ""])
+    lines += _table(["system", "tokens/s", "/ target-only", "acceptance per level",
+                     "mean acceptance length", "SpecRouter cycles per chain"], rows)
+    mism = [(r["index"], n, d) for r in s["requests"] for n, d in (r.get("mismatches") or {}).items()]
+    if mism:
+        lines += ["", "Transformers baselines differing from target-only greedy (reported, not fatal; "
+                      "fp32 near-ties): " + "; ".join(f"request {i}: {n} from token {d['first_difference']}"
+                                                      for i, n, d in mism)]
+    return lines + [""]
+
+
+def markdown(result: dict) -> str:
+    m = result["meta"]
+    pool = m["pool"]
+    mach = m["machine"]
+    cfg = m["config"]
+    order = " < ".join(f"{a} ({pool['names'][a]})" for a in pool["order"])
+    lines = [
+        "# SpecRouter benchmark", "",
+        f"Pool (cheapest first): {order}; "
+        f"{pool['dtype']}. Machine: {mach['cpu']}, {mach['cores']} cores, torch threads {mach['threads']}, "
+        f"torch {mach['torch']}, transformers {mach['transformers']}; load average "
+        f"{_f(mach['load_average']['start'], 2)} at start, {_f(mach['load_average']['end'], 2)} at the end "
+        f"(the bench itself adds about its thread count; more means other processes shared "
+        f"the cores and the timings are noisy).",
+        f"Mode: {'quick' if cfg['quick'] else 'full'}; max_new_tokens {cfg['max_new_tokens']}; "
+        f"{cfg['prompts_per_type']} prompt(s) per type; static k in {cfg['ks']}; "
+        f"run time {m['seconds']['total']:.0f} s (set-up {m['seconds']['setup']:.0f} s).", "",
+        f"- Timing: {m['timing']}.",
+        f"- Static chains: {m['k_selection']}.",
+        f"- Best static: {m['best_static']}. Oracle: {m['oracle']}.",
+        f"- Interleaving: {m['interleaving']}. SpecRouter: {m['adaptive']}.",
+    ]
+    if "hf_assisted" in m:
+        a = m["hf_assisted"]
+        sched = ", ".join(f"{k}={v}" for k, v in a["schedule"].items())
+        lines.append(f"- HF assisted: `generate(assistant_model={a['assistant']})`, "
+                     f"default schedule ({sched}).")
+    if "slowdown" in m:
+        sd = m["slowdown"]
+        lines.append(f"- Slowdown run: {sd['model']} made {sd['factor']:g}x slower (sleep after each "
+                     f"forward) from {sd['from_fraction']:.0%} of the mixed stream on.")
+    for note in m["omitted"]:
+        lines.append(f"- Left out: {note}.")
+    lines += ["", "## Tokens/s and ratios", ""] + summary_table(result)
+    lines += ["", "## Goals", ""] + goals_table(result.get("goals", []))
+    lines += ["", "## Per scenario", ""]
+    for s in result["scenarios"]:
+        lines += scenario_section(s)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_report(result: dict, out_dir: str | Path) -> dict[str, Path]:
+    """bench.json and bench.md in `out_dir` (created); returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result["goals"] = evaluate_goals(result)
+    paths = {"json": out / "bench.json", "markdown": out / "bench.md"}
+    write_json(result, paths["json"])
+    paths["markdown"].write_text(markdown(result))
+    return paths

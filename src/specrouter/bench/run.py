@@ -1,0 +1,416 @@
+"""The benchmark loop: every system on every request, interleaved, in one process.
+
+1. Set-up: load the pool (native runners), the transformers twins of the target and of the
+   assistant draft, build the systems, encode every prompt once, size every cache for the
+   longest request (no reallocation while timing), warm every system up once.
+2. Scenarios: each workload at each temperature, plus the mixed stream with a scripted slowdown
+   of one model from a request onward (greedy). Within a scenario, request by request, every
+   system decodes the request, the order of systems rotated by one per request, so drift
+   (thermal, co-tenants, caches) and order effects fall on every system alike.
+3. Checks: in greedy scenarios every exact system (static chains, SpecRouter) must reproduce
+   target-only's tokens; a difference raises `GreedyMismatchError` at once. The transformers
+   baselines are compared and any difference is recorded, not fatal.
+4. Summary per scenario: summary.py (best k per chain in hindsight, the oracle, ratios).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import MAX_DRAFT_LENGTH
+from ..errors import SpecRouterError
+from .slowdown import Slowdown
+from .summary import chain_label, summarize
+from .systems import AdaptiveSystem, Decoding, HFSystem, NativeSystem, Outcome, System, assisted_schedule
+from .workloads import KINDS, MIXED_ORDER, Request, Workload, build_workloads
+
+
+class GreedyMismatchError(SpecRouterError):
+    """A static chain or SpecRouter produced other tokens than target-only greedy decoding."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What `specrouter bench` runs (the CLI flags map one to one)."""
+
+    models: tuple[str, ...] | None = None  # pool paths ("ngram" is added); None: the embedded default pool
+    target: str | None = None  # target name or path (default: the largest model)
+    dtype: str = "float32"  # of every model, native and transformers
+    workloads: tuple[str, ...] = ("code", "prose", "chat", "extraction", "mixed")
+    kinds: tuple[str, ...] = MIXED_ORDER  # request types of the mixed stream, in stream order
+    prompts_per_type: int = 3  # first n prompts of each type (workloads.py)
+    mixed_block: int = 2  # the mixed stream changes type every this many requests
+    repeat: int = 1  # passes over each workload's requests
+    max_new_tokens: int = 64
+    temperatures: tuple[float, ...] = (0.0, 0.7)  # 0: greedy (outputs checked identical)
+    ks: tuple[int, ...] = (2, 4, 8)  # draft lengths of the static chains (best per chain in hindsight)
+    max_levels: int = 3  # deepest static chain benchmarked
+    hf: str = "all"  # transformers baselines in: all | greedy (greedy scenarios without slowdown) | none
+    hf_assistant: str | None = None  # draft for assisted generation (default: the largest draft)
+    slowdown: bool = True  # add the mixed stream with a scripted slowdown (greedy)
+    slowdown_model: str | None = None  # model slowed (default: the largest draft)
+    slowdown_factor: float = 4.0  # it runs this many times slower ...
+    slowdown_at: float = 0.5  # ... from this fraction of the stream onward
+    seed: int = 0  # request i samples with seed + i
+    threads: int | None = None  # torch intra-op threads (None: torch's default)
+    profile_path: str | None = None  # router cost profile (default: the cache dir)
+    plots: bool = True  # write PNGs (needs matplotlib)
+    out_dir: str = "bench-out"
+    quick: bool = False  # set by `quick_preset` (recorded in the output)
+
+    def __post_init__(self) -> None:
+        if self.hf not in ("all", "greedy", "none"):
+            raise ValueError(f"hf must be 'all', 'greedy' or 'none', got {self.hf!r}")
+        unknown = [w for w in self.workloads if w != "mixed" and w not in KINDS]
+        if unknown or not self.workloads:
+            raise ValueError(f"unknown workloads {unknown}; use some of {KINDS + ('mixed',)}")
+        if not self.ks or any(not 1 <= k <= MAX_DRAFT_LENGTH for k in self.ks):
+            raise ValueError(f"ks must be draft lengths in 1..{MAX_DRAFT_LENGTH}, got {self.ks}")
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
+        if not 0 < self.slowdown_at < 1:
+            raise ValueError(f"slowdown_at must be in (0, 1), got {self.slowdown_at}")
+
+    @classmethod
+    def quick_preset(cls, **overrides) -> "BenchConfig":
+        """`--quick`: a smoke run meant for under 3 minutes on 2 quiet cores. The mixed stream
+        only (one prompt per type, 32 new tokens), greedy and t=0.7, plus the slowdown run; one
+        k (4) per static chain; transformers baselines in the greedy run only."""
+        base = dict(workloads=("mixed",), prompts_per_type=1, mixed_block=1, max_new_tokens=32,
+                    ks=(4,), hf="greedy", quick=True)
+        base.update(overrides)
+        return cls(**base)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One workload at one temperature, possibly with a scripted slowdown."""
+
+    name: str  # e.g. "code greedy", "mixed t=0.7", "mixed greedy + slowdown"
+    workload: Workload
+    temperature: float
+    slowdown_start: int | None  # first request slowed (None: no slowdown)
+    hf: bool  # run the transformers baselines
+
+
+def temperature_label(t: float) -> str:
+    return "greedy" if t == 0 else f"t={t:g}"
+
+
+def build_scenarios(cfg: BenchConfig) -> list[Scenario]:
+    wls = build_workloads(cfg.workloads, cfg.prompts_per_type, cfg.mixed_block, cfg.repeat, cfg.kinds)
+    out = [Scenario(f"{wl.name} {temperature_label(t)}", wl, t, None,
+                    cfg.hf == "all" or (cfg.hf == "greedy" and t == 0))
+           for wl in wls for t in cfg.temperatures]
+    if cfg.slowdown:
+        mixed = build_workloads(("mixed",), cfg.prompts_per_type, cfg.mixed_block, cfg.repeat, cfg.kinds)[0]
+        start = min(max(1, round(len(mixed.requests) * cfg.slowdown_at)), len(mixed.requests) - 1)
+        out.append(Scenario("mixed greedy + slowdown", mixed, 0.0, start, cfg.hf == "all"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# set-up
+
+
+def model_aliases(pool) -> dict[str, str]:
+    """Short names for tables: ngram, draft (draft1, draft2, ... by cost), target."""
+    drafts = [n for n in pool.order if n in pool.runners and n != pool.target]
+    out = {n: n for n in pool.drafters}
+    out.update({n: "draft" if len(drafts) == 1 else f"draft{i + 1}" for i, n in enumerate(drafts)})
+    out[pool.target] = "target"
+    return out
+
+
+def _resolve(pool, aliases: dict[str, str], name: str | None, default: str | None) -> str | None:
+    if name is None:
+        return default
+    for full, short in aliases.items():
+        if name in (full, short):
+            return full
+    raise ValueError(f"no model {name!r} in the pool {pool.order} (short names {list(aliases.values())})")
+
+
+@dataclass
+class Harness:
+    """Everything loaded once for a whole bench run."""
+
+    pool: object
+    aliases: dict[str, str]
+    systems: list[System]
+    adaptive: AdaptiveSystem
+    target_only: System
+    hf_models: dict  # pool name -> transformers model
+    assistant: str | None  # pool name of the assistant draft
+    encoded: dict[Request, list[int]]
+
+
+def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
+    from ..api import SpecRouter
+    from ..pool import _dtype
+    from ..router.cost_model import enumerate_chains
+
+    paths = list(cfg.models) if cfg.models else None
+    if paths is None:
+        from ..defaults import default_pool_paths
+
+        paths = default_pool_paths(progress=progress)
+    sr = SpecRouter.from_pretrained(paths, target=cfg.target, dtype=cfg.dtype, adaptive=False,
+                                    progress=progress)
+    pool = sr.pool
+    aliases = model_aliases(pool)
+    drafts = [n for n in pool.order if n in pool.runners and n != pool.target]
+    log(f"pool (cheapest first): {' < '.join(f'{aliases[n]} ({n})' for n in pool.order)}")
+
+    systems: list[System] = []
+    for chain in enumerate_chains(pool.order, pool.target, cfg.max_levels):
+        if any(m in pool.drafters for m in chain[1:]):
+            continue
+        for k in (cfg.ks if len(chain) > 1 else (None,)):
+            label = "target-only" if len(chain) == 1 else chain_label(chain, aliases, k)
+            systems.append(NativeSystem(sr, label, chain, k))
+    target_only = systems[0]
+    adaptive = AdaptiveSystem(pool, "SpecRouter", profile_path=cfg.profile_path, progress=progress)
+    systems.append(adaptive)
+
+    hf_models: dict = {}
+    assistant = _resolve(pool, aliases, cfg.hf_assistant, drafts[-1] if drafts else None)
+    if assistant is not None and assistant not in pool.runners:
+        raise ValueError(f"the assistant of assisted generation must be a neural draft, got {assistant!r}")
+    if cfg.hf != "none":
+        from .systems import load_hf_model
+
+        dt = _dtype(cfg.dtype)
+        hf_models[pool.target] = load_hf_model(pool.runners[pool.target].checkpoint_dir, dt)
+        eos = tuple(pool.eos_ids)
+        pad = pool.tokenizer.pad_token_id if pool.tokenizer.pad_token_id is not None else eos[0]
+        systems.append(HFSystem("HF generate", hf_models[pool.target], eos_ids=eos, pad_id=pad))
+        if assistant is not None:
+            hf_models[assistant] = load_hf_model(pool.runners[assistant].checkpoint_dir, dt)
+            systems.append(HFSystem("HF assisted", hf_models[pool.target],
+                                    assistant=hf_models[assistant], eos_ids=eos, pad_id=pad))
+        else:
+            log("no neural draft in the pool: transformers assisted generation is left out")
+
+    encoded: dict[Request, list[int]] = {}
+    for sc in build_scenarios(cfg):
+        for req in sc.workload.requests:
+            if req not in encoded:
+                encoded[req] = sr.encode(req.prompt, chat=req.chat)
+    # size every cache once for the longest request (the router may pick any k up to the max)
+    need = max(len(ids) for ids in encoded.values()) + cfg.max_new_tokens + MAX_DRAFT_LENGTH + 2
+    for r in pool.runners.values():
+        r.reserve(max(r.num_slots, 1), max(r.max_len, need))
+    return Harness(pool, aliases, systems, adaptive, target_only, hf_models, assistant, encoded)
+
+
+def warm_up(h: Harness, ids: list[int]) -> None:
+    """One short request per system (first forwards allocate); builds the adaptive system's
+    router, which sweeps the cost profile the first time on this machine."""
+    h.adaptive.reset()
+    for s in h.systems:
+        s.run(ids, Decoding(0.0, 8, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def check_greedy(sc: Scenario, i: int, req: Request, outs: dict[str, Outcome],
+                 systems: list[System], reference: str) -> dict:
+    """Raise GreedyMismatchError if an exact system's tokens differ from target-only's;
+    return the differences of the other systems (name -> details)."""
+    ref = outs[reference].token_ids
+    other = {}
+    for s in systems:
+        got = outs[s.name].token_ids
+        if got == ref:
+            continue
+        j = first_difference(ref, got)
+        if s.exact:
+            raise GreedyMismatchError(
+                f"GREEDY OUTPUT MISMATCH: {s.name} differs from target-only greedy decoding in "
+                f"scenario {sc.name!r}, request {i} ({req.kind}: {req.prompt[:50]!r}): first "
+                f"difference at generated token {j} (target-only {ref[j:j + 6]}, {s.name} "
+                f"{got[j:j + 6]}; lengths {len(ref)} vs {len(got)}). Speculative decoding must "
+                f"reproduce the target's greedy output exactly: this is a bug."
+            )
+        other[s.name] = {"first_difference": j, "reference_tokens": len(ref), "tokens": len(got)}
+    return other
+
+
+def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown | None, bar) -> dict:
+    """Every system of the scenario on every request, interleaved; returns its summary."""
+    events: list[dict] = []
+    current = [-1]
+    aliases = h.aliases
+
+    def on_decision(ev) -> None:
+        events.append({"request": current[0], "step": int(ev.step), "chain": chain_label(ev.chain, aliases),
+                       "k": int(ev.k), "reason": ev.reason, "t_eff": float(ev.t_eff)})
+
+    h.adaptive.reset(on_decision)
+    systems = [s for s in h.systems if sc.hf or not isinstance(s, HFSystem)]
+    requests = []
+    for i, req in enumerate(sc.workload.requests):
+        current[0] = i
+        slowed = sc.slowdown_start is not None and i >= sc.slowdown_start
+        if slowdown is not None:
+            slowdown.active = slowed
+        ids = h.encoded[req]
+        decoding = Decoding(sc.temperature, cfg.max_new_tokens, cfg.seed + i)
+        outs: dict[str, Outcome] = {}
+        for j in range(len(systems)):
+            s = systems[(i + j) % len(systems)]  # rotated: no system always runs first
+            outs[s.name] = s.run(ids, decoding)
+            if bar is not None:
+                bar.set_postfix_str(f"{sc.name}: request {i + 1}/{len(sc.workload.requests)}, {s.name}")
+                bar.update(1)
+        if slowdown is not None:
+            slowdown.active = False
+        record = {"index": i, "kind": req.kind, "prompt": req.prompt[:60], "prompt_tokens": len(ids),
+                  "slowed": slowed,
+                  "tokens": {n: len(o.token_ids) for n, o in outs.items()},
+                  "seconds": {n: o.seconds for n, o in outs.items()},
+                  "stats": {n: o.stats for n, o in outs.items() if o.stats is not None}}
+        if sc.temperature == 0:
+            record["mismatches"] = check_greedy(sc, i, req, outs, systems, h.target_only.name)
+        requests.append(record)
+    out = summarize(sc, systems, requests, events, aliases=h.aliases,
+                    reference=h.target_only.name, adaptive=h.adaptive.name)
+    if out["slowdown"] is not None and slowdown is not None:
+        out["slowdown"].update(slowdown_shares(events, h.aliases[slowdown.model], sc.slowdown_start),
+                               model=h.aliases[slowdown.model], factor=slowdown.factor)
+    return out
+
+
+def slowdown_shares(events: list[dict], model: str, start: int) -> dict:
+    """Fraction of SpecRouter's planned cycles (probes excluded) whose chain uses `model`,
+    before and after the slowdown starts."""
+    def share(evs):
+        return sum(model in e["chain"].split(">") for e in evs) / len(evs) if evs else None
+
+    plan = [e for e in events if e["reason"] != "probe"]
+    return {"specrouter_cycles_using_it_before": share([e for e in plan if e["request"] < start]),
+            "specrouter_cycles_using_it_after": share([e for e in plan if e["request"] >= start])}
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole run
+
+
+def _meta(cfg: BenchConfig, h: Harness, scenarios: list[Scenario]) -> dict:
+    import platform
+
+    import transformers
+
+    from ..router.profile import machine_fingerprint
+
+    pool = h.pool
+    meta = {
+        "machine": {**machine_fingerprint(), "python": platform.python_version(),
+                    "transformers": transformers.__version__, "cores": _cores()},
+        "config": dataclasses.asdict(cfg),
+        "pool": {"order": [h.aliases[n] for n in pool.order], "names": {h.aliases[n]: n for n in pool.order},
+                 "target": pool.target, "dtype": cfg.dtype},
+        "systems": [{"name": s.name, "kind": s.kind, "exact": s.exact,
+                     "chain": chain_label(s.chain, h.aliases) if s.chain else None, "k": s.k}
+                    for s in h.systems],
+        "scenarios": [{"name": sc.name, "requests": len(sc.workload.requests), "hf": sc.hf,
+                       "slowdown_start": sc.slowdown_start} for sc in scenarios],
+        "timing": "tokens/s = generated tokens (stop token included) / wall seconds of the "
+                  "generate calls, prefill included; batch 1, one request at a time",
+        "k_selection": f"every static chain ran at every k in {list(cfg.ks)} on every request; "
+                       "each chain is reported at its best k in hindsight, per scenario",
+        "oracle": "per request, the fastest static (chain, k) measured on that request (target-only "
+                  "included); tokens and seconds summed",
+        "best_static": "the fastest static (chain, k) of the scenario, target-only included",
+        "interleaving": "request by request, every system in turn, the order rotated by one per request",
+        "adaptive": "a fresh router per scenario (cold start from this machine's cost profile), "
+                    "learning only from its own cycles",
+    }
+    if h.assistant is not None and h.assistant in h.hf_models:
+        meta["hf_assisted"] = {"assistant": h.aliases[h.assistant],
+                               "schedule": assisted_schedule(h.hf_models[h.assistant])}
+    if cfg.slowdown:
+        meta["slowdown"] = {"model": h.aliases[_slowdown_model(cfg, h)], "factor": cfg.slowdown_factor,
+                            "from_fraction": cfg.slowdown_at}
+    omitted = []
+    if cfg.hf == "greedy":
+        omitted.append("transformers baselines run in greedy scenarios without slowdown only")
+    if cfg.hf == "none":
+        omitted.append("no transformers baselines")
+    if cfg.quick:
+        omitted.append("quick: mixed stream only, one prompt per type, one k per static chain")
+    meta["omitted"] = omitted
+    return meta
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average: other processes on the cores distort every timing."""
+    import os
+
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def _slowdown_model(cfg: BenchConfig, h: Harness) -> str:
+    pool = h.pool
+    drafts = [n for n in pool.order if n in pool.runners and n != pool.target]
+    default = drafts[-1] if drafts else (next(iter(pool.drafters)) if pool.drafters else pool.target)
+    return _resolve(pool, h.aliases, cfg.slowdown_model, default)
+
+
+def run_bench(cfg: BenchConfig, *, progress: bool = True, log=print, harness: Harness | None = None) -> dict:
+    """Run every scenario of `cfg`; returns the result (report.py writes it)."""
+    t0 = time.perf_counter()
+    load_start = _load_average()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            raise SpecRouterError("the plots need matplotlib: pip install 'specrouter[bench]' "
+                                  "(or pass --no-plots)") from e
+    h = harness or setup(cfg, progress=progress, log=log)
+    scenarios = build_scenarios(cfg)
+    t_setup = time.perf_counter()
+    warm_up(h, h.encoded[scenarios[0].workload.requests[0]])
+    t_warm = time.perf_counter()
+    slowdown = None
+    if any(sc.slowdown_start is not None for sc in scenarios):
+        slowdown = Slowdown(_slowdown_model(cfg, h), cfg.slowdown_factor).install(h.pool, h.hf_models)
+    total = sum(len(sc.workload.requests) * sum(1 for s in h.systems if sc.hf or not isinstance(s, HFSystem))
+                for sc in scenarios)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="bench", unit="run")
+    try:
+        results = [run_scenario(sc, h, cfg, slowdown, bar) for sc in scenarios]
+    finally:
+        if bar is not None:
+            bar.close()
+        if slowdown is not None:
+            slowdown.remove()
+    meta = _meta(cfg, h, scenarios)
+    meta["machine"]["load_average"] = {"start": load_start, "end": _load_average()}
+    meta["seconds"] = {"setup": t_setup - t0, "warm_up": t_warm - t_setup,
+                       "total": time.perf_counter() - t0}
+    return {"meta": meta, "scenarios": results}

@@ -1,0 +1,142 @@
+"""The summary of one benchmark scenario: tokens/s per system (total generated tokens / total
+seconds), acceptance per level, each static chain at its best k *in hindsight* (every k of
+`ks` ran on every request; the best per chain is picked after the fact, which favours the
+static baselines), the best static chain (target-only included), the best 3-level chain, the
+oracle (per request the fastest static (chain, k) measured on that request, tokens and times
+summed), and the ratios of SpecRouter to each."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .run import Scenario
+    from .systems import System
+
+
+def chain_label(chain: tuple[str, ...], aliases: dict[str, str], k: int | None = None) -> str:
+    label = ">".join(aliases.get(m, m) for m in chain)
+    return label + (f" k={k}" if k and len(chain) > 1 else "")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _aliased(key: str, aliases: dict[str, str]) -> str:
+    return ">".join(aliases.get(m, m) for m in key.split(">"))
+
+
+def _acceptance(stats: list, aliases: dict[str, str]) -> dict:
+    """Acceptance per level summed over requests: rate per pair, mean acceptance length,
+    cycles per chain."""
+    drafted, accepted, chains = {}, {}, {}
+    cycles = generated = 0
+    for st in stats:
+        cycles += st.cycles
+        generated += st.generated
+        for p, n in st.drafted.items():
+            p = _aliased(p, aliases)
+            drafted[p] = drafted.get(p, 0) + n
+        for p, n in st.accepted.items():
+            p = _aliased(p, aliases)
+            accepted[p] = accepted.get(p, 0) + n
+        for c, n in st.chains.items():
+            c = _aliased(c, aliases)
+            chains[c] = chains.get(c, 0) + n
+    return {
+        "acceptance": {p: accepted.get(p, 0) / d for p, d in drafted.items() if d},
+        "drafted": drafted, "accepted": accepted,
+        "mean_acceptance_length": generated / cycles if cycles else None,
+        "chain_cycles": chains,
+    }
+
+
+def summarize(sc: "Scenario", systems: list["System"], requests: list[dict], events: list[dict], *,
+              aliases: dict[str, str], reference: str, adaptive: str) -> dict:
+    """The summary of one scenario (JSON-ready): `requests` are the loop's per-request records
+    (their RequestStats are consumed), `reference` names target-only, `adaptive` SpecRouter."""
+    out_systems = {}
+    for s in systems:
+        tokens = sum(r["tokens"][s.name] for r in requests)
+        seconds = sum(r["seconds"][s.name] for r in requests)
+        entry = {"kind": s.kind, "chain": [aliases.get(m, m) for m in s.chain] if s.chain else None,
+                 "k": s.k, "tokens": tokens, "seconds": seconds,
+                 "tokens_per_second": tokens / seconds if seconds else 0.0}
+        stats = [r["stats"][s.name] for r in requests if s.name in r["stats"]]
+        if stats:
+            entry.update(_acceptance(stats, aliases))
+        out_systems[s.name] = entry
+    tps = {n: e["tokens_per_second"] for n, e in out_systems.items()}
+    base = reference
+    for n, e in out_systems.items():
+        e["vs_target_only"] = _ratio(tps[n], tps[base])
+
+    # static chains at their best k, in hindsight
+    static = [s for s in systems if s.kind in ("static", "target-only")]
+    best_k: dict[str, System] = {}
+    for s in static:
+        key = chain_label(s.chain, aliases)
+        if key not in best_k or tps[s.name] > tps[best_k[key].name]:
+            best_k[key] = s
+    chains = [{"chain": key, "k": s.k, "system": s.name, "levels": len(s.chain),
+               "tokens_per_second": tps[s.name]} for key, s in best_k.items()]
+    best_static = max(static, key=lambda s: tps[s.name])
+    three = [s for s in static if len(s.chain) == 3]
+    best_three = max(three, key=lambda s: tps[s.name]) if three else None
+
+    # the oracle: per request, the fastest static (chain, k) on that request
+    o_tokens = o_seconds = 0.0
+    choices = []
+    for r in requests:
+        def per_token(s):
+            n = r["tokens"][s.name]
+            return r["seconds"][s.name] / n if n else float("inf")
+        s = min(static, key=per_token)
+        o_tokens += r["tokens"][s.name]
+        o_seconds += r["seconds"][s.name]
+        choices.append(s.name)
+    oracle_tps = o_tokens / o_seconds if o_seconds else 0.0
+
+    sr = tps.get(adaptive)
+    hf_gen = tps.get("HF generate")
+    hf_asst = tps.get("HF assisted")
+    by_kind = {}  # tokens/s per request type (the mixed stream's breakdown)
+    for kind in dict.fromkeys(r["kind"] for r in requests):
+        rows = [r for r in requests if r["kind"] == kind]
+        by_kind[kind] = {}
+        for s in systems:
+            seconds = sum(r["seconds"][s.name] for r in rows)
+            by_kind[kind][s.name] = sum(r["tokens"][s.name] for r in rows) / seconds if seconds else 0.0
+    for r in requests:  # JSON-ready: stats objects -> the adaptive system's chains only
+        st = r.pop("stats")
+        if adaptive in st:
+            r["specrouter_chain_cycles"] = {_aliased(c, aliases): n for c, n in st[adaptive].chains.items()}
+    return {
+        "name": sc.name,
+        "workload": sc.workload.name,
+        "temperature": sc.temperature,
+        "greedy": sc.temperature == 0,
+        "slowdown": None if sc.slowdown_start is None else {"start_request": sc.slowdown_start},
+        "requests": requests,
+        "systems": out_systems,
+        "static_chains_best_k": chains,
+        "best_static": {"system": best_static.name, "tokens_per_second": tps[best_static.name]},
+        "best_three_level": None if best_three is None else
+            {"system": best_three.name, "tokens_per_second": tps[best_three.name]},
+        "oracle": {"tokens_per_second": oracle_tps, "tokens": o_tokens, "seconds": o_seconds,
+                   "choices": choices},
+        "ratios": {
+            "specrouter/target_only": _ratio(sr, tps[base]),
+            "specrouter/best_static": _ratio(sr, tps[best_static.name]),
+            "specrouter/oracle": _ratio(sr, oracle_tps),
+            "specrouter/best_three_level": _ratio(sr, tps[best_three.name]) if best_three else None,
+            "specrouter/hf_generate": _ratio(sr, hf_gen),
+            "specrouter/hf_assisted": _ratio(sr, hf_asst),
+            "hf_generate/target_only": _ratio(hf_gen, tps[base]),
+            "hf_assisted/target_only": _ratio(hf_asst, tps[base]),
+        },
+        "tokens_per_second_by_kind": by_kind,
+        "hf_mismatch_requests": sum(1 for r in requests if r.get("mismatches")),
+        "decisions": events,
+    }

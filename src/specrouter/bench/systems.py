@@ -1,0 +1,152 @@
+"""How each benchmarked system runs one request, and how it is timed.
+
+Every system decodes one request at a time (batch 1: transformers assisted generation refuses
+more), from the same prompt token ids, with the same decoding settings. Timed: the wall time of
+the one generate call, prefill included (tokenization and decoding to text are not).
+Tokens: the generated tokens, the stop token included.
+
+Systems (`kind`):
+- target-only: plain decoding with the native runner (chain `(target,)`); the reference;
+- static: one pinned chain and draft length k through the same engine (no router);
+- adaptive: SpecRouter, the router choosing chain and k per request every cycle; a fresh router
+  per scenario (cold start from this machine's cost profile), fed only by its own cycles;
+- hf-generate: transformers `generate()` of the target;
+- hf-assisted: transformers assisted generation (`assistant_model=` a pool draft), with its
+  default schedule (read from the assistant's generation config; recorded in bench.json).
+`exact` systems must reproduce target-only greedy token for token (the bench fails otherwise);
+the transformers baselines are only compared and reported.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..api import SpecRouter
+from ..stats import RequestStats
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """Decoding settings of one request (the same for every system)."""
+
+    temperature: float  # 0: greedy
+    max_new_tokens: int  # cap on generated tokens
+    seed: int  # sampling seed (the request's; systems consume randomness differently)
+
+
+@dataclass
+class Outcome:
+    """One system on one request."""
+
+    token_ids: list[int]  # generated ids, prompt excluded, stop token included
+    seconds: float  # wall time of the generate call
+    stats: RequestStats | None = None  # native systems: chains, acceptance per level
+
+
+class System:
+    """A benchmarked system: a name for tables and `run(prompt_ids, decoding) -> Outcome`."""
+
+    name: str  # label in tables and plots
+    kind: str  # target-only | static | adaptive | hf-generate | hf-assisted
+    chain: tuple[str, ...] | None = None  # pool names, drafter first (static / target-only)
+    k: int | None = None  # draft length of a static chain
+    exact: bool = True  # greedy output must equal target-only's (else the bench fails)
+
+    def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
+        raise NotImplementedError
+
+
+class NativeSystem(System):
+    """Target-only or a static chain at a fixed k, through the engine without a router."""
+
+    def __init__(self, sr: SpecRouter, name: str, chain: tuple[str, ...], k: int | None):
+        self.sr, self.name, self.chain, self.k = sr, name, tuple(chain), k
+        self.kind = "target-only" if len(self.chain) == 1 else "static"
+
+    def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
+        t0 = time.perf_counter()
+        res = self.sr.generate(prompt_ids, max_new_tokens=decoding.max_new_tokens,
+                               temperature=decoding.temperature, seed=decoding.seed,
+                               chain=self.chain, k=self.k or 4)[0]
+        return Outcome(res.token_ids, time.perf_counter() - t0, res.stats)
+
+
+class AdaptiveSystem(System):
+    """SpecRouter adaptive. `reset(on_decision)` gives it a fresh router (call it per scenario);
+    `on_decision` receives every `DecisionEvent`."""
+
+    kind = "adaptive"
+
+    def __init__(self, pool, name: str = "SpecRouter", *, profile_path: str | Path | None = None,
+                 progress: bool = True):
+        self.pool, self.name = pool, name
+        self.profile_path, self.progress = profile_path, progress
+        self.sr: SpecRouter | None = None
+
+    def reset(self, on_decision=None) -> None:
+        from ..router.setup import build_router
+
+        router = build_router(self.pool, profile_path=self.profile_path, progress=self.progress,
+                              on_decision=on_decision)
+        self.sr = SpecRouter(self.pool, router)
+
+    def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
+        if self.sr is None:
+            self.reset()
+        t0 = time.perf_counter()
+        res = self.sr.generate(prompt_ids, max_new_tokens=decoding.max_new_tokens,
+                               temperature=decoding.temperature, seed=decoding.seed)[0]
+        return Outcome(res.token_ids, time.perf_counter() - t0, res.stats)
+
+
+class HFSystem(System):
+    """transformers `generate()` of the target, or assisted generation with `assistant`.
+    Sampling: `do_sample` with the same temperature and no top-k / top-p filter."""
+
+    exact = False
+
+    def __init__(self, name: str, model, *, assistant=None, eos_ids: tuple[int, ...],
+                 pad_id: int):
+        self.name, self.model, self.assistant = name, model, assistant
+        self.kind = "hf-assisted" if assistant is not None else "hf-generate"
+        self.eos_ids, self.pad_id = list(eos_ids), pad_id
+
+    def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=decoding.max_new_tokens,
+                  eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
+        if decoding.temperature > 0:
+            kw.update(do_sample=True, temperature=decoding.temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(decoding.seed)
+        else:
+            kw.update(do_sample=False)
+        if self.assistant is not None:
+            kw["assistant_model"] = self.assistant
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(ids, **kw)
+        seconds = time.perf_counter() - t0
+        return Outcome(out[0, ids.shape[1]:].tolist(), seconds)
+
+
+def assisted_schedule(assistant) -> dict:
+    """The assistant's default speculation schedule (what `generate` reads): its generation
+    config, and transformers' global defaults for what it leaves unset."""
+    cfg = assistant.generation_config
+    defaults_of = getattr(cfg, "_get_default_generation_params", None)
+    defaults = defaults_of() if callable(defaults_of) else {}
+    fields = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+    return {f: getattr(cfg, f, None) if getattr(cfg, f, None) is not None else defaults.get(f)
+            for f in fields}
+
+
+def load_hf_model(checkpoint_dir: str | Path, dtype: torch.dtype):
+    """A transformers model of a pool checkpoint, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint_dir), dtype=dtype)
+    return model.eval()

@@ -1,0 +1,120 @@
+"""The benchmark's requests: prompts per request type, and the mixed stream where the type shifts.
+
+Request types (`KINDS`), each a different regime for speculation:
+- code: raw completion of Python stubs (no chat template); drafts that know code accept well;
+- prose: raw continuation of narrative / expository text (no chat template); open-ended, drafts
+  accept least;
+- chat: a user message in the target's chat template, answered freely;
+- extraction: a chat request whose answer copies from the prompt (repeat, rewrite, extract):
+  the n-gram / prompt-lookup drafter proposes long correct runs.
+
+The lists are ordered: `--prompts-per-type n` takes the first n of each, so a quick run uses the
+most typical prompt of every type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("code", "prose", "chat", "extraction")
+MIXED_ORDER = ("extraction", "prose", "code", "chat")  # the mixed stream's order of types
+
+CODE = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import json\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return it as a dict.\"\"\"\n",
+    "class Stack:\n    \"\"\"A simple last-in first-out stack.\"\"\"\n\n    def __init__(self):\n",
+    "def is_prime(n: int) -> bool:\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    "# Binary search over a sorted list\ndef binary_search(items, target):\n",
+]
+PROSE = [
+    "The old lighthouse stood at the edge of the cliff, and every night its keeper climbed the "
+    "stairs to",
+    "Photosynthesis is the process by which plants",
+    "In the spring of 1848, the small town of",
+    "The history of the printing press begins",
+    "She opened the door slowly and saw",
+    "Rivers shape the land around them in several ways.",
+]
+CHAT = [
+    "What are three good habits for staying healthy? Answer briefly.",
+    "Explain why the sky is blue to a ten year old.",
+    "Give me some advice for a job interview.",
+    "Write a short poem about the sea.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe a walk through a forest in autumn.",
+]
+EXTRACTION = [
+    "Repeat the following list exactly, one item per line: apples, bananas, cherries, dates, "
+    "elderberries, figs, grapes, honeydew, kiwis, lemons.",
+    "Repeat this paragraph word for word: Speculative decoding drafts several tokens with a "
+    "small model and lets the large model check them all in one forward pass. When the draft is "
+    "right, many tokens are produced for the price of one step of the large model; when it is "
+    "wrong, the large model's own token is kept, so the output never changes.",
+    "Rewrite this Python code exactly as it is:\n\ndef add(a, b):\n    return a + b\n\n"
+    "def sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n",
+    "Copy this sentence three times: The quick brown fox jumps over the lazy dog.",
+    "Extract the names from this text and list them: Alice met Bob at the station. Later, "
+    "Carol and Dave joined Alice and Bob for dinner, and Erin arrived with Frank.",
+    "Convert this list to a JSON array of strings: red, green, blue, yellow, purple, orange, "
+    "black, white.",
+]
+PROMPTS = {"code": CODE, "prose": PROSE, "chat": CHAT, "extraction": EXTRACTION}
+CHAT_KINDS = frozenset({"chat", "extraction"})  # sent through the target's chat template
+
+
+@dataclass(frozen=True)
+class Request:
+    """One benchmark request."""
+
+    kind: str  # code | prose | chat | extraction
+    prompt: str  # raw text, or the user message of a chat request
+    chat: bool  # wrap `prompt` in the target's chat template
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named, ordered list of requests."""
+
+    name: str  # a kind, or "mixed"
+    requests: tuple[Request, ...]
+
+
+def requests_of(kind: str, n: int) -> list[Request]:
+    """The first `n` prompts of a request type."""
+    if kind not in PROMPTS:
+        raise ValueError(f"unknown request type {kind!r}; use one of {KINDS}")
+    prompts = PROMPTS[kind]
+    if not 1 <= n <= len(prompts):
+        raise ValueError(f"prompts per type must be in 1..{len(prompts)}, got {n}")
+    return [Request(kind, p, kind in CHAT_KINDS) for p in prompts[:n]]
+
+
+def mixed_stream(n: int, block: int = 2, kinds: tuple[str, ...] = MIXED_ORDER) -> list[Request]:
+    """Every type's first `n` prompts, the type shifting every `block` requests:
+    with n=3, block=2: e0 e1 p0 p1 c0 c1 h0 h1 e2 p2 c2 h2 (extraction, prose, code, chat)."""
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    queues = {k: requests_of(k, n) for k in kinds}
+    out: list[Request] = []
+    while any(queues.values()):
+        for k in kinds:
+            out.extend(queues[k][:block])
+            queues[k] = queues[k][block:]
+    return out
+
+
+def build_workloads(names: tuple[str, ...], n: int, block: int = 2, repeat: int = 1,
+                    kinds: tuple[str, ...] = MIXED_ORDER) -> list[Workload]:
+    """Workloads by name: a request type (its first `n` prompts) or "mixed" (`mixed_stream` of
+    `kinds`); every request list is repeated `repeat` times (passes over the same prompts)."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    out = []
+    for name in names:
+        if name == "mixed":
+            reqs = mixed_stream(n, block, kinds)
+        else:
+            reqs = requests_of(name, n)
+        out.append(Workload(name, tuple(reqs) * repeat))
+    return out

@@ -1,0 +1,104 @@
+"""`specrouter bench`: SpecRouter side by side with target-only decoding, transformers generate
+and assisted generation, every static chain at its best k and the per-request oracle, on code,
+prose, chat, extraction and a mixed stream (greedy and t=0.7), plus a run with a scripted
+slowdown of one model. Writes bench.json, bench.md and PNG plots to --out-dir; greedy outputs
+of the static chains and SpecRouter are checked identical to target-only (exit 2 otherwise)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags left unset keep BenchConfig's defaults (or --quick's)."""
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run (meant for < 3 min on 2 quiet cores): mixed stream only, "
+                        "1 prompt per type, 32 new tokens, k=4 only, transformers baselines in "
+                        "the greedy run only")
+    p.add_argument("--models", nargs="+", default=None,
+                   help="pool: checkpoint dirs or .gguf files (default: the embedded default pool)")
+    p.add_argument("--target", default=None, help="target name or path (default: the largest)")
+    p.add_argument("--dtype", default=None, help="float32 (default) | bfloat16 | float64")
+    p.add_argument("--out-dir", default=None, help="output folder (default: bench-out)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--workloads", nargs="+", default=None,
+                   help="some of: code prose chat extraction mixed (default: all)")
+    p.add_argument("--kinds", nargs="+", default=None,
+                   help="request types of the mixed stream, in order (default: extraction prose code chat)")
+    p.add_argument("--prompts-per-type", type=int, default=None, help="default 3 (1..6)")
+    p.add_argument("--mixed-block", type=int, default=None,
+                   help="the mixed stream changes type every N requests (default 2)")
+    p.add_argument("--repeat", type=int, default=None, help="passes over each workload (default 1)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 64")
+    p.add_argument("--temperatures", type=float, nargs="+", default=None, help="default: 0 0.7")
+    p.add_argument("--ks", type=int, nargs="+", default=None,
+                   help="draft lengths of the static chains, best per chain in hindsight (default 2 4 8)")
+    p.add_argument("--max-levels", type=int, default=None, help="deepest static chain (default 3)")
+    p.add_argument("--hf", choices=["all", "greedy", "none"], default=None,
+                   help="where the transformers baselines run (default all; --quick: greedy)")
+    p.add_argument("--hf-assistant", default=None, help="draft of assisted generation (default: the largest)")
+    p.add_argument("--no-slowdown", action="store_true", help="leave out the scripted-slowdown run")
+    p.add_argument("--slowdown-model", default=None, help="model slowed (default: the largest draft)")
+    p.add_argument("--slowdown-factor", type=float, default=None, help="default 4")
+    p.add_argument("--slowdown-at", type=float, default=None,
+                   help="fraction of the stream where the slowdown starts (default 0.5)")
+    p.add_argument("--seed", type=int, default=None, help="request i samples with seed + i (default 0)")
+    p.add_argument("--profile-path", default=None, help="router cost profile (default: the cache dir)")
+    p.add_argument("--no-plots", action="store_true", help="no PNGs (no matplotlib needed)")
+
+
+def config_from_args(args: argparse.Namespace):
+    from .bench import BenchConfig
+
+    over = {}
+    for field in ("target", "dtype", "out_dir", "threads", "prompts_per_type", "mixed_block",
+                  "repeat", "max_new_tokens", "max_levels", "hf", "hf_assistant", "slowdown_model",
+                  "slowdown_factor", "slowdown_at", "seed", "profile_path"):
+        if getattr(args, field) is not None:
+            over[field] = getattr(args, field)
+    for field in ("models", "workloads", "kinds", "temperatures", "ks"):
+        if getattr(args, field) is not None:
+            over[field] = tuple(getattr(args, field))
+    if args.no_slowdown:
+        over["slowdown"] = False
+    if args.no_plots:
+        over["plots"] = False
+    return BenchConfig.quick_preset(**over) if args.quick else BenchConfig(**over)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.plots import make_plots
+    from .bench.report import goals_table, summary_table, write_report
+    from .bench.run import run_bench
+
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"specrouter bench: error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    result = run_bench(cfg, progress=True, log=lambda m: print(m, file=sys.stderr))
+    paths = write_report(result, cfg.out_dir)
+    pngs = make_plots(result, cfg.out_dir) if cfg.plots else []
+    print("\n".join(["", "## Tokens/s and ratios", "", *summary_table(result), "", "## Goals", "",
+                     *goals_table(result["goals"]), ""]))
+    print(f"wrote {paths['json']}, {paths['markdown']}" + "".join(f", {p}" for p in pngs)
+          + f" in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="side-by-side benchmark: SpecRouter vs plain decoding, static "
+                                     "chains, transformers assisted generation and the oracle",
+                       description=__doc__)
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python benchmarks/bench.py ...`: the same as `specrouter bench ...`."""
+    from .cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,154 @@
+"""The benchmark harness end to end on the tiny pool: files written and consistent, the greedy
+check fires on a broken system, transformers differences are reported, not fatal."""
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from specrouter.bench import BenchConfig, GreedyMismatchError, run_bench
+from specrouter.bench.slowdown import Slowdown
+from specrouter.bench.systems import AdaptiveSystem, HFSystem
+from specrouter.cli import main
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("bench-profile") / "profile.json")
+
+
+def tiny_config(d, profile_path, out_dir, **kw):
+    base = dict(models=(str(d["draft"]), str(d["target"])), target="target", dtype="float64",
+                max_new_tokens=8, profile_path=profile_path, out_dir=str(out_dir), plots=False)
+    base.update(kw)
+    return BenchConfig.quick_preset(**base)
+
+
+@pytest.fixture(scope="module")
+def bench_out(tiny_pool_dirs, profile_path, tmp_path_factory):
+    """`specrouter bench --quick` on the tiny pool, through the CLI."""
+    d = tiny_pool_dirs
+    out = tmp_path_factory.mktemp("bench-out")
+    t0 = time.perf_counter()
+    rc = main(["bench", "--quick", "--models", str(d["draft"]), str(d["target"]), "--target", "target",
+               "--dtype", "float64", "--max-new-tokens", "8", "--profile-path", profile_path,
+               "--out-dir", str(out)])
+    assert rc == 0
+    print(f"tiny quick bench: {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def test_bench_writes_consistent_json_markdown_and_pngs(bench_out):
+    result = json.loads((bench_out / "bench.json").read_text())
+    md = (bench_out / "bench.md").read_text()
+    for png in ["tokens_per_second.png", "router_mixed_greedy.png", "router_mixed_greedy_slowdown.png"]:
+        assert (bench_out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    names = [s["name"] for s in result["scenarios"]]
+    assert names == ["mixed greedy", "mixed t=0.7", "mixed greedy + slowdown"]
+    for s in result["scenarios"]:
+        systems = s["systems"]
+        tps = {n: e["tokens_per_second"] for n, e in systems.items()}
+        for n, e in systems.items():
+            assert e["tokens_per_second"] == pytest.approx(e["tokens"] / e["seconds"], rel=1e-12)
+            assert e["vs_target_only"] == tps[n] / tps["target-only"]
+        r = s["ratios"]
+        assert r["specrouter/target_only"] == tps["SpecRouter"] / tps["target-only"]
+        assert r["specrouter/best_static"] == tps["SpecRouter"] / s["best_static"]["tokens_per_second"]
+        assert r["specrouter/oracle"] == tps["SpecRouter"] / s["oracle"]["tokens_per_second"]
+        static = {n: t for n, t in tps.items() if systems[n]["kind"] in ("static", "target-only")}
+        assert s["best_static"]["tokens_per_second"] == max(static.values())
+        assert s["best_three_level"]["system"] == "ngram>draft>target k=4"
+        if s["greedy"]:  # same tokens everywhere: the per-request oracle is at least the best static
+            assert s["oracle"]["tokens_per_second"] >= max(static.values())
+            assert len({e["tokens"] for e in systems.values()}) == 1
+        assert len(s["oracle"]["choices"]) == len(s["requests"]) == 4
+        assert [q["kind"] for q in s["requests"]] == ["extraction", "prose", "code", "chat"]
+        assert s["decisions"] and {e["request"] for e in s["decisions"]} == {0, 1, 2, 3}
+        assert all(isinstance(e["k"], int) and isinstance(e["step"], int) for e in s["decisions"])
+        assert ("HF assisted" in systems) == (s["name"] == "mixed greedy")  # --quick: greedy only
+        # markdown: every scenario with SpecRouter's tokens/s and ratio as in the JSON
+        row = next(line for line in md.splitlines() if line.startswith(f"| {s['name']} |"))
+        assert f"{tps['SpecRouter']:.1f}" in row and f"{r['specrouter/target_only']:.2f}x" in row
+    slow = result["scenarios"][2]
+    assert slow["slowdown"]["start_request"] == 2 and slow["slowdown"]["model"] == "draft"
+    assert 0 <= slow["slowdown"]["specrouter_cycles_using_it_after"] <= 1
+    assert "SpecRouter's cycles using draft:" in md
+    assert [q["slowed"] for q in slow["requests"]] == [False, False, True, True]
+    assert result["meta"]["slowdown"]["model"] == "draft"
+    assert result["meta"]["hf_assisted"]["schedule"]["num_assistant_tokens"] is not None
+    goals = {g["goal"]: g for g in result["goals"]}
+    assert goals["greedy outputs identical to target-only (static chains, SpecRouter)"]["met"] is True
+    assert "## Goals" in md and "acceptance per level" in md
+    acc = result["scenarios"][0]["systems"]["draft>target k=4"]["acceptance"]
+    assert set(acc) == {"draft>target"} and 0 <= acc["draft>target"] <= 1
+
+
+def test_greedy_mismatch_of_an_exact_system_fails_loudly(tiny_pool_dirs, profile_path, tmp_path, monkeypatch):
+    real = AdaptiveSystem.run
+
+    def broken(self, prompt_ids, decoding):
+        out = real(self, prompt_ids, decoding)
+        out.token_ids = out.token_ids[:-1] + [(out.token_ids[-1] + 1) % 300]
+        return out
+
+    monkeypatch.setattr(AdaptiveSystem, "run", broken)
+    cfg = tiny_config(tiny_pool_dirs, profile_path, tmp_path, workloads=("code",), temperatures=(0.0,),
+                      hf="none", slowdown=False)
+    with pytest.raises(GreedyMismatchError, match="SpecRouter differs from target-only greedy"):
+        run_bench(cfg, progress=False, log=lambda m: None)
+    # through the CLI: exit status 2 and the message on stderr
+    d = tiny_pool_dirs
+    rc = main(["bench", "--quick", "--models", str(d["draft"]), str(d["target"]), "--target", "target",
+               "--dtype", "float64", "--max-new-tokens", "8", "--profile-path", profile_path,
+               "--out-dir", str(tmp_path / "cli"), "--workloads", "code", "--temperatures", "0",
+               "--hf", "none", "--no-slowdown", "--no-plots"])
+    assert rc == 2
+
+
+def test_transformers_difference_is_reported_not_fatal(tiny_pool_dirs, profile_path, tmp_path, monkeypatch):
+    from specrouter.bench.report import write_report
+
+    real = HFSystem.run
+
+    def off_by_one(self, prompt_ids, decoding):
+        out = real(self, prompt_ids, decoding)
+        if self.kind == "hf-assisted":
+            out.token_ids = [(out.token_ids[0] + 1) % 300] + out.token_ids[1:]
+        return out
+
+    monkeypatch.setattr(HFSystem, "run", off_by_one)
+    cfg = tiny_config(tiny_pool_dirs, profile_path, tmp_path, workloads=("code",), temperatures=(0.0,),
+                      hf="all", slowdown=False)
+    result = run_bench(cfg, progress=False, log=lambda m: None)
+    (s,) = result["scenarios"]
+    assert s["hf_mismatch_requests"] == 1
+    (mismatch,) = s["requests"][0]["mismatches"].items()
+    assert mismatch[0] == "HF assisted" and mismatch[1]["first_difference"] == 0
+    assert mismatch[1]["tokens"] == mismatch[1]["reference_tokens"]
+    paths = write_report(result, tmp_path)
+    assert "HF assisted from token 0" in paths["markdown"].read_text()
+
+
+def test_slowdown_multiplies_a_model_forward_time_and_is_removed():
+    class Runner:
+        def forward(self, batch):
+            time.sleep(0.01)
+            return batch
+
+    runner = Runner()
+    pool = SimpleNamespace(runners={"m": runner}, drafters={}, order=["m"])
+    slow = Slowdown("m", 3.0).install(pool)
+
+    def timed():
+        t0 = time.perf_counter()
+        assert runner.forward(7) == 7
+        return time.perf_counter() - t0
+
+    assert timed() < 0.025
+    slow.active = True
+    assert timed() >= 0.029
+    slow.remove()
+    assert "forward" not in vars(runner) and timed() < 0.025
+    with pytest.raises(ValueError, match="no model"):
+        Slowdown("x", 2.0).install(pool)
