@@ -618,6 +618,30 @@ def test_per_request_chains_differ_by_request_type():
     assert 0 not in router.requests
 
 
+def test_new_requests_start_from_an_upper_quantile_of_finished_requests():
+    """A stream mixing a type that accepts the draft well (0.7) with one that does not (0.1):
+    the global alpha is the mean of neither; a new request's prior is the 0.75 quantile of what
+    finished requests reached, so a good-type request tries the draft at once."""
+    order = ["d1", "T"]
+    router = make_router(order)
+    pair = ("d1", "T")
+    for sid, rate in enumerate([0.1, 0.7, 0.1, 0.7, 0.1, 0.7, 0.1, 0.7]):
+        req = router._request(sid, True)
+        req.counts[pair] = [40 * rate, 40 * (1 - rate)]
+        router.similarity.observe_acceptance(pair, GREEDY, 40 * rate, 40 * (1 - rate))
+        router.release(sid)
+    glob = router.similarity.alpha(pair, GREEDY)
+    assert 0.2 < glob < 0.6
+    fresh = router._request(100, True)
+    assert router.alpha(pair, GREEDY, fresh) == pytest.approx(0.7)
+    assert router.alpha(pair, GREEDY) == glob  # the global estimate itself is unchanged
+    fresh.counts[pair] = [0.0, 30.0]  # its own evidence soon dominates
+    assert router.alpha(pair, GREEDY, fresh) < 0.2
+    plain = make_router(order, config=RouterConfig(request_prior_quantile=None))
+    plain.similarity.observe_acceptance(pair, GREEDY, 10, 30)
+    assert plain.alpha(pair, GREEDY, plain._request(1, True)) == plain.similarity.alpha(pair, GREEDY)
+
+
 def test_probing_stays_within_budget_and_refreshes_pairs():
     sim = Sim(ALPHAS, seed=8)
     router = make_router(config=RouterConfig(probe_time_fraction=None))

@@ -30,8 +30,14 @@ Per request (a request type is implicit: code, prose, chat): each request keeps 
 acceptance counts per pair and hit counts per model-free drafter; its alpha is its own estimate
 shrunk toward the global one (empirical Bayes: (accepted + n0 * global) / (trials + n0) with
 n0 = `request_prior_strength` pseudo-trials, over a window of ~200 trials), so a request with
-little evidence runs on the global estimate and one that differs (code vs prose) soon on its
-own. A pair a request never ran keeps the global estimate; model-free drafters can be
+little evidence runs on the prior and one that differs (code vs prose) soon on its own. For a
+model pair the prior is optimistic: the global alpha, or if higher the `request_prior_quantile`
+(0.75) of the alphas that recent finished requests reached on their own evidence. The global
+mean of a mixed stream is the alpha of no request type, and starting below a type's own rate
+would keep that type from ever trying the draft it gains from; starting at an upper quantile
+costs at most a few cycles on a request type that does not. (A model-free drafter keeps the
+global alpha: a pessimistic prior was tried and cost the extraction requests their first
+cycles more than it saved on chat.) Model-free drafters can be
 shadow-scored for free every cycle (`observe_shadow`), so a request's n-gram estimate is always
 its own.
 """
@@ -148,6 +154,8 @@ class Router:
         self._next_probe_check = 0  # row-cycle from which _probe is worth computing again
         self._probes: dict[Pair, tuple[int, float, int]] = {}  # pair -> (row-cycle, trials then, back-off)
         self._model_seen: dict[str, int] = {}  # row-cycle each model was last timed
+        # (pair, mode) -> alphas finished requests reached on their own (see request_prior)
+        self._finished: dict[tuple[Pair, str], deque[float]] = {}
 
     @classmethod
     def from_pool(cls, pool, profile: CostProfile, **kwargs) -> "Router":
@@ -165,11 +173,25 @@ class Router:
     def alpha(self, pair: Pair, mode: str, req: RequestState | None = None) -> float:
         """The acceptance estimate of a pair for a request (global when req is None)."""
         glob = self.similarity.alpha(pair, mode)
-        c = req.counts.get(pair) if req is not None else None
-        if c is None:
+        if req is None:
             return glob
+        prior = self.request_prior(pair, mode, glob)
+        c = req.counts.get(pair)
+        if c is None:
+            return prior
         n0 = self.config.request_prior_strength
-        return (c[0] + n0 * glob) / (c[0] + c[1] + n0)
+        return (c[0] + n0 * prior) / (c[0] + c[1] + n0)
+
+    def request_prior(self, pair: Pair, mode: str, glob: float | None = None) -> float:
+        """A request's prior alpha for a pair (module docstring): max(global, the quantile of
+        finished requests' own alphas); the global alpha for model-free drafters and before 3
+        finished requests."""
+        glob = self.similarity.alpha(pair, mode) if glob is None else glob
+        q = self.config.request_prior_quantile
+        hist = self._finished.get((pair, mode))
+        if q is None or pair[0] in self.model_free or hist is None or len(hist) < 3:
+            return glob
+        return max(glob, float(np.quantile(np.fromiter(hist, float), q)))
 
     def hit_rate(self, drafter: str, req: RequestState | None = None) -> float:
         glob = self.similarity.hit_rate(drafter)
@@ -476,8 +498,16 @@ class Router:
             self.similarity.touch(pair, mode)
 
     def release(self, seq_id: int) -> None:
-        """Forget a finished request."""
-        self.requests.pop(seq_id, None)
+        """Forget a finished request, remembering the alphas it reached on its own evidence
+        (pairs with >= 4 trials) for new requests' priors."""
+        req = self.requests.pop(seq_id, None)
+        if req is None:
+            return
+        mode = GREEDY if req.greedy else SAMPLING
+        for pair, (acc, rej) in req.counts.items():
+            if acc + rej >= 4 and pair[0] not in self.model_free:
+                hist = self._finished.setdefault((pair, mode), deque(maxlen=self.config.request_history))
+                hist.append(acc / (acc + rej))
 
     def plan_table(self, row: RowContext) -> PlanTable:
         """The PlanTable of a row now (display: `PlanTable.format()`)."""

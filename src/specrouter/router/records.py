@@ -24,6 +24,11 @@ class RouterConfig:
     persist_margin: float = 0.01  # the smallest gap that counts toward patience
     request_decay: float = 0.995  # per trial: a request's own acceptance counts forget (~200 trials)
     request_prior_strength: float = 8.0  # pseudo-trials of the global alpha in a request's estimate
+    # a new request's prior for a model pair: the global alpha, or if higher this quantile of
+    # the alphas finished requests reached on their own (request types differ: code and prose
+    # accept a draft at different rates; the global mean is the prior of neither). None: global
+    request_prior_quantile: float | None = 0.75
+    request_history: int = 32  # finished requests remembered per pair and mode for that quantile
     request_hit_decay: float = 0.95  # per proposal: a request's own model-free hit counts forget (~20)
     probe_k: int = 8  # longest draft of a probe cycle
     probe_optimism: float = 1.5  # z of the Wilson upper bound that makes a stale pair worth a probe
