@@ -24,6 +24,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         resolve_checkpoint(target), args.out_dir, hidden_size=args.hidden_size, num_layers=args.num_layers,
         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, steps=args.steps,
         batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, corpus_tokens=args.corpus_tokens,
+        generated_fraction=args.generated_fraction,
         seed=args.seed, resume=not args.no_resume, threads=args.threads,
         corpus_dir=args.corpus_dir, extra_corpus_dirs=args.extra_corpus_dir or (),
         init_from=args.init_from, greedy_eval_tokens=args.greedy_eval_tokens,
@@ -71,6 +72,8 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--corpus-tokens", type=int, default=300_000, help="distillation corpus size")
+    p.add_argument("--generated-fraction", type=float, default=0.6,
+                   help="share of the corpus the target writes itself (the rest: stdlib, docs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
