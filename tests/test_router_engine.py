@@ -87,3 +87,28 @@ def test_real_router_is_exact_and_logs_decisions(tiny_pool_dirs, prompts, expect
 
     prof = CostProfile.load(default_profile_path(), [identity_of(r) for r in sr.pool.runners.values()])
     assert not prof.missing([identity_of(r) for r in sr.pool.runners.values()])
+
+
+def test_a_sweep_on_busy_cores_is_used_but_not_saved(tiny_pool_dirs, tmp_path, monkeypatch):
+    import os
+    import warnings
+
+    from specrouter.pool import Pool
+    from specrouter.router import profile as profile_module
+    from specrouter.router.profile import CostProfile, identity_of
+    from specrouter.router.setup import load_or_sweep_profile
+
+    pool = Pool.load([tiny_pool_dirs["draft"], tiny_pool_dirs["target"]], names=["draft", "target"],
+                     target="target", dtype="float64")
+    idents = [identity_of(r) for r in pool.runners.values()]
+    path = tmp_path / "profiles.json"
+    cores = os.cpu_count() or 1
+    monkeypatch.setattr(profile_module.os, "getloadavg", lambda: (cores + 4.0, 0.0, 0.0))
+    with pytest.warns(UserWarning, match="busy"):
+        prof = load_or_sweep_profile(pool, path=path, progress=False)
+    assert not prof.missing(idents) and not path.exists()
+    monkeypatch.setattr(profile_module.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_or_sweep_profile(pool, path=path, progress=False)
+    assert not CostProfile.load(path, idents).missing(idents)

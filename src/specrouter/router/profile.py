@@ -39,7 +39,6 @@ import math
 import os
 import platform
 import random
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -399,7 +398,7 @@ def sweep(
     seed: int = 0,
 ) -> CostProfile:
     """Time every runner (ModelRunner) and model-free drafter over the grid: `repeats` timed runs
-    per cell after `warmup` untimed ones, the median kept. Returns `profile` (a new one if None)
+    per cell after `warmup` untimed ones, the fastest kept. Returns `profile` (a new one if None)
     with the swept models set. Call it with no sequence live: it reserves caches and borrows
     `max(batch_sizes)` slots, prefilled once per context length with random tokens (a forward
     then starts at L, so the KV cache is rolled back for free between runs)."""
@@ -428,7 +427,7 @@ def sweep(
                 for ib, b in enumerate(bs):
                     ctx = [[rng.randrange(1000) for _ in range(L)] for _ in range(b)]
                     for it, t in enumerate(ts):
-                        table[ib, it, il] = _median_time(lambda: drafter.propose(ctx, t), repeats, warmup, clock)
+                        table[ib, it, il] = _min_time(lambda: drafter.propose(ctx, t), repeats, warmup, clock)
                         if bar is not None:
                             bar.update(1)
             prof.set_table(name, bs, ts, Ls, table, identity_of(drafter))
@@ -438,7 +437,9 @@ def sweep(
     return prof
 
 
-def _median_time(fn: Callable[[], object], repeats: int, warmup: int, clock) -> float:
+def _min_time(fn: Callable[[], object], repeats: int, warmup: int, clock) -> float:
+    """The fastest of `repeats` timed runs: the cell's own cost, without the preemptions another
+    process on the cores adds (the online speed factor tracks the machine's current state)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -446,7 +447,20 @@ def _median_time(fn: Callable[[], object], repeats: int, warmup: int, clock) -> 
         t0 = clock()
         fn()
         times.append(clock() - t0)
-    return float(statistics.median(times))
+    return float(min(times))
+
+
+def machine_busy(threads: int | None = None) -> bool:
+    """True when other processes load the cores (1-minute load average, less this process's
+    `threads`, above half the cores): a sweep then is not worth saving."""
+    import torch
+
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return False
+    threads = torch.get_num_threads() if threads is None else threads
+    return load - threads > 0.5 * (os.cpu_count() or 1)
 
 
 def _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, bar):
@@ -474,7 +488,7 @@ def _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, 
                 for it, t in enumerate(ts):
                     toks = [[rng.randrange(vocab) for _ in range(t)] for _ in range(b)]
                     batch = ForwardBatch.build(slots[:b], [L] * b, toks, [list(range(t))] * b)
-                    table[ib, it, il] = _median_time(lambda: runner.forward(batch), repeats, warmup, clock)
+                    table[ib, it, il] = _min_time(lambda: runner.forward(batch), repeats, warmup, clock)
                     if bar is not None:
                         bar.update(1)
             # the runner now holds L + t_max at most; the next prefill restarts from L

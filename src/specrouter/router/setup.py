@@ -3,10 +3,11 @@ the models it does not know yet, with a progress bar, saved for next time) and t
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from .policy import Router
-from .profile import CostProfile, default_profile_path, identity_of, sweep
+from .profile import CostProfile, default_profile_path, identity_of, machine_busy, sweep
 from .records import RouterConfig
 
 
@@ -19,10 +20,17 @@ def load_or_sweep_profile(pool, *, path: str | Path | None = None, progress: boo
     profile = CostProfile() if force else CostProfile.load(path, idents)
     missing = set(models) if force else {i.name for i in profile.missing(idents)}
     if missing:
+        busy = machine_busy()
         sweep({n: r for n, r in pool.runners.items() if n in missing},
               {n: d for n, d in pool.drafters.items() if n in missing},
               profile=profile, progress=progress)
-        profile.save(path)
+        if busy or machine_busy():
+            # timings taken while other processes held the cores: used for this run (the online
+            # EMA corrects them), not saved, so the next start sweeps again
+            warnings.warn("the cores were busy during the cost-profile sweep: it is used but not "
+                          f"saved to {path} (the next start sweeps again)", stacklevel=2)
+        else:
+            profile.save(path)
     return profile
 
 
