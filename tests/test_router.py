@@ -402,6 +402,18 @@ def test_acceptance_trials_and_shadow_match():
     assert shadow_match([], [1], k=8) == (0, 0)
 
 
+def test_shadow_against_a_model_drafter_feeds_that_pair_not_the_hit_rate():
+    router = make_router(["ngram", "d1", "T"])
+    sim = router.similarity
+    before = sim.stats(("ngram", "d1"), GREEDY).trials
+    hits = sim.hit_rate("ngram")
+    router.observe_shadow(7, "ngram", [5, 6, 7], [5, 6, 9, 1], 4, True, verifier="d1", count_hit=False)
+    assert sim.stats(("ngram", "d1"), GREEDY).trials == pytest.approx(before + 3)
+    assert sim.hit_rate("ngram") == hits
+    assert router.requests[7].counts[("ngram", "d1")] == [2.0, 1.0]
+    router.observe_shadow(7, "ngram", [5], [5], 1, True, verifier="nope", count_hit=False)  # no such pair
+
+
 def test_truncated_geometric_mle_is_unbiased():
     rng = random.Random(1)
     for alpha in (0.1, 0.5, 0.9):

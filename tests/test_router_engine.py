@@ -112,3 +112,25 @@ def test_a_sweep_on_busy_cores_is_used_but_not_saved(tiny_pool_dirs, tmp_path, m
         warnings.simplefilter("error")
         load_or_sweep_profile(pool, path=path, progress=False)
     assert not CostProfile.load(path, idents).missing(idents)
+
+
+def test_a_model_drafters_greedy_proposals_are_recorded_for_shadow_scoring(tiny_pool_dirs, prompts):
+    """CycleStats.row_proposal: the draft's own greedy proposals (an exact copy of the target
+    proposes what the target then commits); none in sampling or for model-free drafters."""
+    d = tiny_pool_dirs
+    sr = SpecRouter.from_pretrained(["ngram", d["same"], d["target"]], names=["ngram", "same", "target"],
+                                    target="target", dtype="float64")
+    cycles = []
+    seqs = sr.engine.generate_ids(prompts[:2], [SamplingParams(max_new_tokens=9)] * 2, chain=("same", "target"),
+                                  k=4, on_cycle=cycles.append)
+    first = cycles[0]
+    assert [len(p) for p in first.row_proposal] == [4, 4]
+    for b, s in enumerate(seqs):
+        assert first.row_proposal[b] == s.output_ids[:4]
+    assert sr.router.similarity.stats(("ngram", "same"), "greedy").trials > 0
+    cycles.clear()
+    sr.engine.generate_ids(prompts[:1], [SamplingParams(max_new_tokens=5, temperature=0.8)], chain=("same", "target"),
+                           k=4, on_cycle=cycles.append, generator=torch.Generator().manual_seed(0))
+    sr.engine.generate_ids(prompts[:1], [SamplingParams(max_new_tokens=5)], chain=("ngram", "target"), k=4,
+                           on_cycle=cycles.append)
+    assert all(c.row_proposal == [] for c in cycles)

@@ -247,6 +247,10 @@ class Engine:
                 committed = s.tokens[stats.row_context[b]:]
                 self.router.observe_shadow(s.seq_id, name, proposals[b], committed, self.SHADOW_K,
                                            s.params.greedy)
+                if stats.row_proposal:  # greedy, a model drafted: how it would judge `name`
+                    drafted = stats.row_proposal[b]
+                    self.router.observe_shadow(s.seq_id, name, proposals[b], drafted, len(drafted),
+                                               True, verifier=stats.chain[0], count_hit=False)
 
     # -- offline ----------------------------------------------------------------------------
     def generate_ids(

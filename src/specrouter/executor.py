@@ -172,6 +172,7 @@ class ChainExecutor:
         num_cand = torch.zeros(B, dtype=torch.long)  # (B,) valid candidates per row
         draft_probs: torch.Tensor | None = None  # (B, n, V) their proposal distributions
         verify_from = 0
+        proposals: list[list[int]] = []  # a model drafter's greedy proposals, per row
         if k_eff > 0:
             drafter = levels[0]
             verify_from = 1
@@ -186,6 +187,8 @@ class ChainExecutor:
             else:
                 cand, draft_probs = self._draft_model(drafter, rows, k_eff, sampling, generator, ftime, ftoks)
                 num_cand = torch.full((B,), k_eff, dtype=torch.long)
+                if greedy:
+                    proposals = cand.tolist()
             num_cand = torch.minimum(num_cand, caps)
             drafted[0] = num_cand
 
@@ -236,6 +239,7 @@ class ChainExecutor:
             row_accepted=[a[-len(ran):] for a in accepted_rows],
             row_context=num_before,
             row_tv=tv_rows,
+            row_proposal=proposals,
             forwards=self._forwards,
             drafted=[int(x.sum()) for x in drafted[-len(ran):]],
             accepted=[int(x.sum()) for x in accepted[-len(ran):]],

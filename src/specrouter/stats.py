@@ -30,6 +30,9 @@ class CycleStats:
     row_accepted: list[list[int]] = field(default_factory=list)  # per row, per level: as `accepted`
     row_context: list[int] = field(default_factory=list)  # committed tokens before the cycle
     row_tv: list[list[float]] = field(default_factory=list)  # per row, per level: mean D_TV (NaN: none)
+    # per row, greedy cycles whose drafter is a model: the tokens it proposed (its argmax chain),
+    # free evidence of how a model-free drafter below it would fare (Engine shadow scoring)
+    row_proposal: list[list[int]] = field(default_factory=list)
     forwards: list = field(default_factory=list)  # router.records.ForwardRecord of every timed forward
 
 

@@ -480,16 +480,23 @@ class Router:
             self.profile.observe(name, b, max(widest, per_row), L, seconds)
 
     def observe_shadow(self, seq_id: int, drafter: str, proposal: Sequence[int], committed: Sequence[int],
-                       k: int, greedy: bool = True, verifier: str | None = None) -> None:
+                       k: int, greedy: bool = True, verifier: str | None = None,
+                       count_hit: bool = True) -> None:
         """Free evidence for a model-free drafter the row did not run: what it would have
-        proposed (asked for k tokens before the cycle) against what the target committed."""
+        proposed (asked for k tokens before the cycle) against what the target committed, or
+        (greedy, `verifier` a model drafter of the cycle) against that model's own proposals,
+        which is exactly how it would have judged them. `count_hit=False` when the same
+        proposal was already counted as a hit or miss."""
         cfg = self.config
         req = self._request(seq_id, greedy)
         hit = len(proposal) > 0
-        self.similarity.observe_hits(drafter, int(hit), 1)
-        req.observe_hit(drafter, hit, cfg.request_hit_decay)
-        a, rej = shadow_match(proposal, committed, k)
+        if count_hit:
+            self.similarity.observe_hits(drafter, int(hit), 1)
+            req.observe_hit(drafter, hit, cfg.request_hit_decay)
         pair = (drafter, verifier or self.target)
+        if pair not in self._pair_chains:
+            return
+        a, rej = shadow_match(proposal, committed, k)
         mode = GREEDY if greedy else SAMPLING
         if a + rej:
             self.similarity.observe_acceptance(pair, mode, a, rej)
