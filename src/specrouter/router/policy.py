@@ -48,7 +48,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -64,6 +63,7 @@ from .records import (  # noqa: F401  (re-exported: the router's public boundary
     RowContext,
     RowOutcome,
 )
+from .request_state import FinishedRequests, RequestState
 from .similarity import (
     GREEDY,
     SAMPLING,
@@ -73,32 +73,6 @@ from .similarity import (
     acceptance_trials,
     shadow_match,
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# per-request state
-
-
-@dataclass
-class RequestState:
-    """The router's memory of one request."""
-
-    greedy: bool
-    plan: tuple[Chain, int] | None = None  # current (chain, k)
-    worse: int = 0  # consecutive decisions the plan was predicted slower than the best
-    epoch: tuple[int, ...] = ()  # step-detector counts of the plan's models when it was chosen
-    counts: dict[Pair, list[float]] = field(default_factory=dict)  # pair -> [accepted, rejections], decayed
-    hits: dict[str, list[float]] = field(default_factory=dict)  # model-free drafter -> [hits, proposals], decayed
-    cycles: int = 0  # cycles observed
-
-    def observe(self, pair: Pair, accepted: float, rejections: float, decay: float) -> None:
-        c = self.counts.setdefault(pair, [0.0, 0.0])
-        f = decay ** (accepted + rejections)
-        c[0], c[1] = f * c[0] + accepted, f * c[1] + rejections
-
-    def observe_hit(self, drafter: str, hit: bool, decay: float) -> None:
-        h = self.hits.setdefault(drafter, [0.0, 0.0])
-        h[0], h[1] = decay * h[0] + float(hit), decay * h[1] + 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,8 +128,7 @@ class Router:
         self._next_probe_check = 0  # row-cycle from which _probe is worth computing again
         self._probes: dict[Pair, tuple[int, float, int]] = {}  # pair -> (row-cycle, trials then, back-off)
         self._model_seen: dict[str, int] = {}  # row-cycle each model was last timed
-        # (pair, mode) -> alphas finished requests reached on their own (see request_prior)
-        self._finished: dict[tuple[Pair, str], deque[float]] = {}
+        self.finished = FinishedRequests(cfg.request_history)  # their own alphas (request_prior)
 
     @classmethod
     def from_pool(cls, pool, profile: CostProfile, **kwargs) -> "Router":
@@ -188,10 +161,8 @@ class Router:
         finished requests."""
         glob = self.similarity.alpha(pair, mode) if glob is None else glob
         q = self.config.request_prior_quantile
-        hist = self._finished.get((pair, mode))
-        if q is None or pair[0] in self.model_free or hist is None or len(hist) < 3:
-            return glob
-        return max(glob, float(np.quantile(np.fromiter(hist, float), q)))
+        edge = None if q is None or pair[0] in self.model_free else self.finished.quantile(pair, mode, q)
+        return glob if edge is None else max(glob, edge)
 
     def hit_rate(self, drafter: str, req: RequestState | None = None) -> float:
         glob = self.similarity.hit_rate(drafter)
@@ -508,13 +479,8 @@ class Router:
         """Forget a finished request, remembering the alphas it reached on its own evidence
         (pairs with >= 4 trials) for new requests' priors."""
         req = self.requests.pop(seq_id, None)
-        if req is None:
-            return
-        mode = GREEDY if req.greedy else SAMPLING
-        for pair, (acc, rej) in req.counts.items():
-            if acc + rej >= 4 and pair[0] not in self.model_free:
-                hist = self._finished.setdefault((pair, mode), deque(maxlen=self.config.request_history))
-                hist.append(acc / (acc + rej))
+        if req is not None:
+            self.finished.record(req, GREEDY if req.greedy else SAMPLING, skip=self.model_free)
 
     def plan_table(self, row: RowContext) -> PlanTable:
         """The PlanTable of a row now (display: `PlanTable.format()`)."""

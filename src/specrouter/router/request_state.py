@@ -1,0 +1,59 @@
+"""The router's memory of requests: per request, decayed acceptance and hit counts; across
+requests, the alphas finished ones reached on their own (the upper-quantile prior of new ones,
+see policy.py)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .records import Chain
+from .similarity import Pair
+
+@dataclass
+class RequestState:
+    """The router's memory of one request."""
+
+    greedy: bool
+    plan: tuple[Chain, int] | None = None  # current (chain, k)
+    worse: int = 0  # consecutive decisions the plan was predicted slower than the best
+    epoch: tuple[int, ...] = ()  # step-detector counts of the plan's models when it was chosen
+    counts: dict[Pair, list[float]] = field(default_factory=dict)  # pair -> [accepted, rejections], decayed
+    hits: dict[str, list[float]] = field(default_factory=dict)  # model-free drafter -> [hits, proposals], decayed
+    cycles: int = 0  # cycles observed
+
+    def observe(self, pair: Pair, accepted: float, rejections: float, decay: float) -> None:
+        c = self.counts.setdefault(pair, [0.0, 0.0])
+        f = decay ** (accepted + rejections)
+        c[0], c[1] = f * c[0] + accepted, f * c[1] + rejections
+
+    def observe_hit(self, drafter: str, hit: bool, decay: float) -> None:
+        h = self.hits.setdefault(drafter, [0.0, 0.0])
+        h[0], h[1] = decay * h[0] + float(hit), decay * h[1] + 1.0
+
+
+class FinishedRequests:
+    """Per (pair, mode), the acceptance rates the last `size` finished requests reached on their
+    own evidence (pairs they ran for >= `min_trials` trials)."""
+
+    def __init__(self, size: int, min_trials: float = 4.0):
+        self.size, self.min_trials = size, min_trials
+        self._alphas: dict[tuple[Pair, str], deque[float]] = {}
+
+    def record(self, req: RequestState, mode: str, skip: Collection[str] = ()) -> None:
+        for pair, (acc, rej) in req.counts.items():
+            if acc + rej >= self.min_trials and pair[0] not in skip:
+                self._alphas.setdefault((pair, mode), deque(maxlen=self.size)).append(acc / (acc + rej))
+
+    def quantile(self, pair: Pair, mode: str, q: float, min_requests: int = 3) -> float | None:
+        """The q-quantile of the recorded rates, None before `min_requests` of them."""
+        hist = self._alphas.get((pair, mode))
+        if hist is None or len(hist) < min_requests:
+            return None
+        return float(np.quantile(np.fromiter(hist, float), q))
+
+    def __len__(self) -> int:
+        return sum(len(h) for h in self._alphas.values())
