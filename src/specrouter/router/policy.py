@@ -128,7 +128,8 @@ class Router:
         self._next_probe_check = 0  # row-cycle from which _probe is worth computing again
         self._probes: dict[Pair, tuple[int, float, int]] = {}  # pair -> (row-cycle, trials then, back-off)
         self._model_seen: dict[str, int] = {}  # row-cycle each model was last timed
-        self.finished = FinishedRequests(cfg.request_history)  # their own alphas (request_prior)
+        # the alphas finished requests reached on their own, and their quantile (request_prior)
+        self.finished = FinishedRequests(cfg.request_history, cfg.request_prior_quantile or 0.5)
 
     @classmethod
     def from_pool(cls, pool, profile: CostProfile, **kwargs) -> "Router":
@@ -160,8 +161,9 @@ class Router:
         finished requests' own alphas); the global alpha for model-free drafters and before 3
         finished requests."""
         glob = self.similarity.alpha(pair, mode) if glob is None else glob
-        q = self.config.request_prior_quantile
-        edge = None if q is None or pair[0] in self.model_free else self.finished.quantile(pair, mode, q)
+        if self.config.request_prior_quantile is None or pair[0] in self.model_free:
+            return glob
+        edge = self.finished.quantile(pair, mode)
         return glob if edge is None else max(glob, edge)
 
     def hit_rate(self, drafter: str, req: RequestState | None = None) -> float:
@@ -479,7 +481,7 @@ class Router:
         """Forget a finished request, remembering the alphas it reached on its own evidence
         (pairs with >= 4 trials) for new requests' priors."""
         req = self.requests.pop(seq_id, None)
-        if req is not None:
+        if req is not None and self.config.request_prior_quantile is not None:
             self.finished.record(req, GREEDY if req.greedy else SAMPLING, skip=self.model_free)
 
     def plan_table(self, row: RowContext) -> PlanTable:

@@ -13,6 +13,7 @@ import numpy as np
 from .records import Chain
 from .similarity import Pair
 
+
 @dataclass
 class RequestState:
     """The router's memory of one request."""
@@ -37,23 +38,22 @@ class RequestState:
 
 class FinishedRequests:
     """Per (pair, mode), the acceptance rates the last `size` finished requests reached on their
-    own evidence (pairs they ran for >= `min_trials` trials)."""
+    own evidence (pairs they ran for >= `min_trials` trials), and their `q`-quantile, computed
+    when a request is recorded (rarely) rather than when it is read (every decision)."""
 
-    def __init__(self, size: int, min_trials: float = 4.0):
-        self.size, self.min_trials = size, min_trials
+    def __init__(self, size: int, q: float, min_trials: float = 4.0, min_requests: int = 3):
+        self.size, self.q, self.min_trials, self.min_requests = size, q, min_trials, min_requests
         self._alphas: dict[tuple[Pair, str], deque[float]] = {}
+        self._quantiles: dict[tuple[Pair, str], float] = {}
 
     def record(self, req: RequestState, mode: str, skip: Collection[str] = ()) -> None:
         for pair, (acc, rej) in req.counts.items():
             if acc + rej >= self.min_trials and pair[0] not in skip:
-                self._alphas.setdefault((pair, mode), deque(maxlen=self.size)).append(acc / (acc + rej))
+                hist = self._alphas.setdefault((pair, mode), deque(maxlen=self.size))
+                hist.append(acc / (acc + rej))
+                if len(hist) >= self.min_requests:
+                    self._quantiles[(pair, mode)] = float(np.quantile(np.fromiter(hist, float), self.q))
 
-    def quantile(self, pair: Pair, mode: str, q: float, min_requests: int = 3) -> float | None:
+    def quantile(self, pair: Pair, mode: str) -> float | None:
         """The q-quantile of the recorded rates, None before `min_requests` of them."""
-        hist = self._alphas.get((pair, mode))
-        if hist is None or len(hist) < min_requests:
-            return None
-        return float(np.quantile(np.fromiter(hist, float), q))
-
-    def __len__(self) -> int:
-        return sum(len(h) for h in self._alphas.values())
+        return self._quantiles.get((pair, mode))
