@@ -355,6 +355,8 @@ class CorpusSpec:
 class Corpus:
     """A finished corpus loaded in memory: padded rows with their teacher labels."""
 
+    ROW_FIELDS = ("tokens", "lengths", "topk_ids", "topk_logp", "source", "is_eval")  # (R, ...) each
+
     def __init__(self, shards: list[dict]):
         cat = lambda key: torch.cat([s[key] for s in shards])  # noqa: E731
         self.tokens = cat("tokens")  # (R, T) int64, right-padded with 0
@@ -368,7 +370,7 @@ class Corpus:
     def merge(corpora: list["Corpus"]) -> "Corpus":
         """One corpus with the rows of all (same seq_len and teacher k)."""
         merged = Corpus.__new__(Corpus)
-        for key in ("tokens", "lengths", "topk_ids", "topk_logp", "source", "is_eval"):
+        for key in Corpus.ROW_FIELDS:
             setattr(merged, key, torch.cat([getattr(c, key) for c in corpora]))
         return merged
 
@@ -381,7 +383,7 @@ class Corpus:
         drop = torch.tensor([not e and tuple(r) in held
                              for r, e in zip(self.tokens[:, :n].tolist(), self.is_eval.tolist())])
         if bool(drop.any()):
-            for key in ("tokens", "lengths", "topk_ids", "topk_logp", "source", "is_eval"):
+            for key in Corpus.ROW_FIELDS:
                 setattr(self, key, getattr(self, key)[~drop])
         return int(drop.sum())
 

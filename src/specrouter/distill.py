@@ -447,7 +447,7 @@ def distill(
                    num_heads=student.config.num_attention_heads,
                    num_kv_heads=student.config.num_key_value_heads,
                    intermediate_size=student.config.intermediate_size)
-        if {k: v for k, v in got.items() if shape[k] is not None} != {k: v for k, v in shape.items() if v is not None}:
+        if any(v is not None and got[k] != v for k, v in shape.items()):
             raise SpecRouterError(f"init_from {init_from} has shape {got}, not {shape}")
         state = None
     else:

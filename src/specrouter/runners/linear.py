@@ -57,11 +57,10 @@ class Linear:
     bias: torch.Tensor | None  # (out,)
 
     @staticmethod
-    def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, *, multi_row: bool = True) -> "Linear":
-        """From a checkpoint's (out, in) weight. `multi_row=False` skips the second copy (for
-        runners that only ever run one row per call)."""
+    def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":
+        """From a checkpoint's (out, in) weight."""
         blocked = None
-        if multi_row and ONEDNN and weight.dtype == torch.float32 and weight.device.type == "cpu":
+        if ONEDNN and weight.dtype == torch.float32 and weight.device.type == "cpu":
             blocked = _ops._reorder_linear_weight(weight.contiguous(), None)
         # bfloat16 goes to oneDNN either way, which reads the (out, in) layout as is
         row = weight.t() if weight.dtype == torch.bfloat16 else weight.t().contiguous()

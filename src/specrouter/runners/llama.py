@@ -318,30 +318,27 @@ class LlamaRunner(ModelRunner):
         propose those tokens, at a fraction of the cost (the head is most of a small draft's
         time). Exactness is untouched: the target verifies, and the draft's distribution is
         what it is (zero outside the subset) in the sampling acceptance test too."""
-        full = embed if lm_head is None else lm_head  # (V, H)
-        V = full.shape[0]
+        head = embed if lm_head is None else lm_head  # (V, H)
+        V = head.shape[0]
 
         def embed_fn(tokens: torch.Tensor) -> torch.Tensor:
             return F.embedding(tokens, embed)
 
-        if draft_vocab is None:
-            head = Linear.pack(full)
-
-            def logits_fn(h: torch.Tensor) -> torch.Tensor:
-                B, G, H = h.shape
-                return linear(h.reshape(B * G, H), head, row_mode(B * G)).view(B, G, V)
-
-            return embed_fn, logits_fn
-        ids = torch.tensor(sorted(set(draft_vocab)), dtype=torch.long, device=full.device)  # (V',)
-        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= V:
-            raise CheckpointError(f"model {self.name!r}: draft vocabulary ids must lie in [0, {V})")
-        head = Linear.pack(full.index_select(0, ids).contiguous())  # (V', H) -> packed
+        ids = None
+        if draft_vocab is not None:
+            ids = torch.tensor(sorted(set(draft_vocab)), dtype=torch.long, device=head.device)  # (V',)
+            if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= V:
+                raise CheckpointError(f"model {self.name!r}: draft vocabulary ids must lie in [0, {V})")
+            head = head.index_select(0, ids)  # (V', H)
+        packed = Linear.pack(head)
 
         def logits_fn(h: torch.Tensor) -> torch.Tensor:
             B, G, H = h.shape
-            part = linear(h.reshape(B * G, H), head, row_mode(B * G))  # (N, V')
-            out = torch.full((B * G, V), float("-inf"), dtype=part.dtype, device=part.device)
-            return out.index_copy_(1, ids, part).view(B, G, V)
+            out = linear(h.reshape(B * G, H), packed, row_mode(B * G))  # (N, V) or (N, V')
+            if ids is not None:  # the draft's subset: -inf elsewhere
+                full = torch.full((B * G, V), float("-inf"), dtype=out.dtype, device=out.device)
+                out = full.index_copy_(1, ids, out)
+            return out.view(B, G, V)
 
         return embed_fn, logits_fn
 
