@@ -16,7 +16,7 @@ The logic lives in `specrouter.bench` (workloads, systems, run, report, plots).
 
 import sys
 
-from specrouter.cli_bench import main
+from specrouter.cli.main import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", *sys.argv[1:]]))

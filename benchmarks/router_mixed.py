@@ -14,7 +14,7 @@ is `specrouter bench --workloads mixed --kinds extraction chat --mixed-block 1
 import argparse
 import sys
 
-from specrouter.cli_bench import main
+from specrouter.cli.main import main
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -22,7 +22,7 @@ if __name__ == "__main__":
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8], help="k of static chains")
     args, rest = ap.parse_known_args()
-    sys.exit(main([
+    sys.exit(main(["bench",
         "--workloads", "mixed", "--kinds", "extraction", "chat", "--mixed-block", "1",
         "--prompts-per-type", "5", "--temperatures", "0", "--hf", "none", "--no-slowdown",
         "--out-dir", "bench-out/router_mixed", "--repeat", str(args.rounds),

@@ -17,15 +17,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from specrouter.runners.base import ForwardBatch
-from specrouter.runners.llama import load_llama_runner
-from specrouter.testing import make_tiny_llama
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test fixtures
+
+from fixtures import make_tiny_llama  # noqa: E402
+
+from specrouter.models.runners.base import ForwardBatch
+from specrouter.models.runners.llama import load_llama_runner
 
 CONTEXT = 128
 STEP_TOKENS = (1, 5)

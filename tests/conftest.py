@@ -16,7 +16,7 @@ def tiny_pool_dirs(tmp_path_factory):
     """Tiny float64 Llama-family checkpoints sharing one tokenizer:
     target, a mid verifier (target + 10% noise), a draft (target + 40% noise), a "same" draft
     (exact copy), and a "random" draft (independent weights)."""
-    from specrouter.testing import make_tiny_llama
+    from fixtures import make_tiny_llama
 
     root = tmp_path_factory.mktemp("pool")
     d = torch.float64

@@ -1,10 +1,9 @@
 """The Python API and the CLI on tiny checkpoints: results, stats and clear errors."""
 
-import json
 import shutil
 
 import pytest
-import torch
+from fixtures import make_tiny_llama
 
 from specrouter import (
     ChainError,
@@ -14,8 +13,7 @@ from specrouter import (
     SpecRouter,
     VocabularyMismatchError,
 )
-from specrouter.cli import main
-from specrouter.testing import make_tiny_llama
+from specrouter.cli.main import main
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from specrouter.bench import BenchConfig, GreedyMismatchError, run_bench
 from specrouter.bench.slowdown import Slowdown
 from specrouter.bench.systems import AdaptiveSystem, HFSystem
-from specrouter.cli import main
+from specrouter.cli.main import main
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@
 import json
 
 import torch
+from fixtures import make_tiny_tokenizer
 
-from specrouter.defaults import assemble_draft, shipped_drafts
-from specrouter.testing import make_tiny_tokenizer
+from specrouter.models.default_pool import assemble_draft, shipped_drafts
 
 
 def test_shipped_draft_is_small_and_documented():
@@ -27,7 +27,7 @@ def test_assemble_draft_adds_the_target_tokenizer(tmp_path, monkeypatch):
     out = assemble_draft(shipped_drafts()[0], target)
     assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
     assert assemble_draft(shipped_drafts()[0], target) == out  # cached: same dir, no copy
-    from specrouter.pool import load_runner
+    from specrouter.models.pool import load_runner
 
     r = load_runner(out, dtype=torch.float32)
     assert r.vocab_size == 49152 and r.num_params > 1_000_000

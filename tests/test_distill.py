@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from fixtures import make_tiny_llama
 
-from specrouter.corpus import generate_rows, label_rows
-from specrouter.distill import distill, projected_embedding, sparse_kl_loss
+from specrouter.distill.corpus import generate_rows, label_rows
+from specrouter.distill.train import distill, projected_embedding, sparse_kl_loss
 from specrouter.errors import SpecRouterError
-from specrouter.testing import make_tiny_llama
 
 SMALL = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, batch_size=4,
              seq_len=32, lr=1e-2, corpus_tokens=3000, eval_fraction=0.2, eval_every=10,
@@ -34,7 +34,7 @@ class _Interrupted(Exception):
 def runs(target, tmp_path_factory):
     """A 30-step run killed right after its step-20 checkpoint then resumed, and the same run
     uninterrupted, on one corpus."""
-    import specrouter.distill as distill_module
+    import specrouter.distill.train as distill_module
 
     root = tmp_path_factory.mktemp("distill")
     corpus = root / "corpus"
@@ -112,7 +112,7 @@ def test_sampled_vocabulary_estimates_the_full_loss():
 def test_output_basis_init_expresses_the_targets_logits(target):
     from transformers import AutoModelForCausalLM
 
-    from specrouter.distill import init_student, output_basis
+    from specrouter.distill.train import init_student, output_basis
 
     model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
     tokens = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -184,7 +184,7 @@ def test_distill_trains_checkpoints_and_reports(runs):
     ids = vocab["token_ids"]
     assert 100 <= len(ids) <= 103 and ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < 320
     assert 0.0 < vocab["heldout_coverage"] <= 1.0
-    from specrouter.runners.llama import load_llama_runner
+    from specrouter.models.runners.llama import load_llama_runner
 
     assert load_llama_runner(out).draft_vocab == ids
     assert set(report["greedy_agreement_by_kind"]) == {"code", "prose", "chat", "extraction"}
@@ -220,7 +220,7 @@ def test_resume_refuses_another_shape(target, runs):
 def test_corpus_build_resumes_and_checks_its_spec(target, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specrouter.corpus import CorpusSpec, build_corpus
+    from specrouter.distill.corpus import CorpusSpec, build_corpus
 
     model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
     tok = AutoTokenizer.from_pretrained(str(target))
@@ -247,7 +247,7 @@ def test_corpus_build_resumes_and_checks_its_spec(target, tmp_path):
 def test_greedy_agreement_scores_the_targets_own_greedy_output(target, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specrouter.draft_eval import HELDOUT_PROMPTS, greedy_agreement
+    from specrouter.distill.evaluate import HELDOUT_PROMPTS, greedy_agreement
 
     t = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(target))
@@ -286,7 +286,7 @@ def test_second_stage_on_two_corpora_starts_from_the_first(target, runs, tmp_pat
 
 
 def test_decontaminate_drops_training_rows_that_start_like_held_out_ones():
-    from specrouter.corpus import Corpus
+    from specrouter.distill.corpus import Corpus
 
     c = Corpus.__new__(Corpus)
     c.tokens = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 3, 4], [5, 6, 7, 8]])

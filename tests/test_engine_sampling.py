@@ -5,16 +5,15 @@ A tiny vocabulary (8) makes the target's exact distribution of the first two gen
 computable (64 outcomes); 100k rows of the same prompt give the empirical one in a few cycles.
 """
 
-import itertools
 
 import pytest
 import torch
+from fixtures import make_tiny_llama
 
 from specrouter.config import SamplingParams
-from specrouter.engine import Engine
-from specrouter.pool import Pool, load_runner
-from specrouter.sampling import SamplingTensors, process_logits
-from specrouter.testing import make_tiny_llama
+from specrouter.decoding.sampling import SamplingTensors, process_logits
+from specrouter.engine.engine import Engine
+from specrouter.models.pool import Pool, load_runner
 
 V = 8
 PROMPT = [1, 5, 2, 7]
@@ -37,7 +36,7 @@ def pool(tmp_path_factory):
 
 def target_joint(pool) -> torch.Tensor:
     """Exact P(first two generated tokens) under the target's processed distribution: (V, V)."""
-    from specrouter.runners.base import ForwardBatch
+    from specrouter.models.runners.base import ForwardBatch
 
     r = pool.runners["target"]
     r.reserve(1, 16)

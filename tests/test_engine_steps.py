@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from specrouter.config import SamplingParams
-from specrouter.engine import CapacityError, Engine
-from specrouter.pool import Pool
+from specrouter.engine.engine import CapacityError, Engine
+from specrouter.models.pool import Pool
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fixtures import make_tiny_llama
 
-from specrouter import gguf_convert
+from specrouter.models import gguf_convert
 from specrouter.errors import CheckpointError
-from specrouter.gguf_convert import convert_gguf, read_gguf_metadata
-from specrouter.testing import make_tiny_llama
+from specrouter.models.gguf_convert import convert_gguf, read_gguf_metadata
 
 gguf = pytest.importorskip("gguf")
 

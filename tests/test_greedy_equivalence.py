@@ -112,8 +112,8 @@ def test_draft_with_a_vocabulary_subset_stays_exact(tiny_pool_dirs, prompts, exp
     import json
     import shutil
 
-    from specrouter.runners.llama import DRAFT_VOCAB_FILE, load_llama_runner
-    from specrouter.runners.base import ForwardBatch
+    from specrouter.models.runners.base import ForwardBatch
+    from specrouter.models.runners.llama import DRAFT_VOCAB_FILE, load_llama_runner
 
     sub = tmp_path / "same-sub"
     shutil.copytree(tiny_pool_dirs["same"], sub)

@@ -12,11 +12,11 @@ import shutil
 
 import pytest
 import torch
+from fixtures import make_tiny_llama, make_tiny_tokenizer
 
 from specrouter.errors import CheckpointError, ContextLengthError
-from specrouter.runners.base import ForwardBatch
-from specrouter.runners.hf import HFRunner, load_hf_runner
-from specrouter.testing import make_tiny_llama, make_tiny_tokenizer
+from specrouter.models.runners.base import ForwardBatch
+from specrouter.models.runners.hf import HFRunner, load_hf_runner
 
 TOKENS = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 200, 31, 77]  # a fixed 13-token sequence
 

@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specrouter.runners.linear import ONEDNN, Linear, linear, linear_add, row_mode
+from specrouter.models.runners.linear import (
+    ONEDNN,
+    Linear,
+    linear,
+    linear_add,
+    row_mode,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -14,12 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import make_tiny_llama
 
 from specrouter.errors import CheckpointError, ContextLengthError
-from specrouter.runners.base import ForwardBatch
-from specrouter.runners.llama import LlamaArchitecture, LlamaRunner, load_llama_runner
-from specrouter.runners.rope import rope_parameters_from_config
-from specrouter.testing import make_tiny_llama
+from specrouter.models.runners.base import ForwardBatch
+from specrouter.models.runners.llama import (
+    LlamaArchitecture,
+    LlamaRunner,
+    load_llama_runner,
+)
+from specrouter.models.runners.rope import rope_parameters_from_config
 
 transformers = pytest.importorskip("transformers")
 

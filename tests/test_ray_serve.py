@@ -30,10 +30,11 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from specrouter import cli_serve  # noqa: E402
+from specrouter.cli import serve as cli_serve  # noqa: E402
 from specrouter.config import SamplingParams  # noqa: E402
-from specrouter.engine import Engine  # noqa: E402
-from specrouter.pool import Pool  # noqa: E402
+from specrouter.engine.engine import Engine  # noqa: E402
+from specrouter.models.pool import Pool  # noqa: E402
+from specrouter.models.tokenizer import apply_chat_template  # noqa: E402
 from specrouter.server import ServerConfig  # noqa: E402
 from specrouter.server.ray_serve import (  # noqa: E402
     REPLICA_HEADER,
@@ -41,7 +42,6 @@ from specrouter.server.ray_serve import (  # noqa: E402
     RayServeConfig,
     replica_options,
 )
-from specrouter.tokenizer import apply_chat_template  # noqa: E402
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None  # found, not imported: see start_local_ray
 
@@ -158,7 +158,7 @@ def test_cli_serve_ray_subprocess(tiny_pool_dirs):
     d = tiny_pool_dirs
     port = _free_port()
     env = {**os.environ, **RAY_ENV, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "specrouter.cli", "serve", "--ray", "--ray-replicas", "1",
+    cmd = [sys.executable, "-m", "specrouter.cli.main", "serve", "--ray", "--ray-replicas", "1",
            "--ray-num-cpus", "0.5", "--models", str(d["mid"]), str(d["target"]), "--target",
            "target", "--dtype", "float64", "--port", str(port), "--max-model-len", "128",
            "--log-level", "warning"]

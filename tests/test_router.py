@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from specrouter.engine.stats import CycleStats
+from specrouter.models.runners.base import ModelRunner
 from specrouter.router.cost_model import ModelFreeDraft, best_plan, enumerate_chains
 from specrouter.router.policy import (
     Decision,
@@ -47,8 +49,6 @@ from specrouter.router.similarity import (
     tv_distance,
     tv_from_logits,
 )
-from specrouter.runners.base import ModelRunner
-from specrouter.stats import CycleStats
 
 # ---------------------------------------------------------------------------------------------
 # the scripted world
@@ -282,8 +282,8 @@ def test_sweep_tabulates_the_cost_and_interpolates_exactly():
 def test_sweep_drives_real_runners(tiny_pool_dirs, backend):
     """The sweep honours the runner contract (prefill, then forwards starting at L) and frees
     the slots it borrowed; the NgramDrafter is timed through propose()."""
-    from specrouter.drafters.ngram import NgramDrafter
-    from specrouter.pool import load_runner
+    from specrouter.decoding.drafters.ngram import NgramDrafter
+    from specrouter.models.pool import load_runner
 
     runner = load_runner(tiny_pool_dirs["target"], name="t", backend=backend, dtype=torch.float64)
     prof = sweep({"t": runner}, {"ngram": NgramDrafter()}, batch_sizes=(1, 2), new_tokens=(1, 3),

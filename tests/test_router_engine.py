@@ -6,15 +6,15 @@ import random
 
 import pytest
 import torch
+from test_engine_sampling import PARAMS, PROMPT, V, target_joint  # noqa: F401
+from test_engine_sampling import pool as v8_pool  # noqa: F401
+from test_greedy_equivalence import MAX_NEW, expected, prompts  # noqa: F401
 
 from specrouter import SpecRouter
 from specrouter.config import SamplingParams
-from specrouter.engine import Engine
+from specrouter.engine.engine import Engine
 from specrouter.router.cost_model import enumerate_chains
 from specrouter.router.records import Decision
-
-from test_engine_sampling import PARAMS, PROMPT, V, pool as v8_pool, target_joint  # noqa: F401
-from test_greedy_equivalence import MAX_NEW, expected, prompts  # noqa: F401
 
 
 class RandomRouter:
@@ -93,7 +93,7 @@ def test_a_sweep_on_busy_cores_is_used_but_not_saved(tiny_pool_dirs, tmp_path, m
     import os
     import warnings
 
-    from specrouter.pool import Pool
+    from specrouter.models.pool import Pool
     from specrouter.router import profile as profile_module
     from specrouter.router.profile import CostProfile, identity_of
     from specrouter.router.setup import load_or_sweep_profile

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specrouter.config import SamplingParams as SP
-from specrouter.sampling import SamplingTensors, greedy, process_logits, sample
-from specrouter.verification import (
+from specrouter.decoding.sampling import SamplingTensors, greedy, process_logits, sample
+from specrouter.decoding.verification import (
     PAD_TOKEN_ID,
     acceptance_probability,
     residual_distribution,

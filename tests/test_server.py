@@ -14,11 +14,11 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from specrouter.config import SamplingParams  # noqa: E402
-from specrouter.engine import Engine  # noqa: E402
-from specrouter.pool import Pool  # noqa: E402
+from specrouter.engine.engine import Engine  # noqa: E402
+from specrouter.models.pool import Pool  # noqa: E402
+from specrouter.models.tokenizer import apply_chat_template  # noqa: E402
 from specrouter.server import ServerConfig, create_app  # noqa: E402
 from specrouter.server.live import LiveServer  # noqa: E402
-from specrouter.tokenizer import apply_chat_template  # noqa: E402
 
 KEY = "test-key-123"
 CHAIN = ("ngram", "mid", "target")

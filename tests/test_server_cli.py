@@ -15,18 +15,9 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from specrouter import cli_serve  # noqa: E402
+from specrouter.cli import serve as cli_serve  # noqa: E402
 
-# `specrouter serve` once cli.py registers it; the same parser built here otherwise
-LAUNCH = (
-    "import argparse, sys\n"
-    "from specrouter import cli, cli_serve\n"
-    "p = cli.build_parser()\n"
-    "sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))\n"
-    "if 'serve' not in sub.choices: cli_serve.register(sub)\n"
-    "a = p.parse_args(sys.argv[1:])\n"
-    "sys.exit(a.func(a))\n"
-)
+LAUNCH = "import sys\nfrom specrouter.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
 def _parser():

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from specrouter.config import SamplingParams
-from specrouter.engine import Engine
-from specrouter.faults import GuardedRunner, ModelFailure, guard_runners
-from specrouter.pool import Pool
+from specrouter.engine.engine import Engine
+from specrouter.engine.faults import GuardedRunner, ModelFailure, guard_runners
+from specrouter.models.pool import Pool
 
 NAMES = ("draft", "mid", "target")
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [100, 7, 100, 7, 100, 7, 100], [12, 250, 31, 77, 9],

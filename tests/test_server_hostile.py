@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from specrouter.pool import Pool  # noqa: E402
+from specrouter.models.pool import Pool  # noqa: E402
 from specrouter.server import ServerConfig, create_app  # noqa: E402
 from specrouter.server.live import LiveServer  # noqa: E402
 

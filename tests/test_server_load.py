@@ -12,13 +12,14 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from fixtures import _CORPUS  # noqa: E402
+
 from specrouter.config import SamplingParams  # noqa: E402
-from specrouter.engine import Engine  # noqa: E402
-from specrouter.pool import Pool  # noqa: E402
+from specrouter.engine.engine import Engine  # noqa: E402
+from specrouter.models.pool import Pool  # noqa: E402
+from specrouter.models.tokenizer import apply_chat_template  # noqa: E402
 from specrouter.server import ServerConfig, create_app  # noqa: E402
 from specrouter.server.live import LiveServer  # noqa: E402
-from specrouter.testing import _CORPUS  # noqa: E402
-from specrouter.tokenizer import apply_chat_template  # noqa: E402
 
 NAMES = ("draft", "mid", "target")
 MAX_TOKENS = 32

@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from specrouter.pool import load_runner
-from specrouter.runners.base import ForwardBatch
-from specrouter.state import StateManager
+from specrouter.models.pool import load_runner
+from specrouter.models.runners.base import ForwardBatch
+from specrouter.state.manager import StateManager
 
 
 def next_logits(runner, slot, start, feed):

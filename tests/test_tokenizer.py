@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from fixtures import make_tiny_tokenizer
 
 from specrouter.errors import CheckpointError, VocabularyMismatchError
-from specrouter.testing import make_tiny_tokenizer
-from specrouter.tokenizer import (
+from specrouter.models.tokenizer import (
     apply_chat_template,
     check_same_vocabulary,
     eos_token_ids,

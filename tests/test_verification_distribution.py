@@ -26,10 +26,14 @@ from collections import defaultdict
 import pytest
 import torch
 
-from specrouter import verification
+from specrouter.decoding import verification
 from specrouter.config import SamplingParams
-from specrouter.sampling import SamplingTensors, process_logits, sample
-from specrouter.verification import acceptance_probability, residual_distribution, verify_speculative
+from specrouter.decoding.sampling import SamplingTensors, process_logits, sample
+from specrouter.decoding.verification import (
+    acceptance_probability,
+    residual_distribution,
+    verify_speculative,
+)
 
 V = 6  # vocabulary of the table models
 CTX = 0  # the last context token before the cycle

@@ -2,9 +2,9 @@
 
 __version__ = "0.1.0"
 
-from .api import GenerationResult, SpecRouter  # noqa: E402
-from .config import SamplingParams  # noqa: E402
-from .errors import (  # noqa: E402
+from specrouter.api import GenerationResult, SpecRouter  # noqa: E402
+from specrouter.config import SamplingParams  # noqa: E402
+from specrouter.errors import (  # noqa: E402
     ChainError,
     CheckpointError,
     ContextLengthError,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from .config import SamplingParams
-from .engine import Engine
-from .pool import Pool
-from .stats import RequestStats
+from specrouter.config import SamplingParams
+from specrouter.engine.engine import Engine
+from specrouter.engine.stats import RequestStats
+from specrouter.models.pool import Pool
 
 
 @dataclass
@@ -62,7 +62,7 @@ class SpecRouter:
                          ngram=ngram, trust_remote_code=trust_remote_code, progress=progress)
         router = None
         if adaptive and len(pool.order) > 1:
-            from .router.setup import build_router
+            from specrouter.router.setup import build_router
 
             router = build_router(pool, profile_path=profile_path, progress=progress)
         return cls(pool, router)
@@ -74,7 +74,7 @@ class SpecRouter:
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
         """Token ids of a prompt: text, ids as is, or chat messages through the target's
         chat template (`chat=True` or a list of {"role", "content"} dicts)."""
-        from .tokenizer import apply_chat_template
+        from specrouter.models.tokenizer import apply_chat_template
 
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             return apply_chat_template(self.tokenizer, prompt)

@@ -7,6 +7,6 @@ scripted slowdown; run.py: the loop, static-k selection, the oracle; report.py: 
 goals; plots.py: PNGs.
 """
 
-from .run import BenchConfig, GreedyMismatchError, run_bench
+from specrouter.bench.run import BenchConfig, GreedyMismatchError, run_bench
 
 __all__ = ["BenchConfig", "GreedyMismatchError", "run_bench"]

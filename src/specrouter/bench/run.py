@@ -21,12 +21,26 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import MAX_DRAFT_LENGTH
-from ..errors import SpecRouterError
-from .slowdown import Slowdown
-from .summary import chain_label, summarize
-from .systems import AdaptiveSystem, Decoding, HFSystem, NativeSystem, Outcome, System, assisted_schedule
-from .workloads import KINDS, MIXED_ORDER, Request, Workload, build_workloads
+from specrouter.bench.slowdown import Slowdown
+from specrouter.bench.summary import chain_label, summarize
+from specrouter.bench.systems import (
+    AdaptiveSystem,
+    Decoding,
+    HFSystem,
+    NativeSystem,
+    Outcome,
+    System,
+    assisted_schedule,
+)
+from specrouter.bench.workloads import (
+    KINDS,
+    MIXED_ORDER,
+    Request,
+    Scenario,
+    build_workloads,
+)
+from specrouter.config import MAX_DRAFT_LENGTH
+from specrouter.errors import SpecRouterError
 
 
 class GreedyMismatchError(SpecRouterError):
@@ -86,17 +100,6 @@ class BenchConfig:
         return cls(**base)
 
 
-@dataclass(frozen=True)
-class Scenario:
-    """One workload at one temperature, possibly with a scripted slowdown."""
-
-    name: str  # e.g. "code greedy", "mixed t=0.7", "mixed greedy + slowdown"
-    workload: Workload
-    temperature: float
-    slowdown_start: int | None  # first request slowed (None: no slowdown)
-    hf: bool  # run the transformers baselines
-
-
 def temperature_label(t: float) -> str:
     return "greedy" if t == 0 else f"t={t:g}"
 
@@ -150,13 +153,13 @@ class Harness:
 
 
 def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
-    from ..api import SpecRouter
-    from ..pool import _dtype
-    from ..router.cost_model import enumerate_chains
+    from specrouter.api import SpecRouter
+    from specrouter.models.pool import _dtype
+    from specrouter.router.cost_model import enumerate_chains
 
     paths = list(cfg.models) if cfg.models else None
     if paths is None:
-        from ..defaults import default_pool_paths
+        from specrouter.models.default_pool import default_pool_paths
 
         paths = default_pool_paths(progress=progress)
     sr = SpecRouter.from_pretrained(paths, target=cfg.target, dtype=cfg.dtype, adaptive=False,
@@ -182,7 +185,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
     if assistant is not None and assistant not in pool.runners:
         raise ValueError(f"the assistant of assisted generation must be a neural draft, got {assistant!r}")
     if cfg.hf != "none":
-        from .systems import load_hf_model
+        from specrouter.bench.systems import load_hf_model
 
         dt = _dtype(cfg.dtype)
         hf_models[pool.target] = load_hf_model(pool.runners[pool.target].checkpoint_dir, dt)
@@ -313,7 +316,7 @@ def _meta(cfg: BenchConfig, h: Harness, scenarios: list[Scenario]) -> dict:
 
     import transformers
 
-    from ..router.profile import machine_fingerprint
+    from specrouter.router.profile import machine_fingerprint
 
     pool = h.pool
     meta = {

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from specrouter.bench.workloads import Scenario
+
 if TYPE_CHECKING:
-    from .run import Scenario
-    from .systems import System
+    from specrouter.bench.systems import System
 
 
 def chain_label(chain: tuple[str, ...], aliases: dict[str, str], k: int | None = None) -> str:
@@ -52,7 +53,7 @@ def _acceptance(stats: list, aliases: dict[str, str]) -> dict:
     }
 
 
-def summarize(sc: "Scenario", systems: list["System"], requests: list[dict], events: list[dict], *,
+def summarize(sc: Scenario, systems: list["System"], requests: list[dict], events: list[dict], *,
               aliases: dict[str, str], reference: str, adaptive: str) -> dict:
     """The summary of one scenario (JSON-ready): `requests` are the loop's per-request records
     (their RequestStats are consumed), `reference` names target-only, `adaptive` SpecRouter."""

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ..api import SpecRouter
-from ..stats import RequestStats
+from specrouter.api import SpecRouter
+from specrouter.engine.stats import RequestStats
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class AdaptiveSystem(System):
         self.sr: SpecRouter | None = None
 
     def reset(self, on_decision=None) -> None:
-        from ..router.setup import build_router
+        from specrouter.router.setup import build_router
 
         router = build_router(self.pool, profile_path=self.profile_path, progress=self.progress,
                               on_decision=on_decision)

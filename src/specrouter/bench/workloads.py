@@ -118,3 +118,14 @@ def build_workloads(names: tuple[str, ...], n: int, block: int = 2, repeat: int 
             reqs = requests_of(name, n)
         out.append(Workload(name, tuple(reqs) * repeat))
     return out
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One workload at one temperature, possibly with a scripted slowdown."""
+
+    name: str  # e.g. "code greedy", "mixed t=0.7", "mixed greedy + slowdown"
+    workload: Workload
+    temperature: float
+    slowdown_start: int | None  # first request slowed (None: no slowdown)
+    hf: bool  # run the transformers baselines

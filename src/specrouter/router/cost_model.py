@@ -43,8 +43,8 @@ from typing import Callable, Mapping, Sequence, Union
 
 import numpy as np
 
-from ..config import MAX_DRAFT_LENGTH
-from ..errors import ChainError
+from specrouter.config import MAX_DRAFT_LENGTH
+from specrouter.errors import ChainError
 
 # Seconds of one forward of a model over t new tokens: a number (the same for every t), a
 # callable t -> seconds, or an array-like indexed by t (entry 0 unused).

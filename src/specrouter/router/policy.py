@@ -51,10 +51,15 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
-from ..stats import CycleStats
-from .cost_model import ModelFreeDraft, PlanTable, best_plan, enumerate_chains
-from .profile import CostProfile
-from .records import (  # noqa: F401  (re-exported: the router's public boundary)
+from specrouter.engine.stats import CycleStats
+from specrouter.router.cost_model import (
+    ModelFreeDraft,
+    PlanTable,
+    best_plan,
+    enumerate_chains,
+)
+from specrouter.router.profile import CostProfile
+from specrouter.router.records import (  # noqa: F401  (re-exported: the router's public boundary)
     Chain,
     Decision,
     DecisionEvent,
@@ -63,8 +68,8 @@ from .records import (  # noqa: F401  (re-exported: the router's public boundary
     RowContext,
     RowOutcome,
 )
-from .request_state import FinishedRequests, RequestState
-from .similarity import (
+from specrouter.router.request_state import FinishedRequests, RequestState
+from specrouter.router.similarity import (
     GREEDY,
     SAMPLING,
     Pair,
@@ -73,7 +78,6 @@ from .similarity import (
     acceptance_trials,
     shadow_match,
 )
-
 
 # ---------------------------------------------------------------------------------------------
 # the router

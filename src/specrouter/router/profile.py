@@ -83,7 +83,7 @@ def machine_fingerprint() -> dict[str, object]:
     timings from another fingerprint are not reused."""
     import torch
 
-    from specrouter.runners.linear import KERNELS
+    from specrouter.models.runners.linear import KERNELS
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -465,7 +465,7 @@ def machine_busy(threads: int | None = None) -> bool:
 
 def _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, bar):
     """One runner over the grid; returns (context lengths kept, (nb, nt, nl) seconds)."""
-    from ..runners.base import ForwardBatch
+    from specrouter.models.runners.base import ForwardBatch
 
     b_max, t_max = bs[-1], ts[-1]
     limit = runner.max_context - t_max - 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..config import MAX_DRAFT_LENGTH
+from specrouter.config import MAX_DRAFT_LENGTH
 
 Chain = tuple[str, ...]  # model names, drafter first, target last
 Pair = tuple[str, str]  # (drafter, verifier): the lower level first

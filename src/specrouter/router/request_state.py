@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .records import Chain
-from .similarity import Pair
+from specrouter.router.records import Chain
+from specrouter.router.similarity import Pair
 
 
 @dataclass

@@ -6,9 +6,15 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from .policy import Router
-from .profile import CostProfile, default_profile_path, identity_of, machine_busy, sweep
-from .records import RouterConfig
+from specrouter.router.policy import Router
+from specrouter.router.profile import (
+    CostProfile,
+    default_profile_path,
+    identity_of,
+    machine_busy,
+    sweep,
+)
+from specrouter.router.records import RouterConfig
 
 
 def load_or_sweep_profile(pool, *, path: str | Path | None = None, progress: bool = True,

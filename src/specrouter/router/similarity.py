@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .records import Pair
+from specrouter.router.records import Pair
 
 GREEDY = "greedy"
 SAMPLING = "sampling"

@@ -2,6 +2,6 @@
 
 Needs the `serve` extra (fastapi, uvicorn, prometheus-client)."""
 
-from .app import ServerConfig, create_app
+from specrouter.server.app import ServerConfig, create_app
 
 __all__ = ["ServerConfig", "create_app"]

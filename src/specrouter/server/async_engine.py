@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import SamplingParams
-from ..engine import CapacityError, Engine
+from specrouter.config import SamplingParams
+from specrouter.engine.engine import CapacityError, Engine
 
 logger = logging.getLogger("specrouter.server")
 

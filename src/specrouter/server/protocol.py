@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..config import MAX_DRAFT_LENGTH
+from specrouter.config import MAX_DRAFT_LENGTH
 
 
 class RequestError(Exception):

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .app import ServerConfig
+from specrouter.server.app import ServerConfig
 
 logger = logging.getLogger("specrouter.server")
 
@@ -54,7 +54,7 @@ class PoolSpec:
     ngram: bool = True  # add the model-free n-gram drafter
 
     def load(self):
-        from ..pool import Pool
+        from specrouter.models.pool import Pool
 
         return Pool.load(list(self.paths), target=self.target,
                          names=list(self.names) if self.names else None, backend=self.backend,
@@ -133,7 +133,7 @@ class SpecRouterReplica:
         import torch
         from ray import serve
 
-        from .app import create_app
+        from specrouter.server.app import create_app
 
         torch.set_num_threads(torch_threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -163,7 +163,7 @@ class SpecRouterReplica:
 
     # metrics
     def _snapshot(self):
-        from .replica_metrics import snapshot
+        from specrouter.server.replica_metrics import snapshot
 
         return snapshot(self._srv.metrics.registry, self._labels)
 
@@ -183,7 +183,7 @@ class SpecRouterReplica:
         from fastapi.responses import Response
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        from .replica_metrics import render
+        from specrouter.server.replica_metrics import render
 
         own = self._snapshot()
         if self._board is not None:
@@ -231,7 +231,7 @@ class MetricsBoard:
         self._snaps[replica] = (time.monotonic(), node, families)
 
     async def render(self) -> bytes:
-        from .replica_metrics import render
+        from specrouter.server.replica_metrics import render
 
         now = time.monotonic()
         self._snaps = {r: s for r, s in self._snaps.items() if now - s[0] <= self.ttl_s}

@@ -6,24 +6,21 @@ from __future__ import annotations
 import hmac
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from fastapi import Request
 from pydantic import ValidationError
 
-from ..config import SamplingParams
-from ..errors import ChainError, ContextLengthError, SamplingParamsError
-from .protocol import RequestError, validation_error
-from .text import stop_token_ids
-
-if TYPE_CHECKING:
-    from .app import _Server
+from specrouter.config import SamplingParams
+from specrouter.errors import ChainError, ContextLengthError, SamplingParamsError
+from specrouter.server.protocol import RequestError, validation_error
+from specrouter.server.service import Service
+from specrouter.server.text import stop_token_ids
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def check_auth(srv: "_Server", request: Request) -> None:
+def check_auth(srv: Service, request: Request) -> None:
     key = srv.config.api_key
     if not key:
         return
@@ -113,7 +110,7 @@ class Prepared:
     generator: torch.Generator | None
 
 
-def prepare(srv: "_Server", req, prompt: list[int], *, chat: bool) -> Prepared:
+def prepare(srv: Service, req, prompt: list[int], *, chat: bool) -> Prepared:
     if req.model is not None and req.model != srv.model_name:
         raise RequestError(f"the model {req.model!r} does not exist: this server serves "
                            f"{srv.model_name!r} (see /v1/models)", status=404, param="model",

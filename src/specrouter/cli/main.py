@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from .errors import SpecRouterError
+from specrouter.errors import SpecRouterError
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def _print_result(res, prompt_label: str) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .api import SpecRouter
+    from specrouter.api import SpecRouter
 
     paths = list(args.models)
     sr = SpecRouter.from_pretrained(paths, target=args.target, backend=args.backend,
@@ -81,7 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)
 
-    from . import cli_bench, cli_demo, cli_distill, cli_profile, cli_serve
+    from specrouter.cli import bench as cli_bench
+    from specrouter.cli import demo as cli_demo
+    from specrouter.cli import distill as cli_distill
+    from specrouter.cli import profile as cli_profile
+    from specrouter.cli import serve as cli_serve
 
     cli_bench.register(sub)
     cli_demo.register(sub)

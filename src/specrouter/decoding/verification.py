@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample
+from specrouter.decoding.sampling import sample
 
 PAD_TOKEN_ID = -1  # right padding of LevelResult.tokens (never a valid token id)
 RESIDUAL_EPS = 1e-12  # residual mass below this (relative to the verifier's) counts as zero

@@ -7,10 +7,10 @@ import argparse
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .pool import Pool
-    from .router.policy import Router
-    from .router.records import RowContext
-    from .router.setup import load_or_sweep_profile
+    from specrouter.models.pool import Pool
+    from specrouter.router.policy import Router
+    from specrouter.router.records import RowContext
+    from specrouter.router.setup import load_or_sweep_profile
 
     pool = Pool.load(list(args.models), target=args.target, dtype=args.dtype, ngram=not args.no_ngram,
                      progress=True)

@@ -43,10 +43,10 @@ from typing import Sequence
 
 import torch
 
-from .corpus import Corpus, CorpusSpec, build_corpus, load_corpus
-from .distill_loss import sparse_kl_loss  # noqa: F401  (part of this module's API)
-from .draft_eval import evaluate, greedy_agreement, step_ms
-from .errors import CheckpointError, SpecRouterError
+from specrouter.distill.corpus import Corpus, CorpusSpec, build_corpus, load_corpus
+from specrouter.distill.evaluate import evaluate, greedy_agreement, step_ms
+from specrouter.distill.loss import sparse_kl_loss  # noqa: F401  (part of this module's API)
+from specrouter.errors import CheckpointError, SpecRouterError
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -234,7 +234,7 @@ def write_draft_vocab(out: Path, corpus: Corpus, train_rows: torch.Tensor, eval_
     """OUT/draft_vocab.json: the `size` most frequent tokens of the training rows (ties and
     unseen tokens by id, i.e. BPE merge order) plus `always` (special tokens), with their
     coverage of the held-out rows."""
-    from .runners.llama import DRAFT_VOCAB_FILE
+    from specrouter.models.runners.llama import DRAFT_VOCAB_FILE
 
     def tokens(rows: torch.Tensor) -> torch.Tensor:
         T = corpus.tokens.shape[1]
@@ -259,7 +259,7 @@ def write_draft_vocab(out: Path, corpus: Corpus, train_rows: torch.Tensor, eval_
 def _versions() -> dict:
     import transformers
 
-    from . import __version__
+    from specrouter import __version__
 
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "specrouter": __version__}

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from .bench import BenchConfig
+    from specrouter.bench import BenchConfig
 
     over = {}
     for field in ("target", "dtype", "out_dir", "threads", "prompts_per_type", "mixed_block",
@@ -69,9 +69,9 @@ def config_from_args(args: argparse.Namespace):
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.plots import make_plots
-    from .bench.report import goals_table, summary_table, write_report
-    from .bench.run import run_bench
+    from specrouter.bench.plots import make_plots
+    from specrouter.bench.report import goals_table, summary_table, write_report
+    from specrouter.bench.run import run_bench
 
     try:
         cfg = config_from_args(args)
@@ -95,10 +95,3 @@ def register(sub) -> None:
                        description=__doc__)
     add_arguments(p)
     p.set_defaults(func=cmd_bench)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python benchmarks/bench.py ...`: the same as `specrouter bench ...`."""
-    from .cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])

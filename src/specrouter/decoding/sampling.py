@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SamplingParams
+from specrouter.config import SamplingParams
 
 
 @dataclass

@@ -19,9 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from specrouter.errors import CheckpointError, ContextLengthError
-from specrouter.runners.base import ForwardBatch, ModelRunner
-from specrouter.runners.linear import Linear, linear, linear_add, row_mode
-from specrouter.runners.rope import apply_rope, rope_inv_freq, rope_parameters_from_config, rope_tables
+from specrouter.models.runners.base import ForwardBatch, ModelRunner
+from specrouter.models.runners.linear import Linear, linear, linear_add, row_mode
+from specrouter.models.runners.rope import (
+    apply_rope,
+    rope_inv_freq,
+    rope_parameters_from_config,
+    rope_tables,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # transformers' config defaults for keys a config.json may omit, per model_type

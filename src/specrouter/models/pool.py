@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .drafters.base import ModelFreeDrafter
-from .errors import ChainError, CheckpointError
-from .runners.base import ModelRunner
+from specrouter.decoding.drafters.base import ModelFreeDrafter
+from specrouter.errors import ChainError, CheckpointError
+from specrouter.models.runners.base import ModelRunner
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 NGRAM = "ngram"
@@ -37,7 +37,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     into the cache (see gguf_convert)."""
     p = Path(path).expanduser()
     if p.suffix == ".gguf":
-        from .gguf_convert import convert_gguf
+        from specrouter.models.gguf_convert import convert_gguf
 
         return convert_gguf(p)
     if not p.exists():
@@ -90,11 +90,11 @@ def load_runner(
         )
     kwargs = dict(name=name or default_model_name(ckpt), dtype=dt, num_slots=num_slots, max_len=max_len)
     if use_native:
-        from .runners.llama import load_llama_runner
+        from specrouter.models.runners.llama import load_llama_runner
 
         runner = load_llama_runner(ckpt, **kwargs)
     else:
-        from .runners.hf import load_hf_runner
+        from specrouter.models.runners.hf import load_hf_runner
 
         runner = load_hf_runner(ckpt, trust_remote_code=trust_remote_code, **kwargs)
     runner.checkpoint_dir = ckpt
@@ -128,7 +128,11 @@ class Pool:
     ) -> "Pool":
         """Load `paths` (HF directories or .gguf files; the literal "ngram" adds the model-free
         drafter). `target` is a name or a path; default: the model with the most parameters."""
-        from .tokenizer import check_same_vocabulary, eos_token_ids, load_tokenizer
+        from specrouter.models.tokenizer import (
+            check_same_vocabulary,
+            eos_token_ids,
+            load_tokenizer,
+        )
 
         if not paths:
             raise CheckpointError("no models given: pass at least the target's path")
@@ -162,7 +166,7 @@ class Pool:
             target_name = max(runners, key=lambda n: runners[n].num_params)
         check_same_vocabulary(tokenizers, {n: r.vocab_size for n, r in runners.items()})
         if ngram:
-            from .drafters.ngram import NgramDrafter
+            from specrouter.decoding.drafters.ngram import NgramDrafter
 
             drafters[NGRAM] = NgramDrafter()
         order = list(drafters) + sorted(

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
+from specrouter.errors import CheckpointError
 
 __all__ = [
     "convert_gguf",
@@ -182,7 +182,9 @@ def _is_complete(out: Path, key: dict[str, object]) -> bool:
 def _supported_architectures() -> set[str]:
     """GGUF architectures transformers can load (llama, mistral, qwen2, ... in 5.24)."""
     try:
-        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+        from transformers.modeling_gguf_pytorch_utils import (
+            GGUF_SUPPORTED_ARCHITECTURES,
+        )
 
         return set(GGUF_SUPPORTED_ARCHITECTURES)
     except ImportError:  # pragma: no cover - depends on the transformers version

@@ -16,8 +16,8 @@ DEMO_PROMPTS = [
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .api import SpecRouter
-    from .defaults import default_pool_paths
+    from specrouter.api import SpecRouter
+    from specrouter.models.default_pool import default_pool_paths
 
     t0 = time.perf_counter()
     paths = default_pool_paths(progress=True)

@@ -20,15 +20,19 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .drafters.base import ModelFreeDrafter
-from .router.records import ForwardRecord
-from .runners.base import ForwardBatch, ModelRunner
-from .sampling import SamplingTensors, process_logits, sample
-from .sequence import Sequence
-from .state import StateManager
-from .stats import CycleStats
-from .router.similarity import candidate_tv
-from .verification import LevelResult, verify_greedy, verify_speculative
+from specrouter.decoding.drafters.base import ModelFreeDrafter
+from specrouter.decoding.sampling import SamplingTensors, process_logits, sample
+from specrouter.decoding.verification import (
+    LevelResult,
+    verify_greedy,
+    verify_speculative,
+)
+from specrouter.engine.stats import CycleStats
+from specrouter.models.runners.base import ForwardBatch, ModelRunner
+from specrouter.router.records import ForwardRecord
+from specrouter.router.similarity import candidate_tv
+from specrouter.state.manager import StateManager
+from specrouter.state.sequence import Sequence
 
 
 class ChainExecutor:

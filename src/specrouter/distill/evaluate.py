@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .corpus import SOURCES, Corpus
+from specrouter.distill.corpus import SOURCES, Corpus
 
 # (kind, text, through the chat template?)
 HELDOUT_PROMPTS: tuple[tuple[str, str, bool], ...] = (
@@ -146,7 +146,7 @@ def step_ms(model, context: int = 128, steps: int = 16) -> float:
     float32, DynamicCache)."""
     from transformers import DynamicCache
 
-    from .corpus import _cache_kw
+    from specrouter.distill.corpus import _cache_kw
 
     model = model.float().eval()
     cache = {_cache_kw(model): DynamicCache()}

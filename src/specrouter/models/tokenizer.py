@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError, VocabularyMismatchError
+from specrouter.errors import CheckpointError, VocabularyMismatchError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

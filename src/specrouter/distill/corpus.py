@@ -31,7 +31,7 @@ from typing import Iterator
 
 import torch
 
-from .errors import SpecRouterError
+from specrouter.errors import SpecRouterError
 
 # source -> kind; kinds are what the report breaks agreement down by
 SOURCES = {

@@ -1,5 +1,5 @@
 """`specrouter distill`: train a small draft of a target by knowledge distillation (CPU,
-resumable, progress bar, held-out agreement report). Flags mirror `specrouter.distill.distill`."""
+resumable, progress bar, held-out agreement report). Flags mirror `specrouter.distill.train.distill`."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import json
 def cmd_distill(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from .distill import distill
-    from .pool import resolve_checkpoint
+    from specrouter.distill.train import distill
+    from specrouter.models.pool import resolve_checkpoint
 
     target = args.target
     if target == "default":
-        from .gguf_convert import default_target_dir
+        from specrouter.models.gguf_convert import default_target_dir
 
         target = default_target_dir()
     if args.eval_only:
@@ -40,9 +40,9 @@ def _eval_only(target, args: argparse.Namespace) -> int:
 
     import torch
 
-    from .distill import load_target
-    from .draft_eval import greedy_agreement
-    from .errors import CheckpointError
+    from specrouter.distill.evaluate import greedy_agreement
+    from specrouter.distill.train import load_target
+    from specrouter.errors import CheckpointError
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ..errors import CheckpointError, ContextLengthError
-from .base import ForwardBatch, ModelRunner
+from specrouter.errors import CheckpointError, ContextLengthError
+from specrouter.models.runners.base import ForwardBatch, ModelRunner
 
 # Layer kinds (config.layer_types) whose cache is per-token KV state, so cropping is exact.
 # "moe"/"mlp" layers keep no cache at all.

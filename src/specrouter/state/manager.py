@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .runners.base import ModelRunner
+from specrouter.models.runners.base import ModelRunner
 
 
 @dataclass

@@ -22,16 +22,17 @@ from typing import Callable
 
 import torch
 
-from .config import MAX_DRAFT_LENGTH, SamplingParams
-from .errors import ChainError, ContextLengthError, SpecRouterError
-from .executor import ChainExecutor
-from .faults import ModelFailure, on_model_failure, without_failed
-from .pool import Pool
-from .router.records import RowContext, RowOutcome
-from .sampling import SamplingTensors
-from .sequence import Sequence
-from .state import StateManager
-from .stats import CycleStats
+from specrouter.config import MAX_DRAFT_LENGTH, SamplingParams
+from specrouter.decoding.executor import ChainExecutor
+from specrouter.decoding.sampling import SamplingTensors
+from specrouter.engine.faults import ModelFailure, without_failed
+from specrouter.engine.faults import logger as fault_logger
+from specrouter.engine.stats import CycleStats
+from specrouter.errors import ChainError, ContextLengthError, SpecRouterError
+from specrouter.models.pool import Pool
+from specrouter.router.records import RowContext, RowOutcome
+from specrouter.state.manager import StateManager
+from specrouter.state.sequence import Sequence
 
 
 class CapacityError(SpecRouterError):
@@ -207,7 +208,7 @@ class Engine:
                     stats = self.executor.cycle(rows, chain, k, sampling, gen)
                     break
                 except ModelFailure as failure:
-                    chain = on_model_failure(self, failure, rows, chain, k)
+                    chain = self._on_model_failure(failure, rows, chain, k)
             # -------------------------------------------------------------------------------
             if stats is not None and self.router is not None:
                 self._observe(rows, stats, shadow)
@@ -219,6 +220,38 @@ class Engine:
                     self.running.pop(s.seq_id, None)
                     self._finish(s)
         return outputs
+
+    def _on_model_failure(self, failure: ModelFailure, rows: list[Sequence],
+                          chain: tuple[str, ...], k: int) -> tuple[str, ...] | None:
+        """Take the failed model out (see faults.py's docstring). Returns the chain to retry the
+        cycle with, or None when the target failed (the rows are then finished with "error")."""
+        model = failure.model
+        target = self.pool.target
+        # a model failing again after it was taken out (something outside the chain, e.g. a probe,
+        # still calls it) ends the rows too: every retry takes a new model out, so retries are bounded
+        fatal = model == target or model in self.failed_models
+        fault_logger.error(
+            "model %r failed (%s) in chain %s for %d row(s): %s%s", model, failure.kind,
+            ">".join(chain), len(rows), failure.cause,
+            "; the rows finish with finish_reason 'error'" if fatal else "; it is taken out of every chain",
+            extra={"model": model, "kind": failure.kind, "chain": ">".join(chain), "rows": len(rows),
+                   "seq_ids": [s.seq_id for s in rows]},
+        )
+        if model != target or failure.kind == "timeout":
+            self.failed_models.add(model)
+        if self.on_model_failure is not None:
+            self.on_model_failure(failure)
+        for seq in rows:  # drop speculative tokens, keep the last committed token pending
+            self.state.commit(seq.seq_id, seq.tokens, len(seq.tokens))
+        if fatal:
+            for seq in rows:
+                seq.done, seq.finish_reason = True, "error"
+            return None
+        new_chain = tuple(m for m in chain if m != model)  # == chain if it failed outside the chain
+        for seq in rows:
+            if seq.seq_id in self._plans:
+                self._plans[seq.seq_id] = (new_chain, k)
+        return new_chain
 
     # -- router feedback ----------------------------------------------------------------------
     SHADOW_K = 16  # tokens asked of model-free drafters when shadow-scoring rows not running them

@@ -16,7 +16,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .server import ServerConfig, create_app
+        from specrouter.server import ServerConfig, create_app
     except ImportError as e:
         print(f"specrouter serve needs the serve extra: pip install 'specrouter[serve]' ({e})",
               file=sys.stderr)
@@ -25,7 +25,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("specrouter serve --ray needs the ray extra: pip install 'specrouter[ray]'",
               file=sys.stderr)
         return 2
-    from .pool import Pool
+    from specrouter.models.pool import Pool
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -56,7 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def ray_configs(args: argparse.Namespace):
     """(PoolSpec, RayServeConfig) of `specrouter serve --ray` (no Ray needed to build them)."""
-    from .server.ray_serve import PoolSpec, RayServeConfig
+    from specrouter.server.ray_serve import PoolSpec, RayServeConfig
 
     pool_spec = PoolSpec(paths=tuple(args.models), target=args.target, backend=args.backend,
                          dtype=args.dtype, ngram=not args.no_ngram)
@@ -69,7 +69,7 @@ def ray_configs(args: argparse.Namespace):
 
 
 def _serve_ray(args: argparse.Namespace, config) -> int:
-    from .server.ray_serve import serve_on_ray
+    from specrouter.server.ray_serve import serve_on_ray
 
     try:
         pool_spec, ray_config = ray_configs(args)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config import SamplingParams
-from .stats import RequestStats
+from specrouter.config import SamplingParams
+from specrouter.engine.stats import RequestStats
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""`specrouter` command line: one module per command; `main.py` builds the parser."""

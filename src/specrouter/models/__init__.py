@@ -1,0 +1,3 @@
+"""The pool of models: loading and naming (`pool.py`), the shared tokenizer (`tokenizer.py`),
+GGUF conversion (`gguf_convert.py`), the embedded default pool and its assets
+(`default_pool.py`, `assets/`), and the forward runners (`runners/`)."""
