@@ -13,8 +13,8 @@ import pytest
 import torch
 from fixtures import make_tiny_llama
 
-from specrouter.models import gguf_convert
 from specrouter.errors import CheckpointError
+from specrouter.models import gguf_convert
 from specrouter.models.gguf_convert import convert_gguf, read_gguf_metadata
 
 gguf = pytest.importorskip("gguf")

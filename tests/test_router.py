@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from specrouter.config import RouterConfig
 from specrouter.engine.stats import CycleStats
 from specrouter.models.runners.base import ModelRunner
 from specrouter.router.cost_model import ModelFreeDraft, best_plan, enumerate_chains
@@ -25,7 +26,6 @@ from specrouter.router.policy import (
     Decision,
     ForwardRecord,
     Router,
-    RouterConfig,
     RowContext,
     RowOutcome,
 )

@@ -26,8 +26,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from specrouter.decoding import verification
 from specrouter.config import SamplingParams
+from specrouter.decoding import verification
 from specrouter.decoding.sampling import SamplingTensors, process_logits, sample
 from specrouter.decoding.verification import (
     acceptance_probability,

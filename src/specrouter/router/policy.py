@@ -51,6 +51,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
+from specrouter.config import RouterConfig
 from specrouter.engine.stats import CycleStats
 from specrouter.router.cost_model import (
     ModelFreeDraft,
@@ -64,7 +65,6 @@ from specrouter.router.records import (  # noqa: F401  (re-exported: the router'
     Decision,
     DecisionEvent,
     ForwardRecord,
-    RouterConfig,
     RowContext,
     RowOutcome,
 )

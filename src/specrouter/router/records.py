@@ -1,5 +1,5 @@
-"""The router's boundary dataclasses: its settings, what it is told about a row before a cycle
-(`RowContext`) and after it (`RowOutcome`, `ForwardRecord`), and what it answers (`Decision`,
+"""The router's boundary dataclasses (its settings, `RouterConfig`, are in config.py): what it
+is told about a row before a cycle (`RowContext`) and after it (`RowOutcome`, `ForwardRecord`), and what it answers (`Decision`,
 `DecisionEvent`)."""
 
 from __future__ import annotations
@@ -7,46 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specrouter.config import MAX_DRAFT_LENGTH
-
 Chain = tuple[str, ...]  # model names, drafter first, target last
 Pair = tuple[str, str]  # (drafter, verifier): the lower level first
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """Router settings (one object for the CLI, the server and the API)."""
-
-    k_max: int = MAX_DRAFT_LENGTH  # draft lengths searched: 1..k_max
-    max_levels: int = 4  # deepest chain considered
-    switch_margin: float = 0.05  # switch at once when the best plan is predicted > 5% faster
-    patience: int = 16  # ... or when it was predicted slower by > persist_margin this many decisions in a row
-    persist_margin: float = 0.01  # the smallest gap that counts toward patience
-    request_decay: float = 0.995  # per trial: a request's own acceptance counts forget (~200 trials)
-    request_prior_strength: float = 8.0  # pseudo-trials of the global alpha in a request's estimate
-    # a new request's prior for a model pair: the global alpha, or if higher this quantile of
-    # the alphas finished requests reached on their own (request types differ: code and prose
-    # accept a draft at different rates; the global mean is the prior of neither). None: global
-    request_prior_quantile: float | None = 0.75
-    request_history: int = 32  # finished requests remembered per pair and mode for that quantile
-    request_hit_decay: float = 0.95  # per proposal: a request's own model-free hit counts forget (~20)
-    probe_k: int = 8  # longest draft of a probe cycle
-    probe_optimism: float = 1.5  # z of the Wilson upper bound that makes a stale pair worth a probe
-    probe_recheck: int = 8  # row-cycles before looking again when no pair was worth a probe
-    probe_fraction: float = 0.05  # at most this fraction of row-cycles are probes
-    probe_time_fraction: float | None = 0.02  # and their cost at most this fraction of wall time
-    overhead_alpha: float = 0.1  # EMA weight of one cycle's overhead (wall - forwards) and decide() time
-    context_bucket: int = 32  # cost rows are cached per (b, L // context_bucket)
-    prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
-    log_size: int = 10_000  # decision events kept
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.k_max <= MAX_DRAFT_LENGTH:
-            raise ValueError(f"k_max must be in 1..{MAX_DRAFT_LENGTH}, got {self.k_max}")
-        if not 1 <= self.max_levels <= 4:
-            raise ValueError(f"max_levels must be in 1..4, got {self.max_levels}")
-        if self.switch_margin < 0 or self.patience < 1 or self.probe_k < 1:
-            raise ValueError("switch_margin must be >= 0, patience and probe_k >= 1")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from specrouter.config import RouterConfig
 from specrouter.router.policy import Router
 from specrouter.router.profile import (
     CostProfile,
@@ -14,7 +15,6 @@ from specrouter.router.profile import (
     machine_busy,
     sweep,
 )
-from specrouter.router.records import RouterConfig
 
 
 def load_or_sweep_profile(pool, *, path: str | Path | None = None, progress: bool = True,

@@ -2,6 +2,7 @@
 
 Needs the `serve` extra (fastapi, uvicorn, prometheus-client)."""
 
-from specrouter.server.app import ServerConfig, create_app
+from specrouter.config import ServerConfig
+from specrouter.server.app import create_app
 
 __all__ = ["ServerConfig", "create_app"]

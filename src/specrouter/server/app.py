@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specrouter.config import ServerConfig
 from specrouter.errors import CheckpointError
 from specrouter.models.pool import Pool
 from specrouter.server.async_engine import (
@@ -56,7 +57,7 @@ from specrouter.server.protocol import (
     Usage,
     error_body,
 )
-from specrouter.server.service import ServerConfig, Service
+from specrouter.server.service import Service
 from specrouter.server.text import TextStream
 from specrouter.server.validate import Prepared, check_auth, parse, prepare, read_json
 

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from specrouter.server.app import ServerConfig
+from specrouter.config import ServerConfig
 
 logger = logging.getLogger("specrouter.server")
 

@@ -1,13 +1,13 @@
 """The state behind one app (`Service`): the guarded pool, the engine and its background loop,
-the metrics; and the settings it is built from (`ServerConfig`)."""
+the metrics; built from a `ServerConfig` (config.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
+from specrouter.config import ServerConfig
 from specrouter.engine.engine import Engine
 from specrouter.engine.faults import GuardedRunner, guard_runners
 from specrouter.models.pool import Pool
@@ -15,32 +15,6 @@ from specrouter.server.async_engine import AsyncEngine
 from specrouter.server.metrics import ServerMetrics
 
 logger = logging.getLogger("specrouter.server")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Everything `specrouter serve` configures (its flags map onto these fields)."""
-
-    served_model_name: str | None = None  # name in /v1/models and responses; None: the target's
-    api_key: str | None = None  # required as "Authorization: Bearer <key>" on /v1/* when set
-    max_num_seqs: int = 8  # rows in the running batch (cache slots per model)
-    max_model_len: int = 2048  # positions per row (prompt + output + draft); capped by the models
-    chain: tuple[str, ...] | None = None  # default chain; None: the engine's (router / pool default)
-    k: int = 4  # default draft length
-    model_timeout: float | None = 30.0  # seconds a model forward may take before it is taken out
-    max_queue: int = 64  # requests waiting for a row; beyond: 429
-    max_body_bytes: int = 1 << 20  # request body limit (413 beyond)
-    retry_after_s: int = 1  # Retry-After of a 429
-    seed: int | None = None  # seed of the engine's random stream (unseeded sampling requests)
-    adaptive: bool = True  # the router picks chain and k per request (unless a chain is pinned)
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_model_len", "k", "max_queue", "max_body_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.model_timeout is not None and not self.model_timeout > 0:
-            raise ValueError(f"model_timeout must be > 0 seconds or None, got {self.model_timeout!r}")
 
 
 class Service:
