@@ -182,7 +182,8 @@ class ChainExecutor:
             verify_from = 1
             if drafter in self.drafters:
                 t0 = self.clock()
-                cand, num_cand = self.drafters[drafter].propose([s.tokens for s in rows], k_eff)
+                cand, num_cand = self.drafters[drafter].propose([s.tokens for s in rows], k_eff,
+                                                                [s.tenant for s in rows])
                 ftime[drafter] = self.clock() - t0
                 self._forwards.append(ForwardRecord(model=drafter, rows=B, new_tokens=k_eff,
                                                     context_len=sum(num_before) // B, seconds=ftime[drafter]))

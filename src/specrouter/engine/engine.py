@@ -118,15 +118,18 @@ class Engine:
         chain: tuple[str, ...] | None = None,
         k: int = 4,
         generator: torch.Generator | None = None,
+        tenant: str | None = None,
     ) -> Sequence:
         """Register a request; it runs from the next `step()`. `generator` (optional) is the
-        request's own random stream (seeded requests); rows without one share the engine's."""
+        request's own random stream (seeded requests); rows without one share the engine's.
+        `tenant` keeps a learning drafter's statistics apart (None: the shared ones)."""
         chain, total = self.check_request(prompt, params, chain, k)
         self._ensure_capacity(1, total)
         eos = frozenset() if params.ignore_eos else frozenset(self.pool.eos_ids)
         seq = Sequence(seq_id=next(self._ids), tokens=list(prompt), prompt_len=len(prompt),
                        params=params, stop_ids=eos | frozenset(params.stop_token_ids))
         seq.generator = generator
+        seq.tenant = tenant
         self.state.add(seq.seq_id)
         self.running[seq.seq_id] = seq
         self._plans[seq.seq_id] = (chain, k) if chain is not None else None
@@ -167,6 +170,11 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> None:
         seq.stats.wall_time = self.clock() - self._start.pop(seq.seq_id, self.clock())
+        if seq.finish_reason != "error":  # learning drafters (suffix) see every finished request
+            for drafter in self.pool.drafters.values():
+                observe = getattr(drafter, "observe_request", None)
+                if observe is not None:
+                    observe(seq.tokens, seq.tenant)
         self._plans.pop(seq.seq_id, None)
         self.state.release(seq.seq_id)
         if self.router is not None:
@@ -263,7 +271,8 @@ class Engine:
         for name, drafter in self.pool.drafters.items():
             if chain[0] == name:
                 continue
-            tokens, lengths = drafter.propose([s.tokens for s in rows], self.SHADOW_K)
+            tokens, lengths = drafter.propose([s.tokens for s in rows], self.SHADOW_K,
+                                              [s.tenant for s in rows])
             out[name] = [t[:m] for t, m in zip(tokens.tolist(), lengths.tolist())]
         return out
 

@@ -59,16 +59,16 @@ from specrouter.server.protocol import (
 )
 from specrouter.server.service import Service
 from specrouter.server.text import TextStream
-from specrouter.server.validate import Prepared, check_auth, parse, prepare, read_json
+from specrouter.server.validate import Prepared, check_auth, parse, prepare, read_json, tenant_of
 
 logger = logging.getLogger("specrouter.server")
 
 
 
-def _submit(srv: Service, p: Prepared) -> RequestHandle:
+def _submit(srv: Service, p: Prepared, tenant: str | None = None) -> RequestHandle:
     try:
         return srv.loop_engine.submit(p.prompt, p.params, chain=p.chain, k=p.k,
-                                      generator=p.generator)
+                                      generator=p.generator, tenant=tenant)
     except QueueFull as e:
         raise RequestError(str(e), status=429, type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(srv.config.retry_after_s)}) from None
@@ -227,7 +227,7 @@ def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
 
 
 async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bool):
-    handle = _submit(srv, p)
+    handle = _submit(srv, p, tenant_of(srv, request))
     gen = _Generation(srv, p, handle)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())

@@ -3,6 +3,7 @@ turned into what the engine takes (`prepare`). Every refusal is a `RequestError`
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from dataclasses import dataclass
@@ -29,6 +30,19 @@ def check_auth(srv: Service, request: Request) -> None:
         raise RequestError("invalid or missing API key: send 'Authorization: Bearer <key>'",
                            status=401, type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
+
+
+def tenant_of(srv: Service, request: Request) -> str | None:
+    """Whose learned drafter statistics a request reads and feeds (ServerConfig.suffix_scope):
+    None (shared) unless the scope is "api-key"; then the SHA-256 of its Authorization header
+    value (so different keys, e.g. per-user keys a gateway forwards, never share), or
+    "anonymous" without one."""
+    if srv.config.suffix_scope != "api-key":
+        return None
+    header = request.headers.get("authorization", "").strip()
+    if not header:
+        return "anonymous"
+    return "key-" + hashlib.sha256(header.encode()).hexdigest()[:32]
 
 
 def _reject_constant(name: str):

@@ -21,6 +21,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stats: RequestStats = field(default_factory=RequestStats)
     generator: object = None  # torch.Generator of a seeded request (None: the engine's stream)
+    tenant: str | None = None  # whose learned drafter statistics it reads and feeds (None: shared)
 
     @property
     def num_generated(self) -> int:
