@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specrouter.bench.slowdown import Slowdown
-from specrouter.bench.summary import chain_label, summarize
+from specrouter.bench.summary import NO_SUFFIX, chain_label, summarize
 from specrouter.bench.systems import (
     AdaptiveSystem,
     Decoding,
@@ -41,6 +41,7 @@ from specrouter.bench.workloads import (
 )
 from specrouter.config import MAX_DRAFT_LENGTH
 from specrouter.errors import SpecRouterError
+from specrouter.models.pool import SUFFIX
 
 
 class GreedyMismatchError(SpecRouterError):
@@ -51,7 +52,7 @@ class GreedyMismatchError(SpecRouterError):
 class BenchConfig:
     """What `specrouter bench` runs (the CLI flags map one to one)."""
 
-    models: tuple[str, ...] | None = None  # pool paths ("ngram" is added); None: the embedded default pool
+    models: tuple[str, ...] | None = None  # pool paths ("ngram" and "suffix" are added); None: the embedded default pool
     target: str | None = None  # target name or path (default: the largest model)
     dtype: str = "float32"  # of every model, native and transformers
     workloads: tuple[str, ...] = ("code", "prose", "chat", "extraction", "mixed")
@@ -75,13 +76,14 @@ class BenchConfig:
     plots: bool = True  # write PNGs (needs matplotlib)
     out_dir: str = "bench-out"
     quick: bool = False  # set by `quick_preset` (recorded in the output)
+    suffix: bool = True  # the pool has the suffix drafter; SpecRouter also runs without it, side by side
 
     def __post_init__(self) -> None:
         if self.hf not in ("all", "greedy", "none"):
             raise ValueError(f"hf must be 'all', 'greedy' or 'none', got {self.hf!r}")
-        unknown = [w for w in self.workloads if w != "mixed" and w not in KINDS]
+        unknown = [w for w in self.workloads if w not in ("mixed", "templated") and w not in KINDS]
         if unknown or not self.workloads:
-            raise ValueError(f"unknown workloads {unknown}; use some of {KINDS + ('mixed',)}")
+            raise ValueError(f"unknown workloads {unknown}; use some of {KINDS + ('mixed', 'templated')}")
         if not self.ks or any(not 1 <= k <= MAX_DRAFT_LENGTH for k in self.ks):
             raise ValueError(f"ks must be draft lengths in 1..{MAX_DRAFT_LENGTH}, got {self.ks}")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
@@ -150,6 +152,7 @@ class Harness:
     hf_models: dict  # pool name -> transformers model
     assistant: str | None  # pool name of the assistant draft
     encoded: dict[Request, list[int]]
+    ablation: AdaptiveSystem | None = None  # SpecRouter without the suffix drafter
 
 
 def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
@@ -163,7 +166,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
 
         paths = default_pool_paths(progress=progress)
     sr = SpecRouter.from_pretrained(paths, target=cfg.target, dtype=cfg.dtype, adaptive=False,
-                                    progress=progress)
+                                    suffix=cfg.suffix, progress=progress)
     pool = sr.pool
     aliases = model_aliases(pool)
     drafts = [n for n in pool.order if n in pool.runners and n != pool.target]
@@ -175,10 +178,15 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
             continue
         for k in (cfg.ks if len(chain) > 1 else (None,)):
             label = "target-only" if len(chain) == 1 else chain_label(chain, aliases, k)
-            systems.append(NativeSystem(sr, label, chain, k))
+            systems.append(NativeSystem(pool, label, chain, k))
     target_only = systems[0]
     adaptive = AdaptiveSystem(pool, "SpecRouter", profile_path=cfg.profile_path, progress=progress)
     systems.append(adaptive)
+    ablation = None
+    if SUFFIX in pool.drafters:
+        ablation = AdaptiveSystem(pool.without_drafters([SUFFIX]), NO_SUFFIX,
+                                  profile_path=cfg.profile_path, progress=progress)
+        systems.append(ablation)
 
     hf_models: dict = {}
     assistant = _resolve(pool, aliases, cfg.hf_assistant, drafts[-1] if drafts else None)
@@ -208,7 +216,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
     need = max(len(ids) for ids in encoded.values()) + cfg.max_new_tokens + MAX_DRAFT_LENGTH + 2
     for r in pool.runners.values():
         r.reserve(max(r.num_slots, 1), max(r.max_len, need))
-    return Harness(pool, aliases, systems, adaptive, target_only, hf_models, assistant, encoded)
+    return Harness(pool, aliases, systems, adaptive, target_only, hf_models, assistant, encoded, ablation)
 
 
 def warm_up(h: Harness, ids: list[int]) -> None:
@@ -262,6 +270,9 @@ def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown 
                        "k": int(ev.k), "reason": ev.reason, "t_eff": float(ev.t_eff)})
 
     h.adaptive.reset(on_decision)
+    for s in h.systems:  # each scenario starts with nothing learned (suffix drafter)
+        if s is not h.adaptive:
+            s.reset()
     systems = [s for s in h.systems if sc.hf or not isinstance(s, HFSystem)]
     requests = []
     for i, req in enumerate(sc.workload.requests):
@@ -290,6 +301,11 @@ def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown 
         requests.append(record)
     out = summarize(sc, systems, requests, events, aliases=h.aliases,
                     reference=h.target_only.name, adaptive=h.adaptive.name)
+    suffix = h.adaptive.sr.pool.drafters.get(SUFFIX) if h.adaptive.sr is not None else None
+    if suffix is not None:  # memory and per-proposal cost of what SpecRouter learned
+        mem = dataclasses.asdict(suffix.memory())
+        mem["us_per_proposal"] = 1e6 * mem["propose_seconds"] / mem["proposals"] if mem["proposals"] else None
+        out["suffix"] = mem
     if out["slowdown"] is not None and slowdown is not None:
         out["slowdown"].update(slowdown_shares(events, h.aliases[slowdown.model], sc.slowdown_start),
                                model=h.aliases[slowdown.model], factor=slowdown.factor)

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from specrouter.bench.systems import System
 
 
+NO_SUFFIX = "SpecRouter (no suffix)"  # the same router over the pool without the suffix drafter
+
+
 def chain_label(chain: tuple[str, ...], aliases: dict[str, str], k: int | None = None) -> str:
     label = ">".join(aliases.get(m, m) for m in chain)
     return label + (f" k={k}" if k and len(chain) > 1 else "")
@@ -100,6 +103,7 @@ def summarize(sc: Scenario, systems: list["System"], requests: list[dict], event
     oracle_tps = o_tokens / o_seconds if o_seconds else 0.0
 
     sr = tps.get(adaptive)
+    no_suffix = tps.get(NO_SUFFIX)
     hf_gen = tps.get("HF generate")
     hf_asst = tps.get("HF assisted")
     by_kind = {}  # tokens/s per request type (the mixed stream's breakdown)
@@ -132,6 +136,7 @@ def summarize(sc: Scenario, systems: list["System"], requests: list[dict], event
             "specrouter/best_static": _ratio(sr, tps[best_static.name]),
             "specrouter/oracle": _ratio(sr, oracle_tps),
             "specrouter/best_three_level": _ratio(sr, tps[best_three.name]) if best_three else None,
+            "specrouter/no_suffix": _ratio(sr, no_suffix),
             "specrouter/hf_generate": _ratio(sr, hf_gen),
             "specrouter/hf_assisted": _ratio(sr, hf_asst),
             "hf_generate/target_only": _ratio(hf_gen, tps[base]),

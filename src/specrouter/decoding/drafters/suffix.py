@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -258,6 +259,8 @@ class SuffixMemory:
     tenants: int  # stores (None, the shared one, included)
     bytes: int  # buffer + index bytes
     evicted_requests: int  # requests evicted since start
+    proposals: int  # row proposals made (shadow ones included; counted without a lock: approximate)
+    propose_seconds: float  # their wall time
 
 
 class SuffixDrafter:
@@ -276,6 +279,7 @@ class SuffixDrafter:
         self._order: deque[str | None] = deque()  # tenant of every request kept, oldest first
         self._tokens = 0
         self._evicted = 0
+        self._proposals, self._propose_seconds = 0, 0.0
         self._lock = threading.Lock()
 
     def fresh(self) -> "SuffixDrafter":
@@ -325,7 +329,8 @@ class SuffixDrafter:
             stores = list(self._stores.values())
         return SuffixMemory(tokens=sum(s.num_tokens for s in stores), requests=sum(len(s.lengths) for s in stores),
                             tenants=len(stores), bytes=sum(s.nbytes for s in stores),
-                            evicted_requests=self._evicted)
+                            evicted_requests=self._evicted, proposals=self._proposals,
+                            propose_seconds=self._propose_seconds)
 
     # -- proposing --------------------------------------------------------------------------
     def propose_row(self, context: np.ndarray, k: int, tenant: str | None = None) -> Proposal:
@@ -354,6 +359,7 @@ class SuffixDrafter:
             raise ValueError(f"propose: draft lengths must be >= 0, got {ks}")
         if tenants is not None and len(tenants) != B:
             raise ValueError(f"propose: {len(tenants)} tenants for {B} contexts")
+        t0 = time.perf_counter()
         width = max(ks, default=0)
         tokens = np.zeros((B, width), dtype=np.int64)  # (B, K)
         conf = np.zeros((B, width), dtype=np.float64)  # (B, K)
@@ -362,6 +368,8 @@ class SuffixDrafter:
             p = self.propose_row(_as_int64(ctx), kb, None if tenants is None else tenants[b])
             m = p.tokens.shape[0]
             tokens[b, :m], conf[b, :m], lengths[b] = p.tokens, p.confidence, m
+        self._proposals += B
+        self._propose_seconds += time.perf_counter() - t0
         return torch.from_numpy(tokens), torch.from_numpy(lengths), torch.from_numpy(conf)
 
     def propose(self, contexts, k, tenants: Sequence[str | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
