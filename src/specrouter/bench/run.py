@@ -180,12 +180,15 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
             label = "target-only" if len(chain) == 1 else chain_label(chain, aliases, k)
             systems.append(NativeSystem(pool, label, chain, k))
     target_only = systems[0]
-    adaptive = AdaptiveSystem(pool, "SpecRouter", profile_path=cfg.profile_path, progress=progress)
+    from specrouter.router.setup import load_or_sweep_profile
+
+    profile = load_or_sweep_profile(pool, path=cfg.profile_path, progress=progress)  # once per run
+    adaptive = AdaptiveSystem(pool, "SpecRouter", profile_path=cfg.profile_path, progress=progress,
+                              profile=profile)
     systems.append(adaptive)
     ablation = None
     if SUFFIX in pool.drafters:
-        ablation = AdaptiveSystem(pool.without_drafters([SUFFIX]), NO_SUFFIX,
-                                  profile_path=cfg.profile_path, progress=progress)
+        ablation = AdaptiveSystem(pool.without_drafters([SUFFIX]), NO_SUFFIX, profile=profile)
         systems.append(ablation)
 
     hf_models: dict = {}

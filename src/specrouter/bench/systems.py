@@ -91,17 +91,22 @@ class AdaptiveSystem(System):
     kind = "adaptive"
 
     def __init__(self, pool, name: str = "SpecRouter", *, profile_path: str | Path | None = None,
-                 progress: bool = True):
+                 progress: bool = True, profile=None):
         self.pool, self.name = pool, name
         self.profile_path, self.progress = profile_path, progress
+        self.profile = profile  # the cost profile every reset starts from (None: loaded at the first)
         self.sr: SpecRouter | None = None
 
     def reset(self, on_decision=None) -> None:
-        from specrouter.router.setup import build_router
+        import copy
 
+        from specrouter.router.policy import Router
+        from specrouter.router.setup import load_or_sweep_profile
+
+        if self.profile is None:  # loaded (or swept) once: not again per scenario on busy cores
+            self.profile = load_or_sweep_profile(self.pool, path=self.profile_path, progress=self.progress)
         pool = self.pool.with_fresh_drafters()
-        router = build_router(pool, profile_path=self.profile_path, progress=self.progress,
-                              on_decision=on_decision)
+        router = Router.from_pool(pool, copy.deepcopy(self.profile), on_decision=on_decision)
         self.sr = SpecRouter(pool, router)
 
     def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:

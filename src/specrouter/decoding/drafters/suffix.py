@@ -111,45 +111,55 @@ def match(corpus: np.ndarray, ends: np.ndarray, context: np.ndarray, depth: int,
     where the longest suffix of `context` (up to `depth` tokens) ends. Returns (ends, n)."""
     L = context.shape[0]
     best, n = ends, first
-    for d in range(first, min(depth, L)):
+    d = first
+    while d < min(depth, L) and ends.shape[0] * (min(depth, L) - d) > 4096:  # many: one token at a time
         ends = ends[ends >= d]
-        if ends.shape[0] == 0:
-            break
         ends = ends[corpus[ends - d] == context[L - 1 - d]]
         if ends.shape[0] == 0:
-            break
+            return best, n
         best, n = ends, d + 1
-    return best, n
+        d += 1
+    if d >= min(depth, L):
+        return best, n
+    # few candidates: compare every remaining depth at once
+    ds = np.arange(d, min(depth, L))  # (D,)
+    idx = ends[:, None] - ds[None, :]  # (E, D)
+    got = np.where(idx >= 0, corpus[np.maximum(idx, 0)], SEPARATOR)  # (E, D)
+    run = np.cumprod(got == context[L - 1 - ds][None, :], axis=1).sum(axis=1)  # (E,) further matches
+    longest = int(run.max())
+    return ends[run == longest], d + longest
 
 
 def walk(corpus: np.ndarray, ends: np.ndarray, limit: int, max_len: int, min_prob: float) -> Proposal:
     """Follow the most frequent continuation of the occurrences ending at `ends` (positions in
     `corpus`, whose tokens at index >= `limit` or equal to SEPARATOR end a continuation)."""
-    tokens, conf = [], []
+    if ends.shape[0] == 0 or max_len <= 0:
+        return EMPTY
+    # the continuations (E, max_len); where all of them agree, each token has confidence 1
+    idx = ends[:, None] + np.arange(1, max_len + 1)[None, :]  # (E, m)
+    cont = np.where(idx < limit, corpus[np.minimum(idx, limit - 1)], SEPARATOR)  # (E, m)
+    agree = (cont == cont[0]).all(axis=0) & (cont[0] != SEPARATOR)  # (m,)
+    t0 = int(np.argmin(agree)) if not agree.all() else max_len  # leading columns all agree on
+    tokens, conf = cont[0, :t0].tolist(), [1.0] * t0
     cum = 1.0
-    pos = ends
-    for t in range(1, max_len + 1):
-        if pos.shape[0] == 0:
-            break
-        idx = pos + t
-        alive = idx < limit
-        nxt = np.full(pos.shape[0], SEPARATOR, dtype=corpus.dtype)
-        nxt[alive] = corpus[idx[alive]]
+    rows = np.arange(ends.shape[0])
+    for t in range(t0, max_len):
+        nxt = cont[rows, t]
         valid = nxt[nxt != SEPARATOR]
         if valid.shape[0] == 0:
             break
-        if valid.shape[0] == 1 or (valid == valid[0]).all():
+        if (valid == valid[0]).all():
             tok, count = int(valid[0]), valid.shape[0]
         else:
             values, counts = np.unique(valid, return_counts=True)
             i = int(np.argmax(counts))
             tok, count = int(values[i]), int(counts[i])
-        cum *= count / pos.shape[0]
+        cum *= count / rows.shape[0]
         if cum < min_prob:
             break
         tokens.append(tok)
         conf.append(cum)
-        pos = pos[nxt == tok]
+        rows = rows[nxt == tok]
     return Proposal(np.asarray(tokens, dtype=np.int64), np.asarray(conf, dtype=np.float64), 0)
 
 
@@ -336,10 +346,12 @@ class SuffixDrafter:
     def propose_row(self, context: np.ndarray, k: int, tenant: str | None = None) -> Proposal:
         """The better of the request tree's and the tenant's global tree's proposals."""
         cfg = self.config
+        if k <= 0:
+            return EMPTY
         own = propose_from_context(context, k, cfg)
         store = self._stores.get(tenant) if cfg.global_tree else None  # one atomic read: a snapshot
         if store is None or own.tokens.shape[0] >= k and own.confidence[-1] >= 1.0:
-            return own
+            return own  # nothing to learn from, or a certain full proposal (a score of k)
         other = store.propose(context, k, cfg)
         return other if other.score > own.score else own
 
