@@ -16,7 +16,9 @@
    tells which routes exist); with `metrics_auth`, /health and /metrics need it too (they show
    model names, request counts and queue depth). Otherwise /health and /metrics stay open (as
    vLLM), for probes and scrapers on loopback.
-Both answer in OpenAI's error shape.
+3. Header size: a header block over `MAX_HEADER_BYTES` (16 KiB, h11's limit for a block that
+   arrives in pieces, applied here to one that arrived whole) is a 431.
+All answer in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from specrouter.config import ServerConfig
 from specrouter.server.protocol import error_body
 
 OPS_PATHS = frozenset({"/health", "/metrics"})
+MAX_HEADER_BYTES = 16 * 1024
 
 
 def host_name(value: str) -> str:
@@ -88,8 +91,13 @@ class EdgeGuard:
 
     def check(self, scope) -> tuple[int, dict, dict[str, str]] | None:
         """(status, error body, headers) of a refusal, or None."""
+        raw = scope.get("headers", ())
+        size = sum(len(k) + len(v) + 4 for k, v in raw)  # "name: value\r\n"
+        if size > MAX_HEADER_BYTES:
+            return 431, error_body(f"the request's header block is over the limit of "
+                                   f"{MAX_HEADER_BYTES} bytes", code="invalid_http_request"), {}
         headers = {}
-        for k, v in scope.get("headers", ()):
+        for k, v in raw:
             headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
         host = headers.get("host")
         server = scope.get("server")
