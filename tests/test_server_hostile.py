@@ -22,7 +22,7 @@ CONTEXT = 128
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
 # the concurrent stream: greedy, long enough to be running while a hostile request is handled
-STREAM = {"prompt": "The quick brown fox", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+STREAM = {"prompt": "The quick brown fox", "max_tokens": 32, "temperature": 0, "ignore_eos": True,
           "specrouter_chain": ["target"]}
 
 
