@@ -485,7 +485,9 @@ def test_host_policy():
         ["127.0.0.1", "::1", "localhost", "::1", "a.b:x"]
     # default (None): on a loopback address, loopback names only; elsewhere any name
     for name in ("localhost", "127.0.0.1", "127.8.9.10", "::1", "api.localhost"):
-        assert host_allowed(name, None, "127.0.0.1") and host_allowed(name, None, "::1")
+        for local in ("127.0.0.1", "::1", "::ffff:127.0.0.1"):
+            assert host_allowed(name, None, local)
+    assert not host_allowed("evil.example", None, "::ffff:127.0.0.1")  # dual-stack socket
     for name in ("evil.example", "127.0.0.1.nip.io", "0.0.0.0", "localhost.evil", "10.0.0.1"):
         assert not host_allowed(name, None, "127.0.0.1"), name
         assert host_allowed(name, None, "192.168.1.5") and host_allowed(name, None, None)

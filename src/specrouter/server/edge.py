@@ -50,9 +50,11 @@ def is_loopback_name(name: str) -> bool:
     if name == "localhost" or name.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(name).is_loopback
+        ip = ipaddress.ip_address(name)
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 (a dual-stack socket's view)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def host_allowed(name: str, allowed: tuple[str, ...] | None, local_address: str | None) -> bool:
