@@ -65,3 +65,22 @@ def test_abort_frees_state_and_capacity(pool):
     while eng.has_unfinished():
         eng.step()
     assert c.output_ids == alone(pool, [1, 2], 30)
+
+
+def test_stop_token_at_the_last_allowed_position_is_a_stop(pool):
+    """A stop token committed as the max_new_tokens-th token ends the row with "stop", not
+    "length" (the stop wins: it is what the model said), in a cycle that committed several."""
+    from specrouter.state.sequence import Sequence
+
+    seq = Sequence(seq_id=0, tokens=[1, 2], prompt_len=2, params=SamplingParams(max_new_tokens=3),
+                   stop_ids=frozenset({9}))
+    assert seq.append([5, 6, 9, 7]) == 3
+    assert seq.done and seq.finish_reason == "stop" and seq.output_ids == [5, 6, 9]
+    # through the engine: stop at the token target greedy decoding emits last (its first occurrence)
+    prompt = [1, 2]
+    exp = alone(pool, prompt, 12)
+    n = next(i + 1 for i in range(4, 12) if exp[i] not in exp[:i])
+    for chain, k in [(("target",), 1), (("draft", "mid", "target"), 4), (("ngram", "target"), 3)]:
+        p = SamplingParams(max_new_tokens=n, stop_token_ids=(exp[n - 1],), ignore_eos=True)
+        s = Engine(pool).generate_ids([prompt], [p], chain=chain, k=k)[0]
+        assert s.output_ids == exp[:n] and s.finish_reason == "stop", (chain, s.finish_reason)

@@ -138,3 +138,21 @@ def test_draft_with_a_vocabulary_subset_stays_exact(tiny_pool_dirs, prompts, exp
     sampled = sr.generate(prompts[:2], max_new_tokens=8, chain=["same-sub", "target"], k=3,
                           temperature=0.8, seed=0)
     assert all(len(o.token_ids) == 8 for o in sampled)
+
+
+def test_exact_copy_accepts_everything_under_top_k_top_p(tiny_pool_dirs, prompts):
+    """Every level samples from the same processed distribution: an exact copy of the target,
+    as draft and as middle verifier, then accepts every candidate at temperature 1 with top-k /
+    top-p (a level that skipped the filters would propose tokens the target never keeps)."""
+    d = tiny_pool_dirs
+    sr = SpecRouter.from_pretrained([d["same"], d["same"], d["target"]], target="target",
+                                    names=["same", "same2", "target"], dtype="float64", adaptive=False)
+    for filters in (dict(top_p=0.7), dict(top_k=5), dict(top_k=20, top_p=0.8)):
+        for chain in (("same", "target"), ("same", "same2", "target")):
+            outs = sr.generate(prompts, max_new_tokens=12, ignore_eos=True, chain=chain, k=4,
+                               temperature=1.0, seed=0, **filters)
+            for pair in zip(chain[:-1], chain[1:]):
+                key = ">".join(pair)
+                drafted = sum(o.stats.drafted[key] for o in outs)
+                accepted = sum(o.stats.accepted[key] for o in outs)
+                assert drafted > 0 and accepted == drafted, (filters, chain, key, accepted, drafted)
