@@ -776,3 +776,29 @@ def test_edge_cases():
         Router(["d1", "T"], "T", swept_profile(("T",), ngram=False))
     with pytest.raises(ValueError):
         RouterConfig(k_max=17)
+
+
+def test_router_config_reaches_every_part():
+    """RouterConfig carries every router constant: the estimator's (similarity), the request
+    memory's and the probing's settings get where they act."""
+    from specrouter.config import SimilarityConfig
+
+    sim_cfg = SimilarityConfig(model_free_prior=0.33, size_prior_base=0.6, greedy_calibration=(0.0, 1.0))
+    cfg = RouterConfig(similarity=sim_cfg, request_min_finished=1, request_hit_prior_strength=0.0,
+                       alpha_decimals=2)
+    router = make_router(config=cfg)
+    est = router.similarity
+    assert est.config is sim_cfg
+    assert est.prior(("ngram", "T")) == 0.33
+    assert est.prior(("d1", "T")) == pytest.approx(0.6 + 0.1 * math.log10(10 / 400))
+    assert est.calibrate(0.8, GREEDY) == pytest.approx(0.8)  # the identity prior line, no data
+    assert router.finished.min_requests == 1
+    req = router._request(5, True)
+    req.observe_hit("ngram", True, cfg.request_hit_decay)
+    assert router.hit_rate("ngram", req) == 1.0  # no pseudo-proposals of the global rate
+    router.decide(RowContext(5, L0))
+    assert all(round(a, 2) == a for a in router.events[-1].alphas.values())
+    with pytest.raises(ValueError):
+        SimilarityConfig(decay=1.5)
+    with pytest.raises(ValueError):
+        RouterConfig(shadow_k=0)
