@@ -2,7 +2,6 @@
 joining and leaving), the adaptive router switching chains and draft lengths between cycles,
 and after every step each model's cache equals a fresh prefill of the row's committed tokens."""
 
-import pytest
 import torch
 from test_state import assert_cache_is_fresh_prefill
 

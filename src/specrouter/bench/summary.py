@@ -53,7 +53,7 @@ def _acceptance(stats: list, aliases: dict[str, str]) -> dict:
     }
 
 
-def summarize(sc: Scenario, systems: list["System"], requests: list[dict], events: list[dict], *,
+def summarize(sc: Scenario, systems: list[System], requests: list[dict], events: list[dict], *,
               aliases: dict[str, str], reference: str, adaptive: str) -> dict:
     """The summary of one scenario (JSON-ready): `requests` are the loop's per-request records
     (their RequestStats are consumed), `reference` names target-only, `adaptive` SpecRouter."""
@@ -90,7 +90,7 @@ def summarize(sc: Scenario, systems: list["System"], requests: list[dict], event
     }
 
 
-def _per_system(systems: list["System"], requests: list[dict], aliases: dict[str, str],
+def _per_system(systems: list[System], requests: list[dict], aliases: dict[str, str],
                 reference: str) -> dict[str, dict]:
     """Per system: its chain, tokens, seconds, tokens/s (total tokens / total seconds), its
     acceptance per level, and its ratio to `reference` (target-only)."""
@@ -110,7 +110,7 @@ def _per_system(systems: list["System"], requests: list[dict], aliases: dict[str
     return out
 
 
-def _best_k_per_chain(static: list["System"], tps: dict[str, float], aliases: dict[str, str]) -> list[dict]:
+def _best_k_per_chain(static: list[System], tps: dict[str, float], aliases: dict[str, str]) -> list[dict]:
     """Each static chain at its best k, in hindsight."""
     best_k: dict[str, System] = {}
     for s in static:
@@ -121,7 +121,7 @@ def _best_k_per_chain(static: list["System"], tps: dict[str, float], aliases: di
              "tokens_per_second": tps[s.name]} for key, s in best_k.items()]
 
 
-def _oracle(static: list["System"], requests: list[dict]) -> dict:
+def _oracle(static: list[System], requests: list[dict]) -> dict:
     """Per request the fastest static (chain, k) measured on it; tokens and seconds summed."""
     tokens = seconds = 0.0
     choices = []
@@ -137,7 +137,7 @@ def _oracle(static: list["System"], requests: list[dict]) -> dict:
             "seconds": seconds, "choices": choices}
 
 
-def _by_kind(systems: list["System"], requests: list[dict]) -> dict[str, dict[str, float]]:
+def _by_kind(systems: list[System], requests: list[dict]) -> dict[str, dict[str, float]]:
     """Tokens/s per request type and system (the mixed stream's breakdown)."""
     by_kind = {}
     for kind in dict.fromkeys(r["kind"] for r in requests):

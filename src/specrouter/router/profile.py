@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrouter.config import ProfileConfig  # noqa: F401  (re-exported: the profile's settings)
+from specrouter.config import ProfileConfig  # the profile's settings (also importable from here)
 
 PROFILE_FORMAT = 1  # bump when the JSON layout changes (older files are then ignored)
 DEFAULT_BATCH_SIZES = (1, 4)  # rows per forward swept at start-up

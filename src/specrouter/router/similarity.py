@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specrouter.config import SimilarityConfig  # noqa: F401  (re-exported: the estimator's settings)
+from specrouter.config import SimilarityConfig  # the estimator's settings (also importable from here)
 from specrouter.router.records import Pair
 from specrouter.state.sequence import common_prefix_len
 
