@@ -221,7 +221,8 @@ def test_disconnect_aborts_row(server, client):
     assert engine.state.live() == []
     # a non-streamed request whose client goes away is aborted too (polled every second)
     conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
-    conn.request("POST", "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+    conn.request("POST", "/v1/completions", headers={"Authorization": f"Bearer {KEY}",
+                                                    "Content-Type": "application/json"},
                  body=json.dumps({"prompt": "x", "max_tokens": 240, "temperature": 0,
                                   "ignore_eos": True, "specrouter_chain": ["target"]}).encode())
     _wait(lambda: engine.running)
@@ -258,6 +259,18 @@ def test_queue_full_gives_429(tiny_pool_dirs):
 
 
 def test_sampling_defaults_unseeded(client):
-    # temperature defaults to 1.0 as OpenAI; unseeded sampling runs and ends properly
-    r = client.completions.create(model="target", prompt="The", max_tokens=8)
-    assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("length", "stop")
+    """temperature defaults to 1.0 as OpenAI's: a seeded request without it is the request at
+    temperature 1.0 (and neither greedy nor another temperature); unseeded requests draw from
+    fresh random streams, so repeats differ."""
+    kw = dict(model="target", prompt="The", max_tokens=16, extra_body={"ignore_eos": True})
+
+    def text(**more):
+        r = client.completions.create(**kw, **more)
+        assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+        return r.choices[0].text
+
+    default = text(seed=77)
+    assert default == text(seed=77, temperature=1.0)
+    assert default != text(temperature=0)
+    assert default != text(seed=77, temperature=0.3)
+    assert len({text() for _ in range(3)}) > 1  # unseeded

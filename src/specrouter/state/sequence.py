@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as _Tokens
 from dataclasses import dataclass, field
 
 from specrouter.config import SamplingParams
 from specrouter.engine.stats import RequestStats
+
+
+def common_prefix_len(a: _Tokens[int], b: _Tokens[int]) -> int:
+    """How many leading tokens `a` and `b` share: what a model keeps of its speculative tokens
+    at commit, and how many of a shadow proposal the target would have accepted."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass
@@ -18,7 +30,8 @@ class Sequence:
     params: SamplingParams  # decoding parameters of this request
     stop_ids: frozenset[int]  # token ids that end generation (EOS unless ignore_eos, + the request's own)
     done: bool = False  # finished: stop token or max_new_tokens
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why, when finish_reason == "error"
     stats: RequestStats = field(default_factory=RequestStats)
     generator: object = None  # torch.Generator of a seeded request (None: the engine's stream)
     tenant: str | None = None  # whose learned drafter statistics it reads and feeds (None: shared)
