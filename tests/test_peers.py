@@ -93,7 +93,7 @@ def test_llama_cpp_runs_the_written_gguf_to_the_native_runners_logits(smollm_voc
     llm = peers.open_llama(path, threads=1, n_ctx=128)
     prompt = torch.randint(0, 49152, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     llm.eval(prompt)
-    theirs = torch.from_numpy(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+    theirs = torch.from_numpy(peers.last_logits(llm).copy())
     runner = load_llama_runner(smollm_vocab_model, dtype=torch.float32, max_len=64)
     ours = runner.forward(ForwardBatch.build([0], [0], [prompt], [[11]]))[0, 0]
     torch.testing.assert_close(theirs, ours, rtol=1e-3, atol=1e-3)

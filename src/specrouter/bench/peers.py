@@ -173,6 +173,12 @@ def open_llama(path: str | Path, *, threads: int, n_ctx: int, draft_model=None):
                  n_threads_batch=threads, draft_model=draft_model, verbose=False)
 
 
+def last_logits(llm) -> np.ndarray:
+    """The logits of the last token `llm.eval` ran ((n_vocab,) float32, a view: copy to keep).
+    The binding fills `llm.scores` only with logits_all=True, which costs a head per token."""
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
+
 class GGUFDraftModel:
     """A draft model for llama-cpp-python's speculative decoding (its `LlamaDraftModel`
     interface: input ids -> proposed ids): another GGUF decoding `k` tokens greedily, keeping
@@ -192,7 +198,7 @@ class GGUFDraftModel:
         llm.eval(ids[common:])
         out = []
         for _ in range(self.k):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = int(np.argmax(last_logits(llm)))
             out.append(tok)
             llm.eval([tok])
         return np.array(out, dtype=np.intc)
