@@ -104,3 +104,40 @@ def test_llama_cpp_runs_the_written_gguf_to_the_native_runners_logits(smollm_voc
     draft = peers.GGUFDraftModel(peers.open_llama(path, threads=1, n_ctx=128), k=3)
     proposed = draft(np.array(prompt, dtype=np.intc)).tolist()
     assert proposed == out.token_ids[:3]  # the same model drafting greedily proposes its own output
+
+
+def test_bench_runs_peer_rows_beside_specrouter_and_reports_them(tiny_pool_dirs, tmp_path, monkeypatch):
+    """The bench loop with a stand-in peer (kind "peer", not exact): timed on every request of
+    the scenarios without slowdown, listed in the peer table, compared in the goals."""
+    from specrouter.bench import BenchConfig, run_bench
+    from specrouter.bench.report import markdown, peer_table, write_report
+    from specrouter.bench.systems import NativeSystem
+
+    class FakePeer(NativeSystem):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.kind, self.exact = "peer", False
+
+    def fake_peers(pool, *, dtype, threads, n_ctx, draft, log=print):
+        from specrouter.api import SpecRouter
+
+        sr = SpecRouter(pool, None)
+        return [FakePeer(sr, "llama.cpp F32", (pool.target,), None)], ["llama.cpp Q4_1: not in this test"]
+
+    monkeypatch.setattr(peers, "peer_systems", fake_peers)
+    d = tiny_pool_dirs
+    cfg = BenchConfig.quick_preset(models=(str(d["draft"]), str(d["target"])), target="target",
+                                   dtype="float64", max_new_tokens=6, out_dir=str(tmp_path), plots=False,
+                                   hf="none", profile_path=str(tmp_path / "profile.json"))
+    result = run_bench(cfg, progress=False, log=lambda m: None)
+    write_report(result, tmp_path)
+    assert result["meta"]["peers_missing"] == ["llama.cpp Q4_1: not in this test"]
+    for s in result["scenarios"]:
+        assert ("llama.cpp F32" in s["systems"]) == (s["slowdown"] is None)
+    same = next(g for g in result["goals"] if "same weights and precision" in g["goal"])
+    assert same["value"] is not None and same["met"] in (True, False)
+    moon = next(g for g in result["goals"] if g["goal"].startswith("moonshot"))
+    assert moon["met"] is None and "not in this test" in moon["scope"]
+    table = "\n".join(peer_table(result))
+    assert "llama.cpp F32 (SR / it)" in table and "missing: llama.cpp Q4_1" in table
+    assert "## llama.cpp (peers)" in markdown(result)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specrouter.models.runners.attention import KEY_CHUNK, MIN_ROWS
+
 _ops = getattr(torch.ops, "mkldnn", None)
 
 
@@ -59,9 +61,10 @@ KERNEL_BY_DTYPE = {
 }
 # row counts oneDNN handles badly: 2 and 3 rows cost ~1.4-2x 4 rows, so they are padded to 4
 PAD_TO = 4
-# part of the cost-profile fingerprint: timings swept under other kernels are not reused
-KERNELS = "fp32:{}+bf16:{}+pad{}/3".format(
-    KERNEL_BY_DTYPE[torch.float32], KERNEL_BY_DTYPE[torch.bfloat16], PAD_TO
+# part of the cost-profile fingerprint (linears and attention): timings swept under other
+# kernels are not reused
+KERNELS = "fp32:{}+bf16:{}+pad{}/3+attn:chunk{}rows{}".format(
+    KERNEL_BY_DTYPE[torch.float32], KERNEL_BY_DTYPE[torch.bfloat16], PAD_TO, KEY_CHUNK, MIN_ROWS
 )
 
 
