@@ -128,6 +128,9 @@ class Router:
         self.decide_seconds = 0.0  # EMA of decide() wall time
         self._cost_cache: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
         self._cost_version = -1
+        self._predict_cache: dict[tuple[str, int, int, int], float] = {}
+        self._predict_version = -1
+        self.batch_events: deque = deque(maxlen=cfg.log_size)  # (row-cycle, rows, reason, rate, plain rate)
         self._t_width = cfg.k_max + cfg.max_levels + 2
         self._next_probe_check = 0  # row-cycle from which _probe is worth computing again
         self._probes: dict[Pair, tuple[int, float, int]] = {}  # pair -> (row-cycle, trials then, back-off)
@@ -248,12 +251,12 @@ class Router:
         plain = (self.target,)
         if k_cap < 1 or len(self.chains) == 1:
             t_plain = float(self._cost_rows(max(row.batch_size, 1), max(row.context_len, 1))[self.target][1])
-            req.plan, req.worse = (plain, 0), 0
+            req.plan, req.worse, req.table = (plain, 0), 0, None
             decision = Decision(plain, 0, t_plain, "end" if k_cap < 1 else "only")
             return self._log(row, req, mode, decision, prev, (plain, 0), t_plain, t_plain, {}, t0)
         costs, alphas, router = self._inputs(row, req)
         keep = self._chain_index.get(prev[0]) if prev is not None else None
-        table = self._table(costs, alphas, router, k_cap, keep=keep)
+        table = req.table = self._table(costs, alphas, router, k_cap, keep=keep)
         t = table.t_eff
         bi, bj = np.unravel_index(int(np.argmin(t)), t.shape)
         best = self._plan_at(bi, bj)
@@ -307,6 +310,114 @@ class Router:
 
     def decide_batch(self, rows: Sequence[RowContext]) -> list[Decision]:
         return [self.decide(r) for r in rows]
+
+    # -- planning the batch -----------------------------------------------------------------
+    def plan_batch(self, rows: Sequence[RowContext],
+                   pinned: Sequence[tuple[Chain, int]] = ()) -> list[Decision]:
+        """The plans of a step's rows, chosen for the batch the step really runs.
+
+        Every model runs one forward per step over all rows that need it, padded to the widest
+        row, so a row's speculation costs what it adds to shared forwards: a batch of plain rows
+        costs the target one 1-token forward of b rows, one speculating row makes it (b, k + 1).
+        1. each row's own best plan (`decide`, with cost rows at the step's b);
+        2. joint alternatives: every row plain; the speculating rows' k capped at K; only the m
+           rows that gain most speculate;
+        3. the predicted step throughput of each, sum of E[tokens] / predicted step seconds
+           (`step_seconds`: every model's forwards at their real rows and widths, pinned rows
+           included); the rows' own plans stay unless an alternative is better by more than
+           `persist_margin`, and plain decoding wins unless speculation beats it by that much."""
+        decisions = [self.decide(r) for r in rows]
+        if not rows:
+            return decisions
+        L = max(1, sum(r.context_len for r in rows) // len(rows))
+        plain = (self.target,)
+        reqs = [self.requests.get(r.seq_id) for r in rows]
+
+        def option(plans: list[tuple[Chain, int]]) -> tuple[float, list[tuple[Chain, int]]]:
+            tokens = sum(self._expected_tokens(req, c, k) for req, (c, k) in zip(reqs, plans))
+            tokens += len(pinned)  # pinned rows commit >= 1 token each, whatever we choose
+            return tokens / self.step_seconds(list(plans) + list(pinned), L), plans
+
+        own = [(d.chain, d.k) for d in decisions]
+        if all(len(c) == 1 for c, _ in own):
+            return decisions
+        options = [option(own), option([(plain, 0)] * len(rows))]
+        ks = sorted({k for _, k in own if k > 0})
+        for cap in (1, 2, 3, 4, 6, 8):
+            if cap < ks[-1]:
+                options.append(option([(c, min(k, cap)) if k else (c, k) for c, k in own]))
+        gain = sorted(range(len(rows)), key=lambda i: -self._expected_tokens(reqs[i], *own[i]))
+        spec = [i for i in gain if own[i][1] > 0]
+        for m in range(1, len(spec)):
+            keep = set(spec[:m])
+            options.append(option([own[i] if i in keep else (plain, 0) for i in range(len(rows))]))
+        rate_own, rate_plain = options[0][0], options[1][0]
+        rate, best = max(options, key=lambda o: o[0])
+        margin = 1.0 + self.config.persist_margin
+        if rate_plain * margin >= rate:
+            best, reason = options[1][1], "batch-plain"
+        elif rate_own * margin >= rate:
+            return decisions
+        else:
+            reason = "batch"
+        self.batch_events.append((self.similarity.now, len(rows) + len(pinned), reason, rate, rate_plain))
+        out = []
+        for d, (c, k) in zip(decisions, best):
+            if (c, k) != (d.chain, d.k):
+                d = Decision(c, k, d.t_eff, reason)
+            out.append(d)
+        return out
+
+    def _expected_tokens(self, req: RequestState | None, chain: Chain, k: int) -> float:
+        """E[target tokens committed per cycle] of a plan, from the request's last PlanTable."""
+        if len(chain) == 1 or k == 0 or req is None or req.table is None:
+            return 1.0
+        i = self._chain_index.get(chain)
+        if i is None or k > req.table.expected_tokens.shape[1]:
+            return 1.0
+        e = float(req.table.expected_tokens[i, k - 1])
+        return e if math.isfinite(e) else 1.0
+
+    def step_seconds(self, plans: Sequence[tuple[Chain, int]], context_len: int) -> float:
+        """Predicted seconds of one engine step running `plans` (one per row): every model's
+        forwards at their real rows and padded widths (the verifier at level j of a row with
+        draft length k gets at most k + j - 1 candidates), drafting steps, the step overhead."""
+        verify: dict[str, list[int]] = {}  # model -> widths of the rows it verifies / drafts (first step)
+        draft: dict[str, list[int]] = {}  # model drafter -> draft lengths
+        speculative = False
+        for chain, k in plans:
+            if len(chain) == 1 or k == 0:
+                verify.setdefault(chain[-1], []).append(1)
+                continue
+            speculative = True
+            draft.setdefault(chain[0], []).append(k)
+            for j, m in enumerate(chain[1:], start=1):
+                verify.setdefault(m, []).append(k + j)
+        total = self.overhead["spec" if speculative else "plain"]
+        for m in self.order:
+            ks = draft.get(m, [])
+            if m in self.model_free:
+                if ks and m in self.profile:
+                    total += self._predict(m, len(ks), max(ks), context_len)
+                continue
+            widths = verify.get(m, []) + [1] * len(ks)
+            if widths:
+                total += self._predict(m, len(widths), max(widths), context_len)
+            for i in range(2, max(ks, default=0) + 1):
+                total += self._predict(m, sum(1 for k in ks if k >= i), 1, context_len)
+        return max(total, 1e-9)
+
+    def _predict(self, model: str, b: int, t: int, L: int) -> float:
+        """profile.predict, cached per (model, b, t, L bucket) until the profile changes."""
+        if self.profile.version != self._predict_version:
+            self._predict_cache.clear()
+            self._predict_version = self.profile.version
+        bucket = self.config.context_bucket
+        key = (model, b, t, L // bucket)
+        v = self._predict_cache.get(key)
+        if v is None:
+            v = self._predict_cache[key] = self.profile.predict(model, b, t, (L // bucket) * bucket + bucket // 2)
+        return v
 
     def _epoch(self, chain: Chain) -> tuple[int, ...]:
         jumps = self.profile.jumps
@@ -395,6 +506,28 @@ class Router:
     ) -> None:
         """Learn from one executor cycle: `rows` are its per-row outcomes; `forwards` its timed
         forwards (without them, timings are attributed from `stats` approximately)."""
+        self._observe_rows(rows)
+        if forwards is not None:
+            self._observe_forwards(forwards)
+        elif stats is not None and rows:
+            self._observe_stats_timings(stats, rows)
+        if stats is not None:
+            for name in stats.forward_time:
+                self._model_seen[name] = self.similarity.now
+            self._observe_overhead(stats.wall_time, sum(stats.forward_time.values()), len(stats.chain) > 1)
+        self._tick(rows, stats.wall_time if stats is not None else 0.0)
+
+    def observe_step(self, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord],
+                     wall_time: float, forward_time: float, speculative: bool) -> None:
+        """Learn from one engine step (every row, every model's forwards of the step)."""
+        self._observe_rows(rows)
+        self._observe_forwards(forwards)
+        self._observe_overhead(wall_time, forward_time, speculative)
+        self._tick(rows, wall_time)
+
+    def _observe_rows(self, rows: Sequence[RowOutcome]) -> None:
+        """Acceptance trials, hit rates and D_TV of every row, per mode (greedy evidence only
+        from greedy rows)."""
         cfg = self.config
         sim = self.similarity
         for r in rows:
@@ -419,23 +552,21 @@ class Router:
                     sim.touch(pair, mode)
                 if r.tv is not None and j < len(r.tv) and r.tv[j] is not None and math.isfinite(r.tv[j]):
                     sim.observe_tv(pair, mode, float(r.tv[j]), cand)
-        # timings
-        for name in (stats.forward_time if stats is not None else ()):
-            self._model_seen[name] = sim.now
-        for f in forwards or ():
-            self._model_seen[f.model] = sim.now
-        if forwards is not None:
-            for f in forwards:
-                if f.model in self.profile:
-                    self.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
-        elif stats is not None and rows:
-            self._observe_stats_timings(stats, rows)
-        if stats is not None:
-            spent = stats.wall_time - sum(stats.forward_time.values())
-            key = "spec" if len(stats.chain) > 1 else "plain"
-            self.overhead[key] += cfg.overhead_alpha * (max(spent, 0.0) - self.overhead[key])
-        sim.tick(len(rows))
-        self.budget.tick(len(rows), stats.wall_time if stats is not None else 0.0)
+
+    def _observe_forwards(self, forwards: Sequence[ForwardRecord]) -> None:
+        now = self.similarity.now
+        for f in forwards:
+            self._model_seen[f.model] = now
+            if f.model in self.profile:
+                self.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
+
+    def _observe_overhead(self, wall_time: float, forward_time: float, speculative: bool) -> None:
+        key = "spec" if speculative else "plain"
+        self.overhead[key] += self.config.overhead_alpha * (max(wall_time - forward_time, 0.0) - self.overhead[key])
+
+    def _tick(self, rows: Sequence[RowOutcome], wall_time: float) -> None:
+        self.similarity.tick(len(rows))
+        self.budget.tick(len(rows), wall_time)
 
     def _observe_stats_timings(self, stats: CycleStats, rows: Sequence[RowOutcome]) -> None:
         """Approximate forward shapes from CycleStats: a draft model ran k one-token steps, a

@@ -20,7 +20,7 @@ class Sequence:
     done: bool = False  # finished: stop token or max_new_tokens
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stats: RequestStats = field(default_factory=RequestStats)
-    generator: object = None  # torch.Generator of a seeded request (None: the engine's stream)
+    seed_key: int = 0  # 32-bit key of the row's sampling seed: its noise at position i is a function of (seed_key, i)
 
     @property
     def num_generated(self) -> int:
