@@ -118,11 +118,14 @@ def start_server(cfg: ServeBenchConfig, models: list[str], port: int, log) -> su
     if cfg.threads:
         env["OMP_NUM_THREADS"] = str(cfg.threads)
     log(f"starting: {' '.join(cmd)}")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    errors = open(Path(cfg.out_dir) / "server.log", "w")  # a pipe nobody reads could fill up
+    proc = subprocess.Popen(cmd, env=env, stdout=errors, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + cfg.startup_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+            tail = (Path(cfg.out_dir) / "server.log").read_text()[-2000:]
+            raise RuntimeError(f"the server exited ({proc.returncode}): {tail}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
