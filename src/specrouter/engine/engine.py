@@ -291,8 +291,6 @@ class Engine:
         return tuple(m for m in chain if m != model)  # == chain if it failed outside the chain
 
     # -- router feedback ----------------------------------------------------------------------
-    SHADOW_K = 16  # tokens asked of model-free drafters when shadow-scoring rows not running them
-
     def _shadow_proposals(self, rows: list[Sequence], plans) -> dict:
         """What each model-free drafter would propose for rows that do not run it (free
         evidence of its acceptance for this request: tens of microseconds per row)."""
@@ -301,7 +299,7 @@ class Engine:
             idx = [b for b, (chain, _) in enumerate(plans) if chain[0] != name]
             if not idx:
                 continue
-            tokens, lengths = drafter.propose([rows[b].tokens for b in idx], self.SHADOW_K)
+            tokens, lengths = drafter.propose([rows[b].tokens for b in idx], self.router.config.shadow_k)
             out[name] = {b: t[:m] for b, t, m in zip(idx, tokens.tolist(), lengths.tolist())}
         return out
 
@@ -312,7 +310,7 @@ class Engine:
             for b, proposal in proposals.items():
                 s, o = rows[b], result.outcomes[b]
                 committed = s.tokens[o.context_len:]
-                self.router.observe_shadow(s.seq_id, name, proposal, committed, self.SHADOW_K,
+                self.router.observe_shadow(s.seq_id, name, proposal, committed, self.router.config.shadow_k,
                                            s.params.greedy)
                 drafted = result.proposals[b]
                 if drafted:  # greedy, a model drafted: how it would judge `name`
