@@ -332,7 +332,10 @@ def plot(result: dict, path: Path) -> Path:
         axes[0].plot(cs, [r["best_static_tps"] or 0 for r in rows], ":^", label=f"best static t={t}")
     axes[0].set(xlabel="concurrent clients", ylabel="tokens/s", xscale="log", title="throughput")
     axes[1].set(xlabel="concurrent clients", ylabel="ms", xscale="log", title="p99 time per output token")
+    levels = sorted({r["concurrency"] for r in result["rows"]})
     for ax in axes:
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
