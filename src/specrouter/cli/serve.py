@@ -17,6 +17,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from specrouter.server import ServerConfig, create_app
+        from specrouter.server.http11 import JSONErrorH11Protocol
     except ImportError as e:
         print(f"specrouter serve needs the serve extra: pip install 'specrouter[serve]' ({e})",
               file=sys.stderr)
@@ -39,7 +40,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chain=tuple(args.chain) if args.chain else None, k=args.k,
         model_timeout=args.model_timeout if args.model_timeout > 0 else None,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, seed=args.seed,
-        adaptive=not args.static,
+        adaptive=not args.static, metrics_auth=args.metrics_auth,
+        allowed_hosts=tuple(args.allowed_hosts) if args.allowed_hosts else None,
     )
     if args.ray:
         return _serve_ray(args, config)
@@ -50,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           file=sys.stderr)
     app = create_app(pool, config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=10, http=JSONErrorH11Protocol)
     return 0
 
 
@@ -112,9 +114,16 @@ def register(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: env SPECROUTER_API_KEY)")
+    s.add_argument("--metrics-auth", action="store_true",
+                   help="with an API key: /metrics and /health require it too (default: open)")
+    s.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="Host names requests may name ('*' any, '*.example.com' a domain); "
+                        "default: on a loopback address only loopback names (DNS rebinding), "
+                        "any name on other addresses")
     s.add_argument("--max-num-seqs", type=int, default=8, help="rows in the running batch")
     s.add_argument("--max-model-len", type=int, default=2048,
-                   help="positions per row: prompt + output + draft (capped by the models)")
+                   help="positions per row: prompt + output (capped by the models; the draft "
+                        "length shrinks near the end)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a row; beyond it: 429 with Retry-After")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (413)")

@@ -121,8 +121,15 @@ class ChainExecutor:
 
     def _start_row(self, b: int, seq: Sequence, chain: tuple[str, ...], k: int) -> RowWork:
         """A row's effective plan: a row that may generate r more tokens gains nothing from
-        more than r - 1 candidates; with none worth drafting it decodes plainly."""
+        more than r - 1 candidates, and k drafted tokens reach position len(tokens) + k - 1 at
+        a verifier, so near the end of the context k shrinks to what every cache of the chain
+        holds (a request never reserves positions for drafting); with no candidate worth
+        drafting it decodes plainly."""
         cap = max(0, seq.remaining - 1)
+        if len(chain) > 1:
+            room = min((self.runners[m].max_len for m in chain if m in self.runners), default=0)
+            if room:
+                cap = min(cap, max(0, room - len(seq.tokens)))
         k = min(k, cap) if len(chain) > 1 else 0
         chain = chain if k > 0 else chain[-1:]
         n = len(chain)

@@ -30,7 +30,8 @@ class Sequence:
     params: SamplingParams  # decoding parameters of this request
     stop_ids: frozenset[int]  # token ids that end generation (EOS unless ignore_eos, + the request's own)
     done: bool = False  # finished: stop token or max_new_tokens
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why, when finish_reason == "error"
     stats: RequestStats = field(default_factory=RequestStats)
     seed_key: int = 0  # 32-bit key of the row's sampling seed: its noise at position i is a function of (seed_key, i)
 
