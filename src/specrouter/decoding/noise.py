@@ -133,6 +133,8 @@ def coupled_argmax(scores: torch.Tensor, keys: torch.Tensor, first_blocks: int =
     k = keys[:, None]  # (N, 1)
     minima = _block_min(k, torch.arange(nb, dtype=torch.long)[None, :])  # (N, nb) float64
     bound = s.amax(-1).to(torch.float64) - minima.log()  # (N, nb): no token of block B scores above it
+    if bool(torch.isnan(bound).any()):  # what torch.multinomial refuses too
+        raise RuntimeError("invalid distribution: NaN scores (non-finite logits or temperature)")
     r = min(first_blocks, nb)
     top = bound.topk(min(r + 1, nb), dim=-1)  # the r most promising blocks and the next bound
     idx = top.indices[:, :r]  # (N, r)

@@ -286,7 +286,7 @@ class Engine:
     def _plan_step(self, rows: list[Sequence]) -> list[tuple[tuple[str, ...], int]]:
         """Every row's (chain, k) for this step: pinned ones as pinned, the router's for the
         others (planned jointly, for the batch this step really runs)."""
-        plans: list = [self._plans[s.seq_id] for s in rows]
+        plans: list = [self.plan(s) if self._plans[s.seq_id] is not None else None for s in rows]
         free = [i for i, p in enumerate(plans) if p is None]
         if free:
             contexts = [RowContext(rows[i].seq_id, len(rows[i].tokens), batch_size=len(rows),
