@@ -278,6 +278,8 @@ class ChainExecutor:
                 forward_tokens=dict(self._ftoks) if i == 0 else {},
                 wall_time=wall if i == 0 else 0.0,
                 row_ids=[w.seq.seq_id for w, _ in members],
+                row_proposal=([w.proposal for w, _ in members]
+                              if all(w.proposal for w, _ in members) else []),
             ))
         return StepResult(outcomes=outcomes, proposals=proposals, forwards=self._forwards, cycles=cycles,
                           forward_time=dict(self._ftime), wall_time=wall,
