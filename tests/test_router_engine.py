@@ -36,6 +36,9 @@ class RandomRouter:
     def observe_cycle(self, *args, **kwargs):
         pass
 
+    def observe_step(self, *args, **kwargs):
+        pass
+
     def observe_shadow(self, *args, **kwargs):
         pass
 

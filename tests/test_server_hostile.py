@@ -413,15 +413,15 @@ def faulty(tiny_pool_dirs):
     app = create_app(pool, ServerConfig(api_key=KEY, chain=("ngram", "draft", "target"), k=3,
                                         max_num_seqs=4, max_model_len=CONTEXT, adaptive=False))
     executor = app.state.server.engine.executor
-    cycle, raised = executor.cycle, []
+    step, raised = executor.step, []  # one executor step runs every row of an engine step
 
-    def cycle_with_a_bad_row(rows, *args, **kwargs):
+    def step_with_a_bad_row(rows, *args, **kwargs):
         if any(r.tokens[:len(MAGIC)] == MAGIC for r in rows):
             raised.append(len(rows))
             raise FloatingPointError("injected: this row's sampling failed")
-        return cycle(rows, *args, **kwargs)
+        return step(rows, *args, **kwargs)
 
-    executor.cycle = cycle_with_a_bad_row
+    executor.step = step_with_a_bad_row
     with LiveServer(app) as srv:
         srv.raised = raised
         srv.reference = read_stream(srv, {**STREAM, "max_tokens": 100})[0]

@@ -118,10 +118,10 @@ class SpecRouter:
         params = SamplingParams(
             temperature=temperature,
             top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-            stop_token_ids=tuple(stop_token_ids), seed=seed, ignore_eos=ignore_eos,
+            stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
         )
         generator = torch.Generator()
-        generator.manual_seed(seed if seed is not None else torch.seed())
+        generator.manual_seed(seed if seed is not None else torch.seed())  # row i's sampling seed: draw i of this stream (a batch's rows differ; a call repeats)
         if chain is not None:
             chain = tuple(chain)
         seqs = self.engine.generate_ids(ids, [params] * len(ids), chain=chain,

@@ -35,7 +35,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 = no nucleus filter
     max_new_tokens: int = 64  # generated tokens per request, stop tokens included
     stop_token_ids: tuple[int, ...] = ()  # generation ends after any of these (EOS is added by the pool)
-    seed: int | None = None  # seeds the torch.Generator of a generate() call
+    seed: int | None = None  # the sampling seed: the noise at position i is a function of (seed, i), so the same request and seed give the same output whatever chains run it
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
 
     def __post_init__(self) -> None:

@@ -13,6 +13,14 @@ import time
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags left unset keep BenchConfig's defaults (or --quick's)."""
+    p.add_argument("--serve", action="store_true",
+                   help="serving benchmark: a live `specrouter serve` on 127.0.0.1 driven by the openai "
+                        "async client at --concurrency levels; router vs plain continuous batching vs "
+                        "static chains (serve.json, serve.md, serve.png)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help="--serve: concurrent clients per level (default 1 2 4 8 16)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="--serve: requests per system per level (default 16)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run (meant for < 3 min on 2 quiet cores): mixed stream only, "
                         "1 prompt per type, 32 new tokens, k=4 only, transformers baselines in "
@@ -72,7 +80,35 @@ def config_from_args(args: argparse.Namespace):
     return BenchConfig.quick_preset(**over) if args.quick else BenchConfig(**over)
 
 
+def cmd_serve_bench(args: argparse.Namespace) -> int:
+    from specrouter.bench.serve import ServeBenchConfig, run_serve_bench, write
+
+    over = {}
+    for field, name in (("threads", "threads"), ("dtype", "dtype"), ("target", "target"),
+                        ("max_new_tokens", "max_new_tokens"), ("requests", "requests"), ("seed", "seed")):
+        if getattr(args, field) is not None:
+            over[name] = getattr(args, field)
+    for field in ("models", "concurrency", "temperatures"):
+        if getattr(args, field) is not None:
+            over[field] = tuple(getattr(args, field))
+    if args.ks:
+        over["k"] = args.ks[0]
+    over["out_dir"] = args.out_dir or "bench-out/serve"
+    over["plots"] = not args.no_plots
+    cfg = ServeBenchConfig.quick_preset(**over) if args.quick else ServeBenchConfig(**over)
+    t0 = time.perf_counter()
+    result = run_serve_bench(cfg, log=lambda m: print(m, file=sys.stderr))
+    paths = write(result, cfg.out_dir, cfg.plots)
+    from specrouter.bench.serve import markdown
+
+    print(markdown(result))
+    print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - t0:.0f} s")
+    return 2 if result["mismatches"] else 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "serve", False):
+        return cmd_serve_bench(args)
     from specrouter.bench.plots import make_plots
     from specrouter.bench.report import goals_table, peer_table, summary_table, write_report
     from specrouter.bench.run import run_bench

@@ -1,46 +1,85 @@
-"""The chain executor: one cycle of multi-level speculative decoding for a batch of rows that
-run the same chain and draft length (DESIGN.md pillar 2).
+"""The step executor: one cycle of multi-level speculative decoding for EVERY running row at
+once, whatever chain and draft length each row runs (DESIGN.md pillar 2 and the paper's
+asynchronous batch processing). Every model runs one forward over all rows that need it now.
 
-1. M1 drafts k tokens (k forwards of a small model, or one model-free lookup), keeping its
-   processed distribution at each drafted position.
-2. Every later level Mj feeds its pending tokens plus the candidates that reached it in ONE
-   forward and verifies them against the proposal distribution of the level below
-   (`verification.py`); what it accepted plus its recovered/bonus token, with its own
-   distributions, is the proposal for the level above.
-3. The target's output is committed (truncated at stop tokens / max_new_tokens) and every model
-   keeps the prefix of what it cached that was committed (`StateManager.commit`).
+Models are visited in pool order (cheapest first, the target last). A chain is ordered the same
+way, so when a model's turn comes the candidates of every row it verifies are ready:
+1. model-free drafters propose for the rows whose chain starts with them (one call each, per-row k);
+2. each model `M`, in order: ONE forward over the rows that verify with it (their pending tokens
+   plus the candidates from the level below) and the rows that draft with it (their pending
+   tokens: the first draft step); every row reads the token it samples at each position
+   (`sampling.choose_tokens`: argmax, or counter-based noise keyed by the row's seed and the
+   position, the same at every level) and verifies its candidates against them
+   (`verification.verify_tokens`); a drafting row then runs its remaining draft steps, one
+   forward per step over the rows still drafting (ragged k);
+3. at the target, every row commits what it accepted plus its recovered/bonus token (truncated
+   at stop tokens / max_new_tokens) and every model keeps the prefix of what it cached that was
+   committed (`StateManager.commit`).
 
-Rows are ragged everywhere: different prompt lengths, pending catch-up, candidates per level.
+So a step with rows on [ngram, target], [draft, target] and [ngram, draft, target] runs the
+n-gram once, the draft once per draft step, the target once. A row's output is exactly what
+the target samples alone (greedy: argmax; sampling: the target's noisy argmax at each position,
+an exact sample of its processed distribution), so rows never depend on each other or on the
+chain: seeded requests are reproducible whatever the router does.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from specrouter.config import MAX_DRAFT_LENGTH
 from specrouter.decoding.drafters.base import ModelFreeDrafter
-from specrouter.decoding.sampling import SamplingTensors, process_logits, sample
-from specrouter.decoding.verification import (
-    LevelResult,
-    verify_greedy,
-    verify_speculative,
-)
+from specrouter.decoding.noise import position_keys
+from specrouter.decoding.sampling import SamplingTensors, choose_tokens
+from specrouter.decoding.verification import verify_tokens
 from specrouter.engine.stats import CycleStats
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
-from specrouter.router.records import ForwardRecord
-from specrouter.router.similarity import candidate_tv
+from specrouter.router.records import ForwardRecord, RowOutcome
 from specrouter.state.manager import StateManager
 from specrouter.state.sequence import Sequence
 
 
-class ChainExecutor:
-    """Runs cycles over a pool of runners and model-free drafters that share one vocabulary.
+@dataclass
+class RowWork:
+    """One row's cycle in progress (index b of the step)."""
 
-    `vocab_width` is the common logits width: logits of every model are cut to it, at every
-    level and in target-only decoding alike, so the target's distribution is the same either way.
+    b: int  # index of the row in the step (its SamplingTensors row)
+    seq: Sequence
+    chain: tuple[str, ...]  # levels it runs this cycle (drafter first, target last)
+    k: int  # draft length asked of the drafter (0: plain decoding)
+    cap: int  # most candidates worth passing up: remaining - 1
+    start: int  # committed tokens before the cycle = position of the first new token
+    cand: list[int] = field(default_factory=list)  # candidates for the next level
+    drafted: list[int] = field(default_factory=list)  # per level: 0 = proposed; j >= 1 = candidates reaching level j
+    accepted: list[int] = field(default_factory=list)  # per level: candidates level j accepted (0 unused)
+    proposal: list[int] | None = None  # a model drafter's proposal (greedy rows), for shadow scoring
+
+    def level(self, model: str) -> int:
+        """Index of `model` in the row's chain (-1: not in it)."""
+        return self.chain.index(model) if model in self.chain else -1
+
+
+@dataclass
+class StepResult:
+    """What one step did: per-row outcomes for the router, per-chain summaries for metrics."""
+
+    outcomes: list[RowOutcome]  # one per row, in the order of the rows passed in
+    proposals: list[list[int]]  # per row: a model drafter's greedy proposal ([] otherwise)
+    forwards: list[ForwardRecord]  # every timed forward of the step
+    cycles: list[CycleStats]  # per chain that ran: counters (forward times only in the first)
+    forward_time: dict[str, float]  # seconds per model over the step
+    wall_time: float  # seconds for the whole step
+    speculative: bool  # some row ran a drafter
+
+
+class ChainExecutor:
+    """Runs steps over a pool of runners and model-free drafters that share one vocabulary.
+
+    `order` is the pool order (cheapest first, the target last); `vocab_width` the common logits
+    width: logits of every model are cut to it, at every level and in plain decoding alike, so
+    the target's distribution is the same either way.
     """
 
     def __init__(
@@ -49,213 +88,200 @@ class ChainExecutor:
         drafters: dict[str, ModelFreeDrafter],
         state: StateManager,
         vocab_width: int,
+        order: list[str] | None = None,
         clock=time.perf_counter,
     ):
         self.runners = runners
         self.drafters = drafters
         self.state = state
         self.vocab_width = vocab_width
+        self.order = list(order) if order is not None else [*drafters, *runners]
         self.clock = clock  # timing source (tests inject a virtual clock)
 
-    # -- forwards ---------------------------------------------------------------------------
-    def _forward(
+    # -- one step ---------------------------------------------------------------------------
+    def step(
         self,
-        name: str,
         rows: list[Sequence],
-        speculative: list[list[int]],
-        stats: dict[str, float],
-        tokens_fed: dict[str, int],
-    ) -> torch.Tensor:
+        plans: list[tuple[tuple[str, ...], int]],
+        sampling: SamplingTensors,
+    ) -> StepResult:
+        """One cycle for every row, row b running `plans[b] = (chain, k)`; commits >= 1 token
+        per row. Rows' random numbers come from `seq.seed_key` and positions only."""
+        t_start = self.clock()
+        self._forwards: list[ForwardRecord] = []
+        self._ftime: dict[str, float] = {}
+        self._ftoks: dict[str, int] = {}
+        work = [self._start_row(b, s, chain, k) for b, (s, (chain, k)) in enumerate(zip(rows, plans))]
+        for name in self._models_in_use(work):
+            if name in self.drafters:
+                self._propose(name, [w for w in work if w.chain[0] == name and w.k > 0])
+            else:
+                self._run_model(name, work, sampling)
+        return self._result(work, t_start)
+
+    def _start_row(self, b: int, seq: Sequence, chain: tuple[str, ...], k: int) -> RowWork:
+        """A row's effective plan: a row that may generate r more tokens gains nothing from
+        more than r - 1 candidates, and k drafted tokens reach position len(tokens) + k - 1 at
+        a verifier, so near the end of the context k shrinks to what every cache of the chain
+        holds (a request never reserves positions for drafting); with no candidate worth
+        drafting it decodes plainly."""
+        cap = max(0, seq.remaining - 1)
+        if len(chain) > 1:
+            room = min((self.runners[m].max_len for m in chain if m in self.runners), default=0)
+            if room:
+                cap = min(cap, max(0, room - len(seq.tokens)))
+        k = min(k, cap) if len(chain) > 1 else 0
+        chain = chain if k > 0 else chain[-1:]
+        n = len(chain)
+        return RowWork(b=b, seq=seq, chain=chain, k=k, cap=cap, start=len(seq.tokens),
+                       drafted=[0] * n, accepted=[0] * n)
+
+    def _models_in_use(self, work: list[RowWork]) -> list[str]:
+        used = {m for w in work for m in w.chain}
+        return [m for m in self.order if m in used]
+
+    # -- drafting ---------------------------------------------------------------------------
+    def _propose(self, name: str, work: list[RowWork]) -> None:
+        """A model-free drafter proposes up to k tokens for each of its rows (one call)."""
+        if not work:
+            return
+        t0 = self.clock()
+        tokens, lengths = self.drafters[name].propose([w.seq.tokens for w in work], [w.k for w in work],
+                                                      [w.seq.tenant for w in work])
+        dt = self.clock() - t0
+        self._ftime[name] = self._ftime.get(name, 0.0) + dt
+        self._forwards.append(ForwardRecord(model=name, rows=len(work), new_tokens=max(w.k for w in work),
+                                            context_len=sum(w.start for w in work) // len(work), seconds=dt))
+        for w, toks, m in zip(work, tokens.tolist(), lengths.tolist()):
+            w.cand = toks[: min(m, w.cap)]
+            w.drafted[0] = len(w.cand)
+
+    def _draft_steps(self, name: str, work: list[RowWork], first: list[int], sampling: SamplingTensors) -> None:
+        """Draft tokens 2..k of the rows drafting with model `name` (their first token came from
+        the shared forward): one one-token forward per step over the rows still drafting."""
+        for w, t in zip(work, first):
+            w.cand = [t]
+        active = [w for w in work if w.k > 1]
+        i = 1
+        while active:
+            feeds = []
+            for w in active:  # feed the last draft token (the last one is never fed)
+                st = self.state.state(w.seq.seq_id, name)
+                feeds.append((st.slot, st.cache_len + len(st.speculative), w.cand[-1]))
+                st.speculative.append(w.cand[-1])
+            batch = ForwardBatch.build([f[0] for f in feeds], [f[1] for f in feeds], [[f[2]] for f in feeds],
+                                       [[0]] * len(feeds))
+            logits = self._timed_forward(name, batch, len(active), 1)  # (B', 1, V)
+            tokens = self._choose(logits, active, sampling, offset=i)[:, 0].tolist()
+            for w, t in zip(active, tokens):
+                w.cand.append(t)
+            i += 1
+            active = [w for w in active if w.k > i]
+        for w in work:
+            w.drafted[0] = len(w.cand)
+            if w.seq.params.greedy:
+                w.proposal = list(w.cand)
+
+    # -- one model's forward ----------------------------------------------------------------
+    def _run_model(self, name: str, work: list[RowWork], sampling: SamplingTensors) -> None:
+        """ONE forward of model `name` over the rows that verify with it and the rows that draft
+        with it (their first step); then the drafting rows' remaining steps."""
+        verify = [w for w in work if w.level(name) >= 1 or w.chain == (name,)]  # plain rows: level 0
+        draft = [w for w in work if w.chain[0] == name and w.k > 0]
+        rows = verify + draft
+        if not rows:
+            return
+        spec = [w.cand for w in verify] + [[] for _ in draft]
+        logits = self._forward(name, rows, spec)  # (B, n_max + 1, V)
+        tokens = self._choose(logits, rows, sampling)  # (B, n_max + 1): the token each row samples there
+        if verify:
+            self._verify(name, verify, tokens[: len(verify)])
+        if draft:
+            self._draft_steps(name, draft, tokens[len(verify):, 0].tolist(), sampling)
+
+    def _verify(self, name: str, work: list[RowWork], tokens: torch.Tensor) -> None:
+        """Level `name` verifies each row's candidates against its own tokens (B, n + 1)."""
+        n = tokens.shape[1] - 1
+        num = torch.tensor([len(w.cand) for w in work], dtype=torch.long)
+        cand = torch.tensor([w.cand + [0] * (n - len(w.cand)) for w in work], dtype=torch.long).view(len(work), n)
+        res = verify_tokens(cand, num, tokens)
+        for w, toks, m, a in zip(work, res.tokens.tolist(), res.lengths.tolist(), res.num_accepted.tolist()):
+            j = w.level(name)
+            w.drafted[j], w.accepted[j] = len(w.cand), a
+            out = toks[:m]
+            w.cand = out if j == len(w.chain) - 1 else out[: w.cap]  # the target's output is committed
+
+    def _choose(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0) -> torch.Tensor:
+        """(B, G) tokens the rows sample at logit positions g = 0..G-1, i.e. at sequence
+        positions start + offset + g (greedy rows: argmax; others: counter-based noise)."""
+        idx = torch.tensor([w.b for w in work], dtype=torch.long)
+        st = sampling.select(idx) if len(work) != len(sampling) else sampling
+        keys = None
+        if not st.all_greedy:
+            G = logits.shape[1]
+            seeds = torch.tensor([[w.seq.seed_key] for w in work], dtype=torch.long)  # (B, 1)
+            starts = torch.tensor([[w.start + offset] for w in work], dtype=torch.long)  # (B, 1)
+            keys = position_keys(seeds, starts + torch.arange(G)[None, :])  # (B, G)
+        return choose_tokens(logits, st, keys)
+
+    # -- forwards ---------------------------------------------------------------------------
+    def _forward(self, name: str, work: list[RowWork], speculative: list[list[int]]) -> torch.Tensor:
         """Feed each row's pending tokens plus `speculative[b]` to model `name`; return logits at
         the last pending position and at every speculative one: (B, max_spec + 1, V)."""
         state = self.state
         slots, starts, feeds, positions = [], [], [], []
-        for seq, spec in zip(rows, speculative):
-            st = state.state(seq.seq_id, name)
-            pending = seq.tokens[st.cache_len :]
+        for w, spec in zip(work, speculative):
+            st = state.state(w.seq.seq_id, name)
+            pending = w.seq.tokens[st.cache_len :]
             slots.append(st.slot)
             starts.append(st.cache_len)
             feeds.append(pending + spec)
             first = len(pending) - 1
             positions.append(list(range(first, first + len(spec) + 1)))
-            state.fed(st, seq.tokens, list(spec))
+            state.fed(st, w.seq.tokens, list(spec))
         batch = ForwardBatch.build(slots, starts, feeds, positions)
-        runner = self.runners[name]
+        return self._timed_forward(name, batch, len(work), batch.tokens.shape[1], sum(starts) // len(starts))
+
+    def _timed_forward(self, name: str, batch: ForwardBatch, rows: int, width: int, context: int | None = None) -> torch.Tensor:
         t0 = self.clock()
-        logits = runner.forward(batch)
+        logits = self.runners[name].forward(batch)
         dt = self.clock() - t0
-        stats[name] = stats.get(name, 0.0) + dt
-        tokens_fed[name] = tokens_fed.get(name, 0) + sum(batch.num_tokens_list)
-        self._forwards.append(ForwardRecord(model=name, rows=len(rows), new_tokens=batch.tokens.shape[1],
-                                            context_len=sum(starts) // len(starts), seconds=dt))
+        self._ftime[name] = self._ftime.get(name, 0.0) + dt
+        self._ftoks[name] = self._ftoks.get(name, 0) + sum(batch.num_tokens_list)
+        if context is None:
+            context = sum(batch.starts_list) // rows
+        self._forwards.append(ForwardRecord(model=name, rows=rows, new_tokens=width, context_len=context, seconds=dt))
         return logits[..., : self.vocab_width]
 
-    def _draft_model(
-        self,
-        name: str,
-        rows: list[Sequence],
-        k: int,
-        sampling: SamplingTensors,
-        generator: torch.Generator | None,
-        ftime: dict[str, float],
-        ftoks: dict[str, int],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """k autoregressive steps of a draft model: tokens (B, k) and, when sampling, its
-        processed distributions (B, k, V)."""
-        runner = self.runners[name]
-        B = len(rows)
-        # step 0 feeds the pending tokens (catch-up); the last draft token is never fed
-        logits = self._forward(name, rows, [[] for _ in rows], ftime, ftoks)  # (B, 1, V)
-        states = [self.state.state(s.seq_id, name) for s in rows]
-        slots = torch.tensor([st.slot for st in states], dtype=torch.long)
-        slots_list = slots.tolist()
-        ones = torch.ones(B, dtype=torch.long)
-        zeros = torch.zeros(B, 1, dtype=torch.long)
-        tokens, probs = [], []
-        steps_time, context = 0.0, sum(st.cache_len for st in states) // B
-        for i in range(k):
-            if sampling.all_greedy:
-                tok = logits[:, 0].argmax(dim=-1)  # (B,)
-            else:
-                p = process_logits(logits, sampling)  # (B, 1, V)
-                tok = sample(p, generator)[:, 0]
-                probs.append(p[:, 0])
-            tokens.append(tok)
-            if i == k - 1:
-                break
-            tok_list = tok.tolist()
-            starts_list = []
-            for st, t in zip(states, tok_list):
-                starts_list.append(st.cache_len + len(st.speculative))
-                st.speculative.append(t)
-            batch = ForwardBatch(
-                slots=slots, starts=torch.tensor(starts_list, dtype=torch.long),
-                tokens=tok[:, None], num_tokens=ones, logit_positions=zeros,
-                slots_list=slots_list, starts_list=starts_list, num_tokens_list=[1] * B,
-            )
-            t0 = self.clock()
-            logits = runner.forward(batch)[..., : self.vocab_width]
-            dt = self.clock() - t0
-            ftime[name] += dt
-            ftoks[name] += B
-            steps_time += dt
-        if k > 1:
-            self._forwards.append(ForwardRecord(model=name, rows=B, new_tokens=1, context_len=context,
-                                                seconds=steps_time, count=k - 1))
-        draft = torch.stack(tokens, dim=1)  # (B, k)
-        return draft, (torch.stack(probs, dim=1) if probs else None)
-
-    def _room(self, rows: list[Sequence], chain: tuple[str, ...]) -> int:
-        """The longest draft every row's caches can hold: k drafted tokens reach position
-        len(tokens) + k - 1 at a verifier (the draft model stops one short). Near the end of
-        the context k shrinks to this, so a request never reserves positions for drafting."""
-        max_len = min((self.runners[m].max_len for m in chain if m in self.runners), default=0)
-        return max_len - max(len(s.tokens) for s in rows) if max_len else MAX_DRAFT_LENGTH
-
-    # -- one cycle --------------------------------------------------------------------------
-    def cycle(
-        self,
-        rows: list[Sequence],
-        chain: tuple[str, ...],
-        k: int,
-        sampling: SamplingTensors,
-        generator: torch.Generator | None = None,
-    ) -> CycleStats:
-        """One cycle of `chain` with draft length `k` for `rows`; commits >= 1 token per row."""
-        t_start = self.clock()
-        self._forwards: list[ForwardRecord] = []
-        B = len(rows)
-        greedy = sampling.all_greedy
-        num_before = [len(s.tokens) for s in rows]
-        # a row that may generate r more tokens gains nothing from more than r-1 candidates
-        caps = torch.tensor([max(0, s.remaining - 1) for s in rows], dtype=torch.long)
-        k_eff = min(k, int(caps.max()), self._room(rows, chain)) if len(chain) > 1 else 0
-        levels = chain if k_eff > 0 else chain[-1:]
-        ftime: dict[str, float] = {}
-        ftoks: dict[str, int] = {}
-        zero = torch.zeros(B, dtype=torch.long)
-        drafted = [zero] * len(chain)  # per level: (B,) tokens drafted / candidates reaching it
-        accepted = [zero] * len(chain)  # per level: (B,) candidates it accepted
-        tv = [None] * len(chain)  # per level: (B,) mean D_TV(level below, level) at candidates (sampling)
-        offset = len(chain) - len(levels)  # stats index of levels[0]
-
-        # 1. draft
-        cand = torch.zeros(B, 0, dtype=torch.long)  # (B, n) candidates for the next level
-        num_cand = torch.zeros(B, dtype=torch.long)  # (B,) valid candidates per row
-        draft_probs: torch.Tensor | None = None  # (B, n, V) their proposal distributions
-        verify_from = 0
-        proposals: list[list[int]] = []  # a model drafter's greedy proposals, per row
-        if k_eff > 0:
-            drafter = levels[0]
-            verify_from = 1
-            if drafter in self.drafters:
-                t0 = self.clock()
-                cand, num_cand = self.drafters[drafter].propose([s.tokens for s in rows], k_eff,
-                                                                [s.tenant for s in rows])
-                ftime[drafter] = self.clock() - t0
-                self._forwards.append(ForwardRecord(model=drafter, rows=B, new_tokens=k_eff,
-                                                    context_len=sum(num_before) // B, seconds=ftime[drafter]))
-                if not greedy:
-                    draft_probs = F.one_hot(cand, self.vocab_width).to(torch.float32)
-            else:
-                cand, draft_probs = self._draft_model(drafter, rows, k_eff, sampling, generator, ftime, ftoks)
-                num_cand = torch.full((B,), k_eff, dtype=torch.long)
-                if greedy:
-                    proposals = cand.tolist()
-            num_cand = torch.minimum(num_cand, caps)
-            drafted[0] = num_cand
-
-        # 2. verify, level by level
-        res: LevelResult | None = None
-        for j in range(verify_from, len(levels)):
-            name = levels[j]
-            n = int(num_cand.max()) if num_cand.numel() else 0
-            cand = cand[:, :n]
-            cand_lists = [c[:m] for c, m in zip(cand.tolist(), num_cand.tolist())]
-            logits = self._forward(name, rows, cand_lists, ftime, ftoks)  # (B, n+1, V)
-            if greedy:
-                res = verify_greedy(cand, num_cand, logits)
-            else:
-                verifier_probs = process_logits(logits, sampling)
-                if draft_probs is None:  # no candidates anywhere: plain sampling
-                    draft_probs = verifier_probs[:, :0]
-                else:
-                    draft_probs = draft_probs[:, :n].to(verifier_probs.dtype)
-                if n > 0:
-                    tv[offset + j] = candidate_tv(draft_probs, verifier_probs, num_cand)
-                res = verify_speculative(cand, num_cand, draft_probs, verifier_probs, generator)
-            drafted[offset + j] = num_cand
-            accepted[offset + j] = res.num_accepted
-            cand, num_cand, draft_probs = res.tokens, torch.minimum(res.lengths, caps), res.probs
-
-        # 3. commit
-        assert res is not None
-        committed = 0
-        drafted_rows = torch.stack(drafted, dim=1).tolist()  # (B, L)
-        accepted_rows = torch.stack(accepted, dim=1).tolist()  # (B, L)
-        ran = chain if k_eff > 0 else levels
-        for b, (seq, toks, m) in enumerate(zip(rows, res.tokens.tolist(), res.lengths.tolist())):
-            committed += m
-            seq.append(toks[:m])
-            self.state.commit(seq.seq_id, seq.tokens, num_before[b])
-            seq.stats.observe_cycle(
-                ran, drafted_rows[b][-len(ran):], accepted_rows[b][-len(ran):],
-                len(seq.tokens) - num_before[b],
-            )
-        nan = float("nan")
-        tv_rows = [[nan if t is None else float(t[b]) for t in tv[-len(ran):]] for b in range(B)]
-        return CycleStats(
-            chain=tuple(ran), k=k_eff, rows=B,
-            row_ids=[s.seq_id for s in rows],
-            row_k=torch.minimum(caps, torch.tensor(k_eff)).tolist() if k_eff > 0 else [0] * B,
-            row_drafted=[d[-len(ran):] for d in drafted_rows],
-            row_accepted=[a[-len(ran):] for a in accepted_rows],
-            row_context=num_before,
-            row_tv=tv_rows,
-            row_proposal=proposals,
-            forwards=self._forwards,
-            drafted=[int(x.sum()) for x in drafted[-len(ran):]],
-            accepted=[int(x.sum()) for x in accepted[-len(ran):]],
-            committed=committed, forward_time=ftime, forward_tokens=ftoks,
-            wall_time=self.clock() - t_start,
-        )
+    # -- commit -----------------------------------------------------------------------------
+    def _result(self, work: list[RowWork], t_start: float) -> StepResult:
+        """Commit every row's target output; per-row outcomes and per-chain summaries."""
+        outcomes, proposals, groups = [], [], {}
+        for w in work:
+            seq = w.seq
+            seq.append(w.cand)  # the target's output (stop tokens / max_new_tokens truncate)
+            self.state.commit(seq.seq_id, seq.tokens, w.start)
+            seq.stats.observe_cycle(w.chain, w.drafted, w.accepted, len(seq.tokens) - w.start)
+            outcomes.append(RowOutcome(seq_id=seq.seq_id, chain=w.chain, k=w.k, drafted=list(w.drafted),
+                                       accepted=list(w.accepted), greedy=seq.params.greedy,
+                                       context_len=w.start, tv=None))
+            proposals.append(w.proposal or [])
+            groups.setdefault(w.chain, []).append((w, len(w.cand)))
+        wall = self.clock() - t_start
+        cycles = []
+        for i, (chain, members) in enumerate(groups.items()):
+            cycles.append(CycleStats(
+                chain=chain, k=max(w.k for w, _ in members), rows=len(members),
+                drafted=[sum(w.drafted[j] for w, _ in members) for j in range(len(chain))],
+                accepted=[sum(w.accepted[j] for w, _ in members) for j in range(len(chain))],
+                committed=sum(m for _, m in members),
+                forward_time=dict(self._ftime) if i == 0 else {},
+                forward_tokens=dict(self._ftoks) if i == 0 else {},
+                wall_time=wall if i == 0 else 0.0,
+                row_ids=[w.seq.seq_id for w, _ in members],
+                row_proposal=([w.proposal for w, _ in members]
+                              if all(w.proposal for w, _ in members) else []),
+            ))
+        return StepResult(outcomes=outcomes, proposals=proposals, forwards=self._forwards, cycles=cycles,
+                          forward_time=dict(self._ftime), wall_time=wall,
+                          speculative=any(w.k > 0 for w in work))

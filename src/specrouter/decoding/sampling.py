@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from specrouter.config import SamplingParams
+from specrouter.decoding.noise import coupled_argmax
 
 
 @dataclass
@@ -104,6 +105,41 @@ def _top_k_top_p_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     thr_p = sorted_x.gather(-1, num_kept - 1)  # (B, M, 1): the smallest kept logit
     thr = torch.maximum(thr_k, thr_p)  # (B, M, 1)
     return x.masked_fill(x < thr, float("-inf"))  # ties with the threshold survive
+
+
+def scaled_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """logits (B, ..., V) -> the processed distribution's log-probabilities up to a per-position
+    constant (B, ..., V): temperature-scaled logits, -inf where top-k / top-p filter. Greedy rows
+    get their logits unchanged (their processed distribution is a one-hot at the argmax). Same
+    dtype rule as `process_logits`; softmax of it is `process_logits` for non-greedy rows."""
+    B, V = logits.shape[0], logits.shape[-1]
+    assert len(st) == B, f"{len(st)} sampling rows for {B} logit rows"
+    x = logits.to(_compute_dtype(logits)).reshape(B, -1, V)  # (B, M, V)
+    if st.all_greedy:
+        return x.reshape(logits.shape)
+    temperature = st.temperature.to(x.dtype).view(B, 1, 1)
+    scaled = x / torch.where(temperature == 0, 1.0, temperature)  # (B, M, V)
+    if st.needs_sort:
+        scaled = _top_k_top_p_mask(scaled, st.top_k, st.top_p)
+    return scaled.reshape(logits.shape)
+
+
+def choose_tokens(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor | None) -> torch.Tensor:
+    """The token every position samples, with counter-based noise (`noise.py`): logits
+    (B, M, V), keys (B, M) int64 position keys (None when every row is greedy) -> (B, M) int64.
+    Greedy rows: argmax (ties: lowest index); sampling rows: argmax(scaled - log E(key)), an exact
+    sample of `process_logits`, the same at every level for the same key (the coupling)."""
+    B, M, V = logits.shape
+    if st.all_greedy:
+        return logits.argmax(dim=-1)  # (B, M)
+    if not st.any_greedy:
+        return coupled_argmax(scaled_logits(logits, st).reshape(B * M, V), keys.reshape(-1)).view(B, M)
+    tokens = logits.argmax(dim=-1)  # (B, M)
+    rows = torch.nonzero(st.temperature != 0).flatten()
+    scores = scaled_logits(logits[rows], st.select(rows)).reshape(-1, V)  # (R*M, V)
+    noisy = coupled_argmax(scores, keys[rows].reshape(-1)).view(len(rows), M)
+    tokens[rows] = noisy
+    return tokens
 
 
 def process_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -78,6 +78,21 @@ def _num_accepted(accepted: torch.Tensor, num_candidates: torch.Tensor) -> torch
     return (accepted & valid).long().cumprod(dim=1).sum(dim=1)  # (B,)
 
 
+def verify_tokens(candidates: torch.Tensor, num_candidates: torch.Tensor, verifier_tokens: torch.Tensor) -> LevelResult:
+    """Verification against the tokens the verifier itself samples at every position: greedy
+    (argmax) or counter-based sampling (`sampling.choose_tokens`, the same noise at every level).
+    candidates (B, n) int64, num_candidates (B,) in 0..n, verifier_tokens (B, n+1) int64
+    (position i: the verifier's token where candidate i stands; n: after the last). Accept while
+    candidate == verifier token; then the verifier's own token (recovered on a mismatch, bonus
+    when all were accepted). Lossless because what a level outputs is exactly what it samples
+    alone: the target's output is the target's own sampled sequence, whatever the drafts."""
+    B, n = candidates.shape
+    assert verifier_tokens.shape == (B, n + 1), f"verifier_tokens {tuple(verifier_tokens.shape)} for {B}x{n} candidates"
+    num_accepted = _num_accepted(candidates == verifier_tokens[:, :n], num_candidates)  # (B,)
+    final_token = verifier_tokens.gather(1, num_accepted[:, None]).squeeze(1)  # (B,)
+    return _finish(candidates, num_accepted, final_token, None)
+
+
 def verify_greedy(candidates: torch.Tensor, num_candidates: torch.Tensor, verifier_logits: torch.Tensor) -> LevelResult:
     """Greedy verification. candidates (B, n) int64, num_candidates (B,) int64 in 0..n,
     verifier_logits (B, n+1, V): position i scores candidate i (position n: after the last).
@@ -85,10 +100,7 @@ def verify_greedy(candidates: torch.Tensor, num_candidates: torch.Tensor, verifi
     (recovered on a mismatch, bonus when all num_candidates[b] were accepted)."""
     B, n = candidates.shape
     assert verifier_logits.shape[:2] == (B, n + 1), f"verifier_logits {tuple(verifier_logits.shape)} for {B}x{n} candidates"
-    verifier_tokens = verifier_logits.argmax(dim=-1)  # (B, n+1)
-    num_accepted = _num_accepted(candidates == verifier_tokens[:, :n], num_candidates)  # (B,)
-    final_token = verifier_tokens.gather(1, num_accepted[:, None]).squeeze(1)  # (B,)
-    return _finish(candidates, num_accepted, final_token, None)
+    return verify_tokens(candidates, num_candidates, verifier_logits.argmax(dim=-1))
 
 
 def acceptance_probability(draft_probs: torch.Tensor, verifier_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

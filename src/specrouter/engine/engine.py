@@ -1,8 +1,15 @@
 """The engine: requests in, committed tokens out, one cycle at a time (vLLM's LLMEngine shape).
 
 `add_request` validates and registers a sequence, `step` runs one cycle for every running row
-(rows that run the same chain, draft length and random stream are batched into one executor
-call), `abort` drops a row and frees its state. `generate_ids` is the offline loop over these.
+(one executor step: every model runs one forward over all rows that need it, whatever chain
+and draft length each row runs), `abort` drops a row and frees its state. `generate_ids` is the
+offline loop over these.
+
+Randomness is counter-based (decoding/noise.py): a row samples position i with noise keyed by
+(its seed, i). A request's seed is `SamplingParams.seed`, else one drawn at `add_request` from
+the given generator or the engine's own (`self.rng`), so the output of a seeded request is a
+function of the request alone: the same at every run, concurrency and router decision, and
+equal to plain decoding of the target with that seed.
 
 Which chain and draft length a row runs is `plan(seq)`; here it is the static choice made at
 `add_request` (the adaptive router replaces it).
@@ -23,17 +30,16 @@ the batch when no sequence is live (offline use).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from specrouter.config import MAX_DRAFT_LENGTH, SamplingParams
-from specrouter.decoding.executor import ChainExecutor
+from specrouter.decoding.executor import ChainExecutor, StepResult
+from specrouter.decoding.noise import seed_key
 from specrouter.decoding.sampling import SamplingTensors
 from specrouter.engine.faults import ModelFailure, without_failed
 from specrouter.engine.faults import logger as fault_logger
@@ -46,7 +52,7 @@ from specrouter.errors import (
     SpecRouterError,
 )
 from specrouter.models.pool import Pool
-from specrouter.router.records import RowContext, RowOutcome
+from specrouter.router.records import RowContext
 from specrouter.state.manager import StateManager
 from specrouter.state.sequence import Sequence
 
@@ -80,7 +86,9 @@ class Engine:
         self.clock = clock
         self.state = StateManager(pool.runners)
         self.executor = ChainExecutor(pool.runners, pool.drafters, self.state,
-                                      pool.vocab_width, clock=clock)
+                                      pool.vocab_width, order=list(pool.order), clock=clock)
+        self.rng = torch.Generator()  # seeds of requests without one (AsyncEngine reseeds it)
+        self.rng.manual_seed(torch.seed())
         self._ids = itertools.count()
         self.running: dict[int, Sequence] = {}
         self._plans: dict[int, tuple[tuple[str, ...], int] | None] = {}  # None: the router decides
@@ -145,16 +153,20 @@ class Engine:
         generator: torch.Generator | None = None,
         tenant: str | None = None,
     ) -> Sequence:
-        """Register a request; it runs from the next `step()`. `generator` (optional) is the
-        request's own random stream (seeded requests); rows without one share the engine's.
-        `tenant` keeps a learning drafter's statistics apart (None: the shared ones)."""
+        """Register a request; it runs from the next `step()`. Its sampling seed is
+        `params.seed`, else drawn from `generator` (or the engine's `rng`). `tenant` keeps a
+        learning drafter's statistics apart (None: the shared ones)."""
         chain, total = self.check_request(prompt, params, chain, k)
         self._ensure_capacity(1, total)
         eos = frozenset() if params.ignore_eos else frozenset(self.pool.eos_ids)
         seq = Sequence(seq_id=next(self._ids), tokens=list(prompt), prompt_len=len(prompt),
                        params=params, stop_ids=eos | frozenset(params.stop_token_ids))
-        seq.generator = generator
         seq.tenant = tenant
+        if params.seed is not None:
+            seed = params.seed
+        else:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator or self.rng))
+        seq.seed_key = seed_key(seed)
         self.state.add(seq.seq_id)
         self.running[seq.seq_id] = seq
         self._plans[seq.seq_id] = (chain, k) if chain is not None else None
@@ -220,22 +232,30 @@ class Engine:
         return d.chain, d.k
 
     def step(self, default_generator: torch.Generator | None = None) -> list[StepOutput]:
-        """One cycle for every running row; returns what each row committed. A row whose
-        planning or cycle raises ends alone with finish_reason "error" (isolation.py)."""
-        groups: dict[tuple, list[Sequence]] = defaultdict(list)
+        """One cycle for every running row: one executor step, every model at most one forward
+        over all rows that need it; returns what each row committed. A row whose planning or
+        cycle raises ends alone with finish_reason "error" (isolation.py). (`default_generator`
+        is accepted for compatibility: randomness is counter-based.)"""
+        rows = list(self.running.values())
+        if not rows:
+            return []
         outputs = []
-        for seq in list(self.running.values()):
-            try:
-                chain, k = self.plan(seq)
-            except Exception as e:  # noqa: BLE001 - this row's failure, not the batch's
-                fail_row(seq, e)
-                outputs.append(self._collect(seq, len(seq.tokens)))
-                continue
-            groups[(chain, k, id(seq.generator) if seq.generator is not None else None)].append(seq)
-        for (chain, k, _), rows in groups.items():
+        try:
+            plans = self._plan_step(rows)
+        except Exception:  # noqa: BLE001 - find the rows whose planning fails alone
+            plans, ok = [], []
+            for seq in rows:
+                try:
+                    plans.append(self._plan_step([seq])[0])
+                    ok.append(seq)
+                except Exception as e:  # noqa: BLE001 - this row's failure, not the batch's
+                    fail_row(seq, e)
+                    outputs.append(self._collect(seq, len(seq.tokens)))
+            rows = ok
+        if rows:
             before = [len(s.tokens) for s in rows]
-            gen = rows[0].generator if rows[0].generator is not None else default_generator
-            run_isolated(rows, functools.partial(self._run_rows, chain=chain, k=k, gen=gen),
+            plan_of = {s.seq_id: p for s, p in zip(rows, plans)}
+            run_isolated(rows, lambda part: self._run_rows(part, [plan_of[s.seq_id] for s in part]),
                          self.state)
             outputs += [self._collect(s, b) for s, b in zip(rows, before)]
         return outputs
@@ -247,27 +267,51 @@ class Engine:
             self._finish(seq)
         return StepOutput(seq=seq, new_token_ids=seq.tokens[before:])
 
-    def _run_rows(self, rows: list[Sequence], chain: tuple[str, ...], k: int,
-                  gen: torch.Generator | None) -> None:
-        """One cycle of `chain` for `rows` (same chain, draft length and random stream)."""
+    def _run_rows(self, rows: list[Sequence], plans: list[tuple[tuple[str, ...], int]]) -> None:
+        """One executor step over `rows`, row b running `plans[b]`."""
         sampling = SamplingTensors.from_params([s.params for s in rows])
-        shadow = self._shadow_proposals(rows, chain) if self.router is not None else None
+        shadow = self._shadow_proposals(rows, plans) if self.router is not None else None
         # -- fault tolerance (faults.py): a model that raised or timed out is out of every
-        # chain; on a failure the rows are rolled back to their committed tokens and the
-        # cycle is retried without it (the target failing ends the rows with "error") ----
-        stats = None
-        while chain is not None:
-            chain = without_failed(chain, self.failed_models, self.pool.target)
+        # chain; on a failure the rows are rolled back to their committed tokens and the step
+        # is retried without it (the target failing ends the rows with "error") -------------
+        result = None
+        while True:
+            plans = [(without_failed(c, self.failed_models, self.pool.target), k) for c, k in plans]
             try:
-                stats = self.executor.cycle(rows, chain, k, sampling, gen)
+                result = self.executor.step(rows, plans, sampling)
                 break
             except ModelFailure as failure:
-                chain = self._on_model_failure(failure, rows, chain, k)
-        # -------------------------------------------------------------------------------
-        if stats is not None and self.router is not None:
-            self._observe(rows, stats, shadow)
-        if stats is not None and self.on_cycle is not None:
-            self.on_cycle(stats)
+                if not self._on_step_failure(failure, rows, plans):
+                    break
+        # -------------------------------------------------------------------------------------
+        if result is not None:
+            if self.router is not None:
+                self._observe(rows, result, shadow)
+            if self.on_cycle is not None:
+                for stats in result.cycles:
+                    self.on_cycle(stats)
+
+    def _plan_step(self, rows: list[Sequence]) -> list[tuple[tuple[str, ...], int]]:
+        """Every row's (chain, k) for this step: pinned ones as pinned, the router's for the
+        others (planned jointly, for the batch this step really runs)."""
+        plans: list = [self.plan(s) if self._plans[s.seq_id] is not None else None for s in rows]
+        free = [i for i, p in enumerate(plans) if p is None]
+        if free:
+            contexts = [RowContext(rows[i].seq_id, len(rows[i].tokens), batch_size=len(rows),
+                                   greedy=rows[i].params.greedy, remaining=rows[i].remaining) for i in free]
+            pinned = [p for p in plans if p is not None]
+            plan_batch = getattr(self.router, "plan_batch", None)
+            decisions = (plan_batch(contexts, pinned) if plan_batch is not None
+                         else [self.router.decide(c) for c in contexts])
+            for i, d in zip(free, decisions):
+                plans[i] = (d.chain, d.k)
+        return plans
+
+    def _on_step_failure(self, failure: ModelFailure, rows: list[Sequence],
+                         plans: list[tuple[tuple[str, ...], int]]) -> bool:
+        """A model failed in a step: take it out (`_on_model_failure`); True to retry the step."""
+        chain = max((c for c, _ in plans), key=len)
+        return self._on_model_failure(failure, rows, chain, 0) is not None
 
     def _on_model_failure(self, failure: ModelFailure, rows: list[Sequence],
                           chain: tuple[str, ...], k: int) -> tuple[str, ...] | None:
@@ -295,42 +339,39 @@ class Engine:
             for seq in rows:
                 seq.done, seq.finish_reason, seq.error = True, "error", str(failure)
             return None
-        new_chain = tuple(m for m in chain if m != model)  # == chain if it failed outside the chain
-        for seq in rows:
-            if seq.seq_id in self._plans:
-                self._plans[seq.seq_id] = (new_chain, k)
-        return new_chain
+        for seq in rows:  # pinned plans lose the model (router plans avoid it from now on)
+            pinned = self._plans.get(seq.seq_id)
+            if pinned is not None:
+                self._plans[seq.seq_id] = (tuple(m for m in pinned[0] if m != model), pinned[1])
+        return tuple(m for m in chain if m != model)  # == chain if it failed outside the chain
 
     # -- router feedback ----------------------------------------------------------------------
-    def _shadow_proposals(self, rows: list[Sequence], chain: tuple[str, ...]) -> dict:
+    def _shadow_proposals(self, rows: list[Sequence], plans) -> dict:
         """What each model-free drafter would propose for rows that do not run it (free
         evidence of its acceptance for this request: tens of microseconds per row)."""
         out = {}
         for name, drafter in self.pool.drafters.items():
-            if chain[0] == name:
+            idx = [b for b, (chain, _) in enumerate(plans) if chain[0] != name]
+            if not idx:
                 continue
-            tokens, lengths = drafter.propose([s.tokens for s in rows], self.router.config.shadow_k,
-                                              [s.tenant for s in rows])
-            out[name] = [t[:m] for t, m in zip(tokens.tolist(), lengths.tolist())]
+            tokens, lengths = drafter.propose([rows[b].tokens for b in idx], self.router.config.shadow_k,
+                                              [rows[b].tenant for b in idx])
+            out[name] = {b: t[:m] for b, t, m in zip(idx, tokens.tolist(), lengths.tolist())}
         return out
 
-    def _observe(self, rows: list[Sequence], stats: CycleStats, shadow: dict | None) -> None:
-        outcomes = [
-            RowOutcome(seq_id=s.seq_id, chain=stats.chain, k=stats.row_k[b],
-                       drafted=stats.row_drafted[b], accepted=stats.row_accepted[b],
-                       greedy=s.params.greedy, context_len=stats.row_context[b], tv=stats.row_tv[b])
-            for b, s in enumerate(rows)
-        ]
-        self.router.observe_cycle(stats, outcomes, stats.forwards)
+    def _observe(self, rows: list[Sequence], result: StepResult, shadow: dict | None) -> None:
+        self.router.observe_step(result.outcomes, result.forwards, result.wall_time,
+                                 sum(result.forward_time.values()), result.speculative)
         for name, proposals in (shadow or {}).items():
-            for b, s in enumerate(rows):
-                committed = s.tokens[stats.row_context[b]:]
-                self.router.observe_shadow(s.seq_id, name, proposals[b], committed, self.router.config.shadow_k,
+            for b, proposal in proposals.items():
+                s, o = rows[b], result.outcomes[b]
+                committed = s.tokens[o.context_len:]
+                self.router.observe_shadow(s.seq_id, name, proposal, committed, self.router.config.shadow_k,
                                            s.params.greedy)
-                if stats.row_proposal:  # greedy, a model drafted: how it would judge `name`
-                    drafted = stats.row_proposal[b]
-                    self.router.observe_shadow(s.seq_id, name, proposals[b], drafted, len(drafted),
-                                               True, verifier=stats.chain[0], count_hit=False)
+                drafted = result.proposals[b]
+                if drafted:  # greedy, a model drafted: how it would judge `name`
+                    self.router.observe_shadow(s.seq_id, name, proposal, drafted, len(drafted),
+                                               True, verifier=o.chain[0], count_hit=False)
 
     # -- offline ----------------------------------------------------------------------------
     def generate_ids(
@@ -349,11 +390,12 @@ class Engine:
         need = max(self.check_request(p, sp, chain, k)[1] for p, sp in zip(prompts, params))
         if not self.running:
             self.reserve(len(prompts), need)
-        seqs = [self.add_request(p, sp, chain=chain, k=k) for p, sp in zip(prompts, params)]
+        seqs = [self.add_request(p, sp, chain=chain, k=k, generator=generator)
+                for p, sp in zip(prompts, params)]
         previous, self.on_cycle = self.on_cycle, on_cycle
         try:
             while any(not s.done for s in seqs):
-                self.step(generator)
+                self.step()
         finally:
             self.on_cycle = previous
             for s in seqs:

@@ -59,6 +59,7 @@ from specrouter.router.cost_model import (
     best_plan,
     enumerate_chains,
 )
+from specrouter.router.batch import plan_batch, step_seconds
 from specrouter.router.profile import CostProfile
 from specrouter.router.records import (  # noqa: F401  (re-exported: the router's public boundary)
     Chain,
@@ -129,6 +130,9 @@ class Router:
         self.decide_seconds = 0.0  # EMA of decide() wall time
         self._cost_cache: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
         self._cost_version = -1
+        self._predict_cache: dict[tuple[str, int, int, int], float] = {}
+        self._predict_version = -1
+        self.batch_events: deque = deque(maxlen=cfg.log_size)  # (row-cycle, rows, reason, rate, plain rate)
         self._t_width = cfg.k_max + cfg.max_levels + 2
         self._next_probe_check = 0  # row-cycle from which _probe is worth computing again
         self._probes: dict[Pair, tuple[int, float, int]] = {}  # pair -> (row-cycle, trials then, back-off)
@@ -249,12 +253,12 @@ class Router:
         plain = (self.target,)
         if k_cap < 1 or len(self.chains) == 1:
             t_plain = float(self._cost_rows(max(row.batch_size, 1), max(row.context_len, 1))[self.target][1])
-            req.plan, req.worse = (plain, 0), 0
+            req.plan, req.worse, req.table = (plain, 0), 0, None
             decision = Decision(plain, 0, t_plain, "end" if k_cap < 1 else "only")
             return self._log(row, req, mode, decision, prev, (plain, 0), t_plain, t_plain, {}, t0)
         costs, alphas, router = self._inputs(row, req)
         keep = self._chain_index.get(prev[0]) if prev is not None else None
-        table = self._table(costs, alphas, router, k_cap, keep=keep)
+        table = req.table = self._table(costs, alphas, router, k_cap, keep=keep)
         t = table.t_eff
         bi, bj = np.unravel_index(int(np.argmin(t)), t.shape)
         best = self._plan_at(bi, bj)
@@ -308,6 +312,29 @@ class Router:
 
     def decide_batch(self, rows: Sequence[RowContext]) -> list[Decision]:
         return [self.decide(r) for r in rows]
+
+    # -- planning the batch (router/batch.py) ------------------------------------------------
+    def plan_batch(self, rows: Sequence[RowContext],
+                   pinned: Sequence[tuple[Chain, int]] = ()) -> list[Decision]:
+        """The plans of a step's rows, chosen for the batch the step really runs
+        (`batch.plan_batch`)."""
+        return plan_batch(self, rows, pinned)
+
+    def step_seconds(self, plans: Sequence[tuple[Chain, int]], context_len: int) -> float:
+        """Predicted seconds of one engine step running `plans` (`batch.step_seconds`)."""
+        return step_seconds(self, plans, context_len)
+
+    def predict(self, model: str, b: int, t: int, L: int) -> float:
+        """profile.predict, cached per (model, b, t, L bucket) until the profile changes."""
+        if self.profile.version != self._predict_version:
+            self._predict_cache.clear()
+            self._predict_version = self.profile.version
+        bucket = self.config.context_bucket
+        key = (model, b, t, L // bucket)
+        v = self._predict_cache.get(key)
+        if v is None:
+            v = self._predict_cache[key] = self.profile.predict(model, b, t, (L // bucket) * bucket + bucket // 2)
+        return v
 
     def _epoch(self, chain: Chain) -> tuple[int, ...]:
         jumps = self.profile.jumps
@@ -398,6 +425,27 @@ class Router:
     ) -> None:
         """Learn from one executor cycle: `rows` are its per-row outcomes; `forwards` its timed
         forwards (without them, timings are attributed from `stats` approximately)."""
+        self._observe_rows(rows)
+        if forwards is None and stats is not None and rows:  # shapes approximated from the stats
+            forwards = self._forwards_from_stats(stats, rows)
+        self._observe_forwards(forwards or ())
+        if stats is not None:
+            for name in stats.forward_time:
+                self._model_seen[name] = self.similarity.now
+            self._observe_overhead(stats.wall_time, sum(stats.forward_time.values()), len(stats.chain) > 1)
+        self._tick(rows, stats.wall_time if stats is not None else 0.0)
+
+    def observe_step(self, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord],
+                     wall_time: float, forward_time: float, speculative: bool) -> None:
+        """Learn from one engine step (every row, every model's forwards of the step)."""
+        self._observe_rows(rows)
+        self._observe_forwards(forwards)
+        self._observe_overhead(wall_time, forward_time, speculative)
+        self._tick(rows, wall_time)
+
+    def _observe_rows(self, rows: Sequence[RowOutcome]) -> None:
+        """Acceptance trials, hit rates and D_TV of every row, per mode (greedy evidence only
+        from greedy rows)."""
         cfg = self.config
         sim = self.similarity
         for r in rows:
@@ -422,19 +470,21 @@ class Router:
                     sim.touch(pair, mode)
                 if r.tv is not None and j < len(r.tv) and r.tv[j] is not None and math.isfinite(r.tv[j]):
                     sim.observe_tv(pair, mode, float(r.tv[j]), cand)
-        # timings: the executor's timed forwards, else their shapes approximated from the stats
-        if forwards is None and stats is not None and rows:
-            forwards = self._forwards_from_stats(stats, rows)
-        for f in forwards or ():
-            self._model_seen[f.model] = sim.now
+
+    def _observe_forwards(self, forwards: Sequence[ForwardRecord]) -> None:
+        now = self.similarity.now
+        for f in forwards:
+            self._model_seen[f.model] = now
             if f.model in self.profile:
                 self.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
-        if stats is not None:
-            spent = stats.wall_time - sum(stats.forward_time.values())
-            key = "spec" if len(stats.chain) > 1 else "plain"
-            self.overhead[key] += cfg.overhead_alpha * (max(spent, 0.0) - self.overhead[key])
-        sim.tick(len(rows))
-        self.budget.tick(len(rows), stats.wall_time if stats is not None else 0.0)
+
+    def _observe_overhead(self, wall_time: float, forward_time: float, speculative: bool) -> None:
+        key = "spec" if speculative else "plain"
+        self.overhead[key] += self.config.overhead_alpha * (max(wall_time - forward_time, 0.0) - self.overhead[key])
+
+    def _tick(self, rows: Sequence[RowOutcome], wall_time: float) -> None:
+        self.similarity.tick(len(rows))
+        self.budget.tick(len(rows), wall_time)
 
     def _forwards_from_stats(self, stats: CycleStats, rows: Sequence[RowOutcome]) -> list[ForwardRecord]:
         """Approximate forward shapes from CycleStats: a draft model ran k one-token steps, a

@@ -49,7 +49,7 @@ import numpy as np
 from specrouter.config import ProfileConfig  # the profile's settings (also importable from here)
 
 PROFILE_FORMAT = 1  # bump when the JSON layout changes (older files are then ignored)
-DEFAULT_BATCH_SIZES = (1, 4)  # rows per forward swept at start-up
+DEFAULT_BATCH_SIZES = (1, 4, 8)  # rows per forward swept at start-up (engine steps batch every row)
 DEFAULT_NEW_TOKENS = (1, 2, 4, 8, 16)  # new tokens per row swept (drafting: 1; verifying: n + 1)
 DEFAULT_CONTEXT_LENGTHS = (128, 1024)  # cached positions swept
 
@@ -473,7 +473,8 @@ def _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, 
             for ib, b in enumerate(bs):  # 2. time (b, t) at start L: logits at every new token
                 for it, t in enumerate(ts):
                     toks = [[rng.randrange(vocab) for _ in range(t)] for _ in range(b)]
-                    batch = ForwardBatch.build(slots[:b], [L] * b, toks, [list(range(t))] * b)
+                    # slots in reverse order: the gather path that the engine's ragged batches take
+                    batch = ForwardBatch.build(slots[:b][::-1], [L] * b, toks, [list(range(t))] * b)
                     table[ib, it, il] = _min_time(lambda: runner.forward(batch), repeats, warmup, clock)
                     if bar is not None:
                         bar.update(1)

@@ -25,6 +25,7 @@ class RequestState:
     counts: dict[Pair, list[float]] = field(default_factory=dict)  # pair -> [accepted, rejections], decayed
     hits: dict[str, list[float]] = field(default_factory=dict)  # model-free drafter -> [hits, proposals], decayed
     cycles: int = 0  # cycles observed
+    table: object = None  # the PlanTable of its last decision (plan_batch weighs alternatives with it)
 
     def observe(self, pair: Pair, accepted: float, rejections: float, decay: float) -> None:
         c = self.counts.setdefault(pair, [0.0, 0.0])

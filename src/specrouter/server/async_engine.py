@@ -71,6 +71,7 @@ class AsyncEngine:
         self.metrics = metrics
         self._generator = torch.Generator()
         self._generator.manual_seed(seed if seed is not None else torch.seed())
+        engine.rng = self._generator  # the seeds of requests without one
         self._cv = threading.Condition()
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._aborts: list[RequestHandle] = []

@@ -33,7 +33,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why, when finish_reason == "error"
     stats: RequestStats = field(default_factory=RequestStats)
-    generator: object = None  # torch.Generator of a seeded request (None: the engine's stream)
+    seed_key: int = 0  # 32-bit key of the row's sampling seed: its noise at position i is a function of (seed_key, i)
     tenant: str | None = None  # whose learned drafter statistics it reads and feeds (None: shared)
 
     @property

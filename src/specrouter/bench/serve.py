@@ -1,0 +1,354 @@
+"""`specrouter bench --serve`: the real server under concurrent load.
+
+A `specrouter serve` subprocess on 127.0.0.1 (a free port) is driven by the `openai` async client
+at each concurrency level with the same mixed request stream (code, prose, chat, extraction),
+greedy and at t=0.7, for every system in one run, one system after another per level:
+- `router`: the adaptive router (no chain in the request);
+- `plain`: plain continuous batching of the target (`"specrouter_chain": [target]`);
+- `static <chain>`: each static chain of the pool up to 3 levels at draft length `k`; the best
+  of them per (temperature, concurrency) in hindsight is reported as `best static`.
+Per system and level: throughput (generated tokens / wall time of the level), time to first
+token and time per output token (per request: (last - first token time) / (tokens - 1)),
+p50 and p99. Greedy outputs are checked identical across systems (exit status 2 otherwise).
+Output: serve.json, serve.md and serve.png (throughput and p99 latency vs concurrency).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specrouter.bench.workloads import CHAT, CODE, EXTRACTION, PROSE
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    """What `specrouter bench --serve` runs."""
+
+    models: tuple[str, ...] | None = None  # pool paths (None: the embedded default pool)
+    target: str | None = None  # target name or path (None: the largest)
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)  # concurrent clients per level
+    requests: int = 16  # requests per system per level (at least the concurrency)
+    max_new_tokens: int = 64
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    k: int = 4  # draft length of the static chains
+    static_levels: int = 3  # deepest static chain
+    threads: int | None = None  # torch threads of the server (None: torch's default)
+    dtype: str = "float32"
+    out_dir: str = "bench-out/serve"
+    plots: bool = True
+    seed: int = 0  # request i of a level samples with seed + i
+    startup_timeout: float = 600.0  # seconds for the server to load the pool (and sweep)
+
+    @staticmethod
+    def quick_preset(**over) -> "ServeBenchConfig":
+        base = dict(concurrency=(1, 2, 4), requests=4, max_new_tokens=16, temperatures=(0.0, 0.7))
+        base.update(over)
+        return ServeBenchConfig(**base)
+
+
+@dataclass
+class RequestResult:
+    text: str
+    tokens: int
+    ttft: float  # seconds from send to the first content chunk
+    tpot: float | None  # seconds per output token after the first
+    seconds: float
+
+
+@dataclass
+class LevelResult:
+    system: str
+    temperature: float
+    concurrency: int
+    tokens_per_s: float
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float | None
+    tpot_p99: float | None
+    results: list[RequestResult] = field(default_factory=list)
+
+
+def prompts(n: int) -> list[tuple[str, bool]]:
+    """The mixed stream: (prompt, chat?) alternating code, prose, chat, extraction."""
+    kinds = [(CODE, False), (PROSE, False), (CHAT, True), (EXTRACTION, True)]
+    out = []
+    for i in range(n):
+        pool, chat = kinds[i % 4]
+        out.append((pool[(i // 4) % len(pool)], chat))
+    return out
+
+
+def quantile(xs: list[float], q: float) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+# ---------------------------------------------------------------------------------------------
+# the server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(cfg: ServeBenchConfig, models: list[str], port: int, log) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "specrouter.cli.main", "serve", "--models", *models,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype,
+           "--max-num-seqs", str(max(cfg.concurrency)), "--max-queue", str(4 * cfg.requests + 64),
+           "--log-level", "warning"]
+    if cfg.target:
+        cmd += ["--target", cfg.target]
+    env = dict(os.environ)
+    if cfg.threads:
+        env["OMP_NUM_THREADS"] = str(cfg.threads)
+    log(f"starting: {' '.join(cmd)}")
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    errors = open(Path(cfg.out_dir) / "server.log", "w")  # a pipe nobody reads could fill up
+    proc = subprocess.Popen(cmd, env=env, stdout=errors, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + cfg.startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = (Path(cfg.out_dir) / "server.log").read_text()[-2000:]
+            raise RuntimeError(f"the server exited ({proc.returncode}): {tail}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError("the server did not become healthy in time")
+
+
+def server_info(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+        return json.loads(r.read())
+
+
+# ---------------------------------------------------------------------------------------------
+# the clients
+
+
+async def one_request(client, model: str, prompt: str, chat: bool, temperature: float, max_tokens: int,
+                      seed: int, extra: dict) -> RequestResult:
+    t0 = time.perf_counter()
+    kw = dict(model=model, max_tokens=max_tokens, temperature=temperature, stream=True, seed=seed,
+              extra_body=dict(extra, ignore_eos=True), stream_options={"include_usage": True})
+    if chat:
+        stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
+    else:
+        stream = await client.completions.create(prompt=prompt, **kw)
+    first = last = None
+    parts, tokens = [], 0
+    async for chunk in stream:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        piece = c.delta.content if chat else c.text
+        if piece:
+            now = time.perf_counter()
+            first = first if first is not None else now
+            last = now
+            parts.append(piece)
+    end = time.perf_counter()
+    ttft = (first if first is not None else end) - t0
+    tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
+    return RequestResult("".join(parts), tokens, ttft, tpot, end - t0)
+
+
+async def run_level(base_url: str, model: str, cfg: ServeBenchConfig, temperature: float, concurrency: int,
+                    system: str, extra: dict) -> LevelResult:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=600)
+    reqs = prompts(max(cfg.requests, concurrency))
+    results: list[RequestResult | None] = [None] * len(reqs)
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(len(reqs)):
+        queue.put_nowait(i)
+
+    async def worker():
+        while True:
+            try:
+                i = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            prompt, chat = reqs[i]
+            results[i] = await one_request(client, model, prompt, chat, temperature, cfg.max_new_tokens,
+                                           cfg.seed + i, extra)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    done = [r for r in results if r is not None]
+    return LevelResult(system=system, temperature=temperature, concurrency=concurrency,
+                       tokens_per_s=sum(r.tokens for r in done) / wall,
+                       ttft_p50=quantile([r.ttft for r in done], 0.5), ttft_p99=quantile([r.ttft for r in done], 0.99),
+                       tpot_p50=quantile([r.tpot for r in done], 0.5), tpot_p99=quantile([r.tpot for r in done], 0.99),
+                       results=done)
+
+
+def static_chains(order: list[str], target: str, levels: int) -> list[tuple[str, ...]]:
+    from specrouter.router.cost_model import enumerate_chains
+
+    return [c for c in enumerate_chains(order, target, levels) if len(c) > 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
+    from specrouter.models.default_pool import default_pool_paths
+
+    models = list(cfg.models) if cfg.models else [str(p) for p in default_pool_paths()]
+    port = free_port()
+    proc = start_server(cfg, models, port, log)
+    try:
+        info = server_info(port)
+        card = info["data"][0]
+        model, order, target = card["id"], card["specrouter"]["pool"], card["specrouter"]["target"]
+        systems = {"router": {}, "plain": {"specrouter_chain": [target]}}
+        for chain in static_chains(order, target, cfg.static_levels):
+            systems["static " + ">".join(chain)] = {"specrouter_chain": list(chain), "specrouter_k": cfg.k}
+        base = f"http://127.0.0.1:{port}/v1"
+        asyncio.run(run_level(base, model, ServeBenchConfig(requests=1, max_new_tokens=4), 0.0, 1, "warm-up", {}))
+        levels: list[LevelResult] = []
+        mismatches = []
+        for temperature in cfg.temperatures:
+            for c in cfg.concurrency:
+                by_system = {}
+                for name, extra in systems.items():
+                    lv = asyncio.run(run_level(base, model, cfg, temperature, c, name, extra))
+                    levels.append(lv)
+                    by_system[name] = lv
+                    log(f"t={temperature} c={c} {name}: {lv.tokens_per_s:.1f} tok/s, "
+                        f"ttft p50 {lv.ttft_p50 * 1e3:.0f} ms, tpot p99 "
+                        f"{(lv.tpot_p99 or 0) * 1e3:.0f} ms")
+                if temperature == 0.0:
+                    ref = by_system["plain"].results
+                    for name, lv in by_system.items():
+                        for i, (a, b) in enumerate(zip(ref, lv.results)):
+                            if a.text != b.text:
+                                mismatches.append({"system": name, "concurrency": c, "request": i})
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return summarize(cfg, levels, mismatches, models)
+
+
+def summarize(cfg: ServeBenchConfig, levels: list[LevelResult], mismatches: list, models: list[str]) -> dict:
+    rows = []
+    for temperature in cfg.temperatures:
+        for c in cfg.concurrency:
+            here = {lv.system: lv for lv in levels if lv.temperature == temperature and lv.concurrency == c}
+            statics = [lv for name, lv in here.items() if name.startswith("static ")]
+            best = max(statics, key=lambda lv: lv.tokens_per_s) if statics else None
+            router, plain = here["router"], here["plain"]
+            rows.append({
+                "temperature": temperature, "concurrency": c,
+                "router_tps": router.tokens_per_s, "plain_tps": plain.tokens_per_s,
+                "best_static": best.system[len("static "):] if best else None,
+                "best_static_tps": best.tokens_per_s if best else None,
+                "router_vs_plain": router.tokens_per_s / plain.tokens_per_s,
+                "router_tpot_p99": router.tpot_p99, "plain_tpot_p99": plain.tpot_p99,
+                "router_ttft_p50": router.ttft_p50, "plain_ttft_p50": plain.ttft_p50,
+            })
+    ratios = [r["router_vs_plain"] for r in rows]
+    low = [r["router_vs_plain"] for r in rows if r["concurrency"] <= 2]
+    at4 = [r["router_vs_plain"] for r in rows if r["concurrency"] == 4]
+    tpot_ok = all(r["router_tpot_p99"] is None or r["plain_tpot_p99"] is None
+                  or r["router_tpot_p99"] <= r["plain_tpot_p99"] for r in rows)
+    goals = [
+        {"goal": "router >= 0.97x plain at every level (required)", "value": min(ratios), "met": min(ratios) >= 0.97},
+        {"goal": ">= 1.3x plain at concurrency 1-2", "value": min(low) if low else None,
+         "met": bool(low) and min(low) >= 1.3},
+        {"goal": "p99 time per output token no worse than plain", "value": None, "met": tpot_ok},
+        {"goal": "moonshot >= 1.15x plain at concurrency 4", "value": min(at4) if at4 else None,
+         "met": bool(at4) and min(at4) >= 1.15},
+        {"goal": "greedy outputs identical across systems", "value": len(mismatches), "met": not mismatches},
+    ]
+    return {"config": asdict(cfg), "models": models, "load_average": os.getloadavg()[0],
+            "cores": os.cpu_count(), "rows": rows, "goals": goals, "mismatches": mismatches,
+            "levels": [asdict(lv) for lv in levels]}
+
+
+def markdown(result: dict) -> str:
+    def f(x, scale=1.0, d=1):
+        return "-" if x is None else f"{x * scale:.{d}f}"
+
+    lines = ["# specrouter bench --serve", "",
+             f"load average {result['load_average']:.2f} on {result['cores']} cores", "",
+             "| t | concurrency | router tok/s | plain tok/s | router / plain | best static (tok/s) | "
+             "TTFT p50 router / plain (ms) | TPOT p99 router / plain (ms) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['temperature']} | {r['concurrency']} | {f(r['router_tps'])} | {f(r['plain_tps'])} | "
+                     f"{r['router_vs_plain']:.2f}x | {r['best_static']} ({f(r['best_static_tps'])}) | "
+                     f"{f(r['router_ttft_p50'], 1e3, 0)} / {f(r['plain_ttft_p50'], 1e3, 0)} | "
+                     f"{f(r['router_tpot_p99'], 1e3, 0)} / {f(r['plain_tpot_p99'], 1e3, 0)} |")
+    lines += ["", "| goal | value | met |", "| --- | --- | --- |"]
+    for g in result["goals"]:
+        v = "-" if g["value"] is None else (f"{g['value']:.2f}" if isinstance(g["value"], float) else str(g["value"]))
+        lines.append(f"| {g['goal']} | {v} | {'yes' if g['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for t in sorted({r["temperature"] for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["temperature"] == t]
+        cs = [r["concurrency"] for r in rows]
+        for key, label, style in (("router", "router", "-o"), ("plain", "plain", "--s")):
+            axes[0].plot(cs, [r[f"{key}_tps"] for r in rows], style, label=f"{label} t={t}")
+            axes[1].plot(cs, [(r[f"{key}_tpot_p99"] or 0) * 1e3 for r in rows], style, label=f"{label} t={t}")
+        axes[0].plot(cs, [r["best_static_tps"] or 0 for r in rows], ":^", label=f"best static t={t}")
+    axes[0].set(xlabel="concurrent clients", ylabel="tokens/s", xscale="log", title="throughput")
+    axes[1].set(xlabel="concurrent clients", ylabel="ms", xscale="log", title="p99 time per output token")
+    levels = sorted({r["concurrency"] for r in result["rows"]})
+    for ax in axes:
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write(result: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "serve.json", out / "serve.md"]
+    paths[0].write_text(json.dumps(result, indent=1))
+    paths[1].write_text(markdown(result))
+    if plots:
+        paths.append(plot(result, out / "serve.png"))
+    return paths

@@ -1,0 +1,221 @@
+"""One forward per model per step (issue 14): rows on different chains, draft lengths and seeds
+share every model's forward; outputs stay exactly the target's; seeded requests are
+reproducible whatever the router does and equal plain decoding with the same seed; the router
+plans the batch (plain decoding when the cost surface makes batching win)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from test_engine_sampling import PARAMS, PROMPT, V, target_joint  # noqa: F401
+from test_engine_sampling import pool as v8_pool  # noqa: F401
+from test_router_engine import RandomRouter
+
+from specrouter.config import RouterConfig, SamplingParams
+from specrouter.decoding import executor as executor_module
+from specrouter.engine.engine import Engine
+from specrouter.models.pool import Pool
+from specrouter.router.policy import Router, RowContext
+from specrouter.router.profile import CostProfile
+
+
+class CountingRunner:
+    """Wraps a runner; counts forwards (every other attribute is the wrapped runner's)."""
+
+    def __init__(self, inner, counts: Counter):
+        self.__dict__["_inner"], self.__dict__["_counts"] = inner, counts
+
+    def forward(self, batch):
+        self._counts[self._inner.name] += 1
+        return self._inner.forward(batch)
+
+    def __getattr__(self, attr):
+        return getattr(self._inner, attr)
+
+    def __setattr__(self, attr, value):
+        setattr(self._inner, attr, value)
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_pool_dirs):
+    d = tiny_pool_dirs
+    names = ["draft", "mid", "target"]
+    return Pool.load([d[n] for n in names], names=names, target="target", dtype="float64")
+
+
+def counting(pool) -> tuple[Pool, Counter]:
+    counts: Counter = Counter()
+    runners = {n: CountingRunner(r, counts) for n, r in pool.runners.items()}
+    return Pool(runners=runners, drafters=pool.drafters, order=pool.order, target=pool.target,
+                tokenizer=pool.tokenizer, eos_ids=pool.eos_ids, vocab_width=pool.vocab_width), counts
+
+
+def alone(pool, prompt, n, params=None):
+    params = params or SamplingParams(max_new_tokens=n, ignore_eos=True)
+    return Engine(pool).generate_ids([prompt], [params], chain=("target",))[0].output_ids
+
+
+def prompts_of(n, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (4 + 3 * i,), generator=g).tolist() for i in range(n)]
+
+
+def test_three_chains_one_forward_per_model(pool):
+    """Rows on [ngram, target], [draft, target], [ngram, draft, mid, target] and plain: each model
+    runs exactly once per step (k = 1); longer drafts add only one-token draft steps."""
+    cpool, counts = counting(pool)
+    proposals = Counter()
+    ngram = cpool.drafters["ngram"]
+    propose = ngram.propose
+    ngram.propose = lambda *a, **kw: (proposals.update(["ngram"]), propose(*a, **kw))[1]
+    try:
+        eng = Engine(cpool)
+        eng.reserve(4, 64)
+        chains = [("ngram", "target"), ("draft", "target"), ("ngram", "draft", "mid", "target"), ("target",)]
+        p = SamplingParams(max_new_tokens=8, ignore_eos=True)
+        seqs = [eng.add_request(pr, p, chain=c, k=1) for pr, c in zip(prompts_of(4), chains)]
+        eng.step()
+        assert dict(counts) == {"draft": 1, "mid": 1, "target": 1} and proposals["ngram"] == 1
+        while eng.has_unfinished():
+            eng.step()
+        for s, pr in zip(seqs, prompts_of(4)):
+            assert s.output_ids == alone(pool, pr, 8)
+        counts.clear()
+        eng2 = Engine(cpool)
+        eng2.reserve(3, 64)
+        for pr, c, k in zip(prompts_of(3), [("draft", "target"), ("draft", "mid", "target"), ("mid", "target")], (4, 2, 3)):
+            eng2.add_request(pr, p, chain=c, k=k)
+        eng2.step()
+        # draft: one shared forward + 3 more steps (k = 4); mid verifies one row and drafts
+        # another in ONE forward, + 2 more steps (k = 3); the target once
+        assert dict(counts) == {"draft": 4, "mid": 3, "target": 1}
+        while eng2.has_unfinished():
+            eng2.step()
+    finally:
+        ngram.propose = propose
+
+
+def test_greedy_exact_with_mixed_chains_and_ks_in_one_batch(pool):
+    chains = [("draft", "target"), ("ngram", "mid", "target"), ("target",), ("draft", "mid", "target"),
+              ("ngram", "target"), ("mid", "target"), ("ngram", "draft", "mid", "target")]
+    prompts = prompts_of(len(chains), seed=5)
+    eng = Engine(pool)
+    eng.reserve(len(chains), 64)
+    seqs = [eng.add_request(pr, SamplingParams(max_new_tokens=10 + i, ignore_eos=True), chain=c, k=1 + i % 5)
+            for i, (pr, c) in enumerate(zip(prompts, chains))]
+    while eng.has_unfinished():
+        eng.step()
+    for i, (s, pr) in enumerate(zip(seqs, prompts)):
+        assert s.output_ids == alone(pool, pr, 10 + i), chains[i]
+
+
+def test_seeded_request_reproducible_whatever_the_router_does(pool):
+    """A seeded sampling request: the same output alone, among other requests, with chains and
+    k switching at random every cycle, and pinned to plain decoding of the target."""
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=16, seed=1234, ignore_eos=True)
+    prompt = prompts_of(1, seed=9)[0]
+    plain = Engine(pool).generate_ids([prompt], [params], chain=("target",))[0].output_ids
+    others = prompts_of(5, seed=10)
+    outputs = []
+    for router_seed, crowd in ((0, 0), (1, 2), (2, 5)):
+        eng = Engine(pool, router=RandomRouter(pool, seed=router_seed))
+        eng.reserve(6, 64)
+        rows = [eng.add_request(pr, SamplingParams(temperature=0.7, max_new_tokens=12, ignore_eos=True))
+                for pr in others[:crowd]]
+        seq = eng.add_request(prompt, params)
+        rows.append(seq)
+        while eng.has_unfinished():
+            eng.step()
+        outputs.append(seq.output_ids)
+        assert sum(seq.stats.chains.values()) >= 2
+    assert all(o == plain for o in outputs), (plain, outputs)
+    other_seed = Engine(pool).generate_ids([prompt], [SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=16,
+                                                                    seed=99, ignore_eos=True)], chain=("target",))
+    assert other_seed[0].output_ids != plain
+
+
+def joint_of(seqs) -> torch.Tensor:
+    out = torch.tensor([s.output_ids for s in seqs])  # (rows, 2)
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    counts.index_put_((out[:, 0], out[:, 1]), torch.ones(len(seqs), dtype=torch.float64), accumulate=True)
+    return counts / len(seqs)
+
+
+def mixed_batch(v8_pool, rows: int) -> list:
+    """`rows` rows of the same prompt, each with its own seed, on three chains in one batch."""
+    eng = Engine(v8_pool)
+    eng.reserve(rows, 16)
+    chains = [(("draft", "target"), 3), (("draft", "mid", "target"), 2), (("target",), 0), (("mid", "target"), 1)]
+    seqs = []
+    for i in range(rows):
+        chain, k = chains[i % len(chains)]
+        p = SamplingParams(temperature=PARAMS.temperature, top_p=PARAMS.top_p, max_new_tokens=2,
+                           ignore_eos=True, seed=10_000 + i)
+        seqs.append(eng.add_request(PROMPT, p, chain=chain, k=max(k, 1)))
+    while eng.has_unfinished():
+        eng.step()
+    return seqs
+
+
+def test_per_row_seeds_in_one_batch_keep_the_distribution(v8_pool):
+    exact = target_joint(v8_pool)
+    seqs = mixed_batch(v8_pool, 40_000)
+    tv = 0.5 * (joint_of(seqs) - exact).abs().sum().item()
+    assert tv < 0.025, tv  # 64 outcomes, 40k draws: noise alone ~0.015
+    assert sum(s.stats.cycles for s in seqs) < 2 * len(seqs)  # drafts were used
+
+
+def test_negative_control_noise_without_position(v8_pool, monkeypatch):
+    """Noise keyed by the seed only (the same at every position): tokens are no longer
+    independent across positions, and the same test must fail."""
+    real = executor_module.position_keys
+    monkeypatch.setattr(executor_module, "position_keys", lambda seeds, positions: real(seeds, positions * 0))
+    exact = target_joint(v8_pool)
+    seqs = mixed_batch(v8_pool, 40_000)
+    tv = 0.5 * (joint_of(seqs) - exact).abs().sum().item()
+    assert tv > 0.05, tv
+
+
+# ----------------------------------------------------------------------------- batch planning
+
+
+def scripted_router(target_cost, draft_cost=lambda b, t, L: 0.0005) -> Router:
+    prof = CostProfile()
+    grid = dict(batch_sizes=(1, 4, 8), new_tokens=(1, 2, 4, 8, 16), context_lengths=(128, 1024))
+    prof.set_function("target", target_cost, **grid)
+    prof.set_function("draft", draft_cost, **grid)
+    router = Router(["draft", "target"], "target", prof, config=RouterConfig(probe_fraction=0.0),
+                    timer=lambda: 0.0)  # decide() time off the clock: the test is about costs
+    for _ in range(50):  # the pair accepts 80%
+        router.similarity.observe_acceptance(("draft", "target"), "greedy", 4, 1)
+    return router
+
+
+def rows_of(n):
+    return [RowContext(seq_id=i, context_len=200, batch_size=n, greedy=True, remaining=64) for i in range(n)]
+
+
+def test_router_plans_plain_when_batching_wins():
+    """Flat in rows, steep in tokens per row from 2 rows on (a compute-bound target): one row
+    speculates, eight rows decode plainly."""
+    def target(b, t, L):
+        return 0.040 if b == 1 else 0.040 + 0.020 * (t - 1) * b / 4
+
+    router = scripted_router(target)
+    single = router.plan_batch(rows_of(1))
+    assert single[0].k > 0 and single[0].chain == ("draft", "target")
+    eight = router.plan_batch(rows_of(8))
+    assert all(d.chain == ("target",) and d.k == 0 for d in eight), eight
+
+
+def test_router_speculates_when_forwards_stay_flat():
+    """A forward that costs the same for every rows x tokens up to the grid (memory bound):
+    speculation is free, every row speculates."""
+    router = scripted_router(lambda b, t, L: 0.040)
+    eight = router.plan_batch(rows_of(8))
+    assert all(d.chain == ("draft", "target") and d.k > 1 for d in eight), eight
+    plain_step = router.step_seconds([(("target",), 0)] * 8, 200)
+    spec_step = router.step_seconds([(d.chain, d.k) for d in eight], 200)
+    assert spec_step > plain_step  # drafting costs something; the tokens pay for it
