@@ -58,7 +58,10 @@ def test_bench_writes_consistent_json_markdown_and_pngs(bench_out):
         assert r["specrouter/oracle"] == tps["SpecRouter"] / s["oracle"]["tokens_per_second"]
         static = {n: t for n, t in tps.items() if systems[n]["kind"] in ("static", "target-only")}
         assert s["best_static"]["tokens_per_second"] == max(static.values())
-        assert s["best_three_level"]["system"] == "ngram>draft>target k=4"
+        assert s["best_three_level"]["system"] in ("ngram>draft>target k=4", "suffix>draft>target k=4")
+        # SpecRouter also ran without the suffix drafter, side by side
+        assert r["specrouter/no_suffix"] == tps["SpecRouter"] / tps["SpecRouter (no suffix)"]
+        assert s["suffix"]["proposals"] > 0 and s["suffix"]["bytes"] > 0
         if s["greedy"]:  # same tokens everywhere: the per-request oracle is at least the best static
             assert s["oracle"]["tokens_per_second"] >= max(static.values())
             assert len({e["tokens"] for e in systems.values()}) == 1

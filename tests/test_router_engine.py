@@ -24,7 +24,8 @@ class RandomRouter:
 
     def __init__(self, pool, seed=0):
         self.rng = random.Random(seed)
-        self.chains = [c for c in enumerate_chains(pool.order, pool.target, max_levels=4)]
+        self.chains = [c for c in enumerate_chains(pool.order, pool.target, max_levels=4)
+                       if not any(m in pool.drafters for m in c[1:])]  # a model-free drafter only first
         self.decisions = 0
 
     def decide(self, row):

@@ -160,7 +160,7 @@ def test_pinned_chain_k_and_seeded_sampling(client, ref_pool):
 def test_models_health_metrics(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["target"]
-    assert models.data[0].model_extra["specrouter"]["pool"] == ["ngram", "draft", "mid", "target"]
+    assert models.data[0].model_extra["specrouter"]["pool"] == ["ngram", "suffix", "draft", "mid", "target"]
     status, _, health = raw(server, "GET", "/health")
     assert status == 200 and health["status"] == "ok" and health["failed_models"] == []
     status, headers, text = raw(server, "GET", "/metrics")

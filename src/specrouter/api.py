@@ -46,20 +46,23 @@ class SpecRouter:
         backend: str = "auto",
         dtype: str | torch.dtype = "float32",
         ngram: bool = True,
+        suffix: bool = True,
         trust_remote_code: bool = False,
         progress: bool = False,
         adaptive: bool = True,
         profile_path: str | Path | None = None,
     ) -> "SpecRouter":
-        """Load a pool: HF checkpoint directories or .gguf files, plus "ngram" for the
-        model-free drafter (added by default). `target` (name or path) defaults to the largest
+        """Load a pool: HF checkpoint directories or .gguf files, plus the model-free drafters
+        "ngram" (prompt lookup) and "suffix" (suffix decoding, learns across requests), both
+        added by default (`ngram=False` / `suffix=False` leave them out). `target` (name or path) defaults to the largest
         model. Raises CheckpointError / VocabularyMismatchError with a clear message.
 
         With `adaptive` (default) the router picks each request's chain and draft length every
         cycle; it needs this machine's cost profile of the pool's models, measured by a short
         sweep the first time (persisted under the cache dir, or `profile_path`)."""
         pool = Pool.load(list(paths), target=target, names=names, backend=backend, dtype=dtype,
-                         ngram=ngram, trust_remote_code=trust_remote_code, progress=progress)
+                         ngram=ngram, suffix=suffix, trust_remote_code=trust_remote_code,
+                         progress=progress)
         router = None
         if adaptive and len(pool.order) > 1:
             from specrouter.router.setup import build_router

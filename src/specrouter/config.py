@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from specrouter.errors import SamplingParamsError
 
 MAX_DRAFT_LENGTH = 16  # k is searched in 1..MAX_DRAFT_LENGTH by the router
+SUFFIX_SCOPES = ("shared", "api-key")  # ServerConfig.suffix_scope
 # A temperature below this is greedy decoding (stored as 0.0). Dividing logits by a tiny
 # temperature overflows (1e-39 turns them into inf and the softmax into NaN), and a sampled
 # distribution that sharp is the argmax anyway; vLLM uses the same threshold (_SAMPLING_EPS).
@@ -208,12 +209,19 @@ class ServerConfig:
     retry_after_s: int = 1  # Retry-After of a 429
     seed: int | None = None  # seed of the engine's random stream (unseeded sampling requests)
     adaptive: bool = True  # the router picks chain and k per request (unless a chain is pinned)
+    # whose earlier requests a learning drafter (suffix) drafts from: "shared" (every request's),
+    # or "api-key": only those sent with the same Authorization header value (a tenant is the
+    # SHA-256 of that value; requests without one form one anonymous tenant). The router's
+    # acceptance rates (aggregate numbers, no text) stay shared.
+    suffix_scope: str = "shared"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "k", "max_queue", "max_body_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.suffix_scope not in SUFFIX_SCOPES:
+            raise ValueError(f"suffix_scope must be one of {SUFFIX_SCOPES}, got {self.suffix_scope!r}")
         if self.allowed_hosts is not None and (
                 isinstance(self.allowed_hosts, str)
                 or not all(isinstance(h, str) and h for h in self.allowed_hosts)):

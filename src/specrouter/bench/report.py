@@ -56,11 +56,35 @@ def evaluate_goals(result: dict) -> list[dict]:
     worst = min(scenarios, key=lambda s: s["ratios"]["specrouter/target_only"] or math.inf)
     goals.append(_goal("SpecRouter never below 0.95x target-only on any workload",
                        f"worst: {worst['name']}", worst["ratios"]["specrouter/target_only"], 0.95))
+    goals += suffix_goals(scenarios)
     goals += peer_goals(result)
     checked = sum(len(s["requests"]) for s in scenarios if s["greedy"])
     goals.append({"goal": "greedy outputs identical to target-only (static chains, SpecRouter)",
                   "scope": f"{checked} greedy requests checked; the bench stops at the first difference",
                   "value": None, "threshold": None, "met": True})
+    return goals
+
+
+def suffix_goals(scenarios: list[dict]) -> list[dict]:
+    """Issue 13's goals, where SpecRouter also ran without the suffix drafter: on the templated
+    workload >= 2x target-only and >= 1.3x SpecRouter without it; exact retries >= 2.5x
+    target-only; no other workload below 0.98x SpecRouter without it."""
+    goals = []
+    for s in scenarios:
+        if s["ratios"].get("specrouter/no_suffix") is None:
+            continue
+        if s["workload"] == "templated":
+            goals.append(_goal("suffix: SpecRouter >= 2x target-only on the templated workload", s["name"],
+                               s["ratios"]["specrouter/target_only"], 2.0))
+            goals.append(_goal("suffix: SpecRouter >= 1.3x SpecRouter without the suffix drafter",
+                               s["name"], s["ratios"]["specrouter/no_suffix"], 1.3))
+            retry = s["tokens_per_second_by_kind"].get("retry")
+            if retry and retry.get(TARGET_ONLY):
+                goals.append(_goal("suffix: an exactly repeated request >= 2.5x target-only",
+                                   f"{s['name']}: the retry requests", retry[ADAPTIVE] / retry[TARGET_ONLY], 2.5))
+        else:
+            goals.append(_goal("suffix: no other workload slower than without it (>= 0.98x)", s["name"],
+                               s["ratios"]["specrouter/no_suffix"], 0.98))
     return goals
 
 
@@ -157,11 +181,11 @@ def summary_table(result: dict) -> list[str]:
             f"{_f(three['tokens_per_second'])} ({three['system']})" if three else "n/a",
             _f(s["oracle"]["tokens_per_second"]), _f(t.get(ADAPTIVE)),
             _x(r["specrouter/target_only"]), _x(r["specrouter/best_static"]), _x(r["specrouter/oracle"]),
-            _x(r["specrouter/hf_assisted"]),
+            _x(r["specrouter/hf_assisted"]), _x(r.get("specrouter/no_suffix")),
         ])
     return _table(["scenario", "target-only", "HF generate", "HF assisted", "best static (chain, k)",
                    "best 3-level", "oracle", "SpecRouter", "SR / target-only", "SR / best static",
-                   "SR / oracle", "SR / HF assisted"], rows)
+                   "SR / oracle", "SR / HF assisted", "SR / SR without suffix"], rows)
 
 
 def peer_table(result: dict) -> list[str]:
@@ -220,6 +244,11 @@ def scenario_section(s: dict) -> list[str]:
                  _x(o["tokens_per_second"] / base if base else None), "-", "", ""])
     lines += _table(["system", "tokens/s", "/ target-only", "acceptance per level",
                      "mean acceptance length", "SpecRouter cycles per chain"], rows)
+    sfx = s.get("suffix")
+    if sfx:
+        lines += ["", f"SpecRouter's suffix drafter at the end: {sfx['tokens']} tokens of {sfx['requests']} "
+                      f"earlier requests, {sfx['bytes'] / 1024:.0f} KiB, {sfx['evicted_requests']} evicted; "
+                      f"{sfx['proposals']} row proposals, {_f(sfx['us_per_proposal'])} us each."]
     mism = [(r["index"], n, d) for r in s["requests"] for n, d in (r.get("mismatches") or {}).items()]
     if mism:
         lines += ["", "Transformers baselines differing from target-only greedy (reported, not fatal; "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specrouter.bench.slowdown import Slowdown
-from specrouter.bench.summary import chain_label, summarize
+from specrouter.bench.summary import NO_SUFFIX, chain_label, summarize
 from specrouter.bench.systems import (
     AdaptiveSystem,
     Decoding,
@@ -41,6 +41,7 @@ from specrouter.bench.workloads import (
 )
 from specrouter.config import MAX_DRAFT_LENGTH
 from specrouter.errors import SpecRouterError
+from specrouter.models.pool import SUFFIX
 
 
 class GreedyMismatchError(SpecRouterError):
@@ -51,7 +52,7 @@ class GreedyMismatchError(SpecRouterError):
 class BenchConfig:
     """What `specrouter bench` runs (the CLI flags map one to one)."""
 
-    models: tuple[str, ...] | None = None  # pool paths ("ngram" is added); None: the embedded default pool
+    models: tuple[str, ...] | None = None  # pool paths ("ngram" and "suffix" are added); None: the embedded default pool
     target: str | None = None  # target name or path (default: the largest model)
     dtype: str = "float32"  # of every model, native and transformers
     workloads: tuple[str, ...] = ("code", "prose", "chat", "extraction", "mixed")
@@ -76,13 +77,14 @@ class BenchConfig:
     plots: bool = True  # write PNGs (needs matplotlib)
     out_dir: str = "bench-out"
     quick: bool = False  # set by `quick_preset` (recorded in the output)
+    suffix: bool = True  # the pool has the suffix drafter; SpecRouter also runs without it, side by side
 
     def __post_init__(self) -> None:
         if self.hf not in ("all", "greedy", "none"):
             raise ValueError(f"hf must be 'all', 'greedy' or 'none', got {self.hf!r}")
-        unknown = [w for w in self.workloads if w != "mixed" and w not in KINDS]
+        unknown = [w for w in self.workloads if w not in ("mixed", "templated") and w not in KINDS]
         if unknown or not self.workloads:
-            raise ValueError(f"unknown workloads {unknown}; use some of {KINDS + ('mixed',)}")
+            raise ValueError(f"unknown workloads {unknown}; use some of {KINDS + ('mixed', 'templated')}")
         if not self.ks or any(not 1 <= k <= MAX_DRAFT_LENGTH for k in self.ks):
             raise ValueError(f"ks must be draft lengths in 1..{MAX_DRAFT_LENGTH}, got {self.ks}")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
@@ -152,6 +154,7 @@ class Harness:
     assistant: str | None  # pool name of the assistant draft
     encoded: dict[Request, list[int]]
     peers_missing: list[str] = dataclasses.field(default_factory=list)  # peer rows left out, and why
+    ablation: AdaptiveSystem | None = None  # SpecRouter without the suffix drafter
 
 
 def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
@@ -165,7 +168,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
 
         paths = default_pool_paths(progress=progress)
     sr = SpecRouter.from_pretrained(paths, target=cfg.target, dtype=cfg.dtype, adaptive=False,
-                                    progress=progress)
+                                    suffix=cfg.suffix, progress=progress)
     pool = sr.pool
     aliases = model_aliases(pool)
     drafts = [n for n in pool.order if n in pool.runners and n != pool.target]
@@ -177,10 +180,18 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
             continue
         for k in (cfg.ks if len(chain) > 1 else (None,)):
             label = "target-only" if len(chain) == 1 else chain_label(chain, aliases, k)
-            systems.append(NativeSystem(sr, label, chain, k))
+            systems.append(NativeSystem(pool, label, chain, k))
     target_only = systems[0]
-    adaptive = AdaptiveSystem(pool, "SpecRouter", profile_path=cfg.profile_path, progress=progress)
+    from specrouter.router.setup import load_or_sweep_profile
+
+    profile = load_or_sweep_profile(pool, path=cfg.profile_path, progress=progress)  # once per run
+    adaptive = AdaptiveSystem(pool, "SpecRouter", profile_path=cfg.profile_path, progress=progress,
+                              profile=profile)
     systems.append(adaptive)
+    ablation = None
+    if SUFFIX in pool.drafters:
+        ablation = AdaptiveSystem(pool.without_drafters([SUFFIX]), NO_SUFFIX, profile=profile)
+        systems.append(ablation)
 
     hf_models: dict = {}
     assistant = _resolve(pool, aliases, cfg.hf_assistant, drafts[-1] if drafts else None)
@@ -218,7 +229,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
                                             n_ctx=need + 8, draft=drafts[-1] if drafts else None, log=log)
         systems += peers
     return Harness(pool, aliases, systems, adaptive, target_only, hf_models, assistant, encoded,
-                   peers_missing)
+                   peers_missing, ablation)
 
 
 def warm_up(h: Harness, ids: list[int]) -> None:
@@ -280,6 +291,9 @@ def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown 
                        "k": int(ev.k), "reason": ev.reason, "t_eff": float(ev.t_eff)})
 
     h.adaptive.reset(on_decision)
+    for s in h.systems:  # each scenario starts with nothing learned (suffix drafter)
+        if s is not h.adaptive:
+            s.reset()
     systems = [s for s in h.systems if _runs_in(s, sc)]
     requests = []
     for i, req in enumerate(sc.workload.requests):
@@ -308,6 +322,11 @@ def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown 
         requests.append(record)
     out = summarize(sc, systems, requests, events, aliases=h.aliases,
                     reference=h.target_only.name, adaptive=h.adaptive.name)
+    suffix = h.adaptive.sr.pool.drafters.get(SUFFIX) if h.adaptive.sr is not None else None
+    if suffix is not None:  # memory and per-proposal cost of what SpecRouter learned
+        mem = dataclasses.asdict(suffix.memory())
+        mem["us_per_proposal"] = 1e6 * mem["propose_seconds"] / mem["proposals"] if mem["proposals"] else None
+        out["suffix"] = mem
     if out["slowdown"] is not None and slowdown is not None:
         out["slowdown"].update(slowdown_shares(events, h.aliases[slowdown.model], sc.slowdown_start),
                                model=h.aliases[slowdown.model], factor=slowdown.factor)

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from specrouter.bench.systems import System
 
 
+NO_SUFFIX = "SpecRouter (no suffix)"  # the same router over the pool without the suffix drafter
+
+
 def chain_label(chain: tuple[str, ...], aliases: dict[str, str], k: int | None = None) -> str:
     label = ">".join(aliases.get(m, m) for m in chain)
     return label + (f" k={k}" if k and len(chain) > 1 else "")
@@ -158,6 +161,7 @@ def _ratios(tps: dict[str, float], sr: float | None, reference: str, best_static
         "specrouter/best_static": _ratio(sr, tps[best_static]),
         "specrouter/oracle": _ratio(sr, oracle_tps),
         "specrouter/best_three_level": _ratio(sr, tps[best_three]) if best_three else None,
+        "specrouter/no_suffix": _ratio(sr, tps.get(NO_SUFFIX)),
         "specrouter/hf_generate": _ratio(sr, hf_gen),
         "specrouter/hf_assisted": _ratio(sr, hf_asst),
         "hf_generate/target_only": _ratio(hf_gen, tps[reference]),

@@ -48,7 +48,8 @@ class Outcome:
 
 
 class System:
-    """A benchmarked system: a name for tables and `run(prompt_ids, decoding) -> Outcome`."""
+    """A benchmarked system: a name for tables and `run(prompt_ids, decoding) -> Outcome`;
+    `reset()` forgets what it learned (per scenario)."""
 
     name: str  # label in tables and plots
     kind: str  # target-only | static | adaptive | hf-generate | hf-assisted
@@ -59,13 +60,21 @@ class System:
     def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
         raise NotImplementedError
 
+    def reset(self) -> None:
+        pass
+
 
 class NativeSystem(System):
-    """Target-only or a static chain at a fixed k, through the engine without a router."""
+    """Target-only or a static chain at a fixed k, through the engine without a router. Its
+    learning drafters (suffix) are its own: it learns only from the requests it served."""
 
-    def __init__(self, sr: SpecRouter, name: str, chain: tuple[str, ...], k: int | None):
-        self.sr, self.name, self.chain, self.k = sr, name, tuple(chain), k
+    def __init__(self, pool, name: str, chain: tuple[str, ...], k: int | None):
+        self.pool, self.name, self.chain, self.k = pool, name, tuple(chain), k
         self.kind = "target-only" if len(self.chain) == 1 else "static"
+        self.reset()
+
+    def reset(self) -> None:
+        self.sr = SpecRouter(self.pool.with_fresh_drafters())
 
     def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
         t0 = time.perf_counter()
@@ -76,23 +85,29 @@ class NativeSystem(System):
 
 
 class AdaptiveSystem(System):
-    """SpecRouter adaptive. `reset(on_decision)` gives it a fresh router (call it per scenario);
-    `on_decision` receives every `DecisionEvent`."""
+    """SpecRouter adaptive. `reset(on_decision)` gives it a fresh router and fresh learning
+    drafters (call it per scenario); `on_decision` receives every `DecisionEvent`."""
 
     kind = "adaptive"
 
     def __init__(self, pool, name: str = "SpecRouter", *, profile_path: str | Path | None = None,
-                 progress: bool = True):
+                 progress: bool = True, profile=None):
         self.pool, self.name = pool, name
         self.profile_path, self.progress = profile_path, progress
+        self.profile = profile  # the cost profile every reset starts from (None: loaded at the first)
         self.sr: SpecRouter | None = None
 
     def reset(self, on_decision=None) -> None:
-        from specrouter.router.setup import build_router
+        import copy
 
-        router = build_router(self.pool, profile_path=self.profile_path, progress=self.progress,
-                              on_decision=on_decision)
-        self.sr = SpecRouter(self.pool, router)
+        from specrouter.router.policy import Router
+        from specrouter.router.setup import load_or_sweep_profile
+
+        if self.profile is None:  # loaded (or swept) once: not again per scenario on busy cores
+            self.profile = load_or_sweep_profile(self.pool, path=self.profile_path, progress=self.progress)
+        pool = self.pool.with_fresh_drafters()
+        router = Router.from_pool(pool, copy.deepcopy(self.profile), on_decision=on_decision)
+        self.sr = SpecRouter(pool, router)
 
     def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
         if self.sr is None:

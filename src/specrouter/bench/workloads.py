@@ -10,6 +10,12 @@ Request types (`KINDS`), each a different regime for speculation:
 
 The lists are ordered: `--prompts-per-type n` takes the first n of each, so a quick run uses the
 most typical prompt of every type.
+
+The templated stream (`templated_stream`, workload "templated") is traffic that repeats itself
+ACROSS requests, where a drafter that learns from earlier requests (suffix) gains and one that
+looks only at the row's own context (n-gram) cannot: the same extraction task over different
+records ("template"), the same tool-call instruction with different arguments ("tool"), and
+exact retries of earlier requests ("retry"), interleaved, retries last.
 """
 
 from __future__ import annotations
@@ -59,6 +65,32 @@ EXTRACTION = [
     "Convert this list to a JSON array of strings: red, green, blue, yellow, purple, orange, "
     "black, white.",
 ]
+TEMPLATE = (
+    "Extract the person's name, age, city and job from the record below. Answer with one JSON "
+    "object with the keys \"name\", \"age\", \"city\" and \"job\", and nothing else.\n\nRecord: {}"
+)
+RECORDS = [
+    "Maria Lopez is a 34 year old nurse who lives in Madrid.",
+    "Tom Becker, 52, works as a carpenter in Hamburg.",
+    "Aiko Tanaka (age 27) is a software engineer based in Osaka.",
+    "Living in Lyon, 45-year-old teacher Claire Martin loves hiking.",
+    "Rahul Mehta is 39. He is a doctor in Mumbai.",
+    "The baker Sven Olsen, aged 61, has a shop in Oslo.",
+    "Lucia Rossi, a 23 year old student, lives in Rome.",
+]
+TOOL = (
+    "You are an assistant that answers only by calling a tool. The only tool is get_weather. "
+    "Reply with exactly one line of JSON of the form {{\"tool\": \"get_weather\", \"arguments\": "
+    "{{\"city\": ..., \"unit\": \"celsius\"}}}}.\n\nUser: {}"
+)
+TOOL_ASKS = [
+    "What is the weather like in Paris today?",
+    "Is it raining in Berlin right now?",
+    "How warm is it in Cairo?",
+    "Tell me the temperature in Toronto.",
+    "Do I need a coat in Warsaw today?",
+    "What's the weather in Lima?",
+]
 PROMPTS = {"code": CODE, "prose": PROSE, "chat": CHAT, "extraction": EXTRACTION}
 CHAT_KINDS = frozenset({"chat", "extraction"})  # sent through the target's chat template
 
@@ -67,7 +99,7 @@ CHAT_KINDS = frozenset({"chat", "extraction"})  # sent through the target's chat
 class Request:
     """One benchmark request."""
 
-    kind: str  # code | prose | chat | extraction
+    kind: str  # code | prose | chat | extraction | template | tool | retry
     prompt: str  # raw text, or the user message of a chat request
     chat: bool  # wrap `prompt` in the target's chat template
 
@@ -76,7 +108,7 @@ class Request:
 class Workload:
     """A named, ordered list of requests."""
 
-    name: str  # a kind, or "mixed"
+    name: str  # a kind, "mixed" or "templated"
     requests: tuple[Request, ...]
 
 
@@ -88,6 +120,17 @@ def requests_of(kind: str, n: int) -> list[Request]:
     if not 1 <= n <= len(prompts):
         raise ValueError(f"prompts per type must be in 1..{len(prompts)}, got {n}")
     return [Request(kind, p, kind in CHAT_KINDS) for p in prompts[:n]]
+
+
+def templated_stream(n: int) -> list[Request]:
+    """`n` + 1 extraction records and `n` tool calls through one template each, alternating, then
+    exact retries of the first two requests (chat template; see the module docstring)."""
+    if not 1 <= n <= len(TOOL_ASKS):
+        raise ValueError(f"prompts per type must be in 1..{len(TOOL_ASKS)}, got {n}")
+    records = [Request("template", TEMPLATE.format(r), True) for r in RECORDS[: n + 1]]
+    tools = [Request("tool", TOOL.format(a), True) for a in TOOL_ASKS[:n]]
+    out = [r for pair in zip(records, tools) for r in pair] + records[n:]
+    return out + [Request("retry", r.prompt, True) for r in out[:2]]
 
 
 def mixed_stream(n: int, block: int = 2, kinds: tuple[str, ...] = MIXED_ORDER) -> list[Request]:
@@ -114,6 +157,8 @@ def build_workloads(names: tuple[str, ...], n: int, block: int = 2, repeat: int 
     for name in names:
         if name == "mixed":
             reqs = mixed_stream(n, block, kinds)
+        elif name == "templated":
+            reqs = templated_stream(n)
         else:
             reqs = requests_of(name, n)
         out.append(Workload(name, tuple(reqs) * repeat))

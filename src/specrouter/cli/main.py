@@ -33,7 +33,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     paths = list(args.models)
     sr = SpecRouter.from_pretrained(paths, target=args.target, backend=args.backend,
-                                    dtype=args.dtype, ngram=not args.no_ngram, progress=True,
+                                    dtype=args.dtype, ngram=not args.no_ngram, suffix=not args.no_suffix,
+                                    progress=True,
                                     adaptive=not args.static and not args.chain)
     print(f"pool (cheapest first): {' < '.join(sr.pool.order)}; target: {sr.pool.target}",
           file=sys.stderr)
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float64")
     g.add_argument("--backend", default="auto", help="auto | native | hf")
     g.add_argument("--no-ngram", action="store_true", help="do not add the n-gram drafter")
+    g.add_argument("--no-suffix", action="store_true", help="do not add the suffix drafter")
     g.add_argument("--compare", action="store_true", help="also run target-only and print the speedup")
     _add_sampling(g)
     g.set_defaults(func=cmd_generate)

@@ -13,6 +13,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from specrouter.router.setup import load_or_sweep_profile
 
     pool = Pool.load(list(args.models), target=args.target, dtype=args.dtype, ngram=not args.no_ngram,
+                     suffix=not args.no_suffix,
                      progress=True)
     profile = load_or_sweep_profile(pool, path=args.profile_path, force=args.force, progress=True)
     names = pool.order
@@ -37,6 +38,7 @@ def register(sub) -> None:
     p.add_argument("--target", default=None, help="target name or path (default: the largest)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-ngram", action="store_true", help="leave the n-gram drafter out")
+    p.add_argument("--no-suffix", action="store_true", help="leave the suffix drafter out")
     p.add_argument("--force", action="store_true", help="sweep again even if a profile exists")
     p.add_argument("--profile-path", default=None, help="profile file (default: the cache dir)")
     p.add_argument("--batch", type=int, default=1, help="batch rows for the table")

@@ -11,6 +11,8 @@ import logging
 import os
 import sys
 
+from specrouter.config import SUFFIX_SCOPES
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
@@ -42,12 +44,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, seed=args.seed,
         adaptive=not args.static, metrics_auth=args.metrics_auth,
         allowed_hosts=tuple(args.allowed_hosts) if args.allowed_hosts else None,
+        suffix_scope=args.suffix_scope,
     )
     if args.ray:
         return _serve_ray(args, config)
     # trust_remote_code is never enabled by the server
     pool = Pool.load(list(args.models), target=args.target, backend=args.backend, dtype=args.dtype,
-                     ngram=not args.no_ngram, trust_remote_code=False, progress=True)
+                     ngram=not args.no_ngram, suffix=not args.no_suffix, trust_remote_code=False,
+                     progress=True)
     print(f"pool (cheapest first): {' < '.join(pool.order)}; target: {pool.target}",
           file=sys.stderr)
     app = create_app(pool, config)
@@ -61,7 +65,7 @@ def ray_configs(args: argparse.Namespace):
     from specrouter.server.ray_serve import PoolSpec, RayServeConfig
 
     pool_spec = PoolSpec(paths=tuple(args.models), target=args.target, backend=args.backend,
-                         dtype=args.dtype, ngram=not args.no_ngram)
+                         dtype=args.dtype, ngram=not args.no_ngram, suffix=not args.no_suffix)
     ray_config = RayServeConfig(
         num_replicas=args.ray_replicas, autoscaling=args.ray_autoscaling,
         num_cpus=args.ray_num_cpus, num_gpus=args.ray_num_gpus,
@@ -135,6 +139,12 @@ def register(sub) -> None:
     s.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float64")
     s.add_argument("--backend", default="auto", help="auto | native | hf")
     s.add_argument("--no-ngram", action="store_true", help="do not add the n-gram drafter")
+    s.add_argument("--no-suffix", action="store_true",
+                   help="do not add the suffix drafter (learns from earlier requests)")
+    s.add_argument("--suffix-scope", choices=SUFFIX_SCOPES, default="shared",
+                   help="whose earlier requests the suffix drafter drafts from: shared (all), or "
+                        "api-key (only requests with the same Authorization header value; "
+                        "for deployments that must not share them across users)")
     s.add_argument("--model-timeout", type=float, default=30.0,
                    help="seconds a model forward may take before the model is taken out (0: none)")
     s.add_argument("--seed", type=int, default=None, help="seed of unseeded sampling requests' stream")

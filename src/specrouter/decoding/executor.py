@@ -146,7 +146,8 @@ class ChainExecutor:
         if not work:
             return
         t0 = self.clock()
-        tokens, lengths = self.drafters[name].propose([w.seq.tokens for w in work], [w.k for w in work])
+        tokens, lengths = self.drafters[name].propose([w.seq.tokens for w in work], [w.k for w in work],
+                                                      [w.seq.tenant for w in work])
         dt = self.clock() - t0
         self._ftime[name] = self._ftime.get(name, 0.0) + dt
         self._forwards.append(ForwardRecord(model=name, rows=len(work), new_tokens=max(w.k for w in work),

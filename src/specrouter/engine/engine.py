@@ -151,14 +151,17 @@ class Engine:
         chain: tuple[str, ...] | None = None,
         k: int = 4,
         generator: torch.Generator | None = None,
+        tenant: str | None = None,
     ) -> Sequence:
         """Register a request; it runs from the next `step()`. Its sampling seed is
-        `params.seed`, else drawn from `generator` (or the engine's `rng`)."""
+        `params.seed`, else drawn from `generator` (or the engine's `rng`). `tenant` keeps a
+        learning drafter's statistics apart (None: the shared ones)."""
         chain, total = self.check_request(prompt, params, chain, k)
         self._ensure_capacity(1, total)
         eos = frozenset() if params.ignore_eos else frozenset(self.pool.eos_ids)
         seq = Sequence(seq_id=next(self._ids), tokens=list(prompt), prompt_len=len(prompt),
                        params=params, stop_ids=eos | frozenset(params.stop_token_ids))
+        seq.tenant = tenant
         if params.seed is not None:
             seed = params.seed
         else:
@@ -204,6 +207,11 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> None:
         seq.stats.wall_time = self.clock() - self._start.pop(seq.seq_id, self.clock())
+        if seq.finish_reason != "error":  # learning drafters (suffix) see every finished request
+            for drafter in self.pool.drafters.values():
+                observe = getattr(drafter, "observe_request", None)
+                if observe is not None:
+                    observe(seq.tokens, seq.tenant)
         self._plans.pop(seq.seq_id, None)
         self.state.release(seq.seq_id)
         if self.router is not None:
@@ -346,7 +354,8 @@ class Engine:
             idx = [b for b, (chain, _) in enumerate(plans) if chain[0] != name]
             if not idx:
                 continue
-            tokens, lengths = drafter.propose([rows[b].tokens for b in idx], self.router.config.shadow_k)
+            tokens, lengths = drafter.propose([rows[b].tokens for b in idx], self.router.config.shadow_k,
+                                              [rows[b].tenant for b in idx])
             out[name] = {b: t[:m] for b, t, m in zip(idx, tokens.tolist(), lengths.tolist())}
         return out
 

@@ -1,7 +1,8 @@
 """The pool: the models loaded for serving, sharing one tokenizer, ordered by cost.
 
 A pool entry is either a neural model (a `ModelRunner`: the native Llama-family runner or the
-transformers fallback) or a model-free drafter (`"ngram"`). The target is the most expensive
+transformers fallback) or a model-free drafter (`"ngram"`: prompt lookup; `"suffix"`: suffix
+decoding over the request and earlier requests, which learns from every finished request). The target is the most expensive
 model unless named. Loading checks that every model shares the target's vocabulary.
 """
 
@@ -19,6 +20,7 @@ from specrouter.models.runners.base import ModelRunner
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 NGRAM = "ngram"
+SUFFIX = "suffix"
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -123,11 +125,13 @@ class Pool:
         backend: str = "auto",
         dtype: str | torch.dtype = torch.float32,
         ngram: bool = True,
+        suffix: bool = True,
         trust_remote_code: bool = False,
         progress: bool = False,
     ) -> "Pool":
-        """Load `paths` (HF directories or .gguf files; the literal "ngram" adds the model-free
-        drafter). `target` is a name or a path; default: the model with the most parameters."""
+        """Load `paths` (HF directories or .gguf files; the literals "ngram" and "suffix" add
+        those model-free drafters, which `ngram` / `suffix` add anyway when True). `target` is a
+        name or a path; default: the model with the most parameters."""
         from specrouter.models.tokenizer import (
             check_same_vocabulary,
             eos_token_ids,
@@ -152,9 +156,12 @@ class Pool:
             if str(path) == NGRAM:
                 ngram = True
                 continue
+            if str(path) == SUFFIX:
+                suffix = True
+                continue
             runner = load_runner(path, name=name, backend=backend, dtype=dtype,
                                  trust_remote_code=trust_remote_code)
-            if runner.name in runners or runner.name == NGRAM:
+            if runner.name in runners or runner.name in (NGRAM, SUFFIX):
                 raise ChainError(f"two pool models are named {runner.name!r}; pass distinct names")
             runners[runner.name] = runner
             tokenizers[runner.name] = load_tokenizer(runner.checkpoint_dir)
@@ -169,6 +176,10 @@ class Pool:
             from specrouter.decoding.drafters.ngram import NgramDrafter
 
             drafters[NGRAM] = NgramDrafter()
+        if suffix:
+            from specrouter.decoding.drafters.suffix import SuffixDrafter
+
+            drafters[SUFFIX] = SuffixDrafter()
         order = list(drafters) + sorted(
             (n for n in runners if n != target_name), key=lambda n: runners[n].num_params
         ) + [target_name]
@@ -197,6 +208,24 @@ class Pool:
         if len(chain) > 4:
             raise ChainError(f"chains have at most 4 levels, got {len(chain)}")
         return chain
+
+    def with_fresh_drafters(self) -> "Pool":
+        """The same models with their own learning drafters (nothing learned yet): a view whose
+        suffix statistics are apart from this pool's (benchmarks: each system learns only from
+        the requests it served)."""
+        import dataclasses
+
+        drafters = {n: d.fresh() if hasattr(d, "fresh") else d for n, d in self.drafters.items()}
+        return dataclasses.replace(self, drafters=drafters)
+
+    def without_drafters(self, names) -> "Pool":
+        """A view of the pool without the model-free drafters `names` (e.g. SpecRouter without
+        the suffix drafter, side by side with it)."""
+        import dataclasses
+
+        drop = set(names)
+        return dataclasses.replace(self, drafters={n: d for n, d in self.drafters.items() if n not in drop},
+                                   order=[n for n in self.order if n not in drop])
 
     @property
     def default_chain(self) -> tuple[str, ...]:

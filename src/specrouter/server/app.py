@@ -76,6 +76,7 @@ from specrouter.server.validate import (
     prepare,
     read_json,
     render_chat,
+    tenant_of,
     tokenize_prompt,
 )
 
@@ -83,10 +84,10 @@ logger = logging.getLogger("specrouter.server")
 
 
 
-def _submit(srv: Service, p: Prepared) -> RequestHandle:
+def _submit(srv: Service, p: Prepared, tenant: str | None = None) -> RequestHandle:
     try:
         return srv.loop_engine.submit(p.prompt, p.params, chain=p.chain, k=p.k,
-                                      generator=p.generator)
+                                      generator=p.generator, tenant=tenant)
     except QueueFull as e:
         raise RequestError(str(e), status=429, type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(srv.config.retry_after_s)}) from None
@@ -258,7 +259,7 @@ def _v1_routes(srv: Service) -> APIRouter:
 
 
 async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bool):
-    handle = _submit(srv, p)
+    handle = _submit(srv, p, tenant_of(srv, request))
     gen = _Generation(srv, p, handle)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())

@@ -58,6 +58,7 @@ class RequestHandle:
     seq_id: int | None = None  # set when the engine admits it
     submitted: float = field(default_factory=time.perf_counter)
     admitted: float | None = None  # perf_counter time it started running
+    tenant: str | None = None  # whose learned drafter statistics it uses (None: shared)
     finished: bool = False  # done event delivered, or aborted
 
 
@@ -93,10 +94,11 @@ class AsyncEngine:
         return len(self._waiting)
 
     def submit(self, prompt: list[int], params: SamplingParams, *, chain: tuple[str, ...] | None,
-               k: int, generator: torch.Generator | None = None) -> RequestHandle:
-        """Queue a request (validated by the caller with `engine.check_request`)."""
+               k: int, generator: torch.Generator | None = None, tenant: str | None = None) -> RequestHandle:
+        """Queue a request (validated by the caller with `engine.check_request`); `tenant` keeps
+        learned drafter statistics apart (ServerConfig.suffix_scope)."""
         handle = RequestHandle(prompt=prompt, params=params, chain=chain, k=k, generator=generator,
-                               loop=asyncio.get_running_loop())
+                               loop=asyncio.get_running_loop(), tenant=tenant)
         with self._cv:
             if self._stop or not self.alive:
                 raise RuntimeError("the engine is not running")
@@ -170,7 +172,7 @@ class AsyncEngine:
             h = self._waiting[0]
             try:
                 seq = self.engine.add_request(h.prompt, h.params, chain=h.chain, k=h.k,
-                                              generator=h.generator)
+                                              generator=h.generator, tenant=h.tenant)
             except CapacityError as e:
                 if self.engine.running:
                     break  # wait for a row to finish

@@ -12,7 +12,10 @@ Names (all prefixed `specrouter_`):
 - step_seconds: one engine step (all groups); queue_depth, running_rows: gauges;
 - generated_tokens_total (tokens/s = rate()); requests_total{endpoint,status};
   request_seconds{endpoint}: end to end; time_to_first_token_seconds;
-- model_failures_total{model,kind}: forwards that raised ("exception") or hung ("timeout").
+- model_failures_total{model,kind}: forwards that raised ("exception") or hung ("timeout");
+- learned_tokens{drafter}, learned_bytes{drafter}, learned_requests{drafter},
+  learned_tenants{drafter}, learned_evicted_requests{drafter}: what a learning drafter (suffix)
+  holds now (its memory bound and evictions), read when /metrics is scraped.
 """
 
 from __future__ import annotations
@@ -69,6 +72,13 @@ class ServerMetrics:
                                       registry=r)
         self.model_failures = Counter(p + "model_failures", "Model forwards that failed",
                                       ["model", "kind"], registry=r)
+        self.learned = {f: Gauge(p + "learned_" + f, help_, ["drafter"], registry=r) for f, help_ in (
+            ("tokens", "Tokens of earlier requests a learning drafter keeps"),
+            ("bytes", "Bytes a learning drafter's global trees take (buffer + index)"),
+            ("requests", "Earlier requests a learning drafter keeps"),
+            ("tenants", "Separate statistics (tenants) a learning drafter keeps"),
+            ("evicted_requests", "Requests a learning drafter evicted to stay within its bound"))}
+        self.learning_drafters: dict = {}  # name -> drafter with memory(), read at render()
 
     def observe_cycle(self, s: CycleStats) -> None:
         """Engine.on_cycle hook (engine thread)."""
@@ -91,4 +101,8 @@ class ServerMetrics:
         self.model_failures.labels(failure.model, failure.kind).inc()
 
     def render(self) -> bytes:
+        for name, drafter in self.learning_drafters.items():
+            mem = drafter.memory()
+            for f, gauge in self.learned.items():
+                gauge.labels(name).set(getattr(mem, f))
         return generate_latest(self.registry)

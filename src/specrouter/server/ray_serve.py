@@ -53,13 +53,15 @@ class PoolSpec:
     backend: str = "auto"  # auto | native | hf
     dtype: str = "float32"  # float32 | bfloat16 | float64
     ngram: bool = True  # add the model-free n-gram drafter
+    suffix: bool = True  # add the model-free suffix drafter
 
     def load(self):
         from specrouter.models.pool import Pool
 
         return Pool.load(list(self.paths), target=self.target,
                          names=list(self.names) if self.names else None, backend=self.backend,
-                         dtype=self.dtype, ngram=self.ngram, trust_remote_code=False)
+                         dtype=self.dtype, ngram=self.ngram, suffix=self.suffix,
+                         trust_remote_code=False)
 
 
 @dataclass(frozen=True)

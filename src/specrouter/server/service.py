@@ -41,6 +41,7 @@ class Service:
         self.engine = Engine(self.pool, max_num_seqs=config.max_num_seqs, max_model_len=max_len,
                              router=router)
         self.metrics = ServerMetrics()
+        self.metrics.learning_drafters = {n: d for n, d in self.pool.drafters.items() if hasattr(d, "memory")}
         self.engine.on_cycle = self.metrics.observe_cycle
         self.engine.on_model_failure = self.metrics.observe_failure
         self.loop_engine = AsyncEngine(self.engine, max_queue=config.max_queue,

@@ -17,6 +17,7 @@ Choices written down here:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -36,6 +37,19 @@ from specrouter.server.service import Service
 from specrouter.server.text import stop_token_ids
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def tenant_of(srv: Service, request: Request) -> str | None:
+    """Whose learned drafter statistics a request reads and feeds (ServerConfig.suffix_scope):
+    None (shared) unless the scope is "api-key"; then the SHA-256 of its Authorization header
+    value (so different keys, e.g. per-user keys a gateway forwards, never share), or
+    "anonymous" without one."""
+    if srv.config.suffix_scope != "api-key":
+        return None
+    header = request.headers.get("authorization", "").strip()
+    if not header:
+        return "anonymous"
+    return "key-" + hashlib.sha256(header.encode()).hexdigest()[:32]
 
 
 def _reject_constant(name: str):

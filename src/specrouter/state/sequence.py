@@ -34,6 +34,7 @@ class Sequence:
     error: str | None = None  # why, when finish_reason == "error"
     stats: RequestStats = field(default_factory=RequestStats)
     seed_key: int = 0  # 32-bit key of the row's sampling seed: its noise at position i is a function of (seed_key, i)
+    tenant: str | None = None  # whose learned drafter statistics it reads and feeds (None: shared)
 
     @property
     def num_generated(self) -> int:

@@ -104,8 +104,9 @@ class NgramDrafter:
         self,
         contexts: Sequence[Sequence[int]] | Sequence[np.ndarray] | Sequence[torch.Tensor],
         k: int | Sequence[int],
+        tenants: Sequence[str | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft for every row.
+        """Draft for every row (`tenants` is ignored: the n-gram drafter learns nothing).
 
         contexts: each row's tokens so far (prompt + committed output), a list of ints, a 1-D
             numpy array or a 1-D CPU tensor. int64 numpy arrays are used without a copy.
