@@ -39,7 +39,7 @@ from specrouter.bench.workloads import (
     Scenario,
     build_workloads,
 )
-from specrouter.config import MAX_DRAFT_LENGTH
+from specrouter.config import MAX_DRAFT_LENGTH, RouterConfig
 from specrouter.errors import SpecRouterError
 
 
@@ -72,6 +72,7 @@ class BenchConfig:
     seed: int = 0  # request i samples with seed + i
     threads: int | None = None  # torch intra-op threads (None: torch's default)
     profile_path: str | None = None  # router cost profile (default: the cache dir)
+    router: RouterConfig = dataclasses.field(default_factory=RouterConfig)  # SpecRouter's router
     plots: bool = True  # write PNGs (needs matplotlib)
     out_dir: str = "bench-out"
     quick: bool = False  # set by `quick_preset` (recorded in the output)
@@ -177,7 +178,8 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
             label = "target-only" if len(chain) == 1 else chain_label(chain, aliases, k)
             systems.append(NativeSystem(sr, label, chain, k))
     target_only = systems[0]
-    adaptive = AdaptiveSystem(pool, "SpecRouter", profile_path=cfg.profile_path, progress=progress)
+    adaptive = AdaptiveSystem(pool, "SpecRouter", profile_path=cfg.profile_path, progress=progress,
+                              router_config=cfg.router)
     systems.append(adaptive)
 
     hf_models: dict = {}

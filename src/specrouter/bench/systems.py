@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from specrouter.api import SpecRouter
+from specrouter.config import RouterConfig
 from specrouter.engine.stats import RequestStats
 
 
@@ -82,16 +83,17 @@ class AdaptiveSystem(System):
     kind = "adaptive"
 
     def __init__(self, pool, name: str = "SpecRouter", *, profile_path: str | Path | None = None,
-                 progress: bool = True):
+                 progress: bool = True, router_config: RouterConfig | None = None):
         self.pool, self.name = pool, name
         self.profile_path, self.progress = profile_path, progress
+        self.router_config = router_config or RouterConfig()
         self.sr: SpecRouter | None = None
 
     def reset(self, on_decision=None) -> None:
         from specrouter.router.setup import build_router
 
         router = build_router(self.pool, profile_path=self.profile_path, progress=self.progress,
-                              on_decision=on_decision)
+                              config=self.router_config, on_decision=on_decision)
         self.sr = SpecRouter(self.pool, router)
 
     def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
