@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specrouter.cli.generate import config_from_args, stream_reply
+from specrouter.cli.generate import config_from_args, describe, stream_reply
 from specrouter.cli.options import add_engine_arguments, add_pool_arguments, add_sampling_arguments
 from specrouter.cli.terminal import STATS_LEGEND
 from specrouter.errors import ContextLengthError
@@ -60,8 +60,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     config, params = config_from_args(args)
     sr = SpecRouter.from_config(config, progress=True)
     sr.encode("hi", chat=True)  # no chat template: a clear error now, not at the first reply
-    print(f"chatting with {sr.pool.target} (pool: {' < '.join(sr.pool.order)}). {HELP}",
-          file=sys.stderr)
+    print(f"{describe(sr)}\nchatting with {sr.pool.target}. {HELP}", file=sys.stderr)
     session = Session(args.system)
     while True:
         try:

@@ -60,6 +60,16 @@ def stream_reply(sr, prompt, params: SamplingParams, *, chat: bool, out=None):
     return result, line
 
 
+def describe(sr) -> str:
+    """The pool and how its requests run, in one line."""
+    chain = sr.config.engine.chain
+    if chain is not None:
+        how = "chain " + ">".join(sr.pool.validate_chain(chain))
+    else:
+        how = "the router picks chain and k" if sr.router else "the pool's default chain"
+    return f"pool (cheapest first): {' < '.join(sr.pool.order)}; target: {sr.pool.target}; {how}"
+
+
 def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt:
         return args.prompt
@@ -78,9 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config, params = config_from_args(args)
     prompts = read_prompts(args)
     sr = SpecRouter.from_config(config, progress=True)
-    print(f"pool (cheapest first): {' < '.join(sr.pool.order)}; target: {sr.pool.target}; "
-          f"{'chain ' + '>'.join(sr.pool.validate_chain(config.engine.chain)) if config.engine.chain else 'router on' if sr.router else 'static default chain'}",
-          file=sys.stderr)
+    print(describe(sr), file=sys.stderr)
     results, spec_time = [], 0.0
     for i, prompt in enumerate(prompts):
         if len(prompts) > 1:

@@ -17,6 +17,7 @@ from specrouter.config import (
     PoolConfig,
     SamplingParams,
 )
+from specrouter.errors import ChainError, SamplingParamsError
 
 logger = logging.getLogger("specrouter")
 
@@ -116,8 +117,6 @@ def engine_config(args: argparse.Namespace, *, k_alone: bool = False) -> EngineC
                          "them the router picks k every cycle: drop --k or add --chain")
     if args.static and args.chain is not None:
         logger.warning("--static has no effect with --chain (a pinned chain never uses the router)")
-    from specrouter.errors import ChainError
-
     try:
         return EngineConfig(chain=tuple(args.chain) if args.chain else None,
                             k=args.k if args.k is not None else 4,
@@ -146,8 +145,6 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         if idle:
             logger.warning("%s %s no effect with greedy decoding (--temperature 0)",
                            ", ".join(idle), "has" if len(idle) == 1 else "have")
-    from specrouter.errors import SamplingParamsError
-
     try:
         return SamplingParams(temperature=args.temperature, top_k=args.top_k or 0,
                               top_p=1.0 if args.top_p is None else args.top_p,
