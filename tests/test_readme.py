@@ -71,9 +71,10 @@ def readme_env(tiny_pool_dirs, tmp_path_factory):
     profile = load_or_sweep_profile(Pool.load(pool_paths), progress=False)
     profile.save(default_profile_path())
     shim = tmp_path_factory.mktemp("bin")
-    (shim / "specrouter").write_text(f"#!/bin/sh\nexec {sys.executable} -m specrouter.cli.main \"$@\"\n")
-    (shim / "specrouter").chmod(0o755)
-    (shim / "python").symlink_to(sys.executable)
+    for name, run in (("specrouter", f"{sys.executable} -m specrouter.cli.main"),
+                      ("python", sys.executable)):  # a script, not a link: the venv stays active
+        (shim / name).write_text(f"#!/bin/sh\nexec {run} \"$@\"\n")
+        (shim / name).chmod(0o755)
     env = {**os.environ, "SPECROUTER_DEFAULT_POOL": os.pathsep.join(pool_paths),
            "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
