@@ -1,6 +1,9 @@
 """The shipped draft assets and their assembly into complete checkpoint directories."""
 
 import json
+import math
+import struct
+from pathlib import Path
 
 import torch
 from fixtures import make_tiny_tokenizer
@@ -17,7 +20,36 @@ def test_shipped_draft_is_small_and_documented():
         recipe = json.loads((d / "recipe.json").read_text())
         report = json.loads((d / "report.json").read_text())
         assert recipe["seed"] == 0 and recipe["steps_done"] > 0
-        assert 0.0 <= report["agreement"] <= 1.0
+        # the shipped weights are the documented model: 11.2M parameters, hidden 192, 4 layers
+        config = json.loads((d / "config.json").read_text())
+        assert (config["hidden_size"], config["num_hidden_layers"], config["tie_word_embeddings"]) == (192, 4, True)
+        assert _safetensors_params(d / "model.safetensors") == report["params"]
+        assert f"{report['params'] / 1e6:.1f}M parameters" in README
+        assert f"{report['weights_mb']:.1f} MB bf16" in README
+        # and README's held-out agreement figures are this report's
+        documented = {
+            "agreement_generated": f"**{report['agreement_generated']:.3f} on text the target wrote",
+            "agreement": f"{report['agreement']:.3f} with the stdlib-source",
+            "greedy_agreement": f"{report['greedy_agreement']:.3f} end to end",
+        }
+        for key, phrase in documented.items():
+            assert phrase in README, (key, phrase)
+        for kind in ("chat", "code", "prose"):
+            assert f"{kind} {report['agreement_by_kind'][kind]:.2f}" in README, kind
+        for kind in ("code", "prose", "chat", "extraction"):
+            assert f"{kind} {report['greedy_agreement_by_kind'][kind]:.2f}" in README, kind
+        assert 0.45 < report["agreement_generated"] < 0.6  # what the draft is shipped for
+
+
+README = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())  # one line
+
+
+def _safetensors_params(path: Path) -> int:
+    """Parameter count from a safetensors header (no tensor is loaded)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
 
 
 def test_assemble_draft_adds_the_target_tokenizer(tmp_path, monkeypatch):

@@ -298,3 +298,24 @@ def test_decontaminate_drops_training_rows_that_start_like_held_out_ones():
     assert c.decontaminate(prefix=4) == 1  # row 2 repeats held-out row 0; row 1 only its start
     assert c.tokens.tolist() == [[1, 2, 3, 4], [1, 2, 3, 9], [5, 6, 7, 8]]
     assert c.is_eval.tolist() == [True, False, False] and c.topk_ids.shape[0] == 3
+
+
+def test_distill_config_is_validated_and_built_from_the_cli_flags(tmp_path):
+    import argparse
+
+    from specrouter.cli.distill import config_from_args, register
+    from specrouter.distill.train import DistillConfig
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["distill", "--out-dir", str(tmp_path), "--steps", "0", "--seed", "1",
+                              "--extra-corpus-dir", "c1", "--extra-corpus-dir", "c2", "--no-resume"])
+    cfg = config_from_args("t", args)
+    assert (cfg.steps, cfg.seed, cfg.extra_corpus_dirs, cfg.resume) == (0, 1, ("c1", "c2"), False)
+    assert cfg == DistillConfig(target="t", out_dir=str(tmp_path), steps=0, seed=1,
+                                extra_corpus_dirs=("c1", "c2"), resume=False)
+    assert cfg.args()["out_dir"] == str(tmp_path) and cfg.corpus_path == tmp_path / "corpus"
+    for bad in (dict(save_dtype="int8"), dict(init="random"), dict(batch_size=0), dict(lr=0.0),
+                dict(eval_fraction=1.0), dict(ce_weight=1.5), dict(steps=-1)):
+        with pytest.raises(SpecRouterError):
+            DistillConfig(target="t", out_dir="o", **bad)

@@ -65,3 +65,76 @@ def test_abort_frees_state_and_capacity(pool):
     while eng.has_unfinished():
         eng.step()
     assert c.output_ids == alone(pool, [1, 2], 30)
+
+
+def test_stop_token_at_the_last_allowed_position_is_a_stop(pool):
+    """A stop token committed as the max_new_tokens-th token ends the row with "stop", not
+    "length" (the stop wins: it is what the model said), in a cycle that committed several."""
+    from specrouter.state.sequence import Sequence
+
+    seq = Sequence(seq_id=0, tokens=[1, 2], prompt_len=2, params=SamplingParams(max_new_tokens=3),
+                   stop_ids=frozenset({9}))
+    assert seq.append([5, 6, 9, 7]) == 3
+    assert seq.done and seq.finish_reason == "stop" and seq.output_ids == [5, 6, 9]
+    # through the engine: stop at the token target greedy decoding emits last (its first occurrence)
+    prompt = [1, 2]
+    exp = alone(pool, prompt, 12)
+    n = next(i + 1 for i in range(4, 12) if exp[i] not in exp[:i])
+    for chain, k in [(("target",), 1), (("draft", "mid", "target"), 4), (("ngram", "target"), 3)]:
+        p = SamplingParams(max_new_tokens=n, stop_token_ids=(exp[n - 1],), ignore_eos=True)
+        s = Engine(pool).generate_ids([prompt], [p], chain=chain, k=k)[0]
+        assert s.output_ids == exp[:n] and s.finish_reason == "stop", (chain, s.finish_reason)
+
+
+def test_abort_in_the_middle_of_a_speculative_cycle(pool, monkeypatch):
+    """A client goes away while the engine thread is inside a speculative cycle of three
+    co-batched rows (the target is verifying): the abort takes effect after the cycle, the
+    aborted row's state is freed, and the other two finish exactly as they would alone."""
+    import asyncio
+    import threading
+
+    from specrouter.server.async_engine import AsyncEngine
+
+    prompts = [[5, 6, 7, 5, 6], [8, 9, 10, 11], [12, 13, 12, 13, 12, 13]]
+    n = 24
+    eng = Engine(pool, max_num_seqs=4, max_model_len=96)
+    target = pool.runners["target"]
+    forward, seen, hit = target.forward, [], threading.Event()
+
+    async def run() -> dict:
+        loop = asyncio.get_running_loop()
+        ae = AsyncEngine(eng, seed=0)
+
+        def verifying(batch):  # in the engine thread, between the draft and the target's verdict
+            if len(batch.slots_list) == 3 and max(batch.num_tokens_list) > 1:
+                seen.append(batch.num_tokens_list)
+                if len(seen) == 3:
+                    done = asyncio.run_coroutine_threadsafe(asyncio.sleep(0, ae.abort(handles[1])), loop)
+                    done.result(timeout=30)
+                    hit.set()
+            return forward(batch)
+
+        monkeypatch.setattr(target, "forward", verifying)
+        ae.start()
+        handles = [ae.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True),
+                             chain=("draft", "mid", "target"), k=3) for p in prompts]
+        out = {}
+        try:
+            for i in (0, 2):
+                tokens, reason = [], None
+                while reason is None:
+                    ev = await asyncio.wait_for(handles[i].events.get(), 60)
+                    tokens += ev.token_ids
+                    reason = ev.finish_reason if ev.done else None
+                out[i] = (tokens, reason)
+        finally:
+            ae.stop()
+        out["aborted"] = handles[1].seq_id
+        return out
+
+    out = asyncio.run(run())
+    assert hit.is_set(), seen  # the abort really came in mid-cycle, with all three rows batched
+    for i in (0, 2):
+        assert out[i] == (alone(pool, prompts[i], n), "length"), i
+    assert eng.running == {} and eng.state.live() == []
+    assert out["aborted"] is not None and out["aborted"] not in eng.state.live()

@@ -288,3 +288,27 @@ def test_loader_failure_is_a_checkpoint_error(tiny, monkeypatch, tmp_path):
     with pytest.raises(CheckpointError, match="could not convert .* stating tokenizer 'xyz'"):
         convert_gguf(path, progress=False)
     assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_cache_key_covers_the_whole_file(tmp_path, monkeypatch):
+    """Files of the same name and size that differ only in their tail, or only in the middle
+    (past the first and before the last 2 MiB), are different conversions: a GGUF of ~6 MiB."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("SPECROUTER_CACHE", str(tmp_path / "cache"))
+    hf = make_tiny_llama(tmp_path / "hf", hidden_size=256, tie_word_embeddings=False, seed=7)
+    data = write_tiny_gguf(hf, tmp_path / "src.gguf").read_bytes()
+    assert len(data) > 5 * 2**20
+    path = tmp_path / "same-name" / "model.gguf"
+    path.parent.mkdir()
+    path.write_bytes(data)
+    outs = [convert_gguf(path, progress=False)]
+    for where in (len(data) - 64, len(data) // 2):  # inside output.weight; inside a middle tensor
+        changed = bytearray(data)
+        changed[where:where + 4] = np.float32(0.5).tobytes()  # one weight of one tensor
+        path.write_bytes(bytes(changed))
+        outs.append(convert_gguf(path, progress=False))
+    assert len(set(outs)) == 3
+    weights = [load_file(str(o / "model.safetensors")) for o in outs]
+    for w in weights[1:]:  # each conversion holds its own file's weights
+        assert sum(not torch.equal(w[n], weights[0][n]) for n in w) == 1

@@ -129,12 +129,52 @@ def test_draft_with_a_vocabulary_subset_stays_exact(tiny_pool_dirs, prompts, exp
     assert bool(torch.isneginf(b[..., ~mask]).all())
 
     sr = SpecRouter.from_pretrained([sub, tiny_pool_dirs["target"]], target="target",
-                                    names=["same-sub", "target"], dtype="float64")
+                                    names=["same-sub", "target"], dtype="float64", adaptive=False)
     outs = sr.generate(prompts, max_new_tokens=MAX_NEW, chain=["same-sub", "target"], k=4)
     assert [o.token_ids for o in outs] == expected
     accepted = sum(o.stats.accepted.get("same-sub>target", 0) for o in outs)
     drafted = sum(o.stats.drafted.get("same-sub>target", 0) for o in outs)
     assert 0 < accepted < drafted  # an exact copy, yet it misses whatever it cannot propose
-    sampled = sr.generate(prompts[:2], max_new_tokens=8, chain=["same-sub", "target"], k=3,
-                          temperature=0.8, seed=0)
-    assert all(len(o.token_ids) == 8 for o in sampled)
+    # sampling: the first token of N rows of one prompt, drafted (k=1) and verified, follows the
+    # target's distribution. The exact copy proposes p restricted to the subset and
+    # renormalized: it is accepted with probability m_in = p(subset), and a rejection's
+    # recovered token comes from the residual, which lives outside the subset.
+    from specrouter.config import SamplingParams
+    from specrouter.decoding.sampling import SamplingTensors, process_logits
+
+    n, prompt = 2000, prompts[2]
+    target = load_llama_runner(tiny_pool_dirs["target"], dtype=torch.float64, max_len=64)
+    logits = target.forward(ForwardBatch.build([0], [0], [prompt], [[len(prompt) - 1]]))[:, :, : mask.shape[0]]
+    p = process_logits(logits, SamplingTensors.from_params([SamplingParams(temperature=0.8)]))[0, 0]
+    m_in = float(p[mask].sum())
+    assert 0.2 < m_in < 0.8  # both paths (accept, recover) are exercised
+    sampled = sr.generate([prompt] * n, max_new_tokens=2, chain=["same-sub", "target"], k=1,
+                          temperature=0.8, seed=0, ignore_eos=True)
+    first = torch.tensor([o.token_ids[0] for o in sampled])
+    accepted = torch.tensor([o.stats.accepted["same-sub>target"] for o in sampled])
+    assert all(o.stats.drafted["same-sub>target"] == 1 for o in sampled)
+    sigma = (m_in * (1 - m_in) / n) ** 0.5
+    assert abs(accepted.double().mean().item() - m_in) < 5 * sigma
+    assert torch.equal(mask[first], accepted.bool())  # accepted: in the subset; recovered: outside
+    freq = torch.bincount(first, minlength=p.shape[0]).double() / n
+    for tok in p.topk(5).indices.tolist():  # the most likely tokens, in and outside the subset
+        sd = (p[tok] * (1 - p[tok]) / n).sqrt()
+        assert abs(freq[tok] - p[tok]) < 5 * sd + 1e-9, (tok, freq[tok].item(), p[tok].item())
+
+
+def test_exact_copy_accepts_everything_under_top_k_top_p(tiny_pool_dirs, prompts):
+    """Every level samples from the same processed distribution: an exact copy of the target,
+    as draft and as middle verifier, then accepts every candidate at temperature 1 with top-k /
+    top-p (a level that skipped the filters would propose tokens the target never keeps)."""
+    d = tiny_pool_dirs
+    sr = SpecRouter.from_pretrained([d["same"], d["same"], d["target"]], target="target",
+                                    names=["same", "same2", "target"], dtype="float64", adaptive=False)
+    for filters in (dict(top_p=0.7), dict(top_k=5), dict(top_k=20, top_p=0.8)):
+        for chain in (("same", "target"), ("same", "same2", "target")):
+            outs = sr.generate(prompts, max_new_tokens=12, ignore_eos=True, chain=chain, k=4,
+                               temperature=1.0, seed=0, **filters)
+            for pair in zip(chain[:-1], chain[1:]):
+                key = ">".join(pair)
+                drafted = sum(o.stats.drafted[key] for o in outs)
+                accepted = sum(o.stats.accepted[key] for o in outs)
+                assert drafted > 0 and accepted == drafted, (filters, chain, key, accepted, drafted)

@@ -11,7 +11,7 @@ from test_engine_sampling import pool as v8_pool  # noqa: F401
 from test_greedy_equivalence import MAX_NEW, expected, prompts  # noqa: F401
 
 from specrouter import SpecRouter
-from specrouter.config import SamplingParams
+from specrouter.config import RouterConfig, SamplingParams
 from specrouter.engine.engine import Engine
 from specrouter.router.cost_model import enumerate_chains
 from specrouter.router.records import Decision
@@ -19,6 +19,8 @@ from specrouter.router.records import Decision
 
 class RandomRouter:
     """A worst-case router: a random chain and draft length for every row, every cycle."""
+
+    config = RouterConfig()  # the engine reads shadow_k from it
 
     def __init__(self, pool, seed=0):
         self.rng = random.Random(seed)

@@ -258,6 +258,18 @@ def test_queue_full_gives_429(tiny_pool_dirs):
 
 
 def test_sampling_defaults_unseeded(client):
-    # temperature defaults to 1.0 as OpenAI; unseeded sampling runs and ends properly
-    r = client.completions.create(model="target", prompt="The", max_tokens=8)
-    assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("length", "stop")
+    """temperature defaults to 1.0 as OpenAI's: a seeded request without it is the request at
+    temperature 1.0 (and neither greedy nor another temperature); unseeded requests draw from
+    fresh random streams, so repeats differ."""
+    kw = dict(model="target", prompt="The", max_tokens=16, extra_body={"ignore_eos": True})
+
+    def text(**more):
+        r = client.completions.create(**kw, **more)
+        assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+        return r.choices[0].text
+
+    default = text(seed=77)
+    assert default == text(seed=77, temperature=1.0)
+    assert default != text(temperature=0)
+    assert default != text(seed=77, temperature=0.3)
+    assert len({text() for _ in range(3)}) > 1  # unseeded

@@ -111,6 +111,23 @@ CORPUS = [
     ("chat-logprobs", CHAT, j({"messages": MSG, "logprobs": True}), None, 400, "logprobs", "logprobs"),
     ("chat-tools", CHAT, j({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}), None, 400, "tools", "tools"),
     ("chat-over-context", CHAT, j({"messages": [{"role": "user", "content": "fox " * 300}]}), None, 400, "at most", "messages"),
+    ("top-k-negative", C, j({"prompt": "hi", "top_k": -2}), None, 400, "top_k", "top_k"),
+    ("ignore-eos-string", C, j({"prompt": "hi", "ignore_eos": "yes"}), None, 400, "ignore_eos", "ignore_eos"),
+    ("stream-options-wrong-type", C, j({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}), None, 400, "include_usage", "stream_options.include_usage"),
+    ("user-int", C, j({"prompt": "hi", "user": 5}), None, 400, "user", "user"),
+    ("frequency-penalty", C, j({"prompt": "hi", "frequency_penalty": 0.5}), None, 400, "frequency_penalty", "frequency_penalty"),
+    ("suffix", C, j({"prompt": "hi", "suffix": "end"}), None, 400, "suffix", "suffix"),
+    ("chat-max-completion-tokens-zero", CHAT, j({"messages": MSG, "max_completion_tokens": 0}), None, 400, "max_completion_tokens", "max_completion_tokens"),
+    ("chat-top-logprobs", CHAT, j({"messages": MSG, "top_logprobs": 3}), None, 400, "top_logprobs", "top_logprobs"),
+    ("chat-tool-choice", CHAT, j({"messages": MSG, "tool_choice": "auto"}), None, 400, "tool_choice", "tool_choice"),
+    ("chat-functions", CHAT, j({"messages": MSG, "functions": [{"name": "f"}]}), None, 400, "functions", "functions"),
+    ("chat-function-call", CHAT, j({"messages": MSG, "function_call": "auto"}), None, 400, "function_call", "function_call"),
+    ("chat-parallel-tool-calls", CHAT, j({"messages": MSG, "parallel_tool_calls": True}), None, 400, "parallel_tool_calls", "parallel_tool_calls"),
+    ("chat-json-response-format", CHAT, j({"messages": MSG, "response_format": {"type": "json_object"}}), None, 400, "response_format", "response_format"),
+    ("chat-store", CHAT, j({"messages": MSG, "store": True}), None, 400, "store", "store"),
+    ("chat-audio-modality", CHAT, j({"messages": MSG, "modalities": ["text", "audio"]}), None, 400, "modalities", "modalities"),
+    ("chat-metadata-int", CHAT, j({"messages": MSG, "metadata": {"a": 1}}), None, 400, "metadata", "metadata.a"),
+    ("chat-name-int", CHAT, j({"messages": [{"role": "user", "content": "hi", "name": 5}]}), None, 400, "name", "messages.0.name"),
     ("oversized-body", C, j({"prompt": "x" * (LIMIT + 10)}), None, 413, "over the limit", None),
     ("missing-auth", C, j({"prompt": "hi"}), {"Authorization": None}, 401, "API key", None),
     ("wrong-auth", C, j({"prompt": "hi"}), {"Authorization": "Bearer nope"}, 401, "API key", None),
@@ -142,8 +159,19 @@ def test_more_hostile_shapes(server):
     assert status == 405 and "not allowed" in json.loads(raw)["error"]["message"]
 
 
-def test_corpus_is_big_enough():
-    assert len(CORPUS) >= 30
+def test_corpus_covers_every_request_field():
+    """Every field a request may carry (the protocol's models, read here) has a hostile case
+    naming it, and every refusal status is exercised: a field added to the protocol without a
+    case, or a case dropped, fails here."""
+    from specrouter.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+    params = {c[6] for c in CORPUS if c[6] is not None}
+    fields = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    fields |= {f"messages.0.{f}" for f in ChatMessage.model_fields}
+    uncovered = {f for f in fields if not any(p == f or p.startswith(f + ".") for p in params)}
+    assert not uncovered, f"fields without a hostile case: {sorted(uncovered)}"
+    assert {c[4] for c in CORPUS} == {400, 401, 404, 413}
+    assert len({c[0] for c in CORPUS}) == len(CORPUS), "case ids are unique"
 
 
 def test_server_still_serves_after_hostile_requests(server):

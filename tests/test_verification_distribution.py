@@ -38,6 +38,8 @@ from specrouter.decoding.verification import (
 V = 6  # vocabulary of the table models
 CTX = 0  # the last context token before the cycle
 PARAMS = SamplingParams(temperature=0.7, top_p=0.9)
+TOP_K = SamplingParams(temperature=0.9, top_k=3)  # at most 3 of the 6 tokens survive
+GREEDY = SamplingParams(temperature=0.0)  # processed distributions are one-hot at the argmax
 R = 200_000  # Monte Carlo draws (rows of one batched cycle)
 TABLE_SEEDS = (121, 221, 321, 421)  # one table per level, M1 first; chosen so the broken sampler is far off
 _tables_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -50,10 +52,17 @@ def log_table(seed: int) -> torch.Tensor:
     return (w / w.sum(-1, keepdim=True)).log()
 
 
-def processed_table(seed: int) -> torch.Tensor:
+def processed_table(seed: int, params: SamplingParams = PARAMS) -> torch.Tensor:
     """(V, V): row c = the processed next-token distribution after token c."""
     logits = log_table(seed)[None]  # (1, V, V): one row, V positions (broadcast over the middle)
-    return process_logits(logits, SamplingTensors.from_params([PARAMS]))[0]
+    return process_logits(logits, SamplingTensors.from_params([params]))[0]
+
+
+def mixed_tables(num_levels: int, modes: tuple[SamplingParams, ...]) -> list[torch.Tensor]:
+    """Per level (M1 first), (M, V, V): the table processed for each of M rows' parameters in
+    ONE `process_logits` call over a mixed batch (greedy and sampling rows together)."""
+    st = SamplingTensors.from_params(list(modes))
+    return [process_logits(log_table(s)[None].expand(len(modes), V, V), st) for s in TABLE_SEEDS[:num_levels]]
 
 
 def one_hot_guess_table() -> torch.Tensor:
@@ -62,9 +71,9 @@ def one_hot_guess_table() -> torch.Tensor:
     return torch.nn.functional.one_hot(guess, V).to(torch.float64)
 
 
-def chain_tables(num_levels: int, one_hot_drafter: bool = False) -> list[torch.Tensor]:
+def chain_tables(num_levels: int, one_hot_drafter: bool = False, params: SamplingParams = PARAMS) -> list[torch.Tensor]:
     """Processed tables of a chain, M1 first, target last."""
-    tables = [processed_table(s) for s in TABLE_SEEDS[:num_levels]]
+    tables = [processed_table(s, params) for s in TABLE_SEEDS[:num_levels]]
     if one_hot_drafter:
         tables[0] = one_hot_guess_table()
     return tables
@@ -134,15 +143,19 @@ def target_joint(target: torch.Tensor, m: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- Monte Carlo
 
 
-def run_cycle(tables: list[torch.Tensor], k: int, generator: torch.Generator) -> verification.LevelResult:
+def run_cycle(tables: list[torch.Tensor], k: int, generator: torch.Generator,
+              modes: torch.Tensor | None = None) -> verification.LevelResult:
     """One multi-level cycle for R rows at once; returns the target's LevelResult. A level's
     processed distribution after token c is row c of its processed table (process_logits is
-    row-wise, so a lookup equals processing the gathered logits, and is much faster)."""
+    row-wise, so a lookup equals processing the gathered logits, and is much faster). With
+    `modes` (R,), tables are (M, V, V) and row r uses table[modes[r]] (mixed parameters)."""
+    if modes is None:
+        tables, modes = [t[None] for t in tables], torch.zeros(R, dtype=torch.long)
     # 1. M1 drafts k tokens by sampling its processed distribution
     last = torch.full((R,), CTX, dtype=torch.long)
     drafted, draft_probs = [], []
     for _ in range(k):
-        probs = tables[0][last]  # (R, V)
+        probs = tables[0][modes, last]  # (R, V)
         last = sample(probs, generator)  # (R,)
         drafted.append(last)
         draft_probs.append(probs)
@@ -152,7 +165,7 @@ def run_cycle(tables: list[torch.Tensor], k: int, generator: torch.Generator) ->
     # 2. each level scores all candidates in one "forward" and verifies them
     for table in tables[1:]:
         context = torch.cat([torch.full((R, 1), CTX), candidates.clamp(min=0)], 1)  # (R, n+1); pads -> 0
-        verifier_probs = table[context]  # (R, n+1, V)
+        verifier_probs = table[modes[:, None], context]  # (R, n+1, V)
         result = verify_speculative(candidates, num_candidates, proposal, verifier_probs, generator)
         candidates, num_candidates, proposal = result.tokens, result.lengths, result.probs
     return result
@@ -235,3 +248,76 @@ def test_monte_carlo_catches_a_broken_sampler(num_levels, monkeypatch):
     monkeypatch.setattr(verification, "residual_distribution", lambda draft_probs, verifier_probs: verifier_probs)
     tv1, tv2 = monte_carlo_tv(chain_tables(num_levels), 2)
     assert tv1 > 0.02 and tv2 > 0.02, (tv1, tv2)
+
+
+# ----------------------------------------------------------------------------- top-k, greedy rows
+
+
+@pytest.mark.parametrize("params", [TOP_K, GREEDY], ids=["top_k", "greedy"])
+@pytest.mark.parametrize("num_levels,k", [(2, 2), (3, 2), (3, 3)])
+def test_exact_enumeration_is_lossless_with_top_k_and_greedy(params, num_levels, k):
+    tables = chain_tables(num_levels, params=params)
+    target = tables[-1]
+    dist = exact_cycle(tables, k)
+    assert abs(sum(dist.values()) - 1.0) < 1e-12
+    for m in (1, 2, k + num_levels - 1):
+        diff = (complete(dist, target, m) - target_joint(target, m)).abs().max().item()
+        assert diff < 1e-12, f"m={m}: off by {diff}"
+    if params is GREEDY:  # one output, the target's greedy sequence
+        [(seq, w)] = [(s, w) for s, w in dist.items() if w > 0]
+        assert w == pytest.approx(1.0) and target_joint(target, len(seq))[seq] == 1.0
+
+
+def test_top_k_tables_are_filtered():
+    for table in chain_tables(3, params=TOP_K):
+        assert ((table > 0).sum(-1) == 3).all()  # no ties in random tables: exactly k survive
+
+
+def test_exact_enumeration_with_top_k_catches_a_broken_sampler():
+    tables = chain_tables(3, params=TOP_K)
+    broken = exact_cycle(tables, 2, broken=True)
+    assert tv(complete(broken, tables[-1], 1), target_joint(tables[-1], 1)) > 0.05
+
+
+MIXED = (GREEDY, TOP_K, PARAMS)  # row r runs MIXED[r % 3]
+
+
+def mixed_monte_carlo(num_levels: int, k: int, seed: int = 0):
+    """One seeded batched cycle of rows with mixed parameters: (greedy rows' committed token
+    sequences as a set, {mode: (tv first token, tv first two)} for the sampling modes)."""
+    generator = torch.Generator().manual_seed(seed)
+    tables = mixed_tables(num_levels, MIXED)
+    modes = torch.arange(R) % len(MIXED)
+    result = run_cycle(tables, k, generator, modes)
+    greedy_rows = {tuple(t[:n]) for t, n, m in zip(result.tokens.tolist(), result.lengths.tolist(),
+                                                    modes.tolist()) if m == 0}
+    tvs = {}
+    for m in (1, 2):
+        rows = modes == m
+        sub = verification.LevelResult(tokens=result.tokens[rows], lengths=result.lengths[rows],
+                                       num_accepted=result.num_accepted[rows], probs=None)
+        target = tables[-1][m]
+        two = empirical_two_tokens(sub, target, generator)
+        tvs[MIXED[m]] = (tv(two.sum(1), target_joint(target, 1)), tv(two, target_joint(target, 2)))
+    return greedy_rows, tables, tvs
+
+
+@pytest.mark.parametrize("num_levels,k", [(2, 3), (3, 2)])
+def test_monte_carlo_mixed_greedy_and_sampling_rows(num_levels, k):
+    """Greedy, top-k and top-p rows in one batch: the tables come from one mixed
+    process_logits call; greedy rows all commit the target's greedy sequence (every level
+    agreeing or not), sampling rows follow their own processed target."""
+    greedy_rows, tables, tvs = mixed_monte_carlo(num_levels, k)
+    target = tables[-1][0]
+    (seq,) = greedy_rows
+    assert target_joint(target, len(seq))[seq] == 1.0  # the target's argmax chain
+    for params, (tv1, tv2) in tvs.items():
+        # R / 3 rows per mode: noise alone gives TV ~ 0.005-0.01
+        assert tv1 < 0.015 and tv2 < 0.02, (params, tv1, tv2)
+
+
+def test_monte_carlo_mixed_rows_catch_a_broken_sampler(monkeypatch):
+    monkeypatch.setattr(verification, "residual_distribution", lambda draft_probs, verifier_probs: verifier_probs)
+    _, _, tvs = mixed_monte_carlo(3, 2)
+    for params, (tv1, tv2) in tvs.items():
+        assert tv1 > 0.03 and tv2 > 0.03, (params, tv1, tv2)

@@ -1,7 +1,9 @@
 """Configuration dataclasses shared by the Python API, the CLI and the server: per-request
 `SamplingParams`; the pool's `PoolConfig`, the engine's `EngineConfig`, the router's
-`RouterConfig`, the server's `ServerConfig`; and `SpecRouterConfig`, which composes the four and
-from which `SpecRouter.from_config`, `specrouter serve` and every CLI command are built."""
+`RouterConfig` (with its acceptance estimator's `SimilarityConfig` and its cost profile's
+`ProfileConfig`), the server's `ServerConfig`; and `SpecRouterConfig`, which composes pool,
+engine, router and server and from which `SpecRouter.from_config`, `specrouter serve` and every
+CLI command are built."""
 
 from __future__ import annotations
 
@@ -65,8 +67,70 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class SimilarityConfig:
+    """How the router's acceptance estimator weighs evidence (router/similarity.py)."""
+
+    tv_alpha: float = 0.1  # EMA weight of one observation's mean D_TV (after the first few)
+    min_tv_positions: int = 8  # positions measured before a pair's SimScore is used
+    decay: float = 0.998  # per trial: the global acceptance counts forget (window ~500 trials)
+    prior_strength: float = 4.0  # pseudo-trials of the fallback while evidence is thin
+    min_evidence: float = 64.0  # trials from which the observed acceptance is used alone
+    stale_after: int = 200  # row-cycles without a measurement before a pair needs a probe
+    calib_strength: float = 50.0  # pseudo-trials of the calibration prior (ridge)
+    calib_decay: float = 0.999  # per trial: the calibration data forget
+    # calibration priors, alpha = intercept + slope * SimScore: the identity for sampling (its
+    # acceptance is exactly 1 - D_TV); greedy accepts less than 1 - D_TV at temperature 1 says
+    sampling_calibration: tuple[float, float] = (0.0, 1.0)
+    greedy_calibration: tuple[float, float] = (-0.25, 1.25)
+    calibration_center: float = 0.75  # SimScores are centered here for the ridge fit (a typical value)
+    calibration_spread: float = 0.1  # typical spread of SimScores around it (scales the slope's prior)
+    # cold-start alpha of a model drafter: size_prior_base + size_prior_slope * log10(size ratio),
+    # clipped to size_prior_range; unknown_size_prior when a parameter count is unknown
+    size_prior_base: float = 0.75
+    size_prior_slope: float = 0.1
+    size_prior_range: tuple[float, float] = (0.3, 0.85)
+    unknown_size_prior: float = 0.5
+    model_free_prior: float = 0.2  # acceptance prior of a model-free drafter (given a hit)
+    hit_prior: float = 0.3  # prior probability that a model-free drafter proposes anything
+    hit_decay: float = 0.98  # per proposal: the global hit counts forget
+
+    def __post_init__(self) -> None:
+        for name in ("decay", "calib_decay", "hit_decay"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        if not 0.0 < self.tv_alpha <= 1.0:
+            raise ValueError(f"tv_alpha must be in (0, 1], got {self.tv_alpha!r}")
+        if self.prior_strength < 0 or self.min_evidence < 0 or self.calib_strength < 0 or self.stale_after < 1:
+            raise ValueError("prior_strength, min_evidence, calib_strength must be >= 0, stale_after >= 1")
+        lo, hi = self.size_prior_range
+        if not 0.0 <= lo <= hi <= 1.0:
+            raise ValueError(f"size_prior_range must be 0 <= low <= high <= 1, got {self.size_prior_range!r}")
+        for name in ("model_free_prior", "hit_prior", "unknown_size_prior"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """How fast the cost profile follows observed timings (router/profile.py)."""
+
+    ema_alpha: float = 0.3  # weight of one observation in log(speed) (fast EMA)
+    shape_alpha: float = 0.05  # weight of one residual in the grid cells it touches (slow)
+    jump_ratio: float = 1.5  # an observation off by more than this factor (either way) ...
+    jump_after: int = 2  # ... this many times in a row, same direction, resets speed at once
+
+    def __post_init__(self) -> None:
+        if not (0 < self.ema_alpha <= 1 and 0 <= self.shape_alpha <= 1):
+            raise ValueError("ema_alpha must be in (0, 1] and shape_alpha in [0, 1]")
+        if self.jump_ratio <= 1 or self.jump_after < 1:
+            raise ValueError("jump_ratio must be > 1 and jump_after >= 1")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
-    """Router settings (one object for the CLI, the server and the API)."""
+    """Router settings (one object for the CLI, the server and the API): every constant of the
+    policy (router/policy.py), its request memory (router/request_state.py), its acceptance
+    estimator (`similarity`) and its cost profile's online refresh (`profile`)."""
 
     k_max: int = MAX_DRAFT_LENGTH  # draft lengths searched: 1..k_max
     max_levels: int = 4  # deepest chain considered
@@ -75,21 +139,30 @@ class RouterConfig:
     persist_margin: float = 0.01  # the smallest gap that counts toward patience
     request_decay: float = 0.995  # per trial: a request's own acceptance counts forget (~200 trials)
     request_prior_strength: float = 8.0  # pseudo-trials of the global alpha in a request's estimate
+    request_hit_prior_strength: float = 2.0  # pseudo-proposals of the global hit rate in a request's (one per cycle, not ~k trials)
     # a new request's prior for a model pair: the global alpha, or if higher this quantile of
     # the alphas finished requests reached on their own (request types differ: code and prose
     # accept a draft at different rates; the global mean is the prior of neither). None: global
     request_prior_quantile: float | None = 0.75
     request_history: int = 32  # finished requests remembered per pair and mode for that quantile
+    request_min_trials: float = 4.0  # trials a finished request needs on a pair for its alpha to count
+    request_min_finished: int = 3  # finished requests before their quantile is used
     request_hit_decay: float = 0.95  # per proposal: a request's own model-free hit counts forget (~20)
+    shadow_k: int = MAX_DRAFT_LENGTH  # tokens asked of model-free drafters when shadow-scoring rows not running them
     probe_k: int = 8  # longest draft of a probe cycle
     probe_optimism: float = 1.5  # z of the Wilson upper bound that makes a stale pair worth a probe
     probe_recheck: int = 8  # row-cycles before looking again when no pair was worth a probe
+    probe_max_wait: float = 4.0  # longest back-off between fruitless probes of a pair, in stale_after periods
+    probe_slow_speed: float = 1.1  # a model this much slower than swept, timed stale_after ago, is re-probed
     probe_fraction: float = 0.05  # at most this fraction of row-cycles are probes
     probe_time_fraction: float | None = 0.02  # and their cost at most this fraction of wall time
     overhead_alpha: float = 0.1  # EMA weight of one cycle's overhead (wall - forwards) and decide() time
     context_bucket: int = 32  # cost rows are cached per (b, L // context_bucket)
     prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
+    alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)
     log_size: int = 10_000  # decision events kept
+    similarity: SimilarityConfig = field(default_factory=SimilarityConfig)  # the acceptance estimator
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # the cost profile's online refresh
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_max <= MAX_DRAFT_LENGTH:
@@ -98,6 +171,19 @@ class RouterConfig:
             raise ValueError(f"max_levels must be in 1..4, got {self.max_levels}")
         if self.switch_margin < 0 or self.patience < 1 or self.probe_k < 1:
             raise ValueError("switch_margin must be >= 0, patience and probe_k >= 1")
+        for name in ("request_decay", "request_hit_decay"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        if self.request_prior_strength < 0 or self.request_hit_prior_strength < 0:
+            raise ValueError("request prior strengths must be >= 0")
+        if self.request_prior_quantile is not None and not 0.0 <= self.request_prior_quantile <= 1.0:
+            raise ValueError(f"request_prior_quantile must be in [0, 1] or None, got {self.request_prior_quantile!r}")
+        if self.request_history < 1 or self.request_min_finished < 1 or self.shadow_k < 1:
+            raise ValueError("request_history, request_min_finished and shadow_k must be >= 1")
+        if not 0.0 < self.overhead_alpha <= 1.0 or self.context_bucket < 1 or self.log_size < 1:
+            raise ValueError("overhead_alpha must be in (0, 1], context_bucket and log_size >= 1")
+        if not isinstance(self.similarity, SimilarityConfig) or not isinstance(self.profile, ProfileConfig):
+            raise ValueError("similarity and profile must be a SimilarityConfig and a ProfileConfig")
 
 
 @dataclass(frozen=True)

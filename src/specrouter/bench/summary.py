@@ -53,62 +53,18 @@ def _acceptance(stats: list, aliases: dict[str, str]) -> dict:
     }
 
 
-def summarize(sc: Scenario, systems: list["System"], requests: list[dict], events: list[dict], *,
+def summarize(sc: Scenario, systems: list[System], requests: list[dict], events: list[dict], *,
               aliases: dict[str, str], reference: str, adaptive: str) -> dict:
     """The summary of one scenario (JSON-ready): `requests` are the loop's per-request records
     (their RequestStats are consumed), `reference` names target-only, `adaptive` SpecRouter."""
-    out_systems = {}
-    for s in systems:
-        tokens = sum(r["tokens"][s.name] for r in requests)
-        seconds = sum(r["seconds"][s.name] for r in requests)
-        entry = {"kind": s.kind, "chain": [aliases.get(m, m) for m in s.chain] if s.chain else None,
-                 "k": s.k, "tokens": tokens, "seconds": seconds,
-                 "tokens_per_second": tokens / seconds if seconds else 0.0}
-        stats = [r["stats"][s.name] for r in requests if s.name in r["stats"]]
-        if stats:
-            entry.update(_acceptance(stats, aliases))
-        out_systems[s.name] = entry
+    out_systems = _per_system(systems, requests, aliases, reference)
     tps = {n: e["tokens_per_second"] for n, e in out_systems.items()}
-    base = reference
-    for n, e in out_systems.items():
-        e["vs_target_only"] = _ratio(tps[n], tps[base])
-
-    # static chains at their best k, in hindsight
     static = [s for s in systems if s.kind in ("static", "target-only")]
-    best_k: dict[str, System] = {}
-    for s in static:
-        key = chain_label(s.chain, aliases)
-        if key not in best_k or tps[s.name] > tps[best_k[key].name]:
-            best_k[key] = s
-    chains = [{"chain": key, "k": s.k, "system": s.name, "levels": len(s.chain),
-               "tokens_per_second": tps[s.name]} for key, s in best_k.items()]
     best_static = max(static, key=lambda s: tps[s.name])
     three = [s for s in static if len(s.chain) == 3]
     best_three = max(three, key=lambda s: tps[s.name]) if three else None
-
-    # the oracle: per request, the fastest static (chain, k) on that request
-    o_tokens = o_seconds = 0.0
-    choices = []
-    for r in requests:
-        def per_token(s):
-            n = r["tokens"][s.name]
-            return r["seconds"][s.name] / n if n else float("inf")
-        s = min(static, key=per_token)
-        o_tokens += r["tokens"][s.name]
-        o_seconds += r["seconds"][s.name]
-        choices.append(s.name)
-    oracle_tps = o_tokens / o_seconds if o_seconds else 0.0
-
-    sr = tps.get(adaptive)
-    hf_gen = tps.get("HF generate")
-    hf_asst = tps.get("HF assisted")
-    by_kind = {}  # tokens/s per request type (the mixed stream's breakdown)
-    for kind in dict.fromkeys(r["kind"] for r in requests):
-        rows = [r for r in requests if r["kind"] == kind]
-        by_kind[kind] = {}
-        for s in systems:
-            seconds = sum(r["seconds"][s.name] for r in rows)
-            by_kind[kind][s.name] = sum(r["tokens"][s.name] for r in rows) / seconds if seconds else 0.0
+    oracle = _oracle(static, requests)
+    by_kind = _by_kind(systems, requests)
     for r in requests:  # JSON-ready: stats objects -> the adaptive system's chains only
         st = r.pop("stats")
         if adaptive in st:
@@ -121,23 +77,89 @@ def summarize(sc: Scenario, systems: list["System"], requests: list[dict], event
         "slowdown": None if sc.slowdown_start is None else {"start_request": sc.slowdown_start},
         "requests": requests,
         "systems": out_systems,
-        "static_chains_best_k": chains,
+        "static_chains_best_k": _best_k_per_chain(static, tps, aliases),
         "best_static": {"system": best_static.name, "tokens_per_second": tps[best_static.name]},
         "best_three_level": None if best_three is None else
             {"system": best_three.name, "tokens_per_second": tps[best_three.name]},
-        "oracle": {"tokens_per_second": oracle_tps, "tokens": o_tokens, "seconds": o_seconds,
-                   "choices": choices},
-        "ratios": {
-            "specrouter/target_only": _ratio(sr, tps[base]),
-            "specrouter/best_static": _ratio(sr, tps[best_static.name]),
-            "specrouter/oracle": _ratio(sr, oracle_tps),
-            "specrouter/best_three_level": _ratio(sr, tps[best_three.name]) if best_three else None,
-            "specrouter/hf_generate": _ratio(sr, hf_gen),
-            "specrouter/hf_assisted": _ratio(sr, hf_asst),
-            "hf_generate/target_only": _ratio(hf_gen, tps[base]),
-            "hf_assisted/target_only": _ratio(hf_asst, tps[base]),
-        },
+        "oracle": oracle,
+        "ratios": _ratios(tps, tps.get(adaptive), reference, best_static.name,
+                          best_three.name if best_three else None, oracle["tokens_per_second"]),
         "tokens_per_second_by_kind": by_kind,
         "hf_mismatch_requests": sum(1 for r in requests if r.get("mismatches")),
         "decisions": events,
+    }
+
+
+def _per_system(systems: list[System], requests: list[dict], aliases: dict[str, str],
+                reference: str) -> dict[str, dict]:
+    """Per system: its chain, tokens, seconds, tokens/s (total tokens / total seconds), its
+    acceptance per level, and its ratio to `reference` (target-only)."""
+    out = {}
+    for s in systems:
+        tokens = sum(r["tokens"][s.name] for r in requests)
+        seconds = sum(r["seconds"][s.name] for r in requests)
+        entry = {"kind": s.kind, "chain": [aliases.get(m, m) for m in s.chain] if s.chain else None,
+                 "k": s.k, "tokens": tokens, "seconds": seconds,
+                 "tokens_per_second": tokens / seconds if seconds else 0.0}
+        stats = [r["stats"][s.name] for r in requests if s.name in r["stats"]]
+        if stats:
+            entry.update(_acceptance(stats, aliases))
+        out[s.name] = entry
+    for e in out.values():
+        e["vs_target_only"] = _ratio(e["tokens_per_second"], out[reference]["tokens_per_second"])
+    return out
+
+
+def _best_k_per_chain(static: list[System], tps: dict[str, float], aliases: dict[str, str]) -> list[dict]:
+    """Each static chain at its best k, in hindsight."""
+    best_k: dict[str, System] = {}
+    for s in static:
+        key = chain_label(s.chain, aliases)
+        if key not in best_k or tps[s.name] > tps[best_k[key].name]:
+            best_k[key] = s
+    return [{"chain": key, "k": s.k, "system": s.name, "levels": len(s.chain),
+             "tokens_per_second": tps[s.name]} for key, s in best_k.items()]
+
+
+def _oracle(static: list[System], requests: list[dict]) -> dict:
+    """Per request the fastest static (chain, k) measured on it; tokens and seconds summed."""
+    tokens = seconds = 0.0
+    choices = []
+    for r in requests:
+        def per_token(s):
+            n = r["tokens"][s.name]
+            return r["seconds"][s.name] / n if n else float("inf")
+        s = min(static, key=per_token)
+        tokens += r["tokens"][s.name]
+        seconds += r["seconds"][s.name]
+        choices.append(s.name)
+    return {"tokens_per_second": tokens / seconds if seconds else 0.0, "tokens": tokens,
+            "seconds": seconds, "choices": choices}
+
+
+def _by_kind(systems: list[System], requests: list[dict]) -> dict[str, dict[str, float]]:
+    """Tokens/s per request type and system (the mixed stream's breakdown)."""
+    by_kind = {}
+    for kind in dict.fromkeys(r["kind"] for r in requests):
+        rows = [r for r in requests if r["kind"] == kind]
+        by_kind[kind] = {}
+        for s in systems:
+            seconds = sum(r["seconds"][s.name] for r in rows)
+            by_kind[kind][s.name] = sum(r["tokens"][s.name] for r in rows) / seconds if seconds else 0.0
+    return by_kind
+
+
+def _ratios(tps: dict[str, float], sr: float | None, reference: str, best_static: str,
+            best_three: str | None, oracle_tps: float) -> dict[str, float | None]:
+    """SpecRouter's (`sr`, tokens/s) ratio to each baseline, and the HF baselines' to target-only."""
+    hf_gen, hf_asst = tps.get("HF generate"), tps.get("HF assisted")
+    return {
+        "specrouter/target_only": _ratio(sr, tps[reference]),
+        "specrouter/best_static": _ratio(sr, tps[best_static]),
+        "specrouter/oracle": _ratio(sr, oracle_tps),
+        "specrouter/best_three_level": _ratio(sr, tps[best_three]) if best_three else None,
+        "specrouter/hf_generate": _ratio(sr, hf_gen),
+        "specrouter/hf_assisted": _ratio(sr, hf_asst),
+        "hf_generate/target_only": _ratio(hf_gen, tps[reference]),
+        "hf_assisted/target_only": _ratio(hf_asst, tps[reference]),
     }

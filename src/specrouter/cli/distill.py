@@ -1,5 +1,6 @@
 """`specrouter distill`: train a small draft of a target by knowledge distillation (CPU,
-resumable, progress bar, held-out agreement report). Flags mirror `specrouter.distill.train.distill`."""
+resumable, progress bar, held-out agreement report). The flags build a
+`specrouter.distill.train.DistillConfig` (its fields document them)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 def cmd_distill(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from specrouter.distill.train import distill
+    from specrouter.distill.train import run_distill
     from specrouter.models.pool import resolve_checkpoint
 
     target = args.target
@@ -20,18 +21,24 @@ def cmd_distill(args: argparse.Namespace) -> int:
         target = default_target_dir()
     if args.eval_only:
         return _eval_only(resolve_checkpoint(target), args)
-    report = distill(
-        resolve_checkpoint(target), args.out_dir, hidden_size=args.hidden_size, num_layers=args.num_layers,
-        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, steps=args.steps,
-        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, corpus_tokens=args.corpus_tokens,
-        generated_fraction=args.generated_fraction,
-        seed=args.seed, resume=not args.no_resume, threads=args.threads,
-        corpus_dir=args.corpus_dir, extra_corpus_dirs=args.extra_corpus_dir or (),
-        init_from=args.init_from, greedy_eval_tokens=args.greedy_eval_tokens,
-        draft_vocab_size=args.draft_vocab_size,
-    )
+    report = run_distill(config_from_args(resolve_checkpoint(target), args))
     print(json.dumps(asdict(report), indent=2, default=str))
     return 0
+
+
+def config_from_args(target, args: argparse.Namespace):
+    """The DistillConfig of the flags (validated: a bad value is a SpecRouterError)."""
+    from specrouter.distill.train import DistillConfig
+
+    return DistillConfig(
+        target=target, out_dir=args.out_dir, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, steps=args.steps,
+        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, corpus_tokens=args.corpus_tokens,
+        generated_fraction=args.generated_fraction, seed=args.seed, resume=not args.no_resume,
+        threads=args.threads, corpus_dir=args.corpus_dir,
+        extra_corpus_dirs=tuple(args.extra_corpus_dir or ()), init_from=args.init_from,
+        greedy_eval_tokens=args.greedy_eval_tokens, draft_vocab_size=args.draft_vocab_size,
+    )
 
 
 def _eval_only(target, args: argparse.Namespace) -> int:

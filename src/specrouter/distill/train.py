@@ -279,44 +279,105 @@ def _save_checkpoint(out: Path, student, opt, step: int, state: dict) -> None:
     tmp.rename(final)
 
 
-def distill(
-    target: str | Path,
-    out_dir: str | Path,
-    *,
-    hidden_size: int = 192,
-    num_layers: int = 4,
-    num_heads: int = 3,
-    num_kv_heads: int = 3,
-    intermediate_size: int | None = None,
-    init: str = "output",
-    steps: int = 3000,
-    batch_size: int = 4,
-    seq_len: int = 256,
-    lr: float = 3e-3,
-    corpus_tokens: int = 300_000,
-    seed: int = 0,
-    generated_fraction: float = 0.6,
-    resume: bool = True,
-    threads: int | None = None,
-    progress: bool = True,
-    greedy_fraction: float = 0.5,
-    temperature: float = 0.7,
-    teacher_topk: int = 32,
-    ce_weight: float = 0.5,
-    vocab_sample: int = 2048,
-    weight_decay: float = 0.01,
-    warmup_steps: int | None = None,
-    eval_fraction: float = 0.05,
-    eval_every: int = 250,
-    checkpoint_every: int = 250,
-    corpus_dir: str | Path | None = None,
-    extra_corpus_dirs: Sequence[str | Path] = (),
-    init_from: str | Path | None = None,
-    save_dtype: str = "bfloat16",
-    greedy_eval_tokens: int = 96,
-    draft_vocab_size: int = 16384,
-) -> DistillReport:
-    """Distil a small draft model from TARGET into OUT_DIR (CPU; resumable).
+@dataclass(frozen=True)
+class DistillConfig:
+    """Everything a `distill` run is (validated on construction; written to recipe.json as
+    "args"). The flags of `specrouter distill` map onto these fields."""
+
+    target: str | Path  # the target model, an HF checkpoint directory or a .gguf file
+    out_dir: str | Path  # where the draft, its corpus cache, checkpoints and reports go
+    hidden_size: int = 192  # draft width (the tied embedding is vocab x hidden_size: most parameters)
+    num_layers: int = 4  # draft decoder layers
+    num_heads: int = 3  # attention heads (hidden_size must divide by it)
+    num_kv_heads: int = 3  # key/value heads (grouped-query attention)
+    intermediate_size: int | None = None  # MLP width; default 8/3 * hidden_size rounded up to 64
+    init: str = "output"  # "output": embedding projected on the target's output directions; "embedding": on its own
+    steps: int = 3000  # optimizer steps in total (a resumed run continues up to this; 0: corpus only)
+    batch_size: int = 4  # rows (of up to seq_len tokens) per step
+    seq_len: int = 256  # tokens per corpus row
+    lr: float = 3e-3  # peak AdamW learning rate (linear warm-up, cosine decay to lr/10)
+    corpus_tokens: int = 300_000  # labelled positions in the corpus (train + held-out)
+    seed: int = 0  # seeds the corpus, the initialisation and the batch order
+    generated_fraction: float = 0.6  # share of the corpus the target writes itself (rest: stdlib, docs)
+    resume: bool = True  # continue from OUT_DIR/checkpoint if present (the corpus cache is always reused)
+    threads: int | None = None  # torch CPU threads (default: leave torch's setting)
+    progress: bool = True  # show progress bars
+    greedy_fraction: float = 0.5  # share of generated rows decoded greedily (the rest sampled)
+    temperature: float = 0.7  # sampling temperature of the sampled generated rows
+    teacher_topk: int = 32  # k of the cached teacher distributions
+    ce_weight: float = 0.5  # weight of cross-entropy on the target's argmax mixed into the KL loss (aims at greedy agreement)
+    vocab_sample: int = 2048  # sampled softmax: random tokens per step besides the batch's top-k (0: the full vocabulary)
+    weight_decay: float = 0.01  # AdamW weight decay of the matrices (not embeddings, not norms)
+    warmup_steps: int | None = None  # linear warm-up steps (default 5% of steps)
+    eval_fraction: float = 0.05  # share of prompts / files held out for evaluation
+    eval_every: int = 250  # steps between held-out evaluations (on up to 64 rows) in the history
+    checkpoint_every: int = 250  # steps between checkpoints
+    corpus_dir: str | Path | None = None  # a corpus folder to use (and build if absent); default OUT_DIR/corpus
+    extra_corpus_dirs: Sequence[str | Path] = ()  # finished corpora whose rows are added (train to train, held-out to eval)
+    init_from: str | Path | None = None  # a draft of the same shape to start from (a second stage); ignored when resuming
+    save_dtype: str = "bfloat16"  # dtype of the final weights: bfloat16, float16 or float32
+    greedy_eval_tokens: int = 96  # tokens the target writes per prompt of the end-to-end greedy evaluation; 0 skips it
+    draft_vocab_size: int = 16384  # the draft proposes only this many tokens, the most frequent in training (0: all)
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> SpecRouterError:
+            return SpecRouterError(f"invalid distill settings: {msg}")
+
+        if self.save_dtype not in ("bfloat16", "float16", "float32"):
+            raise SpecRouterError(f"save_dtype must be bfloat16, float16 or float32, got {self.save_dtype!r}")
+        if self.init not in ("output", "embedding"):
+            raise SpecRouterError(f"init must be 'output' or 'embedding', got {self.init!r}")
+        positive = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "batch_size", "corpus_tokens",
+                    "teacher_topk", "eval_every", "checkpoint_every")
+        for name in positive:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("steps", "vocab_sample", "greedy_eval_tokens", "draft_vocab_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(f"{name} must be an integer >= 0, got {v!r}")
+        if self.seq_len < 2:
+            raise bad(f"seq_len must be >= 2, got {self.seq_len!r}")
+        if not self.lr > 0 or not self.temperature > 0 or self.weight_decay < 0:
+            raise bad("lr and temperature must be > 0, weight_decay >= 0")
+        for name in ("generated_fraction", "greedy_fraction", "ce_weight"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise bad(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise bad(f"eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
+        if self.warmup_steps is not None and self.warmup_steps < 1:
+            raise bad(f"warmup_steps must be >= 1 or None, got {self.warmup_steps!r}")
+        if self.threads is not None and self.threads < 1:
+            raise bad(f"threads must be >= 1 or None, got {self.threads!r}")
+
+    @property
+    def shape(self) -> dict[str, int | None]:
+        """The student's shape (what a resumed or warm-started run must match)."""
+        return dict(hidden_size=self.hidden_size, num_layers=self.num_layers, num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads, intermediate_size=self.intermediate_size)
+
+    @property
+    def corpus_path(self) -> Path:
+        return Path(self.corpus_dir) if self.corpus_dir is not None else Path(self.out_dir) / "corpus"
+
+    def corpus_spec(self, vocab_size: int) -> CorpusSpec:
+        return CorpusSpec(
+            target=str(self.target), vocab_size=vocab_size, corpus_tokens=self.corpus_tokens,
+            generated_fraction=self.generated_fraction, seq_len=self.seq_len, teacher_topk=self.teacher_topk,
+            temperature=self.temperature, greedy_fraction=self.greedy_fraction,
+            eval_fraction=self.eval_fraction, seed=self.seed)
+
+    def args(self) -> dict:
+        """JSON-ready fields (recipe.json's "args")."""
+        def plain(v):
+            return str(v) if isinstance(v, Path) else v
+        return {k: plain(v) for k, v in self.__dict__.items()}
+
+
+def distill(target: str | Path, out_dir: str | Path, **settings) -> DistillReport:
+    """Distil a small draft model from TARGET into OUT_DIR (CPU; resumable): `run_distill` of
+    `DistillConfig(target, out_dir, **settings)` (its fields document the settings).
 
     The draft is a Llama with the target's tokenizer and vocabulary and tied embeddings
     initialised from the target's (projected to hidden_size). It learns the target's next-token
@@ -324,114 +385,104 @@ def distill(
     generates itself from varied code / prose / chat / Q&A prompts plus Python stdlib sources
     and /usr/share/doc text. Re-running with the same OUT_DIR resumes from the last checkpoint.
     OUT_DIR ends up a complete HF checkpoint of the draft, with recipe.json and report.json.
-
-    Args:
-        target: the target model, an HF checkpoint directory or a .gguf file.
-        out_dir: where the draft, its corpus cache, checkpoints and reports go.
-        hidden_size: draft width (the tied embedding is vocab x hidden_size: most parameters).
-        num_layers: draft decoder layers.
-        num_heads: attention heads (hidden_size must divide by it).
-        num_kv_heads: key/value heads (grouped-query attention).
-        intermediate_size: MLP width; default 8/3 * hidden_size rounded up to 64.
-        init: "output" (embedding projected on the target's output directions) or
-            "embedding" (on the embedding's own principal directions).
-        steps: optimizer steps in total (a resumed run continues up to this).
-        batch_size: rows (of up to seq_len tokens) per step.
-        seq_len: tokens per corpus row.
-        lr: peak AdamW learning rate (linear warm-up, cosine decay to lr/10).
-        corpus_tokens: labelled positions in the corpus (train + held-out).
-        seed: seeds the corpus, the initialisation and the batch order.
-        generated_fraction: share of the corpus the target writes itself (rest: stdlib, docs).
-        resume: continue from OUT_DIR/checkpoint if present (the corpus cache is always reused).
-        threads: torch CPU threads (default: leave torch's setting).
-        progress: show progress bars.
-        greedy_fraction: share of generated rows decoded greedily (the rest sampled).
-        temperature: sampling temperature of the sampled generated rows.
-        teacher_topk: k of the cached teacher distributions.
-        ce_weight: weight of cross-entropy on the target's argmax (hard labels) mixed into the
-            KL loss; it aims the student at greedy agreement.
-        vocab_sample: sampled softmax: besides the tokens in the batch's top-k, this many
-            random tokens per step (0: the full vocabulary; 2048 is ~5x cheaper per step for
-            a 49k vocabulary).
-        weight_decay: AdamW weight decay of the matrices (not embeddings, not norms).
-        warmup_steps: linear warm-up steps (default 5% of steps).
-        eval_fraction: share of prompts / files held out for evaluation.
-        eval_every: steps between held-out evaluations (on up to 64 rows) in the history.
-        checkpoint_every: steps between checkpoints.
-        corpus_dir: a corpus folder to use (and build if absent); default OUT_DIR/corpus.
-        extra_corpus_dirs: finished corpora (e.g. built with another seed) whose rows are
-            added: their training rows to training, their held-out rows to evaluation.
-        init_from: a draft checkpoint of the same shape to start from (a second stage on more
-            data) instead of the projected-embedding initialisation; ignored when resuming.
-        save_dtype: dtype of the final weights: bfloat16, float16 or float32.
-        draft_vocab_size: the draft proposes only this many tokens, the most frequent in the
-            training rows (draft_vocab.json; the runner then computes only their logits, ~2.5x
-            cheaper for a 49k vocabulary); 0 keeps the full vocabulary.
-        greedy_eval_tokens: tokens the target writes per prompt of the final end-to-end
-            greedy-agreement evaluation (draft_eval.py); 0 skips it.
     """
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM
+    return run_distill(DistillConfig(target=target, out_dir=out_dir, **settings))
 
-    args = {k: (str(v) if isinstance(v, Path) else v) for k, v in locals().items()
-            if k not in ("tqdm", "AutoModelForCausalLM")}
+
+class _Teacher:
+    """The target, loaded on first use (a resumed run with a cached corpus may never need it)."""
+
+    def __init__(self, path: Path):
+        self.path, self.model, self.tokenizer = path, None, None
+
+    def get(self):
+        if self.model is None:
+            self.model, self.tokenizer = load_target(self.path)
+        return self.model
+
+
+@dataclass
+class _Progress:
+    """Where training stands: restored from a checkpoint, advanced by `_train`."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    history: list[dict] = field(default_factory=list)
+    tokens_this_run: int = 0  # label positions trained on by this call
+    train_time: float = 0.0  # seconds of this call's training
+
+
+def run_distill(cfg: DistillConfig) -> DistillReport:
+    """The steps of a distill run (module docstring): corpus, student, training, report."""
     t_start = time.time()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    if save_dtype not in ("bfloat16", "float16", "float32"):
-        raise SpecRouterError(f"save_dtype must be bfloat16, float16 or float32, got {save_dtype!r}")
-    target, out = Path(target), Path(out_dir)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shape = dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                 num_kv_heads=num_kv_heads, intermediate_size=intermediate_size)
-
-    # 1. the target (skipped when corpus and checkpoint exist; needed again only for timing)
-    teacher = tokenizer = None
-    cdir = Path(corpus_dir) if corpus_dir is not None else out / "corpus"
     ckpt = out / "checkpoint"
-    resuming = resume and (ckpt / "trainer_state.pt").is_file()
-
-    def get_teacher():
-        nonlocal teacher, tokenizer
-        if teacher is None:
-            teacher, tokenizer = load_target(target)
-        return teacher
-
-    if not (cdir / "done").exists() or not resuming:
-        get_teacher()
-    vocab = teacher.config.vocab_size if teacher is not None else None
-    if vocab is None:
-        vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
-
+    resuming = cfg.resume and (ckpt / "trainer_state.pt").is_file()
+    teacher = _Teacher(Path(cfg.target))
+    # 1. the target (skipped when corpus and checkpoint exist; needed again only for timing)
+    if not (cfg.corpus_path / "done").exists() or not resuming:
+        teacher.get()
+    vocab = (teacher.model.config.vocab_size if teacher.model is not None
+             else json.loads((ckpt / "config.json").read_text())["vocab_size"])
     # 2. the corpus, built once (teacher in bfloat16) and cached
-    spec = CorpusSpec(
-        target=str(target), vocab_size=vocab, corpus_tokens=corpus_tokens,
-        generated_fraction=generated_fraction, seq_len=seq_len, teacher_topk=teacher_topk,
-        temperature=temperature, greedy_fraction=greedy_fraction, eval_fraction=eval_fraction,
-        seed=seed)
-    t0 = time.time()
-    labeller = None
-    if not (cdir / "done").exists():  # a bfloat16 copy: ~2.4x faster, KL to fp32 ~1e-3
-        labeller = copy.deepcopy(teacher).to(torch.bfloat16)
-    corpus = build_corpus(labeller, tokenizer, cdir, spec, progress=progress)
-    if extra_corpus_dirs:
-        corpus = Corpus.merge([corpus] + [load_corpus(d, like=spec) for d in extra_corpus_dirs])
-        dropped = corpus.decontaminate()  # templated prompts recur across seeds
-        if progress and dropped:
-            print(f"dropped {dropped} training rows that start like a held-out row")
-    corpus_time = time.time() - t0 if labeller is not None else 0.0
-    del labeller
+    spec = cfg.corpus_spec(vocab)
+    corpus, corpus_time = _load_corpus(cfg, spec, teacher)
     train_rows = (~corpus.is_eval).nonzero()[:, 0]
     eval_rows = corpus.is_eval.nonzero()[:, 0]
     if len(train_rows) == 0 or len(eval_rows) == 0:
-        raise SpecRouterError(f"corpus in {cdir} has {len(train_rows)} training and "
+        raise SpecRouterError(f"corpus in {cfg.corpus_path} has {len(train_rows)} training and "
                               f"{len(eval_rows)} held-out rows: raise corpus_tokens")
-    probe_rows = eval_rows[torch.randperm(len(eval_rows), generator=torch.Generator().manual_seed(seed))[:64]]
+    # 3. the student: fresh (projected target embedding), warm-started, or the checkpoint
+    torch.manual_seed(cfg.seed)
+    student, state, progress = _student(cfg, ckpt, resuming, corpus, train_rows, teacher)
+    if teacher.tokenizer is not None or not (out / "tokenizer.json").is_file():
+        teacher.get()
+        _copy_tokenizer(Path(cfg.target), teacher.tokenizer, out)
+    opt = _optimizer(student, cfg, state)
 
-    # 3. the student: fresh (projected target embedding) or the checkpoint
-    torch.manual_seed(seed)
-    history: list[dict] = []
-    tokens_seen = step = 0
+    def write_recipe() -> None:
+        _write_recipe(cfg, out, progress, student, spec, corpus)
+
+    write_recipe()
+    # 4. training
+    start_step = progress.step
+    _train(cfg, student, opt, corpus, train_rows, eval_rows, progress, t_start, write_recipe)
+    # 5. final evaluation on all held-out rows, cost per step, the saved draft
+    report = _finish(cfg, out, student, corpus, train_rows, eval_rows, teacher, progress,
+                     start_step=start_step, t_start=t_start, corpus_time=corpus_time)
+    write_recipe()
+    (out / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
+    return report
+
+
+def _load_corpus(cfg: DistillConfig, spec: CorpusSpec, teacher: _Teacher) -> tuple[Corpus, float]:
+    """The corpus (built with a bfloat16 copy of the teacher if not cached yet, the extra
+    corpora merged in and decontaminated) and the seconds spent building it."""
+    cdir = cfg.corpus_path
+    t0 = time.time()
+    labeller = None
+    if not (cdir / "done").exists():  # a bfloat16 copy: ~2.4x faster, KL to fp32 ~1e-3
+        labeller = copy.deepcopy(teacher.get()).to(torch.bfloat16)
+    corpus = build_corpus(labeller, teacher.tokenizer, cdir, spec, progress=cfg.progress)
+    if cfg.extra_corpus_dirs:
+        corpus = Corpus.merge([corpus] + [load_corpus(d, like=spec) for d in cfg.extra_corpus_dirs])
+        dropped = corpus.decontaminate()  # templated prompts recur across seeds
+        if cfg.progress and dropped:
+            print(f"dropped {dropped} training rows that start like a held-out row")
+    return corpus, (time.time() - t0 if labeller is not None else 0.0)
+
+
+def _student(cfg: DistillConfig, ckpt: Path, resuming: bool, corpus: Corpus, train_rows: torch.Tensor,
+             teacher: _Teacher):
+    """(student in training mode, trainer state or None, progress): the checkpoint when
+    resuming, `init_from` for a warm start, else a fresh student from the target's embedding."""
+    from transformers import AutoModelForCausalLM
+
+    shape = cfg.shape
+    state, progress = None, _Progress()
     if resuming:
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
         old = state.get("shape", {})
@@ -439,117 +490,137 @@ def distill(
             raise SpecRouterError(f"{ckpt} is a student of shape {old}, not {shape}: pass "
                                   "resume=False to start over, or use another out_dir")
         student = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
-        step, tokens_seen, history = state["step"], state["tokens_seen"], state["history"]
+        progress = _Progress(step=state["step"], tokens_seen=state["tokens_seen"], history=state["history"])
         torch.set_rng_state(state["torch_rng"])
-    elif init_from is not None:
-        student = AutoModelForCausalLM.from_pretrained(str(init_from), dtype=torch.float32)
-        got = dict(hidden_size=student.config.hidden_size, num_layers=student.config.num_hidden_layers,
-                   num_heads=student.config.num_attention_heads,
-                   num_kv_heads=student.config.num_key_value_heads,
-                   intermediate_size=student.config.intermediate_size)
+    elif cfg.init_from is not None:
+        student = AutoModelForCausalLM.from_pretrained(str(cfg.init_from), dtype=torch.float32)
+        c = student.config
+        got = dict(hidden_size=c.hidden_size, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+                   num_kv_heads=c.num_key_value_heads, intermediate_size=c.intermediate_size)
         if any(v is not None and got[k] != v for k, v in shape.items()):
-            raise SpecRouterError(f"init_from {init_from} has shape {got}, not {shape}")
-        state = None
+            raise SpecRouterError(f"init_from {cfg.init_from} has shape {got}, not {shape}")
     else:
-        pick = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))[:16]
-        sample = corpus.tokens[train_rows[pick], : min(128, seq_len)]  # (16, <=128)
-        student = init_student(get_teacher(), init=init, sample_tokens=sample, **shape)
-        state = None
+        pick = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(cfg.seed))[:16]
+        sample = corpus.tokens[train_rows[pick], : min(128, cfg.seq_len)]  # (16, <=128)
+        student = init_student(teacher.get(), init=cfg.init, sample_tokens=sample, **shape)
     student.train()
-    if tokenizer is not None or not (out / "tokenizer.json").is_file():
-        get_teacher()
-        _copy_tokenizer(target, tokenizer, out)
+    return student, state, progress
+
+
+def _optimizer(student, cfg: DistillConfig, state: dict | None) -> torch.optim.AdamW:
+    """AdamW, weight decay on the matrices only (not embeddings, not norms); a checkpoint's
+    state restored."""
     decay = [p for n, p in student.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in student.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+                            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     if state is not None:
         opt.load_state_dict(state["optimizer"])
-    warmup = warmup_steps if warmup_steps is not None else max(1, steps // 20)
+    return opt
 
-    def write_recipe(done: int) -> None:
-        recipe = {
-            "args": args, "seed": seed, "steps_done": done, "tokens_seen": tokens_seen,
-            "student_config": student.config.to_dict(), "shape": shape,
-            "corpus": {"dir": str(cdir), "extra_dirs": [str(d) for d in extra_corpus_dirs],
-                       "spec": spec.__dict__, "sources": corpus.composition()},
-            "init_from": str(init_from) if init_from is not None else None,
-            "versions": _versions(),
-        }
-        (out / "recipe.json").write_text(json.dumps(recipe, indent=1, default=str))
 
-    write_recipe(step)
+def _write_recipe(cfg: DistillConfig, out: Path, progress: _Progress, student, spec: CorpusSpec,
+                  corpus: Corpus) -> None:
+    recipe = {
+        "args": cfg.args(), "seed": cfg.seed, "steps_done": progress.step, "tokens_seen": progress.tokens_seen,
+        "student_config": student.config.to_dict(), "shape": cfg.shape,
+        "corpus": {"dir": str(cfg.corpus_path), "extra_dirs": [str(d) for d in cfg.extra_corpus_dirs],
+                   "spec": spec.__dict__, "sources": corpus.composition()},
+        "init_from": str(cfg.init_from) if cfg.init_from is not None else None,
+        "versions": _versions(),
+    }
+    (out / "recipe.json").write_text(json.dumps(recipe, indent=1, default=str))
 
-    # 4. training: bf16 autocast body, fused sparse-KL head in bf16 with float32 master weights
-    start_step = step
-    t_train, tok_this_run = time.time(), 0
+
+def _train_step(cfg: DistillConfig, student, opt, corpus: Corpus, rows: torch.Tensor, step: int,
+                warmup: int) -> tuple[float, int]:
+    """One optimizer step on `rows`: bf16 autocast body, fused sparse-KL head in bf16 with
+    float32 master weights. Returns (loss per position, positions)."""
+    T = int(corpus.lengths[rows].max())
+    x = corpus.tokens[rows, :T]  # (B, T)
+    mask = corpus.label_mask(rows)[:, :T]  # (B, T)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = student.model(input_ids=x).last_hidden_state  # (B, T, d)
+    h = hidden[mask].float()  # (N, d)
+    n = h.shape[0]
+    ids = corpus.topk_ids[rows, :T][mask]  # (N, k) teacher top-k, argmax first
+    loss = sparse_kl_loss(h, student.lm_head.weight, ids, corpus.topk_logp[rows, :T][mask],
+                          ids[:, 0], cfg.ce_weight, vocab_sample=cfg.vocab_sample,
+                          generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)) / n
+    for group in opt.param_groups:
+        group["lr"] = _lr_at(step, cfg.steps, warmup, cfg.lr)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach()), n
+
+
+def _train(cfg: DistillConfig, student, opt, corpus: Corpus, train_rows: torch.Tensor,
+           eval_rows: torch.Tensor, progress: _Progress, t_start: float, write_recipe) -> None:
+    """Steps up to cfg.steps, a held-out evaluation (64 rows) into the history every
+    `eval_every` steps and a checkpoint every `checkpoint_every`."""
+    from tqdm.auto import tqdm
+
+    probe_rows = eval_rows[torch.randperm(len(eval_rows), generator=torch.Generator().manual_seed(cfg.seed))[:64]]
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 20)
+    t_train = time.time()
     perms: dict = {}
-    bar = tqdm(total=steps, initial=step, desc="distill", unit="step", disable=not progress,
+    bar = tqdm(total=cfg.steps, initial=progress.step, desc="distill", unit="step", disable=not cfg.progress,
                dynamic_ncols=True)
+    history = progress.history
     loss_ema = history[-1]["loss"] if history else None
-    while step < steps:
-        rows = _batch_rows(train_rows, step, batch_size, seed, perms)
-        T = int(corpus.lengths[rows].max())
-        x = corpus.tokens[rows, :T]  # (B, T)
-        mask = corpus.label_mask(rows)[:, :T]  # (B, T)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            hidden = student.model(input_ids=x).last_hidden_state  # (B, T, d)
-        h = hidden[mask].float()  # (N, d)
-        n = h.shape[0]
-        ids = corpus.topk_ids[rows, :T][mask]  # (N, k) teacher top-k, argmax first
-        loss = sparse_kl_loss(h, student.lm_head.weight, ids, corpus.topk_logp[rows, :T][mask],
-                              ids[:, 0], ce_weight, vocab_sample=vocab_sample,
-                              generator=torch.Generator().manual_seed(seed * 1_000_003 + step)) / n
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, steps, warmup, lr)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        tokens_seen += n
-        tok_this_run += n
-        loss_ema = float(loss.detach()) if loss_ema is None else 0.95 * loss_ema + 0.05 * float(loss.detach())
-        tps = tok_this_run / (time.time() - t_train)
+    while progress.step < cfg.steps:
+        rows = _batch_rows(train_rows, progress.step, cfg.batch_size, cfg.seed, perms)
+        loss, n = _train_step(cfg, student, opt, corpus, rows, progress.step, warmup)
+        progress.step += 1
+        progress.tokens_seen += n
+        progress.tokens_this_run += n
+        step = progress.step
+        loss_ema = loss if loss_ema is None else 0.95 * loss_ema + 0.05 * loss
+        tps = progress.tokens_this_run / (time.time() - t_train)
         bar.set_postfix(loss=f"{loss_ema:.3f}", tok_s=f"{tps:.0f}")
         bar.update(1)
-        if step % eval_every == 0 or step == steps:
+        if step % cfg.eval_every == 0 or step == cfg.steps:
             student.eval()
             ev = evaluate(student, corpus, probe_rows)
             student.train()
             history.append({"step": step, "loss": loss_ema, "agreement": ev["agreement"],
                             "agreement_generated": ev["agreement_generated"], "kl": ev["kl"],
-                            "tokens_seen": tokens_seen, "tokens_per_s": tps,
+                            "tokens_seen": progress.tokens_seen, "tokens_per_s": tps,
                             "elapsed_s": time.time() - t_start})
             bar.write(f"step {step}: loss {loss_ema:.3f}  held-out agreement "
                       f"{ev['agreement']:.3f} (generated {ev['agreement_generated']:.3f})  "
                       f"kl {ev['kl']:.3f}  {tps:.0f} tok/s")
-        if step % checkpoint_every == 0 or step == steps:
-            _save_checkpoint(out, student, opt, step, {
-                "tokens_seen": tokens_seen, "history": history, "shape": shape})
-            write_recipe(step)
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            _save_checkpoint(Path(cfg.out_dir), student, opt, step, {
+                "tokens_seen": progress.tokens_seen, "history": history, "shape": cfg.shape})
+            write_recipe()
     bar.close()
-    train_time = time.time() - t_train
+    progress.train_time = time.time() - t_train
 
-    # 5. final evaluation on all held-out rows, cost per step, the saved draft
+
+def _finish(cfg: DistillConfig, out: Path, student, corpus: Corpus, train_rows: torch.Tensor,
+            eval_rows: torch.Tensor, teacher: _Teacher, progress: _Progress, *, start_step: int,
+            t_start: float, corpus_time: float) -> DistillReport:
+    """Evaluate on all held-out rows, save the draft (save_dtype, draft_vocab.json), time a
+    step of both models, run the end-to-end greedy evaluation: the report."""
     student.eval()
     ev = evaluate(student, corpus, eval_rows)
-    dtype = getattr(torch, save_dtype)
-    final = student.to(dtype)
-    final.save_pretrained(str(out))
+    student.to(getattr(torch, cfg.save_dtype)).save_pretrained(str(out))
     student.float()
-    if draft_vocab_size > 0:
-        cfg = student.config
-        special = [i for i in (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) if isinstance(i, int)]
-        write_draft_vocab(out, corpus, train_rows, eval_rows, draft_vocab_size, cfg.vocab_size, special)
+    if cfg.draft_vocab_size > 0:
+        c = student.config
+        special = [i for i in (c.bos_token_id, c.eos_token_id, c.pad_token_id) if isinstance(i, int)]
+        write_draft_vocab(out, corpus, train_rows, eval_rows, cfg.draft_vocab_size, c.vocab_size, special)
     weights = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20
-    target_ms, student_ms = step_ms(get_teacher()), step_ms(student)
-    greedy = (greedy_agreement(student, get_teacher(), tokenizer, max_new_tokens=greedy_eval_tokens)
-              if greedy_eval_tokens > 0 else None)
-    write_recipe(step)
-    report = DistillReport(
-        out_dir=str(out), steps=step, start_step=start_step, tokens_seen=tokens_seen,
+    target_ms, student_ms = step_ms(teacher.get()), step_ms(student)
+    greedy = (greedy_agreement(student, teacher.get(), teacher.tokenizer, max_new_tokens=cfg.greedy_eval_tokens)
+              if cfg.greedy_eval_tokens > 0 else None)
+    train_time = progress.train_time
+    return DistillReport(
+        out_dir=str(out), steps=progress.step, start_step=start_step, tokens_seen=progress.tokens_seen,
         params=sum(p.numel() for p in student.parameters()), weights_mb=round(weights, 2),
         agreement=ev["agreement"], agreement_by_kind=ev["agreement_by_kind"],
         agreement_by_source=ev["agreement_by_source"],
@@ -560,8 +631,6 @@ def distill(
         student_step_ms=round(student_ms, 3), cost_ratio=round(target_ms / student_ms, 2),
         wall_time_s=round(time.time() - t_start, 1), corpus_time_s=round(corpus_time, 1),
         train_time_s=round(train_time, 1),
-        train_tokens_per_s=round(tok_this_run / train_time, 1) if tok_this_run else 0.0,
-        history=history,
+        train_tokens_per_s=round(progress.tokens_this_run / train_time, 1) if progress.tokens_this_run else 0.0,
+        history=progress.history,
     )
-    (out / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
-    return report

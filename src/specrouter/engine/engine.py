@@ -254,8 +254,6 @@ class Engine:
         return new_chain
 
     # -- router feedback ----------------------------------------------------------------------
-    SHADOW_K = 16  # tokens asked of model-free drafters when shadow-scoring rows not running them
-
     def _shadow_proposals(self, rows: list[Sequence], chain: tuple[str, ...]) -> dict:
         """What each model-free drafter would propose for rows that do not run it (free
         evidence of its acceptance for this request: tens of microseconds per row)."""
@@ -263,7 +261,7 @@ class Engine:
         for name, drafter in self.pool.drafters.items():
             if chain[0] == name:
                 continue
-            tokens, lengths = drafter.propose([s.tokens for s in rows], self.SHADOW_K)
+            tokens, lengths = drafter.propose([s.tokens for s in rows], self.router.config.shadow_k)
             out[name] = [t[:m] for t, m in zip(tokens.tolist(), lengths.tolist())]
         return out
 
@@ -278,7 +276,7 @@ class Engine:
         for name, proposals in (shadow or {}).items():
             for b, s in enumerate(rows):
                 committed = s.tokens[stats.row_context[b]:]
-                self.router.observe_shadow(s.seq_id, name, proposals[b], committed, self.SHADOW_K,
+                self.router.observe_shadow(s.seq_id, name, proposals[b], committed, self.router.config.shadow_k,
                                            s.params.greedy)
                 if stats.row_proposal:  # greedy, a model drafted: how it would judge `name`
                     drafted = stats.row_proposal[b]

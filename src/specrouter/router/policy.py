@@ -77,6 +77,7 @@ from specrouter.router.similarity import (
     SimilarityEstimator,
     acceptance_trials,
     shadow_match,
+    shrink,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +110,7 @@ class Router:
         if unprofiled:
             raise ValueError(f"no cost profile for {unprofiled}: run specrouter.router.profile.sweep() or CostProfile.load()")
         self.profile = profile
-        self.similarity = similarity or SimilarityEstimator(sizes, self.model_free)
+        self.similarity = similarity or SimilarityEstimator(sizes, self.model_free, cfg.similarity)
         self.budget = ProbeBudget(cfg.probe_fraction, cfg.probe_time_fraction)
         self.on_decision = on_decision
         self.timer = timer  # measures decide() (real time, also under a virtual clock)
@@ -133,7 +134,8 @@ class Router:
         self._probes: dict[Pair, tuple[int, float, int]] = {}  # pair -> (row-cycle, trials then, back-off)
         self._model_seen: dict[str, int] = {}  # row-cycle each model was last timed
         # the alphas finished requests reached on their own, and their quantile (request_prior)
-        self.finished = FinishedRequests(cfg.request_history, cfg.request_prior_quantile or 0.5)
+        self.finished = FinishedRequests(cfg.request_history, cfg.request_prior_quantile or 0.5,
+                                         cfg.request_min_trials, cfg.request_min_finished)
 
     @classmethod
     def from_pool(cls, pool, profile: CostProfile, **kwargs) -> "Router":
@@ -157,8 +159,7 @@ class Router:
         c = req.counts.get(pair)
         if c is None:
             return prior
-        n0 = self.config.request_prior_strength
-        return (c[0] + n0 * prior) / (c[0] + c[1] + n0)
+        return shrink(c[0], c[0] + c[1], prior, self.config.request_prior_strength)
 
     def request_prior(self, pair: Pair, mode: str, glob: float | None = None) -> float:
         """A request's prior alpha for a pair (module docstring): max(global, the quantile of
@@ -175,8 +176,7 @@ class Router:
         h = req.hits.get(drafter) if req is not None else None
         if h is None:
             return glob
-        n0 = self.config.request_prior_strength / 4  # a proposal is one trial, not ~k
-        return (h[0] + n0 * glob) / (h[1] + n0)
+        return shrink(h[0], h[1], glob, self.config.request_hit_prior_strength)
 
     def _cost_rows(self, b: int, L: int) -> dict[str, np.ndarray]:
         """T_M(b, t, L) for t = 0..width per model, cached until the profile changes."""
@@ -200,7 +200,8 @@ class Router:
         costs: dict[str, object] = dict(rows)
         for d in self.model_free:
             costs[d] = ModelFreeDraft(cost=rows[d], hit_rate=self.hit_rate(d, req))
-        alphas = {p: round(self.alpha(p, mode, req), 4) for p in self.pairs}  # rounding: cache hits
+        digits = self.config.alpha_decimals  # rounding: cache hits
+        alphas = {p: round(self.alpha(p, mode, req), digits) for p in self.pairs}
         return costs, alphas, self.decide_seconds * max(row.batch_size, 1)
 
     def _viable(self, chain: Chain, costs, alphas) -> bool:
@@ -329,7 +330,7 @@ class Router:
         model-free miss) doubles the wait before that pair's next one."""
         sim, now = self.similarity, self.similarity.now
         busy = set(zip(running[:-1], running[1:]))
-        slow = {m for m in self.order if m in self.profile and self.profile.speed(m) > 1.1
+        slow = {m for m in self.order if m in self.profile and self.profile.speed(m) > self.config.probe_slow_speed
                 and now - self._model_seen.get(m, 0) >= sim.config.stale_after}
         candidates = [p for p in self.pairs if p not in busy
                       and (sim.needs_probe(p, mode) or slow.intersection(p))
@@ -339,7 +340,8 @@ class Router:
         hopeful = dict(alphas)
         for p in candidates:
             if sim.needs_probe(p, mode):
-                hopeful[p] = max(alphas[p], round(sim.upper(p, mode, self.config.probe_optimism), 4))
+                hopeful[p] = max(alphas[p], round(sim.upper(p, mode, self.config.probe_optimism),
+                                                  self.config.alpha_decimals))
         hopeful_costs = dict(costs)
         for m in slow:  # it may have recovered while nobody looked
             if isinstance(costs[m], np.ndarray):
@@ -356,7 +358,8 @@ class Router:
         _, p, i, j = best
         last = self._probes.get(p)
         wait = 0 if last is None or self._taught(p, mode, last) else max(2 * last[2], self.config.probe_recheck)
-        self._probes[p] = (now, sim.stats(p, mode).trials, min(wait, 4 * sim.config.stale_after))
+        longest = int(self.config.probe_max_wait * sim.config.stale_after)
+        self._probes[p] = (now, sim.stats(p, mode).trials, min(wait, longest))
         return i, min(j + 1, self.config.probe_k)
 
     def _taught(self, pair: Pair, mode: str, last: tuple[int, float, int]) -> bool:
@@ -419,17 +422,13 @@ class Router:
                     sim.touch(pair, mode)
                 if r.tv is not None and j < len(r.tv) and r.tv[j] is not None and math.isfinite(r.tv[j]):
                     sim.observe_tv(pair, mode, float(r.tv[j]), cand)
-        # timings
-        for name in (stats.forward_time if stats is not None else ()):
-            self._model_seen[name] = sim.now
+        # timings: the executor's timed forwards, else their shapes approximated from the stats
+        if forwards is None and stats is not None and rows:
+            forwards = self._forwards_from_stats(stats, rows)
         for f in forwards or ():
             self._model_seen[f.model] = sim.now
-        if forwards is not None:
-            for f in forwards:
-                if f.model in self.profile:
-                    self.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
-        elif stats is not None and rows:
-            self._observe_stats_timings(stats, rows)
+            if f.model in self.profile:
+                self.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
         if stats is not None:
             spent = stats.wall_time - sum(stats.forward_time.values())
             key = "spec" if len(stats.chain) > 1 else "plain"
@@ -437,24 +436,26 @@ class Router:
         sim.tick(len(rows))
         self.budget.tick(len(rows), stats.wall_time if stats is not None else 0.0)
 
-    def _observe_stats_timings(self, stats: CycleStats, rows: Sequence[RowOutcome]) -> None:
+    def _forwards_from_stats(self, stats: CycleStats, rows: Sequence[RowOutcome]) -> list[ForwardRecord]:
         """Approximate forward shapes from CycleStats: a draft model ran k one-token steps, a
-        verifier at level j one forward of max candidates + 1 tokens per row."""
+        model-free drafter one proposal of k, a verifier at level j one forward of max
+        candidates + 1 tokens per row."""
         chain, b = tuple(stats.chain), max(stats.rows, 1)
         L = int(sum(r.context_len for r in rows) / len(rows))
+        out = []
         for j, name in enumerate(chain):
             seconds = stats.forward_time.get(name)
-            if seconds is None or name not in self.profile:
+            if seconds is None:
                 continue
             if j == 0 and len(chain) > 1:
-                if name in self.model_free:
-                    self.profile.observe(name, b, max(stats.k, 1), L, seconds)
-                else:
-                    self.profile.observe(name, b, 1, L, seconds, count=max(stats.k, 1))
+                k = max(stats.k, 1)
+                shape = (k, 1) if name in self.model_free else (1, k)  # (new tokens, count)
+                out.append(ForwardRecord(name, b, shape[0], L, seconds, shape[1]))
                 continue
             widest = max(int(r.drafted[j]) for r in rows) + 1 if j < len(rows[0].drafted) else 1
             per_row = math.ceil(stats.forward_tokens.get(name, b) / b)
-            self.profile.observe(name, b, max(widest, per_row), L, seconds)
+            out.append(ForwardRecord(name, b, max(widest, per_row), L, seconds))
+        return out
 
     def observe_shadow(self, seq_id: int, drafter: str, proposal: Sequence[int], committed: Sequence[int],
                        k: int, greedy: bool = True, verifier: str | None = None,

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specrouter.config import ProfileConfig  # the profile's settings (also importable from here)
+
 PROFILE_FORMAT = 1  # bump when the JSON layout changes (older files are then ignored)
 DEFAULT_BATCH_SIZES = (1, 4)  # rows per forward swept at start-up
 DEFAULT_NEW_TOKENS = (1, 2, 4, 8, 16)  # new tokens per row swept (drafting: 1; verifying: n + 1)
@@ -176,22 +178,6 @@ class _ModelTable:
 
 # ---------------------------------------------------------------------------------------------
 # the profile
-
-
-@dataclass(frozen=True)
-class ProfileConfig:
-    """How fast the profile follows observed timings."""
-
-    ema_alpha: float = 0.3  # weight of one observation in log(speed) (fast EMA)
-    shape_alpha: float = 0.05  # weight of one residual in the grid cells it touches (slow)
-    jump_ratio: float = 1.5  # an observation off by more than this factor (either way) ...
-    jump_after: int = 2  # ... this many times in a row, same direction, resets speed at once
-
-    def __post_init__(self) -> None:
-        if not (0 < self.ema_alpha <= 1 and 0 <= self.shape_alpha <= 1):
-            raise ValueError("ema_alpha must be in (0, 1] and shape_alpha in [0, 1]")
-        if self.jump_ratio <= 1 or self.jump_after < 1:
-            raise ValueError("jump_ratio must be > 1 and jump_after >= 1")
 
 
 class CostProfile:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrouter.router.records import Chain
-from specrouter.router.similarity import Pair
+from specrouter.router.similarity import Pair, decayed_add
 
 
 @dataclass
@@ -28,12 +28,11 @@ class RequestState:
 
     def observe(self, pair: Pair, accepted: float, rejections: float, decay: float) -> None:
         c = self.counts.setdefault(pair, [0.0, 0.0])
-        f = decay ** (accepted + rejections)
-        c[0], c[1] = f * c[0] + accepted, f * c[1] + rejections
+        c[:] = decayed_add(c, (accepted, rejections), decay, accepted + rejections)
 
     def observe_hit(self, drafter: str, hit: bool, decay: float) -> None:
         h = self.hits.setdefault(drafter, [0.0, 0.0])
-        h[0], h[1] = decay * h[0] + float(hit), decay * h[1] + 1.0
+        h[:] = decayed_add(h, (float(hit), 1.0), decay, 1.0)
 
 
 class FinishedRequests:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from specrouter.config import RouterConfig
+from specrouter.config import ProfileConfig, RouterConfig
 from specrouter.router.policy import Router
 from specrouter.router.profile import (
     CostProfile,
@@ -18,12 +18,12 @@ from specrouter.router.profile import (
 
 
 def load_or_sweep_profile(pool, *, path: str | Path | None = None, progress: bool = True,
-                          force: bool = False) -> CostProfile:
+                          force: bool = False, config: ProfileConfig | None = None) -> CostProfile:
     """This machine's profile of every pool model; models missing from it are swept now."""
     path = Path(path) if path is not None else default_profile_path()
     models = {**pool.runners, **pool.drafters}
     idents = [identity_of(m) for m in models.values()]
-    profile = CostProfile() if force else CostProfile.load(path, idents)
+    profile = CostProfile(config) if force else CostProfile.load(path, idents, config=config)
     missing = set(models) if force else {i.name for i in profile.missing(idents)}
     if missing:
         busy = machine_busy()
@@ -43,6 +43,7 @@ def load_or_sweep_profile(pool, *, path: str | Path | None = None, progress: boo
 def build_router(pool, *, profile_path: str | Path | None = None, progress: bool = True,
                  config: RouterConfig | None = None, on_decision=None) -> Router:
     """The adaptive router of `pool` (profiles it first if this machine has no profile)."""
-    profile = load_or_sweep_profile(pool, path=profile_path, progress=progress)
+    profile = load_or_sweep_profile(pool, path=profile_path, progress=progress,
+                                    config=config.profile if config is not None else None)
     kwargs = {"config": config} if config is not None else {}
     return Router.from_pool(pool, profile, on_decision=on_decision, **kwargs)

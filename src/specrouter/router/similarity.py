@@ -41,15 +41,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specrouter.config import SimilarityConfig  # the estimator's settings (also importable from here)
 from specrouter.router.records import Pair
+from specrouter.state.sequence import common_prefix_len
 
 GREEDY = "greedy"
 SAMPLING = "sampling"
 MODES = (GREEDY, SAMPLING)
-CALIBRATION_PRIORS = {SAMPLING: (0.0, 1.0), GREEDY: (-0.25, 1.25)}  # (intercept, slope)
-CALIBRATION_CENTER = 0.75  # SimScores are centered here for the ridge fit (a typical value)
-CALIBRATION_SPREAD = 0.1  # typical spread of SimScores around it (scales the slope's prior)
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,51 +109,48 @@ def shadow_match(proposal: Sequence[int], committed: Sequence[int], k: int) -> t
     evidence without a rejection when every committed token matched."""
     if not proposal:
         return 0, 0
-    m = 0
-    for p, c in zip(proposal, committed):
-        if p != c:
-            break
-        m += 1
+    m = common_prefix_len(proposal, committed)
     return m, int(m < min(len(committed), k))
+
+
+def decayed_add(totals: Sequence[float], added: Sequence[float], decay: float, trials: float) -> list[float]:
+    """Running totals that forget: each old total is multiplied by decay ** trials (the window
+    is ~1 / (1 - decay) trials) and the new amounts are added. Every decayed count of the
+    router (acceptance, hit and calibration sums, global and per request) is updated here."""
+    f = decay ** trials
+    return [f * t + a for t, a in zip(totals, added)]
+
+
+def shrink(successes: float, trials: float, prior: float, strength: float) -> float:
+    """An estimate shrunk toward `prior` (empirical Bayes): (successes + strength * prior) /
+    (trials + strength), the prior alone without any weight. Every blend of observed rates
+    with a prior in the router is this."""
+    if trials + strength <= 0:
+        return prior
+    return (successes + strength * prior) / (trials + strength)
 
 
 def blend(accepted: float, rejections: float, fallback: float, prior_strength: float, min_evidence: float) -> float:
     """The observed acceptance with the fallback's pseudo-trials fading out (module docstring)."""
     n = accepted + rejections
     w = prior_strength * max(0.0, 1.0 - n / min_evidence) if min_evidence > 0 else 0.0
-    if n + w <= 0:
-        return fallback
-    return (accepted + w * fallback) / (n + w)
+    return shrink(accepted, n, fallback, w)
 
 
-def size_prior(drafter_params: int, verifier_params: int) -> float:
-    """Cold-start acceptance of a model drafter: 0.75 + 0.1 * log10(size ratio), in [0.3, 0.85]
-    (0.65 for a 10x smaller draft, 0.55 for 100x); 0.5 when a size is unknown. Mildly
-    optimistic on purpose: the router tries a draft and learns, instead of never trying it."""
+def size_prior(drafter_params: int, verifier_params: int, config: SimilarityConfig | None = None) -> float:
+    """Cold-start acceptance of a model drafter: by default 0.75 + 0.1 * log10(size ratio), in
+    [0.3, 0.85] (0.65 for a 10x smaller draft, 0.55 for 100x); 0.5 when a size is unknown
+    (`SimilarityConfig.size_prior_*`). Mildly optimistic on purpose: the router tries a draft
+    and learns, instead of never trying it."""
+    cfg = config or SimilarityConfig()
     if drafter_params <= 0 or verifier_params <= 0:
-        return 0.5
-    return min(0.85, max(0.3, 0.75 + 0.1 * math.log10(drafter_params / verifier_params)))
+        return cfg.unknown_size_prior
+    lo, hi = cfg.size_prior_range
+    return min(hi, max(lo, cfg.size_prior_base + cfg.size_prior_slope * math.log10(drafter_params / verifier_params)))
 
 
 # ---------------------------------------------------------------------------------------------
 # state
-
-
-@dataclass(frozen=True)
-class SimilarityConfig:
-    """How the estimator weighs evidence."""
-
-    tv_alpha: float = 0.1  # EMA weight of one observation's mean D_TV (after the first few)
-    min_tv_positions: int = 8  # positions measured before a pair's SimScore is used
-    decay: float = 0.998  # per trial: the global acceptance counts forget (window ~500 trials)
-    prior_strength: float = 4.0  # pseudo-trials of the fallback while evidence is thin
-    min_evidence: float = 64.0  # trials from which the observed acceptance is used alone
-    stale_after: int = 200  # row-cycles without a measurement before a pair needs a probe
-    calib_strength: float = 50.0  # pseudo-trials of the calibration prior (ridge)
-    calib_decay: float = 0.999  # per trial: the calibration data forget
-    model_free_prior: float = 0.2  # acceptance prior of a model-free drafter (given a hit)
-    hit_prior: float = 0.3  # prior probability that a model-free drafter proposes anything
-    hit_decay: float = 0.98  # per proposal: the global hit counts forget
 
 
 @dataclass
@@ -179,10 +174,12 @@ class PairStats:
 
 @dataclass
 class _Calibration:
-    """alpha = a + b * (S - CALIBRATION_CENTER), ridge-regressed toward the prior line; the
-    sums are over trials (x = centered SimScore, y = acceptance), decayed."""
+    """alpha = a + b * (S - center), ridge-regressed toward the prior line; the sums are over
+    trials (x = centered SimScore, y = acceptance), decayed."""
 
     prior: tuple[float, float]  # (intercept, slope) of alpha = intercept + slope * S
+    center: float  # SimScores are centered here for the fit
+    spread: float  # typical spread of SimScores around it (scales the slope's prior)
     sw: float = 0.0  # sum of weights (trials)
     sx: float = 0.0
     sxx: float = 0.0
@@ -191,23 +188,23 @@ class _Calibration:
     coef: tuple[float, float] | None = None  # cached fit, (intercept, slope) of alpha vs S
 
     def add(self, sim: float, accepted: float, trials: float, decay: float) -> None:
-        x, f = sim - CALIBRATION_CENTER, decay ** trials
-        self.sw, self.sx, self.sxx, self.sy, self.sxy = (
-            f * self.sw + trials, f * self.sx + trials * x, f * self.sxx + trials * x * x,
-            f * self.sy + accepted, f * self.sxy + accepted * x)
+        x = sim - self.center
+        self.sw, self.sx, self.sxx, self.sy, self.sxy = decayed_add(
+            (self.sw, self.sx, self.sxx, self.sy, self.sxy),
+            (trials, trials * x, trials * x * x, accepted, accepted * x), decay, trials)
         self.coef = None
 
     def fit(self, strength: float) -> tuple[float, float]:
         if self.coef is None:
             a0, b0 = self.prior
-            c0 = a0 + b0 * CALIBRATION_CENTER  # the prior's value at the center
-            lam, lam_b = strength, strength * CALIBRATION_SPREAD ** 2  # the slope's prior: lam trials at x = +-spread
+            c0 = a0 + b0 * self.center  # the prior's value at the center
+            lam, lam_b = strength, strength * self.spread ** 2  # the slope's prior: lam trials at x = +-spread
             # ridge: [sw+lam, sx; sx, sxx+lam_b] [c; b] = [sy + lam c0; sxy + lam_b b0]
             m11, m12, m22 = self.sw + lam, self.sx, self.sxx + lam_b
             r1, r2 = self.sy + lam * c0, self.sxy + lam_b * b0
             det = m11 * m22 - m12 * m12
             c, b = (c0, b0) if det <= 0 else ((r1 * m22 - r2 * m12) / det, (m11 * r2 - m12 * r1) / det)
-            self.coef = (c - b * CALIBRATION_CENTER, b)
+            self.coef = (c - b * self.center, b)
         return self.coef
 
 
@@ -226,7 +223,10 @@ class SimilarityEstimator:
         self.sizes = dict(sizes or {})
         self.model_free = frozenset(model_free)
         self.pairs: dict[tuple[Pair, str], PairStats] = {}
-        self.calibrations = {m: _Calibration(CALIBRATION_PRIORS[m]) for m in MODES}
+        cfg = self.config
+        priors = {SAMPLING: cfg.sampling_calibration, GREEDY: cfg.greedy_calibration}
+        self.calibrations = {m: _Calibration(priors[m], cfg.calibration_center, cfg.calibration_spread)
+                             for m in MODES}
         self.hits: dict[str, list[float]] = {}  # model-free drafter -> [hits, proposals], decayed
         self.now = 0  # row-cycles seen (tick)
 
@@ -257,9 +257,7 @@ class SimilarityEstimator:
             return
         cfg = self.config
         s = self.stats(pair, mode)
-        f = cfg.decay ** trials
-        s.accepted = f * s.accepted + accepted
-        s.rejections = f * s.rejections + rejections
+        s.accepted, s.rejections = decayed_add((s.accepted, s.rejections), (accepted, rejections), cfg.decay, trials)
         s.last_measured = self.now
         sim = self.sim_score(pair, mode)
         if sim is not None:
@@ -274,8 +272,7 @@ class SimilarityEstimator:
         if proposals <= 0:
             return
         h = self.hits.setdefault(drafter, [0.0, 0.0])
-        f = self.config.hit_decay ** proposals
-        h[0], h[1] = f * h[0] + hits, f * h[1] + proposals
+        h[:] = decayed_add(h, (hits, proposals), self.config.hit_decay, proposals)
 
     # -- estimates --------------------------------------------------------------------------
     def sim_score(self, pair: Pair, mode: str) -> float | None:
@@ -307,7 +304,7 @@ class SimilarityEstimator:
         drafter, verifier = pair
         if drafter in self.model_free:
             return self.config.model_free_prior
-        return size_prior(self.sizes.get(drafter, 0), self.sizes.get(verifier, 0))
+        return size_prior(self.sizes.get(drafter, 0), self.sizes.get(verifier, 0), self.config)
 
     def fallback(self, pair: Pair, mode: str) -> tuple[float, str]:
         """(alpha, source) without the observed acceptance: similarity, transitive, prior."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specrouter.models.runners.base import ModelRunner
+from specrouter.state.sequence import common_prefix_len
 
 
 @dataclass
@@ -89,11 +90,7 @@ class StateManager:
         for st in self._states[seq_id].values():
             spec = st.speculative
             if spec:
-                keep = 0
-                for a, b in zip(spec, new):
-                    if a != b:
-                        break
-                    keep += 1
+                keep = common_prefix_len(spec, new)
                 st.cache_len = min(num_committed_before + keep, limit)
                 st.speculative = []
             elif st.cache_len > limit:

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as _Tokens
 from dataclasses import dataclass, field
 
 from specrouter.config import SamplingParams
 from specrouter.engine.stats import RequestStats
+
+
+def common_prefix_len(a: _Tokens[int], b: _Tokens[int]) -> int:
+    """How many leading tokens `a` and `b` share: what a model keeps of its speculative tokens
+    at commit, and how many of a shadow proposal the target would have accepted."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass
