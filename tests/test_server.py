@@ -221,7 +221,8 @@ def test_disconnect_aborts_row(server, client):
     assert engine.state.live() == []
     # a non-streamed request whose client goes away is aborted too (polled every second)
     conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
-    conn.request("POST", "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+    conn.request("POST", "/v1/completions", headers={"Authorization": f"Bearer {KEY}",
+                                                    "Content-Type": "application/json"},
                  body=json.dumps({"prompt": "x", "max_tokens": 240, "temperature": 0,
                                   "ignore_eos": True, "specrouter_chain": ["target"]}).encode())
     _wait(lambda: engine.running)

@@ -2,12 +2,15 @@
 a completion through the openai client, a clean shutdown on SIGINT."""
 
 import argparse
+import http.client
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -40,6 +43,12 @@ def test_serve_flags_and_defaults():
     # no --models: the embedded default pool; --k alone is the draft length of pinned requests
     cfg = cli_serve.config_from_args(_parser().parse_args(["serve", "--k", "3"]))
     assert cfg.pool.models == ("default",) and cfg.server.k == 3 and cfg.server.chain is None
+    assert (a.metrics_auth, a.allowed_hosts) == (False, None)
+    a = _parser().parse_args(["serve", "--models", "x", "--metrics-auth", "--allowed-hosts",
+                              "api.example.com", "*.corp.example"])
+    assert a.metrics_auth and a.allowed_hosts == ["api.example.com", "*.corp.example"]
+    cfg = cli_serve.config_from_args(a)
+    assert cfg.server.metrics_auth and cfg.server.allowed_hosts == ("api.example.com", "*.corp.example")
     assert cli_serve._is_loopback("127.0.0.1") and cli_serve._is_loopback("::1")
     assert not cli_serve._is_loopback("0.0.0.0")
 
@@ -56,7 +65,8 @@ def test_serve_subprocess(tiny_pool_dirs):
     env = {**os.environ, "SPECROUTER_API_KEY": "env-key", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-c", LAUNCH, "serve", "--models", str(d["mid"]), str(d["target"]),
            "--target", "target", "--dtype", "float64", "--port", str(port), "--max-model-len", "128",
-           "--chain", "ngram", "mid", "target", "--k", "3", "--log-level", "warning"]
+           "--chain", "ngram", "mid", "target", "--k", "3", "--log-level", "warning",
+           "--metrics-auth"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 90
@@ -66,8 +76,25 @@ def test_serve_subprocess(tiny_pool_dirs):
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
+            except urllib.error.HTTPError:  # up (and /health wants the key: checked below)
+                break
             except OSError:
                 time.sleep(0.2)
+        for key, status in ((None, 401), ("env-key", 200)):  # --metrics-auth
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/health", headers={"Authorization": f"Bearer {key}"} if key else {})
+            assert conn.getresponse().status == status
+            conn.close()
+        # the HTTP layer's own errors are JSON (server/http11.py is the protocol serve runs)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Length: -1\r\n\r\n")
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+        assert json.loads(body)["error"]["code"] == "invalid_http_request"
         base = f"http://127.0.0.1:{port}/v1"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()

@@ -21,6 +21,11 @@ NGRAM = "ngram"  # the model-free n-gram / prompt-lookup drafter's pool name
 ROLE_ALIASES = ("target", "draft")
 BACKENDS = ("auto", "native", "hf")
 DTYPES = ("float32", "bfloat16", "float64", "float16", "fp32", "bf16", "fp64", "fp16")
+# A temperature below this is greedy decoding (stored as 0.0). Dividing logits by a tiny
+# temperature overflows (1e-39 turns them into inf and the softmax into NaN), and a sampled
+# distribution that sharp is the argmax anyway; vLLM uses the same threshold (_SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+_INT64 = 2**63  # top_k and token ids become int64 tensors
 
 
 @dataclass(frozen=True)
@@ -28,7 +33,10 @@ class SamplingParams:
     """Per-request decoding parameters, validated on construction.
 
     temperature == 0 means greedy decoding (the output is the target's argmax, token for token);
-    top_k == 0 and top_p == 1.0 disable those filters. The same processed distribution is used
+    a temperature below `GREEDY_TEMPERATURE` (1e-5) is greedy too: it is stored as 0.0, so
+    `SamplingParams(temperature=1e-300).temperature == 0.0`. top_k == 0 and top_p == 1.0
+    disable those filters (a top_k at or over the vocabulary size keeps every token; the engine
+    refuses one over the vocabulary size). The same processed distribution is used
     at every level of a chain, which is what makes speculative sampling lossless.
     """
 
@@ -47,7 +55,10 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise bad(f"temperature must be a finite number >= 0, got {t!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if t < GREEDY_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # greedy (see GREEDY_TEMPERATURE)
+        if (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                or not 0 <= self.top_k < _INT64):
             raise bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
@@ -56,10 +67,11 @@ class SamplingParams:
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise bad(f"max_new_tokens must be an integer >= 1, got {m!r}")
         for tok in self.stop_token_ids:
-            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < _INT64:
                 raise bad(f"stop_token_ids must be non-negative integers, got {tok!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise bad(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -_INT64 <= self.seed < 2 * _INT64):
+            raise bad(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -192,8 +204,13 @@ class ServerConfig:
 
     served_model_name: str | None = None  # name in /v1/models and responses; None: the target's
     api_key: str | None = None  # required as "Authorization: Bearer <key>" on /v1/* when set
+    metrics_auth: bool = False  # with api_key: /metrics and /health require the key too
+    # Host names (no port) requests may name; "*" any, "*.example.com" a domain. None: on a
+    # connection that arrives at a loopback address only loopback names (localhost, *.localhost,
+    # 127.0.0.1, ::1) are accepted (DNS rebinding), any name elsewhere
+    allowed_hosts: tuple[str, ...] | None = None
     max_num_seqs: int = 8  # rows in the running batch (cache slots per model)
-    max_model_len: int = 2048  # positions per row (prompt + output + draft); capped by the models
+    max_model_len: int = 2048  # positions per row: prompt + output (the draft length shrinks near the end); capped by the models
     chain: tuple[str, ...] | None = None  # default chain; None: the engine's (router / pool default)
     k: int = 4  # default draft length
     model_timeout: float | None = 30.0  # seconds a model forward may take before it is taken out
@@ -209,6 +226,10 @@ class ServerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.allowed_hosts is not None and (
+                isinstance(self.allowed_hosts, str)
+                or not all(isinstance(h, str) and h for h in self.allowed_hosts)):
+            raise ValueError(f"allowed_hosts must be a tuple of host names, got {self.allowed_hosts!r}")
         if self.model_timeout is not None and not self.model_timeout > 0:
             raise ValueError(f"model_timeout must be > 0 seconds or None, got {self.model_timeout!r}")
 

@@ -34,7 +34,9 @@ def config_from_args(args: argparse.Namespace):
             served_model_name=args.served_model_name, api_key=api_key,
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
             model_timeout=args.model_timeout if args.model_timeout > 0 else None,
-            max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, seed=args.seed)
+            max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, seed=args.seed,
+            metrics_auth=args.metrics_auth,
+            allowed_hosts=tuple(args.allowed_hosts) if args.allowed_hosts else None)
     except ValueError as e:
         raise UsageError(str(e)) from None
     return SpecRouterConfig(pool=pool_config(args), engine=engine_config(args, k_alone=True),
@@ -46,6 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from specrouter.server import create_app
+        from specrouter.server.http11 import JSONErrorH11Protocol
     except ImportError as e:
         print(f"specrouter serve needs the serve extra: pip install 'specrouter[serve]' ({e})",
               file=sys.stderr)
@@ -74,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           file=sys.stderr)
     app = create_app(pool, config.server)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=10, http=JSONErrorH11Protocol)
     return 0
 
 
@@ -134,9 +137,16 @@ def register(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: env SPECROUTER_API_KEY)")
+    s.add_argument("--metrics-auth", action="store_true",
+                   help="with an API key: /metrics and /health require it too (default: open)")
+    s.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="Host names requests may name ('*' any, '*.example.com' a domain); "
+                        "default: on a loopback address only loopback names (DNS rebinding), "
+                        "any name on other addresses")
     s.add_argument("--max-num-seqs", type=int, default=8, help="rows in the running batch")
     s.add_argument("--max-model-len", type=int, default=2048,
-                   help="positions per row: prompt + output + draft (capped by the models)")
+                   help="positions per row: prompt + output (capped by the models; the draft "
+                        "length shrinks near the end)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a row; beyond it: 429 with Retry-After")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (413)")

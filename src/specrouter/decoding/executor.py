@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from specrouter.config import MAX_DRAFT_LENGTH
 from specrouter.decoding.drafters.base import ModelFreeDrafter
 from specrouter.decoding.sampling import SamplingTensors, process_logits, sample
 from specrouter.decoding.verification import (
@@ -144,6 +145,13 @@ class ChainExecutor:
         draft = torch.stack(tokens, dim=1)  # (B, k)
         return draft, (torch.stack(probs, dim=1) if probs else None)
 
+    def _room(self, rows: list[Sequence], chain: tuple[str, ...]) -> int:
+        """The longest draft every row's caches can hold: k drafted tokens reach position
+        len(tokens) + k - 1 at a verifier (the draft model stops one short). Near the end of
+        the context k shrinks to this, so a request never reserves positions for drafting."""
+        max_len = min((self.runners[m].max_len for m in chain if m in self.runners), default=0)
+        return max_len - max(len(s.tokens) for s in rows) if max_len else MAX_DRAFT_LENGTH
+
     # -- one cycle --------------------------------------------------------------------------
     def cycle(
         self,
@@ -161,7 +169,7 @@ class ChainExecutor:
         num_before = [len(s.tokens) for s in rows]
         # a row that may generate r more tokens gains nothing from more than r-1 candidates
         caps = torch.tensor([max(0, s.remaining - 1) for s in rows], dtype=torch.long)
-        k_eff = min(k, int(caps.max())) if len(chain) > 1 else 0
+        k_eff = min(k, int(caps.max()), self._room(rows, chain)) if len(chain) > 1 else 0
         levels = chain if k_eff > 0 else chain[-1:]
         ftime: dict[str, float] = {}
         ftoks: dict[str, int] = {}

@@ -7,6 +7,15 @@ call), `abort` drops a row and frees its state. `generate_ids` is the offline lo
 Which chain and draft length a row runs is `plan(seq)`; here it is the static choice made at
 `add_request` (the adaptive router replaces it).
 
+Context accounting: a request fits when prompt + max_new_tokens <= the context limit (the
+smallest of `max_model_len` and the chain's models' contexts; with the router, the pool's). The
+draft length takes nothing on top: near the end of the context the executor drafts only what
+the room left allows (k shrinks, down to plain decoding for the last token), as it already does
+near the end of max_new_tokens. The limit is what users are told (`check_request`'s messages).
+
+Failure isolation (isolation.py): a row whose planning or cycle raises ends alone with
+finish_reason "error"; the other rows of its batch are rolled back and rerun alone.
+
 Capacity: with `max_num_seqs` and `max_model_len` given, caches are allocated once and requests
 that do not fit raise `CapacityError` (a server queues them); without them, caches are sized to
 the batch when no sequence is live (offline use).
@@ -14,11 +23,12 @@ the batch when no sequence is live (offline use).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -27,8 +37,14 @@ from specrouter.decoding.executor import ChainExecutor
 from specrouter.decoding.sampling import SamplingTensors
 from specrouter.engine.faults import ModelFailure, without_failed
 from specrouter.engine.faults import logger as fault_logger
+from specrouter.engine.isolation import fail_row, run_isolated
 from specrouter.engine.stats import CycleStats
-from specrouter.errors import ChainError, ContextLengthError, SpecRouterError
+from specrouter.errors import (
+    ChainError,
+    ContextLengthError,
+    SamplingParamsError,
+    SpecRouterError,
+)
 from specrouter.models.pool import Pool
 from specrouter.router.records import RowContext, RowOutcome
 from specrouter.state.manager import StateManager
@@ -91,23 +107,32 @@ class Engine:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_LENGTH:
             raise ChainError(f"draft length k must be an integer in 1..{MAX_DRAFT_LENGTH}, got {k!r}")
         if chain is None and self.router is not None:
-            # the router may pick any chain and k up to MAX_DRAFT_LENGTH: check the tightest
-            chain, k = None, MAX_DRAFT_LENGTH
+            # the router may pick any chain: check the tightest context of the pool
             checked = tuple(m for m in self.pool.order if m in self.pool.runners)
         else:
-            chain = checked = self.pool.validate_chain(chain or self.pool.default_chain)
+            chain = checked = self.pool.validate_chain(
+                self.pool.default_chain if chain is None else chain)
         if not prompt:
             raise ValueError("the prompt is empty: at least one token is needed")
         if min(prompt) < 0 or max(prompt) >= self.pool.vocab_width:
             raise ValueError(f"prompt token ids must be in [0, {self.pool.vocab_width})")
+        if params.top_k > self.pool.vocab_width:
+            raise SamplingParamsError(
+                f"top_k must be at most the vocabulary size {self.pool.vocab_width} (0 disables "
+                f"it), got {params.top_k}")
         limit = self.context_limit(checked)
-        total = len(prompt) + params.max_new_tokens + k + 1
+        total = len(prompt) + params.max_new_tokens
+        if len(prompt) >= limit:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt)} tokens; the context of {limit} positions (chain "
+                f"{checked}) holds at most {limit - 1} prompt tokens and 1 generated: shorten "
+                "the prompt")
         if total > limit:
             raise ContextLengthError(
-                f"the prompt has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} "
-                f"and draft length {k} it needs {total} positions, over the context of {limit} "
-                f"of the chain {checked}: shorten the prompt or lower max_new_tokens"
-            )
+                f"the prompt has {len(prompt)} tokens and max_new_tokens={params.max_new_tokens}: "
+                f"{total} positions, over the context of {limit} (chain {checked}); at most "
+                f"{limit - len(prompt)} tokens can be generated after this prompt: lower "
+                "max_new_tokens or shorten the prompt")
         return chain, total
 
     def add_request(
@@ -187,39 +212,54 @@ class Engine:
         return d.chain, d.k
 
     def step(self, default_generator: torch.Generator | None = None) -> list[StepOutput]:
-        """One cycle for every running row; returns what each row committed."""
+        """One cycle for every running row; returns what each row committed. A row whose
+        planning or cycle raises ends alone with finish_reason "error" (isolation.py)."""
         groups: dict[tuple, list[Sequence]] = defaultdict(list)
-        for seq in self.running.values():
-            chain, k = self.plan(seq)
-            groups[(chain, k, id(seq.generator) if seq.generator is not None else None)].append(seq)
         outputs = []
+        for seq in list(self.running.values()):
+            try:
+                chain, k = self.plan(seq)
+            except Exception as e:  # noqa: BLE001 - this row's failure, not the batch's
+                fail_row(seq, e)
+                outputs.append(self._collect(seq, len(seq.tokens)))
+                continue
+            groups[(chain, k, id(seq.generator) if seq.generator is not None else None)].append(seq)
         for (chain, k, _), rows in groups.items():
             before = [len(s.tokens) for s in rows]
-            sampling = SamplingTensors.from_params([s.params for s in rows])
             gen = rows[0].generator if rows[0].generator is not None else default_generator
-            shadow = self._shadow_proposals(rows, chain) if self.router is not None else None
-            # -- fault tolerance (faults.py): a model that raised or timed out is out of every
-            # chain; on a failure the rows are rolled back to their committed tokens and the
-            # cycle is retried without it (the target failing ends the rows with "error") ----
-            stats = None
-            while chain is not None:
-                chain = without_failed(chain, self.failed_models, self.pool.target)
-                try:
-                    stats = self.executor.cycle(rows, chain, k, sampling, gen)
-                    break
-                except ModelFailure as failure:
-                    chain = self._on_model_failure(failure, rows, chain, k)
-            # -------------------------------------------------------------------------------
-            if stats is not None and self.router is not None:
-                self._observe(rows, stats, shadow)
-            if stats is not None and self.on_cycle is not None:
-                self.on_cycle(stats)
-            for s, b in zip(rows, before):
-                outputs.append(StepOutput(seq=s, new_token_ids=s.tokens[b:]))
-                if s.done:
-                    self.running.pop(s.seq_id, None)
-                    self._finish(s)
+            run_isolated(rows, functools.partial(self._run_rows, chain=chain, k=k, gen=gen),
+                         self.state)
+            outputs += [self._collect(s, b) for s, b in zip(rows, before)]
         return outputs
+
+    def _collect(self, seq: Sequence, before: int) -> StepOutput:
+        """The row's output of this step; a finished row leaves the batch."""
+        if seq.done:
+            self.running.pop(seq.seq_id, None)
+            self._finish(seq)
+        return StepOutput(seq=seq, new_token_ids=seq.tokens[before:])
+
+    def _run_rows(self, rows: list[Sequence], chain: tuple[str, ...], k: int,
+                  gen: torch.Generator | None) -> None:
+        """One cycle of `chain` for `rows` (same chain, draft length and random stream)."""
+        sampling = SamplingTensors.from_params([s.params for s in rows])
+        shadow = self._shadow_proposals(rows, chain) if self.router is not None else None
+        # -- fault tolerance (faults.py): a model that raised or timed out is out of every
+        # chain; on a failure the rows are rolled back to their committed tokens and the
+        # cycle is retried without it (the target failing ends the rows with "error") ----
+        stats = None
+        while chain is not None:
+            chain = without_failed(chain, self.failed_models, self.pool.target)
+            try:
+                stats = self.executor.cycle(rows, chain, k, sampling, gen)
+                break
+            except ModelFailure as failure:
+                chain = self._on_model_failure(failure, rows, chain, k)
+        # -------------------------------------------------------------------------------
+        if stats is not None and self.router is not None:
+            self._observe(rows, stats, shadow)
+        if stats is not None and self.on_cycle is not None:
+            self.on_cycle(stats)
 
     def _on_model_failure(self, failure: ModelFailure, rows: list[Sequence],
                           chain: tuple[str, ...], k: int) -> tuple[str, ...] | None:
@@ -245,7 +285,7 @@ class Engine:
             self.state.commit(seq.seq_id, seq.tokens, len(seq.tokens))
         if fatal:
             for seq in rows:
-                seq.done, seq.finish_reason = True, "error"
+                seq.done, seq.finish_reason, seq.error = True, "error", str(failure)
             return None
         new_chain = tuple(m for m in chain if m != model)  # == chain if it failed outside the chain
         for seq in rows:

@@ -6,12 +6,23 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: t
 Choices written down here (where OpenAI / vLLM leave room):
 - The server serves ONE model, named after the target (or `served_model_name`); `model` may
   be omitted; another name is a 404 `model_not_found`.
-- `max_tokens` defaults to 16 for completions (OpenAI) and to the rest of the context for chat.
-- The API key (if any) guards /v1/*; /health and /metrics stay open (as vLLM), bind them to
-  loopback or scrape through a proxy.
+- `max_tokens` defaults to min(16, room left) for completions (OpenAI) and to the room left
+  in the context for chat (limit - prompt tokens, as vLLM); a request fits when prompt +
+  max_tokens <= the context limit: the draft length reserves nothing (validate.py).
+- `temperature` below 1e-5 (`config.GREEDY_TEMPERATURE`) is greedy decoding; `top_k` is at
+  most the vocabulary size; every numeric field is range-checked (protocol.py, validate.py).
+- Edge checks before routing (edge.py): the Host name (on a loopback address only loopback
+  names, against DNS rebinding; `allowed_hosts` otherwise), then the API key (if any) on every
+  /v1 path, and on /health and /metrics with `metrics_auth` (open otherwise, as vLLM).
+- JSON endpoints need `Content-Type: application/json` (415 otherwise); prompts are tokenized
+  off the event loop, and one too long in bytes to fit is refused before tokenizing.
+- One failing request never costs another: a row whose sampling or planning raises ends alone
+  (engine/isolation.py) with a 500 or an error chunk; the other rows finish unchanged.
 - Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`, never FastAPI's
   422 shape: 400 bad request (named field), 401 auth, 404 model/route, 413 body too large,
-  429 queue full (Retry-After), 500 model failure, 503 target down / engine stopped.
+  415 not JSON, 421 Host not served, 429 queue full (Retry-After), 431 header block too large,
+  500 model failure, 503 target down / engine stopped. Errors of the HTTP layer itself
+  (unparseable requests) are in the same shape (http11.py).
 - Per-request stats (chains used, acceptance per level, mean acceptance length, tokens/s) are in
   `usage.specrouter`; in a stream, `usage` rides on the chunk that carries `finish_reason`
   (and, with `stream_options.include_usage`, on a last chunk with no choices, as OpenAI).
@@ -26,20 +37,20 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specrouter.config import ServerConfig
-from specrouter.errors import CheckpointError
 from specrouter.models.pool import Pool
 from specrouter.server.async_engine import (
     QueueFull,
     RequestHandle,
     TokenEvent,
 )
+from specrouter.server.edge import EdgeGuard
 from specrouter.server.metrics import ServerMetrics
 from specrouter.server.protocol import (
     ChatChoice,
@@ -59,7 +70,14 @@ from specrouter.server.protocol import (
 )
 from specrouter.server.service import Service
 from specrouter.server.text import TextStream
-from specrouter.server.validate import Prepared, check_auth, parse, prepare, read_json
+from specrouter.server.validate import (
+    Prepared,
+    parse,
+    prepare,
+    read_json,
+    render_chat,
+    tokenize_prompt,
+)
 
 logger = logging.getLogger("specrouter.server")
 
@@ -141,7 +159,18 @@ def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
     stops with it."""
     config = config or ServerConfig()
     srv = Service(pool, config)
+    app = FastAPI(title="SpecRouter", lifespan=_lifespan(srv), docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = srv
+    app.add_middleware(EdgeGuard, config=config)  # Host and API key, before any route
+    app.add_middleware(_RequestMetrics, metrics=srv.metrics)  # outermost: counts refusals too
+    _add_error_handlers(app)
+    app.include_router(_ops_routes(srv))
+    app.include_router(_v1_routes(srv))
+    return app
 
+
+def _lifespan(srv: Service):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         srv.loop_engine.start()
@@ -150,10 +179,11 @@ def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
         finally:
             await asyncio.to_thread(srv.close)
 
-    app = FastAPI(title="SpecRouter", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
-    app.state.server = srv
-    app.add_middleware(_RequestMetrics, metrics=srv.metrics)
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape, never FastAPI's."""
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError):
@@ -172,7 +202,12 @@ def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
         return _error_response(RequestError(f"internal error: {type(e).__name__}", status=500,
                                             type="server_error"))
 
-    @app.get("/health")
+
+def _ops_routes(srv: Service) -> APIRouter:
+    """/health and /metrics (open unless `metrics_auth`: edge.py)."""
+    router = APIRouter()
+
+    @router.get("/health")
     async def health():
         eng = srv.engine
         body = {"status": "ok", "model": srv.model_name, "failed_models": sorted(eng.failed_models),
@@ -184,46 +219,42 @@ def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
             return Response(json.dumps(body), status_code=503, media_type="application/json")
         return body
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def metrics():
         return Response(srv.metrics.render(), media_type=srv.metrics.content_type)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_auth(srv, request)
+    return router
+
+
+def _v1_routes(srv: Service) -> APIRouter:
+    """The OpenAI endpoints (the API key is checked before them: edge.py)."""
+    router, config = APIRouter(), srv.config
+
+    @router.get("/v1/models")
+    async def models():
         card = ModelCard(id=srv.model_name, created=srv.created, specrouter={
             "pool": list(srv.pool.order), "target": srv.pool.target,
             "failed_models": sorted(srv.engine.failed_models),
             "max_model_len": srv.max_model_len, "max_num_seqs": config.max_num_seqs})
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
-    @app.post("/v1/completions")
+    @router.post("/v1/completions")
     async def completions(request: Request):
-        check_auth(srv, request)
         req = parse(CompletionRequest, await read_json(request, config.max_body_bytes))
         prompt = req.prompt_value()
         if isinstance(prompt, str):
-            prompt = srv.pool.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            prompt = await tokenize_prompt(srv, prompt)
         p = prepare(srv, req, prompt, chat=False)
         return await _respond(srv, request, req, p, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        check_auth(srv, request)
         req = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
-        from specrouter.models.tokenizer import apply_chat_template
-
-        try:
-            prompt = apply_chat_template(srv.pool.tokenizer, req.template_messages())
-        except CheckpointError as e:
-            raise RequestError(str(e), param="messages") from None
-        except Exception as e:  # a template that refuses the conversation (e.g. role order)
-            raise RequestError(f"the chat template of {srv.pool.target!r} rejected the "
-                               f"messages: {e}", param="messages") from None
+        prompt = await render_chat(srv, req.template_messages())
         p = prepare(srv, req, prompt, chat=True)
         return await _respond(srv, request, req, p, chat=True)
 
-    return app
+    return router
 
 
 async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bool):

@@ -156,7 +156,7 @@ class AsyncEngine:
                     deliveries += self._step()
                 if deliveries:
                     self._deliver(deliveries)
-        except BaseException as e:  # noqa: BLE001 - the server reports it on /health
+        except BaseException as e:
             self.error = e
             logger.exception("the engine loop died")
         finally:
@@ -192,7 +192,7 @@ class AsyncEngine:
         t0 = time.perf_counter()
         try:
             outputs = engine.step(self._generator)
-        except Exception as e:  # noqa: BLE001 - a bug or an unguarded failure: fail the rows
+        except Exception as e:
             logger.exception("engine step failed; the running rows end with an error")
             out = []
             with self._cv:
@@ -216,7 +216,7 @@ class AsyncEngine:
                 if o.seq.done:
                     del self._by_seq[o.seq.seq_id]
                     h.finished = True
-                    err = "a model of the chain failed (see the server log)" \
+                    err = (o.seq.error or "a model of the chain failed (see the server log)") \
                         if o.seq.finish_reason == "error" else None
                     out.append((h, TokenEvent(list(o.new_token_ids), True, o.seq.finish_reason,
                                               stats=o.seq.stats.as_dict(), error=err)))

@@ -18,12 +18,14 @@ class LiveServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         import uvicorn
 
+        from specrouter.server.http11 import JSONErrorH11Protocol
+
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level=log_level, loop="asyncio", http="h11",
+        config = uvicorn.Config(app, log_level=log_level, loop="asyncio", http=JSONErrorH11Protocol,
                                 lifespan="on", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
@@ -37,7 +39,7 @@ class LiveServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "LiveServer":
+    def start(self, timeout: float = 30.0) -> LiveServer:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -53,7 +55,7 @@ class LiveServer:
             self.thread.join(timeout)
         self.sock.close()
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -4,6 +4,7 @@ the metrics; built from a `ServerConfig` (config.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -47,6 +48,13 @@ class Service:
                                        metrics=self.metrics, seed=config.seed)
         self.model_name = config.served_model_name or self.pool.target
         self.created = int(time.time())
+
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """UTF-8 length of the longest vocabulary entry: no token covers more input bytes
+        (byte-level entries spell one input byte per character; SentencePiece's '▁' is 3 bytes
+        for a space). Bounds the bytes a prompt of n tokens can have."""
+        return max((len(t.encode("utf-8")) for t in self.pool.tokenizer.get_vocab()), default=1)
 
     def close(self) -> None:
         self.loop_engine.stop()

@@ -1,9 +1,22 @@
-"""Request validation: API key, body limits, JSON and Unicode checks, the OpenAI fields
-turned into what the engine takes (`prepare`). Every refusal is a `RequestError`."""
+"""Request validation: content type, body limits, JSON and Unicode checks, prompt
+size, the OpenAI fields turned into what the engine takes (`prepare`). Every refusal is a
+`RequestError`.
+
+Choices written down here:
+- JSON endpoints take `Content-Type: application/json` only (415 otherwise, a missing header
+  included): a browser page cannot send that cross-origin without a CORS preflight, which this
+  server does not answer.
+- Context accounting: a request fits when prompt + max_tokens <= the context limit
+  (`max_model_len`, capped by the models); the draft length reserves nothing (it shrinks near
+  the end of the context). Without `max_tokens`, chat completions get the room that is left
+  (limit - prompt, as vLLM) and completions min(16, that room) (OpenAI's default).
+- Tokenizing runs off the event loop; a prompt whose UTF-8 size alone shows it cannot fit the
+  context is refused before it is tokenized (`check_prompt_bytes`).
+"""
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
 from dataclasses import dataclass
 
@@ -12,23 +25,17 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from specrouter.config import SamplingParams
-from specrouter.errors import ChainError, ContextLengthError, SamplingParamsError
+from specrouter.errors import (
+    ChainError,
+    CheckpointError,
+    ContextLengthError,
+    SamplingParamsError,
+)
 from specrouter.server.protocol import RequestError, validation_error
 from specrouter.server.service import Service
 from specrouter.server.text import stop_token_ids
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-def check_auth(srv: Service, request: Request) -> None:
-    key = srv.config.api_key
-    if not key:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise RequestError("invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           status=401, type="authentication_error", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
 
 
 def _reject_constant(name: str):
@@ -55,7 +62,19 @@ def _check_unicode(data) -> None:
             todo.extend((v, f"{path}.{i}") for i, v in enumerate(value))
 
 
+def check_content_type(request: Request) -> None:
+    """415 unless the body is declared as JSON (`application/json`, parameters allowed)."""
+    value = request.headers.get("content-type")
+    media = (value or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        got = f"got {value!r}" if value is not None else "no Content-Type header was sent"
+        raise RequestError(f"the request body must be JSON sent with 'Content-Type: "
+                           f"application/json' ({got})", status=415,
+                           code="unsupported_media_type")
+
+
 async def read_json(request: Request, limit: int) -> dict:
+    check_content_type(request)
     too_large = RequestError(f"the request body is over the limit of {limit} bytes", status=413,
                              code="request_too_large")
     length = request.headers.get("content-length")
@@ -110,6 +129,35 @@ class Prepared:
     generator: torch.Generator | None
 
 
+def _room(srv: Service, prompt: list[int], chain: tuple[str, ...] | None, *, chat: bool) -> int:
+    """Tokens that can still be generated after `prompt` (>= 1), or a 400 stating the limit."""
+    engine, pool = srv.engine, srv.pool
+    if chain is None and engine.router is not None:  # the router may run any model
+        checked = tuple(m for m in pool.order if m in pool.runners)
+    else:
+        try:
+            checked = pool.validate_chain(pool.default_chain if chain is None else chain)
+        except ChainError as e:
+            raise RequestError(str(e), param="specrouter_chain") from None
+    limit = engine.context_limit(checked)
+    if len(prompt) >= limit:
+        raise RequestError(
+            f"the prompt has {len(prompt)} tokens; this server accepts at most {limit - 1} "
+            f"prompt tokens (context {limit} = prompt + at least 1 generated token): shorten "
+            "the prompt", param="messages" if chat else "prompt", code="context_length_exceeded")
+    return limit - len(prompt)
+
+
+def _chain(srv: Service, req) -> tuple[str, ...] | None:
+    if req.specrouter_chain is None:
+        return srv.config.chain
+    if not req.specrouter_chain:
+        raise RequestError("'specrouter_chain' is empty: name the models of the chain, the target "
+                           f"{srv.pool.target!r} last, or leave it out to let the server choose",
+                           param="specrouter_chain")
+    return tuple(req.specrouter_chain)
+
+
 def prepare(srv: Service, req, prompt: list[int], *, chat: bool) -> Prepared:
     # the served name, the target's pool name or its role "target" (every reply is the target's)
     if req.model is not None and req.model not in (srv.model_name, srv.pool.target, "target"):
@@ -121,25 +169,18 @@ def prepare(srv: Service, req, prompt: list[int], *, chat: bool) -> Prepared:
                            status=503, type="server_error", code="target_unavailable")
     engine, pool = srv.engine, srv.pool
     k = req.specrouter_k if req.specrouter_k is not None else srv.config.k
-    chain = tuple(req.specrouter_chain) if req.specrouter_chain is not None else srv.config.chain
-    try:
-        checked = pool.validate_chain(chain or pool.default_chain)
-    except ChainError as e:
-        raise RequestError(str(e), param="specrouter_chain") from None
-    limit = engine.context_limit(checked)
-    room = limit - len(prompt) - k - 1  # tokens that can still be generated
-    if room < 1:
-        raise RequestError(
-            f"the prompt has {len(prompt)} tokens; this server accepts at most {limit - k - 2} "
-            f"prompt tokens (context {limit} = prompt + at least 1 generated + draft length "
-            f"{k} + 1): shorten the prompt", param="messages" if chat else "prompt",
-            code="context_length_exceeded")
+    chain = _chain(srv, req)
+    room = _room(srv, prompt, chain, chat=chat)
     stops = req.stop_strings()
     max_tokens = req.max_tokens
     if chat and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
     if max_tokens is None:
         max_tokens = room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+    if req.top_k > pool.vocab_width:
+        raise RequestError(f"invalid value for 'top_k': at most the vocabulary size "
+                           f"{pool.vocab_width} (0 or -1 disables it), got {req.top_k}",
+                           param="top_k")
     try:
         params = SamplingParams(
             temperature=float(req.temperature), top_k=max(0, req.top_k), top_p=float(req.top_p),
@@ -155,7 +196,49 @@ def prepare(srv: Service, req, prompt: list[int], *, chat: bool) -> Prepared:
     except ValueError as e:  # the prompt itself (empty, token ids out of range)
         raise RequestError(str(e), param="messages" if chat else "prompt") from None
     generator = None
-    if req.seed is not None and req.temperature > 0:  # a seeded request has its own stream
+    if req.seed is not None and not params.greedy:  # a seeded request has its own stream
         generator = torch.Generator()
         generator.manual_seed(req.seed)
     return Prepared(prompt, params, chain, k, stops, generator)
+
+
+# -- prompts: size check, then tokenizing off the event loop -----------------------------------
+# UTF-8 bytes one token may stand for, over the longest vocabulary entry: a normalizer that
+# composes characters (NFC joins three Hangul jamo of 3 bytes into one syllable of 3) shrinks text
+NORMALIZER_SLACK = 4
+
+
+def check_prompt_bytes(srv: Service, texts: list[str], *, param: str) -> None:
+    """Refuse, without tokenizing, a prompt too long in bytes to fit any context this server
+    has (a 1 MB prompt costs seconds of tokenizing only to be refused)."""
+    size = sum(len(t.encode("utf-8")) for t in texts)
+    limit = srv.max_model_len
+    bound = limit * srv.longest_token_bytes * NORMALIZER_SLACK
+    if size > bound:
+        raise RequestError(
+            f"the prompt is {size} bytes: more than {limit - 1} tokens, the most this server "
+            f"accepts (context {limit} = prompt + at least 1 generated token; no prompt over "
+            f"{bound} bytes fits): shorten the prompt", param=param,
+            code="context_length_exceeded")
+
+
+async def tokenize_prompt(srv: Service, text: str) -> list[int]:
+    """Token ids of a completions prompt (after `check_prompt_bytes`), off the event loop."""
+    check_prompt_bytes(srv, [text], param="prompt")
+    enc = await asyncio.to_thread(srv.pool.tokenizer, text, add_special_tokens=False)
+    return enc["input_ids"]
+
+
+async def render_chat(srv: Service, messages: list[dict]) -> list[int]:
+    """Token ids of a chat (template applied), off the event loop."""
+    from specrouter.models.tokenizer import apply_chat_template
+
+    # a template may trim each message: only the trimmed text surely reaches the tokenizer
+    check_prompt_bytes(srv, [m["content"].strip() for m in messages], param="messages")
+    try:
+        return await asyncio.to_thread(apply_chat_template, srv.pool.tokenizer, messages)
+    except CheckpointError as e:
+        raise RequestError(str(e), param="messages") from None
+    except Exception as e:  # a template that refuses the conversation (e.g. role order)
+        raise RequestError(f"the chat template of {srv.pool.target!r} rejected the "
+                           f"messages: {e}", param="messages") from None

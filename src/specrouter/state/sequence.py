@@ -30,7 +30,8 @@ class Sequence:
     params: SamplingParams  # decoding parameters of this request
     stop_ids: frozenset[int]  # token ids that end generation (EOS unless ignore_eos, + the request's own)
     done: bool = False  # finished: stop token or max_new_tokens
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why, when finish_reason == "error"
     stats: RequestStats = field(default_factory=RequestStats)
     generator: object = None  # torch.Generator of a seeded request (None: the engine's stream)
 

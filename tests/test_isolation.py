@@ -1,0 +1,103 @@
+"""One bad row never costs another (engine/isolation.py): a row whose preparation or sampling
+raises in the middle of a running batch ends alone with finish_reason "error"; the rows batched
+with it commit exactly their solo outputs, and no state leaks."""
+
+import pytest
+import torch
+
+from specrouter.config import SamplingParams
+from specrouter.engine.engine import Engine
+from specrouter.models.pool import Pool
+
+NAMES = ("draft", "mid", "target")
+PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [100, 7, 100, 7, 100, 7, 100], [12, 250, 31, 77, 9]]
+CHAIN = ("ngram", "draft", "mid", "target")
+N = 24
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_pool_dirs):
+    return Pool.load([tiny_pool_dirs[n] for n in NAMES], names=list(NAMES), target="target",
+                     dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def solo(pool):
+    """Each prompt alone, greedy, target only."""
+    return {tuple(p): Engine(pool).generate_ids([p], [SamplingParams(max_new_tokens=N, ignore_eos=True)],
+                                                chain=("target",))[0].output_ids for p in PROMPTS}
+
+
+def _corrupt(params: SamplingParams, **fields) -> None:
+    """What a bug or an unchecked edge could leave in a row's parameters (bypasses validation)."""
+    for name, value in fields.items():
+        object.__setattr__(params, name, value)
+
+
+def _run(eng: Engine, bad_after: int, corrupt) -> tuple[list, object]:
+    """Greedy rows plus one sampling row in ONE batch (same chain, k, shared random stream);
+    after `bad_after` steps the sampling row's state is corrupted by `corrupt(seq)`."""
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=N, ignore_eos=True), chain=CHAIN, k=3)
+            for p in PROMPTS]
+    bad = eng.add_request([3, 4, 5, 3, 4], SamplingParams(temperature=0.8, max_new_tokens=N,
+                                                           ignore_eos=True), chain=CHAIN, k=3)
+    gen = torch.Generator().manual_seed(0)
+    steps = 0
+    while eng.has_unfinished():
+        if steps == bad_after:
+            assert not bad.done
+            corrupt(bad)
+        eng.step(gen)
+        steps += 1
+        assert steps < 200
+    return seqs, bad
+
+
+@pytest.mark.parametrize("how", ["top_k_overflow", "nan_temperature", "plan_raises"])
+def test_a_raising_row_fails_alone(pool, solo, how):
+    eng = Engine(pool, max_num_seqs=6, max_model_len=96)
+    if how == "top_k_overflow":  # preparing the batch: int64 overflow building the tensors
+        corrupt = lambda s: _corrupt(s.params, top_k=10**20)  # noqa: E731
+        words = "Overflow"
+    elif how == "nan_temperature":  # sampling: a NaN distribution (torch.multinomial raises)
+        corrupt = lambda s: _corrupt(s.params, temperature=float("nan"))  # noqa: E731
+        words = "RuntimeError"
+    else:  # planning the row's chain raises (a router bug hitting one request)
+        real_plan = eng.plan
+
+        def corrupt(bad):
+            eng.plan = lambda s: (_ for _ in ()).throw(KeyError("no plan")) if s is bad else real_plan(s)
+        words = "KeyError"
+    seqs, bad = _run(eng, 3, corrupt)
+    for s, p in zip(seqs, PROMPTS):  # the co-batched rows: exactly their solo output
+        assert s.finish_reason == "length" and s.output_ids == solo[tuple(p)], how
+    assert bad.finish_reason == "error" and words in bad.error, bad.error
+    assert 0 < bad.num_generated < N  # it ran, then failed, and kept what it had committed
+    assert eng.running == {} and eng.state.live() == []
+    # the engine serves on: a new batch runs normally
+    (again,) = eng.generate_ids([PROMPTS[0]], [SamplingParams(max_new_tokens=N, ignore_eos=True)],
+                                chain=CHAIN, k=3)
+    assert again.output_ids == solo[tuple(PROMPTS[0])]
+
+
+def test_restore_rolls_back_a_cycle_that_committed(pool, solo):
+    """A failure after the cycle committed (here: the stats hook) rolls every row back to
+    its snapshot; rerun alone, each row still produces its solo output."""
+    eng = Engine(pool, max_num_seqs=6, max_model_len=96)
+    calls = []
+
+    def on_cycle(stats):
+        calls.append(stats.rows)
+        if len(calls) == 2:
+            raise RuntimeError("hook failed once")
+
+    eng.on_cycle = on_cycle
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=N, ignore_eos=True), chain=CHAIN, k=3)
+            for p in PROMPTS]
+    while eng.has_unfinished():
+        eng.step()
+    assert calls[:2] == [len(PROMPTS)] * 2
+    # the failing batch was rerun one row at a time; the first row's solo rerun hit no error
+    assert calls[2:2 + len(PROMPTS)] == [1] * len(PROMPTS)
+    for s, p in zip(seqs, PROMPTS):
+        assert s.finish_reason == "length" and s.output_ids == solo[tuple(p)]
