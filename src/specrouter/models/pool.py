@@ -239,7 +239,8 @@ def resolve_chain(chain, order: list[str], target: str, model_free: set[str]) ->
     """`chain` with roles resolved, checked against the pool: known names, ending at the target,
     no model twice, a model-free drafter only first, at most 4 levels."""
     chain = tuple(chain)
-    check_chain_names(chain)
+    if not chain:
+        raise ChainError("a chain needs at least the target")
     unknown = [m for m in chain if m not in order and m not in ("target", "draft")]
     if unknown:
         raise ChainError(f"unknown model(s) {unknown} in chain; the pool has {order} (and the "
@@ -247,7 +248,7 @@ def resolve_chain(chain, order: list[str], target: str, model_free: set[str]) ->
     chain = tuple(resolve_name(m, order, target, model_free) for m in chain)
     if chain[-1] != target:
         raise ChainError(f"a chain must end at the target {target!r}, got {chain}")
-    check_chain_names(chain)  # a role may name a model given by name too
+    check_chain_names(chain)  # levels, repeats (a role may name a model given by name too)
     if any(m in model_free for m in chain[1:]):
         raise ChainError(f"a model-free drafter can only be the first level: {chain}")
     return chain
