@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-ray bench install clean
+.PHONY: demo test test-slow test-ray test-peers peers bench install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# the side-by-side benchmark (issue figures); `make bench ARGS=--quick` for a smoke run
-bench: $(STAMP)
+# llama.cpp through llama-cpp-python, the peer rows of `specrouter bench` and runner_micro.py:
+# installs the `peers` extra (compiles llama.cpp from source, about 5 minutes on 2 cores)
+$(VENV)/.installed-peers: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,peers]'
+	touch $@
+
+peers: $(VENV)/.installed-peers
+
+test-peers: $(VENV)/.installed-peers
+	$(BIN)/python -m pytest -q -m peers
+
+# the side-by-side benchmark (issue figures, llama.cpp peer rows included); `make bench
+# ARGS=--quick` for a smoke run
+bench: $(VENV)/.installed-peers
 	$(BIN)/specrouter bench $(ARGS)
 
 test-slow: $(STAMP)

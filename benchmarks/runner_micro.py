@@ -1,4 +1,5 @@
-"""Micro-benchmark: per-step latency of the native Llama runner vs a naive transformers loop.
+"""Micro-benchmark: per-step latency of the native Llama runner vs a naive transformers loop and
+llama.cpp (when llama-cpp-python, the `peers` extra, is installed).
 
 Builds random Llama checkpoints with SmolLM2's vocabulary (49152) in a temp dir: ~5M params
 (hidden 128, 4 layers), ~50M (hidden 512, 8 layers) and the SmolLM2-135M shape (hidden 576,
@@ -7,7 +8,12 @@ it times steps of 1 and 5 new tokens (logits at every new token, then rolled bac
 context stays ~128): the native runner (rollback = same start again) against transformers with
 a DynamicCache and `crop` (what a naive speculative loop does), in float32 and bfloat16.
 
-    python benchmarks/runner_micro.py [--iters 30] [--threads 2]
+With llama-cpp-python, the same random 135M weights are written as F32 and BF16 GGUFs
+(bench/peers.py `write_gguf`) and llama.cpp's 1-token step and 5-token forward (logits at every
+token) are timed the same way, side by side with the native runner: the issue-12 targets are
+<= 1.25x llama.cpp's per-token time at the same precision.
+
+    python benchmarks/runner_micro.py [--iters 30] [--threads 2] [--shapes 135M] [--no-transformers]
 
 Not a test: timings depend on the machine and on whoever else shares its cores.
 """
@@ -86,17 +92,49 @@ def time_transformers(path: Path, dtype: torch.dtype, iters: int) -> dict[int, t
     return out
 
 
+def time_llama_cpp(path: Path, gguf_dtype: str, threads: int, iters: int) -> dict[int, tuple[float, float]]:
+    """llama.cpp on the same weights: a CONTEXT-token prefill, then steps of 1 and 5 tokens
+    (logits at every new token), rolled back to CONTEXT after each (n_tokens = CONTEXT)."""
+    from specrouter.bench.peers import write_gguf
+
+    gguf = write_gguf(path, path / f"model-{gguf_dtype}.gguf", dtype=gguf_dtype)
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=CONTEXT + 16, n_batch=CONTEXT + 16, n_threads=threads,
+                n_threads_batch=threads, logits_all=True, verbose=False)
+    prompt = torch.randint(0, llm.n_vocab(), (CONTEXT,)).tolist()
+    llm.eval(prompt)
+    out = {}
+    for t in STEP_TOKENS:
+        def run() -> None:
+            llm.n_tokens = CONTEXT  # rollback: eval drops the cache past n_tokens
+            llm.eval(prompt[:t])
+
+        out[t] = _time_ms(run, iters)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=30, help="timed steps per cell (median reported)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--no-transformers", action="store_true", help="native runner (and llama.cpp) only")
     args = ap.parse_args()
+    from specrouter.bench.peers import llama_cpp_missing
+    from specrouter.models.runners.linear import KERNELS
+
+    peer_missing = llama_cpp_missing()
+    if peer_missing:
+        print(f"llama.cpp columns missing: {peer_missing}")
+    peers: dict[tuple[str, int], tuple[float, float]] = {}
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     Cell = tuple[float, float]  # (median, min) ms
     results: dict[tuple[str, str, int], tuple[Cell, Cell]] = {}  # (native, transformers)
     with tempfile.TemporaryDirectory(prefix="specrouter-bench-") as tmp:
-        for name, kw in SHAPES.items():
+        for name in args.shapes:
+            kw = SHAPES[name]
             path = make_tiny_llama(
                 Path(tmp) / name,
                 vocab_size=49152,
@@ -108,7 +146,12 @@ def main() -> None:
             iters = max(8, args.iters // 3) if name == "135M" else args.iters
             for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
                 nat = time_native(path, dt, iters)
-                hf = time_transformers(path, dt, iters)
+                nan = (float("nan"), float("nan"))
+                hf = {t: nan for t in STEP_TOKENS} if args.no_transformers else time_transformers(path, dt, iters)
+                if name == "135M" and not peer_missing:
+                    g = "F32" if dt == torch.float32 else "BF16"
+                    for t, cell in time_llama_cpp(path, g, args.threads, iters).items():
+                        peers[(dt_name, t)] = cell
                 for t in STEP_TOKENS:
                     results[(name, dt_name, t)] = (nat[t], hf[t])
                     print(
@@ -117,7 +160,7 @@ def main() -> None:
                         flush=True,
                     )
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"\nms per step, context {CONTEXT}, {args.threads} threads, torch {torch.__version__}")
+    print(f"\nms per step, context {CONTEXT}, {args.threads} threads, torch {torch.__version__}, kernels {KERNELS}")
     print(f"(load average at the end: {load}; other processes on the cores inflate every number)")
     print(
         f"{'model':>6} {'dtype':>5} {'tokens':>6} | {'native':>8} {'transf.':>8} {'speed-up':>8} |"
@@ -128,7 +171,17 @@ def main() -> None:
             f"{name:>6} {dt_name:>5} {t:>6} | {nat[0]:8.2f} {hf[0]:8.2f} {hf[0] / nat[0]:7.2f}x |"
             f" {nat[1]:8.2f} {hf[1]:8.2f} {hf[1] / nat[1]:7.2f}x"
         )
+    if peers:
+        targets = {("fp32", 1): 18.0, ("bf16", 1): 9.0, ("fp32", 5): 24.0, ("bf16", 5): 14.0}  # issue 12
+        print(f"\n135M shape vs llama.cpp, same weights (min of {max(8, args.iters // 3)} ms; ratio = native / llama.cpp)")
+        print(f"{'dtype':>5} {'tokens':>6} | {'native':>8} {'llama.cpp':>9} {'ratio':>6} | {'issue target':>12}")
+        for (dt_name, t), lc in peers.items():
+            nat = results[("135M", dt_name, t)][0]
+            print(f"{dt_name:>5} {t:>6} | {nat[1]:8.2f} {lc[1]:9.2f} {nat[1] / lc[1]:5.2f}x |"
+                  f" {'<= %.0f ms' % targets[(dt_name, t)]:>12} {'met' if nat[1] <= targets[(dt_name, t)] else 'NOT met'}")
     for dt_name in ("fp32", "bf16"):
+        if ("5M", dt_name, 1) not in results or ("135M", dt_name, 1) not in results:
+            continue
         small, big = results[("5M", dt_name, 1)][0], results[("135M", dt_name, 1)][0]
         print(
             f"native 1-token step, 5M / 135M ({dt_name}): median {small[0] / big[0]:.3f},"

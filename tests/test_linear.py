@@ -1,50 +1,98 @@
 """runners/linear.py: the packed linear layers agree with F.linear for every row count and dtype,
-and the multi-row float32 path is row-invariant (bitwise), the property exact verification
-leans on."""
+and every row count (1 included) runs one kernel whose result for a row is bitwise independent
+of the other rows, the property exact verification leans on; runners/attention.py likewise."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from specrouter.models.runners.attention import KEY_CHUNK, attention, blocked_keys, padded_length
 from specrouter.models.runners.linear import (
+    ATEN_LINEAR,
+    KERNEL_BY_DTYPE,
+    KERNELS,
+    MM,
     ONEDNN,
+    ONEDNN_BLOCKED,
     Linear,
     linear,
     linear_add,
-    row_mode,
 )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16])
 def test_linear_matches_reference(dtype, with_bias, n):
     g = torch.Generator().manual_seed(n)
-    w = torch.randn(40, 24, generator=g, dtype=dtype)
-    b = torch.randn(40, generator=g, dtype=dtype) if with_bias else None
-    x = torch.randn(n, 24, generator=g, dtype=dtype)
-    r = torch.randn(n, 40, generator=g, dtype=dtype)
+    w = torch.randn(40, 24, generator=g, dtype=torch.float64).to(dtype)
+    b = torch.randn(40, generator=g, dtype=torch.float64).to(dtype) if with_bias else None
+    x = torch.randn(n, 24, generator=g, dtype=torch.float64).to(dtype)
+    r = torch.randn(n, 40, generator=g, dtype=torch.float64).to(dtype)
     lin = Linear.pack(w, b)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(linear(x, lin, row_mode(n)), F.linear(x, w, b), **tol)
-    torch.testing.assert_close(linear_add(r, x, lin, row_mode(n)), r + F.linear(x, w, b), **tol)
-    assert lin.row.is_contiguous() and lin.row.shape == (24, 40)
-    assert (lin.rows is not None) == (ONEDNN and dtype == torch.float32)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float64: 1e-12}[dtype]
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(linear(x, lin).double(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(linear_add(r, x, lin).double(), r.double() + ref, rtol=tol, atol=tol)
+    assert lin.kernel == KERNEL_BY_DTYPE[dtype]
 
 
-@pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN packed linear")
-def test_multi_row_float32_is_row_invariant():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_every_row_count_is_row_invariant(dtype, with_bias):
+    """1 row, the padded 2-3 rows, and 4..40 rows: each row's bits are those of a 1-row call,
+    for the plain and the residual-fused kernel (SmolLM2-135M's o_proj / down_proj widths)."""
     g = torch.Generator().manual_seed(0)
-    lin = Linear.pack(torch.randn(300, 96, generator=g))
-    x = torch.randn(9, 96, generator=g)
-    full = linear(x, lin, row_mode(9))
-    for n in (2, 3, 4, 5, 8):
-        assert torch.equal(linear(x[:n].clone(), lin, row_mode(n)), full[:n])
-        assert torch.equal(linear(x[-n:].clone(), lin, row_mode(n)), full[-n:])
+    for out_f, in_f in ((576, 576), (576, 1536)):
+        lin = Linear.pack((torch.randn(out_f, in_f, generator=g) * 0.05).to(dtype),
+                          torch.randn(out_f, generator=g).to(dtype) if with_bias else None)
+        x = torch.randn(40, in_f, generator=g).to(dtype)
+        r = torch.randn(40, out_f, generator=g).to(dtype)
+        one = torch.cat([linear(x[i : i + 1], lin) for i in range(40)])
+        one_add = torch.cat([linear_add(r[i : i + 1], x[i : i + 1], lin) for i in range(40)])
+        for n in (2, 3, 4, 5, 8, 9, 17, 40):
+            for lo in (0, 40 - n):
+                assert torch.equal(linear(x[lo : lo + n], lin), one[lo : lo + n]), (n, lo)
+                assert torch.equal(linear_add(r[lo : lo + n], x[lo : lo + n], lin), one_add[lo : lo + n])
 
 
-def test_bfloat16_keeps_the_checkpoint_layout():
-    w = torch.randn(8, 4).bfloat16()
-    lin = Linear.pack(w)
-    assert lin.rows is None and torch.equal(lin.row.t(), w)
-    torch.testing.assert_close(linear(torch.ones(3, 4).bfloat16(), lin, row_mode(3)), F.linear(torch.ones(3, 4).bfloat16(), w))
+def test_kernels_name_one_choice_per_precision():
+    assert KERNEL_BY_DTYPE[torch.float32] == (ONEDNN_BLOCKED if ONEDNN else MM)
+    assert KERNEL_BY_DTYPE[torch.bfloat16] in (ONEDNN_BLOCKED, ATEN_LINEAR)
+    assert KERNEL_BY_DTYPE[torch.float32] in KERNELS and KERNEL_BY_DTYPE[torch.bfloat16] in KERNELS
+
+
+def _causal(q_pos: torch.Tensor, groups: int, Lp: int) -> torch.Tensor:
+    return torch.arange(Lp) <= q_pos.repeat(groups)[:, None]  # (groups*T, Lp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_is_row_invariant_and_matches_sdpa(dtype):
+    """Queries at positions 50..140 (crossing key chunks), 1 at a time vs 2-12 at a time,
+    GQA rows as in the runner (3 query heads per KV head): bitwise the same; and close to SDPA."""
+    g = torch.Generator().manual_seed(0)
+    KV, groups, D, P = 3, 3, 64, 50
+    Lmax = padded_length(160)
+    keys = torch.randn(1, KV, Lmax, D, generator=g).to(dtype)
+    values = torch.randn(1, KV, Lmax, D, generator=g).to(dtype)
+    qs = torch.randn(1, KV, groups, 91, D, generator=g).to(dtype)  # positions P..P+90
+
+    def run(lo: int, T: int) -> torch.Tensor:  # (KV, groups, T, D)
+        Lp = padded_length(P + lo + T)
+        q = qs[:, :, :, lo : lo + T].reshape(1, KV, groups * T, D)
+        o = attention(q * D**-0.5, keys[:, :, :Lp], values[:, :, :Lp], blocked_keys(_causal(P + lo + torch.arange(T), groups, Lp)))
+        return o.view(KV, groups, T, D)
+
+    one = torch.cat([run(i, 1) for i in range(91)], dim=2)
+    for T in (2, 3, 5, 9, 12):
+        for lo in (0, 7, 10, 79):
+            assert torch.equal(run(lo, T), one[:, :, lo : lo + T]), (T, lo)
+    # the same function as SDPA, to rounding
+    T, lo = 9, 10
+    Lp, L = padded_length(P + lo + T), P + lo + T
+    q = qs[:, :, :, lo : lo + T].reshape(1, KV, groups * T, D)
+    ref = F.scaled_dot_product_attention(q.double(), keys[:, :, :L].double(), values[:, :, :L].double(),
+                                         attn_mask=_causal(P + lo + torch.arange(T), groups, L))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(run(lo, T).double().reshape(ref.shape), ref, rtol=tol, atol=tol)
+    assert Lmax % KEY_CHUNK == 0

@@ -255,7 +255,10 @@ def test_uniform_batches_and_padding_at_the_end_of_the_cache(ckpt):
         run(runner, [2], [15], [ids[0, :2]])
 
 
-def test_logits_only_where_asked_and_no_mask_for_one_token(ckpt, monkeypatch):
+def test_logits_only_where_asked_and_one_token_masks_the_key_chunk_tail(ckpt, monkeypatch):
+    import specrouter.models.runners.llama as llama
+    from specrouter.models.runners.attention import KEY_CHUNK
+
     path = ckpt("llama-tied")
     ids = _ids(2, 10, seed=6)
     ref = hf_logits(path, ids)
@@ -265,15 +268,17 @@ def test_logits_only_where_asked_and_no_mask_for_one_token(ckpt, monkeypatch):
     assert_close(out[0], ref[0, [7, 2]])
     assert_close(out[1], ref[1, [4, 4]])  # padded by repeating the last index
     masks = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    attention = llama.attention
 
-    def spy(*args, **kwargs):
-        masks.append(kwargs.get("attn_mask"))
-        return sdpa(*args, **kwargs)
+    def spy(q, keys, values, blocked):
+        masks.append(~blocked[..., :1, :])  # the one query row (the rest pad to MIN_ROWS)
+        return attention(q, keys, values, blocked)
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(llama, "attention", spy)
     out = run(runner, [1], [5], [ids[1, 5:6]])
-    assert len(masks) == 2 and all(m is None for m in masks)  # B=1, T=1: no mask at all
+    # B=1, T=1 at position 5: keys come in one whole chunk, those past position 5 are masked
+    assert len(masks) == 2 and all(m.shape[-1] == KEY_CHUNK for m in masks)
+    assert all(bool(m[..., :6].all()) and not bool(m[..., 6:].any()) for m in masks)
     assert_close(out[0], ref[1, 5:6])
 
 

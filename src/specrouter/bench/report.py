@@ -56,10 +56,46 @@ def evaluate_goals(result: dict) -> list[dict]:
     worst = min(scenarios, key=lambda s: s["ratios"]["specrouter/target_only"] or math.inf)
     goals.append(_goal("SpecRouter never below 0.95x target-only on any workload",
                        f"worst: {worst['name']}", worst["ratios"]["specrouter/target_only"], 0.95))
+    goals += peer_goals(result)
     checked = sum(len(s["requests"]) for s in scenarios if s["greedy"])
     goals.append({"goal": "greedy outputs identical to target-only (static chains, SpecRouter)",
                   "scope": f"{checked} greedy requests checked; the bench stops at the first difference",
                   "value": None, "threshold": None, "met": True})
+    return goals
+
+
+def _peer(s: dict, suffix: str) -> str | None:
+    """The name of the scenario's plain llama.cpp row of a GGUF type (F32 / BF16 / Q4_1)."""
+    names = [n for n, e in s["systems"].items() if e["kind"] == "peer" and n.endswith(suffix)]
+    return names[0] if names else None
+
+
+def peer_goals(result: dict) -> list[dict]:
+    """Issue 12's goals against llama.cpp: SpecRouter >= 1.0x llama.cpp plain decoding of the
+    same weights at the same precision on every workload (greedy and sampling); moonshot: >= 1.0x
+    llama.cpp plain decoding of the shipped Q4_1 GGUF on the mixed stream. Rows the run lacks
+    are goals "not measured", with why."""
+    missing = "; ".join(result["meta"].get("peers_missing", [])) or "no peer rows in this run"
+    scenarios = [s for s in result["scenarios"] if s["slowdown"] is None]
+    goals = []
+    same = [(s, _peer(s, "F32") or _peer(s, "BF16")) for s in scenarios]
+    ratios = [(s["name"], s["systems"][ADAPTIVE]["tokens_per_second"] / s["systems"][p]["tokens_per_second"])
+              for s, p in same if p and s["systems"][p]["tokens_per_second"]]
+    title = "SpecRouter >= 1.0x llama.cpp plain decoding, same weights and precision, every workload"
+    if ratios:
+        name, worst = min(ratios, key=lambda r: r[1])
+        goals.append(_goal(title, f"worst of {len(ratios)} scenarios: {name}", worst, 1.0))
+    else:
+        goals.append({**_goal(title, f"not measured: {missing}", None, 1.0)})
+    title = "moonshot: SpecRouter >= 1.0x llama.cpp plain decoding of the shipped Q4_1 GGUF, mixed stream"
+    mixed = [s for s in scenarios if s["workload"] == "mixed"]
+    measured = [(s, _peer(s, "Q4_1")) for s in mixed]
+    measured = [(s, p) for s, p in measured if p and s["systems"][p]["tokens_per_second"]]
+    for s, p in measured:
+        goals.append(_goal(title, s["name"], s["systems"][ADAPTIVE]["tokens_per_second"]
+                           / s["systems"][p]["tokens_per_second"], 1.0))
+    if not measured:
+        goals.append(_goal(title, f"not measured: {missing}", None, 1.0))
     return goals
 
 
@@ -126,6 +162,24 @@ def summary_table(result: dict) -> list[str]:
     return _table(["scenario", "target-only", "HF generate", "HF assisted", "best static (chain, k)",
                    "best 3-level", "oracle", "SpecRouter", "SR / target-only", "SR / best static",
                    "SR / oracle", "SR / HF assisted"], rows)
+
+
+def peer_table(result: dict) -> list[str]:
+    """llama.cpp rows per scenario (tokens/s) and SpecRouter / each; a line per missing row."""
+    names = list(dict.fromkeys(n for s in result["scenarios"] for n, e in s["systems"].items()
+                               if e["kind"] == "peer"))
+    lines = []
+    if names:
+        rows = []
+        for s in result["scenarios"]:
+            t = {n: e["tokens_per_second"] for n, e in s["systems"].items()}
+            sr = t.get(ADAPTIVE)
+            rows.append([s["name"], _f(t.get(TARGET_ONLY)), _f(sr)]
+                        + [f"{_f(t.get(n))} ({_x(sr / t[n]) if sr and t.get(n) else 'n/a'})" for n in names])
+        lines = _table(["scenario", "target-only", "SpecRouter"] + [f"{n} (SR / it)" for n in names], rows)
+    for why in result["meta"].get("peers_missing", []):
+        lines.append(f"- missing: {why}")
+    return lines
 
 
 def goals_table(goals: list[dict]) -> list[str]:
@@ -208,6 +262,7 @@ def markdown(result: dict) -> str:
     for note in m["omitted"]:
         lines.append(f"- Left out: {note}.")
     lines += ["", "## Tokens/s and ratios", ""] + summary_table(result)
+    lines += ["", "## llama.cpp (peers)", ""] + peer_table(result)
     lines += ["", "## Goals", ""] + goals_table(result.get("goals", []))
     lines += ["", "## Per scenario", ""]
     for s in result["scenarios"]:

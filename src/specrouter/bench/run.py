@@ -65,6 +65,7 @@ class BenchConfig:
     max_levels: int = 3  # deepest static chain benchmarked
     hf: str = "all"  # transformers baselines in: all | greedy (greedy scenarios without slowdown) | none
     hf_assistant: str | None = None  # draft for assisted generation (default: the largest draft)
+    peers: bool = True  # llama.cpp rows (bench/peers.py; needs the `peers` extra, else reported missing)
     slowdown: bool = True  # add the mixed stream with a scripted slowdown (greedy)
     slowdown_model: str | None = None  # model slowed (default: the largest draft)
     slowdown_factor: float = 4.0  # it runs this many times slower ...
@@ -151,6 +152,7 @@ class Harness:
     hf_models: dict  # pool name -> transformers model
     assistant: str | None  # pool name of the assistant draft
     encoded: dict[Request, list[int]]
+    peers_missing: list[str] = dataclasses.field(default_factory=list)  # peer rows left out, and why
 
 
 def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
@@ -210,7 +212,15 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
     need = max(len(ids) for ids in encoded.values()) + cfg.max_new_tokens + MAX_DRAFT_LENGTH + 2
     for r in pool.runners.values():
         r.reserve(max(r.num_slots, 1), max(r.max_len, need))
-    return Harness(pool, aliases, systems, adaptive, target_only, hf_models, assistant, encoded)
+    peers_missing = ["every llama.cpp row: --no-peers"]
+    if cfg.peers:
+        from specrouter.bench.peers import peer_systems
+
+        peers, peers_missing = peer_systems(pool, dtype=cfg.dtype, threads=cfg.threads or torch.get_num_threads(),
+                                            n_ctx=need + 8, draft=drafts[-1] if drafts else None, log=log)
+        systems += peers
+    return Harness(pool, aliases, systems, adaptive, target_only, hf_models, assistant, encoded,
+                   peers_missing)
 
 
 def warm_up(h: Harness, ids: list[int]) -> None:
@@ -253,6 +263,14 @@ def check_greedy(sc: Scenario, i: int, req: Request, outs: dict[str, Outcome],
     return other
 
 
+def _runs_in(s: System, sc: Scenario) -> bool:
+    """transformers baselines where the scenario asks for them; llama.cpp peers outside the
+    scripted slowdown (it slows a pool model, not theirs)."""
+    if isinstance(s, HFSystem):
+        return sc.hf
+    return s.kind != "peer" or sc.slowdown_start is None
+
+
 def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown | None, bar) -> dict:
     """Every system of the scenario on every request, interleaved; returns its summary."""
     events: list[dict] = []
@@ -264,7 +282,7 @@ def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown 
                        "k": int(ev.k), "reason": ev.reason, "t_eff": float(ev.t_eff)})
 
     h.adaptive.reset(on_decision)
-    systems = [s for s in h.systems if sc.hf or not isinstance(s, HFSystem)]
+    systems = [s for s in h.systems if _runs_in(s, sc)]
     requests = []
     for i, req in enumerate(sc.workload.requests):
         current[0] = i
@@ -357,6 +375,8 @@ def _meta(cfg: BenchConfig, h: Harness, scenarios: list[Scenario]) -> dict:
     if cfg.quick:
         omitted.append("quick: mixed stream only, one prompt per type, one k per static chain")
     meta["omitted"] = omitted
+    meta["peers_missing"] = list(h.peers_missing)
+    meta["peers"] = {s.name: getattr(s, "gguf_path", None) for s in h.systems if s.kind == "peer"}
     return meta
 
 
@@ -400,8 +420,7 @@ def run_bench(cfg: BenchConfig, *, progress: bool = True, log=print, harness: Ha
     slowdown = None
     if any(sc.slowdown_start is not None for sc in scenarios):
         slowdown = Slowdown(_slowdown_model(cfg, h), cfg.slowdown_factor).install(h.pool, h.hf_models)
-    total = sum(len(sc.workload.requests) * sum(1 for s in h.systems if sc.hf or not isinstance(s, HFSystem))
-                for sc in scenarios)
+    total = sum(len(sc.workload.requests) * sum(1 for s in h.systems if _runs_in(s, sc)) for sc in scenarios)
     bar = None
     if progress:
         from tqdm.auto import tqdm

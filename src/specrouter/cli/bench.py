@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of the stream where the slowdown starts (default 0.5)")
     p.add_argument("--seed", type=int, default=None, help="request i samples with seed + i (default 0)")
     p.add_argument("--no-plots", action="store_true", help="no PNGs (no matplotlib needed)")
+    p.add_argument("--no-peers", action="store_true",
+                   help="leave out the llama.cpp rows (they need the peers extra: pip install 'specrouter[peers]')")
     add_pool_arguments(p, flags=BENCH_POOL_FLAGS)
 
 
@@ -70,12 +72,14 @@ def config_from_args(args: argparse.Namespace):
         over["slowdown"] = False
     if args.no_plots:
         over["plots"] = False
+    if args.no_peers:
+        over["peers"] = False
     return BenchConfig.quick_preset(**over) if args.quick else BenchConfig(**over)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from specrouter.bench.plots import make_plots
-    from specrouter.bench.report import goals_table, summary_table, write_report
+    from specrouter.bench.report import goals_table, peer_table, summary_table, write_report
     from specrouter.bench.run import run_bench
 
     try:
@@ -87,7 +91,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = run_bench(cfg, progress=True, log=lambda m: print(m, file=sys.stderr))
     paths = write_report(result, cfg.out_dir)
     pngs = make_plots(result, cfg.out_dir) if cfg.plots else []
-    print_markdown(["", "## Tokens/s and ratios", "", *summary_table(result), "", "## Goals", "",
+    print_markdown(["", "## Tokens/s and ratios", "", *summary_table(result), "",
+                    "## llama.cpp (peers)", "", *peer_table(result), "", "## Goals", "",
                     *goals_table(result["goals"])])
     print(f"wrote {paths['json']}, {paths['markdown']}" + "".join(f", {p}" for p in pngs)
           + f" in {time.perf_counter() - t0:.0f} s")

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from specrouter.errors import CheckpointError, ContextLengthError
+from specrouter.models.runners.attention import attention, blocked_keys, padded_length
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
-from specrouter.models.runners.linear import Linear, linear, linear_add, row_mode
+from specrouter.models.runners.linear import Linear, linear, linear_add
 from specrouter.models.runners.rope import (
     apply_rope,
     rope_inv_freq,
@@ -245,6 +246,14 @@ class LlamaRunner(ModelRunner):
                 return None
             return torch.cat([w(n) for n in names], dim=0).contiguous()
 
+        def qkv(names: list[str]) -> torch.Tensor | None:
+            """q|k|v with q's rows scaled by 1/sqrt(head_dim) (attention's scale, folded in once;
+            exact when head_dim is a power of 4, as in SmolLM2 / Llama / Qwen2)."""
+            t = cat(names)
+            if t is not None:
+                t[: arch.num_heads * arch.head_dim] *= 1.0 / math.sqrt(arch.head_dim)
+            return t
+
         self._final_norm = norm_w("norm.weight")
         self.draft_vocab = draft_vocab
         self._embed_fn, self._logits_fn = self._make_embed_and_head(
@@ -254,11 +263,11 @@ class LlamaRunner(ModelRunner):
         self._layers = []
         for i in range(arch.num_layers):
             a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-            qkv = [f"{a}{n}_proj.weight" for n in "qkv"]
+            names = [f"{a}{n}_proj.weight" for n in "qkv"]
             self._layers.append(
                 (
                     norm_w(f"layers.{i}.input_layernorm.weight"),
-                    Linear.pack(cat(qkv), cat([n.replace("weight", "bias") for n in qkv])),
+                    Linear.pack(qkv(names), qkv([n.replace("weight", "bias") for n in names])),
                     Linear.pack(w(f"{a}o_proj.weight"), w(f"{a}o_proj.bias") if arch.o_bias else None),
                     norm_w(f"layers.{i}.post_attention_layernorm.weight"),
                     Linear.pack(
@@ -299,7 +308,8 @@ class LlamaRunner(ModelRunner):
         if grown[0] * grown[1] <= 2 * num_slots * max_len:
             num_slots, max_len = grown
         a, dev = self.arch, self.device
-        shape = (num_slots, a.num_kv_heads, max_len + 1, a.head_dim)  # +1: scratch position
+        # +1: scratch position; whole key chunks (runners/attention.py)
+        shape = (num_slots, a.num_kv_heads, padded_length(max_len + 1), a.head_dim)
         self._k = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(a.num_layers)]
         self._v = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(a.num_layers)]
         # position-major views (S, P, KV, D) for writing (B, T, KV, D) activations
@@ -308,7 +318,7 @@ class LlamaRunner(ModelRunner):
         self._cos, self._sin = rope_tables(  # (max_len + 1, D) each
             self._inv_freq, self._rope_scaling, max_len + 1, self.dtype, dev
         )
-        self._arange = torch.arange(max_len + 1, device=dev)
+        self._arange = torch.arange(shape[2], device=dev)
         self.num_slots, self.max_len = num_slots, max_len  # base rebuilds the free list
 
     # ---- forward ---------------------------------------------------------------------------
@@ -339,7 +349,7 @@ class LlamaRunner(ModelRunner):
 
         def logits_fn(h: torch.Tensor) -> torch.Tensor:
             B, G, H = h.shape
-            out = linear(h.reshape(B * G, H), packed, row_mode(B * G))  # (N, V) or (N, V')
+            out = linear(h.reshape(B * G, H), packed)  # (N, V) or (N, V')
             if ids is not None:  # the draft's subset: -inf elsewhere
                 full = torch.full((B * G, V), float("-inf"), dtype=out.dtype, device=out.device)
                 out = full.index_copy_(1, ids, out)
@@ -395,26 +405,25 @@ class LlamaRunner(ModelRunner):
         start = starts[0]
         uniform = contiguous and all(s == start for s in starts) and all(n == T for n in nums)
         ar = self._arange
+        Lp = padded_length(L)  # keys attended, in whole chunks: [0, Lp), masked past each query
         if uniform:  # one start, no padding, slots s0..s0+B-1: pure slices, no index tensors
             cos, sin = self._cos[start : start + T, None], self._sin[start : start + T, None]  # (T,1,D)
-            mask = None
-            if T > 1:  # query g*T+t sees keys <= start+t
-                mask = ar[:L] <= (start + ar[:T]).repeat(groups)[:, None]  # (groups*T, L)
+            mask = ar[:Lp] <= (start + ar[:T]).repeat(groups)[:, None]  # (groups*T, Lp): g*T+t
         else:
             # (B, T): cache position of every new token; padding goes to the scratch row
             pos = batch.starts[:, None] + ar[:T]
             pos = torch.where(ar[:T] < batch.num_tokens[:, None], pos, self.max_len)
             cos, sin = self._cos[pos].unsqueeze(2), self._sin[pos].unsqueeze(2)  # (B, T, 1, D)
             slot_idx = batch.slots[:, None].expand(B, T)
-            mask = (ar[:L] <= pos.repeat(1, groups)[..., None]).unsqueeze(1)  # (B, 1, groups*T, L)
+            mask = (ar[:Lp] <= pos.repeat(1, groups)[..., None]).unsqueeze(1)  # (B, 1, groups*T, Lp)
         norm, H, inter, slots_t = self._norm, a.hidden_size, a.intermediate_size, batch.slots
+        blocked = blocked_keys(mask)  # once per forward, not per layer
 
         x = self._embed_fn(batch.tokens).view(B * T, H)  # (N, H), N = B*T: 2-D so linears are one mm
-        one = row_mode(B * T)  # one row: MKL GEMV; more: oneDNN's flat, row-invariant kernel
         for (ln1, w_qkv, w_o, ln2, w_gu, w_down), kc, vc, kw, vw in zip(
             self._layers, self._k, self._v, self._kw, self._vw
         ):
-            qkv = linear(norm(x, ln1), w_qkv, one).view(B, T, nh + 2 * nkv, D)
+            qkv = linear(norm(x, ln1), w_qkv).view(B, T, nh + 2 * nkv, D)
             qk = apply_rope(qkv[:, :, : nh + nkv], cos, sin)  # (B, T, nh + nkv, D)
             k, v = qk[:, :, nh:], qkv[:, :, nh + nkv :]  # (B, T, nkv, D)
             if uniform:
@@ -424,19 +433,19 @@ class LlamaRunner(ModelRunner):
                 kw.index_put_((slot_idx, pos), k)
                 vw.index_put_((slot_idx, pos), v)
             if contiguous:
-                keys, values = kc.narrow(0, s0, B).narrow(2, 0, L), vc.narrow(0, s0, B).narrow(2, 0, L)
+                keys, values = kc.narrow(0, s0, B).narrow(2, 0, Lp), vc.narrow(0, s0, B).narrow(2, 0, Lp)
             else:
-                keys = kc.narrow(2, 0, L).index_select(0, slots_t)  # copies only [0, L)
-                values = vc.narrow(2, 0, L).index_select(0, slots_t)
+                keys = kc.narrow(2, 0, Lp).index_select(0, slots_t)  # copies only [0, Lp)
+                values = vc.narrow(2, 0, Lp).index_select(0, slots_t)
             # keys, values: (B, nkv, L, D). GQA without copying KV: the `groups` query heads of
             # one KV head become its rows, (B, nkv, groups*T, D), row g*T+t
             q = qk[:, :, :nh].view(B, T, nkv, groups, D).permute(0, 2, 3, 1, 4)
             q = q.reshape(B, nkv, groups * T, D)  # a view when T == 1
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (B, nkv, groups*T, D)
+            o = attention(q, keys, values, blocked)  # (B, nkv, groups*T, D), row-invariant
             o = o.view(B, nkv, groups, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, nh * D)
-            x = linear_add(x, o, w_o, one)  # residual fused into the matmul
-            gu = linear(norm(x, ln2), w_gu, one)  # (N, 2I)
-            x = linear_add(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down, one)
+            x = linear_add(x, o, w_o)  # residual fused into the matmul
+            gu = linear(norm(x, ln2), w_gu)  # (N, 2I)
+            x = linear_add(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
 
         # logits only where asked: gather BEFORE the final norm and the (wide) lm_head
         G = batch.logit_positions.shape[1]

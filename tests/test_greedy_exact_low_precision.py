@@ -1,0 +1,100 @@
+"""Greedy equivalence in float32 and bfloat16, not only float64: with one row-invariant kernel per
+precision (runners/linear.py, runners/attention.py) a k-token verification computes the bits of
+plain decoding's 1-token steps, so every chain, k, router decision and ragged batch gives exactly
+the output of plain decoding at the same precision.
+
+The target's output head is scaled down so its logits sit close together: in bfloat16 many
+positions are near-ties, where any difference in the last bit flips the argmax. The negative
+control swaps in an attention whose multi-token forwards round differently and must see
+outputs change."""
+
+import pytest
+import torch
+
+from specrouter import SpecRouter
+
+PROMPT_LENS = (3, 9, 14, 22)
+MAX_NEW = 24
+CHAINS = [
+    ("draft", "target"),
+    ("ngram", "target"),
+    ("same", "target"),
+    ("draft", "mid", "target"),
+    ("ngram", "draft", "target"),
+    ("ngram", "random", "mid", "target"),
+]
+
+
+@pytest.fixture(scope="module")
+def flat_pool(tmp_path_factory):
+    """The conftest pool's shapes, with heads scaled to near-tie logits (float32 checkpoints)."""
+    from fixtures import make_tiny_llama
+
+    root = tmp_path_factory.mktemp("flatpool")
+    kw = dict(hidden_size=64, num_layers=3, tie_word_embeddings=False, max_position_embeddings=256)
+    target = make_tiny_llama(root / "target", seed=1, **kw)
+    from safetensors.torch import load_file, save_file
+
+    f = target / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 0.05
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return {
+        "target": target,
+        "mid": make_tiny_llama(root / "mid", seed=2, init_from=target, noise=0.1, **kw),
+        "draft": make_tiny_llama(root / "draft", seed=3, init_from=target, noise=0.4, **kw),
+        "same": make_tiny_llama(root / "same", seed=4, init_from=target, noise=0.0, **kw),
+        "random": make_tiny_llama(root / "random", hidden_size=32, num_layers=1, num_heads=2,
+                                  num_kv_heads=1, seed=5, tie_word_embeddings=False),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n in PROMPT_LENS:
+        base = torch.randint(3, 300, (max(2, n // 2),), generator=g).tolist()
+        out.append((base * 3)[:n])
+    return out
+
+
+def _router(pool, dtype):
+    names = ["target", "mid", "draft", "same", "random"]
+    return SpecRouter.from_pretrained([pool[n] for n in names], target="target", names=names, dtype=dtype)
+
+
+def _outputs(sr, prompts, **kw):
+    return [r.token_ids for r in sr.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, **kw)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_chain_k_and_the_router_equal_plain_decoding(flat_pool, prompts, dtype):
+    sr = _router(flat_pool, dtype)
+    plain = _outputs(sr, prompts, chain=("target",))
+    # plain decoding one request at a time equals the ragged batch of all four
+    assert [_outputs(sr, [p], chain=("target",))[0] for p in prompts] == plain
+    for chain in CHAINS:
+        for k in (1, 3, 6):
+            assert _outputs(sr, prompts, chain=chain, k=k) == plain, (chain, k)
+    assert _outputs(sr, prompts) == plain  # the router on: chains and k chosen every cycle
+
+
+def test_negative_control_a_multi_token_forward_that_rounds_differently_fails(flat_pool, prompts, monkeypatch):
+    """An attention that computes multi-token forwards at another precision than 1-token steps
+    (as SDPA's and MKL's shape-dependent blocking do on larger shapes) must make some chain
+    diverge from plain decoding: the equality above is a test that can fail."""
+    import specrouter.models.runners.llama as llama
+
+    attention = llama.attention
+
+    def shape_dependent(q, keys, values, blocked):
+        if q.shape[2] <= 2:  # a 1-token step (2 query heads per KV head): as shipped
+            return attention(q, keys, values, blocked)
+        return attention(q.float(), keys.float(), values.float(), blocked).to(q.dtype)
+
+    sr = _router(flat_pool, "bfloat16")
+    monkeypatch.setattr(llama, "attention", shape_dependent)
+    plain = _outputs(sr, prompts, chain=("target",))
+    differ = sum(_outputs(sr, prompts, chain=c, k=k) != plain for c in CHAINS for k in (3, 6))
+    assert differ > 0

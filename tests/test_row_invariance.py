@@ -1,0 +1,85 @@
+"""A position's logits are bitwise the same in a 1-token step, a k-token verification, a prefill
+and a ragged multi-row batch (runners/linear.py: one row-invariant kernel per precision; the
+attention, norms, RoPE and head likewise), in float32 and bfloat16, on the SmolLM2-135M shape
+(random weights built from a config, no checkpoint on disk).
+
+This is what makes greedy speculative decoding exact in float32 and bfloat16, not only float64:
+the target's verification forward over k tokens computes the same bits as plain decoding's
+1-token steps."""
+
+import pytest
+import torch
+
+from specrouter.models.runners.base import ForwardBatch
+from specrouter.models.runners.llama import LlamaArchitecture, LlamaRunner
+
+SMOLLM2_135M = dict(
+    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=100000.0,
+)
+
+
+def random_runner(config: dict, dtype: torch.dtype, *, num_slots: int, max_len: int,
+                  seed: int = 0, num_layers: int | None = None) -> LlamaRunner:
+    """A LlamaRunner with random weights (std 0.02, norms around 1) for `config`."""
+    config = dict(config, num_hidden_layers=num_layers or config["num_hidden_layers"])
+    arch = LlamaArchitecture.from_config(config)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in arch.expected_shapes().items():
+        t = torch.randn(shape, generator=g) * 0.02
+        tensors[name] = 1.0 + t * 5 if name.endswith("norm.weight") else t
+    return LlamaRunner(arch, tensors, name="random", dtype=dtype, num_slots=num_slots, max_len=max_len)
+
+
+def _run(runner: LlamaRunner, rows: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
+    """One forward of rows (slot, start, tokens), logits at every new token; per row (n, V)."""
+    batch = ForwardBatch.build(
+        [s for s, _, _ in rows], [p for _, p, _ in rows], [t for _, _, t in rows],
+        [list(range(len(t))) for _, _, t in rows],
+    )
+    logits = runner.forward(batch)
+    return [logits[b, : len(t)] for b, (_, _, t) in enumerate(rows)]
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def runner(request):
+    torch.manual_seed(0)
+    # the 135M widths, vocabulary and heads; 6 of its 30 layers (each layer runs the same kernels)
+    return random_runner(SMOLLM2_135M, request.param, num_slots=6, max_len=100, num_layers=6)
+
+
+def test_logits_are_bitwise_the_same_however_the_rows_are_grouped(runner):
+    V = runner.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, V, (58,), generator=g).tolist()  # positions cross a key chunk
+    cont = torch.randint(0, V, (9,), generator=g).tolist()
+    other = torch.randint(0, V, (80,), generator=g).tolist()
+    P = len(prompt)
+
+    # reference: the prompt one token at a time, then 1-token steps (plain decoding)
+    seq = prompt + cont
+    ref = torch.cat([_run(runner, [(0, i, [tok])])[0] for i, tok in enumerate(seq)])  # (P+9, V)
+
+    # a prefill of the whole prompt in one forward computes the same bits
+    prefill = _run(runner, [(1, 0, prompt)])[0]
+    assert torch.equal(prefill, ref[:P])
+
+    # k-token verifications after the prompt (2 and 3 rows are padded to 4), rolled back each time
+    for k in (2, 3, 4, 5, 9):
+        assert torch.equal(_run(runner, [(1, P, cont[:k])])[0], ref[P : P + k]), f"k={k}"
+    # a verification that starts mid-way (cache written by the k=9 forward above)
+    assert torch.equal(_run(runner, [(1, P + 4, cont[4:7])])[0], ref[P + 4 : P + 7])
+
+    # ragged batches over non-contiguous slots in any order: decode rows of other sequences,
+    # a prefill of another prompt and a verification of ours, in one forward
+    _run(runner, [(3, 0, other[:70])])
+    _run(runner, [(5, 0, other[5:17])])
+    out = _run(runner, [(5, 12, other[17:18]), (1, P, cont[:6]), (4, 0, other[:11]), (3, 70, other[70:73])])
+    assert torch.equal(out[1], ref[P : P + 6])
+    out = _run(runner, [(3, 73, other[73:74]), (1, P + 2, cont[2:3]), (5, 12, other[20:25])])
+    assert torch.equal(out[1], ref[P + 2 : P + 3])
+    # two rows of the same sequence content in different slots agree with each other too
+    out = _run(runner, [(2, 0, seq[:66]), (4, 0, seq[:66])])
+    assert torch.equal(out[0], out[1]) and torch.equal(out[0], ref[:66])
