@@ -94,10 +94,11 @@ def test_cli_generate_compare(tiny_pool_dirs, capsys):
     rc = main(["generate", "--models", str(d["draft"]), str(d["target"]), "--target", "target",
                "--prompt", "def add(a, b):", "--max-new-tokens", "8", "--chain", "draft", "target",
                "--k", "3", "--compare", "--dtype", "float64"])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
     assert rc == 0
-    assert "greedy output identical: True" in out
-    assert "chain draft>target" in out
+    assert captured.out.strip()  # the text on stdout, the statistics on stderr
+    assert "greedy output identical: True" in captured.err
+    assert "chain draft>target" in captured.err
 
 
 def test_cli_reports_errors_cleanly(tmp_path, capsys):

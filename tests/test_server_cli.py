@@ -31,15 +31,24 @@ def _parser():
 
 def test_serve_flags_and_defaults():
     a = _parser().parse_args(["serve", "--models", "x"])
-    assert (a.host, a.port, a.max_num_seqs, a.max_model_len, a.k, a.dtype, a.model_timeout) == (
-        "127.0.0.1", 8000, 8, 2048, 4, "float32", 30.0)
+    assert (a.host, a.port, a.max_num_seqs, a.max_model_len, a.dtype, a.model_timeout) == (
+        "127.0.0.1", 8000, 8, 2048, "float32", 30.0)
+    cfg = cli_serve.config_from_args(a)
+    assert cfg.pool.models == ("x",) and cfg.server.k == 4 and cfg.server.adaptive
     a = _parser().parse_args(["serve", "--models", "d", "t", "--chain", "ngram", "d", "t",
-                              "--api-key", "s", "--max-queue", "3"])
+                              "--api-key", "s", "--max-queue", "3", "--k", "2"])
     assert a.chain == ["ngram", "d", "t"] and a.api_key == "s" and a.max_queue == 3
+    cfg = cli_serve.config_from_args(a)
+    assert (cfg.server.chain, cfg.server.k, cfg.server.max_queue) == (("ngram", "d", "t"), 2, 3)
+    # no --models: the embedded default pool; --k alone is the draft length of pinned requests
+    cfg = cli_serve.config_from_args(_parser().parse_args(["serve", "--k", "3"]))
+    assert cfg.pool.models == ("default",) and cfg.server.k == 3 and cfg.server.chain is None
     assert (a.metrics_auth, a.allowed_hosts) == (False, None)
     a = _parser().parse_args(["serve", "--models", "x", "--metrics-auth", "--allowed-hosts",
                               "api.example.com", "*.corp.example"])
     assert a.metrics_auth and a.allowed_hosts == ["api.example.com", "*.corp.example"]
+    cfg = cli_serve.config_from_args(a)
+    assert cfg.server.metrics_auth and cfg.server.allowed_hosts == ("api.example.com", "*.corp.example")
     assert cli_serve._is_loopback("127.0.0.1") and cli_serve._is_loopback("::1")
     assert not cli_serve._is_loopback("0.0.0.0")
 

@@ -1,16 +1,26 @@
-"""The Python API: `SpecRouter.from_pretrained([...]).generate(...)`."""
+"""The Python API: `SpecRouter.from_pretrained("default").generate(...)`, `.stream(...)`."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specrouter.config import SamplingParams
+from specrouter.config import (
+    DEFAULT_POOL,
+    EngineConfig,
+    PoolConfig,
+    RouterConfig,
+    SamplingParams,
+    SpecRouterConfig,
+)
 from specrouter.engine.engine import Engine
 from specrouter.engine.stats import RequestStats
-from specrouter.models.pool import Pool
+from specrouter.models.pool import Pool, preview_pool
+from specrouter.state.sequence import Sequence
 
 
 @dataclass
@@ -24,22 +34,51 @@ class GenerationResult:
     stats: RequestStats  # chain(s) used, acceptance per level, tokens/s
 
 
+@dataclass
+class StreamChunk:
+    """What one cycle committed for a streamed request (`SpecRouter.stream`)."""
+
+    token_ids: list[int]  # target tokens committed by this cycle (one or more)
+    text: str  # the text they add (a character split across cycles comes with the later one)
+    elapsed: float  # seconds since the request was added (the first chunk's: prefill + one cycle)
+    result: GenerationResult | None = None  # set on the last chunk: the whole request
+
+
 class SpecRouter:
     """A pool of models sharing one tokenizer, served by multi-level speculative decoding.
 
-    >>> sr = SpecRouter.from_pretrained(["ngram", "path/to/draft", "path/to/target"])
+    >>> sr = SpecRouter.from_pretrained("default")  # the embedded pool; or a list of paths
     >>> sr.generate("def fib(n):", max_new_tokens=32)[0].text
     """
 
-    def __init__(self, pool: Pool, router=None):
+    def __init__(self, pool: Pool, router=None, config: SpecRouterConfig | None = None):
         self.pool = pool
         self.router = router  # None: static chains only (the pool's default chain)
+        self.config = config or SpecRouterConfig()
         self.engine = Engine(pool, router=router)
+
+    @classmethod
+    def from_config(cls, config: SpecRouterConfig, *, progress: bool = False) -> "SpecRouter":
+        """Build from a `SpecRouterConfig` (what every CLI command does). Paths, names, the
+        target and a pinned chain are checked before any weights load (checkpoint headers)."""
+        if config.pool.threads:
+            torch.set_num_threads(config.pool.threads)
+        preview = preview_pool(config.pool, progress=progress)
+        if config.engine.chain is not None:
+            preview.validate_chain(config.engine.chain)
+        pool = Pool.from_config(config.pool, progress=progress, paths=list(preview.paths))
+        router = None
+        if config.engine.routed and len(pool.order) > 1:
+            from specrouter.router.setup import build_router
+
+            router = build_router(pool, profile_path=config.pool.profile_path, progress=progress,
+                                  config=config.router)
+        return cls(pool, router, config)
 
     @classmethod
     def from_pretrained(
         cls,
-        paths: list[str | Path],
+        paths: str | Path | list[str | Path] = DEFAULT_POOL,
         target: str | None = None,
         *,
         names: list[str] | None = None,
@@ -51,24 +90,30 @@ class SpecRouter:
         progress: bool = False,
         adaptive: bool = True,
         profile_path: str | Path | None = None,
+        threads: int | None = None,
+        router_config: RouterConfig | None = None,
     ) -> "SpecRouter":
-        """Load a pool: HF checkpoint directories or .gguf files, plus the model-free drafters
-        "ngram" (prompt lookup) and "suffix" (suffix decoding, learns across requests), both
-        added by default (`ngram=False` / `suffix=False` leave them out). `target` (name or path) defaults to the largest
+        """Load a pool: "default" (the embedded pool: n-gram, the shipped draft,
+        SmolLM2-135M-Instruct), or HF checkpoint directories / .gguf files, plus the
+        model-free drafters "ngram" (prompt lookup) and "suffix" (suffix decoding, learns
+        across requests), both added by default (`ngram=False` / `suffix=False` leave them
+        out). `target` (name or path) defaults to the largest
         model. Raises CheckpointError / VocabularyMismatchError with a clear message.
 
         With `adaptive` (default) the router picks each request's chain and draft length every
         cycle; it needs this machine's cost profile of the pool's models, measured by a short
         sweep the first time (persisted under the cache dir, or `profile_path`)."""
-        pool = Pool.load(list(paths), target=target, names=names, backend=backend, dtype=dtype,
-                         ngram=ngram, suffix=suffix, trust_remote_code=trust_remote_code,
-                         progress=progress)
-        router = None
-        if adaptive and len(pool.order) > 1:
-            from specrouter.router.setup import build_router
-
-            router = build_router(pool, profile_path=profile_path, progress=progress)
-        return cls(pool, router)
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        models = [paths] if isinstance(paths, (str, Path)) else list(paths)
+        pool = PoolConfig(models=tuple(str(p) for p in models), target=target,
+                          names=tuple(names) if names else None, backend=backend, dtype=dtype,
+                          ngram=ngram, suffix=suffix, threads=threads,
+                          trust_remote_code=trust_remote_code,
+                          profile_path=str(profile_path) if profile_path is not None else None)
+        config = SpecRouterConfig(pool=pool, engine=EngineConfig(adaptive=adaptive),
+                                  router=router_config or RouterConfig())
+        return cls.from_config(config, progress=progress)
 
     @property
     def tokenizer(self):
@@ -87,6 +132,28 @@ class SpecRouter:
             return apply_chat_template(self.tokenizer, [{"role": "user", "content": prompt}])
         return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
+    def _request(self, *, max_new_tokens, temperature, top_k, top_p, stop_token_ids, seed,
+                 ignore_eos, chain, k) -> tuple[SamplingParams, torch.Generator, tuple | None, int]:
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+            stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+        )
+        generator = torch.Generator()
+        # row i's sampling seed: draw i of this stream (a batch's rows differ; a call repeats)
+        generator.manual_seed(seed if seed is not None else torch.seed())
+        if chain is None:
+            chain = self.config.engine.chain
+        if k is None:
+            k = self.config.engine.k
+        return params, generator, tuple(chain) if chain is not None else None, k
+
+    def _result(self, seq: Sequence) -> GenerationResult:
+        return GenerationResult(
+            text=self.tokenizer.decode(seq.output_ids, skip_special_tokens=True),
+            token_ids=seq.output_ids, prompt_tokens=seq.prompt_len,
+            finish_reason=seq.finish_reason or "abort", stats=seq.stats,
+        )
+
     def generate(
         self,
         prompts,
@@ -104,33 +171,68 @@ class SpecRouter:
     ) -> list[GenerationResult]:
         """Generate for one prompt or a batch (text, token ids, or chat message lists).
 
-        `chain` pins the levels (names from `self.pool.order`, ending at the target) and `k`
-        the draft length (default 4); without `chain`, the router chooses both per request every
-        cycle (or, for a pool loaded with adaptive=False, the pool's default chain). Greedy when
-        temperature == 0: the output equals the target's own greedy decoding token for token;
-        otherwise it follows the target's (temperature / top-k / top-p processed) distribution.
+        `chain` pins the levels (names from `self.pool.order`, or the roles "ngram", "draft",
+        "target"; ending at the target) and `k` the draft length (default 4); without `chain`,
+        the router chooses both per request every cycle (or, for a pool loaded with
+        adaptive=False, the pool's default chain). Greedy when temperature == 0: the output
+        equals the target's own greedy decoding token for token; otherwise it follows the
+        target's (temperature / top-k / top-p processed) distribution.
         """
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
         )
         batch = [prompts] if single else list(prompts)
         ids = [self.encode(p, chat=chat) for p in batch]
-        params = SamplingParams(
-            temperature=temperature,
-            top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-            stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
-        )
-        generator = torch.Generator()
-        generator.manual_seed(seed if seed is not None else torch.seed())  # row i's sampling seed: draw i of this stream (a batch's rows differ; a call repeats)
-        if chain is not None:
-            chain = tuple(chain)
-        seqs = self.engine.generate_ids(ids, [params] * len(ids), chain=chain,
-                                        k=4 if k is None else k, generator=generator)
-        return [
-            GenerationResult(
-                text=self.tokenizer.decode(s.output_ids, skip_special_tokens=True),
-                token_ids=s.output_ids, prompt_tokens=s.prompt_len,
-                finish_reason=s.finish_reason or "abort", stats=s.stats,
-            )
-            for s in seqs
-        ]
+        params, generator, chain, k = self._request(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, chain=chain, k=k)
+        seqs = self.engine.generate_ids(ids, [params] * len(ids), chain=chain, k=k,
+                                        generator=generator)
+        return [self._result(s) for s in seqs]
+
+    def stream(
+        self,
+        prompt,
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_token_ids: tuple[int, ...] = (),
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        chain: list[str] | tuple[str, ...] | None = None,
+        k: int | None = None,
+        chat: bool = False,
+    ) -> Iterator[StreamChunk]:
+        """Generate for one prompt, yielding each cycle's committed tokens as they come (the
+        same tokens as `generate`; arguments as there). The last chunk carries `result`.
+        Closing the iterator early (break, Ctrl-C) aborts the request."""
+        from specrouter.models.tokenizer import IncrementalDecoder
+
+        ids = self.encode(prompt, chat=chat)
+        params, generator, chain, k = self._request(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, chain=chain, k=k)
+        engine = self.engine
+        need = engine.check_request(ids, params, chain, k)[1]
+        if not engine.running:
+            engine.reserve(1, need)
+        t0 = time.perf_counter()
+        seq = engine.add_request(ids, params, chain=chain, k=k, generator=generator)
+        decoder = IncrementalDecoder(self.tokenizer)
+        try:
+            while not seq.done:
+                for out in engine.step(generator):
+                    if out.seq is not seq or not (out.new_token_ids or seq.done):
+                        continue
+                    text = decoder.add(out.new_token_ids)
+                    result = None
+                    if seq.done:
+                        text += decoder.finish()
+                        result = self._result(seq)
+                    yield StreamChunk(list(out.new_token_ids), text, time.perf_counter() - t0,
+                                      result)
+        finally:
+            if not seq.done:
+                engine.abort(seq.seq_id)

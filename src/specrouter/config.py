@@ -1,16 +1,28 @@
 """Configuration dataclasses shared by the Python API, the CLI and the server: per-request
-`SamplingParams`, the router's `RouterConfig` (with its acceptance estimator's
-`SimilarityConfig` and its cost profile's `ProfileConfig`), the server's `ServerConfig`."""
+`SamplingParams`; the pool's `PoolConfig`, the engine's `EngineConfig`, the router's
+`RouterConfig` (with its acceptance estimator's `SimilarityConfig` and its cost profile's
+`ProfileConfig`), the server's `ServerConfig`; and `SpecRouterConfig`, which composes pool,
+engine, router and server and from which `SpecRouter.from_config`, `specrouter serve` and every
+CLI command are built."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from specrouter.errors import SamplingParamsError
+from specrouter.errors import ChainError, SamplingParamsError
 
 MAX_DRAFT_LENGTH = 16  # k is searched in 1..MAX_DRAFT_LENGTH by the router
 SUFFIX_SCOPES = ("shared", "api-key")  # ServerConfig.suffix_scope
+DEFAULT_POOL = "default"  # the name of the embedded pool (models/default_pool.py)
+NGRAM = "ngram"  # the model-free n-gram / prompt-lookup drafter's pool name
+SUFFIX = "suffix"  # the model-free suffix-decoding drafter (learns across requests)
+# role aliases, accepted wherever a pool model name is (chains, the API, the server's "model"):
+# "target" is the pool's target, "draft" its smallest neural draft
+ROLE_ALIASES = ("target", "draft")
+BACKENDS = ("auto", "native", "hf")
+DTYPES = ("float32", "bfloat16", "float64", "float16", "fp32", "bf16", "fp64", "fp16")
 # A temperature below this is greedy decoding (stored as 0.0). Dividing logits by a tiny
 # temperature overflows (1e-39 turns them into inf and the softmax into NaN), and a sampled
 # distribution that sharp is the argmax anyway; vLLM uses the same threshold (_SAMPLING_EPS).
@@ -214,6 +226,7 @@ class ServerConfig:
     # SHA-256 of that value; requests without one form one anonymous tenant). The router's
     # acceptance rates (aggregate numbers, no text) stay shared.
     suffix_scope: str = "shared"
+    router: RouterConfig = field(default_factory=RouterConfig)  # settings of the served router
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "k", "max_queue", "max_body_bytes"):
@@ -228,3 +241,100 @@ class ServerConfig:
             raise ValueError(f"allowed_hosts must be a tuple of host names, got {self.allowed_hosts!r}")
         if self.model_timeout is not None and not self.model_timeout > 0:
             raise ValueError(f"model_timeout must be > 0 seconds or None, got {self.model_timeout!r}")
+
+
+def check_chain_names(chain: tuple[str, ...]) -> None:
+    """What can be said of a chain before any model loads: 1..4 levels, no model twice, the
+    model-free drafter only first (pool.py checks the names against the loaded pool)."""
+    if not chain:
+        raise ChainError("a chain needs at least the target")
+    if len(chain) > 4:
+        raise ChainError(f"chains have at most 4 levels, got {len(chain)}")
+    if len(set(chain)) != len(chain):
+        raise ChainError(f"a model appears twice in chain {chain}")
+    if NGRAM in chain[1:]:
+        raise ChainError(f"the model-free drafter {NGRAM!r} can only be the first level: {chain}")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Which models are loaded, and how (the pool flags of every command map onto these)."""
+
+    # checkpoint directories, .gguf files, "ngram"; "default" is the embedded pool
+    # (n-gram, the shipped draft, SmolLM2-135M-Instruct)
+    models: tuple[str, ...] = (DEFAULT_POOL,)
+    target: str | None = None  # target name, role or path; None: the model with the most parameters
+    names: tuple[str, ...] | None = None  # pool names, one per entry of models; None: folder names
+    backend: str = "auto"  # auto (native runner for Llama-family models) | native | hf
+    dtype: str = "float32"  # of every model: float32 | bfloat16 | float64 | float16
+    ngram: bool = True  # add the model-free n-gram drafter
+    suffix: bool = True  # add the model-free suffix drafter (drafts from earlier requests too)
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+    trust_remote_code: bool = False  # let transformers run a checkpoint's own code (never in serve)
+    profile_path: str | None = None  # this machine's cost profile of the models; None: the cache dir
+
+    def __post_init__(self) -> None:
+        models = (self.models,) if isinstance(self.models, str) else tuple(str(m) for m in self.models)
+        object.__setattr__(self, "models", models)
+        if not models:
+            raise ValueError("models: give at least one model (or 'default', the embedded pool)")
+        if self.names is not None:
+            object.__setattr__(self, "names", tuple(self.names))
+            if len(self.names) != len(models):
+                raise ValueError("names: one name per entry of models")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES[:4])}, got {self.dtype!r}")
+        t = self.threads
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"threads must be an integer >= 1, got {t!r}")
+        if self.names is not None and DEFAULT_POOL in models:
+            raise ValueError(f"names: cannot name the models of the {DEFAULT_POOL!r} pool")
+        if not self.ngram and NGRAM in models:
+            raise ValueError(f"models lists {NGRAM!r} but ngram is off (--no-ngram)")
+        if self.target == "draft":
+            raise ValueError("target: 'draft' names the smallest draft, not a target")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How requests are decoded unless they ask otherwise."""
+
+    chain: tuple[str, ...] | None = None  # pin this chain (pool names or roles); None: the router's
+    k: int = 4  # draft length of a pinned chain (the router picks its own)
+    adaptive: bool = True  # the router picks chain and k per request every cycle; False: the pool's default chain
+
+    def __post_init__(self) -> None:
+        if self.chain is not None:
+            object.__setattr__(self, "chain", tuple(self.chain))
+            check_chain_names(self.chain)
+        k = self.k
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_LENGTH:
+            raise ChainError(f"draft length k must be an integer in 1..{MAX_DRAFT_LENGTH}, got {k!r}")
+
+    @property
+    def routed(self) -> bool:
+        """Whether the router decides (no pinned chain, adaptive on)."""
+        return self.adaptive and self.chain is None
+
+
+@dataclass(frozen=True)
+class SpecRouterConfig:
+    """The whole configuration: pool, engine, router, server. `server` always carries the
+    engine's chain, k and adaptive and the router's settings (set here), so the server is built
+    from the same values as the Python API and the CLI."""
+
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        e = self.engine
+        if e.chain is not None and e.chain[0] == NGRAM and not self.pool.ngram:
+            raise ChainError(f"the chain {e.chain} starts with {NGRAM!r} but the pool has no "
+                             "n-gram drafter (ngram=False / --no-ngram)")
+        server = dataclasses.replace(self.server, chain=e.chain, k=e.k, adaptive=e.adaptive,
+                                     router=self.router)
+        object.__setattr__(self, "server", server)

@@ -39,7 +39,7 @@ from specrouter.bench.workloads import (
     Scenario,
     build_workloads,
 )
-from specrouter.config import MAX_DRAFT_LENGTH
+from specrouter.config import MAX_DRAFT_LENGTH, RouterConfig
 from specrouter.errors import SpecRouterError
 from specrouter.models.pool import SUFFIX
 
@@ -74,6 +74,7 @@ class BenchConfig:
     seed: int = 0  # request i samples with seed + i
     threads: int | None = None  # torch intra-op threads (None: torch's default)
     profile_path: str | None = None  # router cost profile (default: the cache dir)
+    router: RouterConfig = dataclasses.field(default_factory=RouterConfig)  # SpecRouter's router
     plots: bool = True  # write PNGs (needs matplotlib)
     out_dir: str = "bench-out"
     quick: bool = False  # set by `quick_preset` (recorded in the output)
@@ -186,7 +187,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
 
     profile = load_or_sweep_profile(pool, path=cfg.profile_path, progress=progress)  # once per run
     adaptive = AdaptiveSystem(pool, "SpecRouter", profile_path=cfg.profile_path, progress=progress,
-                              profile=profile)
+                              profile=profile, router_config=cfg.router)
     systems.append(adaptive)
     ablation = None
     if SUFFIX in pool.drafters:

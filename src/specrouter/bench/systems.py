@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from specrouter.api import SpecRouter
+from specrouter.config import RouterConfig
 from specrouter.engine.stats import RequestStats
 
 
@@ -91,10 +92,11 @@ class AdaptiveSystem(System):
     kind = "adaptive"
 
     def __init__(self, pool, name: str = "SpecRouter", *, profile_path: str | Path | None = None,
-                 progress: bool = True, profile=None):
+                 progress: bool = True, profile=None, router_config: RouterConfig | None = None):
         self.pool, self.name = pool, name
         self.profile_path, self.progress = profile_path, progress
         self.profile = profile  # the cost profile every reset starts from (None: loaded at the first)
+        self.router_config = router_config or RouterConfig()
         self.sr: SpecRouter | None = None
 
     def reset(self, on_decision=None) -> None:
@@ -106,7 +108,8 @@ class AdaptiveSystem(System):
         if self.profile is None:  # loaded (or swept) once: not again per scenario on busy cores
             self.profile = load_or_sweep_profile(self.pool, path=self.profile_path, progress=self.progress)
         pool = self.pool.with_fresh_drafters()
-        router = Router.from_pool(pool, copy.deepcopy(self.profile), on_decision=on_decision)
+        router = Router.from_pool(pool, copy.deepcopy(self.profile), on_decision=on_decision,
+                                  config=self.router_config)
         self.sr = SpecRouter(pool, router)
 
     def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:

@@ -10,6 +10,13 @@ import argparse
 import sys
 import time
 
+from specrouter.cli.options import add_pool_arguments, pool_config
+from specrouter.cli.terminal import print_markdown
+from specrouter.config import DEFAULT_POOL
+
+# the pool flags the bench takes (it compares chains of the whole pool, with and without n-gram)
+BENCH_POOL_FLAGS = ("models", "target", "dtype", "threads", "profile_path")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags left unset keep BenchConfig's defaults (or --quick's)."""
@@ -25,12 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="smoke run (meant for < 3 min on 2 quiet cores): mixed stream only, "
                         "1 prompt per type, 32 new tokens, k=4 only, transformers baselines in "
                         "the greedy run only")
-    p.add_argument("--models", nargs="+", default=None,
-                   help="pool: checkpoint dirs or .gguf files (default: the embedded default pool)")
-    p.add_argument("--target", default=None, help="target name or path (default: the largest)")
-    p.add_argument("--dtype", default=None, help="float32 (default) | bfloat16 | float64")
     p.add_argument("--out-dir", default=None, help="output folder (default: bench-out)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--workloads", nargs="+", default=None,
                    help="some of: code prose chat extraction mixed (default: all)")
     p.add_argument("--kinds", nargs="+", default=None,
@@ -53,22 +55,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slowdown-at", type=float, default=None,
                    help="fraction of the stream where the slowdown starts (default 0.5)")
     p.add_argument("--seed", type=int, default=None, help="request i samples with seed + i (default 0)")
-    p.add_argument("--profile-path", default=None, help="router cost profile (default: the cache dir)")
     p.add_argument("--no-plots", action="store_true", help="no PNGs (no matplotlib needed)")
     p.add_argument("--no-peers", action="store_true",
                    help="leave out the llama.cpp rows (they need the peers extra: pip install 'specrouter[peers]')")
+    add_pool_arguments(p, flags=BENCH_POOL_FLAGS)
 
 
 def config_from_args(args: argparse.Namespace):
     from specrouter.bench import BenchConfig
 
-    over = {}
-    for field in ("target", "dtype", "out_dir", "threads", "prompts_per_type", "mixed_block",
+    pool = pool_config(args)
+    over = {"dtype": pool.dtype}
+    if pool.models != (DEFAULT_POOL,):
+        over["models"] = pool.models
+    for field in ("target", "out_dir", "threads", "prompts_per_type", "mixed_block",
                   "repeat", "max_new_tokens", "max_levels", "hf", "hf_assistant", "slowdown_model",
                   "slowdown_factor", "slowdown_at", "seed", "profile_path"):
         if getattr(args, field) is not None:
             over[field] = getattr(args, field)
-    for field in ("models", "workloads", "kinds", "temperatures", "ks"):
+    for field in ("workloads", "kinds", "temperatures", "ks"):
         if getattr(args, field) is not None:
             over[field] = tuple(getattr(args, field))
     if args.no_slowdown:
@@ -122,9 +127,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = run_bench(cfg, progress=True, log=lambda m: print(m, file=sys.stderr))
     paths = write_report(result, cfg.out_dir)
     pngs = make_plots(result, cfg.out_dir) if cfg.plots else []
-    print("\n".join(["", "## Tokens/s and ratios", "", *summary_table(result), "",
-                     "## llama.cpp (peers)", "", *peer_table(result), "", "## Goals", "",
-                     *goals_table(result["goals"]), ""]))
+    print_markdown(["", "## Tokens/s and ratios", "", *summary_table(result), "",
+                    "## llama.cpp (peers)", "", *peer_table(result), "", "## Goals", "",
+                    *goals_table(result["goals"])])
     print(f"wrote {paths['json']}, {paths['markdown']}" + "".join(f", {p}" for p in pngs)
           + f" in {time.perf_counter() - t0:.0f} s")
     return 0

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import ipaddress
 import json
@@ -12,13 +13,42 @@ import os
 import sys
 
 from specrouter.config import SUFFIX_SCOPES
+from specrouter.cli.options import (
+    UsageError,
+    add_engine_arguments,
+    add_pool_arguments,
+    check_pool,
+    engine_config,
+    pool_config,
+)
+
+logger = logging.getLogger("specrouter")
+
+
+def config_from_args(args: argparse.Namespace):
+    """The SpecRouterConfig of the flags (checked before any model loads)."""
+    from specrouter.config import ServerConfig, SpecRouterConfig
+
+    api_key = args.api_key or os.environ.get("SPECROUTER_API_KEY") or None
+    try:
+        server = ServerConfig(
+            served_model_name=args.served_model_name, api_key=api_key,
+            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+            model_timeout=args.model_timeout if args.model_timeout > 0 else None,
+            max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, seed=args.seed,
+            metrics_auth=args.metrics_auth, suffix_scope=args.suffix_scope,
+            allowed_hosts=tuple(args.allowed_hosts) if args.allowed_hosts else None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return SpecRouterConfig(pool=pool_config(args), engine=engine_config(args, k_alone=True),
+                            server=server)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from specrouter.server import ServerConfig, create_app
+        from specrouter.server import create_app
         from specrouter.server.http11 import JSONErrorH11Protocol
     except ImportError as e:
         print(f"specrouter serve needs the serve extra: pip install 'specrouter[serve]' ({e})",
@@ -28,44 +58,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("specrouter serve --ray needs the ray extra: pip install 'specrouter[ray]'",
               file=sys.stderr)
         return 2
+    import torch
+
     from specrouter.models.pool import Pool
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = args.api_key or os.environ.get("SPECROUTER_API_KEY") or None
-    if not _is_loopback(args.host) and not api_key:
-        print(f"specrouter serve: warning: listening on {args.host} without an API key "
-              "(set --api-key or SPECROUTER_API_KEY)", file=sys.stderr)
-    config = ServerConfig(
-        served_model_name=args.served_model_name, api_key=api_key,
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        chain=tuple(args.chain) if args.chain else None, k=args.k,
-        model_timeout=args.model_timeout if args.model_timeout > 0 else None,
-        max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, seed=args.seed,
-        adaptive=not args.static, metrics_auth=args.metrics_auth,
-        allowed_hosts=tuple(args.allowed_hosts) if args.allowed_hosts else None,
-        suffix_scope=args.suffix_scope,
-    )
+    config = config_from_args(args)
+    if not _is_loopback(args.host) and not config.server.api_key:
+        logger.warning("listening on %s without an API key (set --api-key or SPECROUTER_API_KEY)",
+                       args.host)
     if args.ray:
         return _serve_ray(args, config)
+    preview = check_pool(config.pool, config.engine)
+    if config.pool.threads:
+        torch.set_num_threads(config.pool.threads)
     # trust_remote_code is never enabled by the server
-    pool = Pool.load(list(args.models), target=args.target, backend=args.backend, dtype=args.dtype,
-                     ngram=not args.no_ngram, suffix=not args.no_suffix, trust_remote_code=False,
-                     progress=True)
+    pool = Pool.from_config(dataclasses.replace(config.pool, trust_remote_code=False),
+                            progress=True, paths=list(preview.paths))
     print(f"pool (cheapest first): {' < '.join(pool.order)}; target: {pool.target}",
           file=sys.stderr)
-    app = create_app(pool, config)
+    app = create_app(pool, config.server)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=10, http=JSONErrorH11Protocol)
     return 0
 
 
-def ray_configs(args: argparse.Namespace):
+def ray_configs(args: argparse.Namespace, config=None):
     """(PoolSpec, RayServeConfig) of `specrouter serve --ray` (no Ray needed to build them)."""
     from specrouter.server.ray_serve import PoolSpec, RayServeConfig
 
-    pool_spec = PoolSpec(paths=tuple(args.models), target=args.target, backend=args.backend,
-                         dtype=args.dtype, ngram=not args.no_ngram, suffix=not args.no_suffix)
+    pool = config.pool if config is not None else pool_config(args)
+    pool_spec = PoolSpec(paths=pool.models, target=pool.target, backend=pool.backend,
+                         dtype=pool.dtype, ngram=pool.ngram, suffix=pool.suffix)
     ray_config = RayServeConfig(
         num_replicas=args.ray_replicas, autoscaling=args.ray_autoscaling,
         num_cpus=args.ray_num_cpus, num_gpus=args.ray_num_gpus,
@@ -78,8 +101,8 @@ def _serve_ray(args: argparse.Namespace, config) -> int:
     from specrouter.server.ray_serve import serve_on_ray
 
     try:
-        pool_spec, ray_config = ray_configs(args)
-        return serve_on_ray(pool_spec, config, ray_config, address=args.ray_address,
+        pool_spec, ray_config = ray_configs(args, config)
+        return serve_on_ray(pool_spec, config.server, ray_config, address=args.ray_address,
                             host=args.host, port=args.port, detach=args.ray_detach)
     except (ValueError, RuntimeError) as e:  # bad flags; replicas that could not start
         print(f"specrouter serve --ray: {e}", file=sys.stderr)
@@ -109,9 +132,6 @@ def _is_loopback(host: str) -> bool:
 def register(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, SSE, "
                                      "Prometheus metrics)")
-    s.add_argument("--models", nargs="+", required=True,
-                   help="checkpoint directories or .gguf files (\"ngram\" is added unless --no-ngram)")
-    s.add_argument("--target", default=None, help="target name or path (default: the largest model)")
     s.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the target's name)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -131,16 +151,6 @@ def register(sub) -> None:
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a row; beyond it: 429 with Retry-After")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (413)")
-    s.add_argument("--static", action="store_true",
-                   help="no router: requests run --chain (or the pool's default chain)")
-    s.add_argument("--chain", nargs="+", default=None,
-                   help="default chain, e.g. --chain ngram draft target (requests may pin theirs)")
-    s.add_argument("--k", type=int, default=4, help="default draft length")
-    s.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float64")
-    s.add_argument("--backend", default="auto", help="auto | native | hf")
-    s.add_argument("--no-ngram", action="store_true", help="do not add the n-gram drafter")
-    s.add_argument("--no-suffix", action="store_true",
-                   help="do not add the suffix drafter (learns from earlier requests)")
     s.add_argument("--suffix-scope", choices=SUFFIX_SCOPES, default="shared",
                    help="whose earlier requests the suffix drafter drafts from: shared (all), or "
                         "api-key (only requests with the same Authorization header value; "
@@ -149,6 +159,10 @@ def register(sub) -> None:
                    help="seconds a model forward may take before the model is taken out (0: none)")
     s.add_argument("--seed", type=int, default=None, help="seed of unseeded sampling requests' stream")
     s.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    add_engine_arguments(s, k_help="draft length of requests that pin a chain without "
+                                   "specrouter_k, and of --chain / --static (default 4)")
+    add_pool_arguments(s, flags=("models", "target", "dtype", "backend", "no_ngram", "no_suffix", "threads",
+                                 "profile_path"))
     r = s.add_argument_group("scale-out on Ray Serve (needs the ray extra; see docs/ray.md)")
     r.add_argument("--ray", action="store_true",
                    help="deploy as a Ray Serve application: replicas each holding the pool, "

@@ -5,15 +5,21 @@ Draft weights live in `specrouter/models/assets/drafts/<name>/` (config.json, mo
 bfloat16, recipe.json, report.json) without tokenizer files: they share the target's tokenizer,
 so the first use assembles a complete checkpoint directory in the cache (weights linked, the
 target's tokenizer files copied) and later uses return it at once.
+
+`SPECROUTER_DEFAULT_POOL` (entries separated by the path separator, ":" on POSIX) makes the
+name "default" stand for another pool, e.g. a site's own models (the README's tests point it at
+tiny checkpoints).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 from specrouter.models.gguf_convert import default_target_dir, gguf_cache_dir
 
+DEFAULT_POOL_ENV = "SPECROUTER_DEFAULT_POOL"
 ASSETS = Path(__file__).parent / "assets" / "drafts"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "generation_config.json")
@@ -53,6 +59,9 @@ def assemble_draft(asset: Path, target_dir: Path) -> Path:
 
 def default_pool_paths(progress: bool = True) -> list[str | Path]:
     """["ngram", *drafts, target] for `SpecRouter.from_pretrained`."""
+    override = os.environ.get(DEFAULT_POOL_ENV, "").strip()
+    if override:
+        return [p for p in override.split(os.pathsep) if p]
     target = default_target_dir(progress=progress)
     drafts = [assemble_draft(a, target) for a in shipped_drafts()]
     return ["ngram", *drafts, target]

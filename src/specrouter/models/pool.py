@@ -4,23 +4,28 @@ A pool entry is either a neural model (a `ModelRunner`: the native Llama-family 
 transformers fallback) or a model-free drafter (`"ngram"`: prompt lookup; `"suffix"`: suffix
 decoding over the request and earlier requests, which learns from every finished request). The target is the most expensive
 model unless named. Loading checks that every model shares the target's vocabulary.
+
+Names: a model is named by its folder (or its GGUF file's stem); the roles "target" (the
+target) and "draft" (the smallest neural draft) are accepted wherever a name is.
+`preview_pool` finds the names, order and target without loading any weights (checkpoint
+headers only), so chains can be checked before the models load.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from specrouter.config import DEFAULT_POOL, NGRAM, SUFFIX, PoolConfig, check_chain_names
 from specrouter.decoding.drafters.base import ModelFreeDrafter
 from specrouter.errors import ChainError, CheckpointError
 from specrouter.models.runners.base import ModelRunner
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
-NGRAM = "ngram"
-SUFFIX = "suffix"
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -116,6 +121,18 @@ class Pool:
     vocab_width: int  # common logits width of every model
 
     @classmethod
+    def from_config(cls, config: PoolConfig, progress: bool = False,
+                    paths: list[str | Path] | None = None) -> "Pool":
+        """Load the pool a `PoolConfig` describes ("default": the embedded pool); `paths`:
+        its entries already expanded (`preview_pool(config).paths`)."""
+        paths = paths if paths is not None else pool_paths(config, progress=progress)
+        return cls.load(paths, target=config.target,
+                        names=list(config.names) if config.names else None,
+                        backend=config.backend, dtype=config.dtype, ngram=config.ngram,
+                        suffix=config.suffix,
+                        trust_remote_code=config.trust_remote_code, progress=progress)
+
+    @classmethod
     def load(
         cls,
         paths: list[str | Path],
@@ -167,6 +184,8 @@ class Pool:
             tokenizers[runner.name] = load_tokenizer(runner.checkpoint_dir)
             if target is not None and (str(path) == str(target) or runner.name == target):
                 target_name = runner.name
+        if target == "target":  # the role: the default choice below
+            target = None
         if target is not None and target_name is None:
             raise ChainError(f"target {target!r} is not one of the pool's models {list(runners)}")
         if target_name is None:
@@ -190,24 +209,14 @@ class Pool:
             vocab_width=min(r.vocab_size for r in runners.values()),
         )
 
+    def resolve_name(self, name: str) -> str:
+        """A pool name for a name or a role ("target", "draft")."""
+        return resolve_name(name, self.order, self.target, set(self.drafters))
+
     def validate_chain(self, chain: list[str] | tuple[str, ...]) -> tuple[str, ...]:
-        """A chain is pool names in increasing cost, ending at the target; a model-free drafter
-        may only be first."""
-        chain = tuple(chain)
-        if not chain:
-            raise ChainError("a chain needs at least the target")
-        unknown = [m for m in chain if m not in self.runners and m not in self.drafters]
-        if unknown:
-            raise ChainError(f"unknown model(s) {unknown} in chain; the pool has {self.order}")
-        if chain[-1] != self.target:
-            raise ChainError(f"a chain must end at the target {self.target!r}, got {chain}")
-        if len(set(chain)) != len(chain):
-            raise ChainError(f"a model appears twice in chain {chain}")
-        if any(m in self.drafters for m in chain[1:]):
-            raise ChainError(f"a model-free drafter can only be the first level: {chain}")
-        if len(chain) > 4:
-            raise ChainError(f"chains have at most 4 levels, got {len(chain)}")
-        return chain
+        """A chain is pool names (or roles) in increasing cost, ending at the target; a
+        model-free drafter may only be first. Returns it with roles resolved to names."""
+        return resolve_chain(chain, self.order, self.target, set(self.drafters))
 
     def with_fresh_drafters(self) -> "Pool":
         """The same models with their own learning drafters (nothing learned yet): a view whose
@@ -237,3 +246,120 @@ class Pool:
         if self.drafters:
             return (next(iter(self.drafters)), self.target)
         return (self.target,)
+
+
+def resolve_name(name: str, order: list[str], target: str, model_free: set[str]) -> str:
+    """A pool name for `name`: a name of `order` as is, "target" the target, "draft" the
+    smallest neural draft."""
+    if name in order:
+        return name
+    if name == "target":
+        return target
+    if name == "draft":
+        drafts = [n for n in order if n != target and n not in model_free]
+        if not drafts:
+            raise ChainError(f"the pool has no neural draft for the role 'draft' (pool: {order})")
+        return drafts[0]
+    raise ChainError(f"unknown model {name!r}: the pool has {order} (and the roles 'target', "
+                     "'draft')")
+
+
+def resolve_chain(chain, order: list[str], target: str, model_free: set[str]) -> tuple[str, ...]:
+    """`chain` with roles resolved, checked against the pool: known names, ending at the target,
+    no model twice, a model-free drafter only first, at most 4 levels."""
+    chain = tuple(chain)
+    if not chain:
+        raise ChainError("a chain needs at least the target")
+    unknown = [m for m in chain if m not in order and m not in ("target", "draft")]
+    if unknown:
+        raise ChainError(f"unknown model(s) {unknown} in chain; the pool has {order} (and the "
+                         "roles 'target', 'draft')")
+    chain = tuple(resolve_name(m, order, target, model_free) for m in chain)
+    if chain[-1] != target:
+        raise ChainError(f"a chain must end at the target {target!r}, got {chain}")
+    check_chain_names(chain)  # levels, repeats (a role may name a model given by name too)
+    if any(m in model_free for m in chain[1:]):
+        raise ChainError(f"a model-free drafter can only be the first level: {chain}")
+    return chain
+
+
+def pool_paths(config: PoolConfig, progress: bool = False) -> list[str | Path]:
+    """The entries of `config.models` with "default" expanded to the embedded pool (its n-gram
+    drafter left out when `config.ngram` is off)."""
+    paths: list[str | Path] = []
+    for m in config.models:
+        if m == DEFAULT_POOL:
+            from specrouter.models.default_pool import default_pool_paths
+
+            paths += [p for p in default_pool_paths(progress=progress)
+                      if (config.ngram or str(p) != NGRAM) and (config.suffix or str(p) != SUFFIX)]
+        else:
+            paths.append(m)
+    return paths
+
+
+def checkpoint_size(ckpt: Path) -> int:
+    """Parameters of a checkpoint from its safetensors headers (no weights read); for other
+    formats, the weight files' bytes (only the order of pool models depends on it)."""
+    from safetensors import safe_open
+
+    files = sorted(ckpt.glob("*.safetensors"))
+    if not files:
+        return sum(f.stat().st_size for f in ckpt.iterdir() if f.suffix in (".bin", ".pt", ".pth"))
+    n = 0
+    for f in files:
+        try:
+            with safe_open(str(f), "pt") as st:
+                n += sum(math.prod(st.get_slice(key).get_shape()) for key in st.keys())
+        except Exception as e:  # noqa: BLE001 - any unreadable header is a bad checkpoint
+            raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from e
+    return n
+
+
+@dataclass(frozen=True)
+class PoolPreview:
+    """The names, order and target a pool will have, found without loading weights."""
+
+    order: list[str]  # every name, cheapest first, the target last
+    target: str
+    drafters: frozenset[str]  # model-free drafters
+    paths: tuple[str | Path, ...]  # the config's entries, "default" expanded
+
+    def validate_chain(self, chain) -> tuple[str, ...]:
+        return resolve_chain(chain, self.order, self.target, set(self.drafters))
+
+
+def preview_pool(config: PoolConfig, progress: bool = False) -> PoolPreview:
+    """What `Pool.from_config(config)` will load, from paths, folder names and checkpoint
+    headers only (a .gguf is converted here, once, as loading would). Raises CheckpointError
+    for a missing path, ChainError for two models of one name or an unknown target."""
+    paths = pool_paths(config, progress=progress)
+    names = list(config.names) if config.names else [None] * len(paths)
+    sizes: dict[str, int] = {}
+    target, target_name = config.target, None
+    ngram, suffix = config.ngram, config.suffix
+    for path, name in zip(paths, names):
+        if str(path) == NGRAM:
+            ngram = True
+            continue
+        if str(path) == SUFFIX:
+            suffix = True
+            continue
+        ckpt = resolve_checkpoint(path)
+        name = name or default_model_name(ckpt)
+        if name in sizes or name in (NGRAM, SUFFIX):
+            raise ChainError(f"two pool models are named {name!r}; pass distinct names")
+        sizes[name] = checkpoint_size(ckpt)
+        if target is not None and (str(path) == str(target) or name == target):
+            target_name = name
+    if not sizes:
+        raise CheckpointError("no models given: pass at least the target's path")
+    if target == "target" and target_name is None:  # the role (no model has that name)
+        target = None
+    if target is not None and target_name is None:
+        raise ChainError(f"target {target!r} is not one of the pool's models {list(sizes)}")
+    target_name = target_name or max(sizes, key=lambda n: sizes[n])
+    drafts = sorted((n for n in sizes if n != target_name), key=lambda n: sizes[n])
+    model_free = [NGRAM] * ngram + [SUFFIX] * suffix  # Pool.load's order
+    return PoolPreview(order=model_free + drafts + [target_name], target=target_name,
+                       drafters=frozenset(model_free), paths=tuple(paths))

@@ -185,9 +185,35 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
 
 
 __all__ = [
+    "IncrementalDecoder",
     "apply_chat_template",
     "check_same_vocabulary",
     "eos_token_ids",
     "load_tokenizer",
     "vocab_fingerprint",
 ]
+
+
+class IncrementalDecoder:
+    """The text of a growing list of token ids, as deltas: `add(ids)` returns the new text,
+    holding back a trailing U+FFFD (the first bytes of a character split across tokens) until
+    the rest arrives; `finish()` returns what was held back."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.sent = ""  # text handed out so far
+
+    def _take(self, text: str) -> str:
+        if not text.startswith(self.sent):  # not prefix-stable (unusual tokenizer): wait
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+    def add(self, token_ids: list[int]) -> str:
+        self.token_ids.extend(token_ids)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        return self._take(text.rstrip("\ufffd"))
+
+    def finish(self) -> str:
+        return self._take(self.tokenizer.decode(self.token_ids, skip_special_tokens=True))

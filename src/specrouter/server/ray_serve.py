@@ -47,7 +47,7 @@ class PoolSpec:
     """What every replica loads: `Pool.load`'s arguments. Paths are read on the replica's node
     (every node needs the checkpoints at the same path, or a shared filesystem)."""
 
-    paths: tuple[str, ...]  # checkpoint dirs / .gguf files / "ngram", as `--models`
+    paths: tuple[str, ...]  # checkpoint dirs / .gguf files / "ngram" / "default", as `--models`
     target: str | None = None  # target name or path; None: the largest model
     names: tuple[str, ...] | None = None  # pool names; None: folder names
     backend: str = "auto"  # auto | native | hf
@@ -56,12 +56,14 @@ class PoolSpec:
     suffix: bool = True  # add the model-free suffix drafter
 
     def load(self):
+        from specrouter.config import PoolConfig
         from specrouter.models.pool import Pool
 
-        return Pool.load(list(self.paths), target=self.target,
-                         names=list(self.names) if self.names else None, backend=self.backend,
-                         dtype=self.dtype, ngram=self.ngram, suffix=self.suffix,
-                         trust_remote_code=False)
+        # "default" (the embedded pool) is resolved on the replica's node
+        return Pool.from_config(PoolConfig(models=self.paths, target=self.target, names=self.names,
+                                           backend=self.backend, dtype=self.dtype,
+                                           ngram=self.ngram, suffix=self.suffix,
+                                           trust_remote_code=False))
 
 
 @dataclass(frozen=True)

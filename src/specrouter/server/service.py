@@ -29,7 +29,8 @@ class Service:
         if config.adaptive and len(pool.order) > 1:
             from specrouter.router.setup import build_router
 
-            router = build_router(pool, progress=False)  # profiled once per machine, then cached
+            # profiled once per machine, then cached
+            router = build_router(pool, progress=False, config=config.router)
         # the guarded runners are this server's own: the caller's pool object is left as it was
         self.pool = dataclasses.replace(pool, runners=guard_runners(pool.runners, config.model_timeout))
         max_ctx = min(r.max_context for r in self.pool.runners.values())

@@ -173,7 +173,8 @@ def _chain(srv: Service, req) -> tuple[str, ...] | None:
 
 
 def prepare(srv: Service, req, prompt: list[int], *, chat: bool) -> Prepared:
-    if req.model is not None and req.model != srv.model_name:
+    # the served name, the target's pool name or its role "target" (every reply is the target's)
+    if req.model is not None and req.model not in (srv.model_name, srv.pool.target, "target"):
         raise RequestError(f"the model {req.model!r} does not exist: this server serves "
                            f"{srv.model_name!r} (see /v1/models)", status=404, param="model",
                            code="model_not_found")
