@@ -208,9 +208,12 @@ async def run_level(base_url: str, model: str, cfg: ServeBenchConfig, temperatur
 
 
 def static_chains(order: list[str], target: str, levels: int) -> list[tuple[str, ...]]:
+    from specrouter.config import NGRAM, SUFFIX
     from specrouter.router.cost_model import enumerate_chains
 
-    return [c for c in enumerate_chains(order, target, levels) if len(c) > 1]
+    model_free = {NGRAM, SUFFIX}  # only ever the first level of a chain
+    return [c for c in enumerate_chains(order, target, levels)
+            if len(c) > 1 and not model_free.intersection(c[1:])]
 
 
 # ---------------------------------------------------------------------------------------------
