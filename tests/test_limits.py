@@ -116,8 +116,8 @@ def test_exact_context_boundaries(pool, router, routed):
 
 
 def test_draft_shrinks_for_a_row_near_the_end_of_the_context(pool, tiny_pool_dirs, caplog):
-    """A row 4 positions from the end batched with a row far from it: the batch drafts at most
-    what the first row's caches can hold (not k=8 into positions past the context)."""
+    """A row 4 positions from the end batched with a row far from it: that row drafts at most
+    what its caches can hold (not k=8 into positions past the context); the other keeps k=8."""
     fresh = Pool.load([tiny_pool_dirs[n] for n in NAMES], names=list(NAMES), target="target",
                       dtype="float64")  # caches of exactly LIMIT positions
     eng = Engine(fresh, max_num_seqs=2, max_model_len=LIMIT)
@@ -132,6 +132,8 @@ def test_draft_shrinks_for_a_row_near_the_end_of_the_context(pool, tiny_pool_dir
         while eng.has_unfinished():
             eng.step()
     assert not caplog.records  # no cycle failed and was rerun row by row
-    assert cycles[0].rows == 2 and cycles[0].k == 4  # k shrank to the room left
+    # k is per row: the row near the end drafts only what its caches can hold (3 tokens + the
+    # bonus = the 4 positions left), the other row its full k=8, in the same step
+    assert cycles[0].rows == 2 and [len(p) for p in cycles[0].row_proposal] == [3, 8]
     assert seqs[0].output_ids == greedy_ref(pool, near, 4)
     assert seqs[1].output_ids == greedy_ref(pool, far, 40)

@@ -119,10 +119,7 @@ def test_bench_runs_peer_rows_beside_specrouter_and_reports_them(tiny_pool_dirs,
             self.kind, self.exact = "peer", False
 
     def fake_peers(pool, *, dtype, threads, n_ctx, draft, log=print):
-        from specrouter.api import SpecRouter
-
-        sr = SpecRouter(pool, None)
-        return [FakePeer(sr, "llama.cpp F32", (pool.target,), None)], ["llama.cpp Q4_1: not in this test"]
+        return [FakePeer(pool, "llama.cpp F32", (pool.target,), None)], ["llama.cpp Q4_1: not in this test"]
 
     monkeypatch.setattr(peers, "peer_systems", fake_peers)
     d = tiny_pool_dirs
