@@ -302,6 +302,7 @@ def test_engine_feeds_each_finished_request_with_its_tenant(sr):
     assert rows(*suffix.propose([a.tokens[:4]], 6, tenants=["mallory"]))[0] == []
 
 
+@pytest.mark.slow  # 75 s on 2 cores (50k rows); the engine-level sampling tests run by default
 def test_sampling_with_a_suffix_level_keeps_the_target_distribution():
     """The engine-sampling test's joint of two tokens, with the suffix drafter first and a
     global tree that proposes often (fed with earlier "outputs")."""
