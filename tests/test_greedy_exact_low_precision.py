@@ -5,7 +5,7 @@ the output of plain decoding at the same precision.
 
 The target's output head is scaled down so its logits sit close together: in bfloat16 many
 positions are near-ties, where any difference in the last bit flips the argmax. The negative
-control swaps in an attention whose multi-token forwards round differently and must see
+control swaps in linears whose multi-token forwards round one ulp differently and must see
 outputs change."""
 
 import pytest
@@ -81,20 +81,24 @@ def test_every_chain_k_and_the_router_equal_plain_decoding(flat_pool, prompts, d
 
 
 def test_negative_control_a_multi_token_forward_that_rounds_differently_fails(flat_pool, prompts, monkeypatch):
-    """An attention that computes multi-token forwards at another precision than 1-token steps
-    (as SDPA's and MKL's shape-dependent blocking do on larger shapes) must make some chain
+    """Linears whose multi-token forwards round one ulp differently from 1-token steps (as
+    MKL's GEMV/GEMM switch and SDPA's shape-dependent blocking do) must make some chain
     diverge from plain decoding: the equality above is a test that can fail."""
     import specrouter.models.runners.llama as llama
 
-    attention = llama.attention
+    linear = llama.linear
 
-    def shape_dependent(q, keys, values, blocked):
-        if q.shape[2] <= 2:  # a 1-token step (2 query heads per KV head): as shipped
-            return attention(q, keys, values, blocked)
-        return attention(q.float(), keys.float(), values.float(), blocked).to(q.dtype)
+    def shape_dependent(x, w):
+        y = linear(x, w)
+        if x.shape[0] <= 1:  # a 1-token step of one row: as shipped
+            return y
+        return torch.nextafter(y, torch.full_like(y, float("inf")))  # one ulp up
+
+    def one_by_one(**kw):  # one row at a time: plain decoding's steps are all 1-row
+        return [_outputs(sr, [p], **kw)[0] for p in prompts]
 
     sr = _router(flat_pool, "bfloat16")
-    monkeypatch.setattr(llama, "attention", shape_dependent)
-    plain = _outputs(sr, prompts, chain=("target",))
-    differ = sum(_outputs(sr, prompts, chain=c, k=k) != plain for c in CHAINS for k in (3, 6))
+    monkeypatch.setattr(llama, "linear", shape_dependent)
+    plain = one_by_one(chain=("target",))
+    differ = sum(one_by_one(chain=c, k=k) != plain for c in CHAINS for k in (3, 6))
     assert differ > 0

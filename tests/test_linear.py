@@ -6,46 +6,75 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specrouter.models.runners.attention import KEY_CHUNK, attention, blocked_keys, padded_length
+from specrouter.models.runners.attention import (
+    KEY_CHUNK,
+    attention,
+    blocked_keys,
+    padded_length,
+)
+from specrouter.models.runners.kernels import rowinv
 from specrouter.models.runners.linear import (
     ATEN_LINEAR,
-    KERNEL_BY_DTYPE,
-    KERNELS,
+    FALLBACK_BY_DTYPE,
     MM,
     ONEDNN,
     ONEDNN_BLOCKED,
+    ROWINV,
     Linear,
+    kernel_for,
+    kernels,
     linear,
     linear_add,
 )
 
+NATIVE = pytest.param("native", marks=pytest.mark.skipif(rowinv() is None, reason="rowinv kernels not built here"))
 
+
+def _kernel(which: str, dtype: torch.dtype) -> str:
+    """The kernel a test runs: the native one (float32 / bfloat16) or torch's fallback."""
+    return ROWINV if which == "native" and dtype in (torch.float32, torch.bfloat16) else FALLBACK_BY_DTYPE[dtype]
+
+
+@pytest.mark.parametrize("which", [NATIVE, "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16])
-def test_linear_matches_reference(dtype, with_bias, n):
+def test_linear_matches_reference(which, dtype, with_bias, n):
+    """Output counts that are not a multiple of 4 (the native kernel pads them), every row
+    count that takes another path (1, 2, odd, many)."""
     g = torch.Generator().manual_seed(n)
-    w = torch.randn(40, 24, generator=g, dtype=torch.float64).to(dtype)
-    b = torch.randn(40, generator=g, dtype=torch.float64).to(dtype) if with_bias else None
-    x = torch.randn(n, 24, generator=g, dtype=torch.float64).to(dtype)
-    r = torch.randn(n, 40, generator=g, dtype=torch.float64).to(dtype)
-    lin = Linear.pack(w, b)
+    w = torch.randn(42, 32, generator=g, dtype=torch.float64).to(dtype)
+    b = torch.randn(42, generator=g, dtype=torch.float64).to(dtype) if with_bias else None
+    x = torch.randn(n, 32, generator=g, dtype=torch.float64).to(dtype)
+    r = torch.randn(n, 42, generator=g, dtype=torch.float64).to(dtype)
+    lin = Linear.pack(w, b, kernel=_kernel(which, dtype))
     tol = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float64: 1e-12}[dtype]
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     torch.testing.assert_close(linear(x, lin).double(), ref, rtol=tol, atol=tol)
     torch.testing.assert_close(linear_add(r, x, lin).double(), r.double() + ref, rtol=tol, atol=tol)
-    assert lin.kernel == KERNEL_BY_DTYPE[dtype]
+    assert lin.kernel == _kernel(which, dtype)
 
 
+def test_native_kernel_falls_back_where_its_blocks_do_not_divide_the_input():
+    lin = Linear.pack(torch.randn(8, 24, dtype=torch.bfloat16))  # 24 % 16 != 0
+    assert lin.kernel == FALLBACK_BY_DTYPE[torch.bfloat16]
+    x = torch.randn(3, 24, dtype=torch.bfloat16)
+    assert torch.equal(linear(x, lin), torch.cat([linear(x[i : i + 1], lin) for i in range(3)]))
+
+
+@pytest.mark.parametrize("which", [NATIVE, "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_every_row_count_is_row_invariant(dtype, with_bias):
-    """1 row, the padded 2-3 rows, and 4..40 rows: each row's bits are those of a 1-row call,
-    for the plain and the residual-fused kernel (SmolLM2-135M's o_proj / down_proj widths)."""
+def test_every_row_count_is_row_invariant(which, dtype, with_bias):
+    """1 row, 2-3 rows, and 4..40 rows: each row's bits are those of a 1-row call, for the
+    plain and the residual-fused kernel (SmolLM2-135M's o_proj / down_proj widths)."""
+    if which == "native" and dtype == torch.float64:
+        pytest.skip("float64 has one kernel (mm)")
     g = torch.Generator().manual_seed(0)
     for out_f, in_f in ((576, 576), (576, 1536)):
         lin = Linear.pack((torch.randn(out_f, in_f, generator=g) * 0.05).to(dtype),
-                          torch.randn(out_f, generator=g).to(dtype) if with_bias else None)
+                          torch.randn(out_f, generator=g).to(dtype) if with_bias else None,
+                          kernel=_kernel(which, dtype))
         x = torch.randn(40, in_f, generator=g).to(dtype)
         r = torch.randn(40, out_f, generator=g).to(dtype)
         one = torch.cat([linear(x[i : i + 1], lin) for i in range(40)])
@@ -57,9 +86,13 @@ def test_every_row_count_is_row_invariant(dtype, with_bias):
 
 
 def test_kernels_name_one_choice_per_precision():
-    assert KERNEL_BY_DTYPE[torch.float32] == (ONEDNN_BLOCKED if ONEDNN else MM)
-    assert KERNEL_BY_DTYPE[torch.bfloat16] in (ONEDNN_BLOCKED, ATEN_LINEAR)
-    assert KERNEL_BY_DTYPE[torch.float32] in KERNELS and KERNEL_BY_DTYPE[torch.bfloat16] in KERNELS
+    assert FALLBACK_BY_DTYPE[torch.float32] == (ONEDNN_BLOCKED if ONEDNN else MM)
+    assert FALLBACK_BY_DTYPE[torch.bfloat16] in (ONEDNN_BLOCKED, ATEN_LINEAR)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert kernel_for(dtype) == (ROWINV if rowinv() is not None else FALLBACK_BY_DTYPE[dtype])
+    assert kernel_for(torch.float64) == MM
+    name = kernels()
+    assert kernel_for(torch.float32) in name and kernel_for(torch.bfloat16) in name
 
 
 def _causal(q_pos: torch.Tensor, groups: int, Lp: int) -> torch.Tensor:

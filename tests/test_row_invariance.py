@@ -21,7 +21,7 @@ SMOLLM2_135M = dict(
 
 
 def random_runner(config: dict, dtype: torch.dtype, *, num_slots: int, max_len: int,
-                  seed: int = 0, num_layers: int | None = None) -> LlamaRunner:
+                  seed: int = 0, num_layers: int | None = None, kernels: str = "native") -> LlamaRunner:
     """A LlamaRunner with random weights (std 0.02, norms around 1) for `config`."""
     config = dict(config, num_hidden_layers=num_layers or config["num_hidden_layers"])
     arch = LlamaArchitecture.from_config(config)
@@ -30,7 +30,8 @@ def random_runner(config: dict, dtype: torch.dtype, *, num_slots: int, max_len: 
     for name, shape in arch.expected_shapes().items():
         t = torch.randn(shape, generator=g) * 0.02
         tensors[name] = 1.0 + t * 5 if name.endswith("norm.weight") else t
-    return LlamaRunner(arch, tensors, name="random", dtype=dtype, num_slots=num_slots, max_len=max_len)
+    return LlamaRunner(arch, tensors, name="random", dtype=dtype, num_slots=num_slots, max_len=max_len,
+                       kernels=kernels)
 
 
 def _run(runner: LlamaRunner, rows: list[tuple[int, int, list[int]]]) -> list[torch.Tensor]:
@@ -43,11 +44,17 @@ def _run(runner: LlamaRunner, rows: list[tuple[int, int, list[int]]]) -> list[to
     return [logits[b, : len(t)] for b, (_, _, t) in enumerate(rows)]
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.fixture(
+    scope="module",
+    params=[(d, k) for k in ("native", "torch") for d in (torch.float32, torch.bfloat16)],
+    ids=["fp32-native", "bf16-native", "fp32-torch", "bf16-torch"],
+)
 def runner(request):
+    """The native kernels (kernels/rowinv.cpp) and torch's fallback ones, in each precision."""
     torch.manual_seed(0)
+    dtype, kernels = request.param
     # the 135M widths, vocabulary and heads; 6 of its 30 layers (each layer runs the same kernels)
-    return random_runner(SMOLLM2_135M, request.param, num_slots=6, max_len=100, num_layers=6)
+    return random_runner(SMOLLM2_135M, dtype, num_slots=6, max_len=100, num_layers=6, kernels=kernels)
 
 
 def test_logits_are_bitwise_the_same_however_the_rows_are_grouped(runner):

@@ -85,7 +85,7 @@ def machine_fingerprint() -> dict[str, object]:
     timings from another fingerprint are not reused."""
     import torch
 
-    from specrouter.models.runners.linear import KERNELS
+    from specrouter.models.runners.linear import kernels
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -96,7 +96,7 @@ def machine_fingerprint() -> dict[str, object]:
                     break
     except OSError:
         pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": KERNELS}
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": kernels()}
 
 
 def fingerprint_key(fingerprint: Mapping[str, object]) -> str:

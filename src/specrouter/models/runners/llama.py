@@ -21,7 +21,13 @@ import torch.nn.functional as F
 from specrouter.errors import CheckpointError, ContextLengthError
 from specrouter.models.runners.attention import attention, blocked_keys, padded_length
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
-from specrouter.models.runners.linear import Linear, linear, linear_add
+from specrouter.models.runners.kernels import rowinv
+from specrouter.models.runners.linear import (
+    Linear,
+    kernel_for_torch,
+    linear,
+    linear_add,
+)
 from specrouter.models.runners.rope import (
     apply_rope,
     rope_inv_freq,
@@ -225,6 +231,7 @@ class LlamaRunner(ModelRunner):
         max_len: int | None = None,
         device: torch.device | str = "cpu",
         draft_vocab: list[int] | None = None,
+        kernels: str = "native",
     ) -> None:
         if dtype not in (torch.float32, torch.bfloat16, torch.float64):
             raise ValueError(f"unsupported dtype {dtype}: use float32, bfloat16 or float64")
@@ -233,6 +240,14 @@ class LlamaRunner(ModelRunner):
         self.max_context = arch.max_context
         self.num_params = sum(t.numel() for t in tensors.values())
         self._logits_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        # norms, RoPE + attention and the MLP's activation on the native row-invariant
+        # kernels (kernels/rowinv.cpp) where they run, else on torch's
+        if kernels not in ("native", "torch"):
+            raise ValueError(f"kernels must be 'native' or 'torch', got {kernels!r}")
+        native = kernels == "native" and dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
+        self._ops = rowinv() if native else None
+        # every linear on the native kernel with the other native ops, else on torch's
+        self._kernel = None if self._ops is not None else kernel_for_torch(dtype, self.device)
         self._norm = self._make_norm()
 
         def w(n: str) -> torch.Tensor:
@@ -267,14 +282,15 @@ class LlamaRunner(ModelRunner):
             self._layers.append(
                 (
                     norm_w(f"layers.{i}.input_layernorm.weight"),
-                    Linear.pack(qkv(names), qkv([n.replace("weight", "bias") for n in names])),
-                    Linear.pack(w(f"{a}o_proj.weight"), w(f"{a}o_proj.bias") if arch.o_bias else None),
+                    Linear.pack(qkv(names), qkv([n.replace("weight", "bias") for n in names]), self._kernel),
+                    Linear.pack(w(f"{a}o_proj.weight"), w(f"{a}o_proj.bias") if arch.o_bias else None, self._kernel),
                     norm_w(f"layers.{i}.post_attention_layernorm.weight"),
                     Linear.pack(
                         cat([f"{m}gate_proj.weight", f"{m}up_proj.weight"]),
                         cat([f"{m}gate_proj.bias", f"{m}up_proj.bias"]) if arch.mlp_bias else None,
+                        self._kernel,
                     ),
-                    Linear.pack(w(f"{m}down_proj.weight"), w(f"{m}down_proj.bias") if arch.mlp_bias else None),
+                    Linear.pack(w(f"{m}down_proj.weight"), w(f"{m}down_proj.bias") if arch.mlp_bias else None, self._kernel),
                 )
             )
         self._inv_freq, self._rope_scaling = rope_inv_freq(
@@ -316,7 +332,7 @@ class LlamaRunner(ModelRunner):
         self._kw = [c.permute(0, 2, 1, 3) for c in self._k]
         self._vw = [c.permute(0, 2, 1, 3) for c in self._v]
         self._cos, self._sin = rope_tables(  # (max_len + 1, D) each
-            self._inv_freq, self._rope_scaling, max_len + 1, self.dtype, dev
+            self._inv_freq, self._rope_scaling, max_len + 1, torch.float32 if self._ops else self.dtype, dev
         )
         self._arange = torch.arange(shape[2], device=dev)
         self.num_slots, self.max_len = num_slots, max_len  # base rebuilds the free list
@@ -345,7 +361,7 @@ class LlamaRunner(ModelRunner):
             if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= V:
                 raise CheckpointError(f"model {self.name!r}: draft vocabulary ids must lie in [0, {V})")
             head = head.index_select(0, ids)  # (V', H)
-        packed = Linear.pack(head)
+        packed = Linear.pack(head, None, self._kernel)
 
         def logits_fn(h: torch.Tensor) -> torch.Tensor:
             B, G, H = h.shape
@@ -365,7 +381,13 @@ class LlamaRunner(ModelRunner):
         transformers: normalize in float32, cast back, then multiply by the bfloat16 weight."""
         H, eps = self.arch.hidden_size, self.arch.rms_norm_eps
         vector_norm, hypot = torch.linalg.vector_norm, torch.hypot
-        if self.dtype == torch.bfloat16:
+        if self._ops is not None:
+            rms_norm = self._ops.rms_norm
+
+            def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+                return rms_norm(x.reshape(-1, H), weight, eps).view(x.shape)  # (.., H)
+
+        elif self.dtype == torch.bfloat16:
             c = torch.tensor(math.sqrt(H * eps), dtype=torch.float32, device=self.device)
             inv_sqrt_h = 1.0 / math.sqrt(H)
 
@@ -382,8 +404,8 @@ class LlamaRunner(ModelRunner):
         return norm
 
     def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """How `norm` wants its weight: times sqrt(H) in float32/float64, as is in bfloat16."""
-        if self.dtype == torch.bfloat16:
+        """How `norm` wants its weight: times sqrt(H) in torch's float32/float64, else as is."""
+        if self.dtype == torch.bfloat16 or self._ops is not None:
             return weight
         return weight * math.sqrt(self.arch.hidden_size)
 
@@ -404,6 +426,9 @@ class LlamaRunner(ModelRunner):
         contiguous = slots == list(range(s0, s0 + B))
         start = starts[0]
         uniform = contiguous and all(s == start for s in starts) and all(n == T for n in nums)
+        norm, H, inter, slots_t = self._norm, a.hidden_size, a.intermediate_size, batch.slots
+        if self._ops is not None:
+            return self._forward_native(batch, B, T, nh, D, inter)
         ar = self._arange
         Lp = padded_length(L)  # keys attended, in whole chunks: [0, Lp), masked past each query
         if uniform:  # one start, no padding, slots s0..s0+B-1: pure slices, no index tensors
@@ -416,7 +441,6 @@ class LlamaRunner(ModelRunner):
             cos, sin = self._cos[pos].unsqueeze(2), self._sin[pos].unsqueeze(2)  # (B, T, 1, D)
             slot_idx = batch.slots[:, None].expand(B, T)
             mask = (ar[:Lp] <= pos.repeat(1, groups)[..., None]).unsqueeze(1)  # (B, 1, groups*T, Lp)
-        norm, H, inter, slots_t = self._norm, a.hidden_size, a.intermediate_size, batch.slots
         blocked = blocked_keys(mask)  # once per forward, not per layer
 
         x = self._embed_fn(batch.tokens).view(B * T, H)  # (N, H), N = B*T: 2-D so linears are one mm
@@ -446,9 +470,28 @@ class LlamaRunner(ModelRunner):
             x = linear_add(x, o, w_o)  # residual fused into the matmul
             gu = linear(norm(x, ln2), w_gu)  # (N, 2I)
             x = linear_add(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
+        return self._logits(batch, x, B, T)
 
+    def _forward_native(self, batch: ForwardBatch, B: int, T: int, nh: int, D: int, inter: int) -> torch.Tensor:
+        """The forward on the native kernels (kernels/rowinv.cpp): per layer one norm, the qkv
+        linear, RoPE + cache write + attention in one op, the o linear with the residual, one
+        norm, the gate|up linear, silu * up in one op, the down linear with the residual."""
+        ops, norm, H = self._ops, self._norm, self.arch.hidden_size
+        rope_attention, silu_mul = ops.rope_attention, ops.silu_mul
+        cos, sin, slots, starts, nums = self._cos, self._sin, batch.slots, batch.starts, batch.num_tokens
+        x = self._embed_fn(batch.tokens).view(B * T, H)  # (N, H)
+        for (ln1, w_qkv, w_o, ln2, w_gu, w_down), kc, vc in zip(self._layers, self._k, self._v):
+            qkv = linear(norm(x, ln1), w_qkv).view(B, T, -1, D)  # (B, T, nh + 2 nkv, D)
+            o = rope_attention(qkv, nh, cos, sin, kc, vc, slots, starts, nums)  # (B, T, nh, D)
+            x = linear_add(x, o.view(B * T, nh * D), w_o)
+            x = linear_add(x, silu_mul(linear(norm(x, ln2), w_gu)), w_down)  # (N, 2I) -> (N, I)
+        return self._logits(batch, x, B, T)
+
+    def _logits(self, batch: ForwardBatch, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        """x (N, H) after the last layer -> logits (B, G, vocab) at the asked positions."""
+        H = self.arch.hidden_size
         # logits only where asked: gather BEFORE the final norm and the (wide) lm_head
-        G = batch.logit_positions.shape[1]
+        norm, G = self._norm, batch.logit_positions.shape[1]
         x = x.view(B, T, H)
         if T > 1:
             x = torch.gather(x, 1, batch.logit_positions[:, :, None].expand(B, G, H))  # (B, G, H)
@@ -464,6 +507,7 @@ def load_llama_runner(
     num_slots: int = 1,
     max_len: int | None = None,
     device: torch.device | str = "cpu",
+    kernels: str = "native",
 ) -> LlamaRunner:
     """Load a Llama / SmolLM / Qwen2 / Mistral Hugging Face checkpoint directory (config.json +
     safetensors, sharded or not, tied or untied embeddings) into a LlamaRunner.
@@ -497,4 +541,5 @@ def load_llama_runner(
         num_slots=num_slots,
         max_len=max_len,
         device=device,
+        kernels=kernels,
     )

@@ -1,0 +1,67 @@
+"""The row-invariant CPU kernels (rowinv.cpp), compiled on first use and cached.
+
+`rowinv()` returns `torch.ops.specrouter_rowinv` (ops `linear` and `attention`) or None where
+they cannot run: a CPU without AVX2/FMA, no C++ compiler, a torch without the extension
+tooling, or `SPECROUTER_KERNELS=torch` in the environment (the portable torch kernels then
+serve, see runners/linear.py). The first call compiles rowinv.cpp with torch's C++ extension
+builder (about 25 s on 2 cores, once per machine and torch version: the build is cached under
+~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rowinv.cpp")
+ENV = "SPECROUTER_KERNELS"  # "torch": never build or use the native kernels
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: torch's own runtime (libgomp) serves
+
+
+def _cpu_supported() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16", "AMX")
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja`; the `ninja` package ships one beside the interpreter."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+
+
+@functools.cache
+def rowinv():
+    """torch.ops.specrouter_rowinv, built on first use; None where it cannot run here."""
+    if os.environ.get(ENV, "").lower() == "torch" or not _cpu_supported():
+        return None
+    try:
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        build = Path(_get_build_directory("specrouter_rowinv", verbose=False))
+        if not any(build.glob("*.so")):
+            log.warning("compiling SpecRouter's row-invariant CPU kernels (first use only, about 30 s)")
+        _ninja_on_path()
+        load(
+            name="specrouter_rowinv",
+            sources=[str(SOURCE)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        return torch.ops.specrouter_rowinv
+    except Exception as e:  # noqa: BLE001 (no compiler, no ninja, a broken toolchain: torch kernels serve)
+        log.warning("row-invariant CPU kernels unavailable (%s); using torch's kernels", str(e).splitlines()[0][:200])
+        return None

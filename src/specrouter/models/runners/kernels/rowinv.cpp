@@ -1,0 +1,437 @@
+// Row-invariant CPU kernels for the native runner (float32 and bfloat16, AVX2 + FMA).
+//
+// Every output element is computed by one fixed sequence of instructions that depends only on
+// the shapes of the weights (and, for attention, on the query's own position), never on how
+// many rows run in the same call, how they are split among threads, or what else is in the
+// batch. So a position's logits are bitwise the same in a 1-token step, a k-token
+// verification and a ragged multi-row batch: exact speculative decoding by construction.
+//
+// linear: y[n, o] = (residual[n, o] +) (bias[o] +) dot(x[n, :], w[o, :]). One dot = 8 float32
+//   lanes accumulated with FMA over the input in order, then a fixed horizontal sum; float32
+//   accumulation in both precisions (bf16 * bf16 is exact in float32), one rounding at the end.
+//   The weight is packed once so a thread streams one contiguous block; 4 outputs at a time so
+//   one weight load serves every row, rows 2 at a time so the accumulators stay in registers.
+//   Memory-bound for 1 row (the weight bytes are the cost).
+// rope_attention: RoPE of q and k, the write of k and v into the slot cache, and for each
+//   (row, head, query) its own softmax over keys [0, pos] in order, float32 throughout.
+// rms_norm, silu_mul: per row, float32 inside.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using bf16 = uint16_t;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float to_f(float v) { return v; }
+inline float to_f(bf16 v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store(float* p, float v) { *p = v; }
+inline void store(bf16* p, float v) {  // round to nearest even, NaN kept quiet
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *p = static_cast<bf16>((u >> 16) | 0x40);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *p = static_cast<bf16>(u >> 16);
+}
+
+// fixed-order horizontal sum of 8 lanes: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// Weights are packed once (see runners/linear.py `pack_rowinv`) so each thread streams one
+// contiguous block: outputs padded to a multiple of 4, then (O/4, K/B, 4, B) with B = 8 float32
+// or 16 bfloat16 elements (one 32-byte load). A bfloat16 block of 16 splits into its even and
+// odd elements with one shift and one mask (no shuffles); x is de-interleaved to match.
+constexpr int64_t BLOCK_F32 = 8, BLOCK_BF16 = 16;
+
+inline void fma_block(const float* xr, const float* w, __m256& a) {  // 8 weights
+  a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), _mm256_loadu_ps(w), a);
+}
+inline void fma_block(const float* xr, const bf16* w, __m256& a) {  // 16 weights: even, then odd
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), a);
+  a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8),
+                      _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xffff0000))), a);
+}
+
+template <typename T, typename W>
+void linear_impl(const float* x, int64_t N, int64_t K, const W* w, int64_t O, const T* bias,
+                 const T* residual, T* y) {
+  constexpr int64_t Bk = sizeof(W) == 4 ? BLOCK_F32 : BLOCK_BF16;
+  const int64_t nb = K / Bk, groups = (O + 3) / 4;
+  auto finish = [&](int64_t n, int64_t o, __m256 a) {
+    if (o >= O) return;  // a padding output
+    float v = hsum(a);
+    if (bias) v += to_f(bias[o]);
+    if (residual) v = to_f(residual[n * O + o]) + v;
+    store(&y[n * O + o], v);
+  };
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const W* wg = w + g * nb * 4 * Bk;  // (K/B, 4, B)
+      const int64_t o0 = g * 4;
+      int64_t n = 0;
+      for (; n + 2 <= N; n += 2) {  // two rows share each weight load
+        const float* xa = x + n * K;
+        const float* xb = xa + K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        const W* wp = wg;
+        for (int64_t i = 0; i < K; i += Bk, wp += 4 * Bk) {
+          fma_block(xa + i, wp, a0);
+          fma_block(xb + i, wp, b0);
+          fma_block(xa + i, wp + Bk, a1);
+          fma_block(xb + i, wp + Bk, b1);
+          fma_block(xa + i, wp + 2 * Bk, a2);
+          fma_block(xb + i, wp + 2 * Bk, b2);
+          fma_block(xa + i, wp + 3 * Bk, a3);
+          fma_block(xb + i, wp + 3 * Bk, b3);
+        }
+        finish(n, o0, a0), finish(n, o0 + 1, a1), finish(n, o0 + 2, a2), finish(n, o0 + 3, a3);
+        finish(n + 1, o0, b0), finish(n + 1, o0 + 1, b1), finish(n + 1, o0 + 2, b2), finish(n + 1, o0 + 3, b3);
+      }
+      if (n < N) {  // the last odd row: the same instruction sequence per (row, output)
+        const float* xa = x + n * K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const W* wp = wg;
+        for (int64_t i = 0; i < K; i += Bk, wp += 4 * Bk) {
+          fma_block(xa + i, wp, a0);
+          fma_block(xa + i, wp + Bk, a1);
+          fma_block(xa + i, wp + 2 * Bk, a2);
+          fma_block(xa + i, wp + 3 * Bk, a3);
+        }
+        finish(n, o0, a0), finish(n, o0 + 1, a1), finish(n, o0 + 2, a2), finish(n, o0 + 3, a3);
+      }
+    }
+  });
+}
+
+// x (N, K) as float32 rows in the order the kernel reads them: as is for float32; for
+// bfloat16 converted exactly and, per block of 16, the 8 even elements then the 8 odd ones
+at::Tensor as_f32(const at::Tensor& x) {
+  if (x.scalar_type() == at::kFloat) return x.contiguous();
+  const int64_t N = x.size(0), K = x.size(1);
+  return x.to(at::kFloat).view({N, K / BLOCK_BF16, 8, 2}).transpose(2, 3).contiguous().view({N, K});
+}
+
+void check_2d(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D");
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+// x (N, K); weight packed (ceil(O/4), K/B, 4, B); bias (O,) or None; residual (N, O) or None
+// -> (N, O), dtype of x
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, int64_t O,
+                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  check_2d(x, "x");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rowinv.linear: float32 or bfloat16, got ", dt);
+  const int64_t N = x.size(0), K = x.size(1), Bk = dt == at::kFloat ? BLOCK_F32 : BLOCK_BF16;
+  TORCH_CHECK(weight.scalar_type() == dt && weight.is_contiguous() && weight.dim() == 4,
+              "weight: packed by pack_rowinv, dtype of x");
+  TORCH_CHECK(weight.size(0) == (O + 3) / 4 && weight.size(1) * Bk == K && weight.size(2) == 4 &&
+                  weight.size(3) == Bk, "packed weight does not match x (", N, ", ", K, ") and O=", O);
+  at::Tensor b, r;
+  if (bias && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == dt && b.numel() == O, "bias: (", O, ",) of the dtype of x");
+  }
+  if (residual && residual->defined()) {
+    r = residual->contiguous();
+    TORCH_CHECK(r.scalar_type() == dt && r.size(0) == N && r.size(1) == O, "residual: (N, O), dtype of x");
+  }
+  at::Tensor y = at::empty({N, O}, x.options());
+  if (N == 0) return y;
+  at::Tensor xf = as_f32(x);
+  if (dt == at::kFloat) {
+    linear_impl<float, float>(xf.data_ptr<float>(), N, K, weight.data_ptr<float>(), O,
+                              b.defined() ? b.data_ptr<float>() : nullptr,
+                              r.defined() ? r.data_ptr<float>() : nullptr, y.data_ptr<float>());
+  } else {
+    auto p = [](const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr<at::BFloat16>()); };
+    linear_impl<bf16, bf16>(xf.data_ptr<float>(), N, K, p(weight), O, b.defined() ? p(b) : nullptr,
+                            r.defined() ? p(r) : nullptr,
+                            reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>()));
+  }
+  return y;
+}
+
+// exp of 8 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (Cephes
+// expf's coefficients), about 1 ulp; lanes below -87.3 give 0. Fixed instructions: the same
+// bits for a lane whatever the other lanes hold.
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// exp of n floats in place (a tail of < 8 goes through a padded vector: the same bits)
+inline void exp_n(float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, exp8(_mm256_loadu_ps(v + i)));
+  if (i < n) {
+    alignas(32) float t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t j = i; j < n; ++j) t[j - i] = v[j];
+    _mm256_store_ps(t, exp8(_mm256_load_ps(t)));
+    for (int64_t j = i; j < n; ++j) v[j] = t[j - i];
+  }
+}
+
+// fixed-order dot of two float32 vectors of length D (D % 8 == 0 checked by the caller)
+inline float dot_f(const float* a, const float* b, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  return hsum(acc);
+}
+
+template <typename T>
+inline void load_f(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
+}
+
+// RoPE of one head in float32: out = x * cos + [x2, x1] * sin_signed
+inline void rope_head(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+  const int64_t h = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float swapped = d < h ? x[d + h] : x[d - h];
+    out[d] = x[d] * cos[d] + swapped * sin[d];
+  }
+}
+
+// Phase 1 (per valid token): rotate k, write k and v at the token's position of its slot.
+// Phase 2 (per valid (row, head, query)): rotate q, softmax over keys [0, pos] in order,
+// weighted sum of values in order, all float32; padding queries get zeros.
+template <typename T>
+void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_t nkv, int64_t D,
+                         const float* cos, const float* sin, T* kc, T* vc, int64_t P,
+                         const int64_t* slots, const int64_t* starts, const int64_t* nums, T* out) {
+  const int64_t heads = nh + 2 * nkv, groups = nh / nkv;
+  at::parallel_for(0, B * Tq, 16, [&](int64_t i0, int64_t i1) {
+    std::vector<float> x(D), r(D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / Tq, t = i % Tq;
+      if (t >= nums[b]) continue;
+      const int64_t pos = starts[b] + t;
+      const T* tok = qkv + i * heads * D;
+      for (int64_t h = 0; h < nkv; ++h) {
+        const int64_t at = ((slots[b] * nkv + h) * P + pos) * D;
+        load_f(tok + (nh + h) * D, x.data(), D);
+        rope_head(x.data(), cos + pos * D, sin + pos * D, D, r.data());
+        for (int64_t d = 0; d < D; ++d) store(&kc[at + d], r[d]);
+        std::memcpy(&vc[at], tok + (nh + nkv + h) * D, D * sizeof(T));
+      }
+    }
+  });
+  int64_t max_len = 1;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, starts[b] + nums[b]);
+  const int64_t grain = std::max<int64_t>(1, 32768 / (max_len * D));
+  at::parallel_for(0, B * nh * Tq, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(max_len), x(D), q(D), k(D), acc(D);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t t = item % Tq, h = (item / Tq) % nh, b = item / (Tq * nh);
+      T* o = out + ((b * Tq + t) * nh + h) * D;
+      if (t >= nums[b]) {
+        for (int64_t d = 0; d < D; ++d) store(&o[d], 0.f);
+        continue;
+      }
+      const int64_t pos = starts[b] + t, L = pos + 1;
+      load_f(qkv + ((b * Tq + t) * heads + h) * D, x.data(), D);
+      rope_head(x.data(), cos + pos * D, sin + pos * D, D, q.data());
+      const int64_t base = (slots[b] * nkv + h / groups) * P * D;
+      const T* keys = kc + base;
+      const T* values = vc + base;
+      float m = -INFINITY;
+      for (int64_t j = 0; j < L; ++j) {
+        load_f(keys + j * D, k.data(), D);
+        p[j] = dot_f(q.data(), k.data(), D);
+        m = p[j] > m ? p[j] : m;
+      }
+      for (int64_t j = 0; j < L; ++j) p[j] -= m;
+      exp_n(p.data(), L);
+      float sum = 0.f;
+      for (int64_t j = 0; j < L; ++j) sum += p[j];
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < L; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const T* vj = values + j * D;
+        for (int64_t d = 0; d < D; d += 8)
+          _mm256_storeu_ps(&acc[d], _mm256_fmadd_ps(pj, load8(vj + d), _mm256_loadu_ps(&acc[d])));
+      }
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < D; ++d) store(&o[d], acc[d] * inv);
+    }
+  });
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+// qkv (B, T, nh + 2 nkv, D) from the qkv projection (q already scaled by 1/sqrt(D)); cos /
+// sin_signed (P', D) float32 tables; k_cache / v_cache (S, nkv, P, D), written in place at each
+// valid token's position; slots / starts / nums (B,) int64 -> attention output (B, T, nh, D).
+// Query t of row b sits at position starts[b] + t and attends keys [0, starts[b] + t] of slot
+// slots[b]; tokens t >= nums[b] are padding: not written, zero output.
+at::Tensor rope_attention(const at::Tensor& qkv, int64_t num_heads, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& nums) {
+  TORCH_CHECK(qkv.dim() == 4 && k_cache.dim() == 4, "qkv is (B, T, heads, D), the caches (S, nkv, P, D)");
+  const auto dt = qkv.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rope_attention: float32 or bfloat16, got ", dt);
+  TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt, "caches: dtype of qkv");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous(), "cos / sin: contiguous float32 tables");
+  const int64_t B = qkv.size(0), Tq = qkv.size(1), D = qkv.size(3);
+  const int64_t nkv = k_cache.size(1), P = k_cache.size(2), nh = num_heads;
+  TORCH_CHECK(qkv.size(2) == nh + 2 * nkv && k_cache.size(3) == D && nh % nkv == 0 && D % 8 == 0,
+              "head counts / sizes do not match");
+  TORCH_CHECK(cos.size(1) == D, "cos / sin: (positions, D)");
+  auto sl = slots.to(at::kLong).contiguous(), st = starts.to(at::kLong).contiguous(),
+       nu = nums.to(at::kLong).contiguous();
+  TORCH_CHECK(sl.numel() == B && st.numel() == B && nu.numel() == B, "slots/starts/nums: (B,)");
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* tp = st.data_ptr<int64_t>();
+  const int64_t* np = nu.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < k_cache.size(0), "slot ", sp[b], " out of range");
+    TORCH_CHECK(np[b] <= Tq && tp[b] >= 0 && tp[b] + np[b] <= std::min(P, cos.size(0)),
+                "row ", b, " reaches past the cache");
+  }
+  at::Tensor x = qkv.contiguous();
+  at::Tensor out = at::empty({B, Tq, nh, D}, qkv.options());
+  if (dt == at::kFloat)
+    rope_attention_impl<float>(ptr<float>(x), B, Tq, nh, nkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                               ptr<float>(k_cache), ptr<float>(v_cache), P, sp, tp, np, ptr<float>(out));
+  else
+    rope_attention_impl<bf16>(ptr<bf16>(x), B, Tq, nh, nkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                              ptr<bf16>(k_cache), ptr<bf16>(v_cache), P, sp, tp, np, ptr<bf16>(out));
+  return out;
+}
+
+// RMSNorm of each row: x * (1 / sqrt(mean(x^2) + eps)) * w, the sum of squares in float32 in a
+// fixed order. float32: (x * inv) * w. bfloat16 follows transformers: x * inv rounded to
+// bfloat16, then times the bfloat16 weight, rounded again.
+template <typename T>
+void rms_norm_impl(const T* x, const T* w, int64_t N, int64_t H, float eps, T* y) {
+  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    std::vector<float> xf(H);
+    for (int64_t n = n0; n < n1; ++n) {
+      load_f(x + n * H, xf.data(), H);
+      __m256 acc = _mm256_setzero_ps();
+      const int64_t h8 = H / 8 * 8;
+      for (int64_t i = 0; i < h8; i += 8) {
+        const __m256 v = _mm256_loadu_ps(&xf[i]);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      float ss = hsum(acc);
+      for (int64_t i = h8; i < H; ++i) ss += xf[i] * xf[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+      for (int64_t i = 0; i < H; ++i) {
+        float t = xf[i] * inv;
+        if constexpr (sizeof(T) == 2) {
+          T r;
+          store(&r, t);
+          t = to_f(r);
+        }
+        store(&y[n * H + i], t * to_f(w[i]));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_2d(x, "x");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rms_norm: float32 or bfloat16, got ", dt);
+  TORCH_CHECK(weight.scalar_type() == dt && weight.numel() == x.size(1), "weight: (H,), dtype of x");
+  at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  if (dt == at::kFloat)
+    rms_norm_impl<float>(ptr<float>(xc), ptr<float>(wc), x.size(0), x.size(1), eps, ptr<float>(y));
+  else
+    rms_norm_impl<bf16>(ptr<bf16>(xc), ptr<bf16>(wc), x.size(0), x.size(1), eps, ptr<bf16>(y));
+  return y;
+}
+
+// gu (N, 2I) = [gate | up] -> silu(gate) * up (N, I), float32 inside, one rounding
+template <typename T>
+void silu_mul_impl(const T* gu, int64_t N, int64_t I, T* y) {
+  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    std::vector<float> g(I);
+    for (int64_t n = n0; n < n1; ++n) {
+      const T* row = gu + n * 2 * I;
+      for (int64_t i = 0; i < I; ++i) g[i] = -to_f(row[i]);
+      exp_n(g.data(), I);  // exp(-gate)
+      for (int64_t i = 0; i < I; ++i) store(&y[n * I + i], to_f(row[i]) / (1.f + g[i]) * to_f(row[I + i]));
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_2d(gu, "gu");
+  const auto dt = gu.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "silu_mul: float32 or bfloat16, got ", dt);
+  TORCH_CHECK(gu.size(1) % 2 == 0, "gu: (N, 2I)");
+  at::Tensor x = gu.contiguous();
+  const int64_t N = x.size(0), I = x.size(1) / 2;
+  at::Tensor y = at::empty({N, I}, x.options());
+  if (dt == at::kFloat)
+    silu_mul_impl<float>(ptr<float>(x), N, I, ptr<float>(y));
+  else
+    silu_mul_impl<bf16>(ptr<bf16>(x), N, I, ptr<bf16>(y));
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specrouter_rowinv, m) {
+  m.def("linear(Tensor x, Tensor weight, int out_features, Tensor? bias=None, Tensor? residual=None) -> Tensor");
+  m.def("rope_attention(Tensor qkv, int num_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor starts, Tensor nums) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("rope_attention", &rope_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
+}

@@ -1,0 +1,102 @@
+"""kernels/rowinv.cpp's ops other than `linear` (tests/test_linear.py) against torch references:
+RMSNorm, silu * up, and RoPE + cache write + attention over a ragged batch with padding, in
+float32 and bfloat16; and each op's result for a row independent of the other rows."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specrouter.models.runners.kernels import rowinv
+from specrouter.models.runners.rope import apply_rope, rope_tables
+
+ops = rowinv()
+pytestmark = pytest.mark.skipif(ops is None, reason="rowinv kernels not built here")
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@DTYPES
+def test_rms_norm_matches_transformers_formula_and_is_row_invariant(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+    w = (1 + torch.randn(576, generator=g) * 0.1).to(dtype)
+    xf = x.float()
+    ref = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype) * w  # transformers
+    y = ops.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(y.double(), ref.double(), rtol=TOL[dtype], atol=TOL[dtype])
+    assert torch.equal(torch.cat([ops.rms_norm(x[i : i + 1], w, 1e-5) for i in range(7)]), y)
+
+
+@DTYPES
+def test_silu_mul_matches_reference_and_saturates_cleanly(dtype):
+    g = torch.Generator().manual_seed(1)
+    gu = (torch.randn(5, 2 * 1536, generator=g) * 4).to(dtype)
+    gu[0, :4] = torch.tensor([100.0, -100.0, 1e4, -1e4]).to(dtype)  # exp's clamps, no inf / nan
+    y = ops.silu_mul(gu)
+    gate, up = gu.double().chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.double(), ref, rtol=TOL[dtype] * 5, atol=TOL[dtype] * 5)
+    assert torch.equal(torch.cat([ops.silu_mul(gu[i : i + 1]) for i in range(5)]), y)
+
+
+def _reference_attention(qkv, nh, cos, sin, caches, slots, starts, nums):
+    """Per valid token: RoPE, write into the float64 caches; per valid query: SDPA over its
+    slot's keys [0, pos]. Padding queries: zeros."""
+    kc, vc = caches
+    B, T, heads, D = qkv.shape
+    nkv = (heads - nh) // 2
+    x = qkv.double()
+    out = torch.zeros(B, T, nh, D, dtype=torch.float64)
+    for b in range(B):
+        n, s0, slot = nums[b], starts[b], slots[b]
+        pos = torch.arange(s0, s0 + n)
+        qk = apply_rope(x[b, :n, : nh + nkv], cos[pos, None].double(), sin[pos, None].double())
+        kc[slot, :, s0 : s0 + n] = qk[:, nh:].transpose(0, 1)
+        vc[slot, :, s0 : s0 + n] = x[b, :n, nh + nkv :].transpose(0, 1)
+        keys = kc[slot, :, : s0 + n].repeat_interleave(nh // nkv, 0)  # (nh, L, D)
+        values = vc[slot, :, : s0 + n].repeat_interleave(nh // nkv, 0)
+        mask = torch.arange(s0 + n) <= pos[:, None]  # (n, L)
+        o = F.scaled_dot_product_attention(qk[:, :nh].transpose(0, 1), keys, values, attn_mask=mask, scale=1.0)
+        out[b, :n] = o.transpose(0, 1)
+    return out
+
+
+@DTYPES
+def test_rope_attention_ragged_batch_matches_sdpa_and_each_row_alone(dtype):
+    """Rows of 1, 4 and 3 (+1 padding) tokens at different starts on slots 2, 0, 3 (GQA 9/3,
+    head 64): cache writes and outputs match a float64 reference; a row run alone gives the
+    same bits; padding tokens write nothing and output zeros."""
+    g = torch.Generator().manual_seed(2)
+    nh, nkv, D, S, P = 9, 3, 64, 4, 192
+    cos, sin = rope_tables(1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)), 1.0, P, torch.float32)
+    prefix = torch.randn(S, nkv, P, D, generator=g)  # earlier positions, as if prefilled
+    kc, vc = prefix.clone().to(dtype), (prefix * 0.5).to(dtype)
+    slots, starts, nums = [2, 0, 3], [70, 5, 130], [1, 4, 3]
+    T = 4
+    qkv = (torch.randn(3, T, nh + 2 * nkv, D, generator=g) * 0.3).to(dtype)
+    sentinel = kc[3, :, 133].clone()  # where row 2's padding token would land
+
+    def run(rows, k, v):
+        sel = torch.tensor(rows)
+        t = lambda a: torch.tensor(a)[sel]
+        return ops.rope_attention(qkv[sel], nh, cos, sin, k, v, t(slots), t(starts), t(nums))
+
+    out = run([0, 1, 2], kc, vc)
+    assert torch.equal(kc[3, :, 133], sentinel) and torch.equal(out[2, 3], torch.zeros(nh, D, dtype=dtype))
+    ref_caches = (kc.double().clone(), vc.double().clone())
+    ref = _reference_attention(qkv, nh, cos, sin, ref_caches, slots, starts, nums)
+    tol = TOL[dtype] * 5
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(kc.double(), ref_caches[0], rtol=tol, atol=tol)
+    for r in range(3):  # alone, on fresh copies of the caches: the same bits
+        k2, v2 = prefix.clone().to(dtype), (prefix * 0.5).to(dtype)
+        assert torch.equal(run([r], k2, v2)[0], out[r])
+
+
+def test_rope_attention_rejects_rows_past_the_cache():
+    kc = torch.zeros(1, 1, 8, 8)
+    qkv = torch.zeros(1, 2, 3, 8)
+    cos = sin = torch.zeros(16, 8)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        ops.rope_attention(qkv, 1, cos, sin, kc, kc.clone(), torch.tensor([0]), torch.tensor([7]), torch.tensor([2]))
