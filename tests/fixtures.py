@@ -1,4 +1,5 @@
-"""Tiny random checkpoints for tests, benchmarks and the pre-release demo pool.
+"""Tiny random checkpoints for tests, benchmarks and the pre-release demo pool, and the helpers
+tests share (a pool or router of named checkpoints, repeating prompts, a server subprocess).
 
 Everything here builds real Hugging Face checkpoint directories (config.json + safetensors +
 tokenizer.json) with `save_pretrained`, so loaders are exercised exactly as on real models.
@@ -7,6 +8,12 @@ tokenizer.json) with `save_pretrained`, so loaders are exercised exactly as on r
 from __future__ import annotations
 
 import json
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -116,3 +123,70 @@ def make_tiny_llama(
     model.to(dtype).save_pretrained(str(out))
     (out / "specrouter_test.json").write_text(json.dumps({"seed": seed, "noise": noise}))
     return out
+
+
+# -- helpers tests share -----------------------------------------------------------------------
+TINY_POOL = ("target", "mid", "draft", "same", "random")  # conftest's tiny_pool_dirs, target first
+
+
+def load_named_pool(dirs: dict, names, dtype: str = "float64", **kwargs):
+    """A `Pool` of `dirs[n]` for each of `names`, named so, "target" the target."""
+    from specrouter.models.pool import Pool
+
+    return Pool.load([dirs[n] for n in names], names=list(names), target="target", dtype=dtype,
+                     **kwargs)
+
+
+def named_router(dirs: dict, names, dtype: str = "float64", **kwargs):
+    """A `SpecRouter` of `dirs[n]` for each of `names`, named so, "target" the target."""
+    from specrouter import SpecRouter
+
+    return SpecRouter.from_pretrained([dirs[n] for n in names], names=list(names), target="target",
+                                      dtype=dtype, **kwargs)
+
+
+def repeating_prompts(lengths, seed: int = 0) -> list[list[int]]:
+    """Token prompts of these lengths, each a random fragment repeated (so the n-gram drafter
+    has something to find)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        base = torch.randint(3, 300, (max(2, n // 2),), generator=g).tolist()
+        out.append((base * 3)[:n])
+    return out
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_health(proc: subprocess.Popen, port: int, timeout: float, what: str) -> int:
+    """Polls /health on 127.0.0.1:`port` until the server `proc` answers; returns the status (an
+    error status too: /health may want a key). Fails when `proc` exits or after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            out = proc.stdout.read()
+            raise AssertionError((out.decode() if isinstance(out, bytes) else out)[-3000:])
+        assert time.monotonic() < deadline, f"{what} did not come up"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                return r.status
+        except urllib.error.HTTPError as e:  # up: it answered
+            return e.code
+        except OSError:
+            time.sleep(0.2)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT, then a kill after 30 s; closes its stdout."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+    proc.stdout.close()

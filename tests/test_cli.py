@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from specrouter import ChainError, SpecRouter
+from specrouter import ChainError, CheckpointError, SpecRouter
 from specrouter.cli.main import main
 from specrouter.config import (
     EngineConfig,
@@ -107,6 +107,26 @@ def test_roles_resolve_to_the_smallest_draft_and_the_target(named_pool):
     preview = preview_pool(PoolConfig(models=tuple(named_pool), target="big-t"))
     assert preview.order == pool.order and preview.target == "big-t"
     assert preview.validate_chain(("draft", "target")) == ("small-d", "big-t")
+
+
+@pytest.mark.parametrize("how", ["load", "preview"])
+def test_pool_entries_are_checked_alike_by_load_and_preview(named_pool, how):
+    def pool(paths, **kw):
+        if how == "load":
+            return Pool.load(paths, dtype="float64", **kw)
+        return preview_pool(PoolConfig(models=tuple(paths), **kw))
+
+    small, _, big = named_pool
+    with pytest.raises(ChainError, match="two pool models are named 'x'; pass distinct names"):
+        pool([small, big], names=["x", "x"])
+    with pytest.raises(ChainError, match="two pool models are named 'suffix'"):
+        pool([small, big], names=["suffix", "t"])
+    with pytest.raises(ChainError, match=r"target 'nope' is not one of the pool's models \['small-d', 'big-t'\]"):
+        pool([small, big], target="nope")
+    with pytest.raises(CheckpointError, match="no models given"):
+        pool(["ngram", "suffix"])
+    got = pool(["suffix", big, small], suffix=False, target="target")
+    assert got.order == ["ngram", "suffix", "small-d", "big-t"] and got.target == "big-t"
 
 
 def test_api_accepts_roles_in_chains(named_pool):

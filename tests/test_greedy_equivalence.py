@@ -3,6 +3,7 @@ greedy decoding token for token (float64 tiny models make this exact)."""
 
 import pytest
 import torch
+from fixtures import TINY_POOL, named_router, repeating_prompts
 
 from specrouter import SpecRouter
 
@@ -12,23 +13,14 @@ MAX_NEW = 20
 
 @pytest.fixture(scope="module")
 def router(tiny_pool_dirs):
-    d = tiny_pool_dirs
-    names = ["target", "mid", "draft", "same", "random"]
     # a small "same" draft must look cheaper than the target: parameter counts tie, so the
-    # target is named explicitly
-    return SpecRouter.from_pretrained([d[n] for n in names], target="target", names=names,
-                                      dtype="float64")
+    # target is named explicitly (named_router does)
+    return named_router(tiny_pool_dirs, TINY_POOL)
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    g = torch.Generator().manual_seed(0)
-    # repeated fragments so the n-gram drafter has something to find
-    out = []
-    for n in PROMPT_LENS:
-        base = torch.randint(3, 300, (max(2, n // 2),), generator=g).tolist()
-        out.append((base * 3)[:n])
-    return out
+    return repeating_prompts(PROMPT_LENS)
 
 
 def reference_greedy(path, prompt, max_new):

@@ -9,9 +9,7 @@ control swaps in linears whose multi-token forwards round one ulp differently an
 outputs change."""
 
 import pytest
-import torch
-
-from specrouter import SpecRouter
+from fixtures import TINY_POOL, named_router, repeating_prompts
 
 PROMPT_LENS = (3, 9, 14, 22)
 MAX_NEW = 24
@@ -51,17 +49,11 @@ def flat_pool(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for n in PROMPT_LENS:
-        base = torch.randint(3, 300, (max(2, n // 2),), generator=g).tolist()
-        out.append((base * 3)[:n])
-    return out
+    return repeating_prompts(PROMPT_LENS)
 
 
 def _router(pool, dtype):
-    names = ["target", "mid", "draft", "same", "random"]
-    return SpecRouter.from_pretrained([pool[n] for n in names], target="target", names=names, dtype=dtype)
+    return named_router(pool, TINY_POOL, dtype)
 
 
 def _outputs(sr, prompts, **kw):

@@ -4,10 +4,10 @@ with it commit exactly their solo outputs, and no state leaks."""
 
 import pytest
 import torch
+from fixtures import load_named_pool
 
 from specrouter.config import SamplingParams
 from specrouter.engine.engine import Engine
-from specrouter.models.pool import Pool
 
 NAMES = ("draft", "mid", "target")
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [100, 7, 100, 7, 100, 7, 100], [12, 250, 31, 77, 9]]
@@ -17,8 +17,7 @@ N = 24
 
 @pytest.fixture(scope="module")
 def pool(tiny_pool_dirs):
-    return Pool.load([tiny_pool_dirs[n] for n in NAMES], names=list(NAMES), target="target",
-                     dtype="float64")
+    return load_named_pool(tiny_pool_dirs, NAMES)
 
 
 @pytest.fixture(scope="module")

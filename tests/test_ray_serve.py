@@ -18,7 +18,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ import time
 import urllib.request
 
 import pytest
+from fixtures import free_port, load_named_pool
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -33,7 +33,6 @@ openai = pytest.importorskip("openai")
 from specrouter.cli import serve as cli_serve  # noqa: E402
 from specrouter.config import SamplingParams  # noqa: E402
 from specrouter.engine.engine import Engine  # noqa: E402
-from specrouter.models.pool import Pool  # noqa: E402
 from specrouter.models.tokenizer import apply_chat_template  # noqa: E402
 from specrouter.server import ServerConfig  # noqa: E402
 from specrouter.server.ray_serve import (  # noqa: E402
@@ -66,12 +65,6 @@ def _parser():
     p = argparse.ArgumentParser()
     cli_serve.register(p.add_subparsers(dest="command"))
     return p
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- no Ray needed ------------------------------------------------------------------------------
@@ -156,7 +149,7 @@ def test_cli_serve_ray_subprocess(tiny_pool_dirs):
     """`specrouter serve --ray` starts its own local cluster, answers, and stops it on SIGINT.
     First of the `ray` tests: the module's cluster (a fixture) does not exist yet."""
     d = tiny_pool_dirs
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **RAY_ENV, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "specrouter.cli.main", "serve", "--ray", "--ray-replicas", "1",
            "--ray-num-cpus", "0.5", "--models", str(d["mid"]), str(d["target"]), "--target",
@@ -198,8 +191,7 @@ def test_cli_serve_ray_subprocess(tiny_pool_dirs):
 
 @pytest.fixture(scope="module")
 def ref_pool(tiny_pool_dirs):
-    return Pool.load([tiny_pool_dirs[n] for n in NAMES], names=list(NAMES), target="target",
-                     dtype="float64")
+    return load_named_pool(tiny_pool_dirs, NAMES)
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +220,7 @@ def cluster(tiny_pool_dirs):
     from ray import serve
 
     try:
-        port = _free_port()
+        port = free_port()
         rc = RayServeConfig(num_replicas=2, num_cpus=0.5, torch_threads=1, metrics_push_s=1.0,
                             health_check_period_s=2.0, health_check_timeout_s=10.0)
         deploy(PoolSpec(paths=tuple(str(tiny_pool_dirs[n]) for n in NAMES), names=NAMES,

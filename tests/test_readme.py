@@ -9,16 +9,13 @@ A block is run unless the README marks it, in an HTML comment on the line above:
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fixtures import free_port, stop_server, wait_for_health
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -142,43 +139,23 @@ def test_slow_block_runs(block, readme_env):
     run_block(block, readme_env, timeout=1800)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_and_client_blocks(readme_env):
     pytest.importorskip("uvicorn")
     pytest.importorskip("openai")
     env, subs, cwd = readme_env
     blocks = readme_blocks()
     (server,) = [b for b in blocks if b.mark == "server"]
-    port = str(_free_port())
+    port = str(free_port())
     extra = {"8000": port}
     proc = subprocess.Popen(["bash", "-c", "exec " + _substitute(server.body, {**subs, **extra})],
                             env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the README's server did not come up"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.3)
+        assert wait_for_health(proc, int(port), 180, "the README's server") == 200
         for b in blocks:
             if b.mark == "client":
                 out = run_block(b, readme_env, timeout=120, extra=extra).stdout
                 assert out.strip(), f"README line {b.line} printed nothing"
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        proc.stdout.close()
+        stop_server(proc)
     assert proc.returncode in (0, 130), proc.returncode

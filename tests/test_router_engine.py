@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from fixtures import load_named_pool, named_router
 from test_engine_sampling import PARAMS, PROMPT, V, target_joint  # noqa: F401
 from test_engine_sampling import pool as v8_pool  # noqa: F401
 from test_greedy_equivalence import MAX_NEW, expected, prompts  # noqa: F401
@@ -48,10 +49,7 @@ class RandomRouter:
 
 @pytest.fixture(scope="module")
 def sr_random(tiny_pool_dirs):
-    d = tiny_pool_dirs
-    names = ["draft", "mid", "target"]
-    sr = SpecRouter.from_pretrained([d[n] for n in names], names=names, target="target",
-                                    dtype="float64", adaptive=False)
+    sr = named_router(tiny_pool_dirs, ("draft", "mid", "target"), adaptive=False)
     router = RandomRouter(sr.pool)
     return SpecRouter(sr.pool, router), router
 
@@ -81,9 +79,7 @@ def test_sampling_distribution_while_chains_switch(v8_pool):
 
 
 def test_real_router_is_exact_and_logs_decisions(tiny_pool_dirs, prompts, expected):
-    d = tiny_pool_dirs
-    names = ["draft", "mid", "target"]
-    sr = SpecRouter.from_pretrained([d[n] for n in names], names=names, target="target", dtype="float64")
+    sr = named_router(tiny_pool_dirs, ("draft", "mid", "target"))
     assert sr.router is not None
     results = sr.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
     assert [r.token_ids for r in results] == expected
@@ -99,13 +95,11 @@ def test_a_sweep_on_busy_cores_is_used_but_not_saved(tiny_pool_dirs, tmp_path, m
     import os
     import warnings
 
-    from specrouter.models.pool import Pool
     from specrouter.router import profile as profile_module
     from specrouter.router.profile import CostProfile, identity_of
     from specrouter.router.setup import load_or_sweep_profile
 
-    pool = Pool.load([tiny_pool_dirs["draft"], tiny_pool_dirs["target"]], names=["draft", "target"],
-                     target="target", dtype="float64")
+    pool = load_named_pool(tiny_pool_dirs, ("draft", "target"))
     idents = [identity_of(r) for r in pool.runners.values()]
     path = tmp_path / "profiles.json"
     cores = os.cpu_count() or 1

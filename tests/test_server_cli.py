@@ -9,11 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
+from fixtures import free_port, stop_server, wait_for_health
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -53,15 +51,9 @@ def test_serve_flags_and_defaults():
     assert not cli_serve._is_loopback("0.0.0.0")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_subprocess(tiny_pool_dirs):
     d = tiny_pool_dirs
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "SPECROUTER_API_KEY": "env-key", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-c", LAUNCH, "serve", "--models", str(d["mid"]), str(d["target"]),
            "--target", "target", "--dtype", "float64", "--port", str(port), "--max-model-len", "128",
@@ -69,17 +61,7 @@ def test_serve_subprocess(tiny_pool_dirs):
            "--metrics-auth"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except urllib.error.HTTPError:  # up (and /health wants the key: checked below)
-                break
-            except OSError:
-                time.sleep(0.2)
+        wait_for_health(proc, port, 90, "the server")  # /health wants the key: checked below
         for key, status in ((None, 401), ("env-key", 200)):  # --metrics-auth
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
             conn.request("GET", "/health", headers={"Authorization": f"Bearer {key}"} if key else {})
@@ -104,11 +86,5 @@ def test_serve_subprocess(tiny_pool_dirs):
         assert r.usage.completion_tokens >= 1
         assert set(r.usage.model_extra["specrouter"]["chains"]) <= {"ngram>mid>target", "target"}
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        proc.stdout.close()
+        stop_server(proc)
     assert proc.returncode in (0, 130, -signal.SIGINT), proc.returncode

@@ -223,12 +223,9 @@ def test_a_fresh_drafter_has_learned_nothing():
 
 @pytest.fixture(scope="module")
 def sr(tiny_pool_dirs):
-    from specrouter import SpecRouter
+    from fixtures import named_router
 
-    d = tiny_pool_dirs
-    names = ["target", "mid", "draft"]
-    return SpecRouter.from_pretrained([d[n] for n in names], target="target", names=names,
-                                      dtype="float64", adaptive=False)
+    return named_router(tiny_pool_dirs, ("target", "mid", "draft"), adaptive=False)
 
 
 def test_pool_registers_suffix_by_default(sr, tiny_pool_dirs):
@@ -250,13 +247,10 @@ CHAINS = [("suffix", "target"), ("suffix", "draft", "target"), ("suffix", "draft
 def test_greedy_output_equals_target_with_suffix_levels(sr, chain):
     """Depth 1-3 below the target, a ragged batch, twice: the second time the suffix drafter
     knows every output (it proposes long runs), the output is still the target's."""
-    from test_greedy_equivalence import MAX_NEW, prompts, reference_greedy  # noqa: F401
+    from fixtures import repeating_prompts
+    from test_greedy_equivalence import MAX_NEW, PROMPT_LENS
 
-    g = torch.Generator().manual_seed(0)
-    batch = []
-    for n in (3, 7, 12, 20):
-        base = torch.randint(3, 300, (max(2, n // 2),), generator=g).tolist()
-        batch.append((base * 3)[:n])
+    batch = repeating_prompts(PROMPT_LENS)
     plain = sr.generate(batch, max_new_tokens=MAX_NEW, ignore_eos=True, chain=("target",))
     pool = sr.pool.with_fresh_drafters()
     from specrouter import SpecRouter

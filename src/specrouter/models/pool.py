@@ -155,53 +155,31 @@ class Pool:
             load_tokenizer,
         )
 
-        if not paths:
-            raise CheckpointError("no models given: pass at least the target's path")
-        names = list(names) if names else [None] * len(paths)
-        if len(names) != len(paths):
-            raise ValueError("names and paths must have the same length")
+        models, model_free, target_name = _name_entries(paths, names, target, ngram, suffix)
         runners: dict[str, ModelRunner] = {}
         drafters: dict[str, ModelFreeDrafter] = {}
         tokenizers: dict[str, object] = {}
-        target_name = None
-        items = list(zip(paths, names))
+        items = list(models.items())
         if progress:
             from tqdm.auto import tqdm
 
             items = tqdm(items, desc="loading models", unit="model")
-        for path, name in items:
-            if str(path) == NGRAM:
-                ngram = True
-                continue
-            if str(path) == SUFFIX:
-                suffix = True
-                continue
-            runner = load_runner(path, name=name, backend=backend, dtype=dtype,
+        for name, ckpt in items:
+            runner = load_runner(ckpt, name=name, backend=backend, dtype=dtype,
                                  trust_remote_code=trust_remote_code)
-            if runner.name in runners or runner.name in (NGRAM, SUFFIX):
-                raise ChainError(f"two pool models are named {runner.name!r}; pass distinct names")
-            runners[runner.name] = runner
-            tokenizers[runner.name] = load_tokenizer(runner.checkpoint_dir)
-            if target is not None and (str(path) == str(target) or runner.name == target):
-                target_name = runner.name
-        if target == "target":  # the role: the default choice below
-            target = None
-        if target is not None and target_name is None:
-            raise ChainError(f"target {target!r} is not one of the pool's models {list(runners)}")
-        if target_name is None:
-            target_name = max(runners, key=lambda n: runners[n].num_params)
+            runners[name] = runner
+            tokenizers[name] = load_tokenizer(runner.checkpoint_dir)
         check_same_vocabulary(tokenizers, {n: r.vocab_size for n, r in runners.items()})
-        if ngram:
+        if NGRAM in model_free:
             from specrouter.decoding.drafters.ngram import NgramDrafter
 
             drafters[NGRAM] = NgramDrafter()
-        if suffix:
+        if SUFFIX in model_free:
             from specrouter.decoding.drafters.suffix import SuffixDrafter
 
             drafters[SUFFIX] = SuffixDrafter()
-        order = list(drafters) + sorted(
-            (n for n in runners if n != target_name), key=lambda n: runners[n].num_params
-        ) + [target_name]
+        order, target_name = _cost_order(model_free, {n: r.num_params for n, r in runners.items()},
+                                         target_name)
         tok = tokenizers[target_name]
         return cls(
             runners=runners, drafters=drafters, order=order, target=target_name, tokenizer=tok,
@@ -246,6 +224,47 @@ class Pool:
         if self.drafters:
             return (next(iter(self.drafters)), self.target)
         return (self.target,)
+
+
+def _name_entries(paths: list[str | Path], names, target: str | None, ngram: bool, suffix: bool
+                  ) -> tuple[dict[str, Path], list[str], str | None]:
+    """A pool's entries checked and named, no weights read: (models: name -> checkpoint, in
+    `paths` order; the model-free drafters `ngram` / `suffix` or `paths` turn on, in pool order;
+    the target's name, None for the default). Raises CheckpointError with no model, ValueError
+    for names not one per path, ChainError for two models of one name or an unknown target."""
+    names = list(names) if names else [None] * len(paths)
+    if all(str(p) in (NGRAM, SUFFIX) for p in paths):
+        raise CheckpointError("no models given: pass at least the target's path")
+    if len(names) != len(paths):
+        raise ValueError("names and paths must have the same length")
+    models: dict[str, Path] = {}
+    target_name = None
+    for path, name in zip(paths, names):
+        if str(path) == NGRAM:
+            ngram = True
+            continue
+        if str(path) == SUFFIX:
+            suffix = True
+            continue
+        ckpt = resolve_checkpoint(path)
+        name = name or default_model_name(ckpt)
+        if name in models or name in (NGRAM, SUFFIX):
+            raise ChainError(f"two pool models are named {name!r}; pass distinct names")
+        models[name] = ckpt
+        if target is not None and (str(path) == str(target) or name == target):
+            target_name = name
+    if target not in (None, "target") and target_name is None:  # "target": the role
+        raise ChainError(f"target {target!r} is not one of the pool's models {list(models)}")
+    return models, [NGRAM] * ngram + [SUFFIX] * suffix, target_name
+
+
+def _cost_order(model_free: list[str], costs: dict[str, int], target: str | None
+                ) -> tuple[list[str], str]:
+    """(order, target): the model-free drafters, the models by increasing cost, the target last
+    (None: the costliest model)."""
+    target = target if target is not None else max(costs, key=lambda n: costs[n])
+    drafts = sorted((n for n in costs if n != target), key=lambda n: costs[n])
+    return model_free + drafts + [target], target
 
 
 def resolve_name(name: str, order: list[str], target: str, model_free: set[str]) -> str:
@@ -334,32 +353,9 @@ def preview_pool(config: PoolConfig, progress: bool = False) -> PoolPreview:
     headers only (a .gguf is converted here, once, as loading would). Raises CheckpointError
     for a missing path, ChainError for two models of one name or an unknown target."""
     paths = pool_paths(config, progress=progress)
-    names = list(config.names) if config.names else [None] * len(paths)
-    sizes: dict[str, int] = {}
-    target, target_name = config.target, None
-    ngram, suffix = config.ngram, config.suffix
-    for path, name in zip(paths, names):
-        if str(path) == NGRAM:
-            ngram = True
-            continue
-        if str(path) == SUFFIX:
-            suffix = True
-            continue
-        ckpt = resolve_checkpoint(path)
-        name = name or default_model_name(ckpt)
-        if name in sizes or name in (NGRAM, SUFFIX):
-            raise ChainError(f"two pool models are named {name!r}; pass distinct names")
-        sizes[name] = checkpoint_size(ckpt)
-        if target is not None and (str(path) == str(target) or name == target):
-            target_name = name
-    if not sizes:
-        raise CheckpointError("no models given: pass at least the target's path")
-    if target == "target" and target_name is None:  # the role (no model has that name)
-        target = None
-    if target is not None and target_name is None:
-        raise ChainError(f"target {target!r} is not one of the pool's models {list(sizes)}")
-    target_name = target_name or max(sizes, key=lambda n: sizes[n])
-    drafts = sorted((n for n in sizes if n != target_name), key=lambda n: sizes[n])
-    model_free = [NGRAM] * ngram + [SUFFIX] * suffix  # Pool.load's order
-    return PoolPreview(order=model_free + drafts + [target_name], target=target_name,
+    models, model_free, target_name = _name_entries(paths, config.names, config.target,
+                                                    config.ngram, config.suffix)
+    order, target_name = _cost_order(model_free, {n: checkpoint_size(c) for n, c in models.items()},
+                                     target_name)
+    return PoolPreview(order=order, target=target_name,
                        drafters=frozenset(model_free), paths=tuple(paths))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -30,3 +32,34 @@ class LearningDrafter(ModelFreeDrafter, Protocol):
     def fresh(self) -> "LearningDrafter":
         """The same drafter with nothing learned."""
         ...
+
+
+def draft_lengths(k, batch: int) -> list[int]:
+    """Per-row draft lengths from `k` (one for all `batch` rows or one per row), checked."""
+    ks = [int(k)] * batch if isinstance(k, (int, np.integer)) else [int(x) for x in k]
+    if len(ks) != batch:
+        raise ValueError(f"propose: {len(ks)} draft lengths for {batch} contexts")
+    if any(x < 0 for x in ks):
+        raise ValueError(f"propose: draft lengths must be >= 0, got {ks}")
+    return ks
+
+
+def as_int64(ctx) -> np.ndarray:
+    """A context (list, numpy array or tensor) as a 1-D int64 array; int64 arrays without a copy."""
+    if isinstance(ctx, torch.Tensor):
+        ctx = ctx.detach().cpu().numpy()
+    arr = np.asarray(ctx, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"propose: each context must be 1-D, got shape {arr.shape}")
+    return arr
+
+
+def pad_drafts(rows: Sequence[np.ndarray], width: int, dtype=np.int64) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of at most `width` values right-padded with 0: (padded (B, width), lengths (B,) int64)."""
+    out = np.zeros((len(rows), width), dtype=dtype)  # (B, width)
+    lengths = np.zeros(len(rows), dtype=np.int64)  # (B,)
+    for b, row in enumerate(rows):
+        m = row.shape[0]
+        out[b, :m] = row
+        lengths[b] = m
+    return out, lengths

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specrouter.decoding.drafters.base import as_int64, draft_lengths, pad_drafts
+
 __all__ = ["NgramConfig", "NgramDrafter", "ngram_lookup"]
 
 
@@ -113,29 +115,9 @@ class NgramDrafter:
         k: the most tokens to propose, one for all rows or one per row.
         Returns (tokens (B, max k) int64, right-padded with 0; lengths (B,) int64, 0..k).
         """
-        B = len(contexts)
-        ks = [int(k)] * B if isinstance(k, (int, np.integer)) else [int(x) for x in k]
-        if len(ks) != B:
-            raise ValueError(f"propose: {len(ks)} draft lengths for {B} contexts")
-        if any(x < 0 for x in ks):
-            raise ValueError(f"propose: draft lengths must be >= 0, got {ks}")
+        ks = draft_lengths(k, len(contexts))
         cfg = self.config
-        width = max(ks, default=0)
-        tokens = np.zeros((B, width), dtype=np.int64)  # (B, K)
-        lengths = np.zeros(B, dtype=np.int64)  # (B,)
-        for b, (ctx, kb) in enumerate(zip(contexts, ks)):
-            row = _as_int64(ctx)
-            prop, _ = ngram_lookup(row, kb, cfg.max_ngram, cfg.min_ngram, cfg.max_lookback)
-            m = prop.shape[0]
-            tokens[b, :m] = prop
-            lengths[b] = m
+        props = [ngram_lookup(as_int64(ctx), kb, cfg.max_ngram, cfg.min_ngram, cfg.max_lookback)[0]
+                 for ctx, kb in zip(contexts, ks)]
+        tokens, lengths = pad_drafts(props, max(ks, default=0))  # (B, max k), (B,)
         return torch.from_numpy(tokens), torch.from_numpy(lengths)
-
-
-def _as_int64(ctx) -> np.ndarray:
-    if isinstance(ctx, torch.Tensor):
-        ctx = ctx.detach().cpu().numpy()
-    arr = np.asarray(ctx, dtype=np.int64)
-    if arr.ndim != 1:
-        raise ValueError(f"propose: each context must be 1-D, got shape {arr.shape}")
-    return arr

@@ -57,6 +57,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specrouter.decoding.drafters.base import as_int64, draft_lengths, pad_drafts
+
 __all__ = ["SuffixConfig", "SuffixDrafter", "SuffixStore", "Proposal", "match", "walk"]
 
 SEPARATOR = -1  # between requests in a store's buffer; matches no token
@@ -303,7 +305,7 @@ class SuffixDrafter:
         cfg = self.config
         if not cfg.global_tree:
             return
-        arr = _as_int64(tokens)[-cfg.max_request_tokens:]
+        arr = as_int64(tokens)[-cfg.max_request_tokens:]
         if arr.shape[0] < 2:
             return
         arr = arr[-cfg.max_tokens:]
@@ -364,22 +366,15 @@ class SuffixDrafter:
         """(tokens (B, max k) int64 right-padded with 0, lengths (B,) int64, confidence (B, max k)
         float64: the cumulative probability of each proposed prefix, 0 past the length)."""
         B = len(contexts)
-        ks = [int(k)] * B if isinstance(k, (int, np.integer)) else [int(x) for x in k]
-        if len(ks) != B:
-            raise ValueError(f"propose: {len(ks)} draft lengths for {B} contexts")
-        if any(x < 0 for x in ks):
-            raise ValueError(f"propose: draft lengths must be >= 0, got {ks}")
+        ks = draft_lengths(k, B)
         if tenants is not None and len(tenants) != B:
             raise ValueError(f"propose: {len(tenants)} tenants for {B} contexts")
         t0 = time.perf_counter()
+        props = [self.propose_row(as_int64(ctx), kb, None if tenants is None else tenants[b])
+                 for b, (ctx, kb) in enumerate(zip(contexts, ks))]
         width = max(ks, default=0)
-        tokens = np.zeros((B, width), dtype=np.int64)  # (B, K)
-        conf = np.zeros((B, width), dtype=np.float64)  # (B, K)
-        lengths = np.zeros(B, dtype=np.int64)  # (B,)
-        for b, (ctx, kb) in enumerate(zip(contexts, ks)):
-            p = self.propose_row(_as_int64(ctx), kb, None if tenants is None else tenants[b])
-            m = p.tokens.shape[0]
-            tokens[b, :m], conf[b, :m], lengths[b] = p.tokens, p.confidence, m
+        tokens, lengths = pad_drafts([p.tokens for p in props], width)  # (B, max k), (B,)
+        conf, _ = pad_drafts([p.confidence for p in props], width, np.float64)  # (B, max k)
         self._proposals += B
         self._propose_seconds += time.perf_counter() - t0
         return torch.from_numpy(tokens), torch.from_numpy(lengths), torch.from_numpy(conf)
@@ -388,12 +383,3 @@ class SuffixDrafter:
         """Draft for every row (the `ModelFreeDrafter` interface): (tokens (B, max k), lengths (B,))."""
         tokens, lengths, _ = self.propose_scored(contexts, k, tenants)
         return tokens, lengths
-
-
-def _as_int64(ctx) -> np.ndarray:
-    if isinstance(ctx, torch.Tensor):
-        ctx = ctx.detach().cpu().numpy()
-    arr = np.asarray(ctx, dtype=np.int64)
-    if arr.ndim != 1:
-        raise ValueError(f"propose: each context must be 1-D, got shape {arr.shape}")
-    return arr
