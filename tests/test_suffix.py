@@ -136,24 +136,80 @@ def test_memory_is_bounded_and_the_oldest_requests_are_evicted():
     assert rows(*d.propose([big[-20:-10]], 4))[0] == big[-10:-6]
 
 
-def test_store_index_stays_consistent_under_inserts_and_evictions():
+def test_store_index_stays_consistent_under_inserts_and_evictions(monkeypatch):
+    """Appends, log sorts, compactions and lazy evictions keep the kept buffer and the index
+    (compacted run + middle run + log) exactly the kept requests' bigrams; every older snapshot
+    stays readable as it was."""
+    import specrouter.decoding.drafters.suffix as suffix_module
+
+    monkeypatch.setattr(suffix_module, "LOG_SIZE", 16)  # the middle run fills between compactions
     rng = np.random.default_rng(2)
     st = SuffixStore.empty()
     kept: list[list[int]] = []
-    for i in range(30):
+    snapshots = []
+    compactions = all_parts = 0
+    for i in range(60):
         r = rng.integers(0, 6, int(rng.integers(2, 30))).tolist()
+        buffer = st.buffer
         st = st.insert(np.array(r))
         kept.append(r)
         if i % 7 == 6:
             st = st.evict_oldest(2)
             kept = kept[2:]
+        compactions += st.buffer is not buffer
+        all_parts += st.r > 0 and st.mid.keys.shape[0] > 0 and st.keys.shape[0] > 0 and st.dead > 0
         buf = np.concatenate([np.concatenate([[-1], r]) for r in kept])
-        assert st.buf.tolist() == buf.tolist()
+        assert st.kept().tolist() == buf.tolist()
         # every bigram inside a request is indexed exactly once, keys sorted, positions ascending per key
-        expect = sorted(((int(buf[p - 1]) << 32 | int(buf[p])), st.base + p)
+        expect = sorted(((int(buf[p - 1]) << 32 | int(buf[p])), st.live + p)
                         for p in range(1, len(buf)) if buf[p - 1] >= 0 and buf[p] >= 0)
-        assert list(zip(st.keys.tolist(), st.ends.tolist())) == expect
+        keys, ends = st.index()
+        assert list(zip(keys.tolist(), ends.tolist())) == expect
         assert st.num_tokens == sum(map(len, kept))
+        for key in set(keys.tolist()):  # a lookup finds every occurrence, in the sorted run or the log
+            assert st.occurrences(key, 10**6).tolist() == [e for kk, e in expect if kk == key]
+        assert st.occurrences((7 << 32) | 7, 10**6).shape == (0,)  # token 7 never occurs
+        snapshots.append((st, st.kept().tolist(), [st.occurrences(key, 10**6).tolist() for key in keys[:5].tolist()]))
+    assert 2 <= compactions < 30 and all_parts > 5  # most inserts append; compactions now and then
+    for old, buf, occ in snapshots:  # later inserts never wrote into what a snapshot reads
+        assert old.kept().tolist() == buf
+        keys = old.index()[0]
+        assert [old.occurrences(key, 10**6).tolist() for key in keys[:5].tolist()] == occ
+
+
+def test_inserting_into_an_older_snapshot_does_not_disturb_the_newer_one():
+    st = SuffixStore.empty().insert(np.array([1, 2, 3]))
+    a = st.insert(np.array([4, 5, 6]))
+    b = st.insert(np.array([7, 8, 9]))  # same parent: must not write where `a` reads
+    assert a.kept().tolist() == [-1, 1, 2, 3, -1, 4, 5, 6]
+    assert b.kept().tolist() == [-1, 1, 2, 3, -1, 7, 8, 9]
+    assert a.occurrences((4 << 32) | 5, 10).tolist() == [a.live + 6]
+    assert b.occurrences((4 << 32) | 5, 10).tolist() == []
+
+
+def test_insert_cost_does_not_grow_with_the_store():
+    """Appending a request is O(its tokens): at a full 262k-token store it costs about what it
+    costs at a small one (the old sorted-array insert was O(store) on every request)."""
+    import time
+
+    rng = np.random.default_rng(3)
+    big = SuffixDrafter(SuffixConfig(max_tokens=262_144))
+    for _ in range(900):
+        big.observe_request(rng.integers(0, 49_152, 300))
+    small = SuffixDrafter(SuffixConfig(max_tokens=262_144))
+    small.observe_request(rng.integers(0, 49_152, 300))
+
+    def median_insert(d):
+        times = []
+        for _ in range(60):
+            req = rng.integers(0, 49_152, 300)
+            t0 = time.perf_counter()
+            d.observe_request(req)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    assert big.memory().tokens > 250_000
+    assert median_insert(big) < 4 * median_insert(small) + 2e-4
 
 
 def test_concurrent_inserts_and_proposals_are_safe():
