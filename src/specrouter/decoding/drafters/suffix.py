@@ -18,8 +18,10 @@ One proposal (pure functions `match` and `walk`):
    is count(token) / count(occurrences still alive) (an occurrence ending at a separator or at
    the end of the context counts in the denominator), the proposal's cumulative probability
    the product of those. The proposal stops before the cumulative probability drops below
-   `min_token_prob`, at `ceil(max_spec_factor * n)` tokens (a short match predicts little),
-   or at the k the router asked for: the draft length is sized by the drafter's confidence.
+   `min_token_prob` (or the row's `min_confidence`, when higher: the router's break-even
+   acceptance, which grows with what verifying a candidate costs), at
+   `ceil(max_spec_factor * n)` tokens (a short match predicts little), or at the k the router
+   asked for: the draft length is sized by the drafter's confidence.
 3. Of the two trees' proposals the one with the larger score (sum of cumulative
    probabilities: the expected accepted length under the frequency model) is drafted.
 
@@ -182,8 +184,9 @@ def _proposal_cap(cfg: SuffixConfig, n: int, k: int) -> int:
     return min(k, math.ceil(cfg.max_spec_factor * n))
 
 
-def propose_from_context(context: np.ndarray, k: int, cfg: SuffixConfig) -> Proposal:
-    """The request tree: the longest earlier match of the context's suffix in the context."""
+def propose_from_context(context: np.ndarray, k: int, cfg: SuffixConfig, min_prob: float | None = None) -> Proposal:
+    """The request tree: the longest earlier match of the context's suffix in the context
+    (`min_prob`: where the proposal stops, default `cfg.min_token_prob`)."""
     L = context.shape[0]
     if k <= 0 or L < cfg.min_match + 1:
         return EMPTY
@@ -193,7 +196,7 @@ def propose_from_context(context: np.ndarray, k: int, cfg: SuffixConfig) -> Prop
     ends, n = match(context, ends, context, cfg.max_depth, 1)
     if n < cfg.min_match:
         return EMPTY
-    p = walk(context, ends, L, _proposal_cap(cfg, n, k), cfg.min_token_prob)
+    p = walk(context, ends, L, _proposal_cap(cfg, n, k), cfg.min_token_prob if min_prob is None else min_prob)
     return Proposal(p.tokens, p.confidence, n)
 
 
@@ -463,7 +466,7 @@ class SuffixStore:
             ends = ends[ends.searchsorted(self.live):]
         return ends[-limit:]
 
-    def propose(self, context: np.ndarray, k: int, cfg: SuffixConfig) -> Proposal:
+    def propose(self, context: np.ndarray, k: int, cfg: SuffixConfig, min_prob: float | None = None) -> Proposal:
         L = context.shape[0]
         if k <= 0 or L < cfg.min_match or not self.lengths:
             return EMPTY
@@ -476,7 +479,7 @@ class SuffixStore:
         ends, n = match(self.buf, ends, context, cfg.max_depth, 2)
         if n < cfg.min_match:
             return EMPTY
-        p = walk(self.buf, ends, self.n, _proposal_cap(cfg, n, k), cfg.min_token_prob)
+        p = walk(self.buf, ends, self.n, _proposal_cap(cfg, n, k), cfg.min_token_prob if min_prob is None else min_prob)
         return Proposal(p.tokens, p.confidence, n)
 
 
@@ -506,6 +509,7 @@ class SuffixDrafter:
 
     name = "suffix"
     is_model_free = True
+    sized_by_confidence = True  # propose() takes min_confidence (the router's break-even acceptance)
 
     def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = config or SuffixConfig()
@@ -567,16 +571,19 @@ class SuffixDrafter:
                             propose_seconds=self._propose_seconds)
 
     # -- proposing --------------------------------------------------------------------------
-    def propose_row(self, context: np.ndarray, k: int, tenant: str | None = None) -> Proposal:
-        """The better of the request tree's and the tenant's global tree's proposals."""
+    def propose_row(self, context: np.ndarray, k: int, tenant: str | None = None,
+                    min_confidence: float = 0.0) -> Proposal:
+        """The better of the request tree's and the tenant's global tree's proposals, each
+        stopping before its cumulative confidence drops below max(min_token_prob, min_confidence)."""
         cfg = self.config
         if k <= 0:
             return EMPTY
-        own = propose_from_context(context, k, cfg)
+        min_prob = max(cfg.min_token_prob, min_confidence)
+        own = propose_from_context(context, k, cfg, min_prob)
         store = self._stores.get(tenant) if cfg.global_tree else None  # one atomic read: a snapshot
         if store is None or own.tokens.shape[0] >= k and own.confidence[-1] >= 1.0:
             return own  # nothing to learn from, or a certain full proposal (a score of k)
-        other = store.propose(context, k, cfg)
+        other = store.propose(context, k, cfg, min_prob)
         return other if other.score > own.score else own
 
     def propose_scored(
@@ -584,9 +591,11 @@ class SuffixDrafter:
         contexts: Sequence[Sequence[int]] | Sequence[np.ndarray] | Sequence[torch.Tensor],
         k: int | Sequence[int],
         tenants: Sequence[str | None] | None = None,
+        min_confidence: Sequence[float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens (B, max k) int64 right-padded with 0, lengths (B,) int64, confidence (B, max k)
-        float64: the cumulative probability of each proposed prefix, 0 past the length)."""
+        float64: the cumulative probability of each proposed prefix, 0 past the length).
+        `min_confidence[b]`: row b's proposal stops before its confidence drops below it."""
         B = len(contexts)
         ks = [int(k)] * B if isinstance(k, (int, np.integer)) else [int(x) for x in k]
         if len(ks) != B:
@@ -595,22 +604,26 @@ class SuffixDrafter:
             raise ValueError(f"propose: draft lengths must be >= 0, got {ks}")
         if tenants is not None and len(tenants) != B:
             raise ValueError(f"propose: {len(tenants)} tenants for {B} contexts")
+        floors = [0.0] * B if min_confidence is None else [float(x) for x in min_confidence]
+        if len(floors) != B:
+            raise ValueError(f"propose: {len(floors)} confidence floors for {B} contexts")
         t0 = time.perf_counter()
         width = max(ks, default=0)
         tokens = np.zeros((B, width), dtype=np.int64)  # (B, K)
         conf = np.zeros((B, width), dtype=np.float64)  # (B, K)
         lengths = np.zeros(B, dtype=np.int64)  # (B,)
         for b, (ctx, kb) in enumerate(zip(contexts, ks)):
-            p = self.propose_row(_as_int64(ctx), kb, None if tenants is None else tenants[b])
+            p = self.propose_row(_as_int64(ctx), kb, None if tenants is None else tenants[b], floors[b])
             m = p.tokens.shape[0]
             tokens[b, :m], conf[b, :m], lengths[b] = p.tokens, p.confidence, m
         self._proposals += B
         self._propose_seconds += time.perf_counter() - t0
         return torch.from_numpy(tokens), torch.from_numpy(lengths), torch.from_numpy(conf)
 
-    def propose(self, contexts, k, tenants: Sequence[str | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, contexts, k, tenants: Sequence[str | None] | None = None,
+                min_confidence: Sequence[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft for every row (the `ModelFreeDrafter` interface): (tokens (B, max k), lengths (B,))."""
-        tokens, lengths, _ = self.propose_scored(contexts, k, tenants)
+        tokens, lengths, _ = self.propose_scored(contexts, k, tenants, min_confidence)
         return tokens, lengths
 
 
