@@ -13,6 +13,7 @@ from specrouter.router.cost_model import (
     ModelFreeDraft,
     Plan,
     best_plan,
+    break_even_confidence,
     cost_table,
     enumerate_chains,
     expected_cycle,
@@ -263,3 +264,17 @@ def test_enumeration_details():
     assert len(enumerate_chains(["a", "b", "c", "d", "t"], "t", max_levels=3)) == 1 + 4 + 6
     with pytest.raises(ChainError, match="duplicate"):
         enumerate_chains(["a", "a", "t"], "t")
+
+
+def test_break_even_confidence_is_the_verifiers_extra_seconds_per_candidate_over_t_eff():
+    linear = cost_table(lambda t: 0.040 + 0.0025 * t, 12)  # 2.5 ms per extra token
+    assert break_even_confidence([linear], 4, 0.025) == pytest.approx(0.1)
+    assert break_even_confidence([linear, linear], 4, 0.025) == pytest.approx(0.2)  # both widen
+    assert break_even_confidence([linear], 4, 0.0125) == pytest.approx(0.2)  # tokens worth less
+    flat = cost_table(0.040, 12)
+    assert break_even_confidence([flat], 8, 0.02) == 0.0  # free candidates: draft all k
+    convex = cost_table(lambda t: 0.040 + 0.001 * t * t, 12)
+    assert break_even_confidence([convex], 8, 0.02) > break_even_confidence([convex], 2, 0.02)  # mean over 1..k
+    assert break_even_confidence([linear], 4, 0.001) == 1.0  # clipped: never worth it
+    assert break_even_confidence([linear], 0, 0.02) == 0.0
+    assert break_even_confidence([linear], 4, float("inf")) == 0.0

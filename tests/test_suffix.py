@@ -79,6 +79,42 @@ def test_confidence_is_frequency_and_stops_below_min_token_prob():
     assert rows(*d2.propose([[50, 1, 2]], 8)) == [[3, 4, 7]]  # stops before 1/3 < 0.5
 
 
+def branchy_and_repeated() -> SuffixDrafter:
+    """A store where after [1, 2] every request continues with 3, then 10 (5 of 8), 11 (3 of 5),
+    12 (2 of 3), 13 (1 of 2): cumulative 1, 0.625, 0.375, 0.25, 0.125; and one continuation of
+    [7, 8] seen 4 times, always the same (cumulative 1 throughout)."""
+    d = SuffixDrafter(SuffixConfig(max_spec_factor=8.0))
+    tails = [[10, 11, 12, 13], [10, 11, 12, 14], [10, 11, 15], [10, 16], [10, 17],
+             [20, 21], [20, 22], [20, 23]]
+    for t in tails:
+        d.observe_request([1, 2, 3, *t])
+    for _ in range(4):
+        d.observe_request([7, 8, *range(30, 50)])
+    return d
+
+
+def test_confident_continuations_draft_long_and_branchy_ones_short():
+    d = branchy_and_repeated()
+    ctx = [[50, 1, 2], [50, 7, 8]]
+    tokens, lengths, conf = d.propose_scored(ctx, 12)
+    assert rows(tokens, lengths) == [[3, 10, 11, 12, 13], list(range(30, 42))]  # min_token_prob 0.1
+    assert conf[0, :5].tolist() == pytest.approx([1.0, 0.625, 0.375, 0.25, 0.125])
+    assert conf[1, :12].eq(1.0).all()
+
+
+@pytest.mark.parametrize("floor, branchy", [(0.0, [3, 10, 11, 12, 13]), (0.2, [3, 10, 11, 12]),
+                                            (0.3, [3, 10, 11]), (0.5, [3, 10]), (0.7, [3]), (1.0, [3])])
+def test_min_confidence_cuts_where_the_cumulative_confidence_falls_below_it(floor, branchy):
+    """The router's break-even acceptance as the floor: the branchy proposal stops before it,
+    the repeated one (confidence 1) still drafts all k; rows of one call keep their own floors."""
+    d = branchy_and_repeated()
+    ctx = [[50, 1, 2], [50, 7, 8], [50, 1, 2]]
+    got = rows(*d.propose(ctx, 12, min_confidence=[floor, floor, 0.0]))
+    assert got == [branchy, list(range(30, 42)), [3, 10, 11, 12, 13]]
+    with pytest.raises(ValueError):
+        d.propose(ctx, 12, min_confidence=[0.5])
+
+
 def test_longer_match_is_more_specific_and_short_matches_propose_little():
     d = SuffixDrafter(SuffixConfig(max_spec_factor=2.0))
     d.observe_request([9, 9, 1, 2, 10, 11, 12, 13, 14, 15, 16])
@@ -136,24 +172,80 @@ def test_memory_is_bounded_and_the_oldest_requests_are_evicted():
     assert rows(*d.propose([big[-20:-10]], 4))[0] == big[-10:-6]
 
 
-def test_store_index_stays_consistent_under_inserts_and_evictions():
+def test_store_index_stays_consistent_under_inserts_and_evictions(monkeypatch):
+    """Appends, log sorts, compactions and lazy evictions keep the kept buffer and the index
+    (compacted run + middle run + log) exactly the kept requests' bigrams; every older snapshot
+    stays readable as it was."""
+    import specrouter.decoding.drafters.suffix as suffix_module
+
+    monkeypatch.setattr(suffix_module, "LOG_SIZE", 16)  # the middle run fills between compactions
     rng = np.random.default_rng(2)
     st = SuffixStore.empty()
     kept: list[list[int]] = []
-    for i in range(30):
+    snapshots = []
+    compactions = all_parts = 0
+    for i in range(60):
         r = rng.integers(0, 6, int(rng.integers(2, 30))).tolist()
+        buffer = st.buffer
         st = st.insert(np.array(r))
         kept.append(r)
         if i % 7 == 6:
             st = st.evict_oldest(2)
             kept = kept[2:]
+        compactions += st.buffer is not buffer
+        all_parts += st.r > 0 and st.mid.keys.shape[0] > 0 and st.keys.shape[0] > 0 and st.dead > 0
         buf = np.concatenate([np.concatenate([[-1], r]) for r in kept])
-        assert st.buf.tolist() == buf.tolist()
+        assert st.kept().tolist() == buf.tolist()
         # every bigram inside a request is indexed exactly once, keys sorted, positions ascending per key
-        expect = sorted(((int(buf[p - 1]) << 32 | int(buf[p])), st.base + p)
+        expect = sorted(((int(buf[p - 1]) << 32 | int(buf[p])), st.live + p)
                         for p in range(1, len(buf)) if buf[p - 1] >= 0 and buf[p] >= 0)
-        assert list(zip(st.keys.tolist(), st.ends.tolist())) == expect
+        keys, ends = st.index()
+        assert list(zip(keys.tolist(), ends.tolist())) == expect
         assert st.num_tokens == sum(map(len, kept))
+        for key in set(keys.tolist()):  # a lookup finds every occurrence, in the sorted run or the log
+            assert st.occurrences(key, 10**6).tolist() == [e for kk, e in expect if kk == key]
+        assert st.occurrences((7 << 32) | 7, 10**6).shape == (0,)  # token 7 never occurs
+        snapshots.append((st, st.kept().tolist(), [st.occurrences(key, 10**6).tolist() for key in keys[:5].tolist()]))
+    assert 2 <= compactions < 30 and all_parts > 5  # most inserts append; compactions now and then
+    for old, buf, occ in snapshots:  # later inserts never wrote into what a snapshot reads
+        assert old.kept().tolist() == buf
+        keys = old.index()[0]
+        assert [old.occurrences(key, 10**6).tolist() for key in keys[:5].tolist()] == occ
+
+
+def test_inserting_into_an_older_snapshot_does_not_disturb_the_newer_one():
+    st = SuffixStore.empty().insert(np.array([1, 2, 3]))
+    a = st.insert(np.array([4, 5, 6]))
+    b = st.insert(np.array([7, 8, 9]))  # same parent: must not write where `a` reads
+    assert a.kept().tolist() == [-1, 1, 2, 3, -1, 4, 5, 6]
+    assert b.kept().tolist() == [-1, 1, 2, 3, -1, 7, 8, 9]
+    assert a.occurrences((4 << 32) | 5, 10).tolist() == [a.live + 6]
+    assert b.occurrences((4 << 32) | 5, 10).tolist() == []
+
+
+def test_insert_cost_does_not_grow_with_the_store():
+    """Appending a request is O(its tokens): at a full 262k-token store it costs about what it
+    costs at a small one (the old sorted-array insert was O(store) on every request)."""
+    import time
+
+    rng = np.random.default_rng(3)
+    big = SuffixDrafter(SuffixConfig(max_tokens=262_144))
+    for _ in range(900):
+        big.observe_request(rng.integers(0, 49_152, 300))
+    small = SuffixDrafter(SuffixConfig(max_tokens=262_144))
+    small.observe_request(rng.integers(0, 49_152, 300))
+
+    def median_insert(d):
+        times = []
+        for _ in range(60):
+            req = rng.integers(0, 49_152, 300)
+            t0 = time.perf_counter()
+            d.observe_request(req)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    assert big.memory().tokens > 250_000
+    assert median_insert(big) < 4 * median_insert(small) + 2e-4
 
 
 def test_concurrent_inserts_and_proposals_are_safe():
@@ -263,6 +355,62 @@ def test_greedy_output_equals_target_with_suffix_levels(sr, chain):
     assert pool.drafters["suffix"].memory().requests == 3 * 2 * len(batch)
 
 
+class FloorRouter:
+    """Random suffix plans (depth 1-3), k and confidence floors every cycle: the engine must hand
+    each row's floor to the drafter, and the output must stay the target's."""
+
+    def __init__(self, seed=0):
+        import random
+
+        from specrouter.config import RouterConfig
+
+        self.config = RouterConfig()  # the engine reads shadow_k from it
+        self.rng = random.Random(seed)
+
+    def decide(self, row):
+        from specrouter.router.records import Decision
+
+        chain = self.rng.choice(CHAINS)
+        return Decision(chain, self.rng.randint(1, 8), 0.0, "random", self.rng.choice([0.0, 0.3, 0.7, 1.0]))
+
+    def observe_step(self, *args, **kwargs):
+        pass
+
+    def observe_shadow(self, *args, **kwargs):
+        pass
+
+    def release(self, seq_id):
+        pass
+
+
+def test_greedy_output_equals_target_with_router_confidence_floors(sr):
+    """Router-driven suffix plans with floors from 0 to 1, twice (the second time the drafter
+    knows every output): identical to plain decoding, and the floors reached the drafter."""
+    from test_greedy_equivalence import MAX_NEW
+
+    from specrouter import SpecRouter
+
+    g = torch.Generator().manual_seed(1)
+    batch = [(torch.randint(3, 300, (n // 2,), generator=g).tolist() * 3)[:n] for n in (4, 9, 15, 22)]
+    plain = sr.generate(batch, max_new_tokens=MAX_NEW, ignore_eos=True, chain=("target",))
+    pool = sr.pool.with_fresh_drafters()
+    suffix = pool.drafters["suffix"]
+    seen, propose = [], suffix.propose
+
+    def spy(contexts, k, tenants=None, min_confidence=None):
+        seen.append(min_confidence)
+        return propose(contexts, k, tenants, min_confidence)
+
+    suffix.propose = spy
+    fresh = SpecRouter(pool, FloorRouter())
+    for _ in range(2):
+        out = fresh.generate(batch, max_new_tokens=MAX_NEW, ignore_eos=True)
+        assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    floors = {f for call in seen if call is not None for f in call}
+    assert {0.3, 0.7, 1.0} <= floors  # the executor passed the rows' floors (0.0 rows ride along)
+    assert sum(r.stats.accepted.get("suffix>target", 0) for r in out) > 0  # it drafted, and was right
+
+
 def test_a_second_identical_request_drafts_longer(sr):
     from specrouter import SpecRouter
 
@@ -340,32 +488,54 @@ def test_sampling_with_a_suffix_level_keeps_the_target_distribution():
 # router
 
 
-def test_router_prunes_a_suffix_drafter_that_never_proposes_and_uses_one_that_does():
+def suffix_router(hit: bool):
+    """A router over [suffix, d1, T] after 300 shadow-scored cycles in which the suffix drafter
+    always (hit) or never proposed the committed tokens."""
     from test_router import StepTimer, swept_profile
 
     from specrouter.router.policy import Router
     from specrouter.router.records import RowContext
 
-    order = ["suffix", "d1", "T"]
     profile = swept_profile(("d1", "T"), ngram=False)
     sizes = {"d1": 10_000_000, "T": 135_000_000}
+    router = Router(["suffix", "d1", "T"], "T", profile, model_free={"suffix"}, sizes=sizes, timer=StepTimer())
+    for i in range(300):
+        router.decide(RowContext(0, 100 + i))
+        committed = [1, 2, 3, 4, 5]
+        router.observe_shadow(0, "suffix", committed if hit else [], committed, 16)
+    return router
 
-    def router_after(hit: bool):
-        router = Router(order, "T", profile, model_free={"suffix"}, sizes=sizes, timer=StepTimer())
-        for i in range(300):
-            router.decide(RowContext(0, 100 + i))
-            committed = [1, 2, 3, 4, 5]
-            router.observe_shadow(0, "suffix", committed if hit else [], committed, 16)
-        return router
 
-    useless = router_after(hit=False)
+def test_router_prunes_a_suffix_drafter_that_never_proposes_and_uses_one_that_does():
+    from specrouter.router.records import RowContext
+
+    useless = suffix_router(hit=False)
     row = RowContext(0, 400)
     table, _ = useless.evaluate(row, useless.requests[0], prune=True)
     pruned = [c for c, t in zip(table.chains, table.t_eff) if c[0] == "suffix" and np.isinf(t).all()]
     assert len(pruned) == 2 and useless.hit_rate("suffix", useless.requests[0]) < useless.config.prune_below
     assert all(e.chain[0] != "suffix" for e in list(useless.events)[-50:] if e.reason != "probe")
-    useful = router_after(hit=True)
+    useful = suffix_router(hit=True)
     assert useful.decide(row).chain[0] == "suffix"
+
+
+def test_router_gives_a_suffix_plan_its_break_even_confidence():
+    """The floor is the chain's verifiers' extra seconds per candidate over the plan's T_eff:
+    higher where a candidate costs more (a batch of 8 rows: the target's forward is wider)."""
+    from specrouter.router.cost_model import break_even_confidence
+    from specrouter.router.records import RowContext
+
+    router = suffix_router(hit=True)
+    floors = {}
+    for b in (1, 8):
+        d = router.decide(RowContext(100 + b, 400, batch_size=b))
+        assert d.chain[0] == "suffix" and d.k >= 1
+        rows = router._cost_rows(b, 400)
+        assert d.min_confidence == pytest.approx(break_even_confidence([rows[m] for m in d.chain[1:]], d.k, d.t_eff))
+        floors[b] = d.min_confidence
+    assert 0.0 < floors[1] < floors[8] < 1.0
+    plain = router.decide(RowContext(200, 400, remaining=1))  # no room to draft
+    assert plain.k == 0 and plain.min_confidence == 0.0
 
 
 # ---------------------------------------------------------------------------------------------

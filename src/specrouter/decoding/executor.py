@@ -55,6 +55,7 @@ class RowWork:
     drafted: list[int] = field(default_factory=list)  # per level: 0 = proposed; j >= 1 = candidates reaching level j
     accepted: list[int] = field(default_factory=list)  # per level: candidates level j accepted (0 unused)
     proposal: list[int] | None = None  # a model drafter's proposal (greedy rows), for shadow scoring
+    min_confidence: float = 0.0  # a confidence-sized drafter stops below this (Decision.min_confidence)
 
     def level(self, model: str) -> int:
         """Index of `model` in the row's chain (-1: not in it)."""
@@ -104,14 +105,18 @@ class ChainExecutor:
         rows: list[Sequence],
         plans: list[tuple[tuple[str, ...], int]],
         sampling: SamplingTensors,
+        min_confidence: list[float] | None = None,
     ) -> StepResult:
         """One cycle for every row, row b running `plans[b] = (chain, k)`; commits >= 1 token
-        per row. Rows' random numbers come from `seq.seed_key` and positions only."""
+        per row. Rows' random numbers come from `seq.seed_key` and positions only.
+        `min_confidence[b]`: where a confidence-sized drafter drafting for row b stops."""
         t_start = self.clock()
         self._forwards: list[ForwardRecord] = []
         self._ftime: dict[str, float] = {}
         self._ftoks: dict[str, int] = {}
         work = [self._start_row(b, s, chain, k) for b, (s, (chain, k)) in enumerate(zip(rows, plans))]
+        for w, floor in zip(work, min_confidence or ()):
+            w.min_confidence = floor
         for name in self._models_in_use(work):
             if name in self.drafters:
                 self._propose(name, [w for w in work if w.chain[0] == name and w.k > 0])
@@ -145,9 +150,12 @@ class ChainExecutor:
         """A model-free drafter proposes up to k tokens for each of its rows (one call)."""
         if not work:
             return
+        drafter = self.drafters[name]
+        floors = [w.min_confidence for w in work]
+        sized = {"min_confidence": floors} if any(floors) and getattr(drafter, "sized_by_confidence", False) else {}
         t0 = self.clock()
-        tokens, lengths = self.drafters[name].propose([w.seq.tokens for w in work], [w.k for w in work],
-                                                      [w.seq.tenant for w in work])
+        tokens, lengths = drafter.propose([w.seq.tokens for w in work], [w.k for w in work],
+                                          [w.seq.tenant for w in work], **sized)
         dt = self.clock() - t0
         self._ftime[name] = self._ftime.get(name, 0.0) + dt
         self._forwards.append(ForwardRecord(model=name, rows=len(work), new_tokens=max(w.k for w in work),

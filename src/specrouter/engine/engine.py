@@ -92,6 +92,7 @@ class Engine:
         self._ids = itertools.count()
         self.running: dict[int, Sequence] = {}
         self._plans: dict[int, tuple[tuple[str, ...], int] | None] = {}  # None: the router decides
+        self._floors: dict[int, float] = {}  # the router's Decision.min_confidence of each row's plan
         self._start: dict[int, float] = {}
         self.fixed_capacity = max_num_seqs is not None and max_model_len is not None
         if self.fixed_capacity:
@@ -213,6 +214,7 @@ class Engine:
                 if observe is not None:
                     observe(seq.tokens, seq.tenant)
         self._plans.pop(seq.seq_id, None)
+        self._floors.pop(seq.seq_id, None)
         self.state.release(seq.seq_id)
         if self.router is not None:
             self.router.release(seq.seq_id)
@@ -229,6 +231,7 @@ class Engine:
             return pinned
         d = self.router.decide(RowContext(seq.seq_id, len(seq.tokens), batch_size=len(self.running),
                                           greedy=seq.params.greedy, remaining=seq.remaining))
+        self._floors[seq.seq_id] = d.min_confidence
         return d.chain, d.k
 
     def step(self, default_generator: torch.Generator | None = None) -> list[StepOutput]:
@@ -278,7 +281,7 @@ class Engine:
         while True:
             plans = [(without_failed(c, self.failed_models, self.pool.target), k) for c, k in plans]
             try:
-                result = self.executor.step(rows, plans, sampling)
+                result = self.executor.step(rows, plans, sampling, [self._floors.get(s.seq_id, 0.0) for s in rows])
                 break
             except ModelFailure as failure:
                 if not self._on_step_failure(failure, rows, plans):
@@ -305,6 +308,7 @@ class Engine:
                          else [self.router.decide(c) for c in contexts])
             for i, d in zip(free, decisions):
                 plans[i] = (d.chain, d.k)
+                self._floors[rows[i].seq_id] = d.min_confidence
         return plans
 
     def _on_step_failure(self, failure: ModelFailure, rows: list[Sequence],

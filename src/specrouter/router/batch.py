@@ -65,7 +65,7 @@ def plan_batch(router, rows: Sequence[RowContext],
     out = []
     for d, (c, k) in zip(decisions, best):
         if (c, k) != (d.chain, d.k):
-            d = Decision(c, k, d.t_eff, reason)
+            d = Decision(c, k, d.t_eff, reason, d.min_confidence if c == d.chain else 0.0)
         out.append(d)
     return out
 

@@ -330,6 +330,18 @@ def t_eff(
     return latency / tokens
 
 
+def break_even_confidence(verifier_costs: Sequence[np.ndarray], k: int, t_eff: float) -> float:
+    """The least probability that one more candidate is accepted for it to pay: a candidate
+    widens the forward of every verifier of the chain by one token (their mean extra seconds
+    per candidate over 1..k, from cost tables indexed by new tokens t) and, accepted, saves a
+    committed token's worth, `t_eff` seconds under the plan. A confidence-sized drafter (suffix)
+    stops before its cumulative confidence drops below this."""
+    if k < 1 or not (math.isfinite(t_eff) and t_eff > 0):
+        return 0.0
+    extra = sum((float(c[k + 1]) - float(c[1])) / k for c in verifier_costs)  # seconds per candidate
+    return min(1.0, max(0.0, extra / t_eff))
+
+
 def enumerate_chains(
     pool_names_by_cost: Sequence[str], target: str, max_levels: int | None = None
 ) -> list[tuple[str, ...]]:

@@ -10,6 +10,11 @@ pool order (cheapest first, target last) and the names of model-free drafters.
    with `cost_model.best_plan`. The per-cycle overheads are charged on top: the engine's own
    (cycle wall time minus forward time, learned separately for plain and speculative cycles) and
    the router's (its measured decide() time times the batch rows).
+   A plan whose first level is a model-free drafter also carries `Decision.min_confidence`, its
+   break-even acceptance (`cost_model.break_even_confidence`: the verifiers' extra seconds per
+   candidate over the plan's T_eff); a confidence-sized drafter (suffix) proposes up to k tokens
+   but stops before its cumulative confidence drops below it, so its draft length follows its
+   own confidence where verifying is dear (big batches) and k where it is cheap.
 2. Hysteresis: keep the current (chain, k) unless the best is predicted faster by more than
    `switch_margin` (5%), or the current one has been predicted slower than the best by more
    than `persist_margin` (1%) for `patience` (16) decisions in a row. Hysteresis is for noise,
@@ -57,6 +62,7 @@ from specrouter.router.cost_model import (
     ModelFreeDraft,
     PlanTable,
     best_plan,
+    break_even_confidence,
     enumerate_chains,
 )
 from specrouter.router.batch import plan_batch, step_seconds
@@ -294,7 +300,8 @@ class Router:
             req.worse = 0
         req.plan, req.epoch = choice, self._epoch(choice[0])
         i, j = self._chain_index[choice[0]], max(choice[1], 1) - 1
-        decision = Decision(choice[0], choice[1], float(t[i, j]), reason)
+        decision = Decision(choice[0], choice[1], float(t[i, j]), reason,
+                            self._confidence_floor(choice[0], choice[1], float(t[i, j]), costs))
 
         # 3. probing, within the budget (the request's plan stays as it is)
         if self.budget.allow() and self.similarity.now >= self._next_probe_check:
@@ -307,8 +314,16 @@ class Router:
                                 overhead=self.overhead["spec"] + router).table  # as now estimated
                 latency, tokens = float(one.expected_latency[0, pk - 1]), float(one.expected_tokens[0, pk - 1])
                 self.budget.charge(latency - float(t[i, j]) * tokens)
-                decision = Decision(self.chains[pi], pk, latency / tokens, "probe")
+                decision = Decision(self.chains[pi], pk, latency / tokens, "probe",
+                                    self._confidence_floor(self.chains[pi], pk, latency / tokens, costs))
         return self._log(row, req, mode, decision, prev, best, t_best, float(t[0, 0]), alphas, t0)
+
+    def _confidence_floor(self, chain: Chain, k: int, t_eff: float, costs) -> float:
+        """Break-even acceptance of one more candidate of a plan whose first level is model-free
+        (`cost_model.break_even_confidence`); 0 otherwise."""
+        if k < 1 or len(chain) < 2 or chain[0] not in self.model_free:
+            return 0.0
+        return break_even_confidence([costs[m] for m in chain[1:]], k, t_eff)
 
     def decide_batch(self, rows: Sequence[RowContext]) -> list[Decision]:
         return [self.decide(r) for r in rows]

@@ -30,6 +30,7 @@ class Decision:
     k: int  # draft length; 0 for the target-only chain (plain decoding)
     t_eff: float  # predicted seconds per committed target token of this plan
     reason: str  # initial | same | better | changed | fallback | persistent | hysteresis | invalid | probe | end | only
+    min_confidence: float = 0.0  # a confidence-sized drafter first (suffix) stops below this (break-even acceptance)
 
 
 @dataclass(frozen=True)
