@@ -11,6 +11,7 @@ builder (about 25 s on 2 cores, once per machine and torch version: the build is
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -56,12 +57,16 @@ def rowinv():
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        build = Path(_get_build_directory("specrouter_rowinv", verbose=False))
+        # one build folder per source and flags: checkouts of other versions keep their own
+        # builds instead of rebuilding over each other
+        digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+        name = f"specrouter_rowinv_{digest}"
+        build = Path(_get_build_directory(name, verbose=False))
         if not any(build.glob("*.so")):
             log.warning("compiling SpecRouter's row-invariant CPU kernels (first use only, about 30 s)")
         _ninja_on_path()
         load(
-            name="specrouter_rowinv",
+            name=name,
             sources=[str(SOURCE)],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
