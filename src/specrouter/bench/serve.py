@@ -111,7 +111,11 @@ def start_server(cfg: ServeBenchConfig, models: list[str], port: int, log) -> su
     cmd = [sys.executable, "-m", "specrouter.cli.main", "serve", "--models", *models,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype,
            "--max-num-seqs", str(max(cfg.concurrency)), "--max-queue", str(4 * cfg.requests + 64),
-           "--log-level", "warning"]
+           "--log-level", "warning",
+           # every (system, temperature, concurrency) sends its own API key: the suffix drafter
+           # learns only from the requests that run served, never from another system's outputs
+           # of the same prompts (which would make every later run look faster)
+           "--suffix-scope", "api-key"]
     if cfg.target:
         cmd += ["--target", cfg.target]
     env = dict(os.environ)
@@ -178,7 +182,8 @@ async def run_level(base_url: str, model: str, cfg: ServeBenchConfig, temperatur
                     system: str, extra: dict) -> LevelResult:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=600)
+    key = f"bench|{system}|t={temperature}|c={concurrency}"  # its own learned statistics (--suffix-scope)
+    client = AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
     reqs = prompts(max(cfg.requests, concurrency))
     results: list[RequestResult | None] = [None] * len(reqs)
     queue: asyncio.Queue = asyncio.Queue()
