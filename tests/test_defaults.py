@@ -63,3 +63,17 @@ def test_assemble_draft_adds_the_target_tokenizer(tmp_path, monkeypatch):
 
     r = load_runner(out, dtype=torch.float32)
     assert r.vocab_size == 49152 and r.num_params > 1_000_000
+
+
+def test_dtype_auto_is_the_fastest_exact_precision_here():
+    """"auto" (the default everywhere) is bfloat16 on the native kernels, float32 on torch's."""
+    import torch
+
+    from specrouter.config import PoolConfig
+    from specrouter.models.pool import _dtype, resolved_dtype
+    from specrouter.models.runners.kernels import rowinv
+
+    assert PoolConfig().dtype == "auto"
+    want = torch.bfloat16 if rowinv() is not None else torch.float32
+    assert _dtype("auto") == want and resolved_dtype("auto") == str(want).removeprefix("torch.")
+    assert resolved_dtype("fp32") == "float32"

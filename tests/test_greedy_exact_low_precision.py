@@ -9,6 +9,7 @@ control swaps in linears whose multi-token forwards round one ulp differently an
 outputs change."""
 
 import pytest
+import torch
 from fixtures import TINY_POOL, named_router, repeating_prompts
 
 PROMPT_LENS = (3, 9, 14, 22)

@@ -30,7 +30,7 @@ def _parser():
 def test_serve_flags_and_defaults():
     a = _parser().parse_args(["serve", "--models", "x"])
     assert (a.host, a.port, a.max_num_seqs, a.max_model_len, a.dtype, a.model_timeout) == (
-        "127.0.0.1", 8000, 8, 2048, "float32", 30.0)
+        "127.0.0.1", 8000, 8, 2048, "auto", 30.0)
     cfg = cli_serve.config_from_args(a)
     assert cfg.pool.models == ("x",) and cfg.server.k == 4 and cfg.server.adaptive
     a = _parser().parse_args(["serve", "--models", "d", "t", "--chain", "ngram", "d", "t",

@@ -83,7 +83,7 @@ class SpecRouter:
         *,
         names: list[str] | None = None,
         backend: str = "auto",
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         ngram: bool = True,
         suffix: bool = True,
         trust_remote_code: bool = False,

@@ -22,7 +22,7 @@ SUFFIX = "suffix"  # the model-free suffix-decoding drafter (learns across reque
 # "target" is the pool's target, "draft" its smallest neural draft
 ROLE_ALIASES = ("target", "draft")
 BACKENDS = ("auto", "native", "hf")
-DTYPES = ("float32", "bfloat16", "float64", "float16", "fp32", "bf16", "fp64", "fp16")
+DTYPES = ("auto", "float32", "bfloat16", "float64", "float16", "fp32", "bf16", "fp64", "fp16")
 # A temperature below this is greedy decoding (stored as 0.0). Dividing logits by a tiny
 # temperature overflows (1e-39 turns them into inf and the softmax into NaN), and a sampled
 # distribution that sharp is the argmax anyway; vLLM uses the same threshold (_SAMPLING_EPS).
@@ -276,7 +276,10 @@ class PoolConfig:
     target: str | None = None  # target name, role or path; None: the model with the most parameters
     names: tuple[str, ...] | None = None  # pool names, one per entry of models; None: folder names
     backend: str = "auto"  # auto (native runner for Llama-family models) | native | hf
-    dtype: str = "float32"  # of every model: float32 | bfloat16 | float64 | float16
+    # of every model: auto | float32 | bfloat16 | float64 | float16; auto: bfloat16 on the native
+    # kernels, float32 elsewhere (the fastest precision that is exact: greedy output is the
+    # target's plain decoding at that precision, token for token)
+    dtype: str = "auto"
     ngram: bool = True  # add the model-free n-gram drafter
     suffix: bool = True  # add the model-free suffix drafter (drafts from earlier requests too)
     threads: int | None = None  # torch intra-op threads; None: torch's default
@@ -295,7 +298,7 @@ class PoolConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES[:4])}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES[:5])}, got {self.dtype!r}")
         t = self.threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"threads must be an integer >= 1, got {t!r}")

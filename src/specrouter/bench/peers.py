@@ -243,7 +243,9 @@ def peer_systems(pool, *, dtype: str, threads: int, n_ctx: int, draft: str | Non
         return [], missing
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    gguf_dtype = "BF16" if dtype in ("bfloat16", "bf16") else "F32"
+    from specrouter.models.pool import _dtype
+
+    gguf_dtype = "BF16" if _dtype(dtype) == torch.bfloat16 else "F32"
     target_dir = pool.runners[pool.target].checkpoint_dir
     eos = tuple(pool.eos_ids)
     systems: list[System] = []

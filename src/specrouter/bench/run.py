@@ -41,7 +41,7 @@ from specrouter.bench.workloads import (
 )
 from specrouter.config import MAX_DRAFT_LENGTH, RouterConfig
 from specrouter.errors import SpecRouterError
-from specrouter.models.pool import SUFFIX
+from specrouter.models.pool import SUFFIX, resolved_dtype
 
 
 class GreedyMismatchError(SpecRouterError):
@@ -54,7 +54,7 @@ class BenchConfig:
 
     models: tuple[str, ...] | None = None  # pool paths ("ngram" and "suffix" are added); None: the embedded default pool
     target: str | None = None  # target name or path (default: the largest model)
-    dtype: str = "float32"  # of every model, native and transformers
+    dtype: str = "auto"  # of every model, native and transformers (auto: see PoolConfig)
     workloads: tuple[str, ...] = ("code", "prose", "chat", "extraction", "mixed")
     kinds: tuple[str, ...] = MIXED_ORDER  # request types of the mixed stream, in stream order
     prompts_per_type: int = 3  # first n prompts of each type (workloads.py)
@@ -362,7 +362,7 @@ def _meta(cfg: BenchConfig, h: Harness, scenarios: list[Scenario]) -> dict:
                     "transformers": transformers.__version__, "cores": _cores()},
         "config": dataclasses.asdict(cfg),
         "pool": {"order": [h.aliases[n] for n in pool.order], "names": {h.aliases[n]: n for n in pool.order},
-                 "target": pool.target, "dtype": cfg.dtype},
+                 "target": pool.target, "dtype": resolved_dtype(cfg.dtype)},
         "systems": [{"name": s.name, "kind": s.kind, "exact": s.exact,
                      "chain": chain_label(s.chain, h.aliases) if s.chain else None, "k": s.k}
                     for s in h.systems],

@@ -42,7 +42,7 @@ class ServeBenchConfig:
     k: int = 4  # draft length of the static chains
     static_levels: int = 3  # deepest static chain
     threads: int | None = None  # torch threads of the server (None: torch's default)
-    dtype: str = "float32"
+    dtype: str = "auto"
     out_dir: str = "bench-out/serve"
     plots: bool = True
     seed: int = 0  # request i of a level samples with seed + i

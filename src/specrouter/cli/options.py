@@ -62,9 +62,10 @@ def add_pool_arguments(p: argparse.ArgumentParser, flags: tuple[str, ...] = POOL
                        help="target model: a pool name or path (default: the model with the most "
                             "parameters)")
     if "dtype" in flags:
-        g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"),
-                       help="weights and compute of every model (default float32: greedy output "
-                            "equals the target's exactly)")
+        g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float64"),
+                       help="weights and compute of every model; greedy output equals the target's "
+                            "plain decoding at that precision exactly (default auto: bfloat16 on "
+                            "the native CPU kernels, float32 elsewhere)")
     if "backend" in flags:
         g.add_argument("--backend", default="auto", choices=BACKENDS,
                        help="auto: the native runner for Llama-family models, transformers for "

@@ -29,14 +29,24 @@ NATIVE_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A dtype name ("auto": see `kernels.auto_dtype`) as a torch dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        from specrouter.models.runners.kernels import auto_dtype
+
+        return auto_dtype()
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float64": torch.float64, "fp64": torch.float64,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype not in table:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(table)}")
     return table[dtype]
+
+
+def resolved_dtype(dtype: str | torch.dtype) -> str:
+    """The name of the precision `dtype` stands for ("auto" resolved), e.g. "bfloat16"."""
+    return str(_dtype(dtype)).removeprefix("torch.")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

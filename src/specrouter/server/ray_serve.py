@@ -51,7 +51,7 @@ class PoolSpec:
     target: str | None = None  # target name or path; None: the largest model
     names: tuple[str, ...] | None = None  # pool names; None: folder names
     backend: str = "auto"  # auto | native | hf
-    dtype: str = "float32"  # float32 | bfloat16 | float64
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float64
     ngram: bool = True  # add the model-free n-gram drafter
     suffix: bool = True  # add the model-free suffix drafter
 
