@@ -9,6 +9,7 @@ accepts each with its pair's probability up to the first rejection, passing up a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import random
@@ -718,6 +719,8 @@ def test_decide_time_is_measured_and_charged_per_row():
     for step in (1e-4, 3e-3):
         router = copy.deepcopy(trained)  # the same estimates; only decide()'s own time differs
         router.timer, router.decide_seconds = StepTimer(step), 0.0
+        # every change of decide()'s time is published (the default waits for a material one)
+        router.config = dataclasses.replace(router.config, decision_time_tolerance=0.0)
         for i in range(8):
             router.decide(rows[i % 4])
         assert router.decide_seconds == pytest.approx(step, rel=1e-9)

@@ -175,6 +175,13 @@ class RouterConfig:
     prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
     alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)
     log_size: int = 10_000  # decision events kept
+    # the decision cache (router/evidence.py): a row's decision is reused while its inputs are
+    # unchanged; the evidence it reads is republished only when it moves materially
+    decision_cache: bool = True  # False: decide afresh every call (on the same published evidence)
+    decision_tolerance: float = 0.05  # an alpha (global or a request's) that moved more republishes
+    decision_hit_tolerance: float = 0.1  # a model-free hit rate that moved more (they are noisier: ~20-proposal windows)
+    decision_time_tolerance: float = 0.05  # a model's speed (relative), a per-cycle overhead (fraction of the target's step)
+    decision_refresh: int = 128  # republish at least every this many observed steps (slow profile refinements)
     similarity: SimilarityConfig = field(default_factory=SimilarityConfig)  # the acceptance estimator
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # the cost profile's online refresh
 
@@ -196,6 +203,9 @@ class RouterConfig:
             raise ValueError("request_history, request_min_finished and shadow_k must be >= 1")
         if not 0.0 < self.overhead_alpha <= 1.0 or self.context_bucket < 1 or self.log_size < 1:
             raise ValueError("overhead_alpha must be in (0, 1], context_bucket and log_size >= 1")
+        if min(self.decision_tolerance, self.decision_hit_tolerance, self.decision_time_tolerance) < 0 \
+                or self.decision_refresh < 1:
+            raise ValueError("decision tolerances must be >= 0 and decision_refresh >= 1")
         if not isinstance(self.similarity, SimilarityConfig) or not isinstance(self.profile, ProfileConfig):
             raise ValueError("similarity and profile must be a SimilarityConfig and a ProfileConfig")
 

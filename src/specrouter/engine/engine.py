@@ -335,6 +335,9 @@ class Engine:
         )
         if model != target or failure.kind == "timeout":
             self.failed_models.add(model)
+            mark_failed = getattr(self.router, "mark_failed", None)
+            if mark_failed is not None:  # router plans avoid it from now on (cached decisions dropped)
+                mark_failed(model)
         if self.on_model_failure is not None:
             self.on_model_failure(failure)
         for seq in rows:  # drop speculative tokens, keep the last committed token pending

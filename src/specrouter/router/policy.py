@@ -30,6 +30,10 @@ pool order (cheapest first, target last) and the names of model-free drafters.
    until their evidence fades.
 4. `observe_cycle(stats, rows, forwards)`: acceptance trials (global and per request), D_TV,
    hit rates, forward timings into the profile, cycle overheads.
+5. The decision cache (router/evidence.py): decide() reads the evidence as published, which
+   changes only when the live estimates move materially (or a model fails or slows down), and
+   step 1 (the PlanTable, the expensive part) is reused per row while its key holds: the same
+   batch size, context bucket, k cap, chain and evidence versions. Steps 2-3 run every call.
 
 Per request (a request type is implicit: code, prose, chat): each request keeps its own decayed
 acceptance counts per pair and hit counts per model-free drafter; its alpha is its own estimate
@@ -49,6 +53,7 @@ its own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -66,6 +71,14 @@ from specrouter.router.cost_model import (
     enumerate_chains,
 )
 from specrouter.router.batch import plan_batch, step_seconds
+from specrouter.router.evidence import (
+    CachedPlans,
+    CacheStats,
+    Published,
+    RequestEvidence,
+    decision_key,
+    material_change,
+)
 from specrouter.router.profile import CostProfile
 from specrouter.router.records import (  # noqa: F401  (re-exported: the router's public boundary)
     Chain,
@@ -135,7 +148,7 @@ class Router:
         self.overhead = {"plain": 0.0, "spec": 0.0}  # seconds per cycle outside forwards
         self.decide_seconds = 0.0  # EMA of decide() wall time
         self._cost_cache: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
-        self._cost_version = -1
+        self._cost_version = -1  # the published version the cost rows are of
         self._predict_cache: dict[tuple[str, int, int, int], float] = {}
         self._predict_version = -1
         self.batch_events: deque = deque(maxlen=cfg.log_size)  # (row-cycle, rows, reason, rate, plain rate)
@@ -146,6 +159,14 @@ class Router:
         # the alphas finished requests reached on their own, and their quantile (request_prior)
         self.finished = FinishedRequests(cfg.request_history, cfg.request_prior_quantile or 0.5,
                                          cfg.request_min_trials, cfg.request_min_finished)
+        # the decision cache (router/evidence.py)
+        self.failed: set[str] = set()  # models out of service (mark_failed)
+        self.cache_stats = CacheStats()
+        self._modes: set[str] = set()  # decoding modes decided for (their priors are published)
+        self._published: Published | None = None
+        self._seen: tuple = ()  # what the published evidence was last checked against
+        self._changes = 0  # router-side changes of evidence since (overheads, releases, failures)
+        self._observed = 0  # observed steps
 
     @classmethod
     def from_pool(cls, pool, profile: CostProfile, **kwargs) -> "Router":
@@ -189,10 +210,11 @@ class Router:
         return shrink(h[0], h[1], glob, self.config.request_hit_prior_strength)
 
     def _cost_rows(self, b: int, L: int) -> dict[str, np.ndarray]:
-        """T_M(b, t, L) for t = 0..width per model, cached until the profile changes."""
-        if self.profile.version != self._cost_version:
+        """T_M(b, t, L) for t = 0..width per model, cached until the evidence is republished."""
+        version = self._evidence().version
+        if version != self._cost_version:
             self._cost_cache.clear()
-            self._cost_version = self.profile.version
+            self._cost_version = version
         bucket = self.config.context_bucket
         key = (b, L // bucket, self._t_width)
         rows = self._cost_cache.get(key)
@@ -204,15 +226,16 @@ class Router:
         return rows
 
     def _inputs(self, row: RowContext, req: RequestState | None):
-        """(costs, alphas, router seconds per cycle) of a row for best_plan."""
+        """(costs, alphas, router seconds per cycle) of a row for best_plan, from the published
+        evidence (evidence.py)."""
         mode = GREEDY if row.greedy else SAMPLING
+        published = self._evidence()
         rows = self._cost_rows(max(row.batch_size, 1), max(row.context_len, 1))
+        evidence = self._request_evidence(req, mode)
         costs: dict[str, object] = dict(rows)
         for d in self.model_free:
-            costs[d] = ModelFreeDraft(cost=rows[d], hit_rate=self.hit_rate(d, req))
-        digits = self.config.alpha_decimals  # rounding: cache hits
-        alphas = {p: round(self.alpha(p, mode, req), digits) for p in self.pairs}
-        return costs, alphas, self.decide_seconds * max(row.batch_size, 1)
+            costs[d] = ModelFreeDraft(cost=rows[d], hit_rate=evidence.hits[d])
+        return costs, dict(evidence.alphas), published.times["router"] * max(row.batch_size, 1)
 
     def _viable(self, chain: Chain, costs, alphas) -> bool:
         """False for a chain that cannot beat plain decoding: a pair that (almost) never
@@ -226,16 +249,18 @@ class Router:
     def _table(self, costs, alphas, router: float, k_cap: int, keep: int | None = None,
                prune: bool = True) -> PlanTable:
         """best_plan over the viable chains (and `keep`), with every overhead, as a PlanTable over
-        all chains: t_eff (C, K) is +inf and the expectations NaN for pruned ones."""
-        idx = [i for i, c in enumerate(self.chains)
-               if not prune or i == 0 or i == keep or self._viable(c, costs, alphas)]
+        all chains: t_eff (C, K) is +inf and the expectations NaN for pruned ones and for those
+        with a failed model."""
+        published = self._evidence()
+        idx = [i for i, c in enumerate(self.chains) if i == 0 or (
+            published.failed.isdisjoint(c) and (not prune or i == keep or self._viable(c, costs, alphas)))]
         plan = best_plan([self.chains[i] for i in idx], k_cap, costs=costs, alphas=alphas,
-                         overhead=self.overhead["spec"] + router)
+                         overhead=published.times["spec"] + router)
         shape = (len(self.chains), k_cap)
         t, latency, tokens = np.full(shape, np.inf), np.full(shape, np.nan), np.full(shape, np.nan)
         t[idx], latency[idx], tokens[idx] = plan.table.t_eff, plan.table.expected_latency, plan.table.expected_tokens
-        t[0] += self.overhead["plain"] + router  # chains[0] is (target,): one token per cycle
-        latency[0] += self.overhead["plain"] + router
+        t[0] += published.times["plain"] + router  # chains[0] is (target,): one token per cycle
+        latency[0] += published.times["plain"] + router
         return PlanTable(chains=tuple(self.chains), ks=plan.table.ks, t_eff=t, expected_tokens=tokens,
                          expected_latency=latency)
 
@@ -247,13 +272,86 @@ class Router:
         k_cap = self.config.k_max if k_cap is None else k_cap
         return self._table(costs, alphas, router, k_cap, prune=prune), alphas
 
+    # -- published evidence (router/evidence.py) ---------------------------------------------
+    def _evidence(self) -> Published:
+        """The evidence decide() reads, republished first when the live one moved materially."""
+        seen = (self.similarity.version, self.profile.version, self._changes)
+        if self._published is None or seen != self._seen:
+            self._seen = seen
+            live = self._snapshot()
+            if self._published is None or material_change(live, self._published, self.config):
+                version = 0 if self._published is None else self._published.version + 1
+                self._published = dataclasses.replace(live, version=version)
+        return self._published
+
+    def _snapshot(self) -> Published:
+        """The live evidence (version -1)."""
+        L = self.config.context_bucket // 2
+        steps = {m: self.profile.predict(m, 1, 1, L) for m in self.order if m in self.profile}
+        return Published(
+            version=-1,
+            priors={(p, mode): self.request_prior(p, mode) for mode in sorted(self._modes) for p in self.pairs},
+            hits={d: self.similarity.hit_rate(d) for d in sorted(self.model_free)},
+            times={"plain": self.overhead["plain"], "spec": self.overhead["spec"], "router": self.decide_seconds},
+            steps=steps,
+            jumps=dict(self.profile.jumps),
+            failed=frozenset(self.failed),
+            scale=steps[self.target],
+            observed=self._observed,
+        )
+
+    def _request_evidence(self, req: RequestState | None, mode: str) -> RequestEvidence:
+        """A request's published alphas and hit rates (the global ones for None), recomputed
+        when the router's or the request's evidence version moved."""
+        published = self._evidence()
+        stamp = (published.version, req.version if req is not None else -1, mode)
+        if req is not None and req.evidence is not None and req.evidence.stamp == stamp:
+            return req.evidence
+        digits = self.config.alpha_decimals  # rounding: plan cache hits
+        evidence = RequestEvidence(stamp, {p: round(self.alpha(p, mode, req), digits) for p in self.pairs},
+                                   {d: self.hit_rate(d, req) for d in self.model_free})
+        if req is not None:
+            req.evidence = evidence
+        return evidence
+
+    def _note_alpha(self, req: RequestState, pair: Pair, mode: str) -> None:
+        """The request's own alpha of `pair` was updated: a new request version if it moved
+        materially since published."""
+        evidence = req.evidence
+        if evidence is None:
+            return
+        published = evidence.alphas.get(pair)
+        if (published is None or evidence.stamp[2] != mode
+                or abs(self.alpha(pair, mode, req) - published) > self.config.decision_tolerance):
+            req.version += 1
+
+    def _note_hit(self, req: RequestState, drafter: str) -> None:
+        """As `_note_alpha`, for the request's hit rate of a model-free drafter."""
+        evidence = req.evidence
+        if evidence is None:
+            return
+        published = evidence.hits.get(drafter)
+        if published is None or abs(self.hit_rate(drafter, req) - published) > self.config.decision_hit_tolerance:
+            req.version += 1
+
+    def mark_failed(self, model: str) -> None:
+        """`model` is out of service (engine/faults.py): no plan uses it from now on, and every
+        cached decision is dropped at once (the evidence is republished)."""
+        if model != self.target and model not in self.failed:
+            self.failed.add(model)
+            self._changes += 1
+
     # -- deciding ---------------------------------------------------------------------------
     def decide(self, row: RowContext) -> Decision:
-        """The (chain, k) this row runs next cycle (module docstring, steps 1-3)."""
+        """The (chain, k) this row runs next cycle (module docstring, steps 1-3); step 1 (the
+        PlanTable) is reused while the row's decision key holds (router/evidence.py)."""
         t0 = self.timer()
         cfg = self.config
         req = self._request(row.seq_id, row.greedy)
         mode = GREEDY if row.greedy else SAMPLING
+        if mode not in self._modes:
+            self._modes.add(mode)
+            self._changes += 1  # its priors are watched from now on
         k_cap = cfg.k_max if row.remaining is None else min(cfg.k_max, row.remaining - 1)
         prev = req.plan
         plain = (self.target,)
@@ -262,15 +360,42 @@ class Router:
             req.plan, req.worse, req.table = (plain, 0), 0, None
             decision = Decision(plain, 0, t_plain, "end" if k_cap < 1 else "only")
             return self._log(row, req, mode, decision, prev, (plain, 0), t_plain, t_plain, {}, t0)
+        key = self._decision_key(row, req, mode, k_cap)
+        plans = req.cached
+        if cfg.decision_cache and plans is not None and plans.key == key:
+            self.cache_stats.hits += 1
+        else:
+            self.cache_stats.misses += 1
+            plans = req.cached = self._plans(row, req, k_cap, key)
+        decision = self._hysteresis(req, plans, k_cap)
+        if self.budget.allow() and self.similarity.now >= self._next_probe_check:
+            decision = self._probe_decision(row, req, mode, k_cap, decision)
+        return self._log(row, req, mode, decision, prev, plans.best, plans.t_best, plans.t_plain,
+                         req.evidence.alphas, t0)
+
+    def _decision_key(self, row: RowContext, req: RequestState, mode: str, k_cap: int) -> tuple:
+        """What step 1 reads (evidence.decision_key)."""
+        version = self._evidence().version
+        self._request_evidence(req, mode)  # published for this key (the log and _note_alpha read it)
+        return decision_key(max(row.batch_size, 1), max(row.context_len, 1) // self.config.context_bucket,
+                            mode, k_cap, req.plan[0] if req.plan is not None else None, version, req.version)
+
+    def _plans(self, row: RowContext, req: RequestState, k_cap: int, key: tuple) -> CachedPlans:
+        """Step 1: the row's PlanTable (keeping the request's chain) and its argmin."""
+        prev = req.plan
         costs, alphas, router = self._inputs(row, req)
         keep = self._chain_index.get(prev[0]) if prev is not None else None
-        table = req.table = self._table(costs, alphas, router, k_cap, keep=keep)
+        table = self._table(costs, alphas, router, k_cap, keep=keep)
         t = table.t_eff
         bi, bj = np.unravel_index(int(np.argmin(t)), t.shape)
-        best = self._plan_at(bi, bj)
-        t_best = float(t[bi, bj])
+        return CachedPlans(key, table, costs, self._plan_at(bi, bj), float(t[bi, bj]), float(t[0, 0]))
 
-        # 2. hysteresis
+    def _hysteresis(self, req: RequestState, plans: CachedPlans, k_cap: int) -> Decision:
+        """Step 2: keep the request's plan unless the best is enough faster (module docstring);
+        updates the request's plan, hysteresis counter and epoch."""
+        cfg = self.config
+        prev, t, best, t_best = req.plan, plans.table.t_eff, plans.best, plans.t_best
+        plain = (self.target,)
         ci = self._chain_index.get(prev[0]) if prev is not None else None
         if prev is None:
             choice, reason = best, "initial"
@@ -298,25 +423,34 @@ class Router:
                 req.worse = 0
         if choice != prev:
             req.worse = 0
-        req.plan, req.epoch = choice, self._epoch(choice[0])
+        req.plan, req.epoch, req.table = choice, self._epoch(choice[0]), plans.table
         i, j = self._chain_index[choice[0]], max(choice[1], 1) - 1
-        decision = Decision(choice[0], choice[1], float(t[i, j]), reason,
-                            self._confidence_floor(choice[0], choice[1], float(t[i, j]), costs))
+        return Decision(choice[0], choice[1], float(t[i, j]), reason, self._floor(plans, choice, float(t[i, j])))
 
-        # 3. probing, within the budget (the request's plan stays as it is)
-        if self.budget.allow() and self.similarity.now >= self._next_probe_check:
-            probe = self._probe(mode, choice[0], float(t[i, j]), costs, alphas, router, k_cap)
-            if probe is None:
-                self._next_probe_check = self.similarity.now + self.config.probe_recheck
-            else:
-                pi, pk = probe
-                one = best_plan([self.chains[pi]], pk, costs=costs, alphas=alphas,
-                                overhead=self.overhead["spec"] + router).table  # as now estimated
-                latency, tokens = float(one.expected_latency[0, pk - 1]), float(one.expected_tokens[0, pk - 1])
-                self.budget.charge(latency - float(t[i, j]) * tokens)
-                decision = Decision(self.chains[pi], pk, latency / tokens, "probe",
-                                    self._confidence_floor(self.chains[pi], pk, latency / tokens, costs))
-        return self._log(row, req, mode, decision, prev, best, t_best, float(t[0, 0]), alphas, t0)
+    def _floor(self, plans: CachedPlans, plan: tuple[Chain, int], t_eff: float) -> float:
+        """`_confidence_floor` of a plan of `plans`, memoized with them."""
+        floor = plans.floors.get(plan)
+        if floor is None:
+            floor = plans.floors[plan] = self._confidence_floor(plan[0], plan[1], t_eff, plans.costs)
+        return floor
+
+    def _probe_decision(self, row: RowContext, req: RequestState, mode: str, k_cap: int,
+                        decision: Decision) -> Decision:
+        """Step 3: a probe instead of `decision` this one cycle, within the budget (the
+        request's plan stays as it is); else `decision`."""
+        costs, alphas, router = self._inputs(row, req)
+        probe = self._probe(mode, decision.chain, decision.t_eff, costs, alphas, router, k_cap)
+        if probe is None:
+            self._next_probe_check = self.similarity.now + self.config.probe_recheck
+            return decision
+        pi, pk = probe
+        published = self._evidence()
+        one = best_plan([self.chains[pi]], pk, costs=costs, alphas=alphas,
+                        overhead=published.times["spec"] + router).table  # as now estimated
+        latency, tokens = float(one.expected_latency[0, pk - 1]), float(one.expected_tokens[0, pk - 1])
+        self.budget.charge(latency - decision.t_eff * tokens)
+        return Decision(self.chains[pi], pk, latency / tokens, "probe",
+                        self._confidence_floor(self.chains[pi], pk, latency / tokens, costs))
 
     def _confidence_floor(self, chain: Chain, k: int, t_eff: float, costs) -> float:
         """Break-even acceptance of one more candidate of a plan whose first level is model-free
@@ -340,10 +474,11 @@ class Router:
         return step_seconds(self, plans, context_len)
 
     def predict(self, model: str, b: int, t: int, L: int) -> float:
-        """profile.predict, cached per (model, b, t, L bucket) until the profile changes."""
-        if self.profile.version != self._predict_version:
+        """profile.predict, cached per (model, b, t, L bucket) until the evidence is republished."""
+        version = self._evidence().version
+        if version != self._predict_version:
             self._predict_cache.clear()
-            self._predict_version = self.profile.version
+            self._predict_version = version
         bucket = self.config.context_bucket
         key = (model, b, t, L // bucket)
         v = self._predict_cache.get(key)
@@ -419,6 +554,9 @@ class Router:
         elapsed = self.timer() - t0
         a = self.config.overhead_alpha
         self.decide_seconds += a * (elapsed - self.decide_seconds) if self.decide_seconds else elapsed
+        published = self._published
+        if abs(self.decide_seconds - published.times["router"]) > self.config.decision_time_tolerance * published.scale:
+            self._changes += 1  # the router's own time moved materially: republish before the next decision
         event = DecisionEvent(
             step=self.similarity.now, seq_id=row.seq_id, chain=decision.chain, k=decision.k,
             t_eff=decision.t_eff, reason=decision.reason, switched=prev is not None and req.plan != prev,
@@ -476,11 +614,13 @@ class Router:
                     hit = int(r.drafted[0]) > 0
                     sim.observe_hits(chain[0], int(hit), 1)
                     req.observe_hit(chain[0], hit, cfg.request_hit_decay)
+                    self._note_hit(req, chain[0])
                     proposal_len = r.k
                 a, rej = acceptance_trials(cand, acc, proposal_len)
                 if a + rej:
                     sim.observe_acceptance(pair, mode, a, rej)
                     req.observe(pair, a, rej, cfg.request_decay)
+                    self._note_alpha(req, pair, mode)
                 else:
                     sim.touch(pair, mode)
                 if r.tv is not None and j < len(r.tv) and r.tv[j] is not None and math.isfinite(r.tv[j]):
@@ -496,10 +636,13 @@ class Router:
     def _observe_overhead(self, wall_time: float, forward_time: float, speculative: bool) -> None:
         key = "spec" if speculative else "plain"
         self.overhead[key] += self.config.overhead_alpha * (max(wall_time - forward_time, 0.0) - self.overhead[key])
+        self._changes += 1
 
     def _tick(self, rows: Sequence[RowOutcome], wall_time: float) -> None:
         self.similarity.tick(len(rows))
         self.budget.tick(len(rows), wall_time)
+        self._observed += 1
+        self._changes += 1
 
     def _forwards_from_stats(self, stats: CycleStats, rows: Sequence[RowOutcome]) -> list[ForwardRecord]:
         """Approximate forward shapes from CycleStats: a draft model ran k one-token steps, a
@@ -536,6 +679,7 @@ class Router:
         if count_hit:
             self.similarity.observe_hits(drafter, int(hit), 1)
             req.observe_hit(drafter, hit, cfg.request_hit_decay)
+            self._note_hit(req, drafter)
         pair = (drafter, verifier or self.target)
         if pair not in self._pair_chains:
             return
@@ -544,6 +688,7 @@ class Router:
         if a + rej:
             self.similarity.observe_acceptance(pair, mode, a, rej)
             req.observe(pair, a, rej, cfg.request_decay)
+            self._note_alpha(req, pair, mode)
         else:
             self.similarity.touch(pair, mode)
 
@@ -553,6 +698,7 @@ class Router:
         req = self.requests.pop(seq_id, None)
         if req is not None and self.config.request_prior_quantile is not None:
             self.finished.record(req, GREEDY if req.greedy else SAMPLING, skip=self.model_free)
+            self._changes += 1  # the priors' quantile may have moved
 
     def plan_table(self, row: RowContext) -> PlanTable:
         """The PlanTable of a row now (display: `PlanTable.format()`)."""

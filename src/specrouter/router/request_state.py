@@ -26,6 +26,9 @@ class RequestState:
     hits: dict[str, list[float]] = field(default_factory=dict)  # model-free drafter -> [hits, proposals], decayed
     cycles: int = 0  # cycles observed
     table: object = None  # the PlanTable of its last decision (plan_batch weighs alternatives with it)
+    version: int = 0  # increases when its own estimates moved materially (router/evidence.py)
+    evidence: object = None  # its published estimates (evidence.RequestEvidence)
+    cached: object = None  # its last decision (evidence.CachedDecision), reused while the key holds
 
     def observe(self, pair: Pair, accepted: float, rejections: float, decay: float) -> None:
         c = self.counts.setdefault(pair, [0.0, 0.0])

@@ -229,6 +229,7 @@ class SimilarityEstimator:
                              for m in MODES}
         self.hits: dict[str, list[float]] = {}  # model-free drafter -> [hits, proposals], decayed
         self.now = 0  # row-cycles seen (tick)
+        self.version = 0  # increases with every observation, for callers that cache estimates
 
     def stats(self, pair: Pair, mode: str) -> PairStats:
         key = (tuple(pair), _check_mode(mode))
@@ -249,6 +250,7 @@ class SimilarityEstimator:
         w = max(self.config.tv_alpha, positions / s.tv_positions)  # plain mean while young
         s.tv = tv if math.isnan(s.tv) else s.tv + w * (tv - s.tv)
         s.last_measured = self.now
+        self.version += 1
 
     def observe_acceptance(self, pair: Pair, mode: str, accepted: float, rejections: float) -> None:
         """Trials of the iid model (see `acceptance_trials`), summed over rows."""
@@ -259,6 +261,7 @@ class SimilarityEstimator:
         s = self.stats(pair, mode)
         s.accepted, s.rejections = decayed_add((s.accepted, s.rejections), (accepted, rejections), cfg.decay, trials)
         s.last_measured = self.now
+        self.version += 1
         sim = self.sim_score(pair, mode)
         if sim is not None:
             self.calibrations[mode].add(sim, accepted, trials, cfg.calib_decay)
@@ -273,6 +276,7 @@ class SimilarityEstimator:
             return
         h = self.hits.setdefault(drafter, [0.0, 0.0])
         h[:] = decayed_add(h, (hits, proposals), self.config.hit_decay, proposals)
+        self.version += 1
 
     # -- estimates --------------------------------------------------------------------------
     def sim_score(self, pair: Pair, mode: str) -> float | None:

@@ -1,0 +1,175 @@
+"""The router's decision cache (router/evidence.py, issue 14): a row's PlanTable is reused while
+its key (b, context bucket, mode, k cap, chain, evidence versions) holds; the evidence is
+republished only on a material change. Scripted pool and virtual clock of test_router.py."""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+
+import pytest
+from test_router import ALPHAS, L0, ORDER4, Sim, make_router, true_plan
+
+from specrouter.config import RouterConfig
+from specrouter.router.evidence import CacheStats
+from specrouter.router.policy import RowContext
+
+LENGTH = 300  # tokens a simulated request generates before a new one takes its row
+
+
+def run_steps(router, sim, steps, rows=4, trace=None, first_id=0):
+    """Engine-like steps: plan_batch over every row (growing contexts, k capped by the remaining
+    tokens), each plan group played by the simulator and observed, n-gram shadow scores, finished
+    requests released and replaced."""
+    lens = {first_id + s: L0 + 40 * s for s in range(rows)}
+    next_id = first_id + rows
+    for _ in range(steps):
+        contexts = [RowContext(s, L, batch_size=len(lens), remaining=L0 + LENGTH - L) for s, L in lens.items()]
+        decisions = router.plan_batch(contexts)
+        if trace is not None:
+            trace.append(decisions)
+        groups = defaultdict(list)
+        for c, d in zip(contexts, decisions):
+            groups[(d.chain, d.k)].append(c.seq_id)
+        for (chain, k), members in groups.items():
+            L = sum(lens[s] for s in members) // len(members)
+            stats, outcomes, fwd, committed = sim.run(chain, k, members, L)
+            router.observe_cycle(stats, outcomes, fwd)
+            for s, n in zip(members, committed):
+                if chain[0] != "ngram":
+                    proposal, com = sim.shadow(s, 16, n)
+                    router.observe_shadow(s, "ngram", proposal, com, 16)
+                lens[s] += n
+        for s in [s for s, L in lens.items() if L >= L0 + LENGTH - 1]:
+            router.release(s)
+            del lens[s]
+            lens[next_id], next_id = L0, next_id + 1
+    return lens
+
+
+def test_cached_decisions_equal_uncached_ones_while_evidence_changes():
+    """Same world, same seeds: a router with the cache and one without decide exactly alike
+    (chain, k, predicted T_eff, reason, confidence floor; probes included) through a 3x slowdown,
+    a change of acceptance and request turnover."""
+    routers = {on: make_router(config=RouterConfig(decision_cache=on)) for on in (True, False)}
+    traces = {}
+    for on, router in routers.items():
+        sim = Sim(ALPHAS, seed=21)
+        trace = traces[on] = []
+        run_steps(router, sim, 150, trace=trace)
+        sim.slow["d2"] = 3.0  # the middle level slows down
+        run_steps(router, sim, 150, trace=trace, first_id=1000)
+        sim.alphas[("d1", "T")] = 0.3  # and d1 drafts much worse
+        sim.per_request[2001] = {"hit": 0.9, "alphas": {("ngram", "T"): 0.9, ("ngram", "d1"): 0.9}}
+        run_steps(router, sim, 150, trace=trace, first_id=2000)
+    assert traces[True] == traces[False]
+    cached, uncached = routers[True], routers[False]
+    assert [(e.seq_id, e.chain, e.k, e.reason, e.t_eff, e.best_t_eff, e.plain_t_eff) for e in cached.events] == \
+        [(e.seq_id, e.chain, e.k, e.reason, e.t_eff, e.best_t_eff, e.plain_t_eff) for e in uncached.events]
+    reasons = {d.reason for step in traces[True] for d in step}
+    assert "probe" in reasons  # exploration runs on its own schedule, cache or not
+    assert len({(d.chain, d.k) for step in traces[True] for d in step}) > 3  # decisions did change
+    assert uncached.cache_stats.hits == 0
+    assert cached.cache_stats.hit_rate > 0.5, cached.cache_stats
+    print(f"\ncache hit rate {cached.cache_stats.hit_rate:.2f} over {len(cached.events)} decisions, "
+          f"{cached._published.version} publications")
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_the_cache_hit_rate_is_high_in_steady_state(rows):
+    """Long requests at a steady context bucket: only material moves of the evidence (and the
+    refresh every decision_refresh steps) cost a recomputation."""
+    router, sim, contexts = _warm(rows=rows, steps=100)
+    router.cache_stats = CacheStats()
+    _steps(router, sim, contexts, 300)
+    stats = router.cache_stats
+    print(f"\nb={rows}: steady-state hit rate {stats.hit_rate:.3f} ({stats.misses} misses)")
+    assert stats.hit_rate > 0.9
+
+
+def test_growing_requests_still_hit_mostly():
+    """Engine-like: contexts grow through buckets, k caps near the end, requests turn over."""
+    sim = Sim(ALPHAS, seed=22)
+    router = make_router()
+    lens = run_steps(router, sim, 100, rows=8)
+    router.cache_stats = CacheStats()
+    run_steps(router, sim, 300, rows=8, first_id=max(lens) + 1)
+    stats = router.cache_stats
+    print(f"\nb=8, growing requests: hit rate {stats.hit_rate:.3f} ({stats.misses} misses)")
+    assert stats.hit_rate > 0.6
+
+
+def _steps(router, sim, contexts, steps):
+    """`steps` decide + observe cycles of fixed rows (one cycle per plan group)."""
+    for _ in range(steps):
+        decisions = [router.decide(c) for c in contexts]
+        groups = defaultdict(list)
+        for c, d in zip(contexts, decisions):
+            groups[(d.chain, d.k)].append(c.seq_id)
+        for (chain, k), members in groups.items():
+            stats, outcomes, fwd, _ = sim.run(chain, k, members, L0)
+            router.observe_cycle(stats, outcomes, fwd)
+
+
+def _warm(rows=4, seed=23, steps=200):
+    """A router after `steps` cycles of `rows` long requests at context L0."""
+    sim = Sim(ALPHAS, seed=seed)
+    router = make_router()
+    contexts = [RowContext(s, L0, batch_size=rows) for s in range(rows)]
+    _steps(router, sim, contexts, steps)
+    return router, sim, contexts
+
+
+def test_a_slowdown_invalidates_cached_decisions_at_once():
+    router, sim, contexts = _warm()
+    fast, slow = true_plan(ORDER4, ALPHAS), true_plan(ORDER4, ALPHAS, slow={"d2": 3.0})
+    hits = router.cache_stats.hits
+    assert all(router.decide(c).chain == fast.chain for c in contexts)
+    assert router.cache_stats.hits == hits + len(contexts)  # nothing moved: every row hits
+    version = router._published.version
+    sim.slow["d2"] = 3.0
+    for _ in range(2):  # the profile's step detector fires on the second slow observation
+        stats, outcomes, fwd, _ = sim.run(fast.chain, fast.k, [c.seq_id for c in contexts], L0)
+        router.observe_cycle(stats, outcomes, fwd)
+    assert router.profile.jumps.get("d2") == 1
+    misses = router.cache_stats.misses
+    uncached = copy.deepcopy(router)
+    uncached.config = RouterConfig(decision_cache=False)
+    decisions = [router.decide(c) for c in contexts]
+    assert router._published.version > version
+    assert router.cache_stats.misses == misses + len(contexts)  # no row reused a stale plan
+    assert decisions == [uncached.decide(c) for c in contexts]
+    assert any(d.chain == slow.chain and d.reason != "probe" for d in decisions), decisions
+
+
+def test_a_failed_model_invalidates_cached_decisions_and_is_never_planned_again():
+    router, sim, contexts = _warm()
+    assert all("d2" in router.decide(c).chain for c in contexts)
+    uncached = copy.deepcopy(router)
+    uncached.config = RouterConfig(decision_cache=False)
+    router.mark_failed("T")  # the target cannot be taken out: ignored
+    assert router.failed == set()
+    for r in (router, uncached):
+        r.mark_failed("d2")
+    misses = router.cache_stats.misses
+    trace = {id(r): [] for r in (router, uncached)}
+    for r in (router, uncached):
+        run = copy.deepcopy(sim)
+        for _ in range(300):
+            decisions = [r.decide(c) for c in contexts]
+            trace[id(r)].append(decisions)
+            for c, d in zip(contexts, decisions):
+                stats, outcomes, fwd, _ = run.run(d.chain, d.k, [c.seq_id], L0)
+                r.observe_cycle(stats, outcomes, fwd)
+        if r is router:
+            assert router.cache_stats.misses >= misses + len(contexts)
+    decided = [d for step in trace[id(router)] for d in step]
+    assert all("d2" not in d.chain for d in decided)
+    assert decided[0].chain == true_plan(["ngram", "d1", "T"], ALPHAS).chain
+    assert trace[id(router)] == trace[id(uncached)]
+
+
+def test_decision_cache_settings_are_checked():
+    for bad in ({"decision_tolerance": -0.1}, {"decision_time_tolerance": -1.0}, {"decision_refresh": 0}):
+        with pytest.raises(ValueError):
+            RouterConfig(**bad)
