@@ -190,3 +190,19 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
         proc.wait(10)
     proc.stdout.close()
+
+
+class QuietRouterHooks:
+    """The engine's router callbacks as no-ops, for fake routers that only `decide`."""
+
+    def observe_cycle(self, *args, **kwargs):
+        pass
+
+    def observe_step(self, *args, **kwargs):
+        pass
+
+    def observe_shadow(self, *args, **kwargs):
+        pass
+
+    def release(self, seq_id):
+        pass

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from fixtures import load_named_pool, named_router
+from fixtures import QuietRouterHooks, load_named_pool, named_router
 from test_engine_sampling import PARAMS, PROMPT, V, target_joint  # noqa: F401
 from test_engine_sampling import pool as v8_pool  # noqa: F401
 from test_greedy_equivalence import MAX_NEW, expected, prompts  # noqa: F401
@@ -18,7 +18,7 @@ from specrouter.router.cost_model import enumerate_chains
 from specrouter.router.records import Decision
 
 
-class RandomRouter:
+class RandomRouter(QuietRouterHooks):
     """A worst-case router: a random chain and draft length for every row, every cycle."""
 
     config = RouterConfig()  # the engine reads shadow_k from it
@@ -33,18 +33,6 @@ class RandomRouter:
         self.decisions += 1
         chain = self.rng.choice(self.chains)
         return Decision(chain=chain, k=0 if len(chain) == 1 else self.rng.randint(1, 8), t_eff=0.0, reason="random")
-
-    def observe_cycle(self, *args, **kwargs):
-        pass
-
-    def observe_step(self, *args, **kwargs):
-        pass
-
-    def observe_shadow(self, *args, **kwargs):
-        pass
-
-    def release(self, seq_id):
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from fixtures import QuietRouterHooks
 
 from specrouter.decoding.drafters.suffix import SuffixConfig, SuffixDrafter, SuffixStore
 
@@ -355,7 +356,7 @@ def test_greedy_output_equals_target_with_suffix_levels(sr, chain):
     assert pool.drafters["suffix"].memory().requests == 3 * 2 * len(batch)
 
 
-class FloorRouter:
+class FloorRouter(QuietRouterHooks):
     """Random suffix plans (depth 1-3), k and confidence floors every cycle: the engine must hand
     each row's floor to the drafter, and the output must stay the target's."""
 
@@ -372,15 +373,6 @@ class FloorRouter:
 
         chain = self.rng.choice(CHAINS)
         return Decision(chain, self.rng.randint(1, 8), 0.0, "random", self.rng.choice([0.0, 0.3, 0.7, 1.0]))
-
-    def observe_step(self, *args, **kwargs):
-        pass
-
-    def observe_shadow(self, *args, **kwargs):
-        pass
-
-    def release(self, seq_id):
-        pass
 
 
 def test_greedy_output_equals_target_with_router_confidence_floors(sr):
@@ -448,14 +440,14 @@ def test_engine_feeds_each_finished_request_with_its_tenant(sr):
 def test_sampling_with_a_suffix_level_keeps_the_target_distribution():
     """The engine-sampling test's joint of two tokens, with the suffix drafter first and a
     global tree that proposes often (fed with earlier "outputs")."""
+    import tempfile
+    from pathlib import Path
+
     import test_engine_sampling as es
     from fixtures import make_tiny_llama
 
     from specrouter.engine.engine import Engine
     from specrouter.models.pool import Pool, load_runner
-
-    import tempfile
-    from pathlib import Path
 
     root = Path(tempfile.mkdtemp())
     kw = dict(vocab_size=es.V, hidden_size=16, num_heads=2, num_kv_heads=1, with_tokenizer=False,

@@ -95,11 +95,20 @@ class CacheStats:
         return self.hits / n if n else 0.0
 
 
-def moved(live: Mapping, published: Mapping, tolerance: float) -> bool:
-    """Some value moved by more than `tolerance` (absolute), or appeared or disappeared."""
+def crossed(value: float, published: float, tolerance: float, threshold: float | None = None) -> bool:
+    """`value` moved by more than `tolerance` from `published`, or crossed `threshold` (the
+    router's pruning line: a drafter or pair that falls below it must be pruned at once)."""
+    if abs(value - published) > tolerance:
+        return True
+    return threshold is not None and (value < threshold) != (published < threshold)
+
+
+def moved(live: Mapping, published: Mapping, tolerance: float, threshold: float | None = None) -> bool:
+    """Some value moved by more than `tolerance` (absolute) or crossed `threshold`, or appeared
+    or disappeared."""
     if live.keys() != published.keys():
         return True
-    return any(abs(v - published[k]) > tolerance for k, v in live.items())
+    return any(crossed(v, published[k], tolerance, threshold) for k, v in live.items())
 
 
 def material_change(live: Published, published: Published, config: RouterConfig) -> bool:
@@ -107,8 +116,8 @@ def material_change(live: Published, published: Published, config: RouterConfig)
     seconds = config.decision_time_tolerance * published.scale
     return (live.failed != published.failed or live.jumps != published.jumps
             or live.observed - published.observed >= config.decision_refresh
-            or moved(live.priors, published.priors, config.decision_tolerance)
-            or moved(live.hits, published.hits, config.decision_hit_tolerance)
+            or moved(live.priors, published.priors, config.decision_tolerance, config.prune_below)
+            or moved(live.hits, published.hits, config.decision_hit_tolerance, config.prune_below)
             or moved(live.steps, published.steps, seconds) or moved(live.times, published.times, seconds))
 
 

@@ -76,6 +76,7 @@ from specrouter.router.evidence import (
     CacheStats,
     Published,
     RequestEvidence,
+    crossed,
     decision_key,
     material_change,
 )
@@ -322,7 +323,8 @@ class Router:
             return
         published = evidence.alphas.get(pair)
         if (published is None or evidence.stamp[2] != mode
-                or abs(self.alpha(pair, mode, req) - published) > self.config.decision_tolerance):
+                or crossed(self.alpha(pair, mode, req), published, self.config.decision_tolerance,
+                           self.config.prune_below)):
             req.version += 1
 
     def _note_hit(self, req: RequestState, drafter: str) -> None:
@@ -331,7 +333,8 @@ class Router:
         if evidence is None:
             return
         published = evidence.hits.get(drafter)
-        if published is None or abs(self.hit_rate(drafter, req) - published) > self.config.decision_hit_tolerance:
+        if published is None or crossed(self.hit_rate(drafter, req), published,
+                                        self.config.decision_hit_tolerance, self.config.prune_below):
             req.version += 1
 
     def mark_failed(self, model: str) -> None:
