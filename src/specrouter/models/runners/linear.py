@@ -73,11 +73,9 @@ PAD_TO = 4
 def kernel_for(dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
     """The kernel every linear of a `dtype` model on `device` runs (see `Linear.pack` for the
     one exception: an input width rowinv's blocks do not divide)."""
-    if torch.device(device).type != "cpu":
-        return ATEN_LINEAR
-    if dtype in ROWINV_BLOCK and rowinv() is not None:
+    if torch.device(device).type == "cpu" and dtype in ROWINV_BLOCK and rowinv() is not None:
         return ROWINV
-    return FALLBACK_BY_DTYPE.get(dtype, MM)
+    return kernel_for_torch(dtype, device)
 
 
 def kernel_for_torch(dtype: torch.dtype, device: torch.device | str = "cpu") -> str:

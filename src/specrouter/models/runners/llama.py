@@ -422,13 +422,13 @@ class LlamaRunner(ModelRunner):
                 f"model {self.name!r}: a row reaches position {L} > max_len {self.max_len}: "
                 "reserve() a longer cache"
             )
+        if self._ops is not None:  # the native kernels index slots and positions themselves
+            return self._forward_native(batch, B, T, nh, D)
         s0 = slots[0]
         contiguous = slots == list(range(s0, s0 + B))
         start = starts[0]
         uniform = contiguous and all(s == start for s in starts) and all(n == T for n in nums)
         norm, H, inter, slots_t = self._norm, a.hidden_size, a.intermediate_size, batch.slots
-        if self._ops is not None:
-            return self._forward_native(batch, B, T, nh, D, inter)
         ar = self._arange
         Lp = padded_length(L)  # keys attended, in whole chunks: [0, Lp), masked past each query
         if uniform:  # one start, no padding, slots s0..s0+B-1: pure slices, no index tensors
@@ -472,7 +472,7 @@ class LlamaRunner(ModelRunner):
             x = linear_add(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
         return self._logits(batch, x, B, T)
 
-    def _forward_native(self, batch: ForwardBatch, B: int, T: int, nh: int, D: int, inter: int) -> torch.Tensor:
+    def _forward_native(self, batch: ForwardBatch, B: int, T: int, nh: int, D: int) -> torch.Tensor:
         """The forward on the native kernels (kernels/rowinv.cpp): per layer one norm, the qkv
         linear, RoPE + cache write + attention in one op, the o linear with the residual, one
         norm, the gate|up linear, silu * up in one op, the down linear with the residual."""
