@@ -12,7 +12,7 @@ import sys
 
 from specrouter.cli.generate import config_from_args, describe, stream_reply
 from specrouter.cli.options import add_engine_arguments, add_pool_arguments, add_sampling_arguments
-from specrouter.cli.terminal import STATS_LEGEND
+from specrouter.cli.terminal import STATS_LEGEND, Interrupts
 from specrouter.errors import ContextLengthError
 
 PROMPT = ">>> "
@@ -86,6 +86,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         try:
             result, stats = stream_reply(sr, session.prompt(text), params, chat=True)
         except KeyboardInterrupt:
+            Interrupts.handled()
             print("(reply stopped; it is not kept in the conversation)")
             continue
         except ContextLengthError as e:

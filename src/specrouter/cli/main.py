@@ -6,6 +6,7 @@ checkpoint, a foreign tokenizer, an over-long prompt), 130 interrupted (Ctrl-C, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -30,8 +31,10 @@ def _interrupted() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        from specrouter.cli.terminal import Interrupts, setup_terminal
+
+        Interrupts.install()
         from specrouter.cli.options import UsageError
-        from specrouter.cli.terminal import setup_terminal
         from specrouter.errors import SpecRouterError
 
         setup_terminal()
@@ -40,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
             setup_terminal(args.log_level)
         try:
             return args.func(args)
-        except (UsageError, SpecRouterError) as e:
+        except Exception as e:
+            if Interrupts.pending:  # the error is what Ctrl-C became on its way up
+                return _interrupted()
+            if not isinstance(e, (UsageError, SpecRouterError)):
+                raise
             print(f"specrouter {args.command}: error: {e}", file=sys.stderr)
             return 2
     except KeyboardInterrupt:
@@ -50,5 +57,19 @@ def main(argv: list[str] | None = None) -> int:
         return 141
 
 
+def run() -> None:
+    """The `specrouter` executable. After Ctrl-C it leaves with os._exit: when the interrupt
+    landed inside code a C extension ran through PyRun_String (pybind11's eval, during imports),
+    CPython has flagged it unhandled and would end the process by SIGINT (status -2) even though
+    it was handled here; atexit handlers are skipped then, files are flushed first."""
+    code = main()
+    if code == 130:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(130)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

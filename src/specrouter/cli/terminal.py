@@ -5,10 +5,37 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import warnings
 
 logger = logging.getLogger("specrouter")
+
+
+class Interrupts:
+    """Ctrl-C as the default handler raises it, remembered: a library that turns the
+    KeyboardInterrupt into an error of its own (transformers' lazy imports report a module
+    half-imported when Ctrl-C lands inside an import) still exits 130 with one line."""
+
+    pending = False
+
+    @classmethod
+    def install(cls) -> None:
+        cls.pending = False
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            signal.signal(signal.SIGINT, cls._on_sigint)
+
+    @classmethod
+    def _on_sigint(cls, signum, frame):
+        cls.pending = True
+        raise KeyboardInterrupt
+
+    @classmethod
+    def handled(cls) -> None:
+        """The command caught the KeyboardInterrupt and goes on (chat stops one reply)."""
+        cls.pending = False
 
 
 class _OneLine(logging.Formatter):
