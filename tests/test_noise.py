@@ -14,6 +14,7 @@ from specrouter.decoding.noise import (
     BLOCK,
     coupled_argmax,
     coupled_argmax_reference,
+    coupled_argmax_torch,
     exponential_noise,
     position_keys,
     seed_key,
@@ -39,15 +40,40 @@ def test_noise_is_a_function_of_seed_and_position():
     assert abs(big.mean().item() - 1.0) < 0.01 and abs((big > 1).double().mean().item() - 0.3679) < 0.005
 
 
+def _native_coupled_argmax(scores, keys):
+    from specrouter.models.runners.kernels import rowinv
+
+    if rowinv() is None:
+        pytest.skip("native kernels unavailable here")
+    return rowinv().coupled_argmax(scores, keys)
+
+
+IMPLS = {"native": _native_coupled_argmax, "torch": coupled_argmax_torch}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("V,temperature", [(6, 1.0), (1000, 0.7), (3 * BLOCK, 5.0), (4097, 0.05)])
-def test_lazy_equals_reference(V, temperature):
+def test_lazy_equals_reference(V, temperature, dtype, impl):
+    """Both lazy paths (one native call; torch ops) choose the reference's token on every row,
+    peaked and flat rows, filtered tokens, a vocabulary that is not a whole number of blocks."""
+    fn = IMPLS[impl]
     g = torch.Generator().manual_seed(V)
-    scores = torch.randn(300, V, generator=g, dtype=torch.float64) / temperature
+    scores = (torch.randn(300, V, generator=g, dtype=torch.float64) / temperature).to(dtype)
     scores[::7, V // 2:] = -torch.inf  # filtered tokens
     keys = keys_for(300, seed=V)
-    assert torch.equal(coupled_argmax(scores, keys), coupled_argmax_reference(scores, keys))
-    flat = torch.zeros(5, V)  # uniform scores: every block is a candidate (the search widens)
-    assert torch.equal(coupled_argmax(flat, keys[:5]), coupled_argmax_reference(flat, keys[:5]))
+    assert torch.equal(fn(scores, keys), coupled_argmax_reference(scores, keys))
+    flat = torch.zeros(5, V, dtype=dtype)  # uniform scores: every block is a candidate (the search widens)
+    assert torch.equal(fn(flat, keys[:5]), coupled_argmax_reference(flat, keys[:5]))
+
+
+def test_native_rejects_nan_scores_like_the_torch_path():
+    scores = torch.zeros(2, 100)
+    scores[1, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="NaN"):
+        coupled_argmax_torch(scores, keys_for(2))
+    with pytest.raises(RuntimeError, match="NaN"):
+        _native_coupled_argmax(scores, keys_for(2))
 
 
 def frequencies(scores: torch.Tensor, draws: int, fn=coupled_argmax) -> torch.Tensor:
@@ -64,8 +90,9 @@ def bucket(p: torch.Tensor) -> torch.Tensor:
 SCORES = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0] + [-2.5] * (2 * BLOCK)], dtype=torch.float64)
 
 
-def test_noisy_argmax_follows_softmax():
-    freq = frequencies(SCORES, 40_000)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_noisy_argmax_follows_softmax(impl):
+    freq = frequencies(SCORES, 40_000, fn=IMPLS[impl])
     tv = 0.5 * (freq - bucket(SCORES.softmax(-1)[0])).abs().sum().item()
     assert tv < 0.01, tv  # 8 outcomes, 40k draws: noise alone ~0.004
 

@@ -120,10 +120,25 @@ def coupled_argmax_reference(scores: torch.Tensor, keys: torch.Tensor) -> torch.
     return (scores.to(torch.float64) - noise.log()).argmax(-1)
 
 
-def coupled_argmax(scores: torch.Tensor, keys: torch.Tensor, first_blocks: int = 8) -> torch.Tensor:
+def coupled_argmax(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """scores (N, V) float (scaled logits; -inf = filtered), keys (N,) int64 position keys ->
     (N,) int64 tokens: argmax_v scores - log E_v, equal to `coupled_argmax_reference` (module
-    docstring: lazy block evaluation with an exact stopping bound)."""
+    docstring: lazy block evaluation with an exact stopping bound). One native call where the
+    native kernels are built (kernels/noise.cpp), else `coupled_argmax_torch`."""
+    ops = _native()
+    if ops is not None and scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
+        return ops.coupled_argmax(scores, keys.to(torch.long))
+    return coupled_argmax_torch(scores, keys)
+
+
+def _native():
+    from specrouter.models.runners.kernels import rowinv
+
+    return rowinv()
+
+
+def coupled_argmax_torch(scores: torch.Tensor, keys: torch.Tensor, first_blocks: int = 8) -> torch.Tensor:
+    """`coupled_argmax` in torch ops (the portable path; ~100 small ops per call)."""
     N, V = scores.shape
     if N == 0:
         return torch.zeros(0, dtype=torch.long)
@@ -145,5 +160,5 @@ def coupled_argmax(scores: torch.Tensor, keys: torch.Tensor, first_blocks: int =
     if r < nb:  # rows whose best does not beat the next block's bound look further
         todo = torch.nonzero(best <= top.values[:, r]).flatten()
         if len(todo):
-            tokens[todo] = coupled_argmax(scores[todo], keys[todo], first_blocks=4 * r)
+            tokens[todo] = coupled_argmax_torch(scores[todo], keys[todo], first_blocks=4 * r)
     return tokens

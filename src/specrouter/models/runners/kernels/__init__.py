@@ -1,6 +1,8 @@
-"""The row-invariant CPU kernels (rowinv.cpp), compiled on first use and cached.
+"""The native CPU kernels, compiled on first use and cached: the runner's row-invariant ops
+(rowinv.cpp: `linear`, `rope_attention`, `rms_norm`, `silu_mul`) and the sampling noise
+(noise.cpp: `coupled_argmax`, decoding/noise.py's lazy Gumbel-max in one call).
 
-`rowinv()` returns `torch.ops.specrouter_rowinv` (ops `linear` and `attention`) or None where
+`rowinv()` returns `torch.ops.specrouter_rowinv` (all of those ops) or None where
 they cannot run: a CPU without AVX2/FMA, no C++ compiler, a torch without the extension
 tooling, or `SPECROUTER_KERNELS=torch` in the environment (the portable torch kernels then
 serve, see runners/linear.py). The first call compiles rowinv.cpp with torch's C++ extension
@@ -21,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("rowinv.cpp")
+SOURCES = [Path(__file__).with_name(f) for f in ("rowinv.cpp", "noise.cpp")]
 ENV = "SPECROUTER_KERNELS"  # "torch": never build or use the native kernels
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: torch's own runtime (libgomp) serves
 
@@ -59,7 +61,8 @@ def rowinv():
 
         # one build folder per source and flags: checkouts of other versions keep their own
         # builds instead of rebuilding over each other
-        digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+        digest = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES)
+                              + " ".join(FLAGS).encode()).hexdigest()[:12]
         name = f"specrouter_rowinv_{digest}"
         build = Path(_get_build_directory(name, verbose=False))
         if not any(build.glob("*.so")):
@@ -67,7 +70,7 @@ def rowinv():
         _ninja_on_path()
         load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(s) for s in SOURCES],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
