@@ -59,10 +59,11 @@ def rowinv():
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        # one build folder per source and flags: checkouts of other versions keep their own
-        # builds instead of rebuilding over each other
-        digest = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES)
-                              + " ".join(FLAGS).encode()).hexdigest()[:12]
+        # one build folder per source, flags and checkout: torch's builder re-runs ninja in
+        # every new process, and ninja rebuilds when the source paths change, so two checkouts
+        # sharing a folder would rebuild over each other (and wait on each other's lock)
+        digest = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()
+                              + str(SOURCES[0].resolve().parent).encode()).hexdigest()[:12]
         name = f"specrouter_rowinv_{digest}"
         build = Path(_get_build_directory(name, verbose=False))
         if not any(build.glob("*.so")):
