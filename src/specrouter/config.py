@@ -182,6 +182,14 @@ class RouterConfig:
     decision_hit_tolerance: float = 0.1  # a model-free hit rate that moved more (they are noisier: ~20-proposal windows)
     decision_time_tolerance: float = 0.05  # a model's speed (relative), a per-cycle overhead (fraction of the target's step)
     decision_refresh: int = 128  # republish at least every this many observed steps (slow profile refinements)
+    # plain hold (router/batch.py): after the batch planner found plain decoding best for a
+    # multi-row batch, the same number of rows stays plain without re-planning for 2, 4, ...
+    # up to this many steps (0: re-plan every step); rows joining or leaving end the hold
+    plain_hold_max: int = 16
+    # a multi-row batch speculates only where the planner predicts it beats plain continuous
+    # batching by this fraction (a speculating row slows every row of the step; acceptance is
+    # an estimate, and under-estimating plain's rate costs every row)
+    batch_plain_margin: float = 0.10
     similarity: SimilarityConfig = field(default_factory=SimilarityConfig)  # the acceptance estimator
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # the cost profile's online refresh
 
@@ -204,8 +212,8 @@ class RouterConfig:
         if not 0.0 < self.overhead_alpha <= 1.0 or self.context_bucket < 1 or self.log_size < 1:
             raise ValueError("overhead_alpha must be in (0, 1], context_bucket and log_size >= 1")
         if min(self.decision_tolerance, self.decision_hit_tolerance, self.decision_time_tolerance) < 0 \
-                or self.decision_refresh < 1:
-            raise ValueError("decision tolerances must be >= 0 and decision_refresh >= 1")
+                or self.decision_refresh < 1 or self.plain_hold_max < 0 or self.batch_plain_margin < 0:
+            raise ValueError("decision tolerances and plain_hold_max must be >= 0, decision_refresh >= 1")
         if not isinstance(self.similarity, SimilarityConfig) or not isinstance(self.profile, ProfileConfig):
             raise ValueError("similarity and profile must be a SimilarityConfig and a ProfileConfig")
 

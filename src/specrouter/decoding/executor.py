@@ -248,9 +248,12 @@ class ChainExecutor:
             positions.append(list(range(first, first + len(spec) + 1)))
             state.fed(st, w.seq.tokens, list(spec))
         batch = ForwardBatch.build(slots, starts, feeds, positions)
-        return self._timed_forward(name, batch, len(work), batch.tokens.shape[1], sum(starts) // len(starts))
+        width = batch.tokens.shape[1]
+        if getattr(self.runners[name], "packs_ragged", False):  # it costs its valid tokens
+            width = sum(batch.num_tokens_list) / len(work)
+        return self._timed_forward(name, batch, len(work), width, sum(starts) // len(starts))
 
-    def _timed_forward(self, name: str, batch: ForwardBatch, rows: int, width: int, context: int | None = None) -> torch.Tensor:
+    def _timed_forward(self, name: str, batch: ForwardBatch, rows: int, width: float, context: int | None = None) -> torch.Tensor:
         t0 = self.clock()
         logits = self.runners[name].forward(batch)
         dt = self.clock() - t0

@@ -8,13 +8,48 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from specrouter.router.records import Chain, Decision, RowContext
 from specrouter.router.request_state import RequestState
 
 
+@dataclass
+class PlainHold:
+    """The batch planner's last verdict was plain decoding for this many rows: they stay plain
+    until step `until` (the router's observed steps) without re-planning."""
+
+    rows: int  # rows + pinned rows of the batch it was found for
+    until: int  # observed step at which the batch is planned again
+    span: int  # steps of this hold (doubles while the verdict repeats)
+
+
 def plan_batch(router, rows: Sequence[RowContext],
                pinned: Sequence[tuple[Chain, int]] = ()) -> list[Decision]:
+    """`plan_batch_afresh`, or plain decoding for every row while a plain hold lasts: under
+    load, where plain continuous batching wins, re-planning every step would cost the router
+    a few ms of every ~70 ms step for the same answer. The hold ends when rows join or leave,
+    and grows 2, 4, ... up to `RouterConfig.plain_hold_max` steps while the verdict repeats."""
+    if not rows:
+        return []
+    hold: PlainHold | None = router.plain_hold
+    n = len(rows) + len(pinned)
+    if hold is not None and hold.rows == n and router.observed_steps < hold.until:
+        plain = (router.target,)
+        router.held_decisions += len(rows)  # decided by the hold (no DecisionEvent each)
+        return [Decision(plain, 0, math.nan, "batch-plain", 0.0) for _ in rows]
+    decisions = plan_batch_afresh(router, rows, pinned)
+    limit = router.config.plain_hold_max
+    if n > 1 and limit > 0 and all(d.k == 0 or len(d.chain) == 1 for d in decisions):
+        span = min(limit, 2 * hold.span if hold is not None and hold.rows == n else 2)
+        router.plain_hold = PlainHold(n, router.observed_steps + span, span)
+    else:
+        router.plain_hold = None
+    return decisions
+
+
+def plan_batch_afresh(router, rows: Sequence[RowContext],
+                      pinned: Sequence[tuple[Chain, int]] = ()) -> list[Decision]:
     """The plans of a step's rows, chosen for the batch the step really runs.
 
     Every model runs one forward per step over all rows that need it, padded to the widest
@@ -26,7 +61,8 @@ def plan_batch(router, rows: Sequence[RowContext],
     3. the predicted step throughput of each, sum of E[tokens] / predicted step seconds
        (`step_seconds`: every model's forwards at their real rows and widths, pinned rows
        included); the rows' own plans stay unless an alternative is better by more than
-       `persist_margin`, and plain decoding wins unless speculation beats it by that much."""
+       `persist_margin`, and plain decoding wins unless speculation beats it by that much (by
+       `batch_plain_margin` in a multi-row batch)."""
     decisions = [router.decide(r) for r in rows]
     if not rows:
         return decisions
@@ -55,7 +91,11 @@ def plan_batch(router, rows: Sequence[RowContext],
     rate_own, rate_plain = options[0][0], options[1][0]
     rate, best = max(options, key=lambda o: o[0])
     margin = 1.0 + router.config.persist_margin
-    if rate_plain * margin >= rate:
+    # in a multi-row batch a speculating row slows every row of the step: speculation must beat
+    # plain continuous batching by `batch_plain_margin` (its acceptance is an estimate)
+    plain_margin = 1.0 + max(router.config.persist_margin,
+                             router.config.batch_plain_margin if len(rows) + len(pinned) > 1 else 0.0)
+    if rate_plain * plain_margin >= rate:
         best, reason = options[1][1], "batch-plain"
     elif rate_own * margin >= rate:
         return decisions
@@ -83,8 +123,9 @@ def expected_tokens(router, req: RequestState | None, chain: Chain, k: int) -> f
 
 def step_seconds(router, plans: Sequence[tuple[Chain, int]], context_len: int) -> float:
     """Predicted seconds of one engine step running `plans` (one per row): every model's
-    forwards at their real rows and padded widths (the verifier at level j of a row with
-    draft length k gets at most k + j - 1 candidates), drafting steps, the step overhead."""
+    forwards at their real rows and widths (the verifier at level j of a row with draft length
+    k gets at most k + j - 1 candidates; padded to the widest row, or packed: the mean width,
+    for runners that pack ragged batches), drafting steps, the step overhead."""
     verify: dict[str, list[int]] = {}  # model -> widths of the rows it verifies / drafts (first step)
     draft: dict[str, list[int]] = {}  # model drafter -> draft lengths
     speculative = False
@@ -104,8 +145,9 @@ def step_seconds(router, plans: Sequence[tuple[Chain, int]], context_len: int) -
                 total += router.predict(m, len(ks), max(ks), context_len)
             continue
         widths = verify.get(m, []) + [1] * len(ks)
-        if widths:
-            total += router.predict(m, len(widths), max(widths), context_len)
+        if widths:  # a packing runner costs its valid tokens: b rows of the mean width
+            t = sum(widths) / len(widths) if m in router.packed else max(widths)
+            total += router.predict(m, len(widths), t, context_len)
         for i in range(2, max(ks, default=0) + 1):
             total += router.predict(m, sum(1 for k in ks if k >= i), 1, context_len)
     return max(total, 1e-9)

@@ -116,6 +116,7 @@ class Router:
         similarity: SimilarityEstimator | None = None,
         *,
         model_free: Collection[str] = (),
+        packed: Collection[str] = (),
         sizes: Mapping[str, int] | None = None,
         config: RouterConfig | None = None,
         on_decision: Callable[[DecisionEvent], None] | None = None,
@@ -127,6 +128,7 @@ class Router:
         self.order = list(order)
         self.target = target
         self.model_free = frozenset(model_free)
+        self.packed = frozenset(packed)  # models whose ragged forwards cost their valid tokens
         unprofiled = [m for m in self.order if m not in profile and m not in self.model_free]
         if unprofiled:
             raise ValueError(f"no cost profile for {unprofiled}: run specrouter.router.profile.sweep() or CostProfile.load()")
@@ -168,12 +170,21 @@ class Router:
         self._seen: tuple = ()  # what the published evidence was last checked against
         self._changes = 0  # router-side changes of evidence since (overheads, releases, failures)
         self._observed = 0  # observed steps
+        self.plain_hold = None  # batch.PlainHold while the batch stays plain without re-planning
+        self.held_decisions = 0  # row decisions the plain hold made (they log no DecisionEvent)
+
+    @property
+    def observed_steps(self) -> int:
+        """Engine steps observed so far (the clock of the plain hold, router/batch.py)."""
+        return self._observed
 
     @classmethod
     def from_pool(cls, pool, profile: CostProfile, **kwargs) -> "Router":
         """A router over a `Pool` (its order, target, model sizes and model-free drafters)."""
         sizes = {n: int(getattr(r, "num_params", 0)) for n, r in pool.runners.items()}
-        return cls(pool.order, pool.target, profile, model_free=set(pool.drafters), sizes=sizes, **kwargs)
+        packed = {n for n, r in pool.runners.items() if getattr(r, "packs_ragged", False)}
+        return cls(pool.order, pool.target, profile, model_free=set(pool.drafters), packed=packed,
+                   sizes=sizes, **kwargs)
 
     # -- estimates --------------------------------------------------------------------------
     def _request(self, seq_id: int, greedy: bool) -> RequestState:

@@ -75,7 +75,8 @@ class ForwardRecord:
 
     model: str  # pool name (or a model-free drafter's: its proposal)
     rows: int  # b
-    new_tokens: int  # t: new tokens per row, padded width (a model-free drafter: k)
+    new_tokens: float  # t: new tokens per row: the padded width, or the mean width for a
+    #                    runner that packs ragged batches (a model-free drafter: k)
     context_len: int  # L: mean cached positions of the rows before the forward
     seconds: float  # wall time, all `count` forwards together
     count: int = 1  # e.g. a draft model's k sequential one-token steps

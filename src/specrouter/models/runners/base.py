@@ -89,6 +89,9 @@ class ModelRunner(ABC):
     num_params: int  # parameter count (for display and cost priors)
     dtype: torch.dtype  # compute dtype
     device: torch.device
+    # a ragged forward costs its valid tokens (packed), not rows x the widest row (padded): the
+    # cost of a forward is then a function of the mean width, which the router predicts from
+    packs_ragged: bool = False
 
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -246,6 +246,7 @@ class LlamaRunner(ModelRunner):
             raise ValueError(f"kernels must be 'native' or 'torch', got {kernels!r}")
         native = kernels == "native" and dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
         self._ops = rowinv() if native else None
+        self.packs_ragged = self._ops is not None  # _forward_native packs ragged batches
         # every linear on the native kernel with the other native ops, else on torch's
         self._kernel = None if self._ops is not None else kernel_for_torch(dtype, self.device)
         self._norm = self._make_norm()
@@ -475,16 +476,38 @@ class LlamaRunner(ModelRunner):
     def _forward_native(self, batch: ForwardBatch, B: int, T: int, nh: int, D: int) -> torch.Tensor:
         """The forward on the native kernels (kernels/rowinv.cpp): per layer one norm, the qkv
         linear, RoPE + cache write + attention in one op, the o linear with the residual, one
-        norm, the gate|up linear, silu * up in one op, the down linear with the residual."""
+        norm, the gate|up linear, silu * up in one op, the down linear with the residual.
+
+        A ragged batch runs its linears, norms and activations on its valid tokens only, packed
+        (N = sum of num_tokens rows, not B*T): a row's result does not depend on the rows beside
+        it (the kernels are row-invariant), so packing changes no bit, and a step where one row
+        verifies 5 tokens beside 7 plain rows costs 12 rows, not 40. Only attention sees the
+        padded (B, T) layout: its input is scattered there and its output gathered back."""
         ops, norm, H = self._ops, self._norm, self.arch.hidden_size
         rope_attention, silu_mul = ops.rope_attention, ops.silu_mul
         cos, sin, slots, starts, nums = self._cos, self._sin, batch.slots, batch.starts, batch.num_tokens
-        x = self._embed_fn(batch.tokens).view(B * T, H)  # (N, H)
+        valid = None  # (N,) int64 flat indices into B*T of the valid tokens, when ragged
+        if sum(batch.num_tokens_list) < B * T:
+            valid = torch.nonzero((self._arange[:T] < nums[:, None]).view(-1)).flatten()
+            x = self._embed_fn(batch.tokens.view(-1).index_select(0, valid))  # (N, H)
+        else:
+            x = self._embed_fn(batch.tokens).view(B * T, H)  # (N, H)
         for (ln1, w_qkv, w_o, ln2, w_gu, w_down), kc, vc in zip(self._layers, self._k, self._v):
-            qkv = linear(norm(x, ln1), w_qkv).view(B, T, -1, D)  # (B, T, nh + 2 nkv, D)
-            o = rope_attention(qkv, nh, cos, sin, kc, vc, slots, starts, nums)  # (B, T, nh, D)
-            x = linear_add(x, o.view(B * T, nh * D), w_o)
+            qkv = linear(norm(x, ln1), w_qkv)  # (N, (nh + 2 nkv) D)
+            if valid is not None:  # padding tokens: zeros, neither written nor attended
+                qkv = qkv.new_zeros(B * T, qkv.shape[1]).index_copy_(0, valid, qkv)
+            o = rope_attention(qkv.view(B, T, -1, D), nh, cos, sin, kc, vc, slots, starts, nums)  # (B, T, nh, D)
+            o = o.view(B * T, nh * D)
+            if valid is not None:
+                o = o.index_select(0, valid)  # (N, nh D)
+            x = linear_add(x, o, w_o)
             x = linear_add(x, silu_mul(linear(norm(x, ln2), w_gu)), w_down)  # (N, 2I) -> (N, I)
+        if valid is not None:  # row b's token i is packed row offset[b] + i
+            offsets = torch.cumsum(nums, 0) - nums  # (B,)
+            rows = (offsets[:, None] + batch.logit_positions).view(-1)  # (B*G,)
+            G = batch.logit_positions.shape[1]
+            x = x.index_select(0, rows).view(B, G, H)
+            return self._logits_fn(norm(x, self._final_norm)).to(self._logits_dtype)
         return self._logits(batch, x, B, T)
 
     def _logits(self, batch: ForwardBatch, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
