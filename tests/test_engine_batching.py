@@ -5,6 +5,7 @@ plans the batch (plain decoding when the cost surface makes batching win)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -219,3 +220,37 @@ def test_router_speculates_when_forwards_stay_flat():
     plain_step = router.step_seconds([(("target",), 0)] * 8, 200)
     spec_step = router.step_seconds([(d.chain, d.k) for d in eight], 200)
     assert spec_step > plain_step  # drafting costs something; the tokens pay for it
+
+
+def test_plain_hold_skips_replanning_until_rows_change():
+    """Where plain batching wins, the verdict holds for 2, 4, ... steps without re-planning (no
+    per-row decide), ends when a row joins, and a hold of 0 re-plans every step."""
+    def target(b, t, L):
+        return 0.040 if b == 1 else 0.040 + 0.020 * (t - 1) * b / 4
+
+    router = scripted_router(target)
+    decides = Counter()
+    inner = router.decide
+    router.decide = lambda row: (decides.update([row.seq_id]), inner(row))[1]
+    router.plan_batch(rows_of(8))  # planned: plain wins, hold 2 steps
+    assert sum(decides.values()) == 8 and router.plain_hold.span == 2
+    held = router.plan_batch(rows_of(8))
+    assert sum(decides.values()) == 8 and router.held_decisions == 8  # no decide: held
+    assert all(d.chain == ("target",) and d.k == 0 for d in held)
+    router._observed += 2  # two steps later the hold is over: plan again, hold twice as long
+    router.plan_batch(rows_of(8))
+    assert sum(decides.values()) == 16 and router.plain_hold.span == 4
+    router.plan_batch(rows_of(9))  # a row joined: planned afresh
+    assert sum(decides.values()) == 25
+    no_hold = scripted_router(target)
+    no_hold.config = dataclasses.replace(no_hold.config, plain_hold_max=0)
+    no_hold.plan_batch(rows_of(8))
+    no_hold.plan_batch(rows_of(8))
+    assert no_hold.held_decisions == 0 and no_hold.plain_hold is None
+
+
+def test_single_row_is_never_held():
+    router = scripted_router(lambda b, t, L: 0.040 if b == 1 else 0.1 * b * t)
+    for _ in range(3):
+        assert router.plan_batch(rows_of(1))[0].k > 0
+    assert router.held_decisions == 0

@@ -431,3 +431,40 @@ def test_sliding_window_and_context_limits(ckpt, tmp_path):
     ids = _ids(1, 40, seed=5)
     out = run(runner, [2], [0], [ids[0]], [[39]])
     assert_close(out[0], hf_logits(ckpt("llama-tied"), ids)[0, 39:])
+
+
+def test_native_kernels_run_a_ragged_batch_on_its_valid_tokens_only(ckpt, monkeypatch):
+    """A ragged batch on the native kernels costs its valid tokens: every linear gets
+    sum(num_tokens) rows, not rows x the widest row, and each row's logits are bitwise those
+    of the row run alone (the kernels are row-invariant, so packing changes no bit)."""
+    from specrouter.models.runners.kernels import rowinv
+
+    if rowinv() is None:
+        pytest.skip("native kernels unavailable here")
+    path = ckpt("llama-tied")
+    native = load_llama_runner(path, dtype=torch.float32, num_slots=3, max_len=32)
+    solo = load_llama_runner(path, dtype=torch.float32, num_slots=1, max_len=32)
+    assert native.packs_ragged
+    ids = _ids(3, 20, seed=4)
+    for slot in range(3):
+        run(native, [slot], [0], [ids[slot, :6]], [[5]])
+    rows_seen = []
+
+    class Counting:
+        def __getattr__(self, name):
+            op = getattr(rowinv(), name)
+            if name != "linear":
+                return op
+            return lambda x, *a, **k: (rows_seen.append(x.shape[0]), op(x, *a, **k))[1]
+
+    widths = [5, 1, 2]
+    new = [ids[b, 6 : 6 + n] for b, n in enumerate(widths)]
+    from specrouter.models.runners import linear as linear_module
+
+    monkeypatch.setattr(linear_module, "_rowinv", Counting())
+    out = run(native, [0, 1, 2], [6] * 3, new)
+    monkeypatch.undo()
+    assert set(rows_seen) == {sum(widths)}  # every linear: 8 rows, not 3 x 5 = 15
+    for b, n in enumerate(widths):
+        run(solo, [0], [0], [ids[b, :6]], [[5]])
+        assert torch.equal(out[b, :n], run(solo, [0], [6], [new[b]])[0])

@@ -98,6 +98,8 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
             over[field] = tuple(getattr(args, field))
     if args.ks:
         over["k"] = args.ks[0]
+    if args.max_levels is not None:  # the deepest static chain
+        over["static_levels"] = args.max_levels
     over["out_dir"] = args.out_dir or "bench-out/serve"
     over["plots"] = not args.no_plots
     cfg = ServeBenchConfig.quick_preset(**over) if args.quick else ServeBenchConfig(**over)

@@ -504,10 +504,11 @@ class LlamaRunner(ModelRunner):
             x = linear_add(x, silu_mul(linear(norm(x, ln2), w_gu)), w_down)  # (N, 2I) -> (N, I)
         if valid is not None:  # row b's token i is packed row offset[b] + i
             offsets = torch.cumsum(nums, 0) - nums  # (B,)
-            rows = (offsets[:, None] + batch.logit_positions).view(-1)  # (B*G,)
             G = batch.logit_positions.shape[1]
-            x = x.index_select(0, rows).view(B, G, H)
-            return self._logits_fn(norm(x, self._final_norm)).to(self._logits_dtype)
+            rows = (offsets[:, None] + batch.logit_positions).view(-1)  # (B*G,), padding repeats
+            wanted, where = torch.unique(rows, return_inverse=True)  # the head runs once per position
+            logits = self._logits_fn(norm(x.index_select(0, wanted)[None], self._final_norm))[0]  # (U, vocab)
+            return logits.index_select(0, where).view(B, G, -1).to(self._logits_dtype)
         return self._logits(batch, x, B, T)
 
     def _logits(self, batch: ForwardBatch, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
