@@ -224,7 +224,8 @@ def test_router_speculates_when_forwards_stay_flat():
 
 def test_plain_hold_skips_replanning_until_rows_change():
     """Where plain batching wins, the verdict holds for 2, 4, ... steps without re-planning (no
-    per-row decide), ends when a row joins, and a hold of 0 re-plans every step."""
+    per-row decide), through rows joining (more rows only favour plain batching), not through a
+    row leaving; a hold of 0 re-plans every step."""
     def target(b, t, L):
         return 0.040 if b == 1 else 0.040 + 0.020 * (t - 1) * b / 4
 
@@ -240,8 +241,10 @@ def test_plain_hold_skips_replanning_until_rows_change():
     router._observed += 2  # two steps later the hold is over: plan again, hold twice as long
     router.plan_batch(rows_of(8))
     assert sum(decides.values()) == 16 and router.plain_hold.span == 4
-    router.plan_batch(rows_of(9))  # a row joined: planned afresh
-    assert sum(decides.values()) == 25
+    router.plan_batch(rows_of(9))  # a row joined: still held
+    assert sum(decides.values()) == 16 and router.held_decisions == 17
+    router.plan_batch(rows_of(7))  # a row left: planned afresh
+    assert sum(decides.values()) == 23
     no_hold = scripted_router(target)
     no_hold.config = dataclasses.replace(no_hold.config, plain_hold_max=0)
     no_hold.plan_batch(rows_of(8))

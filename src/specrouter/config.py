@@ -184,7 +184,7 @@ class RouterConfig:
     decision_refresh: int = 128  # republish at least every this many observed steps (slow profile refinements)
     # plain hold (router/batch.py): after the batch planner found plain decoding best for a
     # multi-row batch, the same number of rows stays plain without re-planning for 2, 4, ...
-    # up to this many steps (0: re-plan every step); rows joining or leaving end the hold
+    # up to this many steps (0: re-plan every step); a row leaving ends the hold
     plain_hold_max: int = 16
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
     # batching by this fraction (a speculating row slows every row of the step; acceptance is

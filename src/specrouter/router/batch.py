@@ -19,7 +19,7 @@ class PlainHold:
     """The batch planner's last verdict was plain decoding for this many rows: they stay plain
     until step `until` (the router's observed steps) without re-planning."""
 
-    rows: int  # rows + pinned rows of the batch it was found for
+    rows: int  # rows + pinned rows of the batch it was found for (it holds for as many or more)
     until: int  # observed step at which the batch is planned again
     span: int  # steps of this hold (doubles while the verdict repeats)
 
@@ -28,20 +28,22 @@ def plan_batch(router, rows: Sequence[RowContext],
                pinned: Sequence[tuple[Chain, int]] = ()) -> list[Decision]:
     """`plan_batch_afresh`, or plain decoding for every row while a plain hold lasts: under
     load, where plain continuous batching wins, re-planning every step would cost the router
-    a few ms of every ~70 ms step for the same answer. The hold ends when rows join or leave,
-    and grows 2, 4, ... up to `RouterConfig.plain_hold_max` steps while the verdict repeats."""
+    a few ms of every ~70 ms step for the same answer. The hold ends when a row leaves (fewer
+    rows make speculation cheaper; more rows only make plain batching stronger, so joins keep
+    it), and grows 2, 4, ... up to `RouterConfig.plain_hold_max` steps while the verdict
+    repeats."""
     if not rows:
         return []
     hold: PlainHold | None = router.plain_hold
     n = len(rows) + len(pinned)
-    if hold is not None and hold.rows == n and router.observed_steps < hold.until:
+    if hold is not None and n >= hold.rows and router.observed_steps < hold.until:
         plain = (router.target,)
         router.held_decisions += len(rows)  # decided by the hold (no DecisionEvent each)
         return [Decision(plain, 0, math.nan, "batch-plain", 0.0) for _ in rows]
     decisions = plan_batch_afresh(router, rows, pinned)
     limit = router.config.plain_hold_max
     if n > 1 and limit > 0 and all(d.k == 0 or len(d.chain) == 1 for d in decisions):
-        span = min(limit, 2 * hold.span if hold is not None and hold.rows == n else 2)
+        span = min(limit, 2 * hold.span if hold is not None else 2)
         router.plain_hold = PlainHold(n, router.observed_steps + span, span)
     else:
         router.plain_hold = None
