@@ -257,3 +257,12 @@ def test_single_row_is_never_held():
     for _ in range(3):
         assert router.plan_batch(rows_of(1))[0].k > 0
     assert router.held_decisions == 0
+
+
+def test_no_speculation_planned_beyond_the_swept_batch_sizes():
+    """Flat costs make every row speculate at 8 rows (the largest swept); at 9 rows the cost
+    would be extrapolated: the batch decodes plainly."""
+    router = scripted_router(lambda b, t, L: 0.040)
+    assert all(d.k > 0 for d in router.plan_batch(rows_of(8)))
+    nine = router.plan_batch(rows_of(9))
+    assert all(d.chain == ("target",) and d.k == 0 for d in nine)

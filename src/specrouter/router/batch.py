@@ -65,11 +65,15 @@ def plan_batch_afresh(router, rows: Sequence[RowContext],
        included); the rows' own plans stay unless an alternative is better by more than
        `persist_margin`, and plain decoding wins unless speculation beats it by that much (by
        `batch_plain_margin` in a multi-row batch)."""
+    plain = (router.target,)
+    if len(rows) + len(pinned) > router.profile.max_batch(router.target):
+        # beyond the swept batch sizes the step's cost is a linear extrapolation: no
+        # speculation is planned on it (measured: 16 rows speculated where plain won by 10-17%)
+        return [Decision(plain, 0, math.nan, "batch-plain", 0.0) for _ in rows]
     decisions = [router.decide(r) for r in rows]
     if not rows:
         return decisions
     L = max(1, sum(r.context_len for r in rows) // len(rows))
-    plain = (router.target,)
     reqs = [router.requests.get(r.seq_id) for r in rows]
 
     def option(plans: list[tuple[Chain, int]]) -> tuple[float, list[tuple[Chain, int]]]:

@@ -251,6 +251,10 @@ class CostProfile:
         m = self._table(name)
         return m.speed * m.shape_row(b, L, t_max)
 
+    def max_batch(self, name: str) -> int:
+        """The largest batch size (rows) swept for `name`: beyond it predictions extrapolate."""
+        return int(self._table(name).batch_sizes[-1])
+
     def speed(self, name: str) -> float:
         """The online factor over the swept shape (1: as swept; 3: three times slower)."""
         return self._table(name).speed
