@@ -213,7 +213,8 @@ class RouterConfig:
             raise ValueError("overhead_alpha must be in (0, 1], context_bucket and log_size >= 1")
         if min(self.decision_tolerance, self.decision_hit_tolerance, self.decision_time_tolerance) < 0 \
                 or self.decision_refresh < 1 or self.plain_hold_max < 0 or self.batch_plain_margin < 0:
-            raise ValueError("decision tolerances and plain_hold_max must be >= 0, decision_refresh >= 1")
+            raise ValueError("decision tolerances, plain_hold_max and batch_plain_margin must be >= 0, "
+                             "decision_refresh >= 1")
         if not isinstance(self.similarity, SimilarityConfig) or not isinstance(self.profile, ProfileConfig):
             raise ValueError("similarity and profile must be a SimilarityConfig and a ProfileConfig")
 

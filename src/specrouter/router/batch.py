@@ -37,9 +37,8 @@ def plan_batch(router, rows: Sequence[RowContext],
     hold: PlainHold | None = router.plain_hold
     n = len(rows) + len(pinned)
     if hold is not None and n >= hold.rows and router.observed_steps < hold.until:
-        plain = (router.target,)
         router.held_decisions += len(rows)  # decided by the hold (no DecisionEvent each)
-        return [Decision(plain, 0, math.nan, "batch-plain", 0.0) for _ in rows]
+        return all_plain(router, rows)
     decisions = plan_batch_afresh(router, rows, pinned)
     limit = router.config.plain_hold_max
     if n > 1 and limit > 0 and all(d.k == 0 or len(d.chain) == 1 for d in decisions):
@@ -65,14 +64,12 @@ def plan_batch_afresh(router, rows: Sequence[RowContext],
        included); the rows' own plans stay unless an alternative is better by more than
        `persist_margin`, and plain decoding wins unless speculation beats it by that much (by
        `batch_plain_margin` in a multi-row batch)."""
-    plain = (router.target,)
     if len(rows) + len(pinned) > router.profile.max_batch(router.target):
         # beyond the swept batch sizes the step's cost is a linear extrapolation: no
         # speculation is planned on it (measured: 16 rows speculated where plain won by 10-17%)
-        return [Decision(plain, 0, math.nan, "batch-plain", 0.0) for _ in rows]
+        return all_plain(router, rows)
+    plain = (router.target,)
     decisions = [router.decide(r) for r in rows]
-    if not rows:
-        return decisions
     L = max(1, sum(r.context_len for r in rows) // len(rows))
     reqs = [router.requests.get(r.seq_id) for r in rows]
 
@@ -114,6 +111,12 @@ def plan_batch_afresh(router, rows: Sequence[RowContext],
             d = Decision(c, k, d.t_eff, reason, d.min_confidence if c == d.chain else 0.0)
         out.append(d)
     return out
+
+
+def all_plain(router, rows: Sequence[RowContext]) -> list[Decision]:
+    """Plain decoding for every row, decided for the batch (no per-row decide)."""
+    plain = (router.target,)
+    return [Decision(plain, 0, math.nan, "batch-plain", 0.0) for _ in rows]
 
 
 def expected_tokens(router, req: RequestState | None, chain: Chain, k: int) -> float:

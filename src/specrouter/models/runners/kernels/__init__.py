@@ -5,7 +5,7 @@
 `rowinv()` returns `torch.ops.specrouter_rowinv` (all of those ops) or None where
 they cannot run: a CPU without AVX2/FMA, no C++ compiler, a torch without the extension
 tooling, or `SPECROUTER_KERNELS=torch` in the environment (the portable torch kernels then
-serve, see runners/linear.py). The first call compiles rowinv.cpp with torch's C++ extension
+serve, see runners/linear.py). The first call compiles rowinv.cpp and noise.cpp with torch's C++ extension
 builder (about 25 s on 2 cores, once per machine and torch version: the build is cached under
 ~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR).
 """
