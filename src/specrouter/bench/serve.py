@@ -2,7 +2,9 @@
 
 A `specrouter serve` subprocess on 127.0.0.1 (a free port) is driven by the `openai` async client
 at each concurrency level with the same mixed request stream (code, prose, chat, extraction),
-greedy and at t=0.7, for every system in one run, one system after another per level:
+greedy and at t=0.7, for every system in one run, one system after another per level; router
+and plain run `rounds` times per level, alternating which goes first (so neither is always the
+first after a level change), and their figures pool the rounds:
 - `router`: the adaptive router (no chain in the request);
 - `plain`: plain continuous batching of the target (`"specrouter_chain": [target]`);
 - `static <chain>`: each static chain of the pool up to 3 levels at draft length `k`; the best
@@ -46,11 +48,12 @@ class ServeBenchConfig:
     out_dir: str = "bench-out/serve"
     plots: bool = True
     seed: int = 0  # request i of a level samples with seed + i
+    rounds: int = 2  # router and plain per level, alternating which goes first (statics once)
     startup_timeout: float = 600.0  # seconds for the server to load the pool (and sweep)
 
     @staticmethod
     def quick_preset(**over) -> "ServeBenchConfig":
-        base = dict(concurrency=(1, 2, 4), requests=4, max_new_tokens=16, temperatures=(0.0, 0.7))
+        base = dict(concurrency=(1, 2, 4), requests=4, max_new_tokens=16, temperatures=(0.0, 0.7), rounds=1)
         base.update(over)
         return ServeBenchConfig(**base)
 
@@ -74,7 +77,25 @@ class LevelResult:
     ttft_p99: float
     tpot_p50: float | None
     tpot_p99: float | None
+    wall: float = 0.0  # seconds of the level (all its rounds)
     results: list[RequestResult] = field(default_factory=list)
+
+
+def level_result(system: str, temperature: float, concurrency: int, wall: float,
+                 done: list[RequestResult]) -> LevelResult:
+    return LevelResult(system=system, temperature=temperature, concurrency=concurrency,
+                       tokens_per_s=sum(r.tokens for r in done) / wall,
+                       ttft_p50=quantile([r.ttft for r in done], 0.5), ttft_p99=quantile([r.ttft for r in done], 0.99),
+                       tpot_p50=quantile([r.tpot for r in done], 0.5), tpot_p99=quantile([r.tpot for r in done], 0.99),
+                       wall=wall, results=done)
+
+
+def pooled(runs: list[LevelResult]) -> LevelResult:
+    """One system's rounds at one level as one result: tokens over the summed wall time,
+    quantiles over every request."""
+    first = runs[0]
+    return level_result(first.system, first.temperature, first.concurrency,
+                        sum(r.wall for r in runs), [x for r in runs for x in r.results])
 
 
 def prompts(n: int) -> list[tuple[str, bool]]:
@@ -179,10 +200,11 @@ async def one_request(client, model: str, prompt: str, chat: bool, temperature: 
 
 
 async def run_level(base_url: str, model: str, cfg: ServeBenchConfig, temperature: float, concurrency: int,
-                    system: str, extra: dict) -> LevelResult:
+                    system: str, extra: dict, round_: int = 0) -> LevelResult:
     from openai import AsyncOpenAI
 
-    key = f"bench|{system}|t={temperature}|c={concurrency}"  # its own learned statistics (--suffix-scope)
+    # its own learned statistics (--suffix-scope): no round learns from another's outputs
+    key = f"bench|{system}|t={temperature}|c={concurrency}|round={round_}"
     client = AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
     reqs = prompts(max(cfg.requests, concurrency))
     results: list[RequestResult | None] = [None] * len(reqs)
@@ -204,12 +226,7 @@ async def run_level(base_url: str, model: str, cfg: ServeBenchConfig, temperatur
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     await client.close()
-    done = [r for r in results if r is not None]
-    return LevelResult(system=system, temperature=temperature, concurrency=concurrency,
-                       tokens_per_s=sum(r.tokens for r in done) / wall,
-                       ttft_p50=quantile([r.ttft for r in done], 0.5), ttft_p99=quantile([r.ttft for r in done], 0.99),
-                       tpot_p50=quantile([r.tpot for r in done], 0.5), tpot_p99=quantile([r.tpot for r in done], 0.99),
-                       results=done)
+    return level_result(system, temperature, concurrency, wall, [r for r in results if r is not None])
 
 
 def static_chains(order: list[str], target: str, levels: int) -> list[tuple[str, ...]]:
@@ -244,20 +261,24 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
         mismatches = []
         for temperature in cfg.temperatures:
             for c in cfg.concurrency:
-                by_system = {}
-                for name, extra in systems.items():
-                    lv = asyncio.run(run_level(base, model, cfg, temperature, c, name, extra))
-                    levels.append(lv)
-                    by_system[name] = lv
-                    log(f"t={temperature} c={c} {name}: {lv.tokens_per_s:.1f} tok/s, "
-                        f"ttft p50 {lv.ttft_p50 * 1e3:.0f} ms, tpot p99 "
-                        f"{(lv.tpot_p99 or 0) * 1e3:.0f} ms")
+                runs: dict[str, list[LevelResult]] = {name: [] for name in systems}
+                for r in range(max(1, cfg.rounds)):
+                    # round 0: every system; later rounds: router and plain, alternating first
+                    names = list(systems) if r == 0 else ["plain", "router"][::1 if r % 2 else -1]
+                    for name in names:
+                        lv = asyncio.run(run_level(base, model, cfg, temperature, c, name, systems[name], r))
+                        runs[name].append(lv)
+                        log(f"t={temperature} c={c} {name} (round {r + 1}): {lv.tokens_per_s:.1f} tok/s, "
+                            f"ttft p50 {lv.ttft_p50 * 1e3:.0f} ms, tpot p99 "
+                            f"{(lv.tpot_p99 or 0) * 1e3:.0f} ms")
+                levels += [pooled(rs) for rs in runs.values()]
                 if temperature == 0.0:
-                    ref = by_system["plain"].results
-                    for name, lv in by_system.items():
-                        for i, (a, b) in enumerate(zip(ref, lv.results)):
-                            if a.text != b.text:
-                                mismatches.append({"system": name, "concurrency": c, "request": i})
+                    ref = runs["plain"][0].results
+                    for name, rs in runs.items():
+                        for lv in rs:
+                            for i, (a, b) in enumerate(zip(ref, lv.results)):
+                                if a.text != b.text:
+                                    mismatches.append({"system": name, "concurrency": c, "request": i})
     finally:
         proc.terminate()
         try:

@@ -40,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-per-type", type=int, default=None, help="default 3 (1..6)")
     p.add_argument("--mixed-block", type=int, default=None,
                    help="the mixed stream changes type every N requests (default 2)")
-    p.add_argument("--repeat", type=int, default=None, help="passes over each workload (default 1)")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="passes over each workload (default 1); --serve: rounds of router and plain per "
+                        "level, alternating which runs first (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64")
     p.add_argument("--temperatures", type=float, nargs="+", default=None, help="default: 0 0.7")
     p.add_argument("--ks", type=int, nargs="+", default=None,
@@ -90,7 +92,8 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
 
     over = {}
     for field, name in (("threads", "threads"), ("dtype", "dtype"), ("target", "target"),
-                        ("max_new_tokens", "max_new_tokens"), ("requests", "requests"), ("seed", "seed")):
+                        ("max_new_tokens", "max_new_tokens"), ("requests", "requests"), ("seed", "seed"),
+                        ("repeat", "rounds")):
         if getattr(args, field) is not None:
             over[name] = getattr(args, field)
     for field in ("models", "concurrency", "temperatures"):
