@@ -264,7 +264,7 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
                 runs: dict[str, list[LevelResult]] = {name: [] for name in systems}
                 for r in range(max(1, cfg.rounds)):
                     # round 0: every system; later rounds: router and plain, alternating first
-                    names = list(systems) if r == 0 else ["plain", "router"][::1 if r % 2 else -1]
+                    names = list(systems) if r == 0 else ("plain", "router") if r % 2 else ("router", "plain")
                     for name in names:
                         lv = asyncio.run(run_level(base, model, cfg, temperature, c, name, systems[name], r))
                         runs[name].append(lv)
