@@ -411,6 +411,37 @@ class LlamaRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        B, T = batch.tokens.shape
+        return self._logits(batch, self._hidden(batch), B, T)
+
+    @torch.inference_mode()
+    def forward_with_features(
+        self, batch: ForwardBatch, inputs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, plus the target features a feature-level draft head (heads/) reads:
+        (logits (B, G, vocab) as `forward` returns them, features (B, T, H)), features being
+        the last decoder layer's output at EVERY new token, before the final norm, in the
+        runner's dtype (padding positions of a ragged batch hold garbage).
+
+        Pre-norm is the residual stream itself; the normed one (the LM head's input) is
+        `final_norm(features)`, the same op the logits went through. The features of a position
+        are bitwise the same whatever the row count and grouping of the forward, like the
+        logits (tests/test_head_features.py). `forward` pays nothing for this method.
+
+        `inputs` (B*T, H), in the runner's dtype, replaces the token embeddings as the first
+        layer's input (a feature-level draft head feeds its fused [feature, token] input so)."""
+        B, T = batch.tokens.shape
+        x = self._hidden(batch, inputs)  # (N, H)
+        return self._logits(batch, x, B, T), x.view(B, T, self.arch.hidden_size)
+
+    def final_norm(self, features: torch.Tensor) -> torch.Tensor:
+        """(.., H) pre-norm features -> the final RMSNorm's output (the LM head's input), with
+        the op the runner's logits use."""
+        return self._norm(features, self._final_norm)
+
+    def _hidden(self, batch: ForwardBatch, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder stack: (N, H) after the last layer, before the final norm, N = B*T;
+        its input the token embeddings, or `inputs` (N, H)."""
         a = self.arch
         B, T = batch.tokens.shape
         nh, nkv, D = a.num_heads, a.num_kv_heads, a.head_dim
@@ -423,7 +454,7 @@ class LlamaRunner(ModelRunner):
                 "reserve() a longer cache"
             )
         if self._ops is not None:  # the native kernels index slots and positions themselves
-            return self._forward_native(batch, B, T, nh, D)
+            return self._hidden_native(batch, B, T, nh, D, inputs)
         s0 = slots[0]
         contiguous = slots == list(range(s0, s0 + B))
         start = starts[0]
@@ -443,7 +474,8 @@ class LlamaRunner(ModelRunner):
             mask = (ar[:Lp] <= pos.repeat(1, groups)[..., None]).unsqueeze(1)  # (B, 1, groups*T, Lp)
         blocked = blocked_keys(mask)  # once per forward, not per layer
 
-        x = self._embed_fn(batch.tokens).view(B * T, H)  # (N, H), N = B*T: 2-D so linears are one mm
+        # (N, H), N = B*T: 2-D so linears are one mm
+        x = self._embed_fn(batch.tokens).view(B * T, H) if inputs is None else inputs
         for (ln1, w_qkv, w_o, ln2, w_gu, w_down), kc, vc, kw, vw in zip(
             self._layers, self._k, self._v, self._kw, self._vw
         ):
@@ -470,22 +502,23 @@ class LlamaRunner(ModelRunner):
             x = linear_add(x, o, w_o)  # residual fused into the matmul
             gu = linear(norm(x, ln2), w_gu)  # (N, 2I)
             x = linear_add(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
-        return self._logits(batch, x, B, T)
+        return x
 
-    def _forward_native(self, batch: ForwardBatch, B: int, T: int, nh: int, D: int) -> torch.Tensor:
-        """The forward on the native kernels (kernels/rowinv.cpp): per layer one norm, the qkv
+    def _hidden_native(self, batch: ForwardBatch, B: int, T: int, nh: int, D: int,
+                       inputs: torch.Tensor | None) -> torch.Tensor:
+        """The decoder stack on the native kernels (kernels/rowinv.cpp): per layer one norm, the qkv
         linear, RoPE + cache write + attention in one op, the o linear with the residual, one
         norm, the gate|up linear, silu * up in one op, the down linear with the residual."""
         ops, norm, H = self._ops, self._norm, self.arch.hidden_size
         rope_attention, silu_mul = ops.rope_attention, ops.silu_mul
         cos, sin, slots, starts, nums = self._cos, self._sin, batch.slots, batch.starts, batch.num_tokens
-        x = self._embed_fn(batch.tokens).view(B * T, H)  # (N, H)
+        x = self._embed_fn(batch.tokens).view(B * T, H) if inputs is None else inputs  # (N, H)
         for (ln1, w_qkv, w_o, ln2, w_gu, w_down), kc, vc in zip(self._layers, self._k, self._v):
             qkv = linear(norm(x, ln1), w_qkv).view(B, T, -1, D)  # (B, T, nh + 2 nkv, D)
             o = rope_attention(qkv, nh, cos, sin, kc, vc, slots, starts, nums)  # (B, T, nh, D)
             x = linear_add(x, o.view(B * T, nh * D), w_o)
             x = linear_add(x, silu_mul(linear(norm(x, ln2), w_gu)), w_down)  # (N, 2I) -> (N, I)
-        return self._logits(batch, x, B, T)
+        return x  # (N, H)
 
     def _logits(self, batch: ForwardBatch, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
         """x (N, H) after the last layer -> logits (B, G, vocab) at the asked positions."""
