@@ -274,3 +274,32 @@ def test_head_config_from_the_cli_flags(tmp_path):
     for bad in ({"unroll": 0}, {"lr": 0.0}, {"save_dtype": "int8"}, {"steps": -1}, {"ce_weight": 2.0}):
         with pytest.raises(SpecRouterError):
             HeadDistillConfig(target="t", out_dir="o", **bad)
+
+
+def test_generated_corpus_carries_the_runners_features_and_labels(target, tmp_path):
+    """heads/generate.py: rows the target writes in batched 1-token steps carry the features and
+    greedy labels a whole-row forward computes (row invariance), and greedy rows follow them."""
+    from transformers import AutoTokenizer
+
+    from specrouter.distill.corpus import CorpusSpec, load_corpus
+    from specrouter.heads.features import compute_features
+    from specrouter.heads.generate import generate_corpus
+
+    runner = load_llama_runner(target, dtype=torch.float32, num_slots=32, max_len=64)
+    spec = CorpusSpec(target=str(target), vocab_size=320, corpus_tokens=300, generated_fraction=1.0,
+                      seq_len=40, teacher_topk=4, temperature=0.7, greedy_fraction=0.5, eval_fraction=0.2,
+                      seed=0)
+    generate_corpus(runner, AutoTokenizer.from_pretrained(str(target)), spec, tmp_path / "c", tmp_path / "f",
+                    progress=False)
+    corpus = load_corpus(tmp_path / "c")
+    made = compute_features(runner, corpus, tmp_path / "f", progress=False)  # loads the generated shards
+    again = compute_features(runner, corpus, tmp_path / "f2", progress=False)  # whole-row forwards
+    for r in range(len(corpus.tokens)):
+        L = int(corpus.lengths[r])
+        assert torch.equal(made.features[r, : L - 1], again.features[r, : L - 1])
+        assert torch.equal(made.labels[r, : L - 1], again.labels[r, : L - 1]) and int(made.labels[r, L - 1]) == -1
+        assert torch.equal(corpus.topk_ids[r, : L - 1, 0].long(), made.labels[r, : L - 1])
+    # past the prompts (at most 10 tokens at seq_len 40) greedy rows follow their labels
+    follows = [bool((corpus.tokens[r, 11 : int(corpus.lengths[r])]
+                     == made.labels[r, 10 : int(corpus.lengths[r]) - 1]).all()) for r in range(len(corpus.tokens))]
+    assert any(follows) and not all(follows)  # greedy rows follow the labels, sampled ones do not

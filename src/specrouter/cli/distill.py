@@ -67,7 +67,7 @@ def head_config_from_args(target, args: argparse.Namespace):
         seq_len=args.seq_len, unroll=args.unroll, noise=args.noise, seed=args.seed,
         resume=not args.no_resume, threads=args.threads, corpus_dir=args.corpus_dir,
         features_dir=args.features_dir, eval_depth=args.eval_depth, compare_draft=compare,
-        **_given(args, "steps", "lr", "corpus_tokens", "generated_fraction"),
+        **_given(args, "steps", "lr", "corpus_tokens"),
     )
 
 
@@ -112,7 +112,7 @@ def register(sub) -> None:
                    help="distillation corpus size (default 300000; --head 150000)")
     p.add_argument("--generated-fraction", type=float, default=None,
                    help="share of the corpus the target writes itself, the rest stdlib and docs "
-                        "(default 0.6; --head 0.75)")
+                        "(default 0.6; --head writes all of its corpus on the native runner)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")

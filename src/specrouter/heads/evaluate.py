@@ -96,12 +96,13 @@ def drafter_report(row_preds, corpus, features_labels: torch.Tensor, rows: torch
         if L < 3:
             continue
         tokens, labels = corpus.tokens[r, :L], features_labels[r, :L]
+        labelled = int((labels >= 0).sum())  # a generated row's last token has no label
         preds = row_preds(r)
         d1 = preds[0] == labels[1:L] if head else preds[1:L] == labels[1:L]  # positions 1..L-1
         h = hit_d1.setdefault(names[int(corpus.source[r])], [0, 0])
-        h[0] += int(d1.sum())
-        h[1] += L - 1
-        starts = greedy_starts(tokens, labels, L, k)
+        h[0] += int((d1 & (labels[1:L] >= 0)).sum())
+        h[1] += labelled - 1
+        starts = greedy_starts(tokens, labels, labelled, k)
         if len(starts):
             chains.append(head_hits(preds, labels, starts) if head else draft_hits(preds, labels, starts, k))
     hits = torch.cat(chains) if chains else torch.zeros(0, k, dtype=torch.bool)

@@ -34,7 +34,7 @@ from specrouter.heads.evaluate import (
     head_step_ms,
     target_step_ms,
 )
-from specrouter.heads.features import Features, compute_features
+from specrouter.heads.features import SHARD_ROWS, Features, compute_features
 from specrouter.heads.loss import depth_loss
 from specrouter.heads.model import (
     EagleHead,
@@ -68,7 +68,7 @@ class HeadDistillConfig:
     # the corpus (distill/corpus.py), built if `corpus_dir` holds no finished one
     corpus_dir: str | Path | None = None  # default OUT_DIR/corpus
     corpus_tokens: int = 150_000
-    generated_fraction: float = 0.75
+    generated_fraction: float = 1.0  # recorded only: a head's own corpus is all target-written
     seq_len: int = 256
     teacher_topk: int = 32
     temperature: float = 0.7
@@ -140,23 +140,24 @@ class HeadReport:
     history: list[dict] = field(default_factory=list)
 
 
-def _load_corpus(cfg: HeadDistillConfig, vocab: int):
-    """(corpus, seconds spent building it): a finished corpus in corpus_path, else built there
-    with a bfloat16 transformers copy of the target (distill/corpus.py)."""
-    from specrouter.distill.corpus import CorpusSpec, build_corpus, load_corpus
+def _load_corpus(cfg: HeadDistillConfig, vocab: int, runner):
+    """(corpus, seconds spent building it): a finished corpus in corpus_path (a draft's corpus
+    works: its features are then computed), else one the target writes on the native runner,
+    features included (heads/generate.py)."""
+    from transformers import AutoTokenizer
 
-    if (cfg.corpus_path / "done").exists():
-        return load_corpus(cfg.corpus_path), 0.0
-    from specrouter.distill.train import load_target
+    from specrouter.distill.corpus import CorpusSpec, load_corpus
+    from specrouter.heads.generate import generate_corpus
 
     t0 = time.time()
-    model, tokenizer = load_target(cfg.target, dtype=torch.bfloat16)
-    spec = CorpusSpec(target=str(cfg.target), vocab_size=vocab, corpus_tokens=cfg.corpus_tokens,
-                      generated_fraction=cfg.generated_fraction, seq_len=cfg.seq_len,
-                      teacher_topk=cfg.teacher_topk, temperature=cfg.temperature,
-                      greedy_fraction=cfg.greedy_fraction, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
-    corpus = build_corpus(model, tokenizer, cfg.corpus_path, spec, progress=cfg.progress)
-    return corpus, time.time() - t0
+    if not (cfg.corpus_path / "done").exists():
+        spec = CorpusSpec(target=str(cfg.target), vocab_size=vocab, corpus_tokens=cfg.corpus_tokens,
+                          generated_fraction=1.0, seq_len=cfg.seq_len, teacher_topk=cfg.teacher_topk,
+                          temperature=cfg.temperature, greedy_fraction=cfg.greedy_fraction,
+                          eval_fraction=cfg.eval_fraction, seed=cfg.seed)
+        tokenizer = AutoTokenizer.from_pretrained(str(cfg.target))
+        generate_corpus(runner, tokenizer, spec, cfg.corpus_path, cfg.features_path, progress=cfg.progress)
+    return load_corpus(cfg.corpus_path), time.time() - t0
 
 
 def _runner_dtype(name: str) -> torch.dtype:
@@ -327,8 +328,10 @@ def run_head_distill(cfg: HeadDistillConfig) -> HeadReport:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target_config, _arch, tensors = read_checkpoint(cfg.target)
-    # 1. corpus
-    corpus, corpus_time = _load_corpus(cfg, int(target_config["vocab_size"]))
+    dtype = _runner_dtype(cfg.dtype)
+    target = load_llama_runner(cfg.target, dtype=dtype, num_slots=SHARD_ROWS, max_len=max(cfg.seq_len, 256))
+    # 1. corpus (written by the target on the runner, with its features, unless given)
+    corpus, corpus_time = _load_corpus(cfg, int(target_config["vocab_size"]), target)
     if corpus.tokens.shape[1] > cfg.seq_len:
         raise SpecRouterError(f"corpus rows are {corpus.tokens.shape[1]} tokens, over seq_len {cfg.seq_len}")
     generated = corpus.source < SOURCE_IDS["stdlib"]
@@ -338,9 +341,7 @@ def run_head_distill(cfg: HeadDistillConfig) -> HeadReport:
         raise SpecRouterError(f"corpus has {len(train_rows)} training and {len(eval_rows)} held-out "
                               "generated rows: raise corpus_tokens")
     # 2. the target's features and labels, at the engine's precision
-    dtype = _runner_dtype(cfg.dtype)
     t0 = time.time()
-    target = load_llama_runner(cfg.target, dtype=dtype, num_slots=4, max_len=max(cfg.seq_len, 256))
     feats = compute_features(target, corpus, cfg.features_path, progress=cfg.progress)
     features_time = time.time() - t0
     # 3-4. the head and training
