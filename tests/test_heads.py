@@ -229,6 +229,8 @@ def test_training_lowers_the_loss_and_resume_equals_a_straight_run(runs, target)
     rep = json.loads((root / "b" / "report.json").read_text())
     assert rep["head"]["chains"] > 0 and len(rep["head"]["agreement_by_depth"]) == 3
     assert rep["head_step_ms"] > 0 and rep["vocab_size"] <= 200 + 3
+    # the head on the runner's kernels agrees like its training forward (both float32 here)
+    assert abs(rep["head"]["extra"]["native_depth1_agreement"] - rep["head"]["agreement"]) < 0.03
 
 
 def test_shuffled_features_agree_less(runs, target):

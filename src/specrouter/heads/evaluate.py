@@ -122,6 +122,26 @@ def draft_row_argmax(runner, tokens: torch.Tensor) -> torch.Tensor:
     return runner.forward(batch)[0].argmax(-1)
 
 
+@torch.no_grad()
+def native_depth1_agreement(head_runner, corpus, features: torch.Tensor, labels: torch.Tensor,
+                            rows: torch.Tensor) -> float:
+    """Depth-1 agreement of a HeadRunner (the engine's kernels and precision) on `rows`: one
+    step per row over all its positions, reading the target's features (teacher forced)."""
+    hits = total = 0
+    for r in rows.tolist():
+        L = int(corpus.lengths[r])
+        if L < 3:
+            continue
+        toks = corpus.tokens[r, 1:L].tolist()  # position t reads feature t with token t+1
+        batch = ForwardBatch.build([0], [0], [toks], [list(range(L - 1))])
+        logits, _ = head_runner.step(batch, features[r : r + 1, : L - 1].to(head_runner.dtype))
+        lab = labels[r, 1:L]
+        ok = lab >= 0
+        hits += int(((logits[0].argmax(-1) == lab) & ok).sum())
+        total += int(ok.sum())
+    return hits / total if total else float("nan")
+
+
 # ---------------------------------------------------------------------------------------------
 # Step cost
 

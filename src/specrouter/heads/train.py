@@ -32,6 +32,7 @@ from specrouter.heads.evaluate import (
     drafter_report,
     head_predictions,
     head_step_ms,
+    native_depth1_agreement,
     target_step_ms,
 )
 from specrouter.heads.features import SHARD_ROWS, Features, compute_features
@@ -369,6 +370,8 @@ def run_head_distill(cfg: HeadDistillConfig) -> HeadReport:
     target_ms = target_step_ms(target)
     head_runner = HeadRunner(head.config, head.head_tensors(), tensors, dtype=dtype, max_len=256)
     head_ms = head_step_ms(head_runner)
+    head_rep.extra["native_depth1_agreement"] = native_depth1_agreement(
+        head_runner, corpus, feats.features, feats.labels, eval_rows)
     eval_time = time.time() - t_eval
     held = corpus.tokens[eval_rows][torch.arange(corpus.tokens.shape[1])[None, :] < corpus.lengths[eval_rows][:, None]]
     label_mask = corpus.label_mask(eval_rows)
