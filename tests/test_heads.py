@@ -305,3 +305,21 @@ def test_generated_corpus_carries_the_runners_features_and_labels(target, tmp_pa
     follows = [bool((corpus.tokens[r, 11 : int(corpus.lengths[r])]
                      == made.labels[r, 10 : int(corpus.lengths[r]) - 1]).all()) for r in range(len(corpus.tokens))]
     assert any(follows) and not all(follows)  # greedy rows follow the labels, sampled ones do not
+
+
+def test_native_chains_equal_the_unrolled_evaluation(target, tmp_path):
+    """The engine-side drafting (HeadRunner, slots side by side, starts in decreasing order)
+    scores the same chains as the unrolled training forward (float32, tiny target)."""
+    from specrouter.heads.evaluate import head_predictions, native_chain_hits
+
+    head, _ = _head(target)
+    save_head(tmp_path / "h", head, dtype=torch.float32)
+    hr = load_head_runner(tmp_path / "h", target, dtype=torch.float32, num_slots=4, max_len=64)
+    tgt = load_llama_runner(target, dtype=torch.float32, max_len=64)
+    toks = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(2))
+    _, f = tgt.forward_with_features(ForwardBatch.build([0], [0], [toks.tolist()], [list(range(30))]))
+    labels = head.vocab_ids[head.logits(head.unrolled(f.float(), toks[None], 1)[0][0]).argmax(-1)]  # head's own
+    labels = torch.cat([labels[:1], labels])  # (30,): make depth-1 hits likely, so deeper depths are reached
+    starts = torch.arange(0, 30 - 4)
+    preds = head_predictions(head, f[0], toks, 4)
+    assert torch.equal(native_chain_hits(hr, toks, f[0], labels, starts, 4, slots=4), head_hits(preds, labels, starts))

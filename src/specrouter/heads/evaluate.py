@@ -142,6 +142,37 @@ def native_depth1_agreement(head_runner, corpus, features: torch.Tensor, labels:
     return hits / total if total else float("nan")
 
 
+@torch.no_grad()
+def native_chain_hits(head_runner, tokens: torch.Tensor, features: torch.Tensor, labels: torch.Tensor,
+                      starts: torch.Tensor, k: int, slots: int = 8) -> torch.Tensor:
+    """(S, k) hits of a HeadRunner drafting k steps from each start, as the engine would: one
+    row (tokens (L,), its target features (L, H), labels (L,)). Each of `slots` cache slots
+    holds the row prefilled with the target's features and runs its share of the starts in
+    decreasing order (a chain from s rewrites positions >= s only, which later chains, starting
+    before s, never read); the slots draft side by side, one batch per step."""
+    L = len(tokens)
+    slots = max(1, min(slots, len(starts), head_runner.layer.num_slots))
+    toks = tokens.tolist()
+    feats = features[None].to(head_runner.dtype)  # (1, L, H)
+    head_runner.step(ForwardBatch.build(list(range(slots)), [0] * slots, [toks[1:L]] * slots, [[0]] * slots),
+                     feats[:, : L - 1].expand(slots, -1, -1))
+    order = starts.flip(0).tolist()  # decreasing
+    hits = {}
+    for i in range(0, len(order), slots):
+        group = order[i : i + slots]
+        B = len(group)
+        fed = torch.stack([feats[0, s] for s in group])[:, None]  # (B, 1, H)
+        row_hits = []
+        for j in range(1, k + 1):
+            batch = ForwardBatch.build(list(range(B)), [s + j - 1 for s in group], [[toks[s + j]] for s in group],
+                                       [[0]] * B)
+            logits, fed = head_runner.step(batch, fed)
+            row_hits.append(logits[:, 0].argmax(-1) == labels[torch.tensor(group) + j])
+        for b, s in enumerate(group):
+            hits[s] = torch.stack(row_hits, 1)[b]
+    return torch.stack([hits[s] for s in starts.tolist()]) if len(starts) else torch.zeros(0, k, dtype=torch.bool)
+
+
 # ---------------------------------------------------------------------------------------------
 # Step cost
 
