@@ -38,7 +38,7 @@ def draft_with_head(ex, name: str, work: list, sampling: SamplingTensors) -> Non
     docstring); `ex` is the ChainExecutor."""
     if not work:
         return
-    state, store, head = ex.state, ex.state.features, ex.runners[name]
+    state, store = ex.state, ex.state.features
     ready, slots, starts, feeds, feats = [], [], [], [], []
     for w in work:
         w.cand, w.drafted[0] = [], 0
@@ -92,6 +92,4 @@ def refeed_gaps(ex, work: list) -> None:
     for w in work:
         if w.chain[0] in ex.heads:
             tst = ex.state.state(w.seq.seq_id, ex.target)
-            have = valid_features(tst.features, tst.cache_len)
-            if have < tst.cache_len:
-                tst.cache_len = have
+            tst.cache_len = valid_features(tst.features, tst.cache_len)
