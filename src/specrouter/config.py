@@ -279,8 +279,8 @@ def check_chain_names(chain: tuple[str, ...]) -> None:
 class PoolConfig:
     """Which models are loaded, and how (the pool flags of every command map onto these)."""
 
-    # checkpoint directories, .gguf files, "ngram"; "default" is the embedded pool
-    # (n-gram, the shipped draft, SmolLM2-135M-Instruct)
+    # checkpoint directories, .gguf files, draft-head folders (distill --head), "ngram";
+    # "default" is the embedded pool (n-gram, the shipped draft, SmolLM2-135M-Instruct)
     models: tuple[str, ...] = (DEFAULT_POOL,)
     target: str | None = None  # target name, role or path; None: the model with the most parameters
     names: tuple[str, ...] | None = None  # pool names, one per entry of models; None: folder names

@@ -177,7 +177,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
 
     systems: list[System] = []
     for chain in enumerate_chains(pool.order, pool.target, cfg.max_levels):
-        if any(m in pool.drafters for m in chain[1:]):
+        if any(m in pool.drafters or m in pool.heads for m in chain[1:]):
             continue
         for k in (cfg.ks if len(chain) > 1 else (None,)):
             label = "target-only" if len(chain) == 1 else chain_label(chain, aliases, k)

@@ -229,13 +229,13 @@ async def run_level(base_url: str, model: str, cfg: ServeBenchConfig, temperatur
     return level_result(system, temperature, concurrency, wall, [r for r in results if r is not None])
 
 
-def static_chains(order: list[str], target: str, levels: int) -> list[tuple[str, ...]]:
+def static_chains(order: list[str], target: str, levels: int, heads=()) -> list[tuple[str, ...]]:
     from specrouter.config import NGRAM, SUFFIX
     from specrouter.router.cost_model import enumerate_chains
 
-    model_free = {NGRAM, SUFFIX}  # only ever the first level of a chain
+    first_only = {NGRAM, SUFFIX, *heads}  # model-free drafters and draft heads: first level only
     return [c for c in enumerate_chains(order, target, levels)
-            if len(c) > 1 and not model_free.intersection(c[1:])]
+            if len(c) > 1 and not first_only.intersection(c[1:])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +253,8 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
         card = info["data"][0]
         model, order, target = card["id"], card["specrouter"]["pool"], card["specrouter"]["target"]
         systems = {"router": {}, "plain": {"specrouter_chain": [target]}}
-        for chain in static_chains(order, target, cfg.static_levels):
+        heads = card["specrouter"].get("heads", ())
+        for chain in static_chains(order, target, cfg.static_levels, heads):
             systems["static " + ">".join(chain)] = {"specrouter_chain": list(chain), "specrouter_k": cfg.k}
         base = f"http://127.0.0.1:{port}/v1"
         asyncio.run(run_level(base, model, ServeBenchConfig(requests=1, max_new_tokens=4), 0.0, 1, "warm-up", {}))

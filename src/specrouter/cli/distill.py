@@ -19,6 +19,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
         from specrouter.models.gguf_convert import default_target_dir
 
         target = default_target_dir()
+    if args.head:
+        from specrouter.heads.train import run_head_distill
+
+        report = run_head_distill(head_config_from_args(resolve_checkpoint(target), args))
+        print(json.dumps(asdict(report), indent=2, default=str))
+        return 0
     if args.eval_only:
         return _eval_only(resolve_checkpoint(target), args)
     report = run_distill(config_from_args(resolve_checkpoint(target), args))
@@ -32,12 +38,36 @@ def config_from_args(target, args: argparse.Namespace):
 
     return DistillConfig(
         target=target, out_dir=args.out_dir, hidden_size=args.hidden_size, num_layers=args.num_layers,
-        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, steps=args.steps,
-        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, corpus_tokens=args.corpus_tokens,
-        generated_fraction=args.generated_fraction, seed=args.seed, resume=not args.no_resume,
+        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, batch_size=args.batch_size,
+        seq_len=args.seq_len, **_given(args, "steps", "lr", "corpus_tokens", "generated_fraction"),
+        seed=args.seed, resume=not args.no_resume,
         threads=args.threads, corpus_dir=args.corpus_dir,
         extra_corpus_dirs=tuple(args.extra_corpus_dir or ()), init_from=args.init_from,
         greedy_eval_tokens=args.greedy_eval_tokens, draft_vocab_size=args.draft_vocab_size,
+    )
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict:
+    """The flags among `names` given on the command line (their defaults differ per mode)."""
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def head_config_from_args(target, args: argparse.Namespace):
+    """The HeadDistillConfig of the flags (`--head`)."""
+    from specrouter.heads.train import HeadDistillConfig
+
+    compare = args.compare_draft or None
+    if compare == "shipped":
+        from specrouter.models.default_pool import shipped_drafts
+
+        drafts = shipped_drafts()
+        compare = drafts[0] if drafts else None
+    return HeadDistillConfig(
+        target=target, out_dir=args.out_dir, vocab_size=args.head_vocab_size, batch_size=args.batch_size,
+        seq_len=args.seq_len, unroll=args.unroll, noise=args.noise, seed=args.seed,
+        resume=not args.no_resume, threads=args.threads, corpus_dir=args.corpus_dir,
+        features_dir=args.features_dir, eval_depth=args.eval_depth, compare_draft=compare,
+        **_given(args, "steps", "lr", "corpus_tokens"),
     )
 
 
@@ -74,13 +104,15 @@ def register(sub) -> None:
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--num-heads", type=int, default=3)
     p.add_argument("--num-kv-heads", type=int, default=3)
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3000; --head 600)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--corpus-tokens", type=int, default=300_000, help="distillation corpus size")
-    p.add_argument("--generated-fraction", type=float, default=0.6,
-                   help="share of the corpus the target writes itself (the rest: stdlib, docs)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3; --head 1e-3)")
+    p.add_argument("--corpus-tokens", type=int, default=None,
+                   help="distillation corpus size (default 300000; --head 150000)")
+    p.add_argument("--generated-fraction", type=float, default=None,
+                   help="share of the corpus the target writes itself, the rest stdlib and docs "
+                        "(default 0.6; --head writes all of its corpus on the native runner)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
@@ -95,4 +127,16 @@ def register(sub) -> None:
                    help="the draft proposes only the N most frequent corpus tokens (0: all)")
     p.add_argument("--eval-only", action="store_true",
                    help="only evaluate the draft in --out-dir: held-out greedy agreement")
+    h = p.add_argument_group("draft head (--head): an EAGLE-style head on the target's features")
+    h.add_argument("--head", action="store_true",
+                   help="train a feature-level draft head (specrouter.heads) instead of a draft model")
+    h.add_argument("--head-vocab-size", type=int, default=8192,
+                   help="the head's reduced vocabulary: the N most frequent corpus tokens")
+    h.add_argument("--unroll", type=int, default=2,
+                   help="draft depths trained per step (the head reads its own predicted features)")
+    h.add_argument("--noise", type=float, default=0.0, help="std of noise on the target features in training")
+    h.add_argument("--features-dir", default=None, help="cache of the target's features (default OUT_DIR/features)")
+    h.add_argument("--eval-depth", type=int, default=8, help="draft depths of the held-out evaluation")
+    h.add_argument("--compare-draft", default="shipped", metavar="DRAFT",
+                   help="a draft checkpoint evaluated alike ('shipped': the package's draft; '' none)")
     p.set_defaults(func=cmd_distill)

@@ -54,9 +54,11 @@ def add_pool_arguments(p: argparse.ArgumentParser, flags: tuple[str, ...] = POOL
     g = p.add_argument_group("pool")
     if "models" in flags:
         g.add_argument("--models", nargs="+", default=None, metavar="MODEL",
-                       help=f"checkpoint directories, .gguf files, or {DEFAULT_POOL!r}: the embedded "
-                            "pool (n-gram, the shipped 11M draft, SmolLM2-135M-Instruct); the "
-                            "default. The n-gram drafter is added unless --no-ngram")
+                       help=f"checkpoint directories, .gguf files, draft-head folders (distill "
+                            f"--head: head.safetensors + head_config.json), or {DEFAULT_POOL!r}: "
+                            "the embedded pool (n-gram, the shipped 11M draft, "
+                            "SmolLM2-135M-Instruct); the default. The n-gram drafter is added "
+                            "unless --no-ngram")
     if "target" in flags:
         g.add_argument("--target", default=None,
                        help="target model: a pool name or path (default: the model with the most "

@@ -16,6 +16,10 @@ way, so when a model's turn comes the candidates of every row it verifies are re
    at stop tokens / max_new_tokens) and every model keeps the prefix of what it cached that was
    committed (`StateManager.commit`).
 
+A draft head (heads/level.py) drafts like a model drafter, first in its chains, from the
+target's features the state manager keeps (decoding/head_drafting.py); the target's forward
+returns and stores features only in a step where some row drafts with a head.
+
 So a step with rows on [ngram, target], [draft, target] and [ngram, draft, target] runs the
 n-gram once, the draft once per draft step, the target once. A row's output is exactly what
 the target samples alone (greedy: argmax; sampling: the target's noisy argmax at each position,
@@ -31,12 +35,14 @@ from dataclasses import dataclass, field
 import torch
 
 from specrouter.decoding.drafters.base import ModelFreeDrafter
+from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.noise import position_keys
 from specrouter.decoding.sampling import SamplingTensors, choose_tokens
 from specrouter.decoding.verification import verify_tokens
 from specrouter.engine.stats import CycleStats
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
 from specrouter.router.records import ForwardRecord, RowOutcome
+from specrouter.state.features import after_forward
 from specrouter.state.manager import StateManager
 from specrouter.state.sequence import Sequence
 
@@ -97,6 +103,10 @@ class ChainExecutor:
         self.state = state
         self.vocab_width = vocab_width
         self.order = list(order) if order is not None else [*drafters, *runners]
+        self.target = self.order[-1]
+        self.heads = frozenset(n for n, r in runners.items() if getattr(r, "is_head", False))
+        if self.heads and state.features is None:
+            raise ValueError("a pool with a draft head needs a StateManager with a FeatureStore")
         self.clock = clock  # timing source (tests inject a virtual clock)
 
     # -- one step ---------------------------------------------------------------------------
@@ -120,6 +130,8 @@ class ChainExecutor:
         for name in self._models_in_use(work):
             if name in self.drafters:
                 self._propose(name, [w for w in work if w.chain[0] == name and w.k > 0])
+            elif name in self.heads:
+                draft_with_head(self, name, [w for w in work if w.chain[0] == name and w.k > 0], sampling)
             else:
                 self._run_model(name, work, sampling)
         return self._result(work, t_start)
@@ -235,9 +247,16 @@ class ChainExecutor:
     # -- forwards ---------------------------------------------------------------------------
     def _forward(self, name: str, work: list[RowWork], speculative: list[list[int]]) -> torch.Tensor:
         """Feed each row's pending tokens plus `speculative[b]` to model `name`; return logits at
-        the last pending position and at every speculative one: (B, max_spec + 1, V)."""
+        the last pending position and at every speculative one: (B, max_spec + 1, V).
+        With a head in the pool, the target's forward keeps its features when a row drafts
+        with a head (head_drafting.py)."""
         state = self.state
-        slots, starts, feeds, positions = [], [], [], []
+        keep = None  # None: no head in the pool, nothing to track
+        if self.heads and name == self.target:
+            keep = any(w.chain[0] in self.heads for w in work)
+            if keep:
+                refeed_gaps(self, work)
+        slots, starts, feeds, positions, states = [], [], [], [], []
         for w, spec in zip(work, speculative):
             st = state.state(w.seq.seq_id, name)
             pending = w.seq.tokens[st.cache_len :]
@@ -247,22 +266,51 @@ class ChainExecutor:
             first = len(pending) - 1
             positions.append(list(range(first, first + len(spec) + 1)))
             state.fed(st, w.seq.tokens, list(spec))
+            states.append(st)
         batch = ForwardBatch.build(slots, starts, feeds, positions)
         width = batch.tokens.shape[1]
         if getattr(self.runners[name], "packs_ragged", False):  # it costs its valid tokens
             width = sum(batch.num_tokens_list) / len(work)
-        return self._timed_forward(name, batch, len(work), width, sum(starts) // len(starts))
+        context = sum(starts) // len(starts)
+        if keep is None:
+            return self._timed_forward(name, batch, len(work), width, context)
+        if keep:
+            runner = self.runners[name]
+            logits, features = self._timed(name, batch, len(work), width, context,
+                                           lambda: runner.forward_with_features(batch))
+            self.state.features.ensure(runner.num_slots, runner.max_len)
+            self.state.features.write(batch, features)
+            logits = logits[..., : self.vocab_width]
+        else:
+            logits = self._timed_forward(name, batch, len(work), width, context)
+        for st, start, feed in zip(states, starts, feeds):
+            st.features = after_forward(st.features, start, start + len(feed), keep)
+        return logits
+
+    def _timed_head(self, name: str, batch: ForwardBatch, features: torch.Tensor, rows: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft head's step, timed like a forward: (logits (B, G, vocab_width), predicted
+        features (B, T, H))."""
+        width = sum(batch.num_tokens_list) / rows if self.runners[name].packs_ragged else batch.tokens.shape[1]
+        logits, predicted = self._timed(name, batch, rows, width, None,
+                                        lambda: self.runners[name].step(batch, features))
+        return logits[..., : self.vocab_width], predicted
 
     def _timed_forward(self, name: str, batch: ForwardBatch, rows: int, width: float, context: int | None = None) -> torch.Tensor:
+        logits = self._timed(name, batch, rows, width, context, lambda: self.runners[name].forward(batch))
+        return logits[..., : self.vocab_width]
+
+    def _timed(self, name: str, batch: ForwardBatch, rows: int, width: float, context: int | None, call):
+        """`call()`'s result, its seconds recorded as a forward of model `name` over `batch`."""
         t0 = self.clock()
-        logits = self.runners[name].forward(batch)
+        out = call()
         dt = self.clock() - t0
         self._ftime[name] = self._ftime.get(name, 0.0) + dt
         self._ftoks[name] = self._ftoks.get(name, 0) + sum(batch.num_tokens_list)
         if context is None:
             context = sum(batch.starts_list) // rows
         self._forwards.append(ForwardRecord(model=name, rows=rows, new_tokens=width, context_len=context, seconds=dt))
-        return logits[..., : self.vocab_width]
+        return out
 
     # -- commit -----------------------------------------------------------------------------
     def _result(self, work: list[RowWork], t_start: float) -> StepResult:

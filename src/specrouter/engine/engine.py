@@ -57,6 +57,16 @@ from specrouter.state.manager import StateManager
 from specrouter.state.sequence import Sequence
 
 
+def _feature_store(pool: Pool):
+    """The target's features by slot when the pool has a draft head (state/features.py)."""
+    if not getattr(pool, "heads", None):
+        return None
+    from specrouter.state.features import FeatureStore
+
+    target = pool.runners[pool.target]
+    return FeatureStore(target.arch.hidden_size, target.dtype, target.device)
+
+
 class CapacityError(SpecRouterError):
     """No free cache slot (or not enough positions) for a new request right now."""
 
@@ -84,7 +94,7 @@ class Engine:
         self.pool = pool
         self.router = router  # router.policy.Router: picks chain and k per row every cycle
         self.clock = clock
-        self.state = StateManager(pool.runners)
+        self.state = StateManager(pool.runners, features=_feature_store(pool))
         self.executor = ChainExecutor(pool.runners, pool.drafters, self.state,
                                       pool.vocab_width, order=list(pool.order), clock=clock)
         self.rng = torch.Generator()  # seeds of requests without one (AsyncEngine reseeds it)

@@ -5,6 +5,12 @@ transformers fallback) or a model-free drafter (`"ngram"`: prompt lookup; `"suff
 decoding over the request and earlier requests, which learns from every finished request). The target is the most expensive
 model unless named. Loading checks that every model shares the target's vocabulary.
 
+A feature-level draft head (a folder with head.safetensors + head_config.json, written by
+`specrouter distill --head`) is an entry like a model: it loads over the target's checkpoint
+(its embedding, final norm and LM-head rows) as a `heads.level.HeadLevel`, drafts only (it is
+the first level of its chains, like a model-free drafter) and sits before the model drafts in
+the pool order. It needs the target on the native runner (its features).
+
 Names: a model is named by its folder (or its GGUF file's stem); the roles "target" (the
 target) and "draft" (the smallest neural draft) are accepted wherever a name is.
 `preview_pool` finds the names, order and target without loading any weights (checkpoint
@@ -129,6 +135,7 @@ class Pool:
     tokenizer: object  # the target's tokenizer (transformers)
     eos_ids: tuple[int, ...]  # token ids that end generation
     vocab_width: int  # common logits width of every model
+    heads: frozenset[str] = frozenset()  # draft heads among the runners (first level only)
 
     @classmethod
     def from_config(cls, config: PoolConfig, progress: bool = False,
@@ -166,6 +173,10 @@ class Pool:
         )
 
         models, model_free, target_name = _name_entries(paths, names, target, ngram, suffix)
+        head_dirs = {n: p for n, p in models.items() if _is_head(p)}
+        models = {n: p for n, p in models.items() if n not in head_dirs}
+        if not models:
+            raise CheckpointError("no models given: a draft head needs its target's path too")
         runners: dict[str, ModelRunner] = {}
         drafters: dict[str, ModelFreeDrafter] = {}
         tokenizers: dict[str, object] = {}
@@ -180,6 +191,10 @@ class Pool:
             runners[name] = runner
             tokenizers[name] = load_tokenizer(runner.checkpoint_dir)
         check_same_vocabulary(tokenizers, {n: r.vocab_size for n, r in runners.items()})
+        sizes = {n: r.num_params for n, r in runners.items()}
+        if head_dirs:
+            target_name = target_name if target_name is not None else max(sizes, key=lambda n: sizes[n])
+            runners.update(_load_heads(head_dirs, runners[target_name], dtype))
         if NGRAM in model_free:
             from specrouter.decoding.drafters.ngram import NgramDrafter
 
@@ -188,23 +203,23 @@ class Pool:
             from specrouter.decoding.drafters.suffix import SuffixDrafter
 
             drafters[SUFFIX] = SuffixDrafter()
-        order, target_name = _cost_order(model_free, {n: r.num_params for n, r in runners.items()},
-                                         target_name)
+        order, target_name = _cost_order(model_free, sizes, target_name, list(head_dirs))
         tok = tokenizers[target_name]
         return cls(
             runners=runners, drafters=drafters, order=order, target=target_name, tokenizer=tok,
             eos_ids=tuple(eos_token_ids(tok, runners[target_name].checkpoint_dir)),
-            vocab_width=min(r.vocab_size for r in runners.values()),
+            vocab_width=min(r.vocab_size for r in runners.values()), heads=frozenset(head_dirs),
         )
 
     def resolve_name(self, name: str) -> str:
         """A pool name for a name or a role ("target", "draft")."""
-        return resolve_name(name, self.order, self.target, set(self.drafters))
+        return resolve_name(name, self.order, self.target, set(self.drafters), self.heads)
 
     def validate_chain(self, chain: list[str] | tuple[str, ...]) -> tuple[str, ...]:
         """A chain is pool names (or roles) in increasing cost, ending at the target; a
-        model-free drafter may only be first. Returns it with roles resolved to names."""
-        return resolve_chain(chain, self.order, self.target, set(self.drafters))
+        model-free drafter or a draft head may only be first. Returns it with roles resolved
+        to names."""
+        return resolve_chain(chain, self.order, self.target, set(self.drafters), self.heads)
 
     def with_fresh_drafters(self) -> "Pool":
         """The same models with their own learning drafters (nothing learned yet): a view whose
@@ -228,7 +243,8 @@ class Pool:
     def default_chain(self) -> tuple[str, ...]:
         """Until the router picks chains: the cheapest neural draft then the target; with no
         neural draft, the n-gram drafter then the target; else plain decoding."""
-        models = [n for n in self.order if n in self.runners and n != self.target]
+        models = [n for n in self.order if n in self.runners and n != self.target and n not in self.heads]
+        models = models or [n for n in self.order if n in self.heads]
         if models:
             return (models[0], self.target)
         if self.drafters:
@@ -256,7 +272,7 @@ def _name_entries(paths: list[str | Path], names, target: str | None, ngram: boo
         if str(path) == SUFFIX:
             suffix = True
             continue
-        ckpt = resolve_checkpoint(path)
+        ckpt = Path(path).expanduser() if _is_head(path) else resolve_checkpoint(path)
         name = name or default_model_name(ckpt)
         if name in models or name in (NGRAM, SUFFIX):
             raise ChainError(f"two pool models are named {name!r}; pass distinct names")
@@ -268,24 +284,44 @@ def _name_entries(paths: list[str | Path], names, target: str | None, ngram: boo
     return models, [NGRAM] * ngram + [SUFFIX] * suffix, target_name
 
 
-def _cost_order(model_free: list[str], costs: dict[str, int], target: str | None
-                ) -> tuple[list[str], str]:
-    """(order, target): the model-free drafters, the models by increasing cost, the target last
-    (None: the costliest model)."""
-    target = target if target is not None else max(costs, key=lambda n: costs[n])
-    drafts = sorted((n for n in costs if n != target), key=lambda n: costs[n])
-    return model_free + drafts + [target], target
+def _is_head(path) -> bool:
+    from specrouter.heads.level import is_head_dir
+
+    return is_head_dir(path)
 
 
-def resolve_name(name: str, order: list[str], target: str, model_free: set[str]) -> str:
+def _load_heads(head_dirs: dict[str, Path], target: ModelRunner, dtype) -> dict[str, ModelRunner]:
+    """The draft heads over the loaded target (its checkpoint, at the pool's dtype)."""
+    from specrouter.heads.level import load_head_level
+
+    if not hasattr(target, "forward_with_features"):
+        raise CheckpointError(f"a draft head needs its target {target.name!r} on the native runner "
+                              "(backend auto or native, a Llama-family checkpoint)")
+    return {n: load_head_level(p, target.checkpoint_dir, name=n, dtype=_dtype(dtype))
+            for n, p in head_dirs.items()}
+
+
+def _cost_order(model_free: list[str], costs: dict[str, int], target: str | None,
+                heads: list[str] = ()) -> tuple[list[str], str]:
+    """(order, target): the model-free drafters, the draft heads, the models by increasing
+    cost, the target last (None: the costliest model that is not a head)."""
+    heads = list(heads)
+    target = target if target is not None else max((n for n in costs if n not in heads),
+                                                   key=lambda n: costs[n])
+    drafts = sorted((n for n in costs if n != target and n not in heads), key=lambda n: costs[n])
+    return model_free + heads + drafts + [target], target
+
+
+def resolve_name(name: str, order: list[str], target: str, model_free: set[str],
+                 heads: frozenset[str] = frozenset()) -> str:
     """A pool name for `name`: a name of `order` as is, "target" the target, "draft" the
-    smallest neural draft."""
+    smallest neural draft (a model, not a head)."""
     if name in order:
         return name
     if name == "target":
         return target
     if name == "draft":
-        drafts = [n for n in order if n != target and n not in model_free]
+        drafts = [n for n in order if n != target and n not in model_free and n not in heads]
         if not drafts:
             raise ChainError(f"the pool has no neural draft for the role 'draft' (pool: {order})")
         return drafts[0]
@@ -293,9 +329,10 @@ def resolve_name(name: str, order: list[str], target: str, model_free: set[str])
                      "'draft')")
 
 
-def resolve_chain(chain, order: list[str], target: str, model_free: set[str]) -> tuple[str, ...]:
+def resolve_chain(chain, order: list[str], target: str, model_free: set[str],
+                  heads: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """`chain` with roles resolved, checked against the pool: known names, ending at the target,
-    no model twice, a model-free drafter only first, at most 4 levels."""
+    no model twice, a model-free drafter or a draft head only first, at most 4 levels."""
     chain = tuple(chain)
     if not chain:
         raise ChainError("a chain needs at least the target")
@@ -303,12 +340,14 @@ def resolve_chain(chain, order: list[str], target: str, model_free: set[str]) ->
     if unknown:
         raise ChainError(f"unknown model(s) {unknown} in chain; the pool has {order} (and the "
                          "roles 'target', 'draft')")
-    chain = tuple(resolve_name(m, order, target, model_free) for m in chain)
+    chain = tuple(resolve_name(m, order, target, model_free, heads) for m in chain)
     if chain[-1] != target:
         raise ChainError(f"a chain must end at the target {target!r}, got {chain}")
     check_chain_names(chain)  # levels, repeats (a role may name a model given by name too)
     if any(m in model_free for m in chain[1:]):
         raise ChainError(f"a model-free drafter can only be the first level: {chain}")
+    if any(m in heads for m in chain[1:]):
+        raise ChainError(f"a draft head can only be the first level (it drafts, never verifies): {chain}")
     return chain
 
 
@@ -353,9 +392,10 @@ class PoolPreview:
     target: str
     drafters: frozenset[str]  # model-free drafters
     paths: tuple[str | Path, ...]  # the config's entries, "default" expanded
+    heads: frozenset[str] = frozenset()  # draft heads (first level only)
 
     def validate_chain(self, chain) -> tuple[str, ...]:
-        return resolve_chain(chain, self.order, self.target, set(self.drafters))
+        return resolve_chain(chain, self.order, self.target, set(self.drafters), self.heads)
 
 
 def preview_pool(config: PoolConfig, progress: bool = False) -> PoolPreview:
@@ -365,7 +405,8 @@ def preview_pool(config: PoolConfig, progress: bool = False) -> PoolPreview:
     paths = pool_paths(config, progress=progress)
     models, model_free, target_name = _name_entries(paths, config.names, config.target,
                                                     config.ngram, config.suffix)
+    heads = [n for n, c in models.items() if _is_head(c)]
     order, target_name = _cost_order(model_free, {n: checkpoint_size(c) for n, c in models.items()},
-                                     target_name)
+                                     target_name, heads)
     return PoolPreview(order=order, target=target_name,
-                       drafters=frozenset(model_free), paths=tuple(paths))
+                       drafters=frozenset(model_free), paths=tuple(paths), heads=frozenset(heads))

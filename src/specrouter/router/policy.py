@@ -116,6 +116,7 @@ class Router:
         similarity: SimilarityEstimator | None = None,
         *,
         model_free: Collection[str] = (),
+        first_only: Collection[str] = (),
         packed: Collection[str] = (),
         sizes: Mapping[str, int] | None = None,
         config: RouterConfig | None = None,
@@ -128,6 +129,8 @@ class Router:
         self.order = list(order)
         self.target = target
         self.model_free = frozenset(model_free)
+        # drafters that never verify: model-free ones and draft heads (heads/level.py)
+        self.first_only = self.model_free | frozenset(first_only)
         self.packed = frozenset(packed)  # models whose ragged forwards cost their valid tokens
         unprofiled = [m for m in self.order if m not in profile and m not in self.model_free]
         if unprofiled:
@@ -139,7 +142,7 @@ class Router:
         self.timer = timer  # measures decide() (real time, also under a virtual clock)
         self.chains: list[Chain] = [
             c for c in enumerate_chains(self.order, target, cfg.max_levels)
-            if not any(m in self.model_free for m in c[1:])
+            if not any(m in self.first_only for m in c[1:])
         ]
         self._chain_index = {c: i for i, c in enumerate(self.chains)}
         self.pairs: list[Pair] = sorted({p for c in self.chains for p in zip(c[:-1], c[1:])},
@@ -183,8 +186,8 @@ class Router:
         """A router over a `Pool` (its order, target, model sizes and model-free drafters)."""
         sizes = {n: int(getattr(r, "num_params", 0)) for n, r in pool.runners.items()}
         packed = {n for n, r in pool.runners.items() if getattr(r, "packs_ragged", False)}
-        return cls(pool.order, pool.target, profile, model_free=set(pool.drafters), packed=packed,
-                   sizes=sizes, **kwargs)
+        return cls(pool.order, pool.target, profile, model_free=set(pool.drafters),
+                   first_only=set(getattr(pool, "heads", ())), packed=packed, sizes=sizes, **kwargs)
 
     # -- estimates --------------------------------------------------------------------------
     def _request(self, seq_id: int, greedy: bool) -> RequestState:

@@ -235,6 +235,7 @@ def _v1_routes(srv: Service) -> APIRouter:
     async def models():
         card = ModelCard(id=srv.model_name, created=srv.created, specrouter={
             "pool": list(srv.pool.order), "target": srv.pool.target,
+            "heads": sorted(getattr(srv.pool, "heads", ())),
             "failed_models": sorted(srv.engine.failed_models),
             "max_model_len": srv.max_model_len, "max_num_seqs": config.max_num_seqs})
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")

@@ -13,6 +13,12 @@ because runners overwrite every position >= the start they are given (see runner
 Invariant (tested): for every live model state, `cache_len < len(tokens)` (at least the last
 committed token is pending, so the next forward yields the next-token distribution), and the
 runner's cache positions [0, cache_len) equal a fresh prefill of `tokens[:cache_len]`.
+
+With a draft head in the pool, the manager also keeps each row's target features
+(`features`, a `FeatureStore` by target slot): the target's `ModelState.features` counts the
+positions stored, valid up to its `cache_len` (state/features.py), so every rollback of the
+target's cache is a rollback of its features too. A head's own state is a plain `ModelState`
+whose cache mirrors the target's positions (decoding/head_drafting.py).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specrouter.models.runners.base import ModelRunner
+from specrouter.state.features import FeatureStore
 from specrouter.state.sequence import common_prefix_len
 
 
@@ -30,6 +37,7 @@ class ModelState:
     slot: int  # cache slot of this sequence in the model's runner
     cache_len: int = 0  # committed tokens whose KV is valid in the cache
     speculative: list[int] = field(default_factory=list)  # uncommitted tokens cached after them
+    features: int = 0  # the target's state: leading positions in the feature store (valid: < cache_len)
 
 
 class StateManager:
@@ -39,8 +47,9 @@ class StateManager:
     the caller and passed in, so the manager never copies it.
     """
 
-    def __init__(self, runners: dict[str, ModelRunner]):
+    def __init__(self, runners: dict[str, ModelRunner], features: FeatureStore | None = None):
         self.runners = runners
+        self.features = features  # the target's features by target slot (a pool with a head)
         self._states: dict[int, dict[str, ModelState]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------

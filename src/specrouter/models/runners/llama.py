@@ -412,6 +412,45 @@ class LlamaRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        B, T = batch.tokens.shape
+        x, valid = self._hidden(batch)
+        return self._logits(batch, x, valid, B, T)
+
+    @torch.inference_mode()
+    def forward_with_features(
+        self, batch: ForwardBatch, inputs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, plus the target features a feature-level draft head (heads/) reads:
+        (logits (B, G, vocab) as `forward` returns them, features (B, T, H)), features being
+        the last decoder layer's output at EVERY new token, before the final norm, in the
+        runner's dtype (padding positions of a ragged batch hold garbage).
+
+        Pre-norm is the residual stream itself; the normed one (the LM head's input) is
+        `final_norm(features)`, the same op the logits went through. The features of a position
+        are bitwise the same whatever the row count and grouping of the forward, like the
+        logits (tests/test_head_features.py). `forward` pays nothing for this method.
+
+        `inputs` (B*T, H), in the runner's dtype, replaces the token embeddings as the first
+        layer's input (a feature-level draft head feeds its fused [feature, token] input so)."""
+        B, T = batch.tokens.shape
+        x, valid = self._hidden(batch, inputs)  # (N, H)
+        logits = self._logits(batch, x, valid, B, T)
+        if valid is not None:  # packed rows back to their (B, T) places; padding stays zero
+            x = x.new_zeros(B * T, x.shape[1]).index_copy_(0, valid, x)
+        return logits, x.view(B, T, self.arch.hidden_size)
+
+    def final_norm(self, features: torch.Tensor) -> torch.Tensor:
+        """(.., H) pre-norm features -> the final RMSNorm's output (the LM head's input), with
+        the op the runner's logits use."""
+        return self._norm(features, self._final_norm)
+
+    def _hidden(
+        self, batch: ForwardBatch, inputs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder stack: (x (N, H) after the last layer, before the final norm, valid);
+        its input the token embeddings, or `inputs` (B*T, H). N = B*T and valid None, except
+        for a ragged batch on the native kernels: x holds its valid tokens only, packed, and
+        valid (N,) their flat indices into B*T."""
         a = self.arch
         B, T = batch.tokens.shape
         nh, nkv, D = a.num_heads, a.num_kv_heads, a.head_dim
@@ -424,7 +463,7 @@ class LlamaRunner(ModelRunner):
                 "reserve() a longer cache"
             )
         if self._ops is not None:  # the native kernels index slots and positions themselves
-            return self._forward_native(batch, B, T, nh, D)
+            return self._hidden_native(batch, B, T, nh, D, inputs)
         s0 = slots[0]
         contiguous = slots == list(range(s0, s0 + B))
         start = starts[0]
@@ -444,7 +483,8 @@ class LlamaRunner(ModelRunner):
             mask = (ar[:Lp] <= pos.repeat(1, groups)[..., None]).unsqueeze(1)  # (B, 1, groups*T, Lp)
         blocked = blocked_keys(mask)  # once per forward, not per layer
 
-        x = self._embed_fn(batch.tokens).view(B * T, H)  # (N, H), N = B*T: 2-D so linears are one mm
+        # (N, H), N = B*T: 2-D so linears are one mm
+        x = self._embed_fn(batch.tokens).view(B * T, H) if inputs is None else inputs
         for (ln1, w_qkv, w_o, ln2, w_gu, w_down), kc, vc, kw, vw in zip(
             self._layers, self._k, self._v, self._kw, self._vw
         ):
@@ -471,10 +511,12 @@ class LlamaRunner(ModelRunner):
             x = linear_add(x, o, w_o)  # residual fused into the matmul
             gu = linear(norm(x, ln2), w_gu)  # (N, 2I)
             x = linear_add(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
-        return self._logits(batch, x, B, T)
+        return x, None
 
-    def _forward_native(self, batch: ForwardBatch, B: int, T: int, nh: int, D: int) -> torch.Tensor:
-        """The forward on the native kernels (kernels/rowinv.cpp): per layer one norm, the qkv
+    def _hidden_native(
+        self, batch: ForwardBatch, B: int, T: int, nh: int, D: int, inputs: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder stack on the native kernels (kernels/rowinv.cpp): per layer one norm, the qkv
         linear, RoPE + cache write + attention in one op, the o linear with the residual, one
         norm, the gate|up linear, silu * up in one op, the down linear with the residual.
 
@@ -489,9 +531,12 @@ class LlamaRunner(ModelRunner):
         valid = None  # (N,) int64 flat indices into B*T of the valid tokens, when ragged
         if sum(batch.num_tokens_list) < B * T:
             valid = torch.nonzero((self._arange[:T] < nums[:, None]).view(-1)).flatten()
-            x = self._embed_fn(batch.tokens.view(-1).index_select(0, valid))  # (N, H)
+            if inputs is None:
+                x = self._embed_fn(batch.tokens.view(-1).index_select(0, valid))  # (N, H)
+            else:
+                x = inputs.index_select(0, valid)  # (N, H)
         else:
-            x = self._embed_fn(batch.tokens).view(B * T, H)  # (N, H)
+            x = self._embed_fn(batch.tokens).view(B * T, H) if inputs is None else inputs  # (N, H)
         for (ln1, w_qkv, w_o, ln2, w_gu, w_down), kc, vc in zip(self._layers, self._k, self._v):
             qkv = linear(norm(x, ln1), w_qkv)  # (N, (nh + 2 nkv) D)
             if valid is not None:  # padding tokens: zeros, neither written nor attended
@@ -502,18 +547,23 @@ class LlamaRunner(ModelRunner):
                 o = o.index_select(0, valid)  # (N, nh D)
             x = linear_add(x, o, w_o)
             x = linear_add(x, silu_mul(linear(norm(x, ln2), w_gu)), w_down)  # (N, 2I) -> (N, I)
+        return x, valid  # (N, H)
+
+    def _logits(
+        self, batch: ForwardBatch, x: torch.Tensor, valid: torch.Tensor | None, B: int, T: int
+    ) -> torch.Tensor:
+        """x (N, H) after the last layer -> logits (B, G, vocab) at the asked positions; x packed
+        when valid is not None (`_hidden`)."""
+        H = self.arch.hidden_size
         if valid is not None:  # row b's token i is packed row offset[b] + i
+            nums = batch.num_tokens
             offsets = torch.cumsum(nums, 0) - nums  # (B,)
             G = batch.logit_positions.shape[1]
             rows = (offsets[:, None] + batch.logit_positions).view(-1)  # (B*G,), padding repeats
             wanted, where = torch.unique(rows, return_inverse=True)  # the head runs once per position
-            logits = self._logits_fn(norm(x.index_select(0, wanted)[None], self._final_norm))[0]  # (U, vocab)
+            normed = self._norm(x.index_select(0, wanted)[None], self._final_norm)  # (1, U, H)
+            logits = self._logits_fn(normed)[0]  # (U, vocab)
             return logits.index_select(0, where).view(B, G, -1).to(self._logits_dtype)
-        return self._logits(batch, x, B, T)
-
-    def _logits(self, batch: ForwardBatch, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
-        """x (N, H) after the last layer -> logits (B, G, vocab) at the asked positions."""
-        H = self.arch.hidden_size
         # logits only where asked: gather BEFORE the final norm and the (wide) lm_head
         norm, G = self._norm, batch.logit_positions.shape[1]
         x = x.view(B, T, H)
