@@ -555,3 +555,26 @@ def test_server_tenant_is_the_authorization_header_when_scoped_per_key():
     assert tenant_of(per_key, req()) == "anonymous"
     with pytest.raises(ValueError, match="suffix_scope"):
         ServerConfig(suffix_scope="user")
+
+
+def test_a_confident_suffix_draft_runs_where_the_router_plans_plain(tiny_pool_dirs, monkeypatch):
+    """Suffix decoding's rule on top of the router: a router that plans plain decoding for every
+    row (scripted) still drafts an exact retry from the suffix drafter's long confident match,
+    because the cost model says a wide verification of it pays; the output stays the target's,
+    and a sampled row never gets such a draft (its confidence is not the target's probability)."""
+    from fixtures import named_router
+
+    from specrouter.router.records import Decision
+
+    sr = named_router(tiny_pool_dirs, ("target", "draft"))
+    router = sr.router
+    monkeypatch.setattr(router, "decide", lambda row: Decision((router.target,), 0, 0.0, "scripted", 0.0))
+    prompt = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(7)).tolist()
+    plain = sr.generate(prompt, max_new_tokens=40, ignore_eos=True, chain=("target",))[0]
+    first = sr.generate(prompt, max_new_tokens=40, ignore_eos=True)[0]  # the store knows `plain`'s text
+    again = sr.generate(prompt, max_new_tokens=40, ignore_eos=True)[0]
+    for out in (first, again):
+        assert out.token_ids == plain.token_ids
+        assert out.stats.accepted.get("suffix>target", 0) >= 30 and out.stats.cycles <= 10
+    sampled = sr.generate(prompt, max_new_tokens=40, ignore_eos=True, temperature=0.7, seed=3)[0]
+    assert sampled.stats.cycles == 40 and not sampled.stats.accepted.get("suffix>target", 0)

@@ -160,3 +160,36 @@ def step_seconds(router, plans: Sequence[tuple[Chain, int]], context_len: int) -
         for i in range(2, max(ks, default=0) + 1):
             total += router.predict(m, sum(1 for k in ks if k >= i), 1, context_len)
     return max(total, 1e-9)
+
+
+def take_confident_drafts(router, rows: Sequence[RowContext], plans: list[tuple[Chain, int]],
+                          offers: dict[int, tuple[str, int, float]],
+                          pinned: Sequence[tuple[Chain, int]] = ()) -> list[tuple[Chain, int]]:
+    """Suffix decoding's rule, weighed by the cost model: row i's model-free drafter offers a
+    draft of m tokens now (`offers[i] = (drafter, m, score)`, score = the drafter's own expected
+    accepted tokens, the sum of its cumulative confidences: a long match in earlier requests,
+    e.g. an exact retry, offers a long confident draft). Row i switches to (drafter > target, m)
+    when that raises the step's predicted throughput (E[tokens] over `step_seconds`, the other
+    rows' plans as they are); offers are taken best first. The router's own acceptance
+    estimates cannot see such a draft coming: they average over the request's cycles."""
+    if not offers:
+        return plans
+    L = max(1, sum(r.context_len for r in rows) // len(rows))
+    reqs = [router.requests.get(r.seq_id) for r in rows]
+    tokens = [expected_tokens(router, req, c, k) for req, (c, k) in zip(reqs, plans)]
+    best = list(plans)
+
+    def rate(ps: list, toks: list) -> float:
+        return (sum(toks) + len(pinned)) / step_seconds(router, ps + list(pinned), L)
+
+    current = rate(best, tokens)
+    for i, (name, m, score) in sorted(offers.items(), key=lambda o: -o[1][2]):
+        chain = (name, router.target)
+        if chain not in router._chain_index or 1.0 + score <= tokens[i]:
+            continue
+        trial, t2 = best.copy(), tokens.copy()
+        trial[i], t2[i] = (chain, m), 1.0 + score
+        r = rate(trial, t2)
+        if r > current:
+            best, tokens, current = trial, t2, r
+    return best

@@ -70,7 +70,7 @@ from specrouter.router.cost_model import (
     break_even_confidence,
     enumerate_chains,
 )
-from specrouter.router.batch import plan_batch, step_seconds
+from specrouter.router.batch import plan_batch, step_seconds, take_confident_drafts
 from specrouter.router.evidence import (
     CachedPlans,
     CacheStats,
@@ -485,6 +485,13 @@ class Router:
         """The plans of a step's rows, chosen for the batch the step really runs
         (`batch.plan_batch`)."""
         return plan_batch(self, rows, pinned)
+
+    def take_confident_drafts(self, rows: Sequence[RowContext], plans: list[tuple[Chain, int]],
+                              offers: dict[int, tuple[str, int, float]],
+                              pinned: Sequence[tuple[Chain, int]] = ()) -> list[tuple[Chain, int]]:
+        """Rows whose model-free drafter offers a confident draft now run it when the step
+        gains (`batch.take_confident_drafts`)."""
+        return take_confident_drafts(self, rows, plans, offers, pinned)
 
     def step_seconds(self, plans: Sequence[tuple[Chain, int]], context_len: int) -> float:
         """Predicted seconds of one engine step running `plans` (`batch.step_seconds`)."""
