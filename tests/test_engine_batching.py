@@ -243,8 +243,13 @@ def test_plain_hold_skips_replanning_until_rows_change():
     assert sum(decides.values()) == 16 and router.plain_hold.span == 4
     router.plan_batch(rows_of(9))  # a row joined: still held
     assert sum(decides.values()) == 16 and router.held_decisions == 17
-    router.plan_batch(rows_of(7))  # a row left: planned afresh
-    assert sum(decides.values()) == 23
+    router.plan_batch(rows_of(6))  # two rows left: 6 >= 3/4 of 8, still held
+    assert sum(decides.values()) == 16 and router.held_decisions == 23
+    router.plan_batch(rows_of(5))  # below 3/4 of the rows it was found for: planned afresh
+    assert sum(decides.values()) == 21
+    from specrouter.router.batch import hold_floor
+
+    assert [hold_floor(n) for n in (2, 3, 4, 8, 16)] == [2, 3, 3, 6, 12]  # small batches: any departure
     no_hold = scripted_router(target)
     no_hold.config = dataclasses.replace(no_hold.config, plain_hold_max=0)
     no_hold.plan_batch(rows_of(8))
