@@ -222,6 +222,19 @@ def test_router_speculates_when_forwards_stay_flat():
     assert spec_step > plain_step  # drafting costs something; the tokens pay for it
 
 
+def test_sampled_rows_speculate_only_in_small_batches():
+    """Where every greedy row speculates (flat forwards), sampled rows of a batch larger than
+    `sampling_spec_max_batch` decode plainly (their acceptance is a similarity estimate); in a
+    batch within it they speculate like greedy rows."""
+    router = scripted_router(lambda b, t, L: 0.040)
+    limit = router.config.sampling_spec_max_batch
+    mixed = [dataclasses.replace(r, greedy=r.seq_id % 2 == 0) for r in rows_of(8)]
+    out = router.plan_batch(mixed)
+    assert all((d.k > 0) == r.greedy for r, d in zip(mixed, out)), out
+    small = [dataclasses.replace(r, greedy=False) for r in rows_of(limit)]
+    assert all(d.chain == ("draft", "target") and d.k > 0 for d in router.plan_batch(small))
+
+
 def test_plain_hold_skips_replanning_until_rows_change():
     """Where plain batching wins, the verdict holds for 2, 4, ... steps without re-planning (no
     per-row decide), through rows joining (more rows only favour plain batching), not through a
