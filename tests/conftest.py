@@ -11,6 +11,19 @@ os.environ.setdefault("SPECROUTER_CACHE", tempfile.mkdtemp(prefix="specrouter-te
 torch.set_num_threads(int(os.environ.get("SPECROUTER_TEST_THREADS", "1")))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _sigint_as_in_a_terminal():
+    """Ctrl-C as a terminal delivers it, whatever started pytest: a test run started in the
+    background by a non-interactive shell (`cmd &`) inherits SIGINT *ignored*, and so would the
+    servers and CLIs the tests spawn; the Ctrl-C tests (a raised SIGINT, or one sent to a child)
+    then failed only there. Python's default handler here; children start with the default."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_pool_dirs(tmp_path_factory):
     """Tiny float64 Llama-family checkpoints sharing one tokenizer:

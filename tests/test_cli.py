@@ -42,16 +42,6 @@ def tiny_default(tiny_pool_dirs, monkeypatch):
     return d
 
 
-@pytest.fixture
-def sigint_default():
-    """SIGINT handled as Python's default (KeyboardInterrupt) during the test: a test run started
-    in the background by a non-interactive shell inherits SIGINT ignored, and a raised SIGINT
-    would then be dropped (measured: these tests failed only when pytest ran under `cmd &`)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
 # -- configuration ----------------------------------------------------------------------------
 def test_configs_are_validated_and_composed():
     with pytest.raises(ValueError, match="at least one"):
@@ -250,7 +240,7 @@ def test_chat_keeps_history_resets_and_reports(tiny_default, monkeypatch, capsys
     assert "chatting with target" in cap.err
 
 
-def test_chat_ctrl_c_stops_the_reply_only(tiny_default, monkeypatch, capsys, sigint_default):
+def test_chat_ctrl_c_stops_the_reply_only(tiny_default, monkeypatch, capsys):
     """A real SIGINT in the middle of a reply (raised at the engine's second cycle) stops that
     reply; the next one is as if it never happened."""
     real = SpecRouter.from_config
@@ -277,7 +267,7 @@ def test_chat_ctrl_c_stops_the_reply_only(tiny_default, monkeypatch, capsys, sig
     assert r in cap.out and "session: 1 replies" in cap.out
 
 
-def test_ctrl_c_while_generating_exits_130_with_one_line(tiny_default, monkeypatch, capsys, sigint_default):
+def test_ctrl_c_while_generating_exits_130_with_one_line(tiny_default, monkeypatch, capsys):
     """A real SIGINT in the middle of `generate` (raised at the engine's second cycle)."""
     real = SpecRouter.from_config
 
