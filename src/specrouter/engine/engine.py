@@ -355,8 +355,9 @@ class Engine:
             k_cap = min(MAX_DRAFT_LENGTH, seq.remaining - 1)
             if not seq.params.greedy or k_cap < self.CONFIDENT_MIN or self._peek_at.get(seq.seq_id, 0) > now:
                 continue
+            context = as_int64(seq.tokens)
             for name, drafter in drafters:
-                p = drafter.propose_row(as_int64(seq.tokens), k_cap, seq.tenant, self.CONFIDENT)
+                p = drafter.propose_row(context, k_cap, seq.tenant, self.CONFIDENT)
                 m = int(p.tokens.shape[0])
                 if (m >= self.CONFIDENT_MIN and p.match_len >= self.CONFIDENT_MATCH
                         and not (chain[0] == name and k >= m)):

@@ -30,8 +30,8 @@ def plan_batch(router, rows: Sequence[RowContext],
     load, where plain continuous batching wins, re-planning every step would cost the router
     a few ms of every ~70 ms step for the same answer. The hold ends when the batch shrinks
     below `hold_floor` (fewer rows make speculation cheaper; more rows only make plain batching
-    stronger, so joins keep it), and grows 2, 4, ... up to `RouterConfig.plain_hold_max` steps while the verdict
-    repeats."""
+    stronger, so joins keep it), and grows 2, 4, ... up to `RouterConfig.plain_hold_max` steps
+    while the verdict repeats."""
     if not rows:
         return []
     hold: PlainHold | None = router.plain_hold
@@ -72,13 +72,13 @@ def plan_batch_afresh(router, rows: Sequence[RowContext],
        included); the rows' own plans stay unless an alternative is better by more than
        `persist_margin`, and plain decoding wins unless speculation beats it by that much (by
        `batch_plain_margin` in a multi-row batch)."""
-    if len(rows) + len(pinned) > router.profile.max_batch(router.target):
+    n = len(rows) + len(pinned)
+    if n > router.profile.max_batch(router.target):
         # beyond the swept batch sizes the step's cost is a linear extrapolation: no
         # speculation is planned on it (measured: 16 rows speculated where plain won by 10-17%)
         return all_plain(router, rows)
     plain = (router.target,)
     decisions = [router.decide(r) for r in rows]
-    n = len(rows) + len(pinned)
     if n > router.config.sampling_spec_max_batch:
         # a sampled row's acceptance is estimated from similarity (1 - D_TV), above what its
         # coupled drafts get: in the serving bench at t=0.7 and 8 rows the router lost ~3% to
@@ -112,14 +112,14 @@ def plan_batch_afresh(router, rows: Sequence[RowContext],
     # in a multi-row batch a speculating row slows every row of the step: speculation must beat
     # plain continuous batching by `batch_plain_margin` (its acceptance is an estimate)
     plain_margin = 1.0 + max(router.config.persist_margin,
-                             router.config.batch_plain_margin if len(rows) + len(pinned) > 1 else 0.0)
+                             router.config.batch_plain_margin if n > 1 else 0.0)
     if rate_plain * plain_margin >= rate:
         best, reason = options[1][1], "batch-plain"
     elif rate_own * margin >= rate:
         return decisions
     else:
         reason = "batch"
-    router.batch_events.append((router.similarity.now, len(rows) + len(pinned), reason, rate, rate_plain))
+    router.batch_events.append((router.similarity.now, n, reason, rate, rate_plain))
     out = []
     for d, (c, k) in zip(decisions, best):
         if (c, k) != (d.chain, d.k):
