@@ -19,6 +19,7 @@ from specrouter.decoding import executor as executor_module
 from specrouter.engine.engine import Engine
 from specrouter.models.pool import Pool
 from specrouter.router.policy import Router, RowContext
+from specrouter.router.records import RowOutcome
 from specrouter.router.profile import CostProfile
 
 
@@ -284,3 +285,38 @@ def test_no_speculation_planned_beyond_the_swept_batch_sizes():
     assert all(d.k > 0 for d in router.plan_batch(rows_of(8)))
     nine = router.plan_batch(rows_of(9))
     assert all(d.chain == ("target",) and d.k == 0 for d in nine)
+
+
+def test_batch_calibration_turns_a_slower_than_predicted_batch_plain():
+    """A 2-row batch whose speculative steps take twice what the cost profile predicts (the
+    tokens they commit are the predicted ones) turns plain within 20 steps; the same steps at
+    their predicted speed keep speculating; a single row is not affected; once plain steps run,
+    the correction ages and the batch speculates again."""
+    from specrouter.router.batch import expected_tokens, observe_batch_step
+
+    def run(router, slow, steps, n=2):
+        chosen = []
+        for _ in range(steps):
+            plans = [(d.chain, d.k) for d in router.plan_batch(rows_of(n))]
+            outcomes = []
+            for r, (c, k) in zip(rows_of(n), plans):
+                accepted = max(0, round(expected_tokens(router, router.requests.get(r.seq_id), c, k)) - 1)
+                outcomes.append(RowOutcome(r.seq_id, c, k, [k] * len(c), [0] + [accepted] * (len(c) - 1),
+                                           True, r.context_len))
+            spec = any(k > 0 for _, k in plans)
+            observe_batch_step(router, outcomes, [], router.step_seconds(plans, 200) * (slow if spec else 1.0))
+            router._observed += 1  # the engine's step clock (observe_step's tick)
+            chosen.append(spec)
+        return chosen
+
+    def target(b, t, L):  # speculation at 2 rows is predicted to win, by less than 2x
+        return 0.040 + 0.004 * (t - 1) * b
+
+    honest = scripted_router(target)
+    assert all(run(honest, 1.0, 20))
+    slow = scripted_router(target)
+    assert not all(run(slow, 2.0, 20))
+    spec_factor = slow.batch_calibration[(2, True)].factor(slow.config.batch_calibration_prior)
+    assert 0.45 < spec_factor < 0.65  # realised half the predicted rate, shrunk toward 1
+    assert run(slow, 2.0, 1, n=1) == [True]
+    assert not all(run(slow, 1.0, 10)) and run(slow, 1.0, 40)[-1]  # aged: speculating again

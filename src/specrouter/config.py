@@ -194,6 +194,14 @@ class RouterConfig:
     # estimate from similarity, above what coupled drafts get; at t=0.7 speculation lost ~3% to
     # plain batching at 8 rows and broke even at 4 in the serving bench)
     sampling_spec_max_batch: int = 2
+    # batch calibration (router/batch.py): in a multi-row batch, each kind of step (speculative,
+    # plain) has its predicted throughput scaled by what such steps at that many rows realised
+    # (committed tokens per second, planning included), over discounted sums of ~1 / (1 - this)
+    # steps; shrunk toward no correction by batch_calibration_prior pseudo-steps, and a kind not
+    # run at that batch size forgets its correction by this factor per step (it is tried again)
+    batch_calibration_discount: float = 0.9
+    batch_calibration_prior: float = 1.0
+    batch_calibration_forget: float = 0.98
     similarity: SimilarityConfig = field(default_factory=SimilarityConfig)  # the acceptance estimator
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # the cost profile's online refresh
 
@@ -217,9 +225,12 @@ class RouterConfig:
             raise ValueError("overhead_alpha must be in (0, 1], context_bucket and log_size >= 1")
         if min(self.decision_tolerance, self.decision_hit_tolerance, self.decision_time_tolerance) < 0 \
                 or self.decision_refresh < 1 or self.plain_hold_max < 0 or self.batch_plain_margin < 0 \
-                or self.sampling_spec_max_batch < 1:
-            raise ValueError("decision tolerances, plain_hold_max and batch_plain_margin must be >= 0, "
-                             "decision_refresh and sampling_spec_max_batch >= 1")
+                or self.sampling_spec_max_batch < 1 or self.batch_calibration_prior < 0 \
+                or not 0.0 < self.batch_calibration_discount < 1.0 \
+                or not 0.0 < self.batch_calibration_forget <= 1.0:
+            raise ValueError("decision tolerances, plain_hold_max, batch_plain_margin and batch_calibration_prior "
+                             "must be >= 0, decision_refresh and sampling_spec_max_batch >= 1, "
+                             "batch_calibration_discount in (0, 1), batch_calibration_forget in (0, 1]")
         if not isinstance(self.similarity, SimilarityConfig) or not isinstance(self.profile, ProfileConfig):
             raise ValueError("similarity and profile must be a SimilarityConfig and a ProfileConfig")
 

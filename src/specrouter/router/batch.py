@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specrouter.router.records import Chain, Decision, RowContext
+from specrouter.router.records import Chain, Decision, ForwardRecord, RowContext, RowOutcome
 from specrouter.router.request_state import RequestState
 
 
@@ -24,6 +24,91 @@ class PlainHold:
     span: int  # steps of this hold (doubles while the verdict repeats)
 
 
+@dataclass
+class StepCalibration:
+    """What steps of one kind (speculative or plain) at one batch size realised against what
+    the planner predicted for them: discounted sums over those steps (router/batch.py,
+    `observe_batch_step`). The planner's rates come from acceptance estimates and a cost
+    profile swept row by row; in a multi-row batch their errors decide between speculation and
+    plain batching, and only the steps themselves show them (a 2-row batch speculated where
+    plain batching was 4-9% faster in two of three serving-bench rounds)."""
+
+    realised_tokens: float = 0.0
+    realised_seconds: float = 0.0  # the executor's step plus the router's planning of it
+    predicted_tokens: float = 0.0
+    predicted_seconds: float = 0.0
+    weight: float = 0.0  # discounted count of steps
+
+    def add(self, realised_tokens: float, realised_seconds: float, predicted_tokens: float,
+            predicted_seconds: float, discount: float) -> None:
+        self.realised_tokens = discount * self.realised_tokens + realised_tokens
+        self.realised_seconds = discount * self.realised_seconds + realised_seconds
+        self.predicted_tokens = discount * self.predicted_tokens + predicted_tokens
+        self.predicted_seconds = discount * self.predicted_seconds + predicted_seconds
+        self.weight = discount * self.weight + 1.0
+
+    def forget(self, factor: float) -> None:
+        """Age the evidence (steps of this kind are not running): the factor drifts back to 1."""
+        self.realised_tokens *= factor
+        self.realised_seconds *= factor
+        self.predicted_tokens *= factor
+        self.predicted_seconds *= factor
+        self.weight *= factor
+
+    def factor(self, prior: float) -> float:
+        """Realised / predicted throughput (ratio of sums: per-step ratios would be biased low by
+        the randomness of acceptance), shrunk toward 1 by `prior` pseudo-steps."""
+        if self.weight <= 0.0 or self.predicted_tokens <= 0.0 or self.realised_seconds <= 0.0:
+            return 1.0
+        ratio = (self.realised_tokens * self.predicted_seconds) / (self.realised_seconds * self.predicted_tokens)
+        return 1.0 + (ratio - 1.0) * self.weight / (self.weight + prior)
+
+
+def calibration(router, n: int) -> tuple[float, float]:
+    """(speculative, plain) factors on the predicted throughput of a step of n rows (1, 1 for a
+    single row, whose plans the per-row evidence already corrects)."""
+    if n < 2:
+        return 1.0, 1.0
+    prior = router.config.batch_calibration_prior
+    spec, plain = router.batch_calibration.get((n, True)), router.batch_calibration.get((n, False))
+    return (spec.factor(prior) if spec is not None else 1.0,
+            plain.factor(prior) if plain is not None else 1.0)
+
+
+def speculates(plans: Sequence[tuple[Chain, int]]) -> bool:
+    return any(k > 0 and len(c) > 1 for c, k in plans)
+
+
+def observe_batch_step(router, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord],
+                       wall_time: float) -> None:
+    """Calibrate the planner on one multi-row step: the tokens it committed and its seconds
+    (the executor's `wall_time` plus the router's planning of the step) against the rates the
+    planner predicts for the plans that ran; the other kind of step at this batch size ages.
+    A step that prefills a joining row's prompt is not a step of either kind (its forward is
+    wider than any plan's)."""
+    plan_seconds, router.plan_seconds = router.plan_seconds, 0.0
+    n = len(rows)
+    if n < 2 or wall_time <= 0.0:
+        return
+    plans = [(tuple(r.chain), r.k) for r in rows]
+    widest = max(k + len(c) - 1 if len(c) > 1 and k > 0 else 1 for c, k in plans)
+    if any(f.new_tokens > widest + 1 for f in forwards if f.model == router.target):
+        return
+    spec = speculates(plans)
+    cfg = router.config
+    L = max(1, sum(r.context_len for r in rows) // n)
+    predicted_tokens = sum(expected_tokens(router, router.requests.get(r.seq_id), c, k)
+                           for r, (c, k) in zip(rows, plans))
+    realised_tokens = sum(int(r.accepted[len(c) - 1]) + 1 if len(c) > 1 and k > 0 else 1
+                          for r, (c, k) in zip(rows, plans))
+    cal = router.batch_calibration.setdefault((n, spec), StepCalibration())
+    cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, step_seconds(router, plans, L),
+            cfg.batch_calibration_discount)
+    other = router.batch_calibration.get((n, not spec))
+    if other is not None:
+        other.forget(cfg.batch_calibration_forget)
+
+
 def plan_batch(router, rows: Sequence[RowContext],
                pinned: Sequence[tuple[Chain, int]] = ()) -> list[Decision]:
     """`plan_batch_afresh`, or plain decoding for every row while a plain hold lasts: under
@@ -31,7 +116,18 @@ def plan_batch(router, rows: Sequence[RowContext],
     a few ms of every ~70 ms step for the same answer. The hold ends when the batch shrinks
     below `hold_floor` (fewer rows make speculation cheaper; more rows only make plain batching
     stronger, so joins keep it), and grows 2, 4, ... up to `RouterConfig.plain_hold_max` steps
-    while the verdict repeats."""
+    while the verdict repeats. The planning's seconds count toward the step's calibration
+    (`observe_batch_step`)."""
+    t0 = router.timer()
+    try:
+        return _plan_batch(router, rows, pinned)
+    finally:
+        router.plan_seconds += router.timer() - t0
+
+
+def _plan_batch(router, rows: Sequence[RowContext],
+                pinned: Sequence[tuple[Chain, int]] = ()) -> list[Decision]:
+    """The body of `plan_batch`."""
     if not rows:
         return []
     hold: PlainHold | None = router.plain_hold
@@ -87,11 +183,14 @@ def plan_batch_afresh(router, rows: Sequence[RowContext],
                      for r, d in zip(rows, decisions)]
     L = max(1, sum(r.context_len for r in rows) // len(rows))
     reqs = [router.requests.get(r.seq_id) for r in rows]
+    spec_factor, plain_factor = calibration(router, n)
 
     def option(plans: list[tuple[Chain, int]]) -> tuple[float, list[tuple[Chain, int]]]:
         tokens = sum(expected_tokens(router, req, c, k) for req, (c, k) in zip(reqs, plans))
         tokens += len(pinned)  # pinned rows commit >= 1 token each, whatever we choose
-        return tokens / step_seconds(router, list(plans) + list(pinned), L), plans
+        every = list(plans) + list(pinned)
+        factor = spec_factor if speculates(every) else plain_factor  # what such steps realised
+        return factor * tokens / step_seconds(router, every, L), plans
 
     own = [(d.chain, d.k) for d in decisions]
     if all(len(c) == 1 for c, _ in own):
@@ -189,13 +288,25 @@ def take_confident_drafts(router, rows: Sequence[RowContext], plans: list[tuple[
     estimates cannot see such a draft coming: they average over the request's cycles."""
     if not offers:
         return plans
+    t0 = router.timer()
+    try:
+        return _take_confident_drafts(router, rows, plans, offers, pinned)
+    finally:
+        router.plan_seconds += router.timer() - t0
+
+
+def _take_confident_drafts(router, rows: Sequence[RowContext], plans: list[tuple[Chain, int]],
+                           offers: dict[int, tuple[str, int, float]],
+                           pinned: Sequence[tuple[Chain, int]] = ()) -> list[tuple[Chain, int]]:
     L = max(1, sum(r.context_len for r in rows) // len(rows))
     reqs = [router.requests.get(r.seq_id) for r in rows]
     tokens = [expected_tokens(router, req, c, k) for req, (c, k) in zip(reqs, plans)]
     best = list(plans)
+    factors = calibration(router, len(rows) + len(pinned))
 
     def rate(ps: list, toks: list) -> float:
-        return (sum(toks) + len(pinned)) / step_seconds(router, ps + list(pinned), L)
+        every = ps + list(pinned)
+        return factors[0 if speculates(every) else 1] * (sum(toks) + len(pinned)) / step_seconds(router, every, L)
 
     current = rate(best, tokens)
     for i, (name, m, score) in sorted(offers.items(), key=lambda o: -o[1][2]):

@@ -70,7 +70,8 @@ from specrouter.router.cost_model import (
     break_even_confidence,
     enumerate_chains,
 )
-from specrouter.router.batch import plan_batch, step_seconds, take_confident_drafts
+from specrouter.router.batch import (StepCalibration, observe_batch_step, plan_batch, step_seconds,
+                                     take_confident_drafts)
 from specrouter.router.evidence import (
     CachedPlans,
     CacheStats,
@@ -175,6 +176,9 @@ class Router:
         self._observed = 0  # observed steps
         self.plain_hold = None  # batch.PlainHold while the batch stays plain without re-planning
         self.held_decisions = 0  # row decisions the plain hold made (they log no DecisionEvent)
+        # (rows, speculative) -> batch.StepCalibration: multi-row steps' realised / predicted rates
+        self.batch_calibration: dict[tuple[int, bool], StepCalibration] = {}
+        self.plan_seconds = 0.0  # the router's planning of the step being run (batch.observe_batch_step)
 
     @property
     def observed_steps(self) -> int:
@@ -615,6 +619,7 @@ class Router:
     def observe_step(self, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord],
                      wall_time: float, forward_time: float, speculative: bool) -> None:
         """Learn from one engine step (every row, every model's forwards of the step)."""
+        observe_batch_step(self, rows, forwards, wall_time)
         self._observe_rows(rows)
         self._observe_forwards(forwards)
         self._observe_overhead(wall_time, forward_time, speculative)
