@@ -155,3 +155,26 @@ def test_slowdown_multiplies_a_model_forward_time_and_is_removed():
     assert "forward" not in vars(runner) and timed() < 0.025
     with pytest.raises(ValueError, match="no model"):
         Slowdown("x", 2.0).install(pool)
+
+
+def test_a_pool_with_a_draft_head_runs_specrouter_without_it_side_by_side(tiny_pool_dirs, tmp_path):
+    """Issue 18's end-to-end comparison: with a draft head in the pool the bench runs the head's
+    static chains and SpecRouter without the head, on the same requests, and reports the ratio
+    and its goal; greedy outputs are checked identical across them."""
+    from test_head_level import _save_head
+
+    d = tiny_pool_dirs
+    head = _save_head(d["target"], tmp_path / "head", noise=0.01)
+    cfg = tiny_config(d, str(tmp_path / "profile.json"), tmp_path / "out", workloads=("code",),
+                      temperatures=(0.0,), hf="none", slowdown=False, peers=False,
+                      models=(str(d["draft"]), str(d["target"]), str(head)))
+    result = run_bench(cfg, progress=False, log=lambda m: None)
+    (s,) = result["scenarios"]
+    tps = {n: e["tokens_per_second"] for n, e in s["systems"].items()}
+    assert "head>target k=4" in tps and "head>draft>target k=4" in tps
+    assert s["ratios"]["specrouter/no_head"] == tps["SpecRouter"] / tps["SpecRouter (no head)"]
+    assert len({e["tokens"] for e in s["systems"].values()}) == 1  # greedy: the same tokens everywhere
+    from specrouter.bench.report import evaluate_goals
+
+    goal = next(g for g in evaluate_goals(result) if g["goal"].startswith("head:"))
+    assert goal["value"] == s["ratios"]["specrouter/no_head"] and goal["met"] == (goal["value"] >= 1.3)

@@ -74,6 +74,9 @@ def test_the_pool_loads_a_head_folder_as_a_first_level_only(dirs):
     assert pool.resolve_name("draft") == "draft"  # the role names a model draft, not the head
     with pytest.raises(ChainError, match="first level"):
         pool.validate_chain(("draft", "head", "target"))
+    view = pool.without_drafters(["head", "draft"])  # the bench's "SpecRouter (no head)": verifiers stay
+    assert view.heads == frozenset() and view.order == ["draft", "target"] and "head" not in view.runners
+    assert pool.heads == {"head"} and "head" in pool.runners  # a view: the pool keeps its head
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -57,6 +57,7 @@ def evaluate_goals(result: dict) -> list[dict]:
     goals.append(_goal("SpecRouter never below 0.95x target-only on any workload",
                        f"worst: {worst['name']}", worst["ratios"]["specrouter/target_only"], 0.95))
     goals += suffix_goals(scenarios)
+    goals += head_goals(scenarios)
     goals += peer_goals(result)
     checked = sum(len(s["requests"]) for s in scenarios if s["greedy"])
     goals.append({"goal": "greedy outputs identical to target-only (static chains, SpecRouter)",
@@ -86,6 +87,14 @@ def suffix_goals(scenarios: list[dict]) -> list[dict]:
             goals.append(_goal("suffix: no other workload slower than without it (>= 0.98x)", s["name"],
                                s["ratios"]["specrouter/no_suffix"], 0.98))
     return goals
+
+
+def head_goals(scenarios: list[dict]) -> list[dict]:
+    """Issue 18's end-to-end goal, where SpecRouter also ran without the draft heads: with the
+    head in the pool, SpecRouter's single-stream speed >= 1.3x without it (mixed stream)."""
+    return [_goal("head: SpecRouter >= 1.3x SpecRouter without the draft head", s["name"],
+                  s["ratios"]["specrouter/no_head"], 1.3)
+            for s in scenarios if s["ratios"].get("specrouter/no_head") is not None]
 
 
 def _peer(s: dict, suffix: str) -> str | None:
@@ -181,11 +190,11 @@ def summary_table(result: dict) -> list[str]:
             f"{_f(three['tokens_per_second'])} ({three['system']})" if three else "n/a",
             _f(s["oracle"]["tokens_per_second"]), _f(t.get(ADAPTIVE)),
             _x(r["specrouter/target_only"]), _x(r["specrouter/best_static"]), _x(r["specrouter/oracle"]),
-            _x(r["specrouter/hf_assisted"]), _x(r.get("specrouter/no_suffix")),
+            _x(r["specrouter/hf_assisted"]), _x(r.get("specrouter/no_suffix")), _x(r.get("specrouter/no_head")),
         ])
     return _table(["scenario", "target-only", "HF generate", "HF assisted", "best static (chain, k)",
                    "best 3-level", "oracle", "SpecRouter", "SR / target-only", "SR / best static",
-                   "SR / oracle", "SR / HF assisted", "SR / SR without suffix"], rows)
+                   "SR / oracle", "SR / HF assisted", "SR / SR without suffix", "SR / SR without head"], rows)
 
 
 def peer_table(result: dict) -> list[str]:

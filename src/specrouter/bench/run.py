@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specrouter.bench.slowdown import Slowdown
-from specrouter.bench.summary import NO_SUFFIX, chain_label, summarize
+from specrouter.bench.summary import NO_HEAD, NO_SUFFIX, chain_label, summarize
 from specrouter.bench.systems import (
     AdaptiveSystem,
     Decoding,
@@ -125,9 +125,12 @@ def build_scenarios(cfg: BenchConfig) -> list[Scenario]:
 
 
 def model_aliases(pool) -> dict[str, str]:
-    """Short names for tables: ngram, draft (draft1, draft2, ... by cost), target."""
-    drafts = [n for n in pool.order if n in pool.runners and n != pool.target]
+    """Short names for tables: ngram, suffix, head (head1, ...), draft (draft1, draft2, ... by
+    cost), target."""
+    heads = [n for n in pool.order if n in pool.heads]
+    drafts = [n for n in pool.order if n in pool.runners and n != pool.target and n not in pool.heads]
     out = {n: n for n in pool.drafters}
+    out.update({n: "head" if len(heads) == 1 else f"head{i + 1}" for i, n in enumerate(heads)})
     out.update({n: "draft" if len(drafts) == 1 else f"draft{i + 1}" for i, n in enumerate(drafts)})
     out[pool.target] = "target"
     return out
@@ -155,7 +158,8 @@ class Harness:
     assistant: str | None  # pool name of the assistant draft
     encoded: dict[Request, list[int]]
     peers_missing: list[str] = dataclasses.field(default_factory=list)  # peer rows left out, and why
-    ablation: AdaptiveSystem | None = None  # SpecRouter without the suffix drafter
+    ablations: list[AdaptiveSystem] = dataclasses.field(default_factory=list)  # SpecRouter without
+    # the suffix drafter, without the draft heads
 
 
 def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
@@ -172,7 +176,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
                                     suffix=cfg.suffix, progress=progress)
     pool = sr.pool
     aliases = model_aliases(pool)
-    drafts = [n for n in pool.order if n in pool.runners and n != pool.target]
+    drafts = [n for n in pool.order if n in pool.runners and n != pool.target and n not in pool.heads]
     log(f"pool (cheapest first): {' < '.join(f'{aliases[n]} ({n})' for n in pool.order)}")
 
     systems: list[System] = []
@@ -189,10 +193,12 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
     adaptive = AdaptiveSystem(pool, "SpecRouter", profile_path=cfg.profile_path, progress=progress,
                               profile=profile, router_config=cfg.router)
     systems.append(adaptive)
-    ablation = None
+    ablations = []
     if SUFFIX in pool.drafters:
-        ablation = AdaptiveSystem(pool.without_drafters([SUFFIX]), NO_SUFFIX, profile=profile)
-        systems.append(ablation)
+        ablations.append(AdaptiveSystem(pool.without_drafters([SUFFIX]), NO_SUFFIX, profile=profile))
+    if pool.heads:
+        ablations.append(AdaptiveSystem(pool.without_drafters(pool.heads), NO_HEAD, profile=profile))
+    systems += ablations
 
     hf_models: dict = {}
     assistant = _resolve(pool, aliases, cfg.hf_assistant, drafts[-1] if drafts else None)
@@ -230,7 +236,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
                                             n_ctx=need + 8, draft=drafts[-1] if drafts else None, log=log)
         systems += peers
     return Harness(pool, aliases, systems, adaptive, target_only, hf_models, assistant, encoded,
-                   peers_missing, ablation)
+                   peers_missing, ablations)
 
 
 def warm_up(h: Harness, ids: list[int]) -> None:
@@ -413,7 +419,7 @@ def _load_average() -> float | None:
 
 def _slowdown_model(cfg: BenchConfig, h: Harness) -> str:
     pool = h.pool
-    drafts = [n for n in pool.order if n in pool.runners and n != pool.target]
+    drafts = [n for n in pool.order if n in pool.runners and n != pool.target and n not in pool.heads]
     default = drafts[-1] if drafts else (next(iter(pool.drafters)) if pool.drafters else pool.target)
     return _resolve(pool, h.aliases, cfg.slowdown_model, default)
 

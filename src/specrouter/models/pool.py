@@ -231,13 +231,15 @@ class Pool:
         return dataclasses.replace(self, drafters=drafters)
 
     def without_drafters(self, names) -> "Pool":
-        """A view of the pool without the model-free drafters `names` (e.g. SpecRouter without
-        the suffix drafter, side by side with it)."""
+        """A view of the pool without the drafters `names`, model-free ones or draft heads (e.g.
+        SpecRouter without the suffix drafter, or without the head, side by side with it); the
+        target and the model drafts verify, so they stay."""
         import dataclasses
 
-        drop = set(names)
+        drop = set(names) & (set(self.drafters) | set(self.heads))
         return dataclasses.replace(self, drafters={n: d for n, d in self.drafters.items() if n not in drop},
-                                   order=[n for n in self.order if n not in drop])
+                                   runners={n: r for n, r in self.runners.items() if n not in drop},
+                                   heads=self.heads - drop, order=[n for n in self.order if n not in drop])
 
     @property
     def default_chain(self) -> tuple[str, ...]:
