@@ -77,3 +77,28 @@ def test_dtype_auto_is_the_fastest_exact_precision_here():
     want = torch.bfloat16 if rowinv() is not None else torch.float32
     assert _dtype("auto") == want and resolved_dtype("auto") == str(want).removeprefix("torch.")
     assert resolved_dtype("fp32") == "float32"
+
+
+def test_the_shipped_head_resolves_and_is_documented():
+    """The draft head trained here ships in the package (issue 18): the pool entry
+    "default-head" is its folder, it is the documented head of the default target, and
+    README's figures are its report's."""
+    from specrouter.config import PoolConfig
+    from specrouter.heads.level import is_head_dir
+    from specrouter.models.default_pool import shipped_head
+    from specrouter.models.pool import pool_paths
+
+    head = shipped_head()
+    assert is_head_dir(head) and sum(f.stat().st_size for f in head.iterdir()) <= 12 * 2**20
+    assert pool_paths(PoolConfig(models=("ngram", "default-head"))) == ["ngram", head]
+    recipe = json.loads((head / "recipe.json").read_text())
+    report = json.loads((head / "report.json").read_text())
+    config = json.loads((head / "head_config.json").read_text())
+    assert recipe["steps_done"] == report["steps"] > 0 and recipe["args"]["seed"] == 0
+    target = config["target_config"]  # SmolLM2-135M, the default target
+    assert (target["hidden_size"], target["vocab_size"]) == (576, 49152)
+    assert len(config["vocab_ids"]) == report["vocab_size"] == 8192
+    assert _safetensors_params(head / "head.safetensors") >= report["trained_params"]
+    assert f"head depth-1 agreement **{report['head']['agreement']:.3f}**" in README
+    assert f"(**{report['head_cost_ratio']:.3f}** of the target's)" in README
+    assert f"{report['draft']['agreement']:.3f} for the shipped draft" in README

@@ -16,6 +16,7 @@ from specrouter.errors import ChainError, SamplingParamsError
 MAX_DRAFT_LENGTH = 16  # k is searched in 1..MAX_DRAFT_LENGTH by the router
 SUFFIX_SCOPES = ("shared", "api-key")  # ServerConfig.suffix_scope
 DEFAULT_POOL = "default"  # the name of the embedded pool (models/default_pool.py)
+DEFAULT_HEAD = "default-head"  # the draft head shipped for the default target (opt-in pool entry)
 NGRAM = "ngram"  # the model-free n-gram / prompt-lookup drafter's pool name
 SUFFIX = "suffix"  # the model-free suffix-decoding drafter (learns across requests)
 # role aliases, accepted wherever a pool model name is (chains, the API, the server's "model"):

@@ -6,6 +6,11 @@ bfloat16, recipe.json, report.json) without tokenizer files: they share the targ
 so the first use assembles a complete checkpoint directory in the cache (weights linked, the
 target's tokenizer files copied) and later uses return it at once.
 
+The draft head trained here for that target (issue 18) ships in
+`specrouter/models/assets/heads/<name>/` (head.safetensors, head_config.json, recipe.json,
+report.json); it is not in the default pool, the pool entry "default-head" adds it
+(`--models default default-head`).
+
 `SPECROUTER_DEFAULT_POOL` (entries separated by the path separator, ":" on POSIX) makes the
 name "default" stand for another pool, e.g. a site's own models (the README's tests point it at
 tiny checkpoints).
@@ -21,6 +26,7 @@ from specrouter.models.gguf_convert import default_target_dir, gguf_cache_dir
 
 DEFAULT_POOL_ENV = "SPECROUTER_DEFAULT_POOL"
 ASSETS = Path(__file__).parent / "assets" / "drafts"
+HEAD_ASSETS = Path(__file__).parent / "assets" / "heads"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "generation_config.json")
 
@@ -31,6 +37,16 @@ def shipped_drafts() -> list[Path]:
         return []
     found = [p for p in ASSETS.iterdir() if (p / "config.json").is_file()]
     return sorted(found, key=lambda p: (p / "model.safetensors").stat().st_size)
+
+
+def shipped_head() -> Path:
+    """The draft head shipped for the default target (a head folder, heads/level.is_head_dir)."""
+    from specrouter.heads.level import is_head_dir
+
+    found = sorted(p for p in HEAD_ASSETS.iterdir() if is_head_dir(p)) if HEAD_ASSETS.is_dir() else []
+    if not found:
+        raise FileNotFoundError(f"no draft head is shipped in {HEAD_ASSETS}")
+    return found[0]
 
 
 def assemble_draft(asset: Path, target_dir: Path) -> Path:

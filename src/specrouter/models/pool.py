@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specrouter.config import DEFAULT_POOL, NGRAM, SUFFIX, PoolConfig, check_chain_names
+from specrouter.config import DEFAULT_HEAD, DEFAULT_POOL, NGRAM, SUFFIX, PoolConfig, check_chain_names
 from specrouter.decoding.drafters.base import ModelFreeDrafter
 from specrouter.errors import ChainError, CheckpointError
 from specrouter.models.runners.base import ModelRunner
@@ -355,7 +355,7 @@ def resolve_chain(chain, order: list[str], target: str, model_free: set[str],
 
 def pool_paths(config: PoolConfig, progress: bool = False) -> list[str | Path]:
     """The entries of `config.models` with "default" expanded to the embedded pool (its n-gram
-    drafter left out when `config.ngram` is off)."""
+    drafter left out when `config.ngram` is off) and "default-head" to the shipped draft head."""
     paths: list[str | Path] = []
     for m in config.models:
         if m == DEFAULT_POOL:
@@ -363,6 +363,10 @@ def pool_paths(config: PoolConfig, progress: bool = False) -> list[str | Path]:
 
             paths += [p for p in default_pool_paths(progress=progress)
                       if (config.ngram or str(p) != NGRAM) and (config.suffix or str(p) != SUFFIX)]
+        elif m == DEFAULT_HEAD:
+            from specrouter.models.default_pool import shipped_head
+
+            paths.append(shipped_head())
         else:
             paths.append(m)
     return paths
