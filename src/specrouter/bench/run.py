@@ -128,7 +128,7 @@ def model_aliases(pool) -> dict[str, str]:
     """Short names for tables: ngram, suffix, head (head1, ...), draft (draft1, draft2, ... by
     cost), target."""
     heads = [n for n in pool.order if n in pool.heads]
-    drafts = [n for n in pool.order if n in pool.runners and n != pool.target and n not in pool.heads]
+    drafts = pool.model_drafts
     out = {n: n for n in pool.drafters}
     out.update({n: "head" if len(heads) == 1 else f"head{i + 1}" for i, n in enumerate(heads)})
     out.update({n: "draft" if len(drafts) == 1 else f"draft{i + 1}" for i, n in enumerate(drafts)})
@@ -176,7 +176,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
                                     suffix=cfg.suffix, progress=progress)
     pool = sr.pool
     aliases = model_aliases(pool)
-    drafts = [n for n in pool.order if n in pool.runners and n != pool.target and n not in pool.heads]
+    drafts = pool.model_drafts
     log(f"pool (cheapest first): {' < '.join(f'{aliases[n]} ({n})' for n in pool.order)}")
 
     systems: list[System] = []
@@ -419,7 +419,7 @@ def _load_average() -> float | None:
 
 def _slowdown_model(cfg: BenchConfig, h: Harness) -> str:
     pool = h.pool
-    drafts = [n for n in pool.order if n in pool.runners and n != pool.target and n not in pool.heads]
+    drafts = pool.model_drafts
     default = drafts[-1] if drafts else (next(iter(pool.drafters)) if pool.drafters else pool.target)
     return _resolve(pool, h.aliases, cfg.slowdown_model, default)
 

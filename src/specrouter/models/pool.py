@@ -242,11 +242,15 @@ class Pool:
                                    heads=self.heads - drop, order=[n for n in self.order if n not in drop])
 
     @property
+    def model_drafts(self) -> list[str]:
+        """The neural drafts that can also verify (no target, no draft head), cheapest first."""
+        return [n for n in self.order if n in self.runners and n != self.target and n not in self.heads]
+
+    @property
     def default_chain(self) -> tuple[str, ...]:
         """Until the router picks chains: the cheapest neural draft then the target; with no
         neural draft, the n-gram drafter then the target; else plain decoding."""
-        models = [n for n in self.order if n in self.runners and n != self.target and n not in self.heads]
-        models = models or [n for n in self.order if n in self.heads]
+        models = self.model_drafts or [n for n in self.order if n in self.heads]
         if models:
             return (models[0], self.target)
         if self.drafters:

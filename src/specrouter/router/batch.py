@@ -6,6 +6,7 @@ Functions of a `Router` (policy.py), which exposes them as methods."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,6 +80,13 @@ def speculates(plans: Sequence[tuple[Chain, int]]) -> bool:
     return any(k > 0 and len(c) > 1 for c, k in plans)
 
 
+def calibrated_rate(router, plans: Sequence[tuple[Chain, int]], tokens: float, context_len: int,
+                    factors: tuple[float, float]) -> float:
+    """Predicted committed tokens per second of a step running `plans` (every row's, pinned
+    ones included) that commits `tokens`, scaled by what such steps realised (`calibration`)."""
+    return factors[0 if speculates(plans) else 1] * tokens / step_seconds(router, plans, context_len)
+
+
 def observe_batch_step(router, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord],
                        wall_time: float) -> None:
     """Calibrate the planner on one multi-row step: the tokens it committed and its seconds
@@ -109,6 +117,20 @@ def observe_batch_step(router, rows: Sequence[RowOutcome], forwards: Sequence[Fo
         other.forget(cfg.batch_calibration_forget)
 
 
+def planning(fn):
+    """A planning function of the router (its first argument): its seconds count toward the
+    step it plans (`Router.plan_seconds`, read by `observe_batch_step`)."""
+    @functools.wraps(fn)
+    def timed(router, *args, **kwargs):
+        t0 = router.timer()
+        try:
+            return fn(router, *args, **kwargs)
+        finally:
+            router.plan_seconds += router.timer() - t0
+    return timed
+
+
+@planning
 def plan_batch(router, rows: Sequence[RowContext],
                pinned: Sequence[tuple[Chain, int]] = ()) -> list[Decision]:
     """`plan_batch_afresh`, or plain decoding for every row while a plain hold lasts: under
@@ -116,18 +138,7 @@ def plan_batch(router, rows: Sequence[RowContext],
     a few ms of every ~70 ms step for the same answer. The hold ends when the batch shrinks
     below `hold_floor` (fewer rows make speculation cheaper; more rows only make plain batching
     stronger, so joins keep it), and grows 2, 4, ... up to `RouterConfig.plain_hold_max` steps
-    while the verdict repeats. The planning's seconds count toward the step's calibration
-    (`observe_batch_step`)."""
-    t0 = router.timer()
-    try:
-        return _plan_batch(router, rows, pinned)
-    finally:
-        router.plan_seconds += router.timer() - t0
-
-
-def _plan_batch(router, rows: Sequence[RowContext],
-                pinned: Sequence[tuple[Chain, int]] = ()) -> list[Decision]:
-    """The body of `plan_batch`."""
+    while the verdict repeats."""
     if not rows:
         return []
     hold: PlainHold | None = router.plain_hold
@@ -183,14 +194,12 @@ def plan_batch_afresh(router, rows: Sequence[RowContext],
                      for r, d in zip(rows, decisions)]
     L = max(1, sum(r.context_len for r in rows) // len(rows))
     reqs = [router.requests.get(r.seq_id) for r in rows]
-    spec_factor, plain_factor = calibration(router, n)
+    factors = calibration(router, n)
 
     def option(plans: list[tuple[Chain, int]]) -> tuple[float, list[tuple[Chain, int]]]:
         tokens = sum(expected_tokens(router, req, c, k) for req, (c, k) in zip(reqs, plans))
         tokens += len(pinned)  # pinned rows commit >= 1 token each, whatever we choose
-        every = list(plans) + list(pinned)
-        factor = spec_factor if speculates(every) else plain_factor  # what such steps realised
-        return factor * tokens / step_seconds(router, every, L), plans
+        return calibrated_rate(router, list(plans) + list(pinned), tokens, L, factors), plans
 
     own = [(d.chain, d.k) for d in decisions]
     if all(len(c) == 1 for c, _ in own):
@@ -276,6 +285,7 @@ def step_seconds(router, plans: Sequence[tuple[Chain, int]], context_len: int) -
     return max(total, 1e-9)
 
 
+@planning
 def take_confident_drafts(router, rows: Sequence[RowContext], plans: list[tuple[Chain, int]],
                           offers: dict[int, tuple[str, int, float]],
                           pinned: Sequence[tuple[Chain, int]] = ()) -> list[tuple[Chain, int]]:
@@ -288,16 +298,6 @@ def take_confident_drafts(router, rows: Sequence[RowContext], plans: list[tuple[
     estimates cannot see such a draft coming: they average over the request's cycles."""
     if not offers:
         return plans
-    t0 = router.timer()
-    try:
-        return _take_confident_drafts(router, rows, plans, offers, pinned)
-    finally:
-        router.plan_seconds += router.timer() - t0
-
-
-def _take_confident_drafts(router, rows: Sequence[RowContext], plans: list[tuple[Chain, int]],
-                           offers: dict[int, tuple[str, int, float]],
-                           pinned: Sequence[tuple[Chain, int]] = ()) -> list[tuple[Chain, int]]:
     L = max(1, sum(r.context_len for r in rows) // len(rows))
     reqs = [router.requests.get(r.seq_id) for r in rows]
     tokens = [expected_tokens(router, req, c, k) for req, (c, k) in zip(reqs, plans)]
@@ -305,8 +305,7 @@ def _take_confident_drafts(router, rows: Sequence[RowContext], plans: list[tuple
     factors = calibration(router, len(rows) + len(pinned))
 
     def rate(ps: list, toks: list) -> float:
-        every = ps + list(pinned)
-        return factors[0 if speculates(every) else 1] * (sum(toks) + len(pinned)) / step_seconds(router, every, L)
+        return calibrated_rate(router, ps + list(pinned), sum(toks) + len(pinned), L, factors)
 
     current = rate(best, tokens)
     for i, (name, m, score) in sorted(offers.items(), key=lambda o: -o[1][2]):
