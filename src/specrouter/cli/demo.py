@@ -1,9 +1,15 @@
-"""`specrouter demo`: the embedded default pool doing its real job, measured side by side."""
+"""`specrouter demo`: the embedded default pool doing its real job, measured side by side.
+
+Honest by construction: SpecRouter and the target-only baseline each run on their own view of
+the pool (`Pool.with_fresh_drafters()`), so neither learns from the other's output (the suffix
+drafter learns from every finished request: on a shared pool, SpecRouter would replay the
+baseline's answer). Which system runs first alternates from prompt to prompt."""
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 from specrouter.cli.options import add_engine_arguments, add_pool_arguments, engine_config, pool_config
 from specrouter.cli.terminal import STATS_LEGEND
@@ -18,6 +24,61 @@ DEMO_PROMPTS = [
 ]
 
 
+@dataclass(frozen=True)
+class DemoRow:
+    """One prompt, run by both systems."""
+
+    kind: str
+    prompt: str
+    spec: object  # SpecRouter's GenerationResult
+    base: object  # the target-only GenerationResult
+    spec_seconds: float
+    base_seconds: float
+    spec_first: bool  # which system ran first on this prompt
+
+    @property
+    def identical(self) -> bool:
+        return self.spec.token_ids == self.base.token_ids
+
+    @property
+    def speedup(self) -> float:
+        """SpecRouter's tok/s over target-only's."""
+        return (len(self.spec.token_ids) / self.spec_seconds) / max(1e-9, len(self.base.token_ids) / self.base_seconds)
+
+
+def compare(sr, prompts, max_new_tokens: int):
+    """Yield a `DemoRow` per (kind, prompt, chat) of `prompts`: `sr` (its router and its own
+    drafters) against target-only plain decoding on a separate view of the same models with
+    fresh drafters. Greedy; the first system alternates per prompt."""
+    from specrouter.api import SpecRouter
+
+    pool = sr.pool
+    baseline = SpecRouter(pool.with_fresh_drafters(), None, sr.config)
+    target_only = (pool.target,)
+    kw = dict(max_new_tokens=max_new_tokens, temperature=0.0)
+    # warm-up (first forwards allocate), each system on its own view
+    sr.generate("Hello", max_new_tokens=4)
+    baseline.generate("Hello", max_new_tokens=4, chain=target_only)
+
+    def run_spec(prompt, chat):
+        t = time.perf_counter()
+        res = sr.generate(prompt, chat=chat, **kw)[0]
+        return res, time.perf_counter() - t
+
+    def run_base(prompt, chat):
+        t = time.perf_counter()
+        res = baseline.generate(prompt, chain=target_only, chat=chat, **kw)[0]
+        return res, time.perf_counter() - t
+
+    for i, (kind, prompt, chat) in enumerate(prompts):
+        spec_first = i % 2 == 1
+        if spec_first:
+            (spec, ts), (base, tb) = run_spec(prompt, chat), run_base(prompt, chat)
+        else:
+            (base, tb), (spec, ts) = run_base(prompt, chat), run_spec(prompt, chat)
+        yield DemoRow(kind, prompt, spec, base, ts, tb, spec_first)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from specrouter.api import SpecRouter
     from specrouter.config import SpecRouterConfig
@@ -28,36 +89,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     pool = sr.pool
     print(f"pool (cheapest first): {' < '.join(pool.order)}; target: {pool.target} "
           f"(loaded in {time.perf_counter() - t0:.1f}s)")
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0)
-    # warm-up: first forwards allocate
-    sr.generate("Hello", max_new_tokens=4)
-    sr.generate("Hello", max_new_tokens=4, chain=(pool.target,))
-    tot_spec = tot_base = 0.0
-    n_spec = n_base = 0
-    identical = True
-    for kind, prompt, chat in DEMO_PROMPTS:
-        t = time.perf_counter()
-        base = sr.generate(prompt, chain=(pool.target,), chat=chat, **kw)[0]
-        tb = time.perf_counter() - t
-        t = time.perf_counter()
-        res = sr.generate(prompt, chat=chat, **kw)[0]
-        ts = time.perf_counter() - t
-        tot_base, tot_spec = tot_base + tb, tot_spec + ts
-        n_base, n_spec = n_base + len(base.token_ids), n_spec + len(res.token_ids)
-        same = base.token_ids == res.token_ids
-        identical &= same
-        s = res.stats
-        print(f"\n=== {kind}: {prompt[:70]!r}")
-        print(res.text.strip())
+    print("each system on its own view of the pool (no shared learning state); the first to run "
+          "alternates per prompt")
+    rows = []
+    speculated = False
+    for row in compare(sr, DEMO_PROMPTS, args.max_new_tokens):
+        rows.append(row)
+        s = row.spec.stats
+        speculated |= bool(s.acceptance_rates)
+        print(f"\n=== {row.kind}: {row.prompt[:70]!r}")
+        print(row.spec.text.strip())
         rates = ", ".join(f"{p} {r:.0%}" for p, r in s.acceptance_rates.items()) or "n/a"
+        first = "SpecRouter" if row.spec_first else "target-only"
         print(f"--- chain {', '.join(s.chains)} | per-token acceptance {rates} | mean acceptance "
-              f"length {s.mean_acceptance_length:.2f} tokens/cycle | {len(res.token_ids) / ts:.1f} tok/s vs "
-              f"target-only {len(base.token_ids) / tb:.1f} tok/s = {tb / ts * len(res.token_ids) / max(1, len(base.token_ids)):.2f}x"
-              f" | identical to target-only greedy: {same}")
-    speed = (n_spec / tot_spec) / (n_base / tot_base)
-    print(f"\nall prompts: SpecRouter {n_spec / tot_spec:.1f} tok/s vs target-only "
-          f"{n_base / tot_base:.1f} tok/s = {speed:.2f}x; greedy output identical: {identical}")
-    print(f"({STATS_LEGEND}; tok/s include the prefill)")
+              f"length {s.mean_acceptance_length:.2f} tokens/cycle | "
+              f"{len(row.spec.token_ids) / row.spec_seconds:.1f} tok/s vs target-only "
+              f"{len(row.base.token_ids) / row.base_seconds:.1f} tok/s = {row.speedup:.2f}x "
+              f"({first} ran first) | identical to target-only greedy: {row.identical}")
+    n_spec = sum(len(r.spec.token_ids) for r in rows)
+    n_base = sum(len(r.base.token_ids) for r in rows)
+    t_spec = sum(r.spec_seconds for r in rows)
+    t_base = sum(r.base_seconds for r in rows)
+    identical = all(r.identical for r in rows)
+    print(f"\nall prompts: SpecRouter {n_spec / t_spec:.1f} tok/s vs target-only "
+          f"{n_base / t_base:.1f} tok/s = {(n_spec / t_spec) / (n_base / t_base):.2f}x; "
+          f"greedy output identical: {identical}")
+    print(f"({STATS_LEGEND + '; ' if speculated else ''}tok/s include the prefill)")
     return 0 if identical else 1
 
 
