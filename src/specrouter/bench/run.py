@@ -212,6 +212,12 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
         eos = tuple(pool.eos_ids)
         pad = pool.tokenizer.pad_token_id if pool.tokenizer.pad_token_id is not None else eos[0]
         systems.append(HFSystem("HF generate", hf_models[pool.target], eos_ids=eos, pad_id=pad))
+        if dt == torch.bfloat16:  # transformers' bfloat16 is slower than its float32 on AVX2 CPUs:
+            # show its fastest exact precision too, so no ratio leans on a handicapped baseline
+            from specrouter.bench.report import HF_FP32
+
+            systems.append(HFSystem(HF_FP32, load_hf_model(pool.runners[pool.target].checkpoint_dir, torch.float32),
+                                    eos_ids=eos, pad_id=pad))
         if assistant is not None:
             hf_models[assistant] = load_hf_model(pool.runners[assistant].checkpoint_dir, dt)
             systems.append(HFSystem("HF assisted", hf_models[pool.target],
@@ -363,7 +369,10 @@ def _meta(cfg: BenchConfig, h: Harness, scenarios: list[Scenario]) -> dict:
     from specrouter.router.profile import machine_fingerprint
 
     pool = h.pool
+    from specrouter.bench.provenance import provenance
+
     meta = {
+        "provenance": provenance(),
         "machine": {**machine_fingerprint(), "python": platform.python_version(),
                     "transformers": transformers.__version__, "cores": _cores()},
         "config": dataclasses.asdict(cfg),

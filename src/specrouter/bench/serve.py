@@ -320,7 +320,9 @@ def summarize(cfg: ServeBenchConfig, levels: list[LevelResult], mismatches: list
          "met": bool(at4) and min(at4) >= 1.15},
         {"goal": "greedy outputs identical across systems", "value": len(mismatches), "met": not mismatches},
     ]
-    return {"config": asdict(cfg), "models": models, "load_average": os.getloadavg()[0],
+    from specrouter.bench.provenance import provenance
+
+    return {"provenance": provenance(), "config": asdict(cfg), "models": models, "load_average": os.getloadavg()[0],
             "cores": os.cpu_count(), "rows": rows, "goals": goals, "mismatches": mismatches,
             "levels": [asdict(lv) for lv in levels]}
 
@@ -329,7 +331,11 @@ def markdown(result: dict) -> str:
     def f(x, scale=1.0, d=1):
         return "-" if x is None else f"{x * scale:.{d}f}"
 
+    from specrouter.bench.provenance import describe
+
+    prov = result.get("provenance")
     lines = ["# specrouter bench --serve", "",
+             f"Provenance: {describe(prov)}." if prov else "Provenance: not recorded.", "",
              f"load average {result['load_average']:.2f} on {result['cores']} cores", "",
              "| t | concurrency | router tok/s | plain tok/s | router / plain | best static (tok/s) | "
              "TTFT p50 router / plain (ms) | TPOT p99 router / plain (ms) |",

@@ -106,8 +106,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _compare(sr, prompts, params, results, spec_time: float, *, chat: bool) -> None:
+    """Target-only on its own view of the pool (fresh drafters): neither system learns from the
+    other's output."""
+    from specrouter.api import SpecRouter
+
+    baseline = SpecRouter(sr.pool.with_fresh_drafters(), None, sr.config)
     t0 = time.perf_counter()
-    base = sr.generate(prompts, chain=(sr.pool.target,), chat=chat, **sampling_kwargs(params))
+    base = baseline.generate(prompts, chain=(sr.pool.target,), chat=chat, **sampling_kwargs(params))
     base_time = time.perf_counter() - t0
     same = all(a.token_ids == b.token_ids for a, b in zip(results, base))
     n_spec = sum(r.stats.generated for r in results)
