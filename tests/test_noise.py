@@ -134,3 +134,11 @@ def test_choose_tokens_mixed_rows_and_filters():
 
 def test_hash_module_has_no_stream_state():
     assert not any(isinstance(v, torch.Generator) for v in vars(noise).values())
+
+
+def test_the_docstring_states_the_block_size_the_code_uses():
+    """The module docstring's block size is BLOCK (it once said 256 while the code used 64)."""
+    import re
+
+    stated = {int(n) for n in re.findall(r"blocks? of\s+(?:`BLOCK` \()?(\d+)\)?\s+tokens", noise.__doc__)}
+    assert stated == {noise.BLOCK}

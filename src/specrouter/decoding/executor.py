@@ -1,5 +1,5 @@
 """The step executor: one cycle of multi-level speculative decoding for EVERY running row at
-once, whatever chain and draft length each row runs (DESIGN.md pillar 2 and the paper's
+once, whatever chain and draft length each row runs (docs/design.md pillar 2 and the paper's
 asynchronous batch processing). Every model runs one forward over all rows that need it now.
 
 Models are visited in pool order (cheapest first, the target last). A chain is ordered the same

@@ -31,8 +31,8 @@ others exceed it by iid Exp(1)). So E_v is a fixed function of (seed, position, 
 over v, and every token of block B has -log E_v <= -log M_B: the block's best score is at most
 max(scores in B) - log M_B. `coupled_argmax` evaluates blocks in decreasing order of that bound
 and stops when the best score found beats the next block's bound: usually one or two blocks of
-256 tokens instead of the 49k of a full vocabulary. `exponential_noise` materializes all E_v:
-the plain reference the lazy path is tested against.
+`BLOCK` (64) tokens instead of the 49k of a full vocabulary. `exponential_noise` materializes
+all E_v: the plain reference the lazy path is tested against.
 
 The hash: 32-bit integer mixing ("lowbias32", Wellons) on int64 tensors, masked to 32 bits; a
 uniform is (x + 0.5) / 2^32, never 0 or 1.

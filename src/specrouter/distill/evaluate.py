@@ -4,7 +4,7 @@ proxy), agreement and KL on a corpus's held-out rows, and per-step cost.
 The target continues a fixed, mixed set of prompts (code, prose, chat through its template,
 extraction) greedily; one forward of the draft over each whole sequence then says, at every
 generated position, whether the draft's argmax is the token the target wrote. That fraction is
-the per-token acceptance probability a greedy draft-then-verify cycle sees (DESIGN.md: greedy
+the per-token acceptance probability a greedy draft-then-verify cycle sees (docs/design.md: greedy
 acceptance = P(argmax_draft == argmax_target) along the target's own output).
 
 The prompts are written here by hand and none comes from the distillation corpus (whose

@@ -9,7 +9,7 @@ draft, it is its argmax at position s+j given the text (along an accepted draft 
 drafted tokens). Only starts whose next k text tokens are the target's greedy ones are scored
 (the target-written greedy rows), so every scored chain is one greedy speculation would run.
 
-Acceptance length counts the target's own token (DESIGN.md): 1 + the accepted draft tokens.
+Acceptance length counts the target's own token (docs/design.md): 1 + the accepted draft tokens.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The router's cost model: expected latency, expected committed tokens and T_eff of a chain,
-computed exactly by dynamic programming over lengths (DESIGN.md, Pillar 1). Pure functions.
+computed exactly by dynamic programming over lengths (docs/design.md, Pillar 1). Pure functions.
 
 One cycle of chain C = [M1, ..., MN] (MN = the target) with draft length k:
 

@@ -1,5 +1,5 @@
 """The router: per request, every cycle, the chain and draft length of least predicted T_eff
-(DESIGN.md, Pillar 1), with hysteresis, bounded probing and a log of every decision.
+(docs/design.md, Pillar 1), with hysteresis, bounded probing and a log of every decision.
 
 Inputs: a `CostProfile` (T_M(b, t, L)), a `SimilarityEstimator` (alpha per pair and mode), the
 pool order (cheapest first, target last) and the names of model-free drafters.

@@ -1,5 +1,5 @@
 """The cost profile: T_M(b, t, L), the seconds of one forward of model M over t new tokens per row
-for b rows at context length L (DESIGN.md, Pillar 1). Model-free drafters have one too: the
+for b rows at context length L (docs/design.md, Pillar 1). Model-free drafters have one too: the
 seconds of proposing t = k tokens for b rows at context L.
 
 Representation (our choice; the paper gives none). Per model, a small table over a grid of

@@ -1,4 +1,4 @@
-"""Similarity and acceptance of model pairs (DESIGN.md, Pillar 1): what the router believes
+"""Similarity and acceptance of model pairs (docs/design.md, Pillar 1): what the router believes
 `alpha_ij`, the per-token acceptance of drafter i's tokens by verifier j, to be.
 
 Per ordered pair (drafter, verifier) and decoding mode (greedy / sampling) it keeps:

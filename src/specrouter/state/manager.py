@@ -1,4 +1,4 @@
-"""Synchronized state management (DESIGN.md pillar 3).
+"""Synchronized state management (docs/design.md pillar 3).
 
 Every (model, sequence) pair has a `ModelState`: the model's cache slot and how many of the
 sequence's committed tokens its KV cache holds (`cache_len`). Tokens a model has not seen yet
