@@ -12,7 +12,7 @@ from specrouter.models.runners.attention import (
     blocked_keys,
     padded_length,
 )
-from specrouter.models.runners.kernels import rowinv
+from specrouter.models.runners.kernels import rowinv, why_not_native
 from specrouter.models.runners.linear import (
     ATEN_LINEAR,
     FALLBACK_BY_DTYPE,
@@ -27,11 +27,15 @@ from specrouter.models.runners.linear import (
     linear_add,
 )
 
-NATIVE = pytest.param("native", marks=pytest.mark.skipif(rowinv() is None, reason="rowinv kernels not built here"))
+# skipped only where the native kernels are not claimed (a CPU flag missing, or
+# SPECROUTER_KERNELS=torch); claimed but not built is a failure (`_kernel`)
+NATIVE = pytest.param("native", marks=pytest.mark.skipif(why_not_native() is not None, reason=str(why_not_native())))
 
 
 def _kernel(which: str, dtype: torch.dtype) -> str:
     """The kernel a test runs: the native one (float32 / bfloat16) or torch's fallback."""
+    if which == "native":
+        assert rowinv() is not None, "the CPU has the native kernels' flags but they did not build"
     return ROWINV if which == "native" and dtype in (torch.float32, torch.bfloat16) else FALLBACK_BY_DTYPE[dtype]
 
 
@@ -129,3 +133,31 @@ def test_attention_is_row_invariant_and_matches_sdpa(dtype):
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(run(lo, T).double().reshape(ref.shape), ref, rtol=tol, atol=tol)
     assert Lmax % KEY_CHUNK == 0
+
+
+def test_torch_row_policy_finds_the_padding_under_which_a_kernel_is_row_invariant(monkeypatch):
+    """Negative controls for the run-time check: a kernel whose bits change below 16 rows gets
+    its calls padded to multiples of 16; one whose bits follow the count of real (non-padding)
+    rows runs one row per call; either way every row then has the bits of its 1-row call."""
+    from specrouter.models.runners import linear as lin_mod
+
+    def below_16(kernel, x, weight, bias, residual):  # weight (in, out) on MM
+        y = torch.mm(x, weight) if x.shape[0] < 16 else (x.double() @ weight.double()).float()
+        return y if residual is None else y + residual
+
+    def every_count(kernel, x, weight, bias, residual):  # follows the rows that are not padding
+        y = torch.mm(x, weight) * (1 + int(x.any(1).sum()) * 2.0**-20)
+        return y if residual is None else y + residual
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 96, generator=g)
+    x = torch.randn(40, 96, generator=g)
+    for fake, want in ((below_16, 16), (every_count, lin_mod.ROWWISE)):
+        monkeypatch.setattr(lin_mod, "_raw", fake)
+        assert not torch.equal(fake(MM, x[:1], w.t(), None, None), fake(MM, x[:20], w.t(), None, None)[:1])
+        pad = lin_mod.row_policy.__wrapped__(MM, torch.float32, 96, 24, False)
+        assert pad == want
+        lin = Linear(w.t().contiguous(), None, MM, 24, pad)
+        one = torch.cat([linear(x[i : i + 1], lin) for i in range(40)])
+        for n in (2, 3, 5, 17, 33, 40):
+            assert torch.equal(linear(x[40 - n :], lin), one[40 - n :]), n

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specrouter.models.runners.base import ForwardBatch
+from specrouter.models.runners.kernels import why_not_native
 from specrouter.models.runners.llama import LlamaArchitecture, LlamaRunner
 
 SMOLLM2_135M = dict(
@@ -53,8 +54,13 @@ def runner(request):
     """The native kernels (kernels/rowinv.cpp) and torch's fallback ones, in each precision."""
     torch.manual_seed(0)
     dtype, kernels = request.param
+    if kernels == "native" and why_not_native() is not None:
+        pytest.skip(why_not_native())
     # the 135M widths, vocabulary and heads; 6 of its 30 layers (each layer runs the same kernels)
-    return random_runner(SMOLLM2_135M, dtype, num_slots=6, max_len=100, num_layers=6, kernels=kernels)
+    runner = random_runner(SMOLLM2_135M, dtype, num_slots=6, max_len=100, num_layers=6, kernels=kernels)
+    # claimed but not built fails, never silently runs torch's kernels
+    assert (runner._ops is not None) == (kernels == "native"), "native kernels claimed but not built"
+    return runner
 
 
 def test_logits_are_bitwise_the_same_however_the_rows_are_grouped(runner):

@@ -13,11 +13,18 @@ tests/test_row_invariance.py prove it on the shapes used):
   every weight load.
 - where that kernel cannot run (no AVX2, no compiler, `SPECROUTER_KERNELS=torch`, or an input
   width that is not a whole number of its blocks): float32 on oneDNN's inner product over a
-  weight reordered to its blocked layout (`torch.ops.mkldnn._linear_pointwise`; 2 and 3 rows
-  padded to 4, which it handles badly), bfloat16 on oneDNN where this CPU has the instructions
-  its bfloat16 reorder needs, else ATen's `F.linear`. MKL's GEMM (`torch.mm`) is not used for
-  them: its bits for a row change with the row count (GEMV for one row).
-- float64 (the tests' reference precision): `torch.mm` on the (in, out) layout.
+  weight reordered to its blocked layout (`torch.ops.mkldnn._linear_pointwise`), bfloat16 on
+  oneDNN where this CPU has the instructions its bfloat16 reorder needs, else ATen's
+  `F.linear`. None of torch's kernels promises row invariance, and which row counts break it
+  depends on the CPU (oneDNN on an AVX-512 Zen 4 gives 1 row other bits than 2+ rows at an
+  input width of 1536; MKL's GEMM switches to GEMV for one row). So a torch kernel runs only
+  row counts it was CHECKED to be invariant on, here, at run time (`row_policy`): per (kernel,
+  dtype, input width, bias), a call's rows are padded with zero rows to a multiple of `pad`,
+  more than CHUNK rows run in CHUNK-row calls; `pad` is the smallest of PADS whose every row
+  count (1..CHUNK) gives each row the bits of its 1-row call, else every row runs alone in a
+  padded call of one fixed shape (invariant whenever the kernel is deterministic).
+- float64 (the tests' reference precision): `torch.mm` on the (in, out) layout, under the same
+  checked row policy (MKL's float64 GEMM on Zen 4 gives a row other bits at 5-7 rows than at 4).
 
 The residual add after o_proj and down_proj is fused into the kernel (`linear_add`) the same
 way at every row count, so it rounds the same way at every row count.
@@ -28,6 +35,8 @@ is part of the router's cost-profile fingerprint.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +45,7 @@ import torch.nn.functional as F
 from specrouter.models.runners.attention import KEY_CHUNK, MIN_ROWS
 from specrouter.models.runners.kernels import rowinv
 
+log = logging.getLogger(__name__)
 _ops = getattr(torch.ops, "mkldnn", None)
 _rowinv = torch.ops.specrouter_rowinv  # its ops resolve at call time, once rowinv() built them
 
@@ -66,8 +76,11 @@ FALLBACK_BY_DTYPE = {
 }
 # rowinv's weight block (elements per 32-byte load): the input width must be a multiple
 ROWINV_BLOCK = {torch.float32: 8, torch.bfloat16: 16}
-# row counts oneDNN handles badly: 2 and 3 rows cost ~1.4-2x 4 rows, so they are padded to 4
-PAD_TO = 4
+# torch kernels: candidate paddings (a call's rows are padded to a multiple of one; 2 and 3
+# rows cost oneDNN ~1.4-2x 4 rows, so 4 is the least), the widest call, the probe's output cap
+CHUNK = 32
+PADS, PROBE_OUT = (4, 8, 16, CHUNK), 640
+ROWWISE = 0  # a policy: every row alone, padded to PADS[0] rows
 
 
 def kernel_for(dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
@@ -89,9 +102,83 @@ def kernels() -> str:
     """The kernels of the linears and attention: part of the cost-profile fingerprint, so
     timings swept under other kernels are not reused."""
     attn = "rowinv" if rowinv() is not None else f"chunk{KEY_CHUNK}rows{MIN_ROWS}"
-    return "fp32:{}+bf16:{}+pad{}/3+attn:{}".format(
-        kernel_for(torch.float32), kernel_for(torch.bfloat16), PAD_TO, attn
+    return "fp32:{}+bf16:{}+rows-checked{}+attn:{}".format(
+        kernel_for(torch.float32), kernel_for(torch.bfloat16), CHUNK, attn
     )
+
+
+def _raw(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         residual: torch.Tensor | None) -> torch.Tensor:
+    """One call of a torch kernel as it is, no row policy: x (N, in) -> (N, out)."""
+    if kernel == ONEDNN_BLOCKED:
+        if residual is None:
+            return _ops._linear_pointwise(x, weight, bias, "none", [], "")
+        return _ops._linear_pointwise(x, residual, weight, bias, "add")
+    if kernel == ATEN_LINEAR:
+        if residual is None:
+            return F.linear(x, weight, bias)
+        weight = weight.t()  # (in, out)
+    if residual is None:
+        return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
+    y = torch.addmm(residual, x, weight)
+    return y if bias is None else y.add_(bias)
+
+
+def _pack_torch(kernel: str, weight: torch.Tensor) -> torch.Tensor:
+    if kernel == ONEDNN_BLOCKED:
+        return _ops._reorder_linear_weight(weight.contiguous(), None)
+    if kernel == ATEN_LINEAR:
+        return weight.contiguous()
+    return weight.t().contiguous()
+
+
+def _padded(kernel: str, pad: int, x, weight, bias, residual) -> torch.Tensor:
+    """A call of at most CHUNK rows, padded with zero rows to a multiple of `pad` rows."""
+    n = x.shape[0]
+    if n % pad == 0:
+        return _raw(kernel, x, weight, bias, residual)
+    grow = (0, 0, 0, -n % pad)
+    return _raw(kernel, F.pad(x, grow), weight, bias, None if residual is None else F.pad(residual, grow))[:n]
+
+
+def _run_torch(kernel: str, pad: int, x, weight, bias, residual) -> torch.Tensor:
+    """x (N, in) -> (N, out) under the row policy `pad` (ROWWISE: one row per call)."""
+    step = CHUNK if pad != ROWWISE else 1
+    pad = pad or PADS[0]
+    if x.shape[0] <= step:
+        return _padded(kernel, pad, x, weight, bias, residual)
+    return torch.cat([
+        _padded(kernel, pad, x[i : i + step], weight, bias, None if residual is None else residual[i : i + step])
+        for i in range(0, x.shape[0], step)
+    ])
+
+
+@functools.cache
+def row_policy(kernel: str, dtype: torch.dtype, in_features: int, out_features: int, bias: bool) -> int:
+    """The least of PADS such that `kernel`, its calls padded to a multiple of that many rows,
+    gives every row the bits of its 1-row call, checked here on random data of the layer's input width (outputs capped at
+    PROBE_OUT), plain and residual-fused, for every row count 1..CHUNK, each at the start and
+    the end of the rows; ROWWISE if none does."""
+    g = torch.Generator().manual_seed(in_features)
+    out_f = min(out_features, PROBE_OUT)
+    w = torch.randn(out_f, in_features, generator=g, dtype=torch.float64).mul_(in_features**-0.5).to(dtype)
+    b = torch.randn(out_f, generator=g, dtype=torch.float64).to(dtype) if bias else None
+    x = torch.randn(CHUNK, in_features, generator=g, dtype=torch.float64).to(dtype)
+    r = torch.randn(CHUNK, out_f, generator=g, dtype=torch.float64).to(dtype)
+    packed = _pack_torch(kernel, w)
+    for pad in PADS:
+        one = torch.cat([_padded(kernel, pad, x[i : i + 1], packed, b, None) for i in range(CHUNK)])
+        one_add = torch.cat([_padded(kernel, pad, x[i : i + 1], packed, b, r[i : i + 1]) for i in range(CHUNK)])
+        if all(
+            torch.equal(_padded(kernel, pad, x[lo : lo + n], packed, b, None), one[lo : lo + n])
+            and torch.equal(_padded(kernel, pad, x[lo : lo + n], packed, b, r[lo : lo + n]), one_add[lo : lo + n])
+            for n in range(2, CHUNK + 1)
+            for lo in {0, CHUNK - n}
+        ):
+            return pad
+    log.warning("torch's %s linear (%s, input width %d) is not row-invariant under any padding here; "
+                "running one row per call", kernel, dtype, in_features)
+    return ROWWISE
 
 
 def pack_rowinv(weight: torch.Tensor) -> torch.Tensor:
@@ -112,6 +199,7 @@ class Linear:
     bias: torch.Tensor | None  # (out,)
     kernel: str  # ROWINV | ONEDNN_BLOCKED | ATEN_LINEAR | MM
     out_features: int
+    pad: int = 0  # torch kernels: the row policy (`row_policy`); rowinv: unused
 
     @staticmethod
     def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str | None = None) -> "Linear":
@@ -122,44 +210,20 @@ class Linear:
         if kernel == ROWINV and in_f % ROWINV_BLOCK[weight.dtype]:
             kernel = FALLBACK_BY_DTYPE[weight.dtype]
         if kernel == ROWINV:
-            packed = pack_rowinv(weight.contiguous())
-            bias = None if bias is None else bias.contiguous()
-        elif kernel == ONEDNN_BLOCKED:
-            packed = _ops._reorder_linear_weight(weight.contiguous(), None)
-        elif kernel == ATEN_LINEAR:
-            packed = weight.contiguous()
-        else:
-            packed = weight.t().contiguous()
-        return Linear(packed, bias, kernel, out_f)
-
-
-def _pad(x: torch.Tensor) -> torch.Tensor:
-    return F.pad(x, (0, 0, 0, PAD_TO - x.shape[0]))
+            return Linear(pack_rowinv(weight.contiguous()), None if bias is None else bias.contiguous(), kernel, out_f)
+        pad = row_policy(kernel, weight.dtype, in_f, out_f, bias is not None) if weight.device.type == "cpu" else PADS[0]
+        return Linear(_pack_torch(kernel, weight), bias, kernel, out_f, pad)
 
 
 def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
     """x (N, in) -> (N, out), the same bits for a row whatever N."""
     if w.kernel == ROWINV:
         return _rowinv.linear(x, w.weight, w.out_features, w.bias, None)
-    if w.kernel == ONEDNN_BLOCKED:
-        n = x.shape[0]
-        if 1 < n < PAD_TO:
-            return _ops._linear_pointwise(_pad(x), w.weight, w.bias, "none", [], "")[:n]
-        return _ops._linear_pointwise(x, w.weight, w.bias, "none", [], "")
-    if w.kernel == ATEN_LINEAR:
-        return F.linear(x, w.weight, w.bias)
-    return torch.mm(x, w.weight) if w.bias is None else torch.addmm(w.bias, x, w.weight)
+    return _run_torch(w.kernel, w.pad, x, w.weight, w.bias, None)
 
 
 def linear_add(residual: torch.Tensor, x: torch.Tensor, w: Linear) -> torch.Tensor:
     """residual + linear(x), the add fused into the kernel (one rounding in bfloat16)."""
     if w.kernel == ROWINV:
         return _rowinv.linear(x, w.weight, w.out_features, w.bias, residual)
-    if w.kernel == ONEDNN_BLOCKED:
-        n = x.shape[0]
-        if 1 < n < PAD_TO:
-            return _ops._linear_pointwise(_pad(x), _pad(residual), w.weight, w.bias, "add")[:n]
-        return _ops._linear_pointwise(x, residual, w.weight, w.bias, "add")
-    weight = w.weight.t() if w.kernel == ATEN_LINEAR else w.weight  # (in, out)
-    y = torch.addmm(residual, x, weight)
-    return y if w.bias is None else y.add_(w.bias)
+    return _run_torch(w.kernel, w.pad, x, w.weight, w.bias, residual)
