@@ -133,10 +133,10 @@ class SpecRouter:
         return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
     def _request(self, *, max_new_tokens, temperature, top_k, top_p, stop_token_ids, seed,
-                 ignore_eos, chain, k) -> tuple[SamplingParams, torch.Generator, tuple | None, int]:
+                 ignore_eos, chain, k, controls=None) -> tuple[SamplingParams, torch.Generator, tuple | None, int]:
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-            stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+            stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos, **(controls or {}),
         )
         generator = torch.Generator()
         # row i's sampling seed: draw i of this stream (a batch's rows differ; a call repeats)
@@ -168,6 +168,7 @@ class SpecRouter:
         chain: list[str] | tuple[str, ...] | None = None,
         k: int | None = None,
         chat: bool = False,
+        **controls,
     ) -> list[GenerationResult]:
         """Generate for one prompt or a batch (text, token ids, or chat message lists).
 
@@ -176,7 +177,10 @@ class SpecRouter:
         the router chooses both per request every cycle (or, for a pool loaded with
         adaptive=False, the pool's default chain). Greedy when temperature == 0: the output
         equals the target's own greedy decoding token for token; otherwise it follows the
-        target's (temperature / top-k / top-p processed) distribution.
+        target's (temperature / top-k / top-p processed) distribution. `controls`: the other
+        sampling controls of `SamplingParams` (min_p, presence_penalty, frequency_penalty,
+        repetition_penalty, logit_bias, min_tokens, allowed_token_ids), applied at every level
+        of the chain: the output is plain decoding's with the same controls.
         """
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
@@ -185,7 +189,8 @@ class SpecRouter:
         ids = [self.encode(p, chat=chat) for p in batch]
         params, generator, chain, k = self._request(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, chain=chain, k=k)
+            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, chain=chain, k=k,
+            controls=controls)
         seqs = self.engine.generate_ids(ids, [params] * len(ids), chain=chain, k=k,
                                         generator=generator)
         return [self._result(s) for s in seqs]

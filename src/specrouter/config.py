@@ -50,10 +50,54 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # generation ends after any of these (EOS is added by the pool)
     seed: int | None = None  # the sampling seed: the noise at position i is a function of (seed, i), so the same request and seed give the same output whatever chains run it
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    # logits processors (decoding/processors.py), applied identically at every level of a chain
+    min_p: float = 0.0  # drop tokens whose probability is below min_p * the top probability (after temperature)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far (OpenAI)
+    frequency_penalty: float = 0.0  # subtracted once per occurrence among the generated tokens (OpenAI)
+    repetition_penalty: float = 1.0  # logits of tokens in the prompt or generated: / it if > 0, * it if < 0 (CTRL, vLLM)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens were generated
+    allowed_token_ids: tuple[int, ...] | None = None  # sample only among these (None: all)
+
+    @property
+    def has_processors(self) -> bool:
+        """Some history-dependent or token-level processor is on (min_p is not one: it is
+        part of the temperature / top-k / top-p stage, sampling.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> SamplingParamsError:
             return SamplingParamsError(f"invalid sampling parameters: {msg}")
+
+        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or v < lo or v > hi or (lo_open and v == lo)):
+                raise bad(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
+
+        number("min_p", 0.0, 1.0)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", 0.0, 2.0, lo_open=True)
+        bias = tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items()) \
+            if not isinstance(self.logit_bias, tuple) else self.logit_bias
+        for pair in bias:
+            if (not isinstance(pair, tuple) or len(pair) != 2 or isinstance(pair[0], bool)
+                    or not isinstance(pair[0], int) or not 0 <= pair[0] < _INT64
+                    or not isinstance(pair[1], (int, float)) or not -100.0 <= pair[1] <= 100.0):
+                raise bad(f"logit_bias must be (token id >= 0, bias in [-100, 100]) pairs, got {pair!r}")
+        object.__setattr__(self, "logit_bias", bias)
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise bad(f"min_tokens must be an integer >= 0, got {m!r}")
+        if m > self.max_new_tokens:
+            raise bad(f"min_tokens ({m}) must be at most max_new_tokens ({self.max_new_tokens})")
+        if self.allowed_token_ids is not None:
+            ids = tuple(self.allowed_token_ids)
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _INT64 for t in ids):
+                raise bad(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+            object.__setattr__(self, "allowed_token_ids", ids)
 
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
@@ -241,6 +285,11 @@ class ServerConfig:
     """Everything `specrouter serve` configures (its flags map onto these fields)."""
 
     served_model_name: str | None = None  # name in /v1/models and responses; None: the target's
+    model_aliases: tuple[str, ...] = ()  # more names requests may use for the served model (vLLM: --served-model-name a b)
+    # browser origins (scheme://host[:port], "*" any) allowed to call the API cross-origin
+    # (CORS, preflight answered); None: no CORS headers at all (browsers refuse cross-origin calls)
+    allowed_origins: tuple[str, ...] | None = None
+    chat_template: str | None = None  # a Jinja chat template replacing the target's (serve --chat-template FILE)
     api_key: str | None = None  # required as "Authorization: Bearer <key>" on /v1/* when set
     metrics_auth: bool = False  # with api_key: /metrics and /health require the key too
     # Host names (no port) requests may name; "*" any, "*.example.com" a domain. None: on a
@@ -277,6 +326,13 @@ class ServerConfig:
             raise ValueError(f"allowed_hosts must be a tuple of host names, got {self.allowed_hosts!r}")
         if self.model_timeout is not None and not self.model_timeout > 0:
             raise ValueError(f"model_timeout must be > 0 seconds or None, got {self.model_timeout!r}")
+        for name in ("model_aliases", "allowed_origins"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, str) or not all(isinstance(h, str) and h for h in v)):
+                raise ValueError(f"{name} must be a tuple of non-empty strings, got {v!r}")
+        if self.chat_template is not None and not (isinstance(self.chat_template, str)
+                                                   and self.chat_template.strip()):
+            raise ValueError("chat_template must be a non-empty Jinja template string")
 
 
 def check_chain_names(chain: tuple[str, ...]) -> None:

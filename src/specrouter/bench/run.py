@@ -79,6 +79,10 @@ class BenchConfig:
     out_dir: str = "bench-out"
     quick: bool = False  # set by `quick_preset` (recorded in the output)
     suffix: bool = True  # the pool has the suffix drafter; SpecRouter also runs without it, side by side
+    # sampling controls of every request (SamplingParams fields: presence_penalty, frequency_penalty,
+    # repetition_penalty, min_p); with any, only the native systems run (transformers and llama.cpp
+    # do not apply OpenAI's penalties the same way)
+    controls: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.hf not in ("all", "greedy", "none"):
@@ -92,6 +96,12 @@ class BenchConfig:
             raise ValueError(f"temperatures must be >= 0, got {self.temperatures}")
         if not 0 < self.slowdown_at < 1:
             raise ValueError(f"slowdown_at must be in (0, 1), got {self.slowdown_at}")
+        if self.controls:
+            from specrouter.config import SamplingParams
+
+            SamplingParams(**dict(self.controls))  # checked before any model loads
+            object.__setattr__(self, "hf", "none")
+            object.__setattr__(self, "peers", False)
 
     @classmethod
     def quick_preset(cls, **overrides) -> "BenchConfig":
@@ -315,7 +325,7 @@ def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown 
         if slowdown is not None:
             slowdown.active = slowed
         ids = h.encoded[req]
-        decoding = Decoding(sc.temperature, cfg.max_new_tokens, cfg.seed + i)
+        decoding = Decoding(sc.temperature, cfg.max_new_tokens, cfg.seed + i, cfg.controls)
         outs: dict[str, Outcome] = {}
         for j in range(len(systems)):
             s = systems[(i + j) % len(systems)]  # rotated: no system always runs first

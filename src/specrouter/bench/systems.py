@@ -37,6 +37,7 @@ class Decoding:
     temperature: float  # 0: greedy
     max_new_tokens: int  # cap on generated tokens
     seed: int  # sampling seed (the request's; systems consume randomness differently)
+    controls: tuple[tuple[str, float], ...] = ()  # SamplingParams controls (penalties, min_p): native systems only
 
 
 @dataclass
@@ -81,7 +82,7 @@ class NativeSystem(System):
         t0 = time.perf_counter()
         res = self.sr.generate(prompt_ids, max_new_tokens=decoding.max_new_tokens,
                                temperature=decoding.temperature, seed=decoding.seed,
-                               chain=self.chain, k=self.k or 4)[0]
+                               chain=self.chain, k=self.k or 4, **dict(decoding.controls))[0]
         return Outcome(res.token_ids, time.perf_counter() - t0, res.stats)
 
 
@@ -117,7 +118,8 @@ class AdaptiveSystem(System):
             self.reset()
         t0 = time.perf_counter()
         res = self.sr.generate(prompt_ids, max_new_tokens=decoding.max_new_tokens,
-                               temperature=decoding.temperature, seed=decoding.seed)[0]
+                               temperature=decoding.temperature, seed=decoding.seed,
+                               **dict(decoding.controls))[0]
         return Outcome(res.token_ids, time.perf_counter() - t0, res.stats)
 
 

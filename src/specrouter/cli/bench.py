@@ -58,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of the stream where the slowdown starts (default 0.5)")
     p.add_argument("--seed", type=int, default=None, help="request i samples with seed + i (default 0)")
     p.add_argument("--no-plots", action="store_true", help="no PNGs (no matplotlib needed)")
+    for flag, what in (("--presence-penalty", "OpenAI's presence penalty"),
+                       ("--frequency-penalty", "OpenAI's frequency penalty"),
+                       ("--repetition-penalty", "vLLM's repetition penalty"),
+                       ("--min-p", "vLLM's min_p")):
+        p.add_argument(flag, type=float, default=None,
+                       help=f"{what} on every request (native systems only: transformers and "
+                            "llama.cpp rows are left out)")
     p.add_argument("--no-peers", action="store_true",
                    help="leave out the llama.cpp rows (they need the peers extra: pip install 'specrouter[peers]')")
     add_pool_arguments(p, flags=BENCH_POOL_FLAGS)
@@ -84,6 +91,11 @@ def config_from_args(args: argparse.Namespace):
         over["plots"] = False
     if args.no_peers:
         over["peers"] = False
+    controls = tuple((f, getattr(args, f)) for f in ("presence_penalty", "frequency_penalty",
+                                                     "repetition_penalty", "min_p")
+                     if getattr(args, f, None) is not None)
+    if controls:
+        over["controls"] = controls
     return BenchConfig.quick_preset(**over) if args.quick else BenchConfig(**over)
 
 

@@ -30,9 +30,19 @@ def config_from_args(args: argparse.Namespace):
     from specrouter.config import ServerConfig, SpecRouterConfig
 
     api_key = args.api_key or os.environ.get("SPECROUTER_API_KEY") or None
+    names = list(args.served_model_name or [])
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                chat_template = f.read()
+        except OSError as e:
+            raise UsageError(f"--chat-template: cannot read {args.chat_template!r}: {e}") from None
     try:
         server = ServerConfig(
-            served_model_name=args.served_model_name, api_key=api_key,
+            served_model_name=names[0] if names else None, model_aliases=tuple(names[1:]),
+            allowed_origins=tuple(args.allowed_origins) if args.allowed_origins else None,
+            chat_template=chat_template, api_key=api_key,
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
             model_timeout=args.model_timeout if args.model_timeout > 0 else None,
             max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, seed=args.seed,
@@ -132,8 +142,14 @@ def _is_loopback(host: str) -> bool:
 def register(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, SSE, "
                                      "Prometheus metrics)")
-    s.add_argument("--served-model-name", default=None,
-                   help="model name clients use (default: the target's name)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name clients use (default: the target's name); more names are "
+                        "aliases requests may use too (responses carry the first)")
+    s.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="browser origins allowed to call the API cross-origin (CORS), e.g. "
+                        "http://localhost:3000, or '*'; default: none (no CORS headers)")
+    s.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file replacing the target's")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None,

@@ -37,6 +37,7 @@ import torch
 from specrouter.decoding.drafters.base import ModelFreeDrafter
 from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.noise import position_keys
+from specrouter.decoding.processors import RowHistory, process_rows
 from specrouter.decoding.sampling import SamplingTensors, choose_tokens
 from specrouter.decoding.verification import verify_tokens
 from specrouter.engine.stats import CycleStats
@@ -233,7 +234,13 @@ class ChainExecutor:
 
     def _choose(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0) -> torch.Tensor:
         """(B, G) tokens the rows sample at logit positions g = 0..G-1, i.e. at sequence
-        positions start + offset + g (greedy rows: argmax; others: counter-based noise)."""
+        positions start + offset + g (greedy rows: argmax; others: counter-based noise), after
+        the rows' logits processors, whose history at position g is the committed tokens plus
+        w.cand[: offset + g] (the draft path: the same at every level)."""
+        if any(w.seq.params.has_processors for w in work):  # penalties etc.: processors.py
+            logits = process_rows(logits, [
+                RowHistory(w.seq.params, w.seq.tokens, w.seq.prompt_len, w.seq.stop_ids, w.cand, offset)
+                for w in work])
         idx = torch.tensor([w.b for w in work], dtype=torch.long)
         st = sampling.select(idx) if len(work) != len(sampling) else sampling
         keys = None

@@ -8,15 +8,19 @@ Processing order (the transformers / vLLM order), per row:
 1. temperature: `logits / temperature`; a row with temperature 0 is greedy and gets a one-hot
    at `argmax(logits)` instead (ties: the lowest index, as `torch.argmax`), whatever its
    top-k / top-p.
-2. top-k (`top_k > 0` and `< V`): keep the tokens whose scaled logit is >= the k-th largest.
+2. min_p (`min_p > 0`, vLLM): drop the tokens whose probability is below min_p times the top
+   token's, i.e. whose scaled logit is below `max + log(min_p)` (the top token always stays).
+3. top-k (`top_k > 0` and `< V`): keep the tokens whose scaled logit is >= the k-th largest.
    Ties with the k-th largest are all kept (as transformers' TopKLogitsWarper), so more than k
    tokens survive only when logits tie exactly.
-3. top-p (`top_p < 1`), on the softmax of what top-k kept: sort descending and keep the smallest
+4. top-p (`top_p < 1`), on the softmax of what top-k kept: sort descending and keep the smallest
    prefix whose cumulative probability is >= top_p (a token is kept iff the mass strictly
    before it is < top_p, so the top token is always kept). Ties: every token whose probability
    equals the smallest kept probability is kept too, so the nucleus never depends on the sort
    order of equal values (it may then hold more mass than the strict smallest set).
-4. softmax over the survivors (renormalized); filtered tokens get exactly 0.
+5. softmax over the survivors (renormalized); filtered tokens get exactly 0.
+Logits processors that depend on the history (penalties, min_tokens) or on token sets
+(logit_bias, allowed_token_ids) run before, on the raw logits (`processors.py`).
 
 Dtype rule: computation and output are float32, or float64 when the logits are float64 (the
 per-row parameters are stored as float32 and cast to the compute dtype).
@@ -40,9 +44,11 @@ class SamplingTensors:
     temperature: torch.Tensor  # (B,) float32: 0 = greedy row
     top_k: torch.Tensor  # (B,) int64: 0 = no top-k filter
     top_p: torch.Tensor  # (B,) float32: 1.0 = no nucleus filter
+    min_p: torch.Tensor  # (B,) float32: 0.0 = no min-p filter
     all_greedy: bool  # every row has temperature 0: process_logits is a one-hot argmax
     any_greedy: bool  # some row has temperature 0
     needs_sort: bool  # some non-greedy row uses top-k or top-p (else the sort is skipped)
+    needs_min_p: bool = False  # some non-greedy row uses min_p
 
     @staticmethod
     def from_params(params: list[SamplingParams], device: torch.device | str = "cpu") -> "SamplingTensors":
@@ -54,9 +60,11 @@ class SamplingTensors:
             temperature=torch.tensor([float(p.temperature) for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([float(p.min_p) for p in params], dtype=torch.float32, device=device),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             needs_sort=any(filtered),
+            needs_min_p=any((not g) and p.min_p > 0 for p, g in zip(params, greedy)),
         )
 
     def __len__(self) -> int:
@@ -67,6 +75,7 @@ class SamplingTensors:
         are inherited when that decides them, else recomputed (one small host sync)."""
         rows = rows.to(self.temperature.device)
         temperature, top_k, top_p = self.temperature[rows], self.top_k[rows], self.top_p[rows]
+        min_p = self.min_p[rows]
         greedy = temperature == 0
         if self.all_greedy or not self.any_greedy:
             all_greedy, any_greedy = self.all_greedy, self.any_greedy
@@ -75,7 +84,9 @@ class SamplingTensors:
         needs_sort = self.needs_sort and not all_greedy
         if needs_sort:
             needs_sort = bool((~greedy & ((top_k > 0) | (top_p < 1.0))).any())
-        return SamplingTensors(temperature, top_k, top_p, all_greedy, any_greedy, needs_sort)
+        needs_min_p = self.needs_min_p and not all_greedy and bool((~greedy & (min_p > 0)).any())
+        return SamplingTensors(temperature, top_k, top_p, min_p, all_greedy, any_greedy, needs_sort,
+                               needs_min_p)
 
 
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -85,6 +96,15 @@ def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
 def _one_hot_argmax(x: torch.Tensor) -> torch.Tensor:
     """One-hot at argmax over the last dim (ties: lowest index), same shape and dtype."""
     return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+
+
+def _min_p_mask(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """x: (B, M, V) temperature-scaled logits, min_p (B,). Tokens whose probability is below
+    min_p * the top probability (scaled logit < max + log(min_p)) set to -inf."""
+    B = x.shape[0]
+    log_min_p = torch.log(min_p.to(x.dtype)).view(B, 1, 1)  # -inf for rows with min_p = 0
+    thr = x.amax(dim=-1, keepdim=True) + log_min_p  # (B, M, 1)
+    return x.masked_fill(x < thr, float("-inf"))
 
 
 def _top_k_top_p_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -119,6 +139,8 @@ def scaled_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         return x.reshape(logits.shape)
     temperature = st.temperature.to(x.dtype).view(B, 1, 1)
     scaled = x / torch.where(temperature == 0, 1.0, temperature)  # (B, M, V)
+    if st.needs_min_p:
+        scaled = _min_p_mask(scaled, st.min_p)
     if st.needs_sort:
         scaled = _top_k_top_p_mask(scaled, st.top_k, st.top_p)
     return scaled.reshape(logits.shape)
@@ -154,6 +176,8 @@ def process_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     temperature = st.temperature.to(x.dtype).view(B, 1, 1)
     greedy_rows = temperature == 0  # (B, 1, 1)
     scaled = x / torch.where(greedy_rows, 1.0, temperature)  # (B, M, V)
+    if st.needs_min_p:
+        scaled = _min_p_mask(scaled, st.min_p)
     if st.needs_sort:
         scaled = _top_k_top_p_mask(scaled, st.top_k, st.top_p)
     probs = scaled.softmax(dim=-1)  # (B, M, V)

@@ -160,14 +160,20 @@ def eos_token_ids(
     return tuple(dict.fromkeys(ids))
 
 
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    """Render `messages` ([{"role": ..., "content": ...}, ...]) with the tokenizer's chat template,
-    with the assistant generation prompt appended (as OpenAI-style chat endpoints do), and
-    tokenize it without adding special tokens again (the template writes them).
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict], *,
+                        add_generation_prompt: bool = True, template: str | None = None,
+                        template_kwargs: dict | None = None,
+                        add_special_tokens: bool = False) -> list[int]:
+    """Render `messages` ([{"role": ..., "content": ...}, ...]) with the tokenizer's chat template
+    (or `template`, a Jinja template that replaces it: `serve --chat-template FILE`), with the
+    assistant generation prompt appended (as OpenAI-style chat endpoints do) unless
+    `add_generation_prompt` is false, `template_kwargs` as extra template variables (vLLM's
+    `chat_template_kwargs`), and tokenize it without adding special tokens again (the template
+    writes them) unless `add_special_tokens`.
 
-    Raises CheckpointError if the tokenizer has no chat template (a base model: send a raw
-    prompt to /v1/completions instead), ValueError if `messages` is malformed."""
-    if not getattr(tokenizer, "chat_template", None):
+    Raises CheckpointError if there is no template (a base model: send a raw prompt to
+    /v1/completions instead), ValueError if `messages` is malformed."""
+    if template is None and not getattr(tokenizer, "chat_template", None):
         raise CheckpointError(
             "this tokenizer has no chat template (no chat_template in tokenizer_config.json or "
             "chat_template.jinja); it is likely a base model: use a plain prompt (completions) "
@@ -180,8 +186,14 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
                 and isinstance(m.get("content"), str)):
             raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content', "
                              f"got {m!r}")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    kwargs = dict(template_kwargs or {})
+    for reserved in ("messages", "conversation", "tokenize", "add_generation_prompt",
+                     "chat_template", "return_dict"):
+        if reserved in kwargs:
+            raise ValueError(f"chat_template_kwargs may not set {reserved!r}")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 __all__ = [

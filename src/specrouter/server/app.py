@@ -24,8 +24,12 @@ Choices written down here (where OpenAI / vLLM leave room):
   500 model failure, 503 target down / engine stopped. Errors of the HTTP layer itself
   (unparseable requests) are in the same shape (http11.py).
 - Per-request stats (chains used, acceptance per level, mean acceptance length, tokens/s) are in
-  `usage.specrouter`; in a stream, `usage` rides on the chunk that carries `finish_reason`
-  (and, with `stream_options.include_usage`, on a last chunk with no choices, as OpenAI).
+  `usage.specrouter`; a stream carries `usage` once, on a last chunk with no choices, and only
+  when `stream_options.include_usage` asks (as OpenAI: clients that add up usage count it once).
+- Unknown request fields are ignored and named in the `X-SpecRouter-Ignored-Fields` response
+  header; recognised fields SpecRouter does not implement are a 400 naming them (protocol.py).
+- CORS only for `allowed_origins` (`--allowed-origins`; none by default). /tokenize and
+  /detokenize answer in vLLM's and llama-server's shapes (tokenize.py).
 - A request that pins a chain with a failed model runs without that model.
 """
 
@@ -40,6 +44,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -62,6 +67,7 @@ from specrouter.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    IGNORED_FIELDS_HEADER,
     ModelCard,
     ModelList,
     RequestError,
@@ -70,6 +76,7 @@ from specrouter.server.protocol import (
 )
 from specrouter.server.service import Service
 from specrouter.server.text import TextStream
+from specrouter.server.tokenize import tokenize_routes
 from specrouter.server.validate import (
     Prepared,
     parse,
@@ -164,10 +171,15 @@ def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
                   openapi_url=None)
     app.state.server = srv
     app.add_middleware(EdgeGuard, config=config)  # Host and API key, before any route
+    if config.allowed_origins:  # outside EdgeGuard: a preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                           expose_headers=[IGNORED_FIELDS_HEADER], max_age=600)
     app.add_middleware(_RequestMetrics, metrics=srv.metrics)  # outermost: counts refusals too
     _add_error_handlers(app)
     app.include_router(_ops_routes(srv))
     app.include_router(_v1_routes(srv))
+    app.include_router(tokenize_routes(srv, config.max_body_bytes))
     return app
 
 
@@ -233,26 +245,30 @@ def _v1_routes(srv: Service) -> APIRouter:
 
     @router.get("/v1/models")
     async def models():
-        card = ModelCard(id=srv.model_name, created=srv.created, specrouter={
-            "pool": list(srv.pool.order), "target": srv.pool.target,
-            "heads": sorted(getattr(srv.pool, "heads", ())),
-            "failed_models": sorted(srv.engine.failed_models),
-            "max_model_len": srv.max_model_len, "max_num_seqs": config.max_num_seqs})
-        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+        info = {"pool": list(srv.pool.order), "target": srv.pool.target,
+                "heads": sorted(getattr(srv.pool, "heads", ())),
+                "failed_models": sorted(srv.engine.failed_models),
+                "max_model_len": srv.max_model_len, "max_num_seqs": config.max_num_seqs}
+        cards = [ModelCard(id=name, created=srv.created, specrouter=info)
+                 for name in srv.served_names]  # the served name first, then its aliases
+        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     @router.post("/v1/completions")
     async def completions(request: Request):
         req = parse(CompletionRequest, await read_json(request, config.max_body_bytes))
         prompt = req.prompt_value()
         if isinstance(prompt, str):
-            prompt = await tokenize_prompt(srv, prompt)
+            prompt = await tokenize_prompt(srv, prompt, req.add_special_tokens)
         p = prepare(srv, req, prompt, chat=False)
         return await _respond(srv, request, req, p, chat=False)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
-        prompt = await render_chat(srv, req.template_messages())
+        prompt = await render_chat(srv, req.template_messages(),
+                                   add_generation_prompt=req.add_generation_prompt,
+                                   template_kwargs=req.chat_template_kwargs,
+                                   add_special_tokens=req.add_special_tokens)
         p = prepare(srv, req, prompt, chat=True)
         return await _respond(srv, request, req, p, chat=True)
 
@@ -264,11 +280,14 @@ async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bo
     gen = _Generation(srv, p, handle)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
+    ignored = req.ignored_fields()
+    extra_headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(srv, gen, rid, created, chat, include_usage),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                          **extra_headers})
     parts: list[str] = []
     finish = None
     watcher = asyncio.create_task(gen.watch_disconnect(request))
@@ -290,7 +309,7 @@ async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bo
     else:
         body = CompletionResponse(id=rid, created=created, model=srv.model_name, usage=usage,
                                   choices=[CompletionChoice(text=text, finish_reason=finish)])
-    return Response(body.model_dump_json(), media_type="application/json")
+    return Response(body.model_dump_json(), media_type="application/json", headers=extra_headers)
 
 
 async def _stream(srv: Service, gen: _Generation, rid: str, created: int, chat: bool,
@@ -315,10 +334,9 @@ async def _stream(srv: Service, gen: _Generation, rid: str, created: int, chat: 
                 continue
             if delta:
                 yield _sse(chunk(delta, None))
-            usage = _usage(len(gen.p.prompt), gen.text, gen.stats)
-            yield _sse(chunk(None, finish, usage))
-            if include_usage:
-                last = chunk(None, None, usage)
+            yield _sse(chunk(None, finish))
+            if include_usage:  # usage once, on a last chunk with no choices (OpenAI)
+                last = chunk(None, None, _usage(len(gen.p.prompt), gen.text, gen.stats))
                 last.choices = []
                 yield _sse(last)
         yield "data: [DONE]\n\n"
@@ -336,7 +354,7 @@ def _error_response(e: RequestError) -> Response:
 
 
 _ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                        "/metrics"})
+                        "/metrics", "/tokenize", "/detokenize"})
 
 
 class _RequestMetrics:

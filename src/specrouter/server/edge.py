@@ -11,7 +11,7 @@
      every address; `("*",)` turns the check off (behind a reverse proxy that rewrites Host).
    A refused Host gets 421 Misdirected Request. A request without a Host header (HTTP/1.0) is
    let through: a browser always sends one.
-2. API key: with `api_key` set, every path under /v1 needs `Authorization: Bearer <key>`, checked
+2. API key: with `api_key` set, every path under /v1 (and /tokenize, /detokenize) needs `Authorization: Bearer <key>`, checked
    before routing (an unknown /v1 route is a 401 to a caller without the key, not a 404 that
    tells which routes exist); with `metrics_auth`, /health and /metrics need it too (they show
    model names, request counts and queue depth). Otherwise /health and /metrics stay open (as
@@ -31,6 +31,7 @@ from specrouter.config import ServerConfig
 from specrouter.server.protocol import error_body
 
 OPS_PATHS = frozenset({"/health", "/metrics"})
+API_PATHS = frozenset({"/tokenize", "/detokenize"})  # API routes outside /v1 (vLLM's, llama-server's)
 MAX_HEADER_BYTES = 16 * 1024
 
 
@@ -113,7 +114,7 @@ class EdgeGuard:
                        f"the hosts {list(self.config.allowed_hosts)}")
                     + " (specrouter serve --allowed-hosts)", param=None, code="invalid_host"), {}
         key, path = self.config.api_key, scope["path"]
-        guarded = path == "/v1" or path.startswith("/v1/") or (
+        guarded = path == "/v1" or path.startswith("/v1/") or path in API_PATHS or (
             self.config.metrics_auth and path in OPS_PATHS)
         if key and guarded and not key_matches(headers.get("authorization", ""), key):
             return 401, error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",

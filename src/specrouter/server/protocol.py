@@ -1,20 +1,36 @@
-"""OpenAI wire format: request models (validated strictly) and response models.
+"""OpenAI wire format: request models (lenient like vLLM) and response models.
 
-Requests are strict: wrong JSON types are errors (no "10" -> 10), unknown fields are errors
-(a field SpecRouter would silently ignore could change what the client expects), and OpenAI
-fields whose non-default values SpecRouter does not implement (logprobs, best_of, penalties,
-tools, n > 1, ...) are rejected by `unsupported()` with the field named. Extension fields:
-`top_k`, `ignore_eos` (as vLLM), `specrouter_chain` (pin the chain: pool model names, the
-target last) and `specrouter_k` (the draft length).
+How a request field is treated (docs/openai-compatibility.md has the table per field):
+- honoured: declared here and acted on (sampling controls, stop, seed, logprobs, n, ...);
+- explicit `null` is the field's default (OpenAI and vLLM do the same);
+- recognised but not implemented (tools, guided decoding, beam search, ...): accepted at their
+  default value, a 400 naming the field otherwise (`unsupported()`);
+- unknown: accepted and ignored, named in the response header `X-SpecRouter-Ignored-Fields`
+  and in a log line (`ignored_fields()`), as vLLM and llama-server accept what they do not know
+  (LiteLLM pass-through, Open WebUI's settings, llama-server's `cache_prompt`).
+Types of declared fields stay strict (no "10" -> 10). Extension fields: vLLM's sampling
+extras (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, ...),
+`specrouter_chain` (pin the chain: pool model names, the target last) and `specrouter_k`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from specrouter.config import MAX_DRAFT_LENGTH
+
+IGNORED_FIELDS_HEADER = "X-SpecRouter-Ignored-Fields"
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs (completions' logprobs: 5; vLLM allows 20)
+MAX_N = 16  # rows one request may ask for (n, best_of)
 
 
 class RequestError(Exception):
@@ -39,8 +55,7 @@ def validation_error(e: ValidationError) -> RequestError:
     err = e.errors()[0]
     param = ".".join(str(x) for x in err["loc"]) or None
     if err["type"] == "extra_forbidden":
-        msg = (f"unsupported field '{param}': SpecRouter does not implement it, and ignoring it "
-               "could change the result; remove it")
+        msg = f"unsupported field '{param}'"
     elif err["type"] == "missing":
         msg = f"missing required field '{param}'"
     else:
@@ -51,59 +66,165 @@ def validation_error(e: ValidationError) -> RequestError:
     return RequestError(msg, param=param)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+def _drop_nulls(data):
+    """Explicit null = the default: top-level keys whose value is null are removed."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if v is not None}
+    return data
 
 
-class StreamOptions(_Strict):
-    include_usage: bool = False  # send a last chunk with usage and empty choices
+class _Lenient(BaseModel):
+    """Unknown fields are kept aside (`model_extra`), null is the default, declared types are
+    strict."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        return _drop_nulls(data)
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """Names of the unknown fields this request carried (sorted), nested ones dotted."""
+        names = [prefix + k for k in (self.model_extra or {})]
+        for name in self.model_fields_set:
+            value = getattr(self, name)
+            items = value if isinstance(value, list) else [value]
+            for i, v in enumerate(items):
+                if isinstance(v, _Lenient):
+                    sub = f"{prefix}{name}.{i}." if isinstance(value, list) else f"{prefix}{name}."
+                    names += v.ignored_fields(sub)
+        return sorted(names)
 
 
-# fields of OpenAI requests that are accepted only at their default (no effect) value
-_DEFAULT_ONLY = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None, False), "response_format": (None, {"type": "text"}),
-    "store": (None, False), "modalities": (None, ["text"]),
+class StreamOptions(_Lenient):
+    include_usage: bool = False  # send a last chunk with usage and empty choices (usage only there)
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk (not implemented: 400)
+
+
+# Fields SpecRouter recognises but does not implement: accepted only at these (no-effect)
+# values; anything else is a 400 naming the field and saying why.
+_NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
+    "suffix": (("",), "insertion (suffix) is not implemented"),
+    "tools": (([],), "tool calling is not implemented"),
+    "tool_choice": (("none", "auto"), "tool calling is not implemented"),
+    "functions": (([],), "function calling is not implemented"),
+    "function_call": (("none", "auto"), "function calling is not implemented"),
+    "response_format": (({"type": "text"},), "structured output (JSON mode) is not implemented"),
+    "store": ((False,), "stored completions are not implemented"),
+    "modalities": ((["text"],), "only text output is implemented"),
+    "audio": ((), "audio output is not implemented"),
+    "prediction": ((), "predicted outputs are not implemented"),
+    "web_search_options": ((), "web search is not implemented"),
+    "reasoning_effort": ((), "reasoning effort is not implemented"),
+    "service_tier": (("auto", "default"), "service tiers are not implemented"),
+    "use_beam_search": ((False,), "beam search is not implemented"),
+    "length_penalty": ((1.0, 1), "length_penalty applies to beam search, which is not implemented"),
+    "include_stop_str_in_output": ((False,), "stop strings are never included in the output"),
+    "skip_special_tokens": ((True,), "special tokens are always skipped in the text"),
+    "spaces_between_special_tokens": ((True,), "special tokens are always skipped in the text"),
+    "bad_words": (([],), "bad_words is not implemented (use logit_bias for single tokens)"),
+    "prompt_embeds": ((), "prompt embeddings are not implemented"),
+    "guided_json": ((), "guided decoding is not implemented"),
+    "guided_regex": ((), "guided decoding is not implemented"),
+    "guided_choice": ((), "guided decoding is not implemented"),
+    "guided_grammar": ((), "guided decoding is not implemented"),
+    "structural_tag": ((), "guided decoding is not implemented"),
+    "guided_decoding_backend": ((), "guided decoding is not implemented"),
+    "guided_whitespace_pattern": ((), "guided decoding is not implemented"),
+    "priority": ((0,), "priority scheduling is not implemented"),
+    "logits_processors": (([],), "custom logits processors are not accepted"),
+    "chat_template": ((), "a per-request chat template is not accepted (start the server with "
+                          "--chat-template FILE)"),
+    "mm_processor_kwargs": (({},), "multimodal input is not implemented"),
+    "kv_transfer_params": (({},), "disaggregated serving is not implemented"),
+    "vllm_xargs": (({},), "vLLM extension arguments are not implemented"),
+    "return_tokens_as_token_ids": ((False,), "tokens in logprobs are always strings"),
+    "continue_final_message": ((False,), "continuing the final message is not implemented"),
+    "documents": (([],), "documents (RAG templates) are not implemented"),
+}
+
+# Honoured sampling controls not yet wired into the engine are refused like the above until
+# they are (they move to honoured in one place: here).
+_NOT_YET: dict[str, tuple[tuple, str]] = {
+    "n": ((1,), "only n=1 is supported (send several requests)"),
+    "best_of": ((1,), "only best_of=1 is supported"),
+    "logprobs": ((False, 0), "logprobs are not implemented yet"),
+    "top_logprobs": ((0,), "logprobs are not implemented yet"),
+    "echo": ((False,), "echo is not implemented yet"),
+    "prompt_logprobs": ((0,), "prompt logprobs are not implemented yet"),
 }
 
 
-class _GenerationRequest(_Strict):
-    """Fields shared by completions and chat completions."""
+def _is_default(value, allowed: tuple) -> bool:
+    return any(value == a and type(value) is type(a) for a in allowed)
 
-    model: str | None = None  # the served model's name (see /v1/models); None: that model
+
+class _GenerationRequest(_Lenient):
+    """Fields shared by completions and chat completions (vLLM's names and defaults)."""
+
+    model: str | None = None  # a served model name (see /v1/models); None: the served model
     max_tokens: int | None = Field(None, ge=1)  # tokens to generate; default depends on the endpoint
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default; 0 = greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # extension (vLLM): 0 or -1 disables it
+    top_k: int = Field(0, ge=-1)  # vLLM: 0 or -1 disables it
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM: drop tokens below min_p * the top probability
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # OpenAI: over generated tokens
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # OpenAI: over generated tokens
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)  # vLLM / CTRL: over prompt + generated
+    logit_bias: dict[str, float] = Field(default_factory=dict)  # token id (as a string) -> bias
     stop: Any = None  # a string or a list of up to 16 strings (checked in stop_strings())
+    stop_token_ids: list[int] = Field(default_factory=list)  # vLLM: token ids that end generation
+    min_tokens: int = Field(0, ge=0)  # vLLM: EOS / stop tokens are masked before this many tokens
+    allowed_token_ids: list[int] | None = None  # vLLM: sample only among these token ids
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, not used
-    ignore_eos: bool = False  # extension (vLLM): keep generating past EOS
+    ignore_eos: bool = False  # vLLM: keep generating past EOS
+    n: int = Field(1, ge=1, le=MAX_N)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM: keep the last N prompt tokens
+    prompt_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    request_id: str | None = None  # vLLM: accepted (the response id is the server's own)
+    cache_salt: str | None = None  # vLLM: accepted; no cache is shared between requests' prompts
     specrouter_chain: list[str] | None = None  # extension: pin the chain (pool names, target last)
     specrouter_k: int | None = Field(None, ge=1, le=MAX_DRAFT_LENGTH)  # extension: draft length
-    # accepted only at their default value (see unsupported())
-    n: int | None = None
-    logprobs: Any = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict | None = None
+    # recognised, refused unless at their default (see _NOT_IMPLEMENTED)
+    response_format: dict | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    priority: int = 0
+    logits_processors: list | None = None
+    return_tokens_as_token_ids: bool = False
+    kv_transfer_params: dict | None = None
+    vllm_xargs: dict | None = None
 
     def unsupported(self) -> RequestError | None:
-        """A 400 for the first field set to a value SpecRouter does not implement."""
-        for name in self.model_fields_set:
-            allowed = _DEFAULT_ONLY.get(name)
-            if allowed is None:
+        """A 400 for the first field (sorted by name) set to a value SpecRouter does not
+        implement."""
+        for name in sorted(self.model_fields_set):
+            rule = _NOT_IMPLEMENTED.get(name) or _NOT_YET.get(name)
+            if rule is None:
                 continue
+            allowed, why = rule
             value = getattr(self, name)
-            if not any(value == a and type(value) is type(a) or value is a for a in allowed):
-                what = {"n": "only n=1 is supported (send several requests)"}.get(
-                    name, f"only its default value {allowed[-1]!r} (or null) is supported")
-                return RequestError(f"unsupported value {value!r} for '{name}': {what}", param=name)
+            if not _is_default(value, allowed):
+                default = f" (only {allowed[0]!r} or null is accepted)" if allowed else ""
+                return RequestError(f"unsupported value {_short(value)} for '{name}': {why}"
+                                    f"{default}", param=name)
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            return RequestError("unsupported value True for 'stream_options."
+                                "continuous_usage_stats': usage is sent once, on the last chunk",
+                                param="stream_options.continuous_usage_stats")
         return None
 
     def stop_strings(self) -> list[str]:
@@ -118,14 +239,35 @@ class _GenerationRequest(_Strict):
                                "non-empty strings", param="stop")
         return list(dict.fromkeys(stop))
 
+    def logit_bias_ids(self) -> dict[int, float]:
+        """logit_bias with integer keys (OpenAI sends token ids as JSON object keys)."""
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.lstrip("-").isdigit():
+                raise RequestError(f"'logit_bias' keys must be token ids, got {key!r}",
+                                   param="logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise RequestError(f"'logit_bias' values must be in [-100, 100], got {bias!r} "
+                                   f"for token {key}", param="logit_bias")
+            out[int(key)] = float(bias)
+        return out
+
+
+def _short(value) -> str:
+    r = repr(value)
+    return r if len(r) <= 80 else type(value).__name__
+
 
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
     prompt: Any  # a string, a list of token ids, or a list holding one of those
-    best_of: int | None = None
-    echo: bool | None = None
-    suffix: str | None = None
+    best_of: int = Field(1, ge=1, le=MAX_N)
+    echo: bool = False
+    logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # top alternatives per token (0: none)
+    suffix: str = ""
+    add_special_tokens: bool = False  # vLLM's default is true; this server's prompts are text as sent
+    prompt_embeds: Any = None
 
     def prompt_value(self) -> str | list[int]:
         p = self.prompt
@@ -142,7 +284,7 @@ class CompletionRequest(_GenerationRequest):
                            "one of those", param="prompt")
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant"]
     content: Any  # a string, or a list of {"type": "text", "text": ...} parts
     name: str | None = None  # accepted, not rendered (chat templates do not take it)
@@ -169,16 +311,34 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
-    top_logprobs: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int = Field(1, ge=1, le=MAX_N)
+    echo: bool = False  # vLLM: prepend the last message of the same role (not implemented)
+    add_generation_prompt: bool = True  # vLLM: passed to the chat template
+    add_special_tokens: bool = False  # vLLM: add BOS etc. on top of the template's
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # extra template variables
+    include_reasoning: bool = True  # vLLM: no reasoning parser runs, so nothing is removed
+    parallel_tool_calls: bool = True  # meaningful with tools only (not implemented); accepted
+    metadata: dict[str, str] | None = None  # accepted, not used
+    # recognised, refused unless at their default (see _NOT_IMPLEMENTED)
     tools: list | None = None
     tool_choice: Any = None
     functions: list | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
-    store: bool | None = None
+    store: bool = False
     modalities: list[str] | None = None
-    metadata: dict[str, str] | None = None  # accepted, not used
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    service_tier: str | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    structural_tag: Any = None
+    chat_template: str | None = None
+    mm_processor_kwargs: dict | None = None
+    continue_final_message: bool = False
+    documents: list | None = None
 
     def template_messages(self) -> list[dict]:
         """Messages for the chat template ("developer" is OpenAI's newer name of "system")."""

@@ -48,6 +48,8 @@ class Service:
         self.loop_engine = AsyncEngine(self.engine, max_queue=config.max_queue,
                                        metrics=self.metrics, seed=config.seed)
         self.model_name = config.served_model_name or self.pool.target
+        self.served_names = (self.model_name, *config.model_aliases)  # names /v1/models lists
+        self.chat_template = config.chat_template  # None: the target tokenizer's
         self.created = int(time.time())
 
     @functools.cached_property

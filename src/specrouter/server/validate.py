@@ -5,7 +5,7 @@ size, the OpenAI fields turned into what the engine takes (`prepare`). Every ref
 Choices written down here:
 - JSON endpoints take `Content-Type: application/json` only (415 otherwise, a missing header
   included): a browser page cannot send that cross-origin without a CORS preflight, which this
-  server does not answer.
+  server answers only for the origins `--allowed-origins` names (none by default).
 - Context accounting: a request fits when prompt + max_tokens <= the context limit
   (`max_model_len`, capped by the models); the draft length reserves nothing (it shrinks near
   the end of the context). Without `max_tokens`, chat completions get the room that is left
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ from specrouter.server.protocol import RequestError, validation_error
 from specrouter.server.service import Service
 from specrouter.server.text import stop_token_ids
 
+logger = logging.getLogger("specrouter.server")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -121,6 +123,9 @@ async def read_json(request: Request, limit: int) -> dict:
 
 
 def parse(cls, data: dict):
+    """The validated request: a 400 naming the field for a wrong type or a recognised field
+    set to what SpecRouter does not implement; unknown fields are logged (and the app names
+    them in the `X-SpecRouter-Ignored-Fields` header)."""
     try:
         req = cls.model_validate(data)
     except ValidationError as e:
@@ -128,6 +133,9 @@ def parse(cls, data: dict):
     bad = req.unsupported()
     if bad is not None:
         raise bad
+    ignored = req.ignored_fields()
+    if ignored:
+        logger.info("ignored unknown request fields: %s", ", ".join(ignored))
     return req
 
 
@@ -172,18 +180,30 @@ def _chain(srv: Service, req) -> tuple[str, ...] | None:
     return tuple(req.specrouter_chain)
 
 
-def prepare(srv: Service, req, prompt: list[int], *, chat: bool) -> Prepared:
-    # the served name, the target's pool name or its role "target" (every reply is the target's)
-    if req.model is not None and req.model not in (srv.model_name, srv.pool.target, "target"):
-        raise RequestError(f"the model {req.model!r} does not exist: this server serves "
+def check_model(srv: Service, model: str | None) -> None:
+    """404 unless `model` is None, a served name (`--served-model-name`: the name and its
+    aliases), the target's pool name or its role "target" (every reply is the target's)."""
+    if model is not None and model not in (*srv.served_names, srv.pool.target, "target"):
+        raise RequestError(f"the model {model!r} does not exist: this server serves "
                            f"{srv.model_name!r} (see /v1/models)", status=404, param="model",
                            code="model_not_found")
+
+
+def truncate_prompt(req, prompt: list[int]) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last N tokens of the prompt."""
+    n = req.truncate_prompt_tokens
+    return prompt[-n:] if n is not None and len(prompt) > n else prompt
+
+
+def prepare(srv: Service, req, prompt: list[int], *, chat: bool) -> Prepared:
+    check_model(srv, req.model)
     if srv.target_down:
         raise RequestError("the target model failed: the server cannot generate (see /health)",
                            status=503, type="server_error", code="target_unavailable")
     engine, pool = srv.engine, srv.pool
     k = req.specrouter_k if req.specrouter_k is not None else srv.config.k
     chain = _chain(srv, req)
+    prompt = truncate_prompt(req, prompt)
     room = _room(srv, prompt, chain, chat=chat)
     stops = req.stop_strings()
     max_tokens = req.max_tokens
@@ -198,8 +218,16 @@ def prepare(srv: Service, req, prompt: list[int], *, chat: bool) -> Prepared:
     try:
         params = SamplingParams(
             temperature=float(req.temperature), top_k=max(0, req.top_k), top_p=float(req.top_p),
-            max_new_tokens=max_tokens, stop_token_ids=stop_token_ids(pool.tokenizer, stops),
-            seed=req.seed, ignore_eos=req.ignore_eos)
+            max_new_tokens=max_tokens,
+            stop_token_ids=_stop_ids(pool, stop_token_ids(pool.tokenizer, stops), req),
+            seed=req.seed, ignore_eos=req.ignore_eos, min_p=float(req.min_p),
+            presence_penalty=float(req.presence_penalty),
+            frequency_penalty=float(req.frequency_penalty),
+            repetition_penalty=float(req.repetition_penalty),
+            logit_bias=tuple(_token_ids(pool, req.logit_bias_ids(), "logit_bias").items()),
+            min_tokens=_min_tokens(req, max_tokens),
+            allowed_token_ids=(None if req.allowed_token_ids is None else tuple(
+                _token_ids(pool, dict.fromkeys(req.allowed_token_ids), "allowed_token_ids"))))
         engine.check_request(prompt, params, chain, k)
     except ContextLengthError as e:
         raise RequestError(str(e), param="max_tokens", code="context_length_exceeded") from None
@@ -214,6 +242,33 @@ def prepare(srv: Service, req, prompt: list[int], *, chat: bool) -> Prepared:
         generator = torch.Generator()
         generator.manual_seed(req.seed)
     return Prepared(prompt, params, chain, k, stops, generator)
+
+
+def _min_tokens(req, max_tokens: int) -> int:
+    if req.min_tokens > max_tokens:
+        raise RequestError(f"'min_tokens' ({req.min_tokens}) is over the tokens this request may "
+                           f"generate ({max_tokens})", param="min_tokens")
+    return req.min_tokens
+
+
+def _token_ids(pool, ids: dict, param: str) -> dict:
+    """`ids` (keys: token ids), or a 400 naming `param` for an id outside the vocabulary."""
+    for t in ids:
+        if not 0 <= t < pool.vocab_width:
+            raise RequestError(f"'{param}' holds {t}, not a token id of this vocabulary "
+                               f"(0..{pool.vocab_width - 1})", param=param)
+    if param == "allowed_token_ids" and not ids:
+        raise RequestError("'allowed_token_ids' is empty: no token could be sampled", param=param)
+    return ids
+
+
+def _stop_ids(pool, from_strings, req) -> tuple[int, ...]:
+    """Stop token ids: those of single-token stop strings and the request's `stop_token_ids`."""
+    for t in req.stop_token_ids:
+        if not 0 <= t < pool.vocab_width:
+            raise RequestError(f"'stop_token_ids' holds {t}, not a token id of this vocabulary "
+                               f"(0..{pool.vocab_width - 1})", param="stop_token_ids")
+    return tuple(dict.fromkeys([*from_strings, *req.stop_token_ids]))
 
 
 # -- prompts: size check, then tokenizing off the event loop -----------------------------------
@@ -236,21 +291,28 @@ def check_prompt_bytes(srv: Service, texts: list[str], *, param: str) -> None:
             code="context_length_exceeded")
 
 
-async def tokenize_prompt(srv: Service, text: str) -> list[int]:
+async def tokenize_prompt(srv: Service, text: str, add_special_tokens: bool = False,
+                          param: str = "prompt") -> list[int]:
     """Token ids of a completions prompt (after `check_prompt_bytes`), off the event loop."""
-    check_prompt_bytes(srv, [text], param="prompt")
-    enc = await asyncio.to_thread(srv.pool.tokenizer, text, add_special_tokens=False)
+    check_prompt_bytes(srv, [text], param=param)
+    enc = await asyncio.to_thread(srv.pool.tokenizer, text, add_special_tokens=add_special_tokens)
     return enc["input_ids"]
 
 
-async def render_chat(srv: Service, messages: list[dict]) -> list[int]:
-    """Token ids of a chat (template applied), off the event loop."""
+async def render_chat(srv: Service, messages: list[dict], *, add_generation_prompt: bool = True,
+                      template_kwargs: dict | None = None,
+                      add_special_tokens: bool = False) -> list[int]:
+    """Token ids of a chat (the server's template applied, with the request's
+    `chat_template_kwargs` as extra template variables), off the event loop."""
     from specrouter.models.tokenizer import apply_chat_template
 
     # a template may trim each message: only the trimmed text surely reaches the tokenizer
     check_prompt_bytes(srv, [m["content"].strip() for m in messages], param="messages")
     try:
-        return await asyncio.to_thread(apply_chat_template, srv.pool.tokenizer, messages)
+        return await asyncio.to_thread(
+            apply_chat_template, srv.pool.tokenizer, messages,
+            add_generation_prompt=add_generation_prompt, template=srv.chat_template,
+            template_kwargs=template_kwargs, add_special_tokens=add_special_tokens)
     except CheckpointError as e:
         raise RequestError(str(e), param="messages") from None
     except Exception as e:  # a template that refuses the conversation (e.g. role order)

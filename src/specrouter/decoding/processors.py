@@ -1,0 +1,135 @@
+"""Logits processors: the request's sampling controls that depend on the tokens before a
+position (penalties, min_tokens) or on fixed token sets (logit_bias, allowed_token_ids).
+Pure tensor functions.
+
+Every level of a chain (drafter, verifiers, target) and plain decoding run the SAME
+`process_rows` on their logits before `sampling.choose_tokens`, with the history each position
+really has: the committed tokens plus the candidates before it along the draft path (a
+verifier's position g follows the g candidates before it; a drafter's step i follows its own
+i draft tokens). So at every position every level samples from the same processed
+distribution, and the target's output is exactly plain decoding's under the same controls.
+
+Order and definitions (vLLM's), per row, on raw logits:
+1. allowed_token_ids: every other token gets -inf.
+2. logit_bias: `logits[t] += bias` (OpenAI: added to the logits before sampling).
+3. min_tokens: while fewer than min_tokens tokens were generated before a position, the row's
+   stop tokens (EOS unless ignore_eos, and its stop_token_ids) get -inf.
+4. repetition_penalty r (CTRL, vLLM): a token seen in the prompt or the generated tokens gets
+   `logit / r` if its logit > 0, else `logit * r`.
+5. frequency_penalty f, presence_penalty p (OpenAI): over the GENERATED tokens only,
+   `logit -= f * count + p * (count > 0)`.
+Then sampling.py: temperature, min_p, top-k, top-p (greedy rows: the argmax of the processed
+logits). Computation is float32 (float64 for float64 logits); the history-dependent part
+touches only the columns of tokens in the row's history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specrouter.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class RowHistory:
+    """What the processors of one row need at a call: positions g = 0..G-1 of the logits sample
+    the tokens at sequence positions `len(tokens) + offset + g`."""
+
+    params: SamplingParams
+    tokens: list[int]  # committed tokens: the prompt then the generated ones
+    prompt_len: int
+    stop_ids: frozenset[int]  # tokens that end generation (masked by min_tokens)
+    path: list[int]  # tokens along the draft path after `tokens` (offset + G - 1 of them used)
+    offset: int  # positions of the path before logit position 0
+
+
+def penalize(logits: torch.Tensor, prompt_ids: torch.Tensor, output_ids: torch.Tensor,
+             path_ids: torch.Tensor, offset: int, presence: float, frequency: float,
+             repetition: float) -> torch.Tensor:
+    """One row's penalties. logits (G, V) float; prompt_ids (P,), output_ids (O,), path_ids (S,)
+    int64: position g follows output_ids and path_ids[: offset + g]. Returns (G, V)."""
+    G = logits.shape[0]
+    P, O = prompt_ids.shape[0], output_ids.shape[0]
+    hist = torch.cat([prompt_ids, output_ids, path_ids])  # (P+O+S,)
+    if hist.numel() == 0:
+        return logits
+    uniq, inv = torch.unique(hist, return_inverse=True)  # (U,), (P+O+S,)
+    U = uniq.shape[0]
+    in_prompt = torch.zeros(U, dtype=torch.bool)
+    in_prompt[inv[:P]] = True
+    counts = torch.bincount(inv[P : P + O], minlength=U).to(logits.dtype)  # (U,)
+    counts = counts.expand(G, U).clone()  # (G, U): generated tokens before each position
+    path_cols = inv[P + O :]  # (S,)
+    if path_cols.numel():
+        first = torch.arange(path_cols.shape[0]) - offset + 1  # path token i counts from g >= i - offset + 1
+        keep = first < G
+        delta = torch.zeros(G, U, dtype=logits.dtype)
+        delta.index_put_((first[keep].clamp(min=0), path_cols[keep]),
+                         torch.ones(int(keep.sum()), dtype=logits.dtype), accumulate=True)
+        counts += delta.cumsum(dim=0)
+    x = logits[:, uniq]  # (G, U)
+    if repetition != 1.0:
+        seen = in_prompt[None, :] | (counts > 0)  # (G, U)
+        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    if frequency:
+        x = x - frequency * counts
+    if presence:
+        x = x - presence * (counts > 0).to(x.dtype)
+    out = logits.clone()
+    out[:, uniq] = x
+    return out
+
+
+def token_mask_and_bias(params: SamplingParams, vocab: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The (V,) additive term of allowed_token_ids (-inf outside) and logit_bias, or None."""
+    if params.allowed_token_ids is None and not params.logit_bias:
+        return None
+    add = torch.zeros(vocab, dtype=dtype)
+    if params.allowed_token_ids is not None:
+        add.fill_(float("-inf"))
+        add[torch.tensor(params.allowed_token_ids, dtype=torch.long)] = 0.0
+    for t, b in params.logit_bias:
+        add[t] += b
+    return add
+
+
+def process_row(logits: torch.Tensor, h: RowHistory) -> torch.Tensor:
+    """One row's processors (module docstring order): logits (G, V) -> (G, V)."""
+    G, V = logits.shape
+    p = h.params
+    add = token_mask_and_bias(p, V, logits.dtype)
+    if add is not None:
+        logits = logits + add[None, :]
+    path = h.path[: h.offset + G - 1]
+    if p.min_tokens:
+        generated = len(h.tokens) - h.prompt_len + h.offset + torch.arange(G)  # (G,) before each position
+        early = generated < p.min_tokens  # (G,)
+        stops = [t for t in h.stop_ids if t < V]
+        if bool(early.any()) and stops:
+            logits = logits.clone()
+            cols = torch.tensor(stops, dtype=torch.long)
+            logits[early.nonzero().flatten()[:, None], cols[None, :]] = float("-inf")
+    if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+        logits = penalize(
+            logits, torch.tensor(h.tokens[: h.prompt_len], dtype=torch.long),
+            torch.tensor(h.tokens[h.prompt_len :], dtype=torch.long),
+            torch.tensor(path, dtype=torch.long), h.offset,
+            float(p.presence_penalty), float(p.frequency_penalty), float(p.repetition_penalty))
+    return logits
+
+
+def process_rows(logits: torch.Tensor, rows: list[RowHistory]) -> torch.Tensor:
+    """logits (B, G, V) -> processed logits (B, G, V), float32 (float64 for float64 logits);
+    rows without processors are only cast. Row b uses rows[b]."""
+    B = logits.shape[0]
+    assert len(rows) == B, f"{len(rows)} histories for {B} logit rows"
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out = logits.to(dtype)
+    if out is logits:
+        out = out.clone()
+    for b, h in enumerate(rows):
+        if h.params.has_processors:
+            out[b] = process_row(out[b], h)
+    return out
