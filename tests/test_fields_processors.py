@@ -27,9 +27,11 @@ from specrouter.decoding.processors import RowHistory, process_rows
 from specrouter.decoding.sampling import SamplingTensors, process_logits, scaled_logits
 from specrouter.engine.engine import Engine
 
-NAMES = ("target", "mid", "draft")
+NAMES = ("target", "mid", "draft", "same")
 MAX_NEW = 16
-CHAINS = [("draft", "target"), ("ngram", "target"), ("draft", "mid", "target"),
+# "same" (an exact copy of the target) accepts whole drafts: every position of the path is
+# committed, so a wrong history anywhere along it shows in the output
+CHAINS = [("same", "target"), ("draft", "target"), ("ngram", "target"), ("draft", "mid", "target"),
           ("ngram", "draft", "mid", "target")]
 NAMES_OF_CONTROLS = ["presence", "frequency", "repetition", "penalties-negative", "logit_bias",
                      "allowed", "min_tokens", "stop_token_ids", "all"]
@@ -228,7 +230,7 @@ def test_processors_at_the_target_only_stay_exact_but_lose_acceptance(pool, prom
     params = SamplingParams(max_new_tokens=MAX_NEW, presence_penalty=2.0, frequency_penalty=1.0,
                             repetition_penalty=1.8)
     plain, _ = run(pool, prompts, params, ("target",))
-    got_all, seqs_all = run(pool, prompts, params, ("draft", "target"), 4)
+    got_all, seqs_all = run(pool, prompts, params, ("same", "target"), 4)
     assert got_all == plain
     real = executor_mod.process_rows
     current = [None]
@@ -245,7 +247,7 @@ def test_processors_at_the_target_only_stay_exact_but_lose_acceptance(pool, prom
 
     monkeypatch.setattr(executor_mod, "process_rows", target_only)
     monkeypatch.setattr(executor_mod.ChainExecutor, "_run_model", run_model)
-    got_target_only, seqs_t = run(pool, prompts, params, ("draft", "target"), 4)
+    got_target_only, seqs_t = run(pool, prompts, params, ("same", "target"), 4)
     assert got_target_only == plain
     # more cycles for the same tokens: fewer drafted tokens accepted
     assert sum(s.stats.cycles for s in seqs_t) > sum(s.stats.cycles for s in seqs_all)
