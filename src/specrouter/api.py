@@ -19,6 +19,7 @@ from specrouter.config import (
 )
 from specrouter.engine.engine import Engine
 from specrouter.engine.stats import RequestStats
+from specrouter.models.device import resolve_device
 from specrouter.models.pool import Pool, preview_pool
 from specrouter.state.sequence import Sequence
 
@@ -63,6 +64,7 @@ class SpecRouter:
         target and a pinned chain are checked before any weights load (checkpoint headers)."""
         if config.pool.threads:
             torch.set_num_threads(config.pool.threads)
+        resolve_device(config.pool.device)  # DeviceError before anything loads
         preview = preview_pool(config.pool, progress=progress)
         if config.engine.chain is not None:
             preview.validate_chain(config.engine.chain)
@@ -92,6 +94,7 @@ class SpecRouter:
         profile_path: str | Path | None = None,
         threads: int | None = None,
         router_config: RouterConfig | None = None,
+        device: str = "auto",
     ) -> "SpecRouter":
         """Load a pool: "default" (the embedded pool: n-gram, the shipped draft,
         SmolLM2-135M-Instruct), or HF checkpoint directories / .gguf files, plus the
@@ -102,13 +105,17 @@ class SpecRouter:
 
         With `adaptive` (default) the router picks each request's chain and draft length every
         cycle; it needs this machine's cost profile of the pool's models, measured by a short
-        sweep the first time (persisted under the cache dir, or `profile_path`)."""
+        sweep the first time (persisted under the cache dir, or `profile_path`).
+
+        `device`: "auto" (the first CUDA GPU when torch sees one, else the CPU), "cpu", "cuda"
+        or "cuda:N"; a CUDA device torch cannot use here raises DeviceError before any weights
+        load (docs/gpu.md)."""
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         models = [paths] if isinstance(paths, (str, Path)) else list(paths)
         pool = PoolConfig(models=tuple(str(p) for p in models), target=target,
                           names=tuple(names) if names else None, backend=backend, dtype=dtype,
-                          ngram=ngram, suffix=suffix, threads=threads,
+                          ngram=ngram, suffix=suffix, threads=threads, device=str(device),
                           trust_remote_code=trust_remote_code,
                           profile_path=str(profile_path) if profile_path is not None else None)
         config = SpecRouterConfig(pool=pool, engine=EngineConfig(adaptive=adaptive),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 
 from specrouter.errors import ChainError, SamplingParamsError
@@ -23,6 +24,7 @@ SUFFIX = "suffix"  # the model-free suffix-decoding drafter (learns across reque
 # "target" is the pool's target, "draft" its smallest neural draft
 ROLE_ALIASES = ("target", "draft")
 BACKENDS = ("auto", "native", "hf")
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"  # PoolConfig.device (models/device.py resolves it)
 DTYPES = ("auto", "float32", "bfloat16", "float64", "float16", "fp32", "bf16", "fp64", "fp16")
 # A temperature below this is greedy decoding (stored as 0.0). Dividing logits by a tiny
 # temperature overflows (1e-39 turns them into inf and the softmax into NaN), and a sampled
@@ -365,6 +367,9 @@ class PoolConfig:
     ngram: bool = True  # add the model-free n-gram drafter
     suffix: bool = True  # add the model-free suffix drafter (drafts from earlier requests too)
     threads: int | None = None  # torch intra-op threads; None: torch's default
+    # where every model runs: auto (the first CUDA GPU when torch sees one, else the CPU) | cpu |
+    # cuda | cuda:N; a CUDA device torch cannot use here is a DeviceError when the pool loads
+    device: str = "auto"
     trust_remote_code: bool = False  # let transformers run a checkpoint's own code (never in serve)
     profile_path: str | None = None  # this machine's cost profile of the models; None: the cache dir
 
@@ -381,6 +386,8 @@ class PoolConfig:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES[:5])}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not re.match(DEVICE_PATTERN, self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         t = self.threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"threads must be an integer >= 1, got {t!r}")

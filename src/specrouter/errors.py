@@ -24,3 +24,8 @@ class SamplingParamsError(SpecRouterError, ValueError):
 
 class ChainError(SpecRouterError, ValueError):
     """An invalid chain: unknown model, target not last, bad draft length."""
+
+
+class DeviceError(SpecRouterError, ValueError):
+    """A device that is not available here (e.g. `device="cuda"` where torch sees no CUDA GPU),
+    or a device name that is not one."""

@@ -55,6 +55,7 @@ class BenchConfig:
     models: tuple[str, ...] | None = None  # pool paths ("ngram" and "suffix" are added); None: the embedded default pool
     target: str | None = None  # target name or path (default: the largest model)
     dtype: str = "auto"  # of every model, native and transformers (auto: see PoolConfig)
+    device: str = "auto"  # where every model runs, native and transformers (see PoolConfig)
     workloads: tuple[str, ...] = ("code", "prose", "chat", "extraction", "mixed")
     kinds: tuple[str, ...] = MIXED_ORDER  # request types of the mixed stream, in stream order
     prompts_per_type: int = 3  # first n prompts of each type (workloads.py)
@@ -183,7 +184,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
 
         paths = default_pool_paths(progress=progress)
     sr = SpecRouter.from_pretrained(paths, target=cfg.target, dtype=cfg.dtype, adaptive=False,
-                                    suffix=cfg.suffix, progress=progress)
+                                    suffix=cfg.suffix, progress=progress, device=cfg.device)
     pool = sr.pool
     aliases = model_aliases(pool)
     drafts = pool.model_drafts
@@ -217,8 +218,8 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
     if cfg.hf != "none":
         from specrouter.bench.systems import load_hf_model
 
-        dt = _dtype(cfg.dtype)
-        hf_models[pool.target] = load_hf_model(pool.runners[pool.target].checkpoint_dir, dt)
+        dt = _dtype(cfg.dtype, pool.device)
+        hf_models[pool.target] = load_hf_model(pool.runners[pool.target].checkpoint_dir, dt).to(pool.device)
         eos = tuple(pool.eos_ids)
         pad = pool.tokenizer.pad_token_id if pool.tokenizer.pad_token_id is not None else eos[0]
         systems.append(HFSystem("HF generate", hf_models[pool.target], eos_ids=eos, pad_id=pad))
@@ -229,7 +230,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
             systems.append(HFSystem(HF_FP32, load_hf_model(pool.runners[pool.target].checkpoint_dir, torch.float32),
                                     eos_ids=eos, pad_id=pad))
         if assistant is not None:
-            hf_models[assistant] = load_hf_model(pool.runners[assistant].checkpoint_dir, dt)
+            hf_models[assistant] = load_hf_model(pool.runners[assistant].checkpoint_dir, dt).to(pool.device)
             systems.append(HFSystem("HF assisted", hf_models[pool.target],
                                     assistant=hf_models[assistant], eos_ids=eos, pad_id=pad))
         else:

@@ -136,7 +136,7 @@ class HFSystem(System):
         self.eos_ids, self.pad_id = list(eos_ids), pad_id
 
     def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
-        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.model.device)
         kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=decoding.max_new_tokens,
                   eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         if decoding.temperature > 0:

@@ -15,7 +15,7 @@ from specrouter.cli.terminal import print_markdown
 from specrouter.config import DEFAULT_POOL
 
 # the pool flags the bench takes (it compares chains of the whole pool, with and without n-gram)
-BENCH_POOL_FLAGS = ("models", "target", "dtype", "threads", "profile_path")
+BENCH_POOL_FLAGS = ("models", "target", "dtype", "threads", "profile_path", "device")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,7 +74,7 @@ def config_from_args(args: argparse.Namespace):
     from specrouter.bench import BenchConfig
 
     pool = pool_config(args)
-    over = {"dtype": pool.dtype}
+    over = {"dtype": pool.dtype, "device": pool.device}
     if pool.models != (DEFAULT_POOL,):
         over["models"] = pool.models
     for field in ("target", "out_dir", "threads", "prompts_per_type", "mixed_block",

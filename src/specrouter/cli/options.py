@@ -1,5 +1,5 @@
 """The flags shared by the commands, defined once: the pool (`--models`, `--target`, `--dtype`,
-`--backend`, `--no-ngram`, `--no-suffix`, `--threads`, `--profile-path`), the engine (`--chain`, `--k`,
+`--backend`, `--no-ngram`, `--no-suffix`, `--threads`, `--profile-path`, `--device`), the engine (`--chain`, `--k`,
 `--static`) and sampling (`--max-new-tokens`, `--temperature`, `--top-k`, `--top-p`, `--seed`),
 and their checks, which run before any model loads. Each maps onto a field of
 `specrouter.config` (PoolConfig, EngineConfig, SamplingParams)."""
@@ -22,7 +22,7 @@ from specrouter.errors import ChainError, SamplingParamsError
 logger = logging.getLogger("specrouter")
 
 POOL_FLAGS = ("models", "target", "dtype", "backend", "no_ngram", "no_suffix", "threads",
-              "profile_path")
+              "profile_path", "device")
 
 
 class UsageError(ValueError):
@@ -85,12 +85,16 @@ def add_pool_arguments(p: argparse.ArgumentParser, flags: tuple[str, ...] = POOL
     if "profile_path" in flags:
         g.add_argument("--profile-path", default=None,
                        help="this machine's cost profile of the models (default: in the cache dir)")
+    if "device" in flags:
+        g.add_argument("--device", default=None, metavar="DEVICE",
+                       help="where the models run: auto (the first CUDA GPU when torch sees one, "
+                            "else the CPU; the default), cpu, cuda, cuda:N")
 
 
 def pool_config(args: argparse.Namespace) -> PoolConfig:
     """The PoolConfig of the pool flags (the ones a command does not define keep their defaults)."""
     over = {}
-    for name in ("target", "dtype", "backend", "threads", "profile_path"):
+    for name in ("target", "dtype", "backend", "threads", "profile_path", "device"):
         if getattr(args, name, None) is not None:
             over[name] = getattr(args, name)
     if getattr(args, "models", None):

@@ -57,5 +57,5 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=256, help="context length for the tables (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy acceptance estimates")
     add_pool_arguments(p, flags=("models", "target", "dtype", "backend", "no_ngram", "no_suffix", "threads",
-                                 "profile_path"))
+                                 "profile_path", "device"))
     p.set_defaults(func=cmd_profile)

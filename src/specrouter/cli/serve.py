@@ -97,8 +97,14 @@ def ray_configs(args: argparse.Namespace, config=None):
     from specrouter.server.ray_serve import PoolSpec, RayServeConfig
 
     pool = config.pool if config is not None else pool_config(args)
+    device = pool.device
+    if args.ray_num_gpus > 0:  # the replica's engine runs on the GPUs Ray gives it
+        if device == "cpu":
+            raise ValueError("--ray-num-gpus reserves GPUs for each replica, but --device cpu keeps "
+                             "the models off them: drop one of the two")
+        device = "cuda" if device == "auto" else device
     pool_spec = PoolSpec(paths=pool.models, target=pool.target, backend=pool.backend,
-                         dtype=pool.dtype, ngram=pool.ngram, suffix=pool.suffix)
+                         dtype=pool.dtype, ngram=pool.ngram, suffix=pool.suffix, device=device)
     ray_config = RayServeConfig(
         num_replicas=args.ray_replicas, autoscaling=args.ray_autoscaling,
         num_cpus=args.ray_num_cpus, num_gpus=args.ray_num_gpus,
@@ -178,7 +184,7 @@ def register(sub) -> None:
     add_engine_arguments(s, k_help="draft length of requests that pin a chain without "
                                    "specrouter_k, and of --chain / --static (default 4)")
     add_pool_arguments(s, flags=("models", "target", "dtype", "backend", "no_ngram", "no_suffix", "threads",
-                                 "profile_path"))
+                                 "profile_path", "device"))
     r = s.add_argument_group("scale-out on Ray Serve (needs the ray extra; see docs/ray.md)")
     r.add_argument("--ray", action="store_true",
                    help="deploy as a Ray Serve application: replicas each holding the pool, "

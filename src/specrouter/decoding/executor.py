@@ -39,6 +39,7 @@ from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.noise import position_keys
 from specrouter.decoding.processors import RowHistory, process_rows
 from specrouter.decoding.sampling import SamplingTensors, choose_tokens
+from specrouter.models.device import synchronize
 from specrouter.decoding.verification import verify_tokens
 from specrouter.engine.stats import CycleStats
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
@@ -237,19 +238,23 @@ class ChainExecutor:
         positions start + offset + g (greedy rows: argmax; others: counter-based noise), after
         the rows' logits processors, whose history at position g is the committed tokens plus
         w.cand[: offset + g] (the draft path: the same at every level)."""
-        if any(w.seq.params.has_processors for w in work):  # penalties etc.: processors.py
-            logits = process_rows(logits, [
+        dev = logits.device  # the pool's device: every tensor of the choice lives there
+        if any(w.seq.params.has_processors for w in work):  # penalties etc.: processors.py (host tensors)
+            logits = process_rows(logits.cpu(), [
                 RowHistory(w.seq.params, w.seq.tokens, w.seq.prompt_len, w.seq.stop_ids, w.cand, offset)
-                for w in work])
-        idx = torch.tensor([w.b for w in work], dtype=torch.long)
-        st = sampling.select(idx) if len(work) != len(sampling) else sampling
+                for w in work]).to(dev)
+        if len(work) != len(sampling):
+            st = sampling.select(torch.tensor([w.b for w in work], dtype=torch.long, device=sampling.temperature.device))
+        else:
+            st = sampling
         keys = None
         if not st.all_greedy:
             G = logits.shape[1]
-            seeds = torch.tensor([[w.seq.seed_key] for w in work], dtype=torch.long)  # (B, 1)
-            starts = torch.tensor([[w.start + offset] for w in work], dtype=torch.long)  # (B, 1)
-            keys = position_keys(seeds, starts + torch.arange(G)[None, :])  # (B, G)
-        return choose_tokens(logits, st, keys)
+            seeds = torch.tensor([[w.seq.seed_key] for w in work], dtype=torch.long, device=dev)  # (B, 1)
+            starts = torch.tensor([[w.start + offset] for w in work], dtype=torch.long, device=dev)  # (B, 1)
+            keys = position_keys(seeds, starts + torch.arange(G, device=dev)[None, :])  # (B, G)
+        # the tokens come to the host once per forward (the next level's feed is built from them)
+        return choose_tokens(logits, st, keys).cpu()
 
     # -- forwards ---------------------------------------------------------------------------
     def _forward(self, name: str, work: list[RowWork], speculative: list[list[int]]) -> torch.Tensor:
@@ -311,6 +316,7 @@ class ChainExecutor:
         """`call()`'s result, its seconds recorded as a forward of model `name` over `batch`."""
         t0 = self.clock()
         out = call()
+        synchronize(self.runners[name].device)  # a GPU's forward is timed to its end (CPU: no-op)
         dt = self.clock() - t0
         self._ftime[name] = self._ftime.get(name, 0.0) + dt
         self._ftoks[name] = self._ftoks.get(name, 0) + sum(batch.num_tokens_list)

@@ -97,7 +97,7 @@ def _block_min(keys: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 def _block_noise(keys: torch.Tensor, blocks: torch.Tensor, minima: torch.Tensor) -> torch.Tensor:
     """E_v of every token of the given blocks: keys (N, 1), blocks (N, r), minima (N, r) ->
     (N, r, BLOCK) float64."""
-    j = torch.arange(BLOCK, dtype=torch.long)  # (BLOCK,)
+    j = torch.arange(BLOCK, dtype=torch.long, device=keys.device)  # (BLOCK,)
     tokens = blocks[..., None] * BLOCK + j  # (N, r, BLOCK)
     extra = -torch.log(_uniform(keys[..., None], "token", tokens))  # (N, r, BLOCK)
     arg = (_uniform(keys, "block_arg", blocks) * BLOCK).long().clamp_(max=BLOCK - 1)  # (N, r)
@@ -108,7 +108,7 @@ def _block_noise(keys: torch.Tensor, blocks: torch.Tensor, minima: torch.Tensor)
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """Reference: every E_v, (N, vocab) float64, for keys (N,) int64 (position keys)."""
     nb = -(-vocab // BLOCK)
-    blocks = torch.arange(nb, dtype=torch.long)[None, :]  # (1, nb)
+    blocks = torch.arange(nb, dtype=torch.long, device=keys.device)[None, :]  # (1, nb)
     k = keys[:, None]
     noise = _block_noise(k, blocks.expand(len(keys), nb), _block_min(k, blocks))  # (N, nb, BLOCK)
     return noise.reshape(len(keys), nb * BLOCK)[:, :vocab]
@@ -141,12 +141,12 @@ def coupled_argmax_torch(scores: torch.Tensor, keys: torch.Tensor, first_blocks:
     """`coupled_argmax` in torch ops (the portable path; ~100 small ops per call)."""
     N, V = scores.shape
     if N == 0:
-        return torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, dtype=torch.long, device=scores.device)
     nb = -(-V // BLOCK)
     s = scores if nb * BLOCK == V else F.pad(scores, (0, nb * BLOCK - V), value=-math.inf)
     s = s.view(N, nb, BLOCK)
     k = keys[:, None]  # (N, 1)
-    minima = _block_min(k, torch.arange(nb, dtype=torch.long)[None, :])  # (N, nb) float64
+    minima = _block_min(k, torch.arange(nb, dtype=torch.long, device=s.device)[None, :])  # (N, nb) float64
     bound = s.amax(-1).to(torch.float64) - minima.log()  # (N, nb): no token of block B scores above it
     if bool(torch.isnan(bound).any()):  # what torch.multinomial refuses too
         raise RuntimeError("invalid distribution: NaN scores (non-finite logits or temperature)")
@@ -154,7 +154,7 @@ def coupled_argmax_torch(scores: torch.Tensor, keys: torch.Tensor, first_blocks:
     top = bound.topk(min(r + 1, nb), dim=-1)  # the r most promising blocks and the next bound
     idx = top.indices[:, :r]  # (N, r)
     noise = _block_noise(k, idx, minima.gather(1, idx))  # (N, r, BLOCK)
-    cand = s[torch.arange(N)[:, None], idx].to(torch.float64) - noise.log()  # (N, r, BLOCK)
+    cand = s[torch.arange(N, device=s.device)[:, None], idx].to(torch.float64) - noise.log()  # (N, r, BLOCK)
     best, arg = cand.view(N, r * BLOCK).max(-1)  # (N,)
     tokens = idx.gather(1, (arg // BLOCK)[:, None]).squeeze(1) * BLOCK + arg % BLOCK  # (N,)
     if r < nb:  # rows whose best does not beat the next block's bound look further

@@ -285,7 +285,7 @@ class Engine:
 
     def _run_rows(self, rows: list[Sequence], plans: list[tuple[tuple[str, ...], int]]) -> None:
         """One executor step over `rows`, row b running `plans[b]`."""
-        sampling = SamplingTensors.from_params([s.params for s in rows])
+        sampling = SamplingTensors.from_params([s.params for s in rows], device=self.pool.device)
         shadow = self._shadow_proposals(rows, plans) if self._shadow_due() else None
         # -- fault tolerance (faults.py): a model that raised or timed out is out of every
         # chain; on a failure the rows are rolled back to their committed tokens and the step

@@ -28,16 +28,18 @@ import torch
 
 from specrouter.config import DEFAULT_HEAD, DEFAULT_POOL, NGRAM, SUFFIX, PoolConfig, check_chain_names
 from specrouter.decoding.drafters.base import ModelFreeDrafter
-from specrouter.errors import ChainError, CheckpointError
+from specrouter.errors import ChainError, CheckpointError, DeviceError
 from specrouter.models.runners.base import ModelRunner
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 
 
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A dtype name ("auto": see `kernels.auto_dtype`) as a torch dtype."""
+def _dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """A dtype name ("auto": see `kernels.auto_dtype`; bfloat16 on a GPU) as a torch dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto" and torch.device(device).type == "cuda":
+        return torch.bfloat16
     if dtype == "auto":
         from specrouter.models.runners.kernels import auto_dtype
 
@@ -50,9 +52,9 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     return table[dtype]
 
 
-def resolved_dtype(dtype: str | torch.dtype) -> str:
-    """The name of the precision `dtype` stands for ("auto" resolved), e.g. "bfloat16"."""
-    return str(_dtype(dtype)).removeprefix("torch.")
+def resolved_dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu") -> str:
+    """The name of the precision `dtype` stands for on `device` ("auto" resolved), e.g. "bfloat16"."""
+    return str(_dtype(dtype, device)).removeprefix("torch.")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -94,11 +96,16 @@ def load_runner(
     num_slots: int = 1,
     max_len: int | None = None,
     trust_remote_code: bool = False,
+    device: torch.device | str = "cpu",
 ) -> ModelRunner:
     """Load one model: the native runner for Llama-family checkpoints (backend "auto" or
-    "native"), the transformers fallback for anything else (or backend "hf")."""
+    "native"), the transformers fallback for anything else (or backend "hf"), on `device`
+    (a torch device or a name, see models/device.py)."""
+    from specrouter.models.device import resolve_device
+
+    device = resolve_device(device)
     ckpt = resolve_checkpoint(path)
-    dt = _dtype(dtype)
+    dt = _dtype(dtype, device)
     try:
         model_type = json.loads((ckpt / "config.json").read_text()).get("model_type")
     except (OSError, ValueError) as e:
@@ -111,7 +118,8 @@ def load_runner(
             f"{ckpt}: model_type {model_type!r} is not supported by the native runner "
             f"(supported: {sorted(NATIVE_MODEL_TYPES)}); use backend='hf'"
         )
-    kwargs = dict(name=name or default_model_name(ckpt), dtype=dt, num_slots=num_slots, max_len=max_len)
+    kwargs = dict(name=name or default_model_name(ckpt), dtype=dt, num_slots=num_slots, max_len=max_len,
+                  device=device)
     if use_native:
         from specrouter.models.runners.llama import load_llama_runner
 
@@ -136,6 +144,7 @@ class Pool:
     eos_ids: tuple[int, ...]  # token ids that end generation
     vocab_width: int  # common logits width of every model
     heads: frozenset[str] = frozenset()  # draft heads among the runners (first level only)
+    device: torch.device = torch.device("cpu")  # where every model runs and every tensor lives
 
     @classmethod
     def from_config(cls, config: PoolConfig, progress: bool = False,
@@ -146,7 +155,7 @@ class Pool:
         return cls.load(paths, target=config.target,
                         names=list(config.names) if config.names else None,
                         backend=config.backend, dtype=config.dtype, ngram=config.ngram,
-                        suffix=config.suffix,
+                        suffix=config.suffix, device=config.device,
                         trust_remote_code=config.trust_remote_code, progress=progress)
 
     @classmethod
@@ -162,21 +171,29 @@ class Pool:
         suffix: bool = True,
         trust_remote_code: bool = False,
         progress: bool = False,
+        device: torch.device | str = "cpu",
     ) -> "Pool":
         """Load `paths` (HF directories or .gguf files; the literals "ngram" and "suffix" add
         those model-free drafters, which `ngram` / `suffix` add anyway when True). `target` is a
-        name or a path; default: the model with the most parameters."""
+        name or a path; default: the model with the most parameters. `device`: "cpu", "cuda",
+        "cuda:N" or "auto" (models/device.py); a CUDA device torch cannot use here raises
+        DeviceError before any weights load."""
+        from specrouter.models.device import resolve_device
         from specrouter.models.tokenizer import (
             check_same_vocabulary,
             eos_token_ids,
             load_tokenizer,
         )
 
+        device = resolve_device(device)
         models, model_free, target_name = _name_entries(paths, names, target, ngram, suffix)
         head_dirs = {n: p for n, p in models.items() if _is_head(p)}
         models = {n: p for n, p in models.items() if n not in head_dirs}
         if not models:
             raise CheckpointError("no models given: a draft head needs its target's path too")
+        if head_dirs and device.type != "cpu":
+            raise DeviceError(f"draft heads {sorted(head_dirs)} run on the CPU only in this version: "
+                              f"leave them out of a pool on {device}")
         runners: dict[str, ModelRunner] = {}
         drafters: dict[str, ModelFreeDrafter] = {}
         tokenizers: dict[str, object] = {}
@@ -187,7 +204,7 @@ class Pool:
             items = tqdm(items, desc="loading models", unit="model")
         for name, ckpt in items:
             runner = load_runner(ckpt, name=name, backend=backend, dtype=dtype,
-                                 trust_remote_code=trust_remote_code)
+                                 trust_remote_code=trust_remote_code, device=device)
             runners[name] = runner
             tokenizers[name] = load_tokenizer(runner.checkpoint_dir)
         check_same_vocabulary(tokenizers, {n: r.vocab_size for n, r in runners.items()})
@@ -209,6 +226,7 @@ class Pool:
             runners=runners, drafters=drafters, order=order, target=target_name, tokenizer=tok,
             eos_ids=tuple(eos_token_ids(tok, runners[target_name].checkpoint_dir)),
             vocab_width=min(r.vocab_size for r in runners.values()), heads=frozenset(head_dirs),
+            device=device,
         )
 
     def resolve_name(self, name: str) -> str:

@@ -67,9 +67,11 @@ class ModelIdentity:
     name: str  # pool name
     num_params: int = 0  # parameter count (0: model-free or unknown)
     dtype: str = ""  # compute dtype ("model-free" for n-gram drafters)
+    device: str = "cpu"  # models/device.device_label: "cpu" or "cuda:<GPU name>"; a CPU profile is never a GPU's
 
     def key(self) -> str:
-        return f"{self.name}|{self.num_params}|{self.dtype}"
+        base = f"{self.name}|{self.num_params}|{self.dtype}"
+        return base if self.device == "cpu" else f"{base}|{self.device}"
 
 
 def identity_of(model) -> ModelIdentity:
@@ -77,7 +79,10 @@ def identity_of(model) -> ModelIdentity:
     dtype = getattr(model, "dtype", None)
     if getattr(model, "is_model_free", False) or dtype is None:
         return ModelIdentity(str(model.name), 0, "model-free")
-    return ModelIdentity(str(model.name), int(getattr(model, "num_params", 0)), str(dtype).replace("torch.", ""))
+    from specrouter.models.device import device_label
+
+    return ModelIdentity(str(model.name), int(getattr(model, "num_params", 0)), str(dtype).replace("torch.", ""),
+                         device_label(getattr(model, "device", "cpu")))
 
 
 def machine_fingerprint() -> dict[str, object]:
@@ -455,6 +460,7 @@ def machine_busy(threads: int | None = None) -> bool:
 
 def _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, bar):
     """One runner over the grid; returns (context lengths kept, (nb, nt, nl) seconds)."""
+    from specrouter.models.device import synchronize
     from specrouter.models.runners.base import ForwardBatch
 
     b_max, t_max = bs[-1], ts[-1]
@@ -479,7 +485,8 @@ def _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, 
                     toks = [[rng.randrange(vocab) for _ in range(t)] for _ in range(b)]
                     # slots in reverse order: the gather path that the engine's ragged batches take
                     batch = ForwardBatch.build(slots[:b][::-1], [L] * b, toks, [list(range(t))] * b)
-                    table[ib, it, il] = _min_time(lambda: runner.forward(batch), repeats, warmup, clock)
+                    table[ib, it, il] = _min_time(lambda: synchronize(runner.forward(batch).device),
+                                                  repeats, warmup, clock)
                     if bar is not None:
                         bar.update(1)
             # the runner now holds L + t_max at most; the next prefill restarts from L

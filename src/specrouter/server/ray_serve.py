@@ -54,6 +54,7 @@ class PoolSpec:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float64
     ngram: bool = True  # add the model-free n-gram drafter
     suffix: bool = True  # add the model-free suffix drafter
+    device: str = "auto"  # where the replica's models run (Ray's CUDA_VISIBLE_DEVICES picks its GPUs)
 
     def load(self):
         from specrouter.config import PoolConfig
@@ -62,7 +63,7 @@ class PoolSpec:
         # "default" (the embedded pool) is resolved on the replica's node
         return Pool.from_config(PoolConfig(models=self.paths, target=self.target, names=self.names,
                                            backend=self.backend, dtype=self.dtype,
-                                           ngram=self.ngram, suffix=self.suffix,
+                                           ngram=self.ngram, suffix=self.suffix, device=self.device,
                                            trust_remote_code=False))
 
 

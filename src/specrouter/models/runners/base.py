@@ -31,6 +31,17 @@ class ForwardBatch:
     starts_list: list[int]
     num_tokens_list: list[int]
 
+    def to(self, device: torch.device) -> "ForwardBatch":
+        """The batch with its tensors on `device` (itself when they are there): host-to-device
+        copies only, no sync; the Python mirrors stay as they are."""
+        if self.tokens.device == device:
+            return self
+        import dataclasses
+
+        move = {n: getattr(self, n).to(device, non_blocking=True)
+                for n in ("slots", "starts", "tokens", "num_tokens", "logit_positions")}
+        return dataclasses.replace(self, **move)
+
     @staticmethod
     def build(
         slots: list[int],

@@ -412,6 +412,7 @@ class LlamaRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        batch = batch.to(self.device)
         B, T = batch.tokens.shape
         x, valid = self._hidden(batch)
         return self._logits(batch, x, valid, B, T)
@@ -432,6 +433,7 @@ class LlamaRunner(ModelRunner):
 
         `inputs` (B*T, H), in the runner's dtype, replaces the token embeddings as the first
         layer's input (a feature-level draft head feeds its fused [feature, token] input so)."""
+        batch = batch.to(self.device)
         B, T = batch.tokens.shape
         x, valid = self._hidden(batch, inputs)  # (N, H)
         logits = self._logits(batch, x, valid, B, T)
