@@ -105,9 +105,11 @@ def llama_cpp_steps(path: Path, gguf_dtype: str, threads: int) -> dict[int, Call
     (logits at every new token), each rolled back to CONTEXT (n_tokens = CONTEXT)."""
     from llama_cpp import Llama
 
-    from specrouter.bench.peers import write_gguf
+    from specrouter.bench.peers import cached_gguf
 
-    gguf = write_gguf(path, path.parent / f"{path.name}-{gguf_dtype}.gguf", dtype=gguf_dtype)
+    # made on demand into the cache (never beside the checkpoint: the shipped draft's folder is
+    # in the package, and derived files do not belong in the tracked tree)
+    gguf = cached_gguf(path, gguf_dtype)
     llm = Llama(model_path=str(gguf), n_ctx=CONTEXT + 16, n_batch=CONTEXT + 16, n_threads=threads,
                 n_threads_batch=threads, logits_all=True, verbose=False)
     prompt = torch.randint(0, llm.n_vocab(), (CONTEXT,)).tolist()
