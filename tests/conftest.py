@@ -7,6 +7,11 @@ import torch
 # Converted models, cost profiles and assembled drafts go to a throw-away cache, never ~/.cache.
 os.environ.setdefault("SPECROUTER_CACHE", tempfile.mkdtemp(prefix="specrouter-test-cache-"))
 
+# Without a GPU, the runner's Triton kernels (models/runners/triton/) run in Triton's interpreter
+# on CPU tensors; it is chosen when a kernel is defined, so before any of them is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Tests are small; one thread keeps them deterministic in time on a 2-core CI machine.
 torch.set_num_threads(int(os.environ.get("SPECROUTER_TEST_THREADS", "1")))
 

@@ -73,7 +73,7 @@ def test_ray_flags_map_to_deployment_options():
                               "--ray-num-cpus", "2", "--ray-num-gpus", "1", "--max-num-seqs", "6"])
     assert a.ray and a.ray_address is None and not a.ray_detach
     pool_spec, rc = cli_serve.ray_configs(a)
-    assert pool_spec == PoolSpec(paths=("d", "t"))
+    assert pool_spec == PoolSpec(paths=("d", "t"), device="cuda")  # --ray-num-gpus: the replica loads on CUDA
     assert (rc.num_replicas, rc.num_cpus, rc.num_gpus, rc.threads) == (3, 2.0, 1.0, 2)
     opts = replica_options(rc, ServerConfig(max_num_seqs=6, max_queue=10))
     assert opts["num_replicas"] == 3 and "autoscaling_config" not in opts

@@ -68,6 +68,7 @@ ONEDNN_BF16 = _onednn_available(torch.bfloat16)
 
 # kernels, one per precision (on CPU)
 ROWINV, ONEDNN_BLOCKED, ATEN_LINEAR, MM = "rowinv", "onednn-blocked", "aten-linear", "mm"
+TRITON = "triton"  # the GPU path's batch-invariant matmul (runners/triton/matmul.py)
 # the torch kernels, where rowinv cannot run
 FALLBACK_BY_DTYPE = {
     torch.float32: ONEDNN_BLOCKED if ONEDNN else MM,
@@ -195,9 +196,9 @@ class Linear:
     """One linear layer, y = x @ W.T + b, its weight in the layout of its kernel."""
 
     weight: torch.Tensor  # rowinv: pack_rowinv's; onednn-blocked: opaque blocked;
-    #                       aten-linear: (out, in); mm: (in, out)
+    #                       aten-linear, triton: (out, in); mm: (in, out)
     bias: torch.Tensor | None  # (out,)
-    kernel: str  # ROWINV | ONEDNN_BLOCKED | ATEN_LINEAR | MM
+    kernel: str  # ROWINV | ONEDNN_BLOCKED | ATEN_LINEAR | MM | TRITON
     out_features: int
     pad: int = 0  # torch kernels: the row policy (`row_policy`); rowinv: unused
 
@@ -211,6 +212,8 @@ class Linear:
             kernel = FALLBACK_BY_DTYPE[weight.dtype]
         if kernel == ROWINV:
             return Linear(pack_rowinv(weight.contiguous()), None if bias is None else bias.contiguous(), kernel, out_f)
+        if kernel == TRITON:  # (out, in) as in the checkpoint; invariant by construction
+            return Linear(weight.contiguous(), bias, kernel, out_f)
         pad = row_policy(kernel, weight.dtype, in_f, out_f, bias is not None) if weight.device.type == "cpu" else PADS[0]
         return Linear(_pack_torch(kernel, weight), bias, kernel, out_f, pad)
 
@@ -219,6 +222,8 @@ def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
     """x (N, in) -> (N, out), the same bits for a row whatever N."""
     if w.kernel == ROWINV:
         return _rowinv.linear(x, w.weight, w.out_features, w.bias, None)
+    if w.kernel == TRITON:
+        return _triton_linear(x, w.weight, w.bias)
     return _run_torch(w.kernel, w.pad, x, w.weight, w.bias, None)
 
 
@@ -226,4 +231,12 @@ def linear_add(residual: torch.Tensor, x: torch.Tensor, w: Linear) -> torch.Tens
     """residual + linear(x), the add fused into the kernel (one rounding in bfloat16)."""
     if w.kernel == ROWINV:
         return _rowinv.linear(x, w.weight, w.out_features, w.bias, residual)
+    if w.kernel == TRITON:
+        return _triton_linear(x, w.weight, w.bias, residual)
     return _run_torch(w.kernel, w.pad, x, w.weight, w.bias, residual)
+
+
+def _triton_linear(x, weight, bias, residual=None):
+    from specrouter.models.runners.triton.matmul import linear as triton_linear
+
+    return triton_linear(x, weight, bias, residual)

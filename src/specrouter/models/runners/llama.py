@@ -18,11 +18,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specrouter.errors import CheckpointError, ContextLengthError
+from specrouter.errors import CheckpointError, ContextLengthError, DeviceError
 from specrouter.models.runners.attention import attention, blocked_keys, padded_length
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
 from specrouter.models.runners.kernels import rowinv
 from specrouter.models.runners.linear import (
+    TRITON,
     Linear,
     kernel_for_torch,
     linear,
@@ -241,14 +242,19 @@ class LlamaRunner(ModelRunner):
         self.num_params = sum(t.numel() for t in tensors.values())
         self._logits_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         # norms, RoPE + attention and the MLP's activation on the native row-invariant
-        # kernels (kernels/rowinv.cpp) where they run, else on torch's
-        if kernels not in ("native", "torch"):
-            raise ValueError(f"kernels must be 'native' or 'torch', got {kernels!r}")
+        # kernels (kernels/rowinv.cpp) where they run, else on torch's; on a GPU ("native" on
+        # CUDA, or "triton" anywhere: the interpreter on CPU) on the batch-invariant Triton
+        # kernels (runners/triton/)
+        if kernels not in ("native", "torch", "triton"):
+            raise ValueError(f"kernels must be 'native', 'torch' or 'triton', got {kernels!r}")
+        self._gpu = kernels == "triton" or (kernels == "native" and self.device.type == "cuda")
+        if self._gpu:
+            _check_gpu_path(dtype, self.device)
         native = kernels == "native" and dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
         self._ops = rowinv() if native else None
         self.packs_ragged = self._ops is not None  # _forward_native packs ragged batches
         # every linear on the native kernel with the other native ops, else on torch's
-        self._kernel = None if self._ops is not None else kernel_for_torch(dtype, self.device)
+        self._kernel = TRITON if self._gpu else None if self._ops is not None else kernel_for_torch(dtype, self.device)
         self._norm = self._make_norm()
 
         def w(n: str) -> torch.Tensor:
@@ -382,6 +388,10 @@ class LlamaRunner(ModelRunner):
         transformers: normalize in float32, cast back, then multiply by the bfloat16 weight."""
         H, eps = self.arch.hidden_size, self.arch.rms_norm_eps
         vector_norm, hypot = torch.linalg.vector_norm, torch.hypot
+        if self._gpu:
+            from specrouter.models.runners.triton.forward import make_norm
+
+            return make_norm(eps)
         if self._ops is not None:
             rms_norm = self._ops.rms_norm
 
@@ -406,7 +416,7 @@ class LlamaRunner(ModelRunner):
 
     def _norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """How `norm` wants its weight: times sqrt(H) in torch's float32/float64, else as is."""
-        if self.dtype == torch.bfloat16 or self._ops is not None:
+        if self.dtype == torch.bfloat16 or self._ops is not None or self._gpu:
             return weight
         return weight * math.sqrt(self.arch.hidden_size)
 
@@ -466,6 +476,10 @@ class LlamaRunner(ModelRunner):
             )
         if self._ops is not None:  # the native kernels index slots and positions themselves
             return self._hidden_native(batch, B, T, nh, D, inputs)
+        if self._gpu:  # the batch-invariant Triton kernels, tensor-driven (CUDA-graph safe)
+            from specrouter.models.runners.triton.forward import hidden
+
+            return hidden(self, batch, inputs)
         s0 = slots[0]
         contiguous = slots == list(range(s0, s0 + B))
         start = starts[0]
@@ -573,6 +587,20 @@ class LlamaRunner(ModelRunner):
             x = torch.gather(x, 1, batch.logit_positions[:, :, None].expand(B, G, H))  # (B, G, H)
         logits = self._logits_fn(norm(x, self._final_norm))  # (B, G, vocab)
         return logits.to(self._logits_dtype)
+
+
+def _check_gpu_path(dtype: torch.dtype, device: torch.device) -> None:
+    """The GPU path runs float32 / bfloat16 on Triton; anything else cannot be exact there."""
+    from specrouter.models.runners.triton import interpreting, triton_available
+
+    if not triton_available():
+        raise DeviceError(f"the runner on {device} needs Triton for its batch-invariant kernels "
+                          "(pip install triton; it ships with PyTorch's CUDA wheels)")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise DeviceError(f"{dtype} on {device}: the batch-invariant GPU kernels run float32 and "
+                          "bfloat16 only (exact greedy decoding needs them); use --dtype float32")
+    if device.type == "cpu" and not interpreting():
+        raise DeviceError("kernels='triton' on the CPU needs Triton's interpreter: TRITON_INTERPRET=1")
 
 
 def load_llama_runner(
