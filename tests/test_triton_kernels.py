@@ -156,3 +156,27 @@ def test_engine_greedy_on_the_triton_path_equals_target_only(tiny_fp32):
         outs[chain] = [s.tokens[len(p):] for s, p in zip(engine.generate_ids(prompts, params, chain=chain, k=k), prompts)]
     first = outs[(pool.target,)]
     assert all(o == first for o in outs.values()), outs
+
+
+def test_bucketed_forwards_pad_without_changing_a_bit(tiny_fp32):
+    """The CUDA-graph wrapper's bucket logic (graphs.py), eagerly: a batch padded to its bucket
+    (rows at the wrapper's pad slot, tokens to the scratch row) gives the same logits."""
+    from specrouter.models.runners.triton.graphs import GraphedRunner, bucket_of
+
+    assert bucket_of(1, 1) == (1, 1) and bucket_of(3, 4) == (4, 5) and bucket_of(8, 17) == (8, 17)
+    assert bucket_of(17, 1) is None and bucket_of(1, 18) is None
+    eager, graphed = _runner(tiny_fp32["target"], "triton"), GraphedRunner(_runner(tiny_fp32["target"], "triton"), capture=False)
+    graphed.reserve(3, 160)
+    assert graphed.num_slots == 4  # one more, the padding rows'
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (10, 66, 5)]  # 66: past one key block
+    for r in (eager, graphed):
+        slots = [r.allocate_slot() for _ in rows]
+        for s, x in zip(slots, rows):
+            r.runner.forward(ForwardBatch.build([s], [0], [x], [[len(x) - 1]])) if r is graphed else \
+                r.forward(ForwardBatch.build([s], [0], [x], [[len(x) - 1]]))
+    assert graphed.pad_slot is None or graphed.pad_slot not in slots
+    batch = ForwardBatch.build(slots, [10, 66, 5], [[1, 2, 3], [4], [5, 6, 7, 8]], [[0, 1, 2], [0], [0, 1, 2, 3]])
+    out = graphed.forward(batch)  # bucket (4, 5)
+    assert graphed.replays == 1 and out.shape == (3, 4, 320) and graphed.pad_slot not in slots
+    assert torch.equal(out, eager.forward(batch))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from specrouter.errors import ChainError, CheckpointError, DeviceError
 from specrouter.models.runners.base import ModelRunner
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+CUDA_GRAPHS_ENV = "SPECROUTER_CUDA_GRAPHS"  # "0": the native runner on CUDA runs eagerly (no graphs)
 
 
 def _dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
@@ -124,6 +126,10 @@ def load_runner(
         from specrouter.models.runners.llama import load_llama_runner
 
         runner = load_llama_runner(ckpt, **kwargs)
+        if device.type == "cuda" and os.environ.get(CUDA_GRAPHS_ENV, "1") != "0":
+            from specrouter.models.runners.triton.graphs import GraphedRunner
+
+            runner = GraphedRunner(runner)  # decode / verify forwards replayed as CUDA graphs
     else:
         from specrouter.models.runners.hf import load_hf_runner
 
