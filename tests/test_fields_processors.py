@@ -232,6 +232,9 @@ def test_processors_at_the_target_only_stay_exact_but_lose_acceptance(pool, prom
     plain, _ = run(pool, prompts, params, ("target",))
     got_all, seqs_all = run(pool, prompts, params, ("same", "target"), 4)
     assert got_all == plain
+    # an exact copy of the target that sees the same history at each draft step accepts all
+    for s in seqs_all:
+        assert s.stats.accepted["same>target"] == s.stats.drafted["same>target"] > 0
     real = executor_mod.process_rows
     current = [None]
     orig_run_model = executor_mod.ChainExecutor._run_model
