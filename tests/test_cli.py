@@ -264,7 +264,7 @@ def test_chat_ctrl_c_stops_the_reply_only(tiny_default, monkeypatch, capsys):
     assert "(reply stopped; it is not kept in the conversation)" in cap.out
     sr = real(SpecRouterConfig(pool=PoolConfig(dtype="float64"), engine=EngineConfig(adaptive=False)))
     r = sr.generate([{"role": "user", "content": "more"}], max_new_tokens=6)[0].text
-    assert r in cap.out and "session: 1 replies" in cap.out
+    assert r in cap.out and "session: 1 reply," in cap.out
 
 
 def test_ctrl_c_while_generating_exits_130_with_one_line(tiny_default, monkeypatch, capsys):

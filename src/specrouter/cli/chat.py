@@ -3,11 +3,14 @@ default), in the target's chat template, each reply streamed as it is committed.
 
 Commands: /reset forgets the conversation, /stats shows the last reply's chain, acceptance and
 speed and the session's totals, /exit (or Ctrl-D) quits. Ctrl-C during a reply stops that
-reply; at the prompt it quits."""
+reply; at the prompt it quits. A reply cut at --max-new-tokens (or at the end of the context)
+says so. Keys typed while a reply streams are not echoed into it and are dropped when it
+ends."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from specrouter.cli.generate import config_from_args, describe, stream_reply
@@ -49,9 +52,47 @@ class Session:
         if not self.replies:
             return "no reply yet"
         mean = self.tokens / self.cycles if self.cycles else 0.0
-        return (f"last reply: {self.last_line}\nsession: {self.replies} replies, {self.tokens} "
-                f"tokens, {mean:.2f} tokens/cycle; {len(self.messages) // 2} turns in the "
-                f"history\n({STATS_LEGEND})")
+        text = (f"last reply: {self.last_line}\nsession: {_count(self.replies, 'reply', 'replies')}, "
+                f"{_count(self.tokens, 'token')}, {mean:.2f} tokens/cycle; "
+                f"{_count(len(self.messages) // 2, 'turn')} in the history")
+        if "acceptance" in (self.last_line or ""):  # the legend explains words the line uses
+            text += f"\n({STATS_LEGEND})"
+        return text
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def cut_notice(result) -> str | None:
+    """What to tell a person whose reply ended at the token limit, not where the model stopped."""
+    if result.finish_reason != "length":
+        return None
+    return (f"(reply cut at the limit, {_count(result.stats.generated, 'token')}: "
+            "--max-new-tokens raises it)")
+
+
+@contextlib.contextmanager
+def keys_not_echoed(stream):
+    """While a reply streams, keys typed on the terminal `stream` are not echoed into it, and
+    whatever was typed is dropped when it ends (else a line typed blind would be sent as the
+    next message). Ctrl-C still interrupts. Not a terminal: nothing to do."""
+    try:
+        import termios
+
+        fd = stream.fileno()
+        saved = termios.tcgetattr(fd)
+    except (ImportError, AttributeError, ValueError, OSError):  # termios.error is an OSError
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHO  # lflag: no echo; ICANON and ISIG stay (Ctrl-C still signals)
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcflush(fd, termios.TCIFLUSH)  # drop what was typed during the reply
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -68,6 +109,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except EOFError:
             print()
             return 0
+        except KeyboardInterrupt:
+            print(flush=True)  # end the prompt's line: `specrouter: interrupted` starts its own
+            raise
         text = line.strip()
         if not text:
             continue
@@ -84,7 +128,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"unknown command {text.split()[0]!r}: {HELP}")
             continue
         try:
-            result, stats = stream_reply(sr, session.prompt(text), params, chat=True)
+            with keys_not_echoed(sys.stdin):
+                result, stats = stream_reply(sr, session.prompt(text), params, chat=True)
         except KeyboardInterrupt:
             Interrupts.handled()
             print("(reply stopped; it is not kept in the conversation)")
@@ -92,6 +137,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except ContextLengthError as e:
             print(f"specrouter: error: {e} (/reset starts a new conversation)", file=sys.stderr)
             continue
+        notice = cut_notice(result)
+        if notice:
+            print(notice)
         session.record(text, result, stats)
 
 
