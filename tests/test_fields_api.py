@@ -278,3 +278,20 @@ def test_controls_through_the_server_equal_plain_decoding(server, client, tiny_p
                                         chain=("target",))[0]
         assert r.choices[0].text == tok.decode(seq.output_ids, skip_special_tokens=True), body
         assert r.usage.completion_tokens == len(seq.output_ids)
+
+
+# -- n > 1 ---------------------------------------------------------------------------------------
+def test_n_choices_seeded_distinct_and_reproducible(client):
+    kw = dict(model="tiny", prompt="The quick brown fox", max_tokens=12, temperature=1.0, seed=21)
+    r = client.completions.create(n=3, **kw)
+    texts = [c.text for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert [c.text for c in client.completions.create(n=3, **kw).choices] == texts  # reproducible
+    assert client.completions.create(**kw).choices[0].text == texts[0]  # choice 0 is the n=1 answer
+    single = client.completions.create(**kw)
+    assert r.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
+    # greedy: n identical rows, each plain greedy; chat too
+    g = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8, temperature=0, n=2)
+    one = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8, temperature=0)
+    assert [c.message.content for c in g.choices] == [one.choices[0].message.content] * 2
+    assert g.usage.completion_tokens == 2 * one.usage.completion_tokens

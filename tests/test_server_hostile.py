@@ -169,7 +169,7 @@ CORPUS = [
     ("temperature-negative", C, j({"prompt": "hi", "temperature": -1}), None, 400, "temperature", "temperature"),
     ("temperature-bool", C, j({"prompt": "hi", "temperature": True}), None, 400, "temperature", "temperature"),
     ("top-p-zero", C, j({"prompt": "hi", "top_p": 0}), None, 400, "top_p", "top_p"),
-    ("n-2", C, j({"prompt": "hi", "n": 2}), None, 400, "only n=1", "n"),
+    ("n-2-streamed", C, j({"prompt": "hi", "n": 2, "stream": True}), None, 400, "only n=1", "n"),
     ("best-of", C, j({"prompt": "hi", "best_of": 3}), None, 400, "best_of", "best_of"),
     ("logprobs", C, j({"prompt": "hi", "logprobs": 5}), None, 400, "logprobs", "logprobs"),
     ("echo", C, j({"prompt": "hi", "echo": True}), None, 400, "echo", "echo"),

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -275,7 +277,80 @@ def _v1_routes(srv: Service) -> APIRouter:
     return router
 
 
+def _row_seed(seed: int, i: int) -> int:
+    """The seed of choice i of a seeded n > 1 request: the request's own for i = 0 (so its
+    first choice is the n = 1 answer), a hash of (seed, i) otherwise (distinct, reproducible)."""
+    if i == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "little") >> 1
+
+
+async def _respond_n(srv: Service, request: Request, req, p: Prepared, *, chat: bool):
+    """n > 1 (not streamed): n rows sharing the prompt, run concurrently; seeded requests
+    give each choice its own seed (`_row_seed`); usage counts the prompt once."""
+    rows = []
+    for i in range(req.n):
+        params = p.params if p.params.seed is None else dataclasses.replace(
+            p.params, seed=_row_seed(p.params.seed, i))
+        rows.append(dataclasses.replace(p, params=params, generator=None))
+    tenant = tenant_of(srv, request)
+    gens = []
+    try:
+        for row in rows:
+            gens.append(_Generation(srv, row, _submit(srv, row, tenant)))
+    except RequestError:
+        for g in gens:
+            srv.loop_engine.abort(g.handle)
+        raise
+
+    async def collect(gen: _Generation) -> tuple[str, str | None]:
+        parts, finish = [], None
+        async for delta, finish in gen.events():
+            parts.append(delta)
+        return "".join(parts), finish
+
+    watcher = asyncio.create_task(_watch_all(srv, request, gens))
+    try:
+        results = await asyncio.gather(*(collect(g) for g in gens))
+    except _ClientGone:
+        return Response(status_code=499)
+    finally:
+        watcher.cancel()
+        for g in gens:
+            if not g.handle.finished:
+                srv.loop_engine.abort(g.handle)
+    n_out = sum(len(g.text.token_ids) for g in gens)
+    usage = Usage(prompt_tokens=len(p.prompt), completion_tokens=n_out,
+                  total_tokens=len(p.prompt) + n_out,
+                  specrouter={"choices": [g.stats for g in gens]})
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    if chat:
+        body = ChatCompletionResponse(id=rid, created=created, model=srv.model_name, usage=usage,
+                                      choices=[ChatChoice(index=i, message=ChatMessageOut(content=t),
+                                                          finish_reason=f)
+                                               for i, (t, f) in enumerate(results)])
+    else:
+        body = CompletionResponse(id=rid, created=created, model=srv.model_name, usage=usage,
+                                  choices=[CompletionChoice(index=i, text=t, finish_reason=f)
+                                           for i, (t, f) in enumerate(results)])
+    ignored = req.ignored_fields()
+    return Response(body.model_dump_json(), media_type="application/json",
+                    headers={IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {})
+
+
+async def _watch_all(srv: Service, request: Request, gens: list) -> None:
+    """Abort every row of an n > 1 request as soon as the client goes away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for g in gens:
+        srv.loop_engine.abort(g.handle)
+        g.handle.events.put_nowait(TokenEvent([], True, "abort"))
+
+
 async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bool):
+    if req.n > 1:
+        return await _respond_n(srv, request, req, p, chat=chat)
     handle = _submit(srv, p, tenant_of(srv, request))
     gen = _Generation(srv, p, handle)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

@@ -147,7 +147,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
 # Honoured sampling controls not yet wired into the engine are refused like the above until
 # they are (they move to honoured in one place: here).
 _NOT_YET: dict[str, tuple[tuple, str]] = {
-    "n": ((1,), "only n=1 is supported (send several requests)"),
     "best_of": ((1,), "only best_of=1 is supported"),
     "logprobs": ((False, 0), "logprobs are not implemented yet"),
     "top_logprobs": ((0,), "logprobs are not implemented yet"),
@@ -221,6 +220,9 @@ class _GenerationRequest(_Lenient):
                 default = f" (only {allowed[0]!r} or null is accepted)" if allowed else ""
                 return RequestError(f"unsupported value {_short(value)} for '{name}': {why}"
                                     f"{default}", param=name)
+        if self.n > 1 and self.stream:
+            return RequestError(f"unsupported value {self.n} for 'n' with 'stream': true: only "
+                                "n=1 is streamed (n > 1 is answered whole)", param="n")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             return RequestError("unsupported value True for 'stream_options."
                                 "continuous_usage_stats': usage is sent once, on the last chunk",
