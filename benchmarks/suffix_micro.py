@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from specrouter.decoding.drafters.ngram import NgramDrafter
-from specrouter.decoding.drafters.suffix import SuffixConfig, SuffixDrafter
+from specrouter.drafters.ngram import NgramDrafter
+from specrouter.drafters.suffix import SuffixConfig, SuffixDrafter
 
 
 def per_call(fn, repeats: int) -> float:

@@ -292,7 +292,7 @@ def test_ctrl_c_while_generating_exits_130_with_one_line(tiny_default, monkeypat
 def test_stats_line_explains_acceptance_and_gives_rates_only_when_meaningful():
     from specrouter.api import GenerationResult
     from specrouter.cli.terminal import stats_line
-    from specrouter.engine.stats import RequestStats
+    from specrouter.records.stats import RequestStats
 
     s = RequestStats()
     for _ in range(4):

@@ -87,7 +87,7 @@ def test_the_shipped_head_resolves_and_is_documented():
     "default-head" is its folder, it is the documented head of the default target, and
     docs/drafts.md's figures are its report's."""
     from specrouter.config import PoolConfig
-    from specrouter.heads.level import is_head_dir
+    from specrouter.models.heads.level import is_head_dir
     from specrouter.models.default_pool import shipped_head
     from specrouter.models.pool import pool_paths
 

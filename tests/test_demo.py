@@ -9,7 +9,7 @@ import numpy as np
 from fixtures import named_router
 from specrouter.api import SpecRouter
 from specrouter.cli.demo import compare
-from specrouter.decoding.drafters.suffix import SuffixDrafter
+from specrouter.drafters.suffix import SuffixDrafter
 
 
 class RecordingSuffix(SuffixDrafter):

@@ -19,7 +19,7 @@ from specrouter.decoding import executor as executor_module
 from specrouter.engine.engine import Engine
 from specrouter.models.pool import Pool
 from specrouter.router.policy import Router, RowContext
-from specrouter.router.records import RowOutcome
+from specrouter.records.routing import RowOutcome
 from specrouter.router.profile import CostProfile
 
 

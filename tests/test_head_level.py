@@ -1,4 +1,4 @@
-"""The draft head as a pool level (heads/level.py, decoding/head_drafting.py, state/features.py):
+"""The draft head as a pool level (models/models/heads/level.py, decoding/head_drafting.py, state/features.py):
 greedy output with the head in the chain equals plain decoding (float32, bfloat16, ragged rows
 accepting different lengths, 3-level chains, chains switching every cycle), the stored target
 features and the head's cache stay what a from-scratch computation gives, the router picks the
@@ -21,14 +21,14 @@ from specrouter.config import RouterConfig, SamplingParams
 from specrouter.decoding.sampling import SamplingTensors, process_logits
 from specrouter.engine.engine import Engine
 from specrouter.errors import ChainError
-from specrouter.heads.model import EagleHead, HeadConfig, save_head
+from specrouter.models.heads.model import EagleHead, HeadConfig, save_head
 from specrouter.models.pool import Pool
 from specrouter.models.runners.base import ForwardBatch
 from specrouter.models.runners.llama import read_checkpoint
 from specrouter.router.cost_model import enumerate_chains
 from specrouter.router.policy import Router
 from specrouter.router.profile import CostProfile
-from specrouter.router.records import Decision
+from specrouter.records.routing import Decision
 from specrouter.state.features import valid_features
 
 PROMPT_LENS = (1, 2, 5, 9, 17)
@@ -199,7 +199,7 @@ def test_sampling_with_the_head_follows_the_target(tmp_path):
     kw = {"vocab_size": V, "hidden_size": 16, "num_heads": 2, "num_kv_heads": 1, "with_tokenizer": False}
     target = make_tiny_llama(tmp_path / "target", num_layers=2, seed=11, tie_word_embeddings=True, **kw)
     head_dir = _save_head(target, tmp_path / "head", noise=0.05)
-    from specrouter.heads.level import load_head_level
+    from specrouter.models.heads.level import load_head_level
     from specrouter.models.pool import load_runner
 
     runners = {"head": load_head_level(head_dir, target, name="head"), "target": load_runner(target, name="target")}

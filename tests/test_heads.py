@@ -19,14 +19,14 @@ from specrouter.heads.evaluate import (
     greedy_starts,
     head_hits,
 )
-from specrouter.heads.model import (
+from specrouter.models.heads.model import (
     EagleHead,
     HeadConfig,
     frequent_tokens,
     load_head,
     save_head,
 )
-from specrouter.heads.runner import HeadRunner, load_head_runner
+from specrouter.models.heads.runner import HeadRunner, load_head_runner
 from specrouter.models.runners.base import ForwardBatch
 from specrouter.models.runners.llama import load_llama_runner, read_checkpoint
 

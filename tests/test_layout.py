@@ -1,5 +1,6 @@
-"""The package's layout: no import cycles (module level, inside functions, or for type checking),
-and every concept in its folder."""
+"""The package's layout: no import cycles (module level, inside functions, or for type checking)
+between modules or between packages, every import follows the declared layer order, and every
+concept in its folder."""
 
 from __future__ import annotations
 
@@ -73,8 +74,84 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+# The layers, bottom first: a package may import its own layer and the layers below it, never one
+# above (`specrouter` itself is the lazy top-level namespace: it may be imported for `__version__`).
+LAYERS: list[set[str]] = [
+    {"errors", "records"},  # shared records: plain dataclasses, nothing of the package
+    {"config"},
+    {"drafters"},  # model-free drafters and the drafter contract
+    {"models"},  # runners, tokenizer, run-time heads, the pool
+    {"state"},
+    {"decoding"},
+    {"router"},
+    {"engine"},
+    {"api"},
+    {"distill", "server", "bench"},
+    {"heads"},  # head training (reads distill's corpus)
+    {"cli"},
+]
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """package -> the packages its modules import (`specrouter.x.y` belongs to `x`)."""
+    packages: dict[str, set[str]] = {package_of(m): set() for m in graph}
+    for mod, deps in graph.items():
+        packages[package_of(mod)] |= {package_of(d) for d in deps} - {package_of(mod)}
+    return packages
+
+
+def layer_violations(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    """`module -> import` for every import of a package in a higher layer (or in none)."""
+    rank = {pkg: i for i, layer in enumerate(layers) for pkg in layer}
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        src = package_of(mod)
+        for dep in sorted(deps):
+            dst = package_of(dep)
+            if dst == src or dst == "specrouter":
+                continue
+            if src not in rank or dst not in rank or rank[dst] > rank[src]:
+                bad.append(f"{mod} -> {dep}")
+    return bad
+
+
+def test_no_package_cycles():
+    cycle = find_cycle(package_graph(import_graph()))
+    assert cycle is None, "package import cycle: " + " -> ".join(cycle)
+
+
+def test_package_graph_finds_a_package_cycle():
+    # positive control: two modules of different packages importing each other's package
+    graph = {"specrouter.a.x": {"specrouter.b.y"}, "specrouter.b.y": set(),
+             "specrouter.b.z": {"specrouter.a.w"}, "specrouter.a.w": set()}
+    assert find_cycle(graph) is None  # no module cycle...
+    assert find_cycle(package_graph(graph)) == ["a", "b", "a"]  # ...but a package cycle
+
+
+def test_imports_follow_the_layer_order():
+    graph = import_graph()
+    assert {package_of(m) for m in graph} - {"specrouter"} <= set().union(*LAYERS), \
+        "a package missing from LAYERS"
+    bad = layer_violations(graph, LAYERS)
+    assert not bad, "imports against the layer order: " + "; ".join(bad)
+
+
+def test_the_layer_check_catches_an_upward_import():
+    # positive control: the engine's statistics imported from the engine by decoding (the old layout)
+    graph = {"specrouter.decoding.executor": {"specrouter.engine.stats"},
+             "specrouter.engine.stats": set()}
+    assert layer_violations(graph, LAYERS) == ["specrouter.decoding.executor -> specrouter.engine.stats"]
+    assert layer_violations({"specrouter.engine.e": {"specrouter.decoding.d"}}, LAYERS) == []
+
+
 def test_pillars_are_folders():
-    for folder in ("router", "decoding", "state", "engine", "models", "server", "bench", "distill", "cli"):
+    for folder in ("records", "drafters", "router", "decoding", "state", "engine", "models", "server",
+                   "bench", "distill", "heads", "cli"):
         assert (PKG / folder / "__init__.py").is_file(), folder
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert top == ["__init__.py", "api.py", "config.py", "errors.py"], top

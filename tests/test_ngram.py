@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from specrouter.decoding.drafters.ngram import NgramConfig, NgramDrafter, ngram_lookup
+from specrouter.drafters.ngram import NgramConfig, NgramDrafter, ngram_lookup
 
 
 def reference_lookup(ctx: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from specrouter.config import RouterConfig
-from specrouter.engine.stats import CycleStats
+from specrouter.records.stats import CycleStats
 from specrouter.models.runners.base import ModelRunner
 from specrouter.router.cost_model import ModelFreeDraft, best_plan, enumerate_chains
 from specrouter.router.policy import (
@@ -284,7 +284,7 @@ def test_sweep_tabulates_the_cost_and_interpolates_exactly():
 def test_sweep_drives_real_runners(tiny_pool_dirs, backend):
     """The sweep honours the runner contract (prefill, then forwards starting at L) and frees
     the slots it borrowed; the NgramDrafter is timed through propose()."""
-    from specrouter.decoding.drafters.ngram import NgramDrafter
+    from specrouter.drafters.ngram import NgramDrafter
     from specrouter.models.pool import load_runner
 
     runner = load_runner(tiny_pool_dirs["target"], name="t", backend=backend, dtype=torch.float64)

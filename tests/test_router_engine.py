@@ -16,7 +16,7 @@ from specrouter import SpecRouter
 from specrouter.config import RouterConfig, SamplingParams
 from specrouter.engine.engine import Engine
 from specrouter.router.cost_model import enumerate_chains
-from specrouter.router.records import Decision
+from specrouter.records.routing import Decision
 
 
 class RandomRouter(QuietRouterHooks):

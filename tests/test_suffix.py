@@ -13,7 +13,7 @@ import pytest
 import torch
 from fixtures import QuietRouterHooks
 
-from specrouter.decoding.drafters.suffix import SuffixConfig, SuffixDrafter, SuffixStore
+from specrouter.drafters.suffix import SuffixConfig, SuffixDrafter, SuffixStore
 
 
 def rows(tokens: torch.Tensor, lengths: torch.Tensor) -> list[list[int]]:
@@ -177,7 +177,7 @@ def test_store_index_stays_consistent_under_inserts_and_evictions(monkeypatch):
     """Appends, log sorts, compactions and lazy evictions keep the kept buffer and the index
     (compacted run + middle run + log) exactly the kept requests' bigrams; every older snapshot
     stays readable as it was."""
-    import specrouter.decoding.drafters.suffix as suffix_module
+    import specrouter.drafters.suffix as suffix_module
 
     monkeypatch.setattr(suffix_module, "LOG_SIZE", 16)  # the middle run fills between compactions
     rng = np.random.default_rng(2)
@@ -373,7 +373,7 @@ class FloorRouter(QuietRouterHooks):
         self.rng = random.Random(seed)
 
     def decide(self, row):
-        from specrouter.router.records import Decision
+        from specrouter.records.routing import Decision
 
         chain = self.rng.choice(CHAINS)
         return Decision(chain, self.rng.randint(1, 8), 0.0, "random", self.rng.choice([0.0, 0.3, 0.7, 1.0]))
@@ -490,7 +490,7 @@ def suffix_router(hit: bool):
     from test_router import StepTimer, swept_profile
 
     from specrouter.router.policy import Router
-    from specrouter.router.records import RowContext
+    from specrouter.records.routing import RowContext
 
     profile = swept_profile(("d1", "T"), ngram=False)
     sizes = {"d1": 10_000_000, "T": 135_000_000}
@@ -503,7 +503,7 @@ def suffix_router(hit: bool):
 
 
 def test_router_prunes_a_suffix_drafter_that_never_proposes_and_uses_one_that_does():
-    from specrouter.router.records import RowContext
+    from specrouter.records.routing import RowContext
 
     useless = suffix_router(hit=False)
     row = RowContext(0, 400)
@@ -519,7 +519,7 @@ def test_router_gives_a_suffix_plan_its_break_even_confidence():
     """The floor is the chain's verifiers' extra seconds per candidate over the plan's T_eff:
     higher where a candidate costs more (a batch of 8 rows: the target's forward is wider)."""
     from specrouter.router.cost_model import break_even_confidence
-    from specrouter.router.records import RowContext
+    from specrouter.records.routing import RowContext
 
     router = suffix_router(hit=True)
     floors = {}
@@ -564,7 +564,7 @@ def test_a_confident_suffix_draft_runs_where_the_router_plans_plain(tiny_pool_di
     and a sampled row never gets such a draft (its confidence is not the target's probability)."""
     from fixtures import named_router
 
-    from specrouter.router.records import Decision
+    from specrouter.records.routing import Decision
 
     sr = named_router(tiny_pool_dirs, ("target", "draft"))
     router = sr.router

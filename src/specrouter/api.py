@@ -18,7 +18,7 @@ from specrouter.config import (
     SpecRouterConfig,
 )
 from specrouter.engine.engine import Engine
-from specrouter.engine.stats import RequestStats
+from specrouter.records.stats import RequestStats
 from specrouter.models.device import resolve_device
 from specrouter.models.pool import Pool, preview_pool
 from specrouter.state.sequence import Sequence

@@ -27,7 +27,7 @@ import torch
 
 from specrouter.api import SpecRouter
 from specrouter.config import RouterConfig
-from specrouter.engine.stats import RequestStats
+from specrouter.records.stats import RequestStats
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from specrouter.models.pool import Pool
     from specrouter.router.policy import Router
-    from specrouter.router.records import RowContext
+    from specrouter.records.routing import RowContext
     from specrouter.router.setup import load_or_sweep_profile
 
     config = pool_config(args)

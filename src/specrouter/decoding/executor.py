@@ -16,7 +16,7 @@ way, so when a model's turn comes the candidates of every row it verifies are re
    at stop tokens / max_new_tokens) and every model keeps the prefix of what it cached that was
    committed (`StateManager.commit`).
 
-A draft head (heads/level.py) drafts like a model drafter, first in its chains, from the
+A draft head (models/models/heads/level.py) drafts like a model drafter, first in its chains, from the
 target's features the state manager keeps (decoding/head_drafting.py); the target's forward
 returns and stores features only in a step where some row drafts with a head.
 
@@ -34,16 +34,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specrouter.decoding.drafters.base import ModelFreeDrafter
+from specrouter.drafters.base import ModelFreeDrafter
 from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.noise import position_keys
 from specrouter.decoding.processors import RowHistory, process_rows
 from specrouter.decoding.sampling import SamplingTensors, choose_tokens
 from specrouter.models.device import synchronize
 from specrouter.decoding.verification import verify_tokens
-from specrouter.engine.stats import CycleStats
+from specrouter.records.stats import CycleStats
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
-from specrouter.router.records import ForwardRecord, RowOutcome
+from specrouter.records.routing import ForwardRecord, RowOutcome
 from specrouter.state.features import after_forward
 from specrouter.state.manager import StateManager
 from specrouter.state.sequence import Sequence

@@ -38,14 +38,14 @@ from dataclasses import dataclass
 import torch
 
 from specrouter.config import MAX_DRAFT_LENGTH, SamplingParams
-from specrouter.decoding.drafters.base import as_int64
+from specrouter.drafters.base import as_int64
 from specrouter.decoding.executor import ChainExecutor, StepResult
 from specrouter.decoding.noise import seed_key
 from specrouter.decoding.sampling import SamplingTensors
 from specrouter.engine.faults import ModelFailure, without_failed
 from specrouter.engine.faults import logger as fault_logger
 from specrouter.engine.isolation import fail_row, run_isolated
-from specrouter.engine.stats import CycleStats
+from specrouter.records.stats import CycleStats
 from specrouter.errors import (
     ChainError,
     ContextLengthError,
@@ -53,7 +53,7 @@ from specrouter.errors import (
     SpecRouterError,
 )
 from specrouter.models.pool import Pool
-from specrouter.router.records import RowContext
+from specrouter.records.routing import RowContext
 from specrouter.state.manager import StateManager
 from specrouter.state.sequence import Sequence
 

@@ -1,10 +1,8 @@
-"""Feature-level (EAGLE-style) draft heads: a one-layer drafter that reads the target's own
-last hidden state instead of re-reading the text with a small independent model.
+"""Training feature-level (EAGLE-style) draft heads: a one-layer drafter that reads the target's
+own last hidden state instead of re-reading the text with a small independent model. The head at
+run time (config and format, runner, pool level) is `specrouter.models.heads`; this package only
+trains and evaluates it.
 
-- `model.py`: the head (config, parameters, the differentiable forward over unrolled draft
-  depths used by training and evaluation), save / load.
-- `runner.py`: the head on the native runner's kernels, one draft step over a slot-addressed KV
-  cache (the seam the engine will use).
 - `features.py`: the target's features and greedy labels over a corpus, computed by the native
   runner at the engine's precision.
 - `train.py`: `specrouter distill --head` (resumable, recipe, report).

@@ -1,4 +1,4 @@
-"""`specrouter distill --head`: train an EAGLE-style draft head (heads/model.py) on the target's
+"""`specrouter distill --head`: train an EAGLE-style draft head (models/models/heads/model.py) on the target's
 own features, on CPU, resumable.
 
 Steps: 1. the distillation corpus (distill/corpus.py: text the target writes plus offline text,
@@ -37,7 +37,7 @@ from specrouter.heads.evaluate import (
 )
 from specrouter.heads.features import SHARD_ROWS, Features, compute_features
 from specrouter.heads.loss import depth_loss
-from specrouter.heads.model import (
+from specrouter.models.heads.model import (
     EagleHead,
     HeadConfig,
     frequent_tokens,
@@ -320,7 +320,7 @@ def run_head_distill(cfg: HeadDistillConfig) -> HeadReport:
     """The steps of the module docstring."""
     from specrouter.distill.corpus import SOURCE_IDS
     from specrouter.distill.train import _versions
-    from specrouter.heads.runner import HeadRunner
+    from specrouter.models.heads.runner import HeadRunner
     from specrouter.models.runners.llama import load_llama_runner, read_checkpoint
 
     t_start = time.time()

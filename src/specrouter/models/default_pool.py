@@ -41,7 +41,7 @@ def shipped_drafts() -> list[Path]:
 
 def shipped_head() -> Path:
     """The draft head shipped for the default target (a head folder, heads/level.is_head_dir)."""
-    from specrouter.heads.level import is_head_dir
+    from specrouter.models.heads.level import is_head_dir
 
     found = sorted(p for p in HEAD_ASSETS.iterdir() if is_head_dir(p)) if HEAD_ASSETS.is_dir() else []
     if not found:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specrouter.config import DEFAULT_HEAD, DEFAULT_POOL, NGRAM, SUFFIX, PoolConfig, check_chain_names
-from specrouter.decoding.drafters.base import ModelFreeDrafter
+from specrouter.drafters.base import ModelFreeDrafter
 from specrouter.errors import ChainError, CheckpointError, DeviceError
 from specrouter.models.runners.base import ModelRunner
 
@@ -219,11 +219,11 @@ class Pool:
             target_name = target_name if target_name is not None else max(sizes, key=lambda n: sizes[n])
             runners.update(_load_heads(head_dirs, runners[target_name], dtype))
         if NGRAM in model_free:
-            from specrouter.decoding.drafters.ngram import NgramDrafter
+            from specrouter.drafters.ngram import NgramDrafter
 
             drafters[NGRAM] = NgramDrafter()
         if SUFFIX in model_free:
-            from specrouter.decoding.drafters.suffix import SuffixDrafter
+            from specrouter.drafters.suffix import SuffixDrafter
 
             drafters[SUFFIX] = SuffixDrafter()
         order, target_name = _cost_order(model_free, sizes, target_name, list(head_dirs))
@@ -315,14 +315,14 @@ def _name_entries(paths: list[str | Path], names, target: str | None, ngram: boo
 
 
 def _is_head(path) -> bool:
-    from specrouter.heads.level import is_head_dir
+    from specrouter.models.heads.level import is_head_dir
 
     return is_head_dir(path)
 
 
 def _load_heads(head_dirs: dict[str, Path], target: ModelRunner, dtype) -> dict[str, ModelRunner]:
     """The draft heads over the loaded target (its checkpoint, at the pool's dtype)."""
-    from specrouter.heads.level import load_head_level
+    from specrouter.models.heads.level import load_head_level
 
     if not hasattr(target, "forward_with_features"):
         raise CheckpointError(f"a draft head needs its target {target.name!r} on the native runner "

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specrouter.router.records import Chain, Decision, ForwardRecord, RowContext, RowOutcome
+from specrouter.records.routing import Chain, Decision, ForwardRecord, RowContext, RowOutcome
 from specrouter.router.request_state import RequestState
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from specrouter.config import RouterConfig
 from specrouter.router.cost_model import PlanTable
-from specrouter.router.records import Chain, Pair
+from specrouter.records.routing import Chain, Pair
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 import numpy as np
 
 from specrouter.config import RouterConfig
-from specrouter.engine.stats import CycleStats
+from specrouter.records.stats import CycleStats
 from specrouter.router.cost_model import (
     ModelFreeDraft,
     PlanTable,
@@ -82,7 +82,7 @@ from specrouter.router.evidence import (
     material_change,
 )
 from specrouter.router.profile import CostProfile
-from specrouter.router.records import (  # noqa: F401  (re-exported: the router's public boundary)
+from specrouter.records.routing import (  # noqa: F401  (re-exported: the router's public boundary)
     Chain,
     Decision,
     DecisionEvent,
@@ -130,7 +130,7 @@ class Router:
         self.order = list(order)
         self.target = target
         self.model_free = frozenset(model_free)
-        # drafters that never verify: model-free ones and draft heads (heads/level.py)
+        # drafters that never verify: model-free ones and draft heads (models/models/heads/level.py)
         self.first_only = self.model_free | frozenset(first_only)
         self.packed = frozenset(packed)  # models whose ragged forwards cost their valid tokens
         unprofiled = [m for m in self.order if m not in profile and m not in self.model_free]

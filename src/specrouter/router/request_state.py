@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specrouter.router.records import Chain
+from specrouter.records.routing import Chain
 from specrouter.router.similarity import Pair, decayed_add
 
 

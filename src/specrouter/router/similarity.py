@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specrouter.config import SimilarityConfig  # the estimator's settings (also importable from here)
-from specrouter.router.records import Pair
+from specrouter.records.routing import Pair
 from specrouter.state.sequence import common_prefix_len
 
 GREEDY = "greedy"

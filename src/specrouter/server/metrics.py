@@ -29,7 +29,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from specrouter.engine.stats import CycleStats
+from specrouter.records.stats import CycleStats
 
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _REQUEST = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

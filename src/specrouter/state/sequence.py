@@ -6,7 +6,7 @@ from collections.abc import Sequence as _Tokens
 from dataclasses import dataclass, field
 
 from specrouter.config import SamplingParams
-from specrouter.engine.stats import RequestStats
+from specrouter.records.stats import RequestStats
 
 
 def common_prefix_len(a: _Tokens[int], b: _Tokens[int]) -> int:

@@ -1,5 +1,5 @@
 """The draft head as a pool level: a `ModelRunner` the executor drafts with and the router weighs
-like any neural draft, except that it reads the target's features (heads/runner.py).
+like any neural draft, except that it reads the target's features (models/models/heads/runner.py).
 
 What differs from a draft model, and where it is handled:
 - it only drafts (never verifies: it has no features at a candidate's position), so it can only
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from specrouter.errors import CheckpointError
-from specrouter.heads.model import HEAD_CONFIG_FILE, HEAD_WEIGHTS_FILE
-from specrouter.heads.runner import HeadRunner
+from specrouter.models.heads.model import HEAD_CONFIG_FILE, HEAD_WEIGHTS_FILE
+from specrouter.models.heads.runner import HeadRunner
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
 
 
@@ -72,7 +72,7 @@ def load_head_level(path: str | Path, target_dir: str | Path, *, name: str | Non
                     max_len: int | None = None) -> HeadLevel:
     """The head saved in `path` as a level over the target checkpoint `target_dir`; raises
     CheckpointError when it was trained on a target of another architecture."""
-    from specrouter.heads.runner import load_head_runner
+    from specrouter.models.heads.runner import load_head_runner
 
     if not is_head_dir(path):
         raise CheckpointError(f"{str(path)!r} is not a draft head folder (needs {HEAD_CONFIG_FILE} "

@@ -33,7 +33,7 @@ class CycleStats:
     # per row, greedy cycles whose drafter is a model: the tokens it proposed (its argmax chain),
     # free evidence of how a model-free drafter below it would fare (Engine shadow scoring)
     row_proposal: list[list[int]] = field(default_factory=list)
-    forwards: list = field(default_factory=list)  # router.records.ForwardRecord of every timed forward
+    forwards: list = field(default_factory=list)  # records.routing.ForwardRecord of every timed forward
 
 
 @dataclass

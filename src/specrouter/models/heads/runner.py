@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from specrouter.heads.model import HeadConfig, check_target
+from specrouter.models.heads.model import HeadConfig, check_target
 from specrouter.models.runners.base import ForwardBatch
 from specrouter.models.runners.linear import Linear, linear
 from specrouter.models.runners.llama import LlamaRunner
@@ -75,7 +75,7 @@ def load_head_runner(path, target, *, dtype: torch.dtype = torch.float32, num_sl
     """The head saved in `path` (heads/model.save_head) for the target checkpoint `target`."""
     from pathlib import Path
 
-    from specrouter.heads.model import read_head
+    from specrouter.models.heads.model import read_head
     from specrouter.models.runners.llama import read_checkpoint
 
     config, params = read_head(path)

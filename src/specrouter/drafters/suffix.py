@@ -74,7 +74,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from specrouter.decoding.drafters.base import as_int64, draft_lengths, pad_drafts
+from specrouter.drafters.base import as_int64, draft_lengths, pad_drafts
 
 __all__ = ["SuffixConfig", "SuffixDrafter", "SuffixStore", "Proposal", "match", "walk"]
 
