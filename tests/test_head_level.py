@@ -1,4 +1,4 @@
-"""The draft head as a pool level (models/models/heads/level.py, decoding/head_drafting.py, state/features.py):
+"""The draft head as a pool level (models/heads/level.py, decoding/head_drafting.py, state/features.py):
 greedy output with the head in the chain equals plain decoding (float32, bfloat16, ragged rows
 accepting different lengths, 3-level chains, chains switching every cycle), the stored target
 features and the head's cache stay what a from-scratch computation gives, the router picks the

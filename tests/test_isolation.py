@@ -2,12 +2,15 @@
 raises in the middle of a running batch ends alone with finish_reason "error"; the rows batched
 with it commit exactly their solo outputs, and no state leaks."""
 
+import logging
+
 import pytest
 import torch
-from fixtures import load_named_pool
+from fixtures import QuietRouterHooks, load_named_pool
 
-from specrouter.config import SamplingParams
+from specrouter.config import RouterConfig, SamplingParams
 from specrouter.engine.engine import Engine
+from specrouter.records.routing import Decision
 
 NAMES = ("draft", "mid", "target")
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [100, 7, 100, 7, 100, 7, 100], [12, 250, 31, 77, 9]]
@@ -40,13 +43,12 @@ def _run(eng: Engine, bad_after: int, corrupt) -> tuple[list, object]:
             for p in PROMPTS]
     bad = eng.add_request([3, 4, 5, 3, 4], SamplingParams(temperature=0.8, max_new_tokens=N,
                                                            ignore_eos=True), chain=CHAIN, k=3)
-    gen = torch.Generator().manual_seed(0)
     steps = 0
     while eng.has_unfinished():
         if steps == bad_after:
             assert not bad.done
             corrupt(bad)
-        eng.step(gen)
+        eng.step()
         steps += 1
         assert steps < 200
     return seqs, bad
@@ -80,17 +82,21 @@ def test_a_raising_row_fails_alone(pool, solo, how):
 
 
 def test_restore_rolls_back_a_cycle_that_committed(pool, solo):
-    """A failure after the cycle committed (here: the stats hook) rolls every row back to
-    its snapshot; rerun alone, each row still produces its solo output."""
+    """A failure after the cycle committed (here: the executor's step raising after its commit)
+    rolls every row back to its snapshot, its request counters included; rerun alone, each row
+    still produces its solo output and counts each cycle once."""
     eng = Engine(pool, max_num_seqs=6, max_model_len=96)
     calls = []
+    real_step = eng.executor.step
 
-    def on_cycle(stats):
-        calls.append(stats.rows)
+    def step(rows, *args, **kwargs):
+        result = real_step(rows, *args, **kwargs)  # commits tokens, caches and RequestStats
+        calls.append(len(rows))
         if len(calls) == 2:
-            raise RuntimeError("hook failed once")
+            raise RuntimeError("failed after the commit")
+        return result
 
-    eng.on_cycle = on_cycle
+    eng.executor.step = step
     seqs = [eng.add_request(p, SamplingParams(max_new_tokens=N, ignore_eos=True), chain=CHAIN, k=3)
             for p in PROMPTS]
     while eng.has_unfinished():
@@ -100,3 +106,61 @@ def test_restore_rolls_back_a_cycle_that_committed(pool, solo):
     assert calls[2:2 + len(PROMPTS)] == [1] * len(PROMPTS)
     for s, p in zip(seqs, PROMPTS):
         assert s.finish_reason == "length" and s.output_ids == solo[tuple(p)]
+        assert s.stats.generated == s.num_generated == N  # the rolled-back cycle is not counted
+
+
+class CountingRouter(QuietRouterHooks):
+    """A fixed plan; counts the router evidence of each row (one observe_step per committed
+    cycle) and raises from its FIRST observation, after having recorded it (a router bug in
+    the bookkeeping of a committed step)."""
+
+    config = RouterConfig()  # the engine reads shadow_k from it
+
+    def __init__(self):
+        self.cycles: dict[int, int] = {}
+        self.raised = False
+
+    def decide(self, row):
+        return Decision(chain=CHAIN, k=3, t_eff=0.0, reason="fixed")
+
+    def observe_step(self, rows, *args, **kwargs):
+        for r in rows:
+            self.cycles[r.seq_id] = self.cycles.get(r.seq_id, 0) + 1
+        if not self.raised:
+            self.raised = True
+            raise RuntimeError("observation fails after the commit")
+
+
+@pytest.mark.parametrize("where", ["router", "on_cycle"])
+def test_a_failing_observation_counts_nothing_twice(pool, solo, where, caplog):
+    """Observation (router evidence, the on_cycle callback) that raises after the cycle
+    committed: the rows keep their tokens, run once, and count each cycle once in their
+    statistics and in the router's evidence (before the fix the batch was rolled back and rerun
+    row by row: statistics and evidence of the first step counted twice)."""
+    router = CountingRouter()
+    eng = Engine(pool, max_num_seqs=6, max_model_len=96, router=router)
+    cycles_seen = []
+
+    def on_cycle(stats):
+        cycles_seen.append(stats.rows)
+        if where == "on_cycle" and len(cycles_seen) == 1:
+            raise RuntimeError("metrics fail after the commit")
+
+    eng.on_cycle = on_cycle
+    if where == "on_cycle":
+        router.raised = True  # only on_cycle fails
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=N, ignore_eos=True)) for p in PROMPTS]
+    steps = 0
+    with caplog.at_level(logging.ERROR, logger="specrouter.engine.isolation"):
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+            assert steps < 200
+    assert "evidence is lost" in caplog.text
+    for s, p in zip(seqs, PROMPTS):
+        assert s.finish_reason == "length" and s.output_ids == solo[tuple(p)]
+        assert s.stats.generated == s.num_generated == N  # counted once
+        assert s.stats.cycles == router.cycles[s.seq_id]  # one cycle of evidence per cycle run
+    run = sum(s.stats.cycles for s in seqs)
+    lost = len(PROMPTS) if where == "on_cycle" else 0  # the failed report's rows: not reported, not rerun
+    assert run - lost <= sum(cycles_seen) <= run  # no row-cycle reported twice

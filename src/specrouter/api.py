@@ -235,7 +235,7 @@ class SpecRouter:
         decoder = IncrementalDecoder(self.tokenizer)
         try:
             while not seq.done:
-                for out in engine.step(generator):
+                for out in engine.step():
                     if out.seq is not seq or not (out.new_token_ids or seq.done):
                         continue
                     text = decoder.add(out.new_token_ids)

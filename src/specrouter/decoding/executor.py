@@ -16,7 +16,7 @@ way, so when a model's turn comes the candidates of every row it verifies are re
    at stop tokens / max_new_tokens) and every model keeps the prefix of what it cached that was
    committed (`StateManager.commit`).
 
-A draft head (models/models/heads/level.py) drafts like a model drafter, first in its chains, from the
+A draft head (models/heads/level.py) drafts like a model drafter, first in its chains, from the
 target's features the state manager keeps (decoding/head_drafting.py); the target's forward
 returns and stores features only in a step where some row drafts with a head.
 

@@ -1,4 +1,4 @@
-"""Drafting with a feature-level draft head (models/models/heads/level.py) inside one executor step.
+"""Drafting with a feature-level draft head (models/heads/level.py) inside one executor step.
 
 Positions (EAGLE): the head's step at position p reads the target's feature f_p (what the
 target computed after t_0..t_p) with the token t_{p+1}, and returns logits for t_{p+2} and its

@@ -247,11 +247,11 @@ class Engine:
         self._floors[seq.seq_id] = d.min_confidence
         return d.chain, d.k
 
-    def step(self, default_generator: torch.Generator | None = None) -> list[StepOutput]:
+    def step(self) -> list[StepOutput]:
         """One cycle for every running row: one executor step, every model at most one forward
         over all rows that need it; returns what each row committed. A row whose planning or
-        cycle raises ends alone with finish_reason "error" (isolation.py). (`default_generator`
-        is accepted for compatibility: randomness is counter-based.)"""
+        cycle raises ends alone with finish_reason "error" (isolation.py). Randomness is
+        counter-based (decoding/noise.py): keyed by each row's seed and position."""
         rows = list(self.running.values())
         if not rows:
             return []
@@ -272,7 +272,7 @@ class Engine:
             before = [len(s.tokens) for s in rows]
             plan_of = {s.seq_id: p for s, p in zip(rows, plans)}
             run_isolated(rows, lambda part: self._run_rows(part, [plan_of[s.seq_id] for s in part]),
-                         self.state)
+                         self.state, self._report)
             outputs += [self._collect(s, b) for s, b in zip(rows, before)]
         return outputs
 
@@ -283,8 +283,10 @@ class Engine:
             self._finish(seq)
         return StepOutput(seq=seq, new_token_ids=seq.tokens[before:])
 
-    def _run_rows(self, rows: list[Sequence], plans: list[tuple[tuple[str, ...], int]]) -> None:
-        """One executor step over `rows`, row b running `plans[b]`."""
+    def _run_rows(self, rows: list[Sequence], plans: list[tuple[tuple[str, ...], int]]
+                  ) -> tuple[StepResult | None, dict | None]:
+        """One executor step over `rows`, row b running `plans[b]`: its result (None when the
+        target failed and the rows ended) and the shadow proposals made before it."""
         sampling = SamplingTensors.from_params([s.params for s in rows], device=self.pool.device)
         shadow = self._shadow_proposals(rows, plans) if self._shadow_due() else None
         # -- fault tolerance (faults.py): a model that raised or timed out is out of every
@@ -300,12 +302,18 @@ class Engine:
                 if not self._on_step_failure(failure, rows, plans):
                     break
         # -------------------------------------------------------------------------------------
-        if result is not None:
-            if self.router is not None:
-                self._observe(rows, result, shadow)
-            if self.on_cycle is not None:
-                for stats in result.cycles:
-                    self.on_cycle(stats)
+        return result, shadow
+
+    def _report(self, rows: list[Sequence], ran: tuple[StepResult | None, dict | None]) -> None:
+        """A committed step told to the router and `on_cycle` (once: isolation.py)."""
+        result, shadow = ran
+        if result is None:
+            return
+        if self.router is not None:
+            self._observe(rows, result, shadow)
+        if self.on_cycle is not None:
+            for stats in result.cycles:
+                self.on_cycle(stats)
 
     def _plan_step(self, rows: list[Sequence]) -> list[tuple[tuple[str, ...], int]]:
         """Every row's (chain, k) for this step: pinned ones as pinned, the router's for the

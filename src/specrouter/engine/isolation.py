@@ -13,16 +13,24 @@ Such a failure belongs to a row, not to the batch, so `run_isolated`
    `seq.error`; the others commit exactly what they would have committed in any batch
    (greedy: token for token their solo output).
 
+What a committed cycle is reported to (the router's evidence, metrics: `observe`) runs once per
+committed run, after it and outside the rollback: a report that raises loses that cycle's
+evidence (logged), it never rolls back committed tokens nor makes the rows run (and be counted)
+again. The rows' `RequestStats`, counted by the executor as it commits, are part of the snapshot.
+
 The engine calls these per group of rows; a scheduler that forms batches differently calls
 them the same way (`snapshot` / `restore` / `fail_row` are the pieces).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
+from specrouter.records.stats import RequestStats
 from specrouter.state.manager import StateManager
 from specrouter.state.sequence import Sequence
 
@@ -35,22 +43,24 @@ class RowSnapshot:
 
     num_tokens: int  # committed tokens (prompt + generated) before the cycle
     cache_lens: dict[str, int]  # model -> cache_len before the cycle (models not there: 0)
+    stats: RequestStats  # a copy of the row's counters before the cycle
 
 
 def snapshot(state: StateManager, rows: list[Sequence]) -> list[RowSnapshot]:
-    return [RowSnapshot(len(s.tokens), {m: st.cache_len for m, st in state.states_of(s.seq_id).items()})
+    return [RowSnapshot(len(s.tokens), {m: st.cache_len for m, st in state.states_of(s.seq_id).items()},
+                        copy.deepcopy(s.stats))
             for s in rows]
 
 
 def restore(state: StateManager, rows: list[Sequence], snaps: list[RowSnapshot]) -> None:
     """Put the rows back as they were at `snapshot`: committed tokens, done flags and every
-    model's cache length (slots a failed cycle allocated stay, empty)."""
+    model's cache length (slots a failed cycle allocated stay, empty) and request counters."""
     for seq, snap in zip(rows, snaps):
         del seq.tokens[snap.num_tokens:]
+        vars(seq.stats).update(vars(copy.deepcopy(snap.stats)))  # in place: callers hold seq.stats
         seq.done, seq.finish_reason = False, None
         for model, st in state.states_of(seq.seq_id).items():
-            st.cache_len = min(st.cache_len, snap.cache_lens.get(model, 0))
-            st.speculative = []
+            state.rollback(st, snap.cache_lens.get(model, 0))
 
 
 def fail_row(seq: Sequence, error: BaseException) -> None:
@@ -61,14 +71,17 @@ def fail_row(seq: Sequence, error: BaseException) -> None:
                  exc_info=(type(error), error, error.__traceback__))
 
 
-def run_isolated(rows: list[Sequence], run: Callable[[list[Sequence]], object],
-                 state: StateManager) -> None:
-    """`run(rows)`; if it raises, roll the rows back and `run([row])` for each row alone; rows
-    that fail alone end with `fail_row` (see the module docstring)."""
+R = TypeVar("R")
+
+
+def run_isolated(rows: list[Sequence], run: Callable[[list[Sequence]], R], state: StateManager,
+                 observe: Callable[[list[Sequence], R], None] | None = None) -> None:
+    """`run(rows)` commits a cycle over the rows; if it raises, roll the rows back and
+    `run([row])` for each row alone; rows that fail alone end with `fail_row`. After each run
+    that committed, `observe(its rows, its result)` (see the module docstring)."""
     snaps = snapshot(state, rows)
     try:
-        run(rows)
-        return
+        result = run(rows)
     except Exception as e:  # noqa: BLE001 - whose failure it is is found out below
         restore(state, rows, snaps)
         if len(rows) == 1:
@@ -76,9 +89,25 @@ def run_isolated(rows: list[Sequence], run: Callable[[list[Sequence]], object],
             return
         logger.warning("a cycle over %d rows raised (%s: %s); running each row alone",
                        len(rows), type(e).__name__, e)
+    else:
+        _report(observe, rows, result)
+        return
     for seq, snap in zip(rows, snaps):
         try:
-            run([seq])
+            result = run([seq])
         except Exception as e:  # noqa: BLE001 - this row's own failure
             restore(state, [seq], [snap])
             fail_row(seq, e)
+        else:
+            _report(observe, [seq], result)
+
+
+def _report(observe: Callable[[list[Sequence], R], None] | None, rows: list[Sequence], result: R) -> None:
+    """`observe(rows, result)` for a committed run; a failure there is logged, not retried."""
+    if observe is None:
+        return
+    try:
+        observe(rows, result)
+    except Exception:  # noqa: BLE001 - the tokens are committed: only this cycle's evidence is lost
+        logger.exception("reporting a committed cycle over %d row(s) raised; its evidence is lost, "
+                         "its tokens stand", len(rows))

@@ -1,4 +1,4 @@
-"""`specrouter distill --head`: train an EAGLE-style draft head (models/models/heads/model.py) on the target's
+"""`specrouter distill --head`: train an EAGLE-style draft head (models/heads/model.py) on the target's
 own features, on CPU, resumable.
 
 Steps: 1. the distillation corpus (distill/corpus.py: text the target writes plus offline text,

@@ -130,7 +130,7 @@ class Router:
         self.order = list(order)
         self.target = target
         self.model_free = frozenset(model_free)
-        # drafters that never verify: model-free ones and draft heads (models/models/heads/level.py)
+        # drafters that never verify: model-free ones and draft heads (models/heads/level.py)
         self.first_only = self.model_free | frozenset(first_only)
         self.packed = frozenset(packed)  # models whose ragged forwards cost their valid tokens
         unprofiled = [m for m in self.order if m not in profile and m not in self.model_free]

@@ -194,7 +194,7 @@ class AsyncEngine:
         engine = self.engine
         t0 = time.perf_counter()
         try:
-            outputs = engine.step(self._generator)
+            outputs = engine.step()
         except Exception as e:
             logger.exception("engine step failed; the running rows end with an error")
             out = []

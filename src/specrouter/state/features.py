@@ -1,4 +1,4 @@
-"""The target's features per row: what a draft head level reads (models/models/heads/level.py).
+"""The target's features per row: what a draft head level reads (models/heads/level.py).
 
 A feature is the target's last decoder layer output at a position, before the final norm
 (`LlamaRunner.forward_with_features`). The store is laid out like a KV cache: one row per cache

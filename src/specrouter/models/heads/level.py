@@ -1,5 +1,5 @@
 """The draft head as a pool level: a `ModelRunner` the executor drafts with and the router weighs
-like any neural draft, except that it reads the target's features (models/models/heads/runner.py).
+like any neural draft, except that it reads the target's features (models/heads/runner.py).
 
 What differs from a draft model, and where it is handled:
 - it only drafts (never verifies: it has no features at a candidate's position), so it can only
