@@ -207,14 +207,19 @@ def drive(router, sim, cycles, sids=(0,), L=L0, greedy=True, shadow=False, trace
     clock, tokens = 0.0, 0
     for _ in range(cycles):
         t0 = time.perf_counter()
-        decisions = {s: router.decide(RowContext(s, L, batch_size=len(sids), greedy=greedy)) for s in sids}
+        plans = router.plan_batch([RowContext(s, L, batch_size=len(sids), greedy=greedy) for s in sids])
+        decisions = dict(zip(sids, plans))
         clock += time.perf_counter() - t0 if timed else 0.0
         groups = defaultdict(list)
         for s, d in decisions.items():
             groups[(d.chain, d.k)].append(s)
+        step_outcomes, step_forwards, wall, forward_time = [], [], 0.0, 0.0
         for (chain, k), members in groups.items():
             stats, outcomes, fwd, committed = sim.run(chain, k, members, L, greedy)
-            router.observe_cycle(stats, outcomes, fwd)
+            step_outcomes += outcomes
+            step_forwards += fwd
+            wall += stats.wall_time
+            forward_time += sum(stats.forward_time.values())
             clock += stats.wall_time
             tokens += sum(committed)
             if shadow:
@@ -222,6 +227,8 @@ def drive(router, sim, cycles, sids=(0,), L=L0, greedy=True, shadow=False, trace
                     if chain[0] != "ngram":
                         prop, com = sim.shadow(s, 16, c)
                         router.observe_shadow(s, "ngram", prop, com, 16, greedy)
+        router.observe_step(step_outcomes, step_forwards, wall, forward_time,
+                            any(d.k > 0 for d in plans))
         if trace is not None:
             trace.append(decisions)
     return tokens, clock
@@ -695,19 +702,6 @@ def test_decision_events_and_callback():
     print("\n" + router.plan_table(RowContext(0, L0)).format())
 
 
-def test_observe_cycle_from_cycle_stats_alone():
-    """Without ForwardRecords the router attributes CycleStats timings to forward shapes."""
-    sim = Sim(ALPHAS, seed=11)
-    router = make_router()
-    for _ in range(3):
-        sim.slow["T"] = 3.0
-        stats, outcomes, _, _ = sim.run(("d1", "T"), 4, [0], L0)
-        router.observe_cycle(stats, outcomes)
-    assert router.profile.speed("T") == pytest.approx(3.0, rel=0.1)
-    assert router.profile.speed("d1") == pytest.approx(1.0, rel=0.05)
-    assert router.overhead["spec"] > 0
-
-
 def test_decide_time_is_measured_and_charged_per_row():
     """The router's own time is part of what it predicts: decide() measures itself (its timer),
     and every plan's T_eff carries that time once per batch row per cycle, so a slow router
@@ -744,8 +738,8 @@ def test_sampling_rows_feed_similarity_from_tv():
     for _ in range(20):
         stats, outcomes, fwd, _ = sim.run(("d1", "d2", "T"), 4, [0, 1], L0, greedy=False)
         tv = (math.nan, 1 - ALPHAS[("d1", "d2")], 1 - ALPHAS[("d2", "T")])
-        router.observe_cycle(stats, [RowOutcome(o.seq_id, o.chain, o.k, o.drafted, o.accepted, False,
-                                                L0, tv) for o in outcomes], fwd)
+        router.observe_step([RowOutcome(o.seq_id, o.chain, o.k, o.drafted, o.accepted, False, L0, tv)
+                             for o in outcomes], fwd, stats.wall_time, sum(stats.forward_time.values()), True)
     est = router.similarity
     assert est.sim_score(("d1", "d2"), SAMPLING) == pytest.approx(0.9)
     assert est.sim_score(("d2", "T"), SAMPLING) == pytest.approx(0.85)

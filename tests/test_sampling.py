@@ -1,19 +1,20 @@
-"""process_logits / sample / greedy, and the verification building blocks on hand-made cases."""
+"""process_logits / sample / greedy, the production verifier (`verify_tokens`) and the reference
+sampler (tests/reference_verification.py) on hand-made cases."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from specrouter.config import SamplingParams as SP
-from specrouter.decoding.sampling import SamplingTensors, greedy, process_logits, sample
-from specrouter.decoding.verification import (
-    PAD_TOKEN_ID,
+from reference_verification import (
     acceptance_probability,
     residual_distribution,
     verify_greedy,
     verify_speculative,
 )
+
+from specrouter.config import SamplingParams as SP
+from specrouter.decoding.sampling import SamplingTensors, greedy, process_logits, sample
+from specrouter.decoding.verification import PAD_TOKEN_ID, verify_tokens
 
 
 def st_of(*params: SP) -> SamplingTensors:
@@ -146,7 +147,7 @@ def test_greedy_is_argmax():
     assert greedy(logits).tolist() == [[1, 0]]
 
 
-# ----------------------------------------------------------------------------- verify_greedy
+# ----------------------------------------------------------------------------- verify_tokens (production)
 
 
 def logits_for(argmaxes: list[list[int]], V: int = 8) -> torch.Tensor:
@@ -157,11 +158,11 @@ def logits_for(argmaxes: list[list[int]], V: int = 8) -> torch.Tensor:
     return logits
 
 
-def test_verify_greedy_all_accepted_mismatch_and_ragged():
+def test_verify_tokens_all_accepted_mismatch_and_ragged():
     candidates = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 5, 3], [4, 4, 4], [7, 7, 7]])
     num_candidates = torch.tensor([3, 3, 3, 1, 0])
     verifier = logits_for([[1, 2, 3, 6], [0, 2, 3, 6], [1, 2, 3, 6], [4, 5, 5, 5], [2, 1, 1, 1]])
-    out = verify_greedy(candidates, num_candidates, verifier)
+    out = verify_tokens(candidates, num_candidates, verifier.argmax(-1))
     P = PAD_TOKEN_ID
     assert out.tokens.tolist() == [
         [1, 2, 3, 6],  # all accepted -> bonus 6
@@ -174,7 +175,7 @@ def test_verify_greedy_all_accepted_mismatch_and_ragged():
     assert out.probs is None and out.tokens.dtype == torch.long
 
 
-# ----------------------------------------------------------------------------- verify_speculative
+# ----------------------------------------------------------------------------- the reference sampler (tests/)
 
 
 def test_acceptance_probability_and_residual_exact():

@@ -1,21 +1,24 @@
-"""Multi-level speculative sampling is lossless: proofs on tiny "table models".
+"""Multi-level verification is lossless: proofs on tiny "table models".
 
-A table model is a bigram table `table[last_token] -> distribution over V` (V = 6), different at
-every level, processed with the real `process_logits` (temperature 0.7, top_p 0.9 on the
-log-table logits). One cycle: M1 drafts k tokens by `sample`; each level j = 2..N scores the
-candidates from its table and calls `verify_speculative`, passing its output up with its probs
-as the next proposal distribution; the target's output is what is committed.
-
-What is compared with the target alone:
+A table model is a bigram table `table[last_token] -> logits over V` (V = 6), different at
+every level. What is compared with the target alone:
 - the first committed token;
 - the first m tokens "completed": the committed tokens, where a token past what this cycle
-  committed is drawn from the target directly given the previous ones. Since every committed
-  token is, given everything before it, distributed as the target's next-token distribution
-  (the length is a stopping time), the completed m tokens must follow the target's own m-token
-  joint exactly.
-Exactly (enumerating all drafts and accept/reject outcomes with `acceptance_probability` and
-`residual_distribution`, float64, 1e-12) and by seeded Monte Carlo (200k draws, TV < 0.01). A
-sampler that draws the recovered token from verifier_probs instead of the residual must fail.
+  committed is the target's own next token given the previous ones. Since every committed token
+  is, given everything before it, distributed as the target's next-token distribution (the
+  length is a stopping time), the completed m tokens must follow the target's own m-token joint.
+
+PRODUCTION (Monte Carlo, 200k rows with their own seeds, TV < 0.01): one cycle as the executor
+runs it: M1 drafts k tokens with `choose_tokens` (counter-based noise keyed by (seed, position));
+each level j = 2..N picks its own tokens at the candidates' positions with `choose_tokens` (the
+same keys) and calls `verify_tokens`, passing its output up; the target's output is committed.
+Negative controls: a verifier that accepts every candidate, and one that recovers with the
+candidate's token instead of its own, fail the same check.
+
+REFERENCE (tests/reference_verification.py, not on the production path): classic speculative
+sampling (`verify_speculative`), proven exactly by enumerating all drafts and accept/reject
+outcomes (float64, 1e-12); a sampler that draws the recovered token from verifier_probs instead
+of the residual must fail.
 """
 
 from __future__ import annotations
@@ -26,14 +29,13 @@ from collections import defaultdict
 import pytest
 import torch
 
+import reference_verification as reference
+from reference_verification import acceptance_probability, residual_distribution
+
 from specrouter.config import SamplingParams
 from specrouter.decoding import verification
-from specrouter.decoding.sampling import SamplingTensors, process_logits, sample
-from specrouter.decoding.verification import (
-    acceptance_probability,
-    residual_distribution,
-    verify_speculative,
-)
+from specrouter.decoding.noise import position_keys
+from specrouter.decoding.sampling import SamplingTensors, choose_tokens, process_logits
 
 V = 6  # vocabulary of the table models
 CTX = 0  # the last context token before the cycle
@@ -56,13 +58,6 @@ def processed_table(seed: int, params: SamplingParams = PARAMS) -> torch.Tensor:
     """(V, V): row c = the processed next-token distribution after token c."""
     logits = log_table(seed)[None]  # (1, V, V): one row, V positions (broadcast over the middle)
     return process_logits(logits, SamplingTensors.from_params([params]))[0]
-
-
-def mixed_tables(num_levels: int, modes: tuple[SamplingParams, ...]) -> list[torch.Tensor]:
-    """Per level (M1 first), (M, V, V): the table processed for each of M rows' parameters in
-    ONE `process_logits` call over a mixed batch (greedy and sampling rows together)."""
-    st = SamplingTensors.from_params(list(modes))
-    return [process_logits(log_table(s)[None].expand(len(modes), V, V), st) for s in TABLE_SEEDS[:num_levels]]
 
 
 def one_hot_guess_table() -> torch.Tensor:
@@ -140,50 +135,166 @@ def target_joint(target: torch.Tensor, m: int) -> torch.Tensor:
     return joint
 
 
-# ----------------------------------------------------------------------------- Monte Carlo
+# ----------------------------------------------------------------------------- Monte Carlo (production)
 
 
-def run_cycle(tables: list[torch.Tensor], k: int, generator: torch.Generator,
-              modes: torch.Tensor | None = None) -> verification.LevelResult:
-    """One multi-level cycle for R rows at once; returns the target's LevelResult. A level's
-    processed distribution after token c is row c of its processed table (process_logits is
-    row-wise, so a lookup equals processing the gathered logits, and is much faster). With
-    `modes` (R,), tables are (M, V, V) and row r uses table[modes[r]] (mixed parameters)."""
-    if modes is None:
-        tables, modes = [t[None] for t in tables], torch.zeros(R, dtype=torch.long)
-    # 1. M1 drafts k tokens by sampling its processed distribution
+def row_keys(rows: int, positions: int, seed: int) -> torch.Tensor:
+    """(rows, positions) int64 noise keys: row r has its own seed, position i is i."""
+    seeds = torch.arange(rows, dtype=torch.long) + seed * rows
+    return position_keys(seeds[:, None], torch.arange(positions, dtype=torch.long)[None, :])
+
+
+def run_cycle(logit_tables: list[torch.Tensor], k: int, st: SamplingTensors, keys: torch.Tensor,
+              guess: torch.Tensor | None = None, modes: torch.Tensor | None = None
+              ) -> verification.LevelResult:
+    """One multi-level cycle of R rows as the executor runs it; returns the target's
+    LevelResult. `logit_tables[j]` (V, V) are level j's logits after each token (M1 first);
+    `guess` (V,) replaces M1 by a model-free drafter (after c it guesses guess[c]). The logits
+    of a level are gathered at the context tokens, its tokens chosen by `choose_tokens` with the
+    row's keys at the same positions at every level (the coupling)."""
+    R = keys.shape[0]
     last = torch.full((R,), CTX, dtype=torch.long)
-    drafted, draft_probs = [], []
-    for _ in range(k):
-        probs = tables[0][modes, last]  # (R, V)
-        last = sample(probs, generator)  # (R,)
+    drafted = []
+    for i in range(k):  # 1. M1 drafts k tokens (sequentially, one position each)
+        if guess is not None:
+            last = guess[last]
+        else:
+            last = choose_tokens(logit_tables[0][last][:, None], st, keys[:, i:i + 1])[:, 0]  # (R,)
         drafted.append(last)
-        draft_probs.append(probs)
     candidates = torch.stack(drafted, 1)  # (R, k)
     num_candidates = torch.full((R,), k, dtype=torch.long)
-    proposal = torch.stack(draft_probs, 1)  # (R, k, V)
-    # 2. each level scores all candidates in one "forward" and verifies them
-    for table in tables[1:]:
+    for table in logit_tables[1:]:  # 2. each level: one "forward" over all candidates, then verify
+        n = candidates.shape[1]
         context = torch.cat([torch.full((R, 1), CTX), candidates.clamp(min=0)], 1)  # (R, n+1); pads -> 0
-        verifier_probs = table[modes[:, None], context]  # (R, n+1, V)
-        result = verify_speculative(candidates, num_candidates, proposal, verifier_probs, generator)
-        candidates, num_candidates, proposal = result.tokens, result.lengths, result.probs
+        own = choose_tokens(table[context], st, keys[:, : n + 1])  # (R, n+1)
+        result = verification.verify_tokens(candidates, num_candidates, own)
+        candidates, num_candidates = result.tokens, result.lengths
     return result
 
 
-def empirical_two_tokens(result: verification.LevelResult, target: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """(V, V) empirical joint of the first two committed tokens, completed from the target."""
+def completed_two(result: verification.LevelResult, target_logits: torch.Tensor, st: SamplingTensors,
+                  keys: torch.Tensor) -> torch.Tensor:
+    """(R, 2) the first two committed tokens, the second the target's own where only one was
+    committed (its token at position 1 after the first)."""
     first = result.tokens[:, 0]
-    drawn = sample(target[first], generator)  # used where only one token was committed
-    second = torch.where(result.lengths >= 2, result.tokens[:, 1], drawn)
-    return torch.bincount(first * V + second, minlength=V * V).view(V, V).double() / first.numel()
+    own = choose_tokens(target_logits[first][:, None], st, keys[:, 1:2])[:, 0]
+    return torch.stack([first, torch.where(result.lengths >= 2, result.tokens[:, 1], own)], 1)
+
+
+def joint_of(two: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(two[:, 0] * V + two[:, 1], minlength=V * V).view(V, V).double() / two.shape[0]
 
 
 def tv(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * (a - b).abs().sum().item()
 
 
-# ----------------------------------------------------------------------------- the tests
+def monte_carlo_tv(num_levels: int, k: int, params: SamplingParams = PARAMS, one_hot_drafter: bool = False,
+                   seed: int = 0) -> tuple[float, float]:
+    """TV distances (first token, first two tokens) between one batched production cycle of R
+    seeded rows and the target's exact (processed) distribution."""
+    logits = [log_table(s) for s in TABLE_SEEDS[:num_levels]]
+    st = SamplingTensors.from_params([params] * R)
+    keys = row_keys(R, k + num_levels + 1, seed)
+    guess = (2 * torch.arange(V) + 1) % V if one_hot_drafter else None
+    result = run_cycle(logits, k, st, keys, guess)
+    assert (result.lengths >= 1).all() and (result.lengths <= k + num_levels - 1).all()
+    target = processed_table(TABLE_SEEDS[num_levels - 1], params)
+    two = joint_of(completed_two(result, logits[-1], st, keys))
+    return tv(two.sum(1), target_joint(target, 1)), tv(two, target_joint(target, 2))
+
+
+@pytest.mark.parametrize("num_levels,k", [(2, 2), (2, 4), (3, 2), (3, 4)])
+def test_monte_carlo_is_lossless(num_levels, k):
+    tv1, tv2 = monte_carlo_tv(num_levels, k)
+    assert tv1 < 0.01 and tv2 < 0.01, (tv1, tv2)
+
+
+@pytest.mark.parametrize("num_levels", [2, 3])
+def test_monte_carlo_with_one_hot_drafter_is_lossless(num_levels):
+    """A model-free drafter (n-gram style guesses) is a valid proposal."""
+    tv1, tv2 = monte_carlo_tv(num_levels, 4, one_hot_drafter=True)
+    assert tv1 < 0.01 and tv2 < 0.01, (tv1, tv2)
+
+
+@pytest.mark.parametrize("params", [TOP_K, GREEDY], ids=["top_k", "greedy"])
+def test_monte_carlo_is_lossless_with_top_k_and_greedy(params):
+    tv1, tv2 = monte_carlo_tv(3, 3, params=params)
+    assert tv1 < 0.01 and tv2 < 0.01, (tv1, tv2)
+
+
+def _accept_all(candidates, num_candidates, verifier_tokens):
+    """Broken: every candidate accepted (the verifier's tokens only past them)."""
+    n = candidates.shape[1]
+    mine = torch.where(torch.arange(n) < num_candidates[:, None], candidates, verifier_tokens[:, :n])
+    return REAL_VERIFY(candidates, num_candidates, torch.cat([mine, verifier_tokens[:, n:]], 1))
+
+
+def _recover_with_candidate(candidates, num_candidates, verifier_tokens):
+    """Broken: on a mismatch, the candidate's token is committed instead of the verifier's."""
+    out = REAL_VERIFY(candidates, num_candidates, verifier_tokens)
+    rows = torch.nonzero(out.num_accepted < num_candidates).flatten()
+    out.tokens[rows, out.num_accepted[rows]] = candidates[rows, out.num_accepted[rows]]
+    return out
+
+
+REAL_VERIFY = verification.verify_tokens
+
+
+@pytest.mark.parametrize("broken", [_accept_all, _recover_with_candidate], ids=["accept_all", "recover_with_candidate"])
+@pytest.mark.parametrize("num_levels", [2, 3])
+def test_monte_carlo_catches_a_broken_verifier(num_levels, broken, monkeypatch):
+    """The same check, same seeds, with a broken `verify_tokens`, must fail: the Monte Carlo
+    test has teeth."""
+    monkeypatch.setattr(verification, "verify_tokens", broken)
+    tv1, tv2 = monte_carlo_tv(num_levels, 2)
+    assert tv1 > 0.02 and tv2 > 0.02, (tv1, tv2)
+
+
+MIXED = (GREEDY, TOP_K, PARAMS)  # row r runs MIXED[r % 3]
+
+
+@pytest.mark.parametrize("num_levels,k", [(2, 3), (3, 2)])
+def test_monte_carlo_mixed_greedy_and_sampling_rows(num_levels, k):
+    """Greedy, top-k and top-p rows in one batch (one `choose_tokens` call per level over the
+    mixed rows): greedy rows all commit the target's greedy sequence, sampling rows follow their
+    own processed target."""
+    logits = [log_table(s) for s in TABLE_SEEDS[:num_levels]]
+    modes = torch.arange(R) % len(MIXED)
+    st = SamplingTensors.from_params([MIXED[m] for m in modes.tolist()])
+    keys = row_keys(R, k + num_levels + 1, 1)
+    result = run_cycle(logits, k, st, keys)
+    greedy_rows = {tuple(t[:n]) for t, n, m in zip(result.tokens.tolist(), result.lengths.tolist(),
+                                                    modes.tolist()) if m == 0}
+    (seq,) = greedy_rows
+    assert target_joint(processed_table(TABLE_SEEDS[num_levels - 1], GREEDY), len(seq))[seq] == 1.0
+    two = completed_two(result, logits[-1], st, keys)
+    for m in (1, 2):
+        target = processed_table(TABLE_SEEDS[num_levels - 1], MIXED[m])
+        joint = joint_of(two[modes == m])
+        tv1, tv2 = tv(joint.sum(1), target_joint(target, 1)), tv(joint, target_joint(target, 2))
+        # R / 3 rows per mode: noise alone gives TV ~ 0.005-0.01
+        assert tv1 < 0.015 and tv2 < 0.02, (MIXED[m], tv1, tv2)
+
+
+def test_production_verifier_equals_the_reference_on_one_hot_rows():
+    """On greedy (one-hot) rows the reference sampler reduces to argmax matching: the production
+    `verify_tokens` against the verifier's argmax gives the same output token for token."""
+    g = torch.Generator().manual_seed(5)
+    B, n, Vb = 64, 4, 5
+    verifier_logits = torch.randn(B, n + 1, Vb, generator=g, dtype=torch.float64)
+    one_hot = process_logits(verifier_logits, SamplingTensors.from_params([GREEDY] * B))
+    candidates = torch.where(torch.rand(B, n, generator=g) < 0.7, verifier_logits[:, :n].argmax(-1),
+                             torch.randint(0, Vb, (B, n), generator=g))
+    num_candidates = torch.randint(0, n + 1, (B,), generator=g)
+    got = verification.verify_tokens(candidates, num_candidates, verifier_logits.argmax(-1))
+    ref = reference.verify_speculative(candidates, num_candidates,
+                                       torch.nn.functional.one_hot(candidates, Vb).double(), one_hot, g)
+    assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.lengths, ref.lengths)
+    assert len(set(got.num_accepted.tolist())) >= 4
+
+
+# ----------------------------------------------------------------------------- exact enumeration (reference)
 
 
 def test_tables_are_nontrivial():
@@ -217,39 +328,6 @@ def test_exact_enumeration_catches_a_broken_sampler(num_levels):
     assert tv(complete(broken, tables[-1], 1), target_joint(tables[-1], 1)) > 0.1
 
 
-def monte_carlo_tv(tables: list[torch.Tensor], k: int, seed: int = 0) -> tuple[float, float]:
-    """TV distances (first token, first two tokens) between one seeded batched cycle and the
-    target's exact distribution."""
-    generator = torch.Generator().manual_seed(seed)
-    target = tables[-1]
-    result = run_cycle(tables, k, generator)
-    assert (result.lengths >= 1).all() and (result.lengths <= k + len(tables) - 1).all()
-    two = empirical_two_tokens(result, target, generator)  # (V, V)
-    return tv(two.sum(1), target_joint(target, 1)), tv(two, target_joint(target, 2))
-
-
-@pytest.mark.parametrize("num_levels,k", [(2, 2), (2, 4), (3, 2), (3, 4)])
-def test_monte_carlo_is_lossless(num_levels, k):
-    tv1, tv2 = monte_carlo_tv(chain_tables(num_levels), k)
-    assert tv1 < 0.01 and tv2 < 0.01, (tv1, tv2)
-
-
-@pytest.mark.parametrize("num_levels", [2, 3])
-def test_monte_carlo_with_one_hot_drafter_is_lossless(num_levels):
-    """A model-free drafter (n-gram style guesses, one-hot draft_probs) is a valid proposal."""
-    tv1, tv2 = monte_carlo_tv(chain_tables(num_levels, one_hot_drafter=True), 4)
-    assert tv1 < 0.01 and tv2 < 0.01, (tv1, tv2)
-
-
-@pytest.mark.parametrize("num_levels", [2, 3])
-def test_monte_carlo_catches_a_broken_sampler(num_levels, monkeypatch):
-    """The same check, same seed, with the recovered token drawn from verifier_probs instead of
-    the residual, must fail: the Monte Carlo test has teeth."""
-    monkeypatch.setattr(verification, "residual_distribution", lambda draft_probs, verifier_probs: verifier_probs)
-    tv1, tv2 = monte_carlo_tv(chain_tables(num_levels), 2)
-    assert tv1 > 0.02 and tv2 > 0.02, (tv1, tv2)
-
-
 # ----------------------------------------------------------------------------- top-k, greedy rows
 
 
@@ -277,47 +355,3 @@ def test_exact_enumeration_with_top_k_catches_a_broken_sampler():
     tables = chain_tables(3, params=TOP_K)
     broken = exact_cycle(tables, 2, broken=True)
     assert tv(complete(broken, tables[-1], 1), target_joint(tables[-1], 1)) > 0.05
-
-
-MIXED = (GREEDY, TOP_K, PARAMS)  # row r runs MIXED[r % 3]
-
-
-def mixed_monte_carlo(num_levels: int, k: int, seed: int = 0):
-    """One seeded batched cycle of rows with mixed parameters: (greedy rows' committed token
-    sequences as a set, {mode: (tv first token, tv first two)} for the sampling modes)."""
-    generator = torch.Generator().manual_seed(seed)
-    tables = mixed_tables(num_levels, MIXED)
-    modes = torch.arange(R) % len(MIXED)
-    result = run_cycle(tables, k, generator, modes)
-    greedy_rows = {tuple(t[:n]) for t, n, m in zip(result.tokens.tolist(), result.lengths.tolist(),
-                                                    modes.tolist()) if m == 0}
-    tvs = {}
-    for m in (1, 2):
-        rows = modes == m
-        sub = verification.LevelResult(tokens=result.tokens[rows], lengths=result.lengths[rows],
-                                       num_accepted=result.num_accepted[rows], probs=None)
-        target = tables[-1][m]
-        two = empirical_two_tokens(sub, target, generator)
-        tvs[MIXED[m]] = (tv(two.sum(1), target_joint(target, 1)), tv(two, target_joint(target, 2)))
-    return greedy_rows, tables, tvs
-
-
-@pytest.mark.parametrize("num_levels,k", [(2, 3), (3, 2)])
-def test_monte_carlo_mixed_greedy_and_sampling_rows(num_levels, k):
-    """Greedy, top-k and top-p rows in one batch: the tables come from one mixed
-    process_logits call; greedy rows all commit the target's greedy sequence (every level
-    agreeing or not), sampling rows follow their own processed target."""
-    greedy_rows, tables, tvs = mixed_monte_carlo(num_levels, k)
-    target = tables[-1][0]
-    (seq,) = greedy_rows
-    assert target_joint(target, len(seq))[seq] == 1.0  # the target's argmax chain
-    for params, (tv1, tv2) in tvs.items():
-        # R / 3 rows per mode: noise alone gives TV ~ 0.005-0.01
-        assert tv1 < 0.015 and tv2 < 0.02, (params, tv1, tv2)
-
-
-def test_monte_carlo_mixed_rows_catch_a_broken_sampler(monkeypatch):
-    monkeypatch.setattr(verification, "residual_distribution", lambda draft_probs, verifier_probs: verifier_probs)
-    _, _, tvs = mixed_monte_carlo(3, 2)
-    for params, (tv1, tv2) in tvs.items():
-        assert tv1 > 0.03 and tv2 > 0.03, (params, tv1, tv2)

@@ -19,7 +19,7 @@ and it depends on nothing but the distribution and (seed, i). Consequences:
   equals its own noisy argmax there (`verification.verify_tokens`): sampling verification is
   greedy verification on noisy scores. Acceptance is P(two noisy argmaxes agree), which is at
   least (1 - D_TV) / (1 + D_TV) and at most 1 - D_TV (the acceptance of standard rejection
-  sampling, `verification.verify_speculative`, kept as the reference);
+  sampling, kept as the reference in tests/reference_verification.py);
 - **batchable**: randomness is per row by construction; rows with different seeds share one
   forward and one vectorized noise computation.
 

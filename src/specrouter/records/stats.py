@@ -25,15 +25,9 @@ class CycleStats:
     wall_time: float  # seconds for the whole cycle
     # per row (index b follows the rows passed to the cycle), for the router
     row_ids: list[int] = field(default_factory=list)  # seq_id of each row
-    row_k: list[int] = field(default_factory=list)  # draft length asked for the row (0: plain)
-    row_drafted: list[list[int]] = field(default_factory=list)  # per row, per level: as `drafted`
-    row_accepted: list[list[int]] = field(default_factory=list)  # per row, per level: as `accepted`
-    row_context: list[int] = field(default_factory=list)  # committed tokens before the cycle
-    row_tv: list[list[float]] = field(default_factory=list)  # per row, per level: mean D_TV (NaN: none)
     # per row, greedy cycles whose drafter is a model: the tokens it proposed (its argmax chain),
     # free evidence of how a model-free drafter below it would fare (Engine shadow scoring)
     row_proposal: list[list[int]] = field(default_factory=list)
-    forwards: list = field(default_factory=list)  # records.routing.ForwardRecord of every timed forward
 
 
 @dataclass

@@ -79,11 +79,6 @@ class StateManager:
 
     # -- one cycle -------------------------------------------------------------------------
     @staticmethod
-    def pending(st: ModelState, tokens: list[int]) -> list[int]:
-        """Committed tokens the model has not cached yet (never empty between cycles)."""
-        return tokens[st.cache_len :]
-
-    @staticmethod
     def fed(st: ModelState, tokens: list[int], speculative: list[int]) -> None:
         """Record a forward that fed all pending tokens plus `speculative` ones."""
         assert not st.speculative, "a model is fed once per cycle; commit in between"
