@@ -8,7 +8,7 @@ import copy
 from collections import defaultdict
 
 import pytest
-from test_router import ALPHAS, L0, ORDER4, Sim, make_router, true_plan
+from test_router import ALPHAS, L0, ORDER4, Sim, make_router, observe_cycle, true_plan
 
 from specrouter.config import RouterConfig
 from specrouter.router.evidence import CacheStats
@@ -34,7 +34,7 @@ def run_steps(router, sim, steps, rows=4, trace=None, first_id=0):
         for (chain, k), members in groups.items():
             L = sum(lens[s] for s in members) // len(members)
             stats, outcomes, fwd, committed = sim.run(chain, k, members, L)
-            router.observe_cycle(stats, outcomes, fwd)
+            observe_cycle(router, stats, outcomes, fwd)
             for s, n in zip(members, committed):
                 if chain[0] != "ngram":
                     proposal, com = sim.shadow(s, 16, n)
@@ -108,7 +108,7 @@ def _steps(router, sim, contexts, steps):
             groups[(d.chain, d.k)].append(c.seq_id)
         for (chain, k), members in groups.items():
             stats, outcomes, fwd, _ = sim.run(chain, k, members, L0)
-            router.observe_cycle(stats, outcomes, fwd)
+            observe_cycle(router, stats, outcomes, fwd)
 
 
 def _warm(rows=4, seed=23, steps=200):
@@ -130,7 +130,7 @@ def test_a_slowdown_invalidates_cached_decisions_at_once():
     sim.slow["d2"] = 3.0
     for _ in range(2):  # the profile's step detector fires on the second slow observation
         stats, outcomes, fwd, _ = sim.run(fast.chain, fast.k, [c.seq_id for c in contexts], L0)
-        router.observe_cycle(stats, outcomes, fwd)
+        observe_cycle(router, stats, outcomes, fwd)
     assert router.profile.jumps.get("d2") == 1
     misses = router.cache_stats.misses
     uncached = copy.deepcopy(router)
@@ -160,7 +160,7 @@ def test_a_failed_model_invalidates_cached_decisions_and_is_never_planned_again(
             trace[id(r)].append(decisions)
             for c, d in zip(contexts, decisions):
                 stats, outcomes, fwd, _ = run.run(d.chain, d.k, [c.seq_id], L0)
-                r.observe_cycle(stats, outcomes, fwd)
+                observe_cycle(r, stats, outcomes, fwd)
         if r is router:
             assert router.cache_stats.misses >= misses + len(contexts)
     decided = [d for step in trace[id(router)] for d in step]

@@ -202,24 +202,24 @@ class Sim:
         return [1] * k, [1] * m + [2] * (committed - m)
 
 
+def observe_cycle(router, stats, outcomes, forwards):
+    """One simulated cycle (one chain's rows) told to the router."""
+    router.observe_cycle(stats, outcomes, forwards)
+
+
 def drive(router, sim, cycles, sids=(0,), L=L0, greedy=True, shadow=False, trace=None, timed=True):
     """Run `cycles` engine steps; returns (tokens committed, virtual seconds incl. decide())."""
     clock, tokens = 0.0, 0
     for _ in range(cycles):
         t0 = time.perf_counter()
-        plans = router.plan_batch([RowContext(s, L, batch_size=len(sids), greedy=greedy) for s in sids])
-        decisions = dict(zip(sids, plans))
+        decisions = {s: router.decide(RowContext(s, L, batch_size=len(sids), greedy=greedy)) for s in sids}
         clock += time.perf_counter() - t0 if timed else 0.0
         groups = defaultdict(list)
         for s, d in decisions.items():
             groups[(d.chain, d.k)].append(s)
-        step_outcomes, step_forwards, wall, forward_time = [], [], 0.0, 0.0
         for (chain, k), members in groups.items():
             stats, outcomes, fwd, committed = sim.run(chain, k, members, L, greedy)
-            step_outcomes += outcomes
-            step_forwards += fwd
-            wall += stats.wall_time
-            forward_time += sum(stats.forward_time.values())
+            observe_cycle(router, stats, outcomes, fwd)
             clock += stats.wall_time
             tokens += sum(committed)
             if shadow:
@@ -227,8 +227,6 @@ def drive(router, sim, cycles, sids=(0,), L=L0, greedy=True, shadow=False, trace
                     if chain[0] != "ngram":
                         prop, com = sim.shadow(s, 16, c)
                         router.observe_shadow(s, "ngram", prop, com, 16, greedy)
-        router.observe_step(step_outcomes, step_forwards, wall, forward_time,
-                            any(d.k > 0 for d in plans))
         if trace is not None:
             trace.append(decisions)
     return tokens, clock
@@ -700,6 +698,19 @@ def test_decision_events_and_callback():
     d = router.decide(RowContext(0, L0, remaining=1))
     assert d == Decision(("T",), 0, pytest.approx(cost_T(1, 1, L0), rel=0.05), "end")
     print("\n" + router.plan_table(RowContext(0, L0)).format())
+
+
+def test_observe_cycle_from_cycle_stats_alone():
+    """Without ForwardRecords the router attributes CycleStats timings to forward shapes."""
+    sim = Sim(ALPHAS, seed=11)
+    router = make_router()
+    for _ in range(3):
+        sim.slow["T"] = 3.0
+        stats, outcomes, _, _ = sim.run(("d1", "T"), 4, [0], L0)
+        router.observe_cycle(stats, outcomes)
+    assert router.profile.speed("T") == pytest.approx(3.0, rel=0.1)
+    assert router.profile.speed("d1") == pytest.approx(1.0, rel=0.05)
+    assert router.overhead["spec"] > 0
 
 
 def test_decide_time_is_measured_and_charged_per_row():

@@ -30,7 +30,8 @@ pool order (cheapest first, target last) and the names of model-free drafters.
    until their evidence fades.
 4. `observe_step(rows, forwards, wall_time, forward_time, speculative)`, once per engine step:
    acceptance trials (global and per request), D_TV, hit rates, forward timings into the
-   profile, step overheads, the batch calibration (router/batch.py).
+   profile, step overheads, the batch calibration (router/batch.py). (`observe_cycle`, one
+   chain's cycle without the batch calibration, is what the simulated-pool tests still feed.)
 5. The decision cache (router/evidence.py): decide() reads the evidence as published, which
    changes only when the live estimates move materially (or a model fails or slows down), and
    step 1 (the PlanTable, the expensive part) is reused per row while its key holds: the same
@@ -63,6 +64,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 import numpy as np
 
 from specrouter.config import RouterConfig
+from specrouter.records.stats import CycleStats
 from specrouter.router.cost_model import (
     ModelFreeDraft,
     PlanTable,
@@ -595,6 +597,24 @@ class Router:
         return decision
 
     # -- observing --------------------------------------------------------------------------
+    def observe_cycle(
+        self,
+        stats: CycleStats | None,
+        rows: Sequence[RowOutcome],
+        forwards: Sequence[ForwardRecord] | None = None,
+    ) -> None:
+        """Learn from one executor cycle: `rows` are its per-row outcomes; `forwards` its timed
+        forwards (without them, timings are attributed from `stats` approximately)."""
+        self._observe_rows(rows)
+        if forwards is None and stats is not None and rows:  # shapes approximated from the stats
+            forwards = self._forwards_from_stats(stats, rows)
+        self._observe_forwards(forwards or ())
+        if stats is not None:
+            for name in stats.forward_time:
+                self._model_seen[name] = self.similarity.now
+            self._observe_overhead(stats.wall_time, sum(stats.forward_time.values()), len(stats.chain) > 1)
+        self._tick(rows, stats.wall_time if stats is not None else 0.0)
+
     def observe_step(self, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord],
                      wall_time: float, forward_time: float, speculative: bool) -> None:
         """Learn from one engine step (every row, every model's forwards of the step)."""
@@ -690,3 +710,24 @@ class Router:
     def plan_table(self, row: RowContext) -> PlanTable:
         """The PlanTable of a row now (display: `PlanTable.format()`)."""
         return self.evaluate(row, self.requests.get(row.seq_id))[0]
+
+    def _forwards_from_stats(self, stats: CycleStats, rows: Sequence[RowOutcome]) -> list[ForwardRecord]:
+        """Approximate forward shapes from CycleStats: a draft model ran k one-token steps, a
+        model-free drafter one proposal of k, a verifier at level j one forward of max
+        candidates + 1 tokens per row."""
+        chain, b = tuple(stats.chain), max(stats.rows, 1)
+        L = int(sum(r.context_len for r in rows) / len(rows))
+        out = []
+        for j, name in enumerate(chain):
+            seconds = stats.forward_time.get(name)
+            if seconds is None:
+                continue
+            if j == 0 and len(chain) > 1:
+                k = max(stats.k, 1)
+                shape = (k, 1) if name in self.model_free else (1, k)  # (new tokens, count)
+                out.append(ForwardRecord(name, b, shape[0], L, seconds, shape[1]))
+                continue
+            widest = max(int(r.drafted[j]) for r in rows) + 1 if j < len(rows[0].drafted) else 1
+            per_row = math.ceil(stats.forward_tokens.get(name, b) / b)
+            out.append(ForwardRecord(name, b, max(widest, per_row), L, seconds))
+        return out
