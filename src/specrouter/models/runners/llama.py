@@ -10,6 +10,7 @@ takes its fast paths from the batch's Python mirrors, never from a device sync.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,9 @@ from specrouter.models.runners.attention import attention, blocked_keys, padded_
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
 from specrouter.models.runners.kernels import rowinv
 from specrouter.models.runners.linear import (
+    ATEN_LINEAR,
+    MM,
+    ONEDNN_BLOCKED,
     TRITON,
     Linear,
     kernel_for_torch,
@@ -36,6 +40,7 @@ from specrouter.models.runners.rope import (
     rope_tables,
 )
 
+log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # transformers' config defaults for keys a config.json may omit, per model_type
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072}
@@ -82,6 +87,8 @@ class LlamaArchitecture:
             act = config.get("hidden_act", "silu")
             if act not in ("silu", "swish"):
                 raise CheckpointError(f"hidden_act={act!r} is not supported (only silu)")
+            if head_dim % 2:
+                raise CheckpointError(f"head_dim={head_dim} is odd: rotary embeddings need an even head size")
             if heads % kv_heads:
                 raise CheckpointError(f"num_attention_heads={heads} is not a multiple of {kv_heads=}")
             config = {"max_position_embeddings": _DEFAULT_MAX_POSITIONS[mt], **config}
@@ -300,6 +307,11 @@ class LlamaRunner(ModelRunner):
                     Linear.pack(w(f"{m}down_proj.weight"), w(f"{m}down_proj.bias") if arch.mlp_bias else None, self._kernel),
                 )
             )
+        torch_kernels = (ONEDNN_BLOCKED, ATEN_LINEAR, MM)
+        off = [lin for layer in self._layers for lin in layer if isinstance(lin, Linear) and lin.kernel in torch_kernels]
+        if self._ops is not None and off:  # per op: the rest stays on the native kernels
+            log.warning("model %r: %d of its %d linears run on torch's kernels (an input width the native "
+                        "kernel's blocks do not divide)", name, len(off), 4 * arch.num_layers)
         self._inv_freq, self._rope_scaling = rope_inv_freq(
             arch.rope, arch.head_dim, arch.max_position_embeddings
         )

@@ -215,11 +215,15 @@ inline void exp_n(float* v, int64_t n) {
   }
 }
 
-// fixed-order dot of two float32 vectors of length D (D % 8 == 0 checked by the caller)
+// fixed-order dot of two float32 vectors of length D: 8 lanes over the whole blocks of 8, the
+// horizontal sum, then the last D % 8 elements in order (head sizes such as 12 or 20)
 inline float dot_f(const float* a, const float* b, int64_t D) {
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  return hsum(acc);
+  const int64_t d8 = D / 8 * 8;
+  for (int64_t i = 0; i < d8; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (int64_t i = d8; i < D; ++i) s = std::fma(a[i], b[i], s);
+  return s;
 }
 
 template <typename T>
@@ -289,11 +293,13 @@ void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_
       float sum = 0.f;
       for (int64_t j = 0; j < L; ++j) sum += p[j];
       std::fill(acc.begin(), acc.end(), 0.f);
+      const int64_t d8 = D / 8 * 8;
       for (int64_t j = 0; j < L; ++j) {
         const __m256 pj = _mm256_set1_ps(p[j]);
         const T* vj = values + j * D;
-        for (int64_t d = 0; d < D; d += 8)
+        for (int64_t d = 0; d < d8; d += 8)
           _mm256_storeu_ps(&acc[d], _mm256_fmadd_ps(pj, load8(vj + d), _mm256_loadu_ps(&acc[d])));
+        for (int64_t d = d8; d < D; ++d) acc[d] = std::fma(p[j], to_f(vj[d]), acc[d]);  // D % 8 tail
       }
       const float inv = 1.f / sum;
       for (int64_t d = 0; d < D; ++d) store(&o[d], acc[d] * inv);
@@ -321,8 +327,9 @@ at::Tensor rope_attention(const at::Tensor& qkv, int64_t num_heads, const at::Te
                   sin.is_contiguous(), "cos / sin: contiguous float32 tables");
   const int64_t B = qkv.size(0), Tq = qkv.size(1), D = qkv.size(3);
   const int64_t nkv = k_cache.size(1), P = k_cache.size(2), nh = num_heads;
-  TORCH_CHECK(qkv.size(2) == nh + 2 * nkv && k_cache.size(3) == D && nh % nkv == 0 && D % 8 == 0,
-              "head counts / sizes do not match");
+  TORCH_CHECK(qkv.size(2) == nh + 2 * nkv && k_cache.size(3) == D && nh % nkv == 0 && D % 2 == 0,
+              "head counts / sizes do not match (qkv ", qkv.sizes(), ", ", nh, " query heads, cache ",
+              k_cache.sizes(), ")");
   TORCH_CHECK(cos.size(1) == D, "cos / sin: (positions, D)");
   auto sl = slots.to(at::kLong).contiguous(), st = starts.to(at::kLong).contiguous(),
        nu = nums.to(at::kLong).contiguous();
