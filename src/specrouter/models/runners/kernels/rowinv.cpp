@@ -215,14 +215,16 @@ inline void exp_n(float* v, int64_t n) {
   }
 }
 
-// fixed-order dot of two float32 vectors of length D: 8 lanes over the whole blocks of 8, the
-// horizontal sum, then the last D % 8 elements in order (head sizes such as 12 or 20)
-inline float dot_f(const float* a, const float* b, int64_t D) {
+// fixed-order dot of a float32 query and a key of length D read in its own dtype (bf16 widened
+// in registers, exactly): 8 lanes over the whole blocks of 8, the horizontal sum, then the last
+// D % 8 elements in order (head sizes such as 12 or 20)
+template <typename T>
+inline float dot_q(const float* q, const T* k, int64_t D) {
   __m256 acc = _mm256_setzero_ps();
   const int64_t d8 = D / 8 * 8;
-  for (int64_t i = 0; i < d8; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (int64_t i = 0; i < d8; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc);
   float s = hsum(acc);
-  for (int64_t i = d8; i < D; ++i) s = std::fma(a[i], b[i], s);
+  for (int64_t i = d8; i < D; ++i) s = std::fma(q[i], to_f(k[i]), s);
   return s;
 }
 
@@ -268,7 +270,7 @@ void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_
   for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, starts[b] + nums[b]);
   const int64_t grain = std::max<int64_t>(1, 32768 / (max_len * D));
   at::parallel_for(0, B * nh * Tq, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(max_len), x(D), q(D), k(D), acc(D);
+    std::vector<float> p(max_len), x(D), q(D), acc(D);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t t = item % Tq, h = (item / Tq) % nh, b = item / (Tq * nh);
       T* o = out + ((b * Tq + t) * nh + h) * D;
@@ -284,8 +286,7 @@ void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_
       const T* values = vc + base;
       float m = -INFINITY;
       for (int64_t j = 0; j < L; ++j) {
-        load_f(keys + j * D, k.data(), D);
-        p[j] = dot_f(q.data(), k.data(), D);
+        p[j] = dot_q(q.data(), keys + j * D, D);
         m = p[j] > m ? p[j] : m;
       }
       for (int64_t j = 0; j < L; ++j) p[j] -= m;
