@@ -22,8 +22,16 @@ def test_serve_bench_quick_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
     assert len(by[("router", 2)]["results"]) == len(by[("plain", 2)]["results"]) == 4
     assert all(len(lv["results"]) == 2 for (s, _), lv in by.items() if s.startswith("static "))
     assert len(result["rows"]) == 2 and all(r["router_tps"] > 0 and r["plain_tps"] > 0 for r in result["rows"])
+    # the plain baseline is its own router-off server (issue 25 item 4)
+    assert "--static --chain target" in (tmp_path / "server-plain.log").read_text()
+    # the library beside the server at concurrency 1, greedy texts identical to the servers'
+    lib = {r["library"]: r for r in result["library"]}
+    assert set(lib) == {"API plain", "API router"}
+    assert all(r["library_tps"] > 0 and r["server_tps"] > 0 and r["concurrency"] == 1 for r in lib.values())
+    assert any(g["goal"].startswith("server >= 0.95x the Python API") for g in result["goals"])
     paths = write(result, tmp_path, plots=True)
     assert json.loads(paths[0].read_text())["goals"] and "router / plain" in markdown(result)
+    assert "| API plain | 1 |" in markdown(result)
     assert paths[2].stat().st_size > 1000  # the PNG
 
 
@@ -36,3 +44,25 @@ def test_rounds_pool_into_tokens_over_summed_wall_time():
     assert (a.tokens_per_s, b.tokens_per_s) == (20.0, 40 / 6)
     assert both.tokens_per_s == 80 / 8.0  # not the mean of the two rates (15.0)
     assert len(both.results) == 8 and both.ttft_p50 == 0.2 and both.wall == 8.0
+
+
+def test_continuous_batching_keeps_at_most_c_rows_and_equals_one_by_one(tiny_pool_dirs):
+    """The library's batched baseline: every request, at most c rows at once, outputs as alone."""
+    from specrouter.bench.serve import continuous_batching
+    from specrouter.config import PoolConfig, SamplingParams
+    from specrouter.engine.engine import Engine
+    from specrouter.models.pool import Pool
+
+    d = tiny_pool_dirs
+    pool = Pool.from_config(PoolConfig(models=(str(d["target"]),), dtype="float64", ngram=False, suffix=False))
+    ids = [[5 + i, 9, 11 + i, 3] for i in range(5)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine = Engine(pool, max_num_seqs=2, max_model_len=32)
+    rows = []
+    step = engine.step
+    engine.step = lambda *a: (rows.append(len(engine.running)), step(*a))[1]
+    seqs = continuous_batching(engine, ids, params, 2, (pool.target,))
+    assert max(rows) == 2 and len(seqs) == 5 and all(len(s.output_ids) == 6 for s in seqs)
+    alone = Engine(pool.with_fresh_drafters(), max_num_seqs=1, max_model_len=32)
+    for x, s in zip(ids, seqs):
+        assert alone.generate_ids([x], [params], chain=(pool.target,))[0].output_ids == s.output_ids

@@ -5,13 +5,19 @@ at each concurrency level with the same mixed request stream (code, prose, chat,
 greedy and at t=0.7, for every system in one run, one system after another per level; router
 and plain run `rounds` times per level, alternating which goes first (so neither is always the
 first after a level change), and their figures pool the rounds:
-- `router`: the adaptive router (no chain in the request);
-- `plain`: plain continuous batching of the target (`"specrouter_chain": [target]`);
+- `router`: the adaptive router (no chain in the request), on a `specrouter serve` server;
+- `plain`: plain continuous batching of the target on a SECOND server started with the router
+  off (`--static --chain target`: no router, no shadow proposals, no router bookkeeping), so the
+  router-vs-plain ratio is against what a user would run without SpecRouter's routing;
 - `static <chain>`: each static chain of the pool up to 3 levels at draft length `k`; the best
   of them per (temperature, concurrency) in hindsight is reported as `best static`.
 Per system and level: throughput (generated tokens / wall time of the level), time to first
 token and time per output token (per request: (last - first token time) / (tokens - 1)),
 p50 and p99. Greedy outputs are checked identical across systems (exit status 2 otherwise).
+The server beside the library (issue 34): on the same prompts, greedy, the bench process runs
+the Python API itself (`SpecRouter.generate`, one request at a time, each system on its own pool
+view) for the plain chain and the router, and the engine's own continuous batching of the same
+requests at concurrency 4 (and 8); the `library` table puts each beside the server's figure.
 Output: serve.json, serve.md and serve.png (throughput and p99 latency vs concurrency).
 """
 
@@ -128,7 +134,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(cfg: ServeBenchConfig, models: list[str], port: int, log) -> subprocess.Popen:
+def start_server(cfg: ServeBenchConfig, models: list[str], port: int, log, *, plain: bool = False,
+                 name: str = "server") -> subprocess.Popen:
+    """A `specrouter serve` subprocess; `plain`: the router off (`--static --chain target`)."""
     cmd = [sys.executable, "-m", "specrouter.cli.main", "serve", "--models", *models,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype,
            "--max-num-seqs", str(max(cfg.concurrency)), "--max-queue", str(4 * cfg.requests + 64),
@@ -139,17 +147,22 @@ def start_server(cfg: ServeBenchConfig, models: list[str], port: int, log) -> su
            "--suffix-scope", "api-key"]
     if cfg.target:
         cmd += ["--target", cfg.target]
+    if plain:
+        cmd += ["--static", "--chain", "target"]
     env = dict(os.environ)
     if cfg.threads:
         env["OMP_NUM_THREADS"] = str(cfg.threads)
     log(f"starting: {' '.join(cmd)}")
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-    errors = open(Path(cfg.out_dir) / "server.log", "w")  # a pipe nobody reads could fill up
+    log_path = Path(cfg.out_dir) / f"{name}.log"
+    errors = open(log_path, "w")  # a pipe nobody reads could fill up
+    errors.write(f"$ {' '.join(cmd)}\n")
+    errors.flush()
     proc = subprocess.Popen(cmd, env=env, stdout=errors, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + cfg.startup_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = (Path(cfg.out_dir) / "server.log").read_text()[-2000:]
+            tail = log_path.read_text()[-2000:]
             raise RuntimeError(f"the server exited ({proc.returncode}): {tail}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
@@ -246,18 +259,21 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
     from specrouter.models.default_pool import default_pool_paths
 
     models = list(cfg.models) if cfg.models else [str(p) for p in default_pool_paths()]
-    port = free_port()
-    proc = start_server(cfg, models, port, log)
+    port, plain_port = free_port(), free_port()
+    procs = [start_server(cfg, models, port, log)]
     try:
+        procs.append(start_server(cfg, models, plain_port, log, plain=True, name="server-plain"))
         info = server_info(port)
         card = info["data"][0]
         model, order, target = card["id"], card["specrouter"]["pool"], card["specrouter"]["target"]
-        systems = {"router": {}, "plain": {"specrouter_chain": [target]}}
+        systems = {"router": {}, "plain": {}}
         heads = card["specrouter"].get("heads", ())
         for chain in static_chains(order, target, cfg.static_levels, heads):
             systems["static " + ">".join(chain)] = {"specrouter_chain": list(chain), "specrouter_k": cfg.k}
         base = f"http://127.0.0.1:{port}/v1"
-        asyncio.run(run_level(base, model, ServeBenchConfig(requests=1, max_new_tokens=4), 0.0, 1, "warm-up", {}))
+        bases = {name: base for name in systems} | {"plain": f"http://127.0.0.1:{plain_port}/v1"}
+        for b in set(bases.values()):
+            asyncio.run(run_level(b, model, ServeBenchConfig(requests=1, max_new_tokens=4), 0.0, 1, "warm-up", {}))
         levels: list[LevelResult] = []
         mismatches = []
         for temperature in cfg.temperatures:
@@ -267,7 +283,8 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
                     # round 0: every system; later rounds: router and plain, alternating first
                     names = list(systems) if r == 0 else ("plain", "router") if r % 2 else ("router", "plain")
                     for name in names:
-                        lv = asyncio.run(run_level(base, model, cfg, temperature, c, name, systems[name], r))
+                        lv = asyncio.run(run_level(bases[name], model, cfg, temperature, c, name,
+                                                   systems[name], r))
                         runs[name].append(lv)
                         log(f"t={temperature} c={c} {name} (round {r + 1}): {lv.tokens_per_s:.1f} tok/s, "
                             f"ttft p50 {lv.ttft_p50 * 1e3:.0f} ms, tpot p99 "
@@ -281,15 +298,124 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
                                 if a.text != b.text:
                                     mismatches.append({"system": name, "concurrency": c, "request": i})
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return summarize(cfg, levels, mismatches, models)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    library = library_runs(cfg, models, target, log) if 0.0 in cfg.temperatures else []
+    if 0.0 in cfg.temperatures:  # the library's greedy texts are the servers' (same prompts)
+        served = {(lv.system, lv.concurrency): lv for lv in levels if lv.temperature == 0.0}
+        for run in library:
+            lv = served.get((run["system"], run["server_concurrency"]))
+            if lv is None:
+                continue
+            for i, (a, b) in enumerate(zip(run["texts"], [x.text for x in lv.results])):
+                if a != b:
+                    mismatches.append({"system": f"library {run['name']}", "concurrency": run["concurrency"],
+                                       "request": i})
+    return summarize(cfg, levels, mismatches, models, library)
 
 
-def summarize(cfg: ServeBenchConfig, levels: list[LevelResult], mismatches: list, models: list[str]) -> dict:
+# ---------------------------------------------------------------------------------------------
+# the library beside the server
+
+
+def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log) -> list[dict]:
+    """The Python API on the same greedy requests in this process, after the servers stopped:
+    `SpecRouter.generate` one request at a time (plain chain, router), and the engine's own
+    continuous batching of the requests at the concurrency levels >= 4 (plain chain). Each run
+    on its own view of the pool (nothing learned from another run's outputs)."""
+    import torch
+
+    from specrouter.api import SpecRouter
+    from specrouter.config import PoolConfig, RouterConfig, SamplingParams
+    from specrouter.engine.engine import Engine
+    from specrouter.models.pool import Pool, preview_pool
+    from specrouter.router.setup import build_router
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    pcfg = PoolConfig(models=tuple(models), target=cfg.target, dtype=cfg.dtype)
+    preview = preview_pool(pcfg)
+    pool = Pool.from_config(pcfg, paths=list(preview.paths))
+    sr = SpecRouter(pool)
+    ids_all = [sr.encode(p, chat=chat) for p, chat in prompts(max(cfg.requests, *cfg.concurrency))]
+    ids = ids_all[:cfg.requests]  # what a level of concurrency c sends: max(requests, c) of them
+    params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
+    out = []
+
+    def one_by_one(name: str, system: str, chain):
+        view = pool.with_fresh_drafters()
+        router = None if chain else build_router(view, progress=False, config=RouterConfig())
+        api = SpecRouter(view, router)
+        api.generate(ids[0][:8], max_new_tokens=4, chain=chain)  # warm-up
+        t0, n, texts = time.perf_counter(), 0, []
+        for x in ids:
+            r = api.generate(x, max_new_tokens=cfg.max_new_tokens, chain=chain, ignore_eos=True)[0]
+            n, texts = n + len(r.token_ids), texts + [r.text]
+        wall = time.perf_counter() - t0
+        out.append({"name": name, "system": system, "concurrency": 1, "server_concurrency": 1,
+                    "tokens_per_s": n / wall, "tokens": n, "wall": wall, "texts": texts})
+        log(f"library {name}: {n / wall:.1f} tok/s")
+
+    def batched(c: int):
+        ids = ids_all[:max(cfg.requests, c)]
+        view = pool.with_fresh_drafters()
+        engine = Engine(view, max_num_seqs=c, max_model_len=max(len(x) for x in ids) + cfg.max_new_tokens + 16)
+        engine.generate_ids([ids[0][:8]], [params], chain=(view.target,), k=1)  # warm-up
+        t0 = time.perf_counter()
+        seqs = continuous_batching(engine, ids, params, c, (view.target,))
+        wall = time.perf_counter() - t0
+        n = sum(len(s.output_ids) for s in seqs)
+        texts = [sr.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
+        out.append({"name": f"engine plain c={c}", "system": "plain", "concurrency": c,
+                    "server_concurrency": c, "tokens_per_s": n / wall, "tokens": n, "wall": wall,
+                    "texts": texts})
+        log(f"library engine plain c={c}: {n / wall:.1f} tok/s")
+
+    if 1 in cfg.concurrency:
+        one_by_one("API plain", "plain", (pool.target,))
+        if len(pool.order) > 1:
+            one_by_one("API router", "router", None)
+    for c in cfg.concurrency:
+        if c >= 4:
+            batched(c)
+    return out
+
+
+def continuous_batching(engine, ids: list[list[int]], params, concurrency: int, chain) -> list:
+    """Every request through `engine` with at most `concurrency` rows running, admitted in order
+    as rows finish (what the server does, without the server)."""
+    waiting, running, done = list(range(len(ids))), {}, {}
+    while waiting or running:
+        while waiting and len(running) < concurrency:
+            i = waiting.pop(0)
+            running[i] = engine.add_request(ids[i], params, chain=chain, k=1)
+        engine.step()
+        for i, seq in list(running.items()):
+            if seq.done:
+                done[i] = running.pop(i)
+    return [done[i] for i in range(len(ids))]
+
+
+def library_rows(levels: list[LevelResult], library: list[dict]) -> list[dict]:
+    """Each library run beside the server's figure of the same system, level and prompts."""
+    served = {(lv.system, lv.concurrency): lv for lv in levels if lv.temperature == 0.0}
+    rows = []
+    for run in library:
+        lv = served.get((run["system"], run["server_concurrency"]))
+        server = lv.tokens_per_s if lv is not None else None
+        rows.append({"library": run["name"], "system": run["system"], "concurrency": run["concurrency"],
+                     "library_tps": run["tokens_per_s"], "server_tps": server,
+                     "server_vs_library": server / run["tokens_per_s"] if server else None})
+    return rows
+
+
+def summarize(cfg: ServeBenchConfig, levels: list[LevelResult], mismatches: list, models: list[str],
+              library: list[dict] | None = None) -> dict:
     rows = []
     for temperature in cfg.temperatures:
         for c in cfg.concurrency:
@@ -320,10 +446,19 @@ def summarize(cfg: ServeBenchConfig, levels: list[LevelResult], mismatches: list
          "met": bool(at4) and min(at4) >= 1.15},
         {"goal": "greedy outputs identical across systems", "value": len(mismatches), "met": not mismatches},
     ]
+    lib = library_rows(levels, library or [])
+    at1 = [r["server_vs_library"] for r in lib if r["concurrency"] == 1 and r["server_vs_library"]]
+    batched = [r["server_vs_library"] for r in lib if r["concurrency"] > 1 and r["server_vs_library"]]
+    if at1:
+        goals.append({"goal": "server >= 0.95x the Python API at concurrency 1 (greedy)",
+                      "value": min(at1), "met": min(at1) >= 0.95})
+    if batched:
+        goals.append({"goal": "server >= 0.95x the engine's own batching at concurrency >= 4",
+                      "value": min(batched), "met": min(batched) >= 0.95})
     from specrouter.bench.provenance import provenance
 
     return {"provenance": provenance(), "config": asdict(cfg), "models": models, "load_average": os.getloadavg()[0],
-            "cores": os.cpu_count(), "rows": rows, "goals": goals, "mismatches": mismatches,
+            "cores": os.cpu_count(), "rows": rows, "library": lib, "goals": goals, "mismatches": mismatches,
             "levels": [asdict(lv) for lv in levels]}
 
 
@@ -345,6 +480,14 @@ def markdown(result: dict) -> str:
                      f"{r['router_vs_plain']:.2f}x | {r['best_static']} ({f(r['best_static_tps'])}) | "
                      f"{f(r['router_ttft_p50'], 1e3, 0)} / {f(r['plain_ttft_p50'], 1e3, 0)} | "
                      f"{f(r['router_tpot_p99'], 1e3, 0)} / {f(r['plain_tpot_p99'], 1e3, 0)} |")
+    if result.get("library"):
+        lines += ["", "The server beside the library (greedy, same prompts; plain = the router-off server):", "",
+                  "| library run | concurrency | library tok/s | server tok/s | server / library |",
+                  "| --- | --- | --- | --- | --- |"]
+        for r in result["library"]:
+            ratio = "-" if r["server_vs_library"] is None else f"{r['server_vs_library']:.2f}x"
+            lines.append(f"| {r['library']} | {r['concurrency']} | {f(r['library_tps'])} | "
+                         f"{f(r['server_tps'])} | {ratio} |")
     lines += ["", "| goal | value | met |", "| --- | --- | --- |"]
     for g in result["goals"]:
         v = "-" if g["value"] is None else (f"{g['value']:.2f}" if isinstance(g["value"], float) else str(g["value"]))
