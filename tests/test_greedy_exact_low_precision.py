@@ -61,8 +61,41 @@ def _outputs(sr, prompts, **kw):
     return [r.token_ids for r in sr.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, **kw)]
 
 
+def _on_path(path: str, monkeypatch) -> None:
+    """Every model loaded after this runs kernel path `path` (SPECROUTER_KERNELS): skipped
+    where the CPU lacks its flags (the reason names them); claimed but not built fails."""
+    from specrouter.models.runners.kernels import kernel_path, rowinv, why_not, why_not_native
+
+    reason = why_not(path) or (why_not_native() if path != "torch" else None)
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("SPECROUTER_KERNELS", path)
+    kernel_path.cache_clear()
+    monkeypatch.setattr("specrouter.models.runners.kernels.kernel_path", kernel_path)
+    assert path == "torch" or rowinv() is not None, "native kernels claimed but not built"
+
+
+@pytest.fixture
+def path(request, monkeypatch):
+    from specrouter.models.runners.kernels import kernel_path
+
+    _on_path(request.param, monkeypatch)
+    yield request.param
+    monkeypatch.undo()
+    kernel_path.cache_clear()
+
+
+PATH_IDS = ["avx512bf16", "avx512", "avx2", "torch"]
+
+
+@pytest.mark.parametrize("path", PATH_IDS, indirect=True)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_chain_k_and_the_router_equal_plain_decoding(flat_pool, prompts, dtype):
+def test_every_chain_k_and_the_router_equal_plain_decoding(flat_pool, prompts, dtype, path):
+    """Per kernel path (bits differ between paths; exactness is against plain decoding on the
+    same path)."""
+    from specrouter.models.runners.linear import kernels
+
+    assert kernels().startswith(path + ":")
     sr = _router(flat_pool, dtype)
     plain = _outputs(sr, prompts, chain=("target",))
     # plain decoding one request at a time equals the ragged batch of all four

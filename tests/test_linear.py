@@ -12,11 +12,12 @@ from specrouter.models.runners.attention import (
     blocked_keys,
     padded_length,
 )
-from specrouter.models.runners.kernels import rowinv, why_not_native
+from specrouter.models.runners.kernels import PATHS, kernel_path, rowinv, why_not, why_not_native
 from specrouter.models.runners.linear import (
     ATEN_LINEAR,
     FALLBACK_BY_DTYPE,
     MM,
+    NATIVE_BY_PATH,
     ONEDNN,
     ONEDNN_BLOCKED,
     ROWINV,
@@ -27,19 +28,28 @@ from specrouter.models.runners.linear import (
     linear_add,
 )
 
-# skipped only where the native kernels are not claimed (a CPU flag missing, or
-# SPECROUTER_KERNELS=torch); claimed but not built is a failure (`_kernel`)
-NATIVE = pytest.param("native", marks=pytest.mark.skipif(why_not_native() is not None, reason=str(why_not_native())))
+def _path(path: str):
+    """A kernel path as a test id: skipped only where it is not claimed here (the CPU lacks a
+    flag, named in the reason, or SPECROUTER_KERNELS=torch); claimed but not built fails
+    (`_kernel`)."""
+    reason = why_not(path) or why_not_native()
+    return pytest.param(path, marks=pytest.mark.skipif(reason is not None, reason=str(reason)))
+
+
+NATIVE_PATHS = [_path(p) for p in PATHS if p != "torch"]
+WHICH = [*NATIVE_PATHS, "torch"]
 
 
 def _kernel(which: str, dtype: torch.dtype) -> str:
-    """The kernel a test runs: the native one (float32 / bfloat16) or torch's fallback."""
-    if which == "native":
+    """The kernel a test runs: path `which`'s native one (float32 / bfloat16) or torch's fallback."""
+    if which != "torch":
         assert rowinv() is not None, "the CPU has the native kernels' flags but they did not build"
-    return ROWINV if which == "native" and dtype in (torch.float32, torch.bfloat16) else FALLBACK_BY_DTYPE[dtype]
+    if which != "torch" and dtype in (torch.float32, torch.bfloat16):
+        return NATIVE_BY_PATH[which][dtype]
+    return FALLBACK_BY_DTYPE[dtype]
 
 
-@pytest.mark.parametrize("which", [NATIVE, "torch"])
+@pytest.mark.parametrize("which", WHICH)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16])
@@ -59,20 +69,22 @@ def test_linear_matches_reference(which, dtype, with_bias, n):
     assert lin.kernel == _kernel(which, dtype)
 
 
-def test_native_kernel_falls_back_where_its_blocks_do_not_divide_the_input():
-    lin = Linear.pack(torch.randn(8, 24, dtype=torch.bfloat16))  # 24 % 16 != 0
+@pytest.mark.parametrize("which", NATIVE_PATHS)
+def test_native_kernel_falls_back_where_its_blocks_do_not_divide_the_input(which):
+    in_f = 24 if which == "avx2" else 23  # AVX2: blocks of 16 bfloat16; AVX-512: pairs
+    lin = Linear.pack(torch.randn(8, in_f, dtype=torch.bfloat16), kernel=_kernel(which, torch.bfloat16))
     assert lin.kernel == FALLBACK_BY_DTYPE[torch.bfloat16]
-    x = torch.randn(3, 24, dtype=torch.bfloat16)
+    x = torch.randn(3, in_f, dtype=torch.bfloat16)
     assert torch.equal(linear(x, lin), torch.cat([linear(x[i : i + 1], lin) for i in range(3)]))
 
 
-@pytest.mark.parametrize("which", [NATIVE, "torch"])
+@pytest.mark.parametrize("which", WHICH)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_every_row_count_is_row_invariant(which, dtype, with_bias):
     """1 row, 2-3 rows, and 4..40 rows: each row's bits are those of a 1-row call, for the
     plain and the residual-fused kernel (SmolLM2-135M's o_proj / down_proj widths)."""
-    if which == "native" and dtype == torch.float64:
+    if which != "torch" and dtype == torch.float64:
         pytest.skip("float64 has one kernel (mm)")
     g = torch.Generator().manual_seed(0)
     for out_f, in_f in ((576, 576), (576, 1536)):
@@ -92,11 +104,41 @@ def test_every_row_count_is_row_invariant(which, dtype, with_bias):
 def test_kernels_name_one_choice_per_precision():
     assert FALLBACK_BY_DTYPE[torch.float32] == (ONEDNN_BLOCKED if ONEDNN else MM)
     assert FALLBACK_BY_DTYPE[torch.bfloat16] in (ONEDNN_BLOCKED, ATEN_LINEAR)
+    native = rowinv() is not None and kernel_path() != "torch"
     for dtype in (torch.float32, torch.bfloat16):
-        assert kernel_for(dtype) == (ROWINV if rowinv() is not None else FALLBACK_BY_DTYPE[dtype])
+        assert kernel_for(dtype) == (NATIVE_BY_PATH[kernel_path()][dtype] if native else FALLBACK_BY_DTYPE[dtype])
     assert kernel_for(torch.float64) == MM
     name = kernels()
+    assert name.startswith(kernel_path() + ":")
     assert kernel_for(torch.float32) in name and kernel_for(torch.bfloat16) in name
+
+
+def test_the_fastest_path_the_cpu_has_is_chosen_and_a_forced_one_must_exist(monkeypatch):
+    """No SPECROUTER_KERNELS: the first of PATHS whose flags the CPU has (a Zen 1 without
+    AVX-512 gets avx2, a Zen 4 avx512bf16); a forced path the CPU lacks, or an unknown one, is
+    an error naming the flag, never a silent substitute."""
+    from specrouter.models.runners import kernels as k
+
+    monkeypatch.delenv("SPECROUTER_KERNELS", raising=False)
+    zen1 = frozenset({"avx2", "fma", "sse4_2"})
+    zen4 = zen1 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+    for flags, want in ((zen1, "avx2"), (zen4, "avx512bf16"), (zen4 - {"avx512_bf16"}, "avx512"),
+                        (frozenset({"sse4_2"}), "torch")):
+        monkeypatch.setattr(k, "cpu_flags", lambda flags=flags: flags)
+        k.kernel_path.cache_clear()
+        assert k.kernel_path() == want
+    monkeypatch.setattr(k, "cpu_flags", lambda: zen1)
+    for forced, error, words in (("avx512bf16", RuntimeError, "avx512f"), ("avx512", RuntimeError, "avx512bw"),
+                                 ("sse9", ValueError, "avx512bf16, avx512, avx2, torch")):
+        monkeypatch.setenv("SPECROUTER_KERNELS", forced)
+        k.kernel_path.cache_clear()
+        with pytest.raises(error, match=words):
+            k.kernel_path()
+    monkeypatch.setenv("SPECROUTER_KERNELS", "avx2")
+    k.kernel_path.cache_clear()
+    assert k.kernel_path() == "avx2"
+    monkeypatch.undo()
+    k.kernel_path.cache_clear()
 
 
 def _causal(q_pos: torch.Tensor, groups: int, Lp: int) -> torch.Tensor:

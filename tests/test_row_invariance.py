@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from specrouter.models.runners.base import ForwardBatch
-from specrouter.models.runners.kernels import why_not_native
+from specrouter.models.runners.kernels import PATHS, why_not, why_not_native
+from specrouter.models.runners.linear import NATIVE_BY_PATH
 from specrouter.models.runners.llama import LlamaArchitecture, LlamaRunner
 
 SMOLLM2_135M = dict(
@@ -47,19 +48,23 @@ def _run(runner: LlamaRunner, rows: list[tuple[int, int, list[int]]]) -> list[to
 
 @pytest.fixture(
     scope="module",
-    params=[(d, k) for k in ("native", "torch") for d in (torch.float32, torch.bfloat16)],
-    ids=["fp32-native", "bf16-native", "fp32-torch", "bf16-torch"],
+    params=[(d, k) for k in PATHS for d in (torch.float32, torch.bfloat16)],
+    ids=[f"{d}-{k}" for k in PATHS for d in ("fp32", "bf16")],
 )
 def runner(request):
-    """The native kernels (kernels/rowinv.cpp) and torch's fallback ones, in each precision."""
+    """Each kernel path (the native AVX-512-BF16, AVX-512F and AVX2 linears, and torch's
+    fallback ones), in each precision."""
     torch.manual_seed(0)
     dtype, kernels = request.param
-    if kernels == "native" and why_not_native() is not None:
-        pytest.skip(why_not_native())
+    reason = None if kernels == "torch" else (why_not(kernels) or why_not_native())
+    if reason:  # the CPU lacks the path's flags (named), or SPECROUTER_KERNELS=torch
+        pytest.skip(reason)
     # the 135M widths, vocabulary and heads; 6 of its 30 layers (each layer runs the same kernels)
     runner = random_runner(SMOLLM2_135M, dtype, num_slots=6, max_len=100, num_layers=6, kernels=kernels)
     # claimed but not built fails, never silently runs torch's kernels
-    assert (runner._ops is not None) == (kernels == "native"), "native kernels claimed but not built"
+    assert (runner._ops is not None) == (kernels != "torch"), "native kernels claimed but not built"
+    if kernels != "torch":
+        assert runner._kernel == NATIVE_BY_PATH[kernels][dtype]
     return runner
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from specrouter.models.runners.attention import KEY_CHUNK, MIN_ROWS
-from specrouter.models.runners.kernels import rowinv
+from specrouter.models.runners.kernels import kernel_path, rowinv
 
 log = logging.getLogger(__name__)
 _ops = getattr(torch.ops, "mkldnn", None)
@@ -66,9 +66,19 @@ def _onednn_available(dtype: torch.dtype) -> bool:
 ONEDNN = _onednn_available(torch.float32)
 ONEDNN_BF16 = _onednn_available(torch.bfloat16)
 
-# kernels, one per precision (on CPU)
-ROWINV, ONEDNN_BLOCKED, ATEN_LINEAR, MM = "rowinv", "onednn-blocked", "aten-linear", "mm"
+# kernels, one per precision (on CPU): the native ones (rowinv.cpp's AVX2 linear,
+# linear512.cpp's AVX-512F one and its AVX-512-BF16 vdpbf16ps one), then torch's
+ROWINV, ROWINV512, ROWINV_DP = "rowinv", "rowinv512", "rowinv512-dpbf16"
+ONEDNN_BLOCKED, ATEN_LINEAR, MM = "onednn-blocked", "aten-linear", "mm"
+NATIVE_KERNELS = (ROWINV, ROWINV512, ROWINV_DP)
+# the native kernel of each (path, dtype)
+NATIVE_BY_PATH = {
+    "avx512bf16": {torch.float32: ROWINV512, torch.bfloat16: ROWINV_DP},
+    "avx512": {torch.float32: ROWINV512, torch.bfloat16: ROWINV512},
+    "avx2": {torch.float32: ROWINV, torch.bfloat16: ROWINV},
+}
 TRITON = "triton"  # the GPU path's batch-invariant matmul (runners/triton/matmul.py)
+TILE_512 = 32  # linear512.cpp's outputs per tile
 # the torch kernels, where rowinv cannot run
 FALLBACK_BY_DTYPE = {
     torch.float32: ONEDNN_BLOCKED if ONEDNN else MM,
@@ -84,11 +94,13 @@ PADS, PROBE_OUT = (4, 8, 16, CHUNK), 640
 ROWWISE = 0  # a policy: every row alone, padded to PADS[0] rows
 
 
-def kernel_for(dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
-    """The kernel every linear of a `dtype` model on `device` runs (see `Linear.pack` for the
-    one exception: an input width rowinv's blocks do not divide)."""
-    if torch.device(device).type == "cpu" and dtype in ROWINV_BLOCK and rowinv() is not None:
-        return ROWINV
+def kernel_for(dtype: torch.dtype, device: torch.device | str = "cpu", path: str | None = None) -> str:
+    """The kernel every linear of a `dtype` model on `device` runs on kernel path `path` (default
+    `kernel_path()`: the CPU's fastest, or SPECROUTER_KERNELS's); see `Linear.pack` for the one
+    exception: an input width a native kernel's blocks do not divide."""
+    path = path or kernel_path()
+    if torch.device(device).type == "cpu" and path in NATIVE_BY_PATH and dtype in ROWINV_BLOCK and rowinv() is not None:
+        return NATIVE_BY_PATH[path][dtype]
     return kernel_for_torch(dtype, device)
 
 
@@ -103,8 +115,8 @@ def kernels() -> str:
     """The kernels of the linears and attention: part of the cost-profile fingerprint, so
     timings swept under other kernels are not reused."""
     attn = "rowinv" if rowinv() is not None else f"chunk{KEY_CHUNK}rows{MIN_ROWS}"
-    return "fp32:{}+bf16:{}+rows-checked{}+attn:{}".format(
-        kernel_for(torch.float32), kernel_for(torch.bfloat16), CHUNK, attn
+    return "{}:fp32:{}+bf16:{}+rows-checked{}+attn:{}".format(
+        kernel_path(), kernel_for(torch.float32), kernel_for(torch.bfloat16), CHUNK, attn
     )
 
 
@@ -182,6 +194,23 @@ def row_policy(kernel: str, dtype: torch.dtype, in_features: int, out_features: 
     return ROWWISE
 
 
+def pack_512(weight: torch.Tensor) -> torch.Tensor:
+    """(out, in) -> linear512's tiles: float32 (ceil(out/32), in, 32), bfloat16
+    (ceil(out/32), in/2, 32, 2) (the pair k, k+1 of an output side by side), padding outputs zero."""
+    out_f, in_f = weight.shape
+    w = F.pad(weight, (0, 0, 0, -out_f % TILE_512))  # (ceil32(out), in)
+    if weight.dtype == torch.float32:
+        return w.view(-1, TILE_512, in_f).transpose(1, 2).contiguous()
+    return w.view(-1, TILE_512, in_f // 2, 2).transpose(1, 2).contiguous()
+
+
+def _fits(kernel: str, dtype: torch.dtype, in_f: int) -> bool:
+    """Whether native `kernel` takes an input width of in_f."""
+    if kernel == ROWINV:
+        return in_f % ROWINV_BLOCK[dtype] == 0
+    return dtype == torch.float32 or in_f % 2 == 0
+
+
 def pack_rowinv(weight: torch.Tensor) -> torch.Tensor:
     """(out, in) -> rowinv's streaming layout (ceil(out/4), in/B, 4, B): 4 outputs' blocks of
     B elements side by side, padding outputs zero."""
@@ -195,10 +224,10 @@ def pack_rowinv(weight: torch.Tensor) -> torch.Tensor:
 class Linear:
     """One linear layer, y = x @ W.T + b, its weight in the layout of its kernel."""
 
-    weight: torch.Tensor  # rowinv: pack_rowinv's; onednn-blocked: opaque blocked;
+    weight: torch.Tensor  # rowinv: pack_rowinv's; rowinv512*: pack_512's; onednn-blocked: opaque blocked;
     #                       aten-linear, triton: (out, in); mm: (in, out)
     bias: torch.Tensor | None  # (out,)
-    kernel: str  # ROWINV | ONEDNN_BLOCKED | ATEN_LINEAR | MM | TRITON
+    kernel: str  # NATIVE_KERNELS | ONEDNN_BLOCKED | ATEN_LINEAR | MM | TRITON
     out_features: int
     pad: int = 0  # torch kernels: the row policy (`row_policy`); rowinv: unused
 
@@ -208,10 +237,13 @@ class Linear:
         choice of `kernel_for`."""
         kernel = kernel or kernel_for(weight.dtype, weight.device)
         out_f, in_f = weight.shape
-        if kernel == ROWINV and in_f % ROWINV_BLOCK[weight.dtype]:
+        if kernel in NATIVE_KERNELS and not _fits(kernel, weight.dtype, in_f):
             kernel = FALLBACK_BY_DTYPE[weight.dtype]
-        if kernel == ROWINV:
-            return Linear(pack_rowinv(weight.contiguous()), None if bias is None else bias.contiguous(), kernel, out_f)
+        if kernel in NATIVE_KERNELS:
+            if rowinv() is None:
+                raise RuntimeError(f"kernel {kernel!r}: the native kernels are not available here")
+            pack = pack_rowinv if kernel == ROWINV else pack_512
+            return Linear(pack(weight.contiguous()), None if bias is None else bias.contiguous(), kernel, out_f)
         if kernel == TRITON:  # (out, in) as in the checkpoint; invariant by construction
             return Linear(weight.contiguous(), bias, kernel, out_f)
         pad = row_policy(kernel, weight.dtype, in_f, out_f, bias is not None) if weight.device.type == "cpu" else PADS[0]
@@ -224,6 +256,8 @@ def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
         return _rowinv.linear(x, w.weight, w.out_features, w.bias, None)
     if w.kernel == TRITON:
         return _triton_linear(x, w.weight, w.bias)
+    if w.kernel in NATIVE_KERNELS:
+        return _rowinv.linear512(x, w.weight, w.out_features, w.bias, None, w.kernel == ROWINV_DP)
     return _run_torch(w.kernel, w.pad, x, w.weight, w.bias, None)
 
 
@@ -233,6 +267,8 @@ def linear_add(residual: torch.Tensor, x: torch.Tensor, w: Linear) -> torch.Tens
         return _rowinv.linear(x, w.weight, w.out_features, w.bias, residual)
     if w.kernel == TRITON:
         return _triton_linear(x, w.weight, w.bias, residual)
+    if w.kernel in NATIVE_KERNELS:
+        return _rowinv.linear512(x, w.weight, w.out_features, w.bias, residual, w.kernel == ROWINV_DP)
     return _run_torch(w.kernel, w.pad, x, w.weight, w.bias, residual)
 
 

@@ -22,13 +22,14 @@ import torch.nn.functional as F
 from specrouter.errors import CheckpointError, ContextLengthError, DeviceError
 from specrouter.models.runners.attention import attention, blocked_keys, padded_length
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
-from specrouter.models.runners.kernels import rowinv
+from specrouter.models.runners.kernels import PATHS, rowinv, why_not
 from specrouter.models.runners.linear import (
     ATEN_LINEAR,
     MM,
     ONEDNN_BLOCKED,
     TRITON,
     Linear,
+    kernel_for,
     kernel_for_torch,
     linear,
     linear_add,
@@ -249,19 +250,25 @@ class LlamaRunner(ModelRunner):
         self.num_params = sum(t.numel() for t in tensors.values())
         self._logits_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         # norms, RoPE + attention and the MLP's activation on the native row-invariant
-        # kernels (kernels/rowinv.cpp) where they run, else on torch's; on a GPU ("native" on
-        # CUDA, or "triton" anywhere: the interpreter on CPU) on the batch-invariant Triton
-        # kernels (runners/triton/)
-        if kernels not in ("native", "torch", "triton"):
-            raise ValueError(f"kernels must be 'native', 'torch' or 'triton', got {kernels!r}")
+        # kernels (kernels/rowinv.cpp, linear512.cpp) where they run, else on torch's; "native"
+        # on the CPU: the process's kernel path (kernels.kernel_path()), a path name forces one;
+        # on a GPU ("native" on CUDA, or "triton" anywhere: the interpreter on CPU) on the
+        # batch-invariant Triton kernels (runners/triton/)
+        if kernels not in ("native", "triton", *PATHS):
+            raise ValueError(f"kernels must be 'native', 'triton' or one of {PATHS}, got {kernels!r}")
+        if kernels not in ("native", "torch", "triton") and why_not(kernels):
+            raise RuntimeError(f"kernels={kernels!r}: {why_not(kernels)}")
         self._gpu = kernels == "triton" or (kernels == "native" and self.device.type == "cuda")
         if self._gpu:
             _check_gpu_path(dtype, self.device)
-        native = kernels == "native" and dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
+        native = (kernels not in ("torch", "triton") and dtype in (torch.float32, torch.bfloat16)
+                  and self.device.type == "cpu")
         self._ops = rowinv() if native else None
         self.packs_ragged = self._ops is not None  # _forward_native packs ragged batches
-        # every linear on the native kernel with the other native ops, else on torch's
-        self._kernel = TRITON if self._gpu else None if self._ops is not None else kernel_for_torch(dtype, self.device)
+        # every linear on the path's native kernel with the other native ops, else on torch's
+        self._kernel = (TRITON if self._gpu
+                        else kernel_for(dtype, self.device, None if kernels == "native" else kernels)
+                        if self._ops is not None else kernel_for_torch(dtype, self.device))
         self._norm = self._make_norm()
 
         def w(n: str) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """The native CPU kernels, compiled on first use and cached: the runner's row-invariant ops
-(rowinv.cpp: `linear`, `rope_attention`, `rms_norm`, `silu_mul`) and the sampling noise
+(rowinv.cpp: `linear` (AVX2), `rope_attention`, `rms_norm`, `silu_mul`; linear512.cpp:
+`linear512`, the AVX-512 and AVX-512-BF16 linears) and the sampling noise
 (noise.cpp: `coupled_argmax`, decoding/noise.py's lazy Gumbel-max in one call).
 
 `rowinv()` returns `torch.ops.specrouter_rowinv` (all of those ops) or None where
 they cannot run: a CPU without AVX2/FMA, no C++ compiler, a torch without the extension
 tooling, or `SPECROUTER_KERNELS=torch` in the environment (the portable torch kernels then
-serve, see runners/linear.py). The first call compiles rowinv.cpp and noise.cpp with torch's C++ extension
+serve, see runners/linear.py). `kernel_path()` is the path of PATHS the linears take: the
+fastest this CPU has the flags of, or the one SPECROUTER_KERNELS forces. The first call compiles rowinv.cpp and noise.cpp with torch's C++ extension
 builder (about 25 s on 2 cores, once per machine and torch version: the build is cached under
 ~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR).
 """
@@ -23,8 +25,17 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(f) for f in ("rowinv.cpp", "noise.cpp")]
-ENV = "SPECROUTER_KERNELS"  # "torch": never build or use the native kernels
+SOURCES = [Path(__file__).with_name(f) for f in ("rowinv.cpp", "linear512.cpp", "noise.cpp")]
+ENV = "SPECROUTER_KERNELS"  # a path of PATHS: force it ("torch": never build or use the native kernels)
+# the kernel paths, fastest first, and the CPU flags (Linux's names) each needs; the native
+# ops other than the linear (attention, norms, silu) are AVX2 + FMA on every native path
+PATHS = ("avx512bf16", "avx512", "avx2", "torch")
+PATH_FLAGS = {
+    "avx512bf16": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+    "avx512": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "avx2": ("avx2", "fma"),
+    "torch": (),
+}
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # OpenMP: torch's own runtime (libgomp) serves
 
 
@@ -43,17 +54,42 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(flags | ({"avx512f", "avx512bw", "avx512vl"} if cap.startswith(("AVX512", "AMX")) else set()))
 
 
-NATIVE_FLAGS = ("avx2", "fma")  # what the native kernels need
+NATIVE_FLAGS = PATH_FLAGS["avx2"]  # what every native path needs
+
+
+def missing_flags(path: str) -> list[str]:
+    """The flags `path` needs that this CPU lacks."""
+    return [f for f in PATH_FLAGS[path] if f not in cpu_flags()]
+
+
+def why_not(path: str) -> str | None:
+    """Why kernel path `path` cannot run here ("the CPU lacks avx512_bf16"), or None."""
+    missing = missing_flags(path)
+    return f"the CPU lacks {', '.join(missing)} (kernel path {path})" if missing else None
+
+
+@functools.cache
+def kernel_path() -> str:
+    """The kernel path of this process: SPECROUTER_KERNELS if set (an unknown or unsupported
+    path is an error, never a silent substitute), else the fastest path of PATHS this CPU has
+    the flags of. (Whether the native kernels then build is `rowinv()`'s business.)"""
+    forced = os.environ.get(ENV, "").strip().lower()
+    if forced:
+        if forced not in PATHS:
+            raise ValueError(f"{ENV}={forced!r}: not a kernel path (choose one of {', '.join(PATHS)})")
+        if why_not(forced):
+            raise RuntimeError(f"{ENV}={forced}: {why_not(forced)}")
+        return forced
+    return next(p for p in PATHS if not missing_flags(p))
 
 
 def why_not_native() -> str | None:
     """Why the native kernels are not expected to run here (the CPU lacks a flag, or
     SPECROUTER_KERNELS=torch), or None: then they are claimed, and `rowinv()` returning None
     (a failed build) is a defect the tests report, not a skip."""
-    if os.environ.get(ENV, "").lower() == "torch":
+    if os.environ.get(ENV, "").strip().lower() == "torch":
         return f"{ENV}=torch"
-    missing = [f for f in NATIVE_FLAGS if f not in cpu_flags()]
-    return f"the CPU lacks {', '.join(missing)}" if missing else None
+    return why_not("avx2")
 
 
 def _cpu_supported() -> bool:
@@ -82,7 +118,7 @@ def auto_dtype() -> torch.dtype:
 @functools.cache
 def rowinv():
     """torch.ops.specrouter_rowinv, built on first use; None where it cannot run here."""
-    if os.environ.get(ENV, "").lower() == "torch" or not _cpu_supported():
+    if kernel_path() == "torch" or not _cpu_supported():
         return None
     try:
         from torch.utils.cpp_extension import _get_build_directory, load

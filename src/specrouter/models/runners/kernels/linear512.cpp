@@ -1,0 +1,257 @@
+// Row-invariant linear on AVX-512: `linear512`, two paths chosen by the caller (runners/linear.py)
+// from the CPU's flags, each compiled for its own instruction set (function target attributes;
+// the rest of the extension stays AVX2):
+//
+//   avx512     float32: one FMA per (row, 16 outputs, k); bfloat16 weights widened exactly to
+//              float32 (shift / mask), activations widened exactly, the same FMAs.
+//   avx512bf16 bfloat16 only: `vdpbf16ps`, 32 bfloat16 products per instruction (exact
+//              products, float32 accumulation, the pair (k, k+1) summed into the accumulator in
+//              the instruction's fixed order), activations in bfloat16 as the model computes them.
+//
+// Layout: a weight is packed once (runners/linear.py `pack_512`) into tiles of TILE = 32
+// outputs, (O/32, K, 32) float32 or (O/32, K/2, 32, 2) bfloat16, so a tile streams one
+// contiguous block. The 16 lanes of an accumulator are 16 outputs of one row; each output of
+// each row has its own accumulator, fed by one fixed sequence of instructions over k = 0, 1, ...
+// (a broadcast activation times the weights), and is finished by one add of the bias, one of the
+// residual and one rounding. A register tile is up to ROWS rows x 32 outputs: the weights of a k
+// step are loaded once for all its rows. The row count decides only how many rows share those
+// loads, never the sequence of an output: a row's bits do not depend on the other rows (1 row
+// included) nor on the threads, which split tiles of outputs.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+using bf16 = uint16_t;
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define T512BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+constexpr int64_t TILE = 32, ROWS = 12;  // 2 x 16 output lanes; <= 24 accumulators in registers
+
+inline float to_f(float v) { return v; }
+inline float to_f(bf16 v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store(float* p, float v) { *p = v; }
+inline void store(bf16* p, float v) {  // round to nearest even, NaN kept quiet (as rowinv.cpp)
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *p = static_cast<bf16>((u >> 16) | 0x40);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *p = static_cast<bf16>(u >> 16);
+}
+
+// acc (R, TILE) float32 of rows n0.. and outputs o0.. -> y, bias then residual, one rounding
+template <typename T>
+inline void finish(const float* acc, int R, int64_t n0, int64_t o0, int64_t O, const T* bias,
+                   const T* residual, T* y) {
+  const int64_t width = O - o0 < TILE ? O - o0 : TILE;  // the last tile's padding outputs
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = n0 + r;
+    for (int64_t j = 0; j < width; ++j) {
+      const int64_t o = o0 + j;
+      float v = acc[r * TILE + j];
+      if (bias) v += to_f(bias[o]);
+      if (residual) v = to_f(residual[n * O + o]) + v;
+      store(&y[n * O + o], v);
+    }
+  }
+}
+
+// float32 x (R rows of K, row stride K) times one tile (K, 32) float32 -> acc (R, 32)
+template <int R>
+T512 void tile_f32(const float* x, int64_t K, const float* w, float* acc) {
+  __m512 a[R][2];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k, w += TILE) {
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+      a[r][0] = _mm512_fmadd_ps(xb, w0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(xb, w1, a[r][1]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * TILE, a[r][0]);
+    _mm512_storeu_ps(acc + r * TILE + 16, a[r][1]);
+  }
+}
+
+// float32 x (R rows of K) times one bfloat16 tile (K/2, 32, 2), widened: k then k + 1
+template <int R>
+T512 void tile_bf16_fma(const float* x, int64_t K, const bf16* w, float* acc) {
+  __m512 a[R][2];
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2, w += 2 * TILE) {
+    const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 32);
+    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, hi));
+    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16)), o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, hi));
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 xe = _mm512_set1_ps(x[r * K + k]), xo = _mm512_set1_ps(x[r * K + k + 1]);
+      a[r][0] = _mm512_fmadd_ps(xo, o0, _mm512_fmadd_ps(xe, e0, a[r][0]));
+      a[r][1] = _mm512_fmadd_ps(xo, o1, _mm512_fmadd_ps(xe, e1, a[r][1]));
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * TILE, a[r][0]);
+    _mm512_storeu_ps(acc + r * TILE + 16, a[r][1]);
+  }
+}
+
+// bfloat16 x (R rows of K) times one bfloat16 tile (K/2, 32, 2) with vdpbf16ps
+template <int R>
+T512BF void tile_bf16_dp(const bf16* x, int64_t K, const bf16* w, float* acc) {
+  __m512 a[R][2];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2, w += 2 * TILE) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + k, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], xb, w0);
+      a[r][1] = _mm512_dpbf16_ps(a[r][1], xb, w1);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * TILE, a[r][0]);
+    _mm512_storeu_ps(acc + r * TILE + 16, a[r][1]);
+  }
+}
+
+// one tile for R = 1..ROWS rows (instantiated per R so the accumulators stay in registers)
+#define DISPATCH_ROWS(fn, R, ...)                                  \
+  switch (R) {                                                     \
+    case 1: fn<1>(__VA_ARGS__); break;                             \
+    case 2: fn<2>(__VA_ARGS__); break;                             \
+    case 3: fn<3>(__VA_ARGS__); break;                             \
+    case 4: fn<4>(__VA_ARGS__); break;                             \
+    case 5: fn<5>(__VA_ARGS__); break;                             \
+    case 6: fn<6>(__VA_ARGS__); break;                             \
+    case 7: fn<7>(__VA_ARGS__); break;                             \
+    case 8: fn<8>(__VA_ARGS__); break;                             \
+    case 9: fn<9>(__VA_ARGS__); break;                             \
+    case 10: fn<10>(__VA_ARGS__); break;                           \
+    case 11: fn<11>(__VA_ARGS__); break;                           \
+    default: fn<12>(__VA_ARGS__); break;                           \
+  }
+
+// tiles [t0, t1) of outputs, every row: for each tile, rows ROWS at a time
+template <typename T>
+T512BF void run_tiles_dp(const bf16* x, int64_t N, int64_t K, const bf16* w, int64_t O, const T* bias,
+                         const T* residual, T* y, int64_t t0, int64_t t1) {
+  alignas(64) float acc[ROWS * TILE];
+  for (int64_t t = t0; t < t1; ++t) {
+    const bf16* wt = w + t * K * TILE;
+    for (int64_t n = 0; n < N; n += ROWS) {
+      const int R = static_cast<int>(N - n < ROWS ? N - n : ROWS);
+      DISPATCH_ROWS(tile_bf16_dp, R, x + n * K, K, wt, acc)
+      finish(acc, R, n, t * TILE, O, bias, residual, y);
+    }
+  }
+}
+
+template <typename T, typename W>
+T512 void run_tiles_fma(const float* x, int64_t N, int64_t K, const W* w, int64_t O, const T* bias,
+                        const T* residual, T* y, int64_t t0, int64_t t1) {
+  alignas(64) float acc[ROWS * TILE];
+  for (int64_t t = t0; t < t1; ++t) {
+    const W* wt = w + t * K * TILE;
+    for (int64_t n = 0; n < N; n += ROWS) {
+      const int R = static_cast<int>(N - n < ROWS ? N - n : ROWS);
+      if constexpr (sizeof(W) == 4) {
+        DISPATCH_ROWS(tile_f32, R, x + n * K, K, wt, acc)
+      } else {
+        DISPATCH_ROWS(tile_bf16_fma, R, x + n * K, K, wt, acc)
+      }
+      finish(acc, R, n, t * TILE, O, bias, residual, y);
+    }
+  }
+}
+
+// x (N, K); weight packed by pack_512 ((ceil(O/32), K, 32) float32 or (ceil(O/32), K/2, 32, 2)
+// bfloat16, dtype of x); bias (O,) or None; residual (N, O) or None; dp: bfloat16 on
+// vdpbf16ps (else widened FMAs) -> (N, O), dtype of x
+at::Tensor linear512(const at::Tensor& x, const at::Tensor& weight, int64_t O, const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& residual, bool dp) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x: (N, K) on the CPU");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "linear512: float32 or bfloat16, got ", dt);
+  TORCH_CHECK(!dp || dt == at::kBFloat16, "linear512: vdpbf16ps takes bfloat16");
+  const int64_t N = x.size(0), K = x.size(1), tiles = (O + TILE - 1) / TILE;
+  TORCH_CHECK(weight.scalar_type() == dt && weight.is_contiguous() && weight.numel() == tiles * K * TILE &&
+                  weight.size(0) == tiles && (dt == at::kFloat || K % 2 == 0),
+              "weight: packed by pack_512 for x (", N, ", ", K, ") and O=", O);
+  at::Tensor b, r;
+  if (bias && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == dt && b.numel() == O, "bias: (", O, ",) of the dtype of x");
+  }
+  if (residual && residual->defined()) {
+    r = residual->contiguous();
+    TORCH_CHECK(r.scalar_type() == dt && r.dim() == 2 && r.size(0) == N && r.size(1) == O,
+                "residual: (N, O), dtype of x");
+  }
+  at::Tensor y = at::empty({N, O}, x.options());
+  if (N == 0) return y;
+  at::Tensor xc = x.contiguous();
+  if (dt == at::kFloat) {
+    const float* xp = xc.data_ptr<float>();
+    const float* wp = weight.data_ptr<float>();
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    const float* rp = r.defined() ? r.data_ptr<float>() : nullptr;
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      run_tiles_fma<float, float>(xp, N, K, wp, O, bp, rp, yp, t0, t1);
+    });
+    return y;
+  }
+  auto p = [](const at::Tensor& t) { return t.defined() ? reinterpret_cast<const bf16*>(t.data_ptr()) : nullptr; };
+  const bf16* wp = p(weight);
+  const bf16* bp = p(b);
+  const bf16* rp = p(r);
+  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
+  if (dp) {
+    const bf16* xp = p(xc);
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      run_tiles_dp<bf16>(xp, N, K, wp, O, bp, rp, yp, t0, t1);
+    });
+  } else {
+    at::Tensor xf = xc.to(at::kFloat);  // exact
+    const float* xp = xf.data_ptr<float>();
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      run_tiles_fma<bf16, bf16>(xp, N, K, wp, O, bp, rp, yp, t0, t1);
+    });
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specrouter_rowinv, m) {
+  m.def("linear512(Tensor x, Tensor weight, int out_features, Tensor? bias=None, Tensor? residual=None, bool dp=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) { m.impl("linear512", &linear512); }
