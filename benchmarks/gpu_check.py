@@ -88,7 +88,8 @@ def write_pair(root: Path, shape: dict, draft_layers: int, noise: float, seed: i
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(dims)
         else:
-            tensors[name] = torch.randn(dims, generator=g) * 0.02 * (3.0 if "embed" in name else 1.0)
+            # layers stronger than the embedding, so the output is not the input token repeated
+            tensors[name] = torch.randn(dims, generator=g) * (0.02 if "embed" in name else 0.06)
         layer = int(name.split(".")[1]) if name.startswith("layers.") else -1
         if layer >= draft_layers and ("o_proj" in name or "down_proj" in name):
             tensors[name] *= noise
