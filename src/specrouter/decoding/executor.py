@@ -81,6 +81,7 @@ class StepResult:
     forward_time: dict[str, float]  # seconds per model over the step
     wall_time: float  # seconds for the whole step
     speculative: bool  # some row ran a drafter
+    tv_seconds: float = 0.0  # of the wall time, measuring D_TV at verified positions
 
 
 class ChainExecutor:
@@ -98,6 +99,7 @@ class ChainExecutor:
         state: StateManager,
         vocab_width: int,
         order: list[str] | None = None,
+        heads: frozenset[str] = frozenset(),
         clock=time.perf_counter,
     ):
         self.runners = runners
@@ -106,7 +108,7 @@ class ChainExecutor:
         self.vocab_width = vocab_width
         self.order = list(order) if order is not None else [*drafters, *runners]
         self.target = self.order[-1]
-        self.heads = frozenset(n for n, r in runners.items() if getattr(r, "is_head", False))
+        self.heads = frozenset(heads)  # draft heads among the runners (Pool.heads)
         if self.heads and state.features is None:
             raise ValueError("a pool with a draft head needs a StateManager with a FeatureStore")
         self.clock = clock  # timing source (tests inject a virtual clock)
@@ -166,7 +168,7 @@ class ChainExecutor:
             return
         drafter = self.drafters[name]
         floors = [w.min_confidence for w in work]
-        sized = {"min_confidence": floors} if any(floors) and getattr(drafter, "sized_by_confidence", False) else {}
+        sized = {"min_confidence": floors} if any(floors) and drafter.sized_by_confidence else {}
         t0 = self.clock()
         tokens, lengths = drafter.propose([w.seq.tokens for w in work], [w.k for w in work],
                                           [w.seq.tenant for w in work], **sized)
@@ -281,7 +283,7 @@ class ChainExecutor:
             states.append(st)
         batch = ForwardBatch.build(slots, starts, feeds, positions)
         width = batch.tokens.shape[1]
-        if getattr(self.runners[name], "packs_ragged", False):  # it costs its valid tokens
+        if self.runners[name].packs_ragged:  # it costs its valid tokens
             width = sum(batch.num_tokens_list) / len(work)
         context = sum(starts) // len(starts)
         if keep is None:
