@@ -196,6 +196,8 @@ class QuietRouterHooks:
     """`RouterProtocol` for scripted routers that only `decide` each row: plan_batch asks
     decide() row by row; nothing is learned."""
 
+    measure_tv = False
+
     def plan_batch(self, rows, pinned=()):
         from specrouter.records.routing import BatchPlan
 

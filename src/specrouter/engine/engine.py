@@ -102,6 +102,7 @@ class Engine:
         self.state = StateManager(pool.runners, features=_feature_store(pool))
         self.executor = ChainExecutor(pool.runners, pool.drafters, self.state, pool.vocab_width,
                                       order=list(pool.order), heads=pool.heads, clock=clock)
+        self.executor.measure_tv = router is not None and router.measure_tv
         self.rng = torch.Generator()  # seeds of requests without one (AsyncEngine reseeds it)
         self.rng.manual_seed(torch.seed())
         self._ids = itertools.count()

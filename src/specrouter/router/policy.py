@@ -152,6 +152,7 @@ class Router:
             raise ValueError(f"no cost profile for {unprofiled}: run specrouter.router.profile.sweep() or CostProfile.load()")
         self.profile = profile
         self.similarity = similarity or SimilarityEstimator(sizes, self.model_free, cfg.similarity)
+        self.measure_tv = self.similarity.config.measure_tv  # RouterProtocol: the executor measures D_TV
         self.on_decision = on_decision
         self.timer = timer  # measures decide() (real time, also under a virtual clock)
         self.chains: list[Chain] = [
@@ -246,6 +247,11 @@ class Router:
         if req is None:
             return glob
         prior = self.request_prior(pair, mode, glob)
+        own = req.sim_score(pair)
+        if own is not None:  # its own similarity, through the mode's calibration
+            w = min(self.config.request_tv_cap, self.config.request_tv_weight * own[1])
+            prior = shrink(w * self.similarity.calibrate(own[0], mode), w, prior,
+                           self.config.request_prior_strength)
         c = req.counts.get(pair)
         if c is None:
             return prior
@@ -447,15 +453,17 @@ class Router:
                     req.observe_hit(chain[0], hit, cfg.request_hit_decay)
                     self.board.note_hit(req, chain[0])
                     proposal_len = r.k
+                tv = float(r.tv[j]) if r.tv is not None and j < len(r.tv) and r.tv[j] is not None else math.nan
+                if math.isfinite(tv):  # the row's own D_TV at these candidates (decoding/tv.py)
+                    sim.observe_tv(pair, mode, tv, cand)
+                    req.observe_tv(pair, tv, cand, cfg.request_decay)
                 a, rej = acceptance_trials(cand, acc, proposal_len)
                 if a + rej:
-                    sim.observe_acceptance(pair, mode, a, rej)
+                    sim.observe_acceptance(pair, mode, a, rej, 1.0 - tv if math.isfinite(tv) else None)
                     req.observe(pair, a, rej, cfg.request_decay)
                     self.board.note_alpha(req, pair, mode)
                 else:
                     sim.touch(pair, mode)
-                if r.tv is not None and j < len(r.tv) and r.tv[j] is not None and math.isfinite(r.tv[j]):
-                    sim.observe_tv(pair, mode, float(r.tv[j]), cand)
 
     def _observe_overhead(self, wall_time: float, forward_time: float, speculative: bool) -> None:
         key = "spec" if speculative else "plain"
