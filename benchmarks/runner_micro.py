@@ -167,17 +167,18 @@ def available_paths() -> list[str]:
     return [p for p in PATHS if p == "torch" or (why_not(p) is None and rowinv() is not None)]
 
 
-def time_scaling(path: Path, paths: list[str], iters: int, rounds: int = 3) -> dict:
-    """{(dtype name, kernel path): {n: min ms}}: T(n) for n in SCALING_TOKENS on each path, the
-    paths taking turns `rounds` times per n."""
+def time_scaling(path: Path, paths: list[str], iters: int, rounds: int = 4) -> dict:
+    """{(dtype name, kernel path): {n: min ms}}: T(n) for n in SCALING_TOKENS on each path; each
+    round times every n on every path in turn, so drift on shared cores hits T(n) and T(1) alike;
+    the min over `rounds` rounds is reported."""
     out: dict[tuple[str, str], dict[int, float]] = {}
     for dt_name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         systems = {p: native_steps(path, dt, kernels=p, tokens=SCALING_TOKENS) for p in paths}
-        for n in SCALING_TOKENS:
-            for _ in range(rounds):
+        for _ in range(rounds):
+            for n in SCALING_TOKENS:
                 for p, steps in systems.items():
                     cell = out.setdefault((dt_name, p), {})
-                    cell[n] = min(cell.get(n, float("inf")), _time_ms(steps[n], iters)[1])
+                    cell[n] = min(cell.get(n, float("inf")), _time_ms(steps[n], iters, warmup=1)[1])
         for p in paths:
             row = out[(dt_name, p)]
             print(f"135M {dt_name} {p:>10}: " + ", ".join(f"T({n}) {row[n]:.2f} ms" for n in SCALING_TOKENS),
@@ -276,7 +277,7 @@ def main() -> None:
                 **kw,
             )
             if name == "135M" and "scaling" in args.sections:
-                scaling = time_scaling(path, paths, max(8, args.iters // 3))
+                scaling = time_scaling(path, paths, max(6, args.iters // 4))
             if "steps" not in args.sections:
                 continue
             n_params = load_llama_runner(path, max_len=8).num_params
