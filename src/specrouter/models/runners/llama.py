@@ -51,6 +51,9 @@ _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072}
 # a draft checkpoint's frequent-token list, {"token_ids": [...], ...}: the runner computes only
 # those logits (see LlamaRunner._make_embed_and_head)
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+# the native decoder stack in one call (`decoder_layers`) where it serves; False: the Python loop
+# over the same ops (per-op profiles, tests that patch an op such as `linear`)
+FUSED_STACK = True
 _DEFAULT_KV_HEADS = {"llama": None, "qwen2": 32, "mistral": 8}  # None: = num_attention_heads
 
 
@@ -597,7 +600,7 @@ class LlamaRunner(ModelRunner):
                 x = inputs.index_select(0, valid)  # (N, H)
         else:
             x = self._embed_fn(batch.tokens).view(B * T, H) if inputs is None else inputs  # (N, H)
-        if self._fused is not None:  # the loop below in one native call: the same ops, the same bits
+        if self._fused is not None and FUSED_STACK:  # the loop below in one native call: the same bits
             params, outs, kernel = self._fused
             x = ops.decoder_layers(x, params, outs, kernel, self._k, self._v, B, T, nh, D, self.arch.rms_norm_eps,
                                    cos, sin, slots, starts, nums, valid)

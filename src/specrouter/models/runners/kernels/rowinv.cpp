@@ -107,20 +107,25 @@ inline void fma_block(const float* xr, const bf16* w, __m256& a) {  // 16 weight
 // accumulators; each weight block is loaded (and, in bfloat16, widened) once for the R rows.
 // The sequence of an accumulator (row r, output j) is fma_block over i = 0, B, 2B, ... whatever R.
 template <int R, typename W>
-inline void tile_rows(const float* x, int64_t K, const W* wg, __m256 (&a)[R][4]) {
+__attribute__((always_inline)) inline void tile_rows(const float* x, int64_t K, const W* wg, __m256 (&a)[R][4]) {
   constexpr int64_t Bk = sizeof(W) == 4 ? BLOCK_F32 : BLOCK_BF16;
+#pragma GCC unroll 3
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) a[r][j] = _mm256_setzero_ps();
   const W* wp = wg;
   for (int64_t i = 0; i < K; i += Bk, wp += 4 * Bk) {
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       if constexpr (sizeof(W) == 4) {
         const __m256 w = _mm256_loadu_ps(reinterpret_cast<const float*>(wp) + j * Bk);
+#pragma GCC unroll 3
         for (int r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + i), w, a[r][j]);
       } else {  // as fma_block: the even elements, then the odd ones
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + j * Bk));
         const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
         const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xffff0000)));
+#pragma GCC unroll 3
         for (int r = 0; r < R; ++r) {
           a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + i), we, a[r][j]);
           a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + i + 8), wo, a[r][j]);
@@ -148,7 +153,9 @@ void linear_impl(const float* x, int64_t N, int64_t K, const W* w, int64_t O, co
     constexpr int R = decltype(R_)::value;
     __m256 a[R][4];
     tile_rows<R, W>(x + n * K, K, wg, a);
+#pragma GCC unroll 3
     for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) finish(n + r, o0 + j, a[r][j]);
   };
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -307,6 +314,28 @@ inline void load_f(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
 }
 
+// the max of p[0..n) (exact in any order); the sum of p[0..n) in a fixed order that depends on
+// n only: 8 lanes over the whole blocks of 8, the fixed horizontal sum, then the tail in order
+inline float max_n(const float* p, int64_t n) {
+  __m256 acc = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) acc = _mm256_max_ps(_mm256_loadu_ps(p + j), acc);
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+  float m = _mm_cvtss_f32(s);
+  for (; j < n; ++j) m = p[j] > m ? p[j] : m;
+  return m;
+}
+inline float sum_n(const float* p, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + j));
+  float s = hsum(acc);
+  for (; j < n; ++j) s += p[j];
+  return s;
+}
+
 // n elements -> float32, exactly (8 at a time, then the tail)
 template <typename T>
 inline void widen(const T* src, float* dst, int64_t n) {
@@ -384,16 +413,14 @@ void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_
         const int64_t pos = starts[b] + t, L = pos + 1;
         load_f(qkv + ((b * Tq + t) * heads + h) * D, x.data(), D);
         rope_head(x.data(), cos + pos * D, sin + pos * D, D, q.data());
-        float m = -INFINITY;
         int64_t j = 0;
         if (D % 8 == 0)
           for (; j + 4 <= L; j += 4) dot_q4(q.data(), keys + j * D, D, &p[j]);
         for (; j < L; ++j) p[j] = dot_q(q.data(), keys + j * D, D);
-        for (j = 0; j < L; ++j) m = p[j] > m ? p[j] : m;
+        const float m = max_n(p.data(), L);
         for (j = 0; j < L; ++j) p[j] -= m;
         exp_n(p.data(), L);
-        float sum = 0.f;
-        for (j = 0; j < L; ++j) sum += p[j];
+        const float sum = sum_n(p.data(), L);
         weighted_values(p.data(), values, L, D, acc.data());
         const float inv = 1.f / sum;
         for (int64_t d = 0; d < D; ++d) store(&o[d], acc[d] * inv);
