@@ -218,8 +218,8 @@ class RouterConfig:
     request_min_finished: int = 3  # finished requests before their quantile is used
     request_hit_decay: float = 0.95  # per proposal: a request's own model-free hit counts forget (~20)
     # a request's own D_TV (decayed like its counts) makes its prior for a pair f(its SimScore),
-    # worth this many pseudo-trials per measured position, up to request_tv_cap
-    request_tv_weight: float = 1.0
+    # worth this many pseudo-trials per measured position, up to request_tv_cap pseudo-trials
+    request_tv_weight: float = 4.0  # (a measured position gives a probability, a trial one 0/1 outcome)
     request_tv_cap: float = 32.0
     shadow_k: int = MAX_DRAFT_LENGTH  # tokens asked of model-free drafters when shadow-scoring rows not running them
     probe_k: int = 8  # longest draft of a probe cycle
