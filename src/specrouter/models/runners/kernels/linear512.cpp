@@ -34,38 +34,40 @@ using bf16 = uint16_t;
 
 constexpr int64_t TILE = 32, ROWS = 12;  // 2 x 16 output lanes; <= 24 accumulators in registers
 
-inline float to_f(float v) { return v; }
-inline float to_f(bf16 v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+// 16 values of an output row, masked: float32 as is, bfloat16 widened exactly
+T512 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+T512 inline __m512 load16(const bf16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
-inline void store(float* p, float v) { *p = v; }
-inline void store(bf16* p, float v) {  // round to nearest even, NaN kept quiet (as rowinv.cpp)
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *p = static_cast<bf16>((u >> 16) | 0x40);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = static_cast<bf16>(u >> 16);
+T512 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+// bfloat16: rounded to nearest even, NaN kept quiet, lane by lane as rowinv.cpp's store() rounds
+T512 inline void store16(bf16* p, __m512 v, __mmask16 m) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rne = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rne, quiet)));
 }
 
-// acc (R, TILE) float32 of rows n0.. and outputs o0.. -> y, bias then residual, one rounding
+// acc (R, TILE) float32 of rows n0.. and outputs o0.. -> y: + bias, then residual +, one rounding
+// (rowinv.cpp's store()), 16 outputs at a time
 template <typename T>
-inline void finish(const float* acc, int R, int64_t n0, int64_t o0, int64_t O, const T* bias,
+T512 void finish16(const float* acc, int R, int64_t n0, int64_t o0, int64_t O, const T* bias,
                    const T* residual, T* y) {
   const int64_t width = O - o0 < TILE ? O - o0 : TILE;  // the last tile's padding outputs
-  for (int r = 0; r < R; ++r) {
-    const int64_t n = n0 + r;
-    for (int64_t j = 0; j < width; ++j) {
-      const int64_t o = o0 + j;
-      float v = acc[r * TILE + j];
-      if (bias) v += to_f(bias[o]);
-      if (residual) v = to_f(residual[n * O + o]) + v;
-      store(&y[n * O + o], v);
+  for (int64_t h = 0; h < TILE; h += 16) {
+    const int64_t w = width - h;
+    if (w <= 0) break;
+    const __mmask16 m = w >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << w) - 1);
+    const __m512 b = bias ? load16(bias + o0 + h, m) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = n0 + r;
+      __m512 v = _mm512_loadu_ps(acc + r * TILE + h);
+      if (bias) v = _mm512_add_ps(v, b);
+      if (residual) v = _mm512_add_ps(load16(residual + n * O + o0 + h, m), v);
+      store16(y + n * O + o0 + h, v, m);
     }
   }
 }
@@ -168,7 +170,7 @@ T512BF void run_tiles_dp(const bf16* x, int64_t N, int64_t K, const bf16* w, int
     for (int64_t n = 0; n < N; n += ROWS) {
       const int R = static_cast<int>(N - n < ROWS ? N - n : ROWS);
       DISPATCH_ROWS(tile_bf16_dp, R, x + n * K, K, wt, acc)
-      finish(acc, R, n, t * TILE, O, bias, residual, y);
+      finish16(acc, R, n, t * TILE, O, bias, residual, y);
     }
   }
 }
@@ -186,7 +188,7 @@ T512 void run_tiles_fma(const float* x, int64_t N, int64_t K, const W* w, int64_
       } else {
         DISPATCH_ROWS(tile_bf16_fma, R, x + n * K, K, wt, acc)
       }
-      finish(acc, R, n, t * TILE, O, bias, residual, y);
+      finish16(acc, R, n, t * TILE, O, bias, residual, y);
     }
   }
 }
