@@ -26,6 +26,14 @@ finish_reason "error"; the other rows of its batch are rolled back and rerun alo
 Capacity: with `max_num_seqs` and `max_model_len` given, caches are allocated once and requests
 that do not fit raise `CapacityError` (a server queues them); without them, caches are sized to
 the batch when no sequence is live (offline use).
+
+Prefix caching (state/prefix_cache.py, on unless `prefix_cache=False`): a finished (or aborted)
+row's slots are parked at `_finish`, and `add_request` adopts the longest cached prefix of the
+prompt (same engine, same tenant) in every model; engines over views of one pool share the
+cache's slots (any may reclaim them) but never read each other's entries (side-by-side
+comparisons stay honest); caches hold `PrefixCache.extra_slots` slots beyond the
+running rows for it, and offline reservations round positions up (a power of two) so that a
+growing conversation does not reallocate (which drops parked slots) at every turn.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from specrouter.errors import (
 from specrouter.models.pool import Pool
 from specrouter.records.routing import RowContext
 from specrouter.state.manager import StateManager
+from specrouter.state.prefix_cache import PrefixCache
 from specrouter.state.sequence import Sequence
 
 
@@ -66,6 +75,9 @@ def _feature_store(pool: Pool):
 
     target = pool.runners[pool.target]
     return FeatureStore(target.arch.hidden_size, target.dtype, target.device)
+
+
+_ENGINE_IDS = itertools.count()
 
 
 class CapacityError(SpecRouterError):
@@ -91,8 +103,13 @@ class Engine:
         max_model_len: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
         router=None,
+        prefix_cache: bool = True,
+        kv_cache_bytes: int | None = None,
     ):
         self.pool = pool
+        # parked KV of finished rows, shared by every engine over these runners (None: off)
+        self.prefix_cache = PrefixCache.of(pool.runners, kv_cache_bytes) if prefix_cache else None
+        self._cache_scope = next(_ENGINE_IDS)  # entries are keyed (engine, tenant)
         self.router = router  # router.policy.Router: picks chain and k per row every cycle
         self.clock = clock
         self.state = StateManager(pool.runners, features=_feature_store(pool))
@@ -109,7 +126,7 @@ class Engine:
         self.fixed_capacity = max_num_seqs is not None and max_model_len is not None
         if self.fixed_capacity:
             for r in pool.runners.values():
-                r.reserve(max_num_seqs, max_model_len)
+                r.reserve(max_num_seqs + self._parked_slots(max_model_len), max_model_len)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.on_cycle: Callable[[CycleStats], None] | None = None
@@ -181,6 +198,9 @@ class Engine:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator or self.rng))
         seq.seed_key = seed_key(seed)
         self.state.add(seq.seq_id)
+        if self.prefix_cache is not None:
+            seq.stats.cached_tokens = self.prefix_cache.adopt(
+                seq.seq_id, seq.tokens, (self._cache_scope, tenant), self.state, self.pool.target).cached_tokens
         self.running[seq.seq_id] = seq
         self._plans[seq.seq_id] = (chain, k) if chain is not None else None
         self._start[seq.seq_id] = self.clock()
@@ -203,13 +223,22 @@ class Engine:
                 )
             r.reserve(max(new_rows, r.num_slots), max(positions, 1))
 
+    def _parked_slots(self, positions: int) -> int:
+        return 0 if self.prefix_cache is None else self.prefix_cache.extra_slots(positions)
+
     def reserve(self, num_rows: int, positions: int) -> None:
-        """Offline use: size every cache for `num_rows` rows of `positions` positions."""
+        """Offline use: size every cache for `num_rows` rows of `positions` positions (with the
+        prefix cache: plus its parked slots, positions rounded up to a power of two >= 256
+        within the models' contexts)."""
         if self.running:
             raise RuntimeError("cannot resize caches while sequences are running")
         if not self.fixed_capacity:
+            if self.prefix_cache is not None:
+                positions = max(positions, min(max(256, 1 << (positions - 1).bit_length()),
+                                               self.context_limit(tuple(self.pool.runners))))
+            extra = self._parked_slots(positions)
             for r in self.pool.runners.values():
-                r.reserve(num_rows, positions)
+                r.reserve(num_rows + extra, positions)
 
     def abort(self, seq_id: int) -> None:
         """Stop a row now (e.g. its client went away) and free its state."""
@@ -228,7 +257,10 @@ class Engine:
         self._plans.pop(seq.seq_id, None)
         self._floors.pop(seq.seq_id, None)
         self._peek_at.pop(seq.seq_id, None)
-        self.state.release(seq.seq_id)
+        if self.prefix_cache is not None and seq.finish_reason != "error":
+            self.prefix_cache.park(seq.tokens, (self._cache_scope, seq.tenant), self.state.detach(seq.seq_id))
+        else:
+            self.state.release(seq.seq_id)
         if self.router is not None:
             self.router.release(seq.seq_id)
 

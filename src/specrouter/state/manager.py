@@ -66,6 +66,17 @@ class StateManager:
             st = states[model] = ModelState(slot=self.runners[model].allocate_slot())
         return st
 
+    def adopt(self, seq_id: int, model: str, slot: int, cache_len: int) -> None:
+        """Start the model's state on a slot already holding the KV of the sequence's first
+        `cache_len` tokens (a prefix cache hit, state/prefix_cache.py); features restart at 0."""
+        states = self._states[seq_id]
+        assert model not in states, "a prefix is adopted before the model's first use"
+        states[model] = ModelState(slot=slot, cache_len=cache_len)
+
+    def detach(self, seq_id: int) -> dict[str, ModelState]:
+        """Remove the sequence and hand its states (and slots) to the caller (a prefix cache)."""
+        return self._states.pop(seq_id, {})
+
     def release(self, seq_id: int) -> None:
         """Free every cache slot the sequence holds."""
         for model, st in self._states.pop(seq_id, {}).items():

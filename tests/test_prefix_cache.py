@@ -1,0 +1,250 @@
+"""Prefix caching (state/prefix_cache.py): a hit is bit-identical to recomputation.
+
+Randomized interleavings of requests that share prefixes (multi-turn conversations, exact
+retries, a shared system prompt, two tenants, aborts) over ragged batches and several chains
+(pinned and the router's) give the same greedy outputs with the cache on as with it off, in
+float64, float32 and bfloat16; right after every adoption each adopted model's cache equals a
+fresh prefill. Eviction keeps parked KV under a tiny budget; a tenant never adopts another's
+entry (checked on the runner's forwards: its first forward starts at position 0); a reserve that
+reallocates drops parked slots; running requests reclaim parked slots from any engine."""
+
+import random
+
+import pytest
+import torch
+from fixtures import load_named_pool
+from test_state import assert_cache_is_fresh_prefill
+
+from specrouter.config import SamplingParams
+from specrouter.engine.engine import Engine
+from specrouter.state.prefix_cache import PrefixCache
+
+NAMES = ["ngram", "draft", "mid", "target"]
+CHAINS = [("target",), ("draft", "target"), ("ngram", "target"), ("draft", "mid", "target"),
+          ("ngram", "draft", "target")]
+
+
+@pytest.fixture(scope="module")
+def flat_dirs(tmp_path_factory):
+    """float32 checkpoints whose target logits sit close together (near-ties: one differing
+    bit flips an argmax), as in test_greedy_exact_low_precision.py."""
+    from fixtures import make_tiny_llama
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("prefixpool")
+    kw = dict(hidden_size=64, num_layers=3, tie_word_embeddings=False, max_position_embeddings=512)
+    target = make_tiny_llama(root / "target", seed=1, **kw)
+    f = target / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 0.05
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return {
+        "target": target,
+        "mid": make_tiny_llama(root / "mid", seed=2, init_from=target, noise=0.1, **kw),
+        "draft": make_tiny_llama(root / "draft", seed=3, init_from=target, noise=0.4, **kw),
+    }
+
+
+def load(dirs, dtype):
+    return load_named_pool(dirs, [n for n in NAMES if n != "ngram"], dtype=dtype, ngram=True)
+
+
+def script(eng: Engine, seed: int, check_fresh: bool = False, scratch=None) -> list[list[int]]:
+    """A deterministic stream of requests sharing prefixes, run on `eng` step by step; returns
+    every request's output. Later prompts are built from earlier outputs (multi-turn), so any
+    difference in one output shows in the following requests too."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 300) for _ in range(40)]  # a shared system prompt
+    convs: list[list[int]] = [[] for _ in range(3)]  # multi-turn histories
+    outputs, history, live = {}, [], {}
+
+    def step():
+        eng.step()
+        for sid, (s, conv, abort) in list(live.items()):
+            if abort and s.num_generated >= 2 and not s.done:
+                eng.abort(sid)
+            if s.done:
+                if conv is not False and s.finish_reason != "abort":
+                    convs[conv] = list(s.tokens)
+                outputs[s.request] = (s.finish_reason, s.output_ids)
+                del live[sid]
+
+    for i in range(22):
+        while len(eng.running) >= 5:
+            step()
+        kind = rng.choice(["turn", "turn", "retry", "system", "fresh"])
+        if kind == "turn":
+            c = rng.randrange(3)
+            prompt = (convs[c] or system[:rng.randint(5, 40)]) + [rng.randrange(3, 300) for _ in range(rng.randint(1, 6))]
+        elif kind == "retry" and history:
+            prompt = list(rng.choice(history))
+        elif kind == "system":
+            prompt = system + [rng.randrange(3, 300) for _ in range(rng.randint(1, 8))]
+        else:
+            prompt = [rng.randrange(3, 300) for _ in range(rng.randint(2, 20))]
+        history.append(prompt)
+        tenant = rng.choice([None, "A", "B"])
+        chain = rng.choice(CHAINS + [None] * 2) if eng.router is not None else rng.choice(CHAINS)
+        params = SamplingParams(max_new_tokens=rng.randint(4, 14), ignore_eos=True)
+        seq = eng.add_request(prompt, params, chain=chain, k=rng.randint(1, 5), tenant=tenant)
+        if check_fresh:
+            for name, st in eng.state.states_of(seq.seq_id).items():
+                assert_cache_is_fresh_prefill(eng.pool.runners[name], st, seq.tokens, scratch[name])
+        seq.request = i
+        live[seq.seq_id] = (seq, kind == "turn" and c, rng.random() < 0.1)
+        # run a random number of steps: ragged batches, requests joining and leaving
+        for _ in range(rng.randint(0, 6)):
+            step()
+    while live:
+        step()
+    return outputs
+
+
+def run_pair(dirs, dtype, seed, routed=False, **engine_kw):
+    """The script with the cache on and off (each on its own pool) -> (on, off, cache)."""
+    out = []
+    for cached in (True, False):
+        pool = load(dirs, dtype)
+        router = None
+        if routed:
+            from test_engine_kv import scripted_profile
+
+            from specrouter.router.policy import Router
+            router = Router.from_pool(pool, scripted_profile({}))
+        eng = Engine(pool, router=router, prefix_cache=cached, clock=lambda: 0.0, **engine_kw)
+        scratch = {n: r for n, r in pool.runners.items()}
+        if cached:
+            scratch = {n: r.allocate_slot() for n, r in pool.runners.items()}
+        out.append((script(eng, seed, check_fresh=cached, scratch=scratch), eng))
+    (on, eng_on), (off, _) = out
+    return on, off, eng_on.prefix_cache
+
+
+@pytest.mark.parametrize("dtype,seed,routed", [("float64", 0, False), ("float64", 1, True),
+                                               ("float32", 2, False), ("bfloat16", 3, False),
+                                               ("bfloat16", 4, True)])
+def test_interleaved_requests_identical_with_cache_on_and_off(tiny_pool_dirs, flat_dirs, dtype, seed, routed):
+    dirs = tiny_pool_dirs if dtype == "float64" else flat_dirs
+    on, off, cache = run_pair(dirs, dtype, seed, routed=routed, max_num_seqs=6, max_model_len=256)
+    assert sorted(on) == sorted(off)
+    for i, (reason, out) in on.items():
+        other_reason, other = off[i]
+        if "abort" in (reason, other_reason):  # aborted after a step: where it stopped may differ
+            n = min(len(out), len(other))
+            assert out[:n] == other[:n]
+        else:
+            assert (reason, out) == (other_reason, other), i
+    s = cache.stats
+    print(f"\n{dtype}: {s}")
+    assert s.hits >= 5 and s.cached_tokens >= 100, s  # the cache was really used
+    assert s.copies + s.moves == s.hits and s.copies >= 1, s
+
+
+def test_offline_generate_ids_multiturn_identical(tiny_pool_dirs):
+    """The offline path (reserve per call, no fixed capacity): turns of a conversation."""
+    outs = []
+    for cached in (True, False):
+        eng = Engine(load(tiny_pool_dirs, "float64"), prefix_cache=cached)
+        conv, turns = [5, 6, 7], []
+        for t in range(5):
+            conv = conv + [10 + t, 20 + t, 30 + t]
+            (seq,) = eng.generate_ids([conv], [SamplingParams(max_new_tokens=8, ignore_eos=True)],
+                                      chain=("draft", "target"))
+            turns.append((seq.output_ids, seq.stats.cached_tokens, len(seq.tokens)))
+            conv = list(seq.tokens)
+        outs.append(turns)
+        if cached:  # every later turn took the previous turn's slots (nothing else needs them)
+            assert eng.prefix_cache.stats.moves == 4 and eng.prefix_cache.stats.copies == 0
+    on, off = outs
+    assert [o for o, _, _ in on] == [o for o, _, _ in off]
+    assert [c for _, c, _ in off] == [0] * 5
+    # turn t adopts everything the previous turn cached: its tokens but the last (never fed)
+    assert [c for _, c, _ in on] == [0] + [n - 1 for _, _, n in on][:-1], on
+
+
+def test_budget_bounds_parked_bytes_and_evicts(tiny_pool_dirs):
+    pool = load(tiny_pool_dirs, "float64")
+    probe = PrefixCache(pool.runners, 0)
+    eng = Engine(pool, max_num_seqs=2, max_model_len=128, prefix_cache=True, kv_cache_bytes=1 << 30)
+    cache = eng.prefix_cache
+    assert cache is probe  # one cache per set of runners (the engine's budget replaced the probe's)
+    one = sum(cache.slot_bytes(n) for n in ("draft", "mid", "target"))
+    cache.budget_bytes = int(1.5 * one)  # room for one sequence's KV in every model
+    rng = random.Random(0)
+    for i in range(8):
+        prompt = [rng.randrange(3, 300) for _ in range(12)]
+        eng.generate_ids([prompt], [SamplingParams(max_new_tokens=4, ignore_eos=True)], chain=("draft", "mid", "target"))
+        assert cache.parked_bytes <= cache.budget_bytes
+        assert len(cache.entries) <= 1
+    assert cache.stats.evictions >= 6
+
+
+def test_tenant_never_adopts_another_tenants_entry(tiny_pool_dirs):
+    """A recording runner: the first forward of B's request (same prompt as A's parked one)
+    starts at position 0; A's retry starts past the cached prefix."""
+    pool = load(tiny_pool_dirs, "float64")
+    eng = Engine(pool, max_num_seqs=2, max_model_len=128)
+    target = pool.runners["target"]
+    starts: list[tuple[int, int]] = []  # (slot, start) of every target row
+    forward = target.forward
+    target.forward = lambda batch: (starts.extend(zip(batch.slots_list, batch.starts_list)), forward(batch))[1]
+    prompt = list(range(3, 40))
+
+    def first_start(tenant, eng=eng):
+        starts.clear()
+        seq = eng.add_request(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True), chain=("target",), tenant=tenant)
+        slot = eng.state.state(seq.seq_id, "target").slot
+        while not seq.done:
+            eng.step()
+        return next(s for sl, s in starts if sl == slot), seq.stats.cached_tokens
+
+    assert first_start("A") == (0, 0)
+    assert first_start("B") == (0, 0)  # B cannot see A's entry
+    assert first_start("A") == (len(prompt) - 1, len(prompt) - 1)
+    assert first_start(None) == (0, 0)  # nor can the shared scope
+    # another engine over a view of the same pool (a side-by-side comparison) sees nothing either
+    other = Engine(pool.with_fresh_drafters(), max_num_seqs=2, max_model_len=128)
+    assert other.prefix_cache is eng.prefix_cache
+    assert first_start("A", other) == (0, 0)
+    assert first_start("A", other) == (len(prompt) - 1, len(prompt) - 1)
+
+
+def test_reallocation_drops_parked_slots_and_stale_parts_are_never_adopted(tiny_pool_dirs):
+    pool = load(tiny_pool_dirs, "float64")
+    eng = Engine(pool)
+    prompt = list(range(3, 30))
+    eng.generate_ids([prompt], [SamplingParams(max_new_tokens=4, ignore_eos=True)], chain=("draft", "target"))
+    cache = eng.prefix_cache
+    assert len(cache.entries) == 1
+    gen = pool.runners["target"].generation
+    eng.reserve(pool.runners["target"].num_slots + 1, 16)  # more rows: every cache reallocates
+    assert cache.entries == [] and pool.runners["target"].generation > gen
+    # a part whose runner moved on (a runner that reallocated without telling) is not adopted
+    (seq,) = eng.generate_ids([prompt], [SamplingParams(max_new_tokens=4, ignore_eos=True)], chain=("draft", "target"))
+    assert seq.stats.cached_tokens == 0
+    for part in cache.entries[0].parts.values():
+        part.generation -= 1
+    (again,) = eng.generate_ids([prompt], [SamplingParams(max_new_tokens=4, ignore_eos=True)], chain=("draft", "target"))
+    assert again.stats.cached_tokens == 0 and again.output_ids == seq.output_ids
+
+
+def test_running_requests_reclaim_parked_slots_from_any_engine(tiny_pool_dirs):
+    pool = load(tiny_pool_dirs, "float64")
+    cached = Engine(pool, max_num_seqs=2, max_model_len=128)
+    plain = Engine(pool.with_fresh_drafters(), max_num_seqs=2, max_model_len=128, prefix_cache=False)
+    target = pool.runners["target"]
+    rng = random.Random(1)
+    for _ in range(target.num_slots):  # park more sequences than there are free slots
+        cached.generate_ids([[rng.randrange(3, 300) for _ in range(10)]],
+                            [SamplingParams(max_new_tokens=3, ignore_eos=True)], chain=("target",))
+    assert cached.prefix_cache.entries and not target._free_list() or len(cached.prefix_cache.entries) >= 1
+    # the other engine (cache off) takes every slot: parked ones are reclaimed for it
+    seqs = [plain.add_request([5, 6, 7], SamplingParams(max_new_tokens=2, ignore_eos=True), chain=("target",))
+            for _ in range(2)]
+    held = [plain.state.state(s.seq_id, "target").slot for s in seqs]
+    extra = [target.allocate_slot() for _ in range(len(target._free_list()))]
+    with pytest.raises(RuntimeError):  # only running sequences left: nothing to reclaim
+        while True:
+            extra.append(target.allocate_slot())
+    assert not any("target" in e.parts for e in cached.prefix_cache.entries)
+    assert len(set(held + extra)) == target.num_slots
