@@ -31,9 +31,10 @@ Prefix caching (state/prefix_cache.py, on unless `prefix_cache=False`): a finish
 row's slots are parked at `_finish`, and `add_request` adopts the longest cached prefix of the
 prompt (same engine, same tenant) in every model; engines over views of one pool share the
 cache's slots (any may reclaim them) but never read each other's entries (side-by-side
-comparisons stay honest); caches hold `PrefixCache.extra_slots` slots beyond the
-running rows for it, and offline reservations round positions up (a power of two) so that a
-growing conversation does not reallocate (which drops parked slots) at every turn.
+comparisons stay honest). A server's caches hold up to `max_num_seqs` more slots for parked
+rows (within the budget: `PrefixCache.extra_slots`); offline, parked rows use the slots left
+free, and reservations round positions up (a power of two) so that a growing conversation does
+not reallocate (which drops parked slots) at every turn.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ class Engine:
         self.fixed_capacity = max_num_seqs is not None and max_model_len is not None
         if self.fixed_capacity:
             for r in pool.runners.values():
-                r.reserve(max_num_seqs + self._parked_slots(max_model_len), max_model_len)
+                r.reserve(max_num_seqs + self._parked_slots(max_num_seqs, max_model_len), max_model_len)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.on_cycle: Callable[[CycleStats], None] | None = None
@@ -223,22 +224,23 @@ class Engine:
                 )
             r.reserve(max(new_rows, r.num_slots), max(positions, 1))
 
-    def _parked_slots(self, positions: int) -> int:
-        return 0 if self.prefix_cache is None else self.prefix_cache.extra_slots(positions)
+    def _parked_slots(self, rows: int, positions: int) -> int:
+        """Slots for parked sequences beside `rows` running ones (at most as many: memory)."""
+        return 0 if self.prefix_cache is None else min(rows, self.prefix_cache.extra_slots(positions))
 
     def reserve(self, num_rows: int, positions: int) -> None:
         """Offline use: size every cache for `num_rows` rows of `positions` positions (with the
-        prefix cache: plus its parked slots, positions rounded up to a power of two >= 256
-        within the models' contexts)."""
+        prefix cache: positions rounded up to a power of two >= 256 within the models' contexts,
+        so that a growing conversation does not reallocate every turn; parked sequences use
+        the slots left free, and give them back to running ones)."""
         if self.running:
             raise RuntimeError("cannot resize caches while sequences are running")
         if not self.fixed_capacity:
             if self.prefix_cache is not None:
                 positions = max(positions, min(max(256, 1 << (positions - 1).bit_length()),
                                                self.context_limit(tuple(self.pool.runners))))
-            extra = self._parked_slots(positions)
             for r in self.pool.runners.values():
-                r.reserve(num_rows + extra, positions)
+                r.reserve(num_rows, positions)
 
     def abort(self, seq_id: int) -> None:
         """Stop a row now (e.g. its client went away) and free its state."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,7 +104,8 @@ class PrefixCache:
     """Parked slots of the runners of one pool, shared by every engine over those runners."""
 
     def __init__(self, runners: dict[str, ModelRunner], budget_bytes: int | None = None):
-        self.runners = runners
+        # weak: the runners hold the cache (`parking`); no cycle keeps a dropped pool's memory
+        self.runners = weakref.WeakValueDictionary(runners)
         self.budget_bytes = default_budget_bytes() if budget_bytes is None else int(budget_bytes)
         self.entries: list[Entry] = []
         self.stats = PrefixCacheStats()
@@ -120,6 +122,9 @@ class PrefixCache:
         for r in runners.values():
             if r.parking is not None:
                 cache = r.parking[0]
+                for n, runner in runners.items():  # the newest objects (e.g. a server's wrappers)
+                    if n in cache.runners or runner.parking is not None:
+                        cache.runners[n] = runner
                 if budget_bytes is not None:
                     cache.budget_bytes = int(budget_bytes)
                     cache._enforce()
@@ -141,7 +146,7 @@ class PrefixCache:
     def extra_slots(self, max_len: int) -> int:
         """Slots to reserve beside the running ones so that the budget can be used: the budget
         over one sequence's KV in every parkable model at `max_len` positions."""
-        per = sum(r.kv_bytes_per_position() * max_len for r in self.runners.values()
+        per = sum(r.kv_bytes_per_position() * max_len for r in list(self.runners.values())
                   if r.parking is not None)
         if self.budget_bytes <= 0:
             return 0
