@@ -248,3 +248,126 @@ def test_running_requests_reclaim_parked_slots_from_any_engine(tiny_pool_dirs):
             extra.append(target.allocate_slot())
     assert not any("target" in e.parts for e in cached.prefix_cache.entries)
     assert len(set(held + extra)) == target.num_slots
+
+
+def test_chat_keeps_its_conversation_cached_between_turns(tiny_pool_dirs):
+    """What `specrouter chat` does (SpecRouter.stream of the whole conversation every turn, the
+    same engine as generate and the server): each later turn takes the conversation so far from
+    the cache, and the replies are those of the same conversation with the cache off."""
+    from specrouter import SpecRouter
+    from specrouter.config import EngineConfig, SpecRouterConfig
+
+    replies = {}
+    for cached in (True, False):
+        pool = load(tiny_pool_dirs, "float64")
+        sr = SpecRouter(pool, config=SpecRouterConfig(engine=EngineConfig(prefix_cache=cached)))
+        messages, turns = [], []
+        for user in ["hello there", "and then what", "tell me more please", "thanks"]:
+            messages = messages + [{"role": "user", "content": user}]
+            prompt = sr.encode(messages)
+            result = [c.result for c in sr.stream(messages, max_new_tokens=6, chain=["draft", "target"])][-1]
+            turns.append((result.token_ids, result.stats.cached_tokens, len(prompt)))
+            messages = messages + [{"role": "assistant", "content": result.text}]
+        replies[cached] = turns
+    assert [t[0] for t in replies[True]] == [t[0] for t in replies[False]]
+    assert all(c == 0 for _, c, _ in replies[False])
+    on = replies[True]
+    assert on[0][1] == 0
+    for (_, _, before), (_, cached, n) in zip(on, on[1:]):  # about the previous turn's prompt at
+        assert before - 2 <= cached < n, on  # least (its last tokens may re-tokenize with the reply)
+
+
+def test_server_reports_cached_tokens_and_metrics_and_keeps_tenants_apart(tiny_pool_dirs):
+    """Real HTTP on 127.0.0.1 with the OpenAI client: a chat that re-sends its conversation gets
+    usage.prompt_tokens_details.cached_tokens > 0 and the same reply as a server without the
+    cache; with --suffix-scope api-key another key's identical request adopts nothing; /metrics
+    exposes the counters."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    import urllib.request
+
+    from specrouter.server import ServerConfig, create_app
+    from specrouter.server.live import LiveServer
+
+    def serve(cached):
+        cfg = ServerConfig(chain=("draft", "target"), k=3, max_num_seqs=2, max_model_len=256,
+                           suffix_scope="api-key", prefix_cache=cached)
+        return LiveServer(create_app(load(tiny_pool_dirs, "float64"), cfg))
+
+    def chat(srv, key, messages):
+        c = openai.OpenAI(base_url=srv.base_url, api_key=key, max_retries=0, timeout=30)
+        r = c.chat.completions.create(model="target", messages=messages, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        return r.choices[0].message.content, r.usage
+
+    turn1 = [{"role": "user", "content": "hello there, how are you"}]
+    results = {}
+    for cached in (True, False):
+        with serve(cached) as srv:
+            a1, u1 = chat(srv, "key-a", turn1)
+            turn2 = turn1 + [{"role": "assistant", "content": a1}, {"role": "user", "content": "go on"}]
+            a2, u2 = chat(srv, "key-a", turn2)
+            b2, ub = chat(srv, "key-b", turn2)  # another tenant, the same conversation
+            results[cached] = (a1, a2, b2)
+            details = [u.prompt_tokens_details.cached_tokens for u in (u1, u2, ub)]
+            if cached:
+                # at least turn 1's prompt (its reply too where the text re-tokenizes as generated)
+                assert details[0] == 0 and u1.prompt_tokens - 2 <= details[1] < u2.prompt_tokens
+                assert details[2] == 0  # key B never reads key A's entry
+                with urllib.request.urlopen(srv.base_url.rsplit("/v1", 1)[0] + "/metrics", timeout=10) as m:
+                    text = m.read().decode()
+                for name in ("hits", "cached_tokens", "hit_rate", "evictions", "bytes"):
+                    assert f"specrouter_prefix_cache_{name} " in text, name
+                assert f"specrouter_prefix_cache_cached_tokens {float(details[1])}" in text
+            else:
+                assert details == [0, 0, 0]
+    assert results[True] == results[False]
+
+
+def test_a_draft_head_chain_adopts_the_targets_features_too(tmp_path):
+    """A pool with a draft head: the target's features are parked with its slot and adopted
+    (moved, or copied beside a kept entry), so a later request feeds the target only the tokens
+    past the cached prefix (counted on every forward) and the head drafts at once; outputs are
+    those of the cache off. Negative control: features dropped at adoption make the target
+    re-feed the whole prefix (the count shows it)."""
+    from fixtures import make_tiny_llama
+    from test_head_level import _save_head
+
+    from specrouter import SpecRouter
+    from specrouter.config import EngineConfig, SpecRouterConfig
+    from specrouter.state.manager import StateManager
+
+    target = make_tiny_llama(tmp_path / "target", hidden_size=64, num_layers=2, seed=3, tie_word_embeddings=True)
+    head = _save_head(target, tmp_path / "head", noise=0.01)
+
+    def run(cached, drop_features=False):
+        sr = SpecRouter.from_pretrained([target, head], names=["target", "head"], target="target",
+                                        dtype="float32", adaptive=False, ngram=False, suffix=False)
+        eng = SpecRouter(sr.pool, config=SpecRouterConfig(engine=EngineConfig(prefix_cache=cached))).engine
+        fed, outs = [], []
+        conv = list(range(5, 45))
+        for t in range(3):
+            cycles = []
+            (seq,) = eng.generate_ids([conv], [SamplingParams(max_new_tokens=8, ignore_eos=True)],
+                                      chain=("head", "target"), k=3, on_cycle=cycles.append)
+            fed.append(sum(c.forward_tokens.get("target", 0) for c in cycles))
+            outs.append((seq.output_ids, seq.stats.cached_tokens))
+            conv = (list(seq.tokens) if t != 1 else conv) + [50 + t, 60 + t]  # turn 2 branches: a copy
+        return fed, outs
+
+    fed_off, off = run(False)
+    fed_on, on = run(True)
+    assert [o for o, _ in on] == [o for o, _ in off]
+    cached = [c for _, c in on]
+    assert cached[0] == 0 and all(c > 30 for c in cached[1:]), cached
+    assert fed_on[0] == fed_off[0]
+    for t in (1, 2):  # the target fed only what was not cached
+        assert fed_off[t] - fed_on[t] == cached[t], (fed_on, fed_off, cached)
+    adopt = StateManager.adopt
+    try:  # negative control: features not adopted -> the target re-feeds the prefix
+        StateManager.adopt = lambda self, *a, features=0, source=None: adopt(self, *a)
+        fed_nf, nf = run(True)
+    finally:
+        StateManager.adopt = adopt
+    assert [o for o, _ in nf] == [o for o, _ in off]
+    assert fed_nf[1] >= fed_off[1] - 1, (fed_nf, fed_off)

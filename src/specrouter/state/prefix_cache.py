@@ -29,7 +29,9 @@ Safety, by construction:
   belongs to the runners (`PrefixCache.of`), not to an engine;
 - reallocation: a runner's `reserve` calls `reallocating()` first, which drops its parked
   slots and bumps its `generation`; a part parked under an older generation is never adopted.
-- draft heads are not parked: their KV reads the target's features, kept per engine.
+- draft heads: the target's features (state/features.py, kept per engine by target slot) are
+  parked with the target's slot (`Parked.features`) and adopted with it (copied with a copy);
+  a head's own KV (one layer) is rebuilt from them by the head's catch-up forward.
 """
 
 from __future__ import annotations
@@ -55,6 +57,19 @@ def default_budget_bytes() -> int:
     return int(min(total // 10, 4 << 30))
 
 
+def base_runner(r):
+    """The runner under any wrappers (a server's `GuardedRunner`, a `GraphedRunner`): the cache
+    registers on, parks in and copies within the object that owns the slots. (A wrapper that
+    subclasses ModelRunner answers `parking`, `kv_bytes_per_position` and `copy_slot` with the
+    base class's defaults, not the wrapped runner's.)"""
+    while True:
+        d = vars(r)
+        inner = d.get("inner", d.get("runner") if not isinstance(r, ModelRunner) else None)
+        if inner is None:
+            return r
+        r = inner
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the longest common prefix of two int64 token arrays."""
     n = min(len(a), len(b))
@@ -69,6 +84,7 @@ class Parked:
     slot: int  # the runner's cache slot (kept "in use" while parked)
     length: int  # leading positions of the entry's tokens whose KV the slot holds
     generation: int  # the runner's allocation generation when parked
+    features: int = 0  # the target's part: leading positions whose features the engine's store holds
 
 
 @dataclass(eq=False)  # compared by identity
@@ -104,6 +120,7 @@ class PrefixCache:
     """Parked slots of the runners of one pool, shared by every engine over those runners."""
 
     def __init__(self, runners: dict[str, ModelRunner], budget_bytes: int | None = None):
+        runners = {n: base_runner(r) for n, r in runners.items()}
         # weak: the runners hold the cache (`parking`); no cycle keeps a dropped pool's memory
         self.runners = weakref.WeakValueDictionary(runners)
         self.budget_bytes = default_budget_bytes() if budget_bytes is None else int(budget_bytes)
@@ -119,11 +136,12 @@ class PrefixCache:
     def of(cls, runners: dict[str, ModelRunner], budget_bytes: int | None = None) -> "PrefixCache":
         """The cache registered on these runners (created on first use): one per set of runners,
         so engines over views of one pool share it. A given budget replaces the current one."""
+        runners = {n: base_runner(r) for n, r in runners.items()}
         for r in runners.values():
             if r.parking is not None:
                 cache = r.parking[0]
-                for n, runner in runners.items():  # the newest objects (e.g. a server's wrappers)
-                    if n in cache.runners or runner.parking is not None:
+                for n, runner in runners.items():  # a view may name a runner the cache has not seen
+                    if runner.parking is not None and runner.parking[0] is cache:
                         cache.runners[n] = runner
                 if budget_bytes is not None:
                     cache.budget_bytes = int(budget_bytes)
@@ -162,7 +180,7 @@ class PrefixCache:
             if r.parking is None or st.cache_len <= 0 or st.speculative:  # mid-cycle: not committed
                 r.free_slot(st.slot)
             else:
-                parts[model] = Parked(st.slot, st.cache_len, r.generation)
+                parts[model] = Parked(st.slot, st.cache_len, r.generation, min(st.features, st.cache_len))
         if not parts:
             return
         length = max(p.length for p in parts.values())
@@ -206,10 +224,11 @@ class PrefixCache:
                     continue
                 n = min(best_n, part.length)
                 slot = None if take else self._copy(r, part, n)
+                source = part.slot  # where the features are (the engine's store, by target slot)
                 if slot is None:  # take the parked slot itself
                     slot = part.slot
                     del best.parts[model]
-                manager.adopt(seq_id, model, slot, n)
+                manager.adopt(seq_id, model, slot, n, features=min(part.features, n), source=source)
                 out.lengths[model] = n
         finally:
             self._pinned = None
@@ -256,6 +275,11 @@ class PrefixCache:
                 if not e.parts:
                     self.entries.remove(e)
                     self.stats.evictions += 1
+
+    def forget(self, scope) -> None:
+        """Free the entries of one engine (`Engine.cache_scope`: entries are keyed (scope, tenant))."""
+        for e in [e for e in self.entries if isinstance(e.tenant, tuple) and e.tenant[0] == scope]:
+            self._drop(e, evicted=False)
 
     def clear(self) -> None:
         for e in list(self.entries):
