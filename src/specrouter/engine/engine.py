@@ -110,7 +110,7 @@ class Engine:
         self.pool = pool
         # parked KV of finished rows, shared by every engine over these runners (None: off)
         self.prefix_cache = PrefixCache.of(pool.runners, kv_cache_bytes) if prefix_cache else None
-        self._cache_scope = next(_ENGINE_IDS)  # entries are keyed (engine, tenant)
+        self.cache_scope = next(_ENGINE_IDS)  # prefix-cache entries are keyed (cache_scope, tenant)
         self.router = router  # router.policy.Router: picks chain and k per row every cycle
         self.clock = clock
         self.state = StateManager(pool.runners, features=_feature_store(pool))
@@ -201,7 +201,7 @@ class Engine:
         self.state.add(seq.seq_id)
         if self.prefix_cache is not None:
             seq.stats.cached_tokens = self.prefix_cache.adopt(
-                seq.seq_id, seq.tokens, (self._cache_scope, tenant), self.state, self.pool.target).cached_tokens
+                seq.seq_id, seq.tokens, (self.cache_scope, tenant), self.state, self.pool.target).cached_tokens
         self.running[seq.seq_id] = seq
         self._plans[seq.seq_id] = (chain, k) if chain is not None else None
         self._start[seq.seq_id] = self.clock()
@@ -260,7 +260,7 @@ class Engine:
         self._floors.pop(seq.seq_id, None)
         self._peek_at.pop(seq.seq_id, None)
         if self.prefix_cache is not None and seq.finish_reason != "error":
-            self.prefix_cache.park(seq.tokens, (self._cache_scope, seq.tenant), self.state.detach(seq.seq_id))
+            self.prefix_cache.park(seq.tokens, (self.cache_scope, seq.tenant), self.state.detach(seq.seq_id))
         else:
             self.state.release(seq.seq_id)
         if self.router is not None:
@@ -312,6 +312,8 @@ class Engine:
 
     def _collect(self, seq: Sequence, before: int) -> StepOutput:
         """The row's output of this step; a finished row leaves the batch."""
+        if len(seq.tokens) > before and not seq.stats.first_token_time and seq.seq_id in self._start:
+            seq.stats.first_token_time = self.clock() - self._start[seq.seq_id]
         if seq.done:
             self.running.pop(seq.seq_id, None)
             self._finish(seq)
