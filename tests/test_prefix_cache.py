@@ -371,3 +371,31 @@ def test_a_draft_head_chain_adopts_the_targets_features_too(tmp_path):
         StateManager.adopt = adopt
     assert [o for o, _ in nf] == [o for o, _ in off]
     assert fed_nf[1] >= fed_off[1] - 1, (fed_nf, fed_off)
+
+
+def test_a_shared_prefix_serves_a_burst_when_the_cache_is_full_of_other_entries(tiny_pool_dirs):
+    """A server whose parked slots are all taken (other tenants' entries): a burst of requests
+    sharing a system prompt all adopt it (each copy evicts the least recently used other entry);
+    taking the entry itself would leave every request after the first with nothing."""
+    pool = load(tiny_pool_dirs, "float64")
+    eng = Engine(pool, max_num_seqs=2, max_model_len=128)
+    target = pool.runners["target"]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    rng = random.Random(2)
+    system = [rng.randrange(3, 300) for _ in range(30)]
+
+    def run(prompt, tenant):
+        seq = eng.add_request(prompt, params, chain=("draft", "target"), tenant=tenant)
+        while not seq.done:
+            eng.step()
+        return seq
+
+    for _ in range(target.num_slots):  # other tenants' entries fill every parked slot
+        run([rng.randrange(3, 300) for _ in range(12)], "B")
+    run(system + [7, 8], "A")
+    assert not target._free_list()
+    burst = [eng.add_request(system + [9 + i, 10 + i], params, chain=("draft", "target"), tenant="A")
+             for i in range(2)]
+    while any(not s.done for s in burst):
+        eng.step()
+    assert [s.stats.cached_tokens for s in burst] == [len(system)] * 2

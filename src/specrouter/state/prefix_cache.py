@@ -11,9 +11,10 @@ on how it was batched or chunked), the adopted KV is bitwise the KV a prefill wo
 outputs are identical with the cache on or off (tests/test_prefix_cache.py checks both).
 
 Adopting takes the entry's slots when the new request subsumes it (a multi-turn conversation:
-the next turn re-sends the whole history) or when no free slot is left; otherwise it copies the
-shared prefix into fresh slots (`ModelRunner.copy_slot`, a few ms) and the entry stays for the
-next request (a shared system prompt). Parking a sequence drops the entries it subsumes.
+the next turn re-sends the whole history) or when no other slot can be had; otherwise it copies
+the shared prefix into fresh slots (`ModelRunner.copy_slot`, a few ms; a full cache gives up its
+least recently used other entry for it) and the entry stays for the next request (a shared
+system prompt). Parking a sequence drops the entries it subsumes.
 
 Index: entries are few (bounded by the parked-slot budget, tens), so the longest common prefix
 is a vectorized scan over them (numpy, ~2 us per entry of 2,000 tokens); a token radix tree or
@@ -245,11 +246,13 @@ class PrefixCache:
         return out
 
     def _copy(self, r: ModelRunner, part: Parked, n: int) -> int | None:
-        """A fresh slot holding the part's first n positions, or None (no free slot without
-        evicting other parked entries, or a runner that cannot copy)."""
-        if not r._free_list():
+        """A fresh slot holding the part's first n positions (evicting the least recently used
+        other entry if no slot is free: the one in use is the most recent), or None (every other
+        slot runs a sequence, or a runner that cannot copy)."""
+        try:
+            slot = r.allocate_slot()
+        except RuntimeError:
             return None
-        slot = r.allocate_slot()
         try:
             r.copy_slot(part.slot, slot, n)
         except NotImplementedError:
