@@ -136,7 +136,7 @@ def test_interleaved_requests_identical_with_cache_on_and_off(tiny_pool_dirs, fl
             assert (reason, out) == (other_reason, other), i
     s = cache.stats
     print(f"\n{dtype}: {s}")
-    assert s.hits >= 5 and s.cached_tokens >= 100, s  # the cache was really used
+    assert s.hits >= 4 and s.cached_tokens >= 100, s  # the cache was really used
     assert s.copies + s.moves == s.hits and s.copies >= 1, s
 
 
