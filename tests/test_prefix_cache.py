@@ -399,3 +399,20 @@ def test_a_shared_prefix_serves_a_burst_when_the_cache_is_full_of_other_entries(
     while any(not s.done for s in burst):
         eng.step()
     assert [s.stats.cached_tokens for s in burst] == [len(system)] * 2
+
+
+def test_offline_rounding_of_positions_is_for_small_batches_only(tiny_pool_dirs):
+    """A conversation (one row) gets positions rounded up (no reallocation, which drops parked
+    slots, at every turn); a big batch of short rows gets exactly what it asked for (rounding
+    100k rows of 10 positions up to 256 multiplied their memory 25x: an OOM)."""
+    pool = load(tiny_pool_dirs, "float64")
+    target = pool.runners["target"]
+    asked = []
+    target.reserve = lambda rows, positions: asked.append((rows, positions))
+    eng = Engine(pool)
+    eng.reserve(1, 20)
+    eng.reserve(Engine.ROUND_ROWS + 1, 20)
+    assert asked == [(1, min(256, eng.context_limit(tuple(pool.runners)))), (Engine.ROUND_ROWS + 1, 20)]
+    assert asked[0][1] > 20
+    Engine(pool, prefix_cache=False).reserve(1, 20)
+    assert asked[-1] == (1, 20)

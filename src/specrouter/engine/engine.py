@@ -228,15 +228,18 @@ class Engine:
         """Slots for parked sequences beside `rows` running ones (at most as many: memory)."""
         return 0 if self.prefix_cache is None else min(rows, self.prefix_cache.extra_slots(positions))
 
+    ROUND_ROWS = 8  # offline reservations of at most this many rows round positions up (reserve)
+
     def reserve(self, num_rows: int, positions: int) -> None:
         """Offline use: size every cache for `num_rows` rows of `positions` positions (with the
-        prefix cache: positions rounded up to a power of two >= 256 within the models' contexts,
-        so that a growing conversation does not reallocate every turn; parked sequences use
-        the slots left free, and give them back to running ones)."""
+        prefix cache and at most ROUND_ROWS rows: positions rounded up to a power of two >= 256
+        within the models' contexts, so that a growing conversation does not reallocate every
+        turn; never for big batches, whose memory it would multiply; parked sequences use the
+        slots left free, and give them back to running ones)."""
         if self.running:
             raise RuntimeError("cannot resize caches while sequences are running")
         if not self.fixed_capacity:
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and num_rows <= self.ROUND_ROWS:
                 positions = max(positions, min(max(256, 1 << (positions - 1).bit_length()),
                                                self.context_limit(tuple(self.pool.runners))))
             for r in self.pool.runners.values():
