@@ -66,7 +66,7 @@ def run(b: int, steps: int, noise: float, seed: int = 0) -> dict[str, float]:
     for _ in range(steps):
         rows = [RowContext(s, L, batch_size=b, remaining=L0 + LENGTH + 64 - L) for s, L in lens.items()]
         t0 = time.perf_counter()
-        decisions = router.plan_batch(rows)
+        decisions = router.plan_batch(rows).decisions
         plan_us.append(1e6 * (time.perf_counter() - t0))
         decide_us.append(1e6 * sum(e.decide_seconds for e in list(router.events)[-b:]))
         plans = [(d.chain, d.k) for d in decisions]
@@ -80,7 +80,7 @@ def run(b: int, steps: int, noise: float, seed: int = 0) -> dict[str, float]:
         for (o, committed) in results:
             lens[o.seq_id] += committed
             if lens[o.seq_id] >= L0 + LENGTH:
-                router.release(o.seq_id)
+                router.finish_request(o.seq_id)
                 del lens[o.seq_id]
                 lens[next_id], next_id = L0, next_id + 1
     stats = getattr(router, "cache_stats", None)

@@ -13,7 +13,15 @@ and BF16 GGUFs (bench/peers.py `write_gguf`) and llama.cpp's 1-token step and 5-
 (logits at every token) are timed the same way, taking turns with the native runner on its own
 kernels and on torch's: the issue-12 goal is <= 1.25x llama.cpp's time at the same precision.
 
+Row scaling (issue 26): on the 135M shape, per kernel path this CPU has (kernels.PATHS: the
+native ones and torch's) and precision, T(n) = a forward of n new tokens (logits at every one,
+what verifying n-1 drafted tokens costs) for n = 1, 2, 3, 5, 9, 17, printed as T(n)/T(1); the
+paths take turns. Then GMAC/s of each path's linear per row count on the 135M shapes (qkv, o,
+gate|up, down, the LM head) beside torch's own GEMM (MKL/oneDNN: torch.mm float32, F.linear
+bfloat16) on the same shapes, which promises no row invariance.
+
     python benchmarks/runner_micro.py [--iters 30] [--threads 2] [--shapes 135M] [--no-transformers]
+                                      [--sections steps scaling gemm] [--paths avx512bf16 torch]
 
 Not a test: timings depend on the machine and on whoever else shares its cores.
 """
@@ -41,6 +49,10 @@ from specrouter.models.runners.llama import load_llama_runner
 
 CONTEXT = 128
 STEP_TOKENS = (1, 5)
+SCALING_TOKENS = (1, 2, 3, 5, 9, 17)  # T(n): a verification of n - 1 drafted tokens
+# the 135M target's linears (out, in) and how many of each a forward runs
+LINEARS_135M = {"qkv": (960, 576, 30), "o": (576, 576, 30), "gate|up": (3072, 576, 30),
+                "down": (576, 1536, 30), "lm head": (49152, 576, 1)}
 SHAPES = {  # name: make_tiny_llama kwargs
     "5M": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384),
     "50M": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536),
@@ -61,14 +73,16 @@ def _time_ms(fn, iters: int, warmup: int = 3) -> tuple[float, float]:
     return 1000 * statistics.median(times), 1000 * min(times)
 
 
-def native_steps(path: Path, dtype: torch.dtype, kernels: str = "native") -> dict[int, Callable[[], object]]:
-    """{new tokens: a step} of 1 and 5 tokens after a CONTEXT-token prefill, each rolled back
-    (the same start every time), on the native kernels or on torch's (`kernels="torch"`)."""
-    runner = load_llama_runner(path, dtype=dtype, num_slots=1, max_len=CONTEXT + 16, kernels=kernels)
+def native_steps(path: Path, dtype: torch.dtype, kernels: str = "native",
+                 tokens: tuple[int, ...] = STEP_TOKENS) -> dict[int, Callable[[], object]]:
+    """{new tokens: a step} of each of `tokens` after a CONTEXT-token prefill, each rolled back
+    (the same start every time), on the native kernels (the process's path, or the path
+    `kernels` names) or on torch's (`kernels="torch"`)."""
+    runner = load_llama_runner(path, dtype=dtype, num_slots=1, max_len=CONTEXT + 32, kernels=kernels)
     prompt = torch.randint(0, runner.vocab_size, (CONTEXT,)).tolist()
     runner.forward(ForwardBatch.build([0], [0], [prompt], [[CONTEXT - 1]]))
     steps = {}
-    for t in STEP_TOKENS:
+    for t in tokens:
         batch = ForwardBatch.build([0], [CONTEXT], [prompt[:t]], [list(range(t))])
         steps[t] = functools.partial(runner.forward, batch)
     return steps
@@ -146,12 +160,98 @@ def compare_with_llama_cpp(models: dict[str, Path], threads: int, iters: int, ro
     return out
 
 
+def available_paths() -> list[str]:
+    """The kernel paths this CPU runs (kernels.PATHS minus those it lacks a flag for)."""
+    from specrouter.models.runners.kernels import PATHS, rowinv, why_not
+
+    return [p for p in PATHS if p == "torch" or (why_not(p) is None and rowinv() is not None)]
+
+
+def time_scaling(path: Path, paths: list[str], iters: int, rounds: int = 4) -> dict:
+    """{(dtype name, kernel path): {n: min ms}}: T(n) for n in SCALING_TOKENS on each path; each
+    round times every n on every path in turn, so drift on shared cores hits T(n) and T(1) alike;
+    the min over `rounds` rounds is reported."""
+    out: dict[tuple[str, str], dict[int, float]] = {}
+    for dt_name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        systems = {p: native_steps(path, dt, kernels=p, tokens=SCALING_TOKENS) for p in paths}
+        for _ in range(rounds):
+            for n in SCALING_TOKENS:
+                for p, steps in systems.items():
+                    cell = out.setdefault((dt_name, p), {})
+                    cell[n] = min(cell.get(n, float("inf")), _time_ms(steps[n], iters, warmup=1)[1])
+        for p in paths:
+            row = out[(dt_name, p)]
+            print(f"135M {dt_name} {p:>10}: " + ", ".join(f"T({n}) {row[n]:.2f} ms" for n in SCALING_TOKENS),
+                  flush=True)
+    return out
+
+
+def time_gemm(paths: list[str], iters: int) -> dict:
+    """{(dtype name, system): {n: GMAC/s}} over the 135M linears (each weighted by how many a
+    forward runs): each native path's linear, and torch's GEMM on the same shapes."""
+    import torch.nn.functional as F
+
+    from specrouter.models.runners.linear import NATIVE_BY_PATH, Linear, linear
+
+    g = torch.Generator().manual_seed(0)
+    out: dict[tuple[str, str], dict[int, float]] = {}
+    for dt_name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        weights = {k: torch.randn(o, i, generator=g).mul_(i**-0.5).to(dt) for k, (o, i, _) in LINEARS_135M.items()}
+        systems: dict[str, dict[str, Callable]] = {}
+        for p in paths:
+            if p == "torch":
+                continue
+            packed = {k: Linear.pack(w, None, NATIVE_BY_PATH[p][dt]) for k, w in weights.items()}
+            systems[p] = {k: functools.partial(linear, w=packed[k]) for k in weights}
+        if dt == torch.float32:  # MKL's sgemm on the (in, out) layout
+            wt = {k: w.t().contiguous() for k, w in weights.items()}
+            systems["torch GEMM"] = {k: functools.partial(lambda x, w: torch.mm(x, w), w=wt[k]) for k in weights}
+        else:  # oneDNN's bfloat16 linear as F.linear runs it
+            systems["torch GEMM"] = {k: functools.partial(lambda x, w: F.linear(x, w), w=w) for k, w in weights.items()}
+        for n in SCALING_TOKENS:
+            xs = {k: torch.randn(n, i, generator=g).to(dt) for k, (_, i, _) in LINEARS_135M.items()}
+            macs = sum(n * o * i * c for o, i, c in LINEARS_135M.values())
+            for name, fns in systems.items():
+                ms = sum(c * _time_ms(functools.partial(fns[k], xs[k]), iters)[1] for k, (_, _, c) in LINEARS_135M.items())
+                out.setdefault((dt_name, name), {})[n] = macs / ms / 1e6
+    return out
+
+
+def print_scaling(scaling: dict, gemm: dict) -> None:
+    """The T(n)/T(1) and GMAC/s tables, with issue 26's goals on AVX-512-BF16."""
+    goals = {5: 1.3, 9: 1.6, 17: 2.2}
+    if scaling:
+        print("\nT(n)/T(1) on the 135M shape (a forward of n new tokens, logits at each, context "
+              f"{CONTEXT}; min ms; issue 26 goals on avx512bf16 bf16: "
+              + ", ".join(f"T({n})/T(1) <= {g}" for n, g in goals.items()) + ")")
+        print(f"{'dtype':>5} {'path':>10} {'T(1) ms':>8} | " + " ".join(f"{f'T({n})/T(1)':>9}" for n in SCALING_TOKENS[1:]))
+        for (dt_name, p), row in scaling.items():
+            print(f"{dt_name:>5} {p:>10} {row[1]:8.2f} | "
+                  + " ".join(f"{row[n] / row[1]:9.2f}" for n in SCALING_TOKENS[1:]))
+        if ("bf16", "avx512bf16") in scaling:
+            row = scaling[("bf16", "avx512bf16")]
+            print("goals (avx512bf16 bf16): " + ", ".join(
+                f"T({n})/T(1) {row[n] / row[1]:.2f} {'met' if row[n] / row[1] <= g else 'NOT met'}"
+                for n, g in goals.items()))
+    if gemm:
+        print("\nGMAC/s over the 135M linears (qkv, o, gate|up, down x30, the LM head), per row count"
+              " (torch GEMM: torch.mm fp32 / F.linear bf16, not row-invariant)")
+        print(f"{'dtype':>5} {'system':>10} | " + " ".join(f"{f'n={n}':>7}" for n in SCALING_TOKENS))
+        for (dt_name, name), row in gemm.items():
+            print(f"{dt_name:>5} {name:>10} | " + " ".join(f"{row[n]:7.1f}" for n in SCALING_TOKENS))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=30, help="timed steps per cell (median reported)")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--no-transformers", action="store_true", help="native runner (and llama.cpp) only")
+    ap.add_argument("--sections", nargs="+", default=["steps", "scaling", "gemm"],
+                    choices=["steps", "scaling", "gemm"],
+                    help="steps: per shape 1/5-token steps vs transformers and llama.cpp; scaling: T(n)/T(1)"
+                         " per kernel path on 135M; gemm: GMAC/s per row count vs torch's GEMM")
+    ap.add_argument("--paths", nargs="+", default=None, help="kernel paths for scaling/gemm (default: all this CPU has)")
     args = ap.parse_args()
     from specrouter.bench.peers import llama_cpp_missing
     from specrouter.models.runners.linear import kernels
@@ -163,6 +263,9 @@ def main() -> None:
     torch.manual_seed(0)
     Cell = tuple[float, float]  # (median, min) ms
     results: dict[tuple[str, str, int], tuple[Cell, Cell]] = {}  # (native, transformers)
+    paths = args.paths or available_paths()
+    scaling: dict = {}
+    gemm = time_gemm(paths, args.iters) if "gemm" in args.sections else {}
     with tempfile.TemporaryDirectory(prefix="specrouter-bench-") as tmp:
         for name in args.shapes:
             kw = SHAPES[name]
@@ -173,6 +276,10 @@ def main() -> None:
                 with_tokenizer=False,
                 **kw,
             )
+            if name == "135M" and "scaling" in args.sections:
+                scaling = time_scaling(path, paths, max(6, args.iters // 4))
+            if "steps" not in args.sections:
+                continue
             n_params = load_llama_runner(path, max_len=8).num_params
             iters = max(8, args.iters // 3) if name == "135M" else args.iters
             for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -186,7 +293,7 @@ def main() -> None:
                         f"{nat[t][0]:7.2f} ms, transformers {hf[t][0]:7.2f} ms",
                         flush=True,
                     )
-            if name == "135M" and not peer_missing:
+            if name == "135M" and not peer_missing:  # (llama.cpp steps of 1 and 5 tokens)
                 from specrouter.models.default_pool import shipped_drafts
 
                 # the shipped draft: the native runner computes only its draft vocabulary's
@@ -205,7 +312,8 @@ def main() -> None:
             f"{name:>6} {dt_name:>5} {t:>6} | {nat[0]:8.2f} {hf[0]:8.2f} {hf[0] / nat[0]:7.2f}x |"
             f" {nat[1]:8.2f} {hf[1]:8.2f} {hf[1] / nat[1]:7.2f}x"
         )
-    if not peer_missing:
+    print_scaling(scaling, gemm)
+    if not peer_missing and "steps" in args.sections and "135M" in args.shapes:
         print("\nvs llama.cpp on the same weights (min ms over interleaved rounds; ratio = native / llama.cpp;"
               " issue 12 goal: ratio <= 1.25)")
         print(f"{'model':>14} {'dtype':>5} {'tokens':>6} | {'native':>8} {'torch kern.':>11} {'llama.cpp':>9}"

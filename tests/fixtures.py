@@ -193,16 +193,24 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 class QuietRouterHooks:
-    """The engine's router callbacks as no-ops, for fake routers that only `decide`."""
+    """`RouterProtocol` for scripted routers that only `decide` each row: plan_batch asks
+    decide() row by row; nothing is learned."""
 
-    def observe_cycle(self, *args, **kwargs):
+    measure_tv = False
+
+    def plan_batch(self, rows, pinned=()):
+        from specrouter.records.routing import BatchPlan
+
+        return BatchPlan([self.decide(r) for r in rows])
+
+    def take_confident_drafts(self, rows, plans, offers, pinned=()):
+        return plans
+
+    def observe_step(self, report):
         pass
 
-    def observe_step(self, *args, **kwargs):
+    def finish_request(self, seq_id):
         pass
 
-    def observe_shadow(self, *args, **kwargs):
-        pass
-
-    def release(self, seq_id):
+    def mark_failed(self, model):
         pass

@@ -25,7 +25,7 @@ def run_steps(router, sim, steps, rows=4, trace=None, first_id=0):
     next_id = first_id + rows
     for _ in range(steps):
         contexts = [RowContext(s, L, batch_size=len(lens), remaining=L0 + LENGTH - L) for s, L in lens.items()]
-        decisions = router.plan_batch(contexts)
+        decisions = router.plan_batch(contexts).decisions
         if trace is not None:
             trace.append(decisions)
         groups = defaultdict(list)
@@ -41,7 +41,7 @@ def run_steps(router, sim, steps, rows=4, trace=None, first_id=0):
                     router.observe_shadow(s, "ngram", proposal, com, 16)
                 lens[s] += n
         for s in [s for s, L in lens.items() if L >= L0 + LENGTH - 1]:
-            router.release(s)
+            router.finish_request(s)
             del lens[s]
             lens[next_id], next_id = L0, next_id + 1
     return lens
@@ -72,7 +72,7 @@ def test_cached_decisions_equal_uncached_ones_while_evidence_changes():
     assert uncached.cache_stats.hits == 0
     assert cached.cache_stats.hit_rate > 0.5, cached.cache_stats
     print(f"\ncache hit rate {cached.cache_stats.hit_rate:.2f} over {len(cached.events)} decisions, "
-          f"{cached._published.version} publications")
+          f"{cached.board.published.version} publications")
 
 
 @pytest.mark.parametrize("rows", [1, 8])
@@ -126,7 +126,7 @@ def test_a_slowdown_invalidates_cached_decisions_at_once():
     hits = router.cache_stats.hits
     assert all(router.decide(c).chain == fast.chain for c in contexts)
     assert router.cache_stats.hits == hits + len(contexts)  # nothing moved: every row hits
-    version = router._published.version
+    version = router.board.published.version
     sim.slow["d2"] = 3.0
     for _ in range(2):  # the profile's step detector fires on the second slow observation
         stats, outcomes, fwd, _ = sim.run(fast.chain, fast.k, [c.seq_id for c in contexts], L0)
@@ -136,7 +136,7 @@ def test_a_slowdown_invalidates_cached_decisions_at_once():
     uncached = copy.deepcopy(router)
     uncached.config = RouterConfig(decision_cache=False)
     decisions = [router.decide(c) for c in contexts]
-    assert router._published.version > version
+    assert router.board.published.version > version
     assert router.cache_stats.misses == misses + len(contexts)  # no row reused a stale plan
     assert decisions == [uncached.decide(c) for c in contexts]
     assert any(d.chain == slow.chain and d.reason != "probe" for d in decisions), decisions

@@ -206,9 +206,9 @@ def test_router_plans_plain_when_batching_wins():
         return 0.040 if b == 1 else 0.040 + 0.020 * (t - 1) * b / 4
 
     router = scripted_router(target)
-    single = router.plan_batch(rows_of(1))
+    single = router.plan_batch(rows_of(1)).decisions
     assert single[0].k > 0 and single[0].chain == ("draft", "target")
-    eight = router.plan_batch(rows_of(8))
+    eight = router.plan_batch(rows_of(8)).decisions
     assert all(d.chain == ("target",) and d.k == 0 for d in eight), eight
 
 
@@ -216,10 +216,10 @@ def test_router_speculates_when_forwards_stay_flat():
     """A forward that costs the same for every rows x tokens up to the grid (memory bound):
     speculation is free, every row speculates."""
     router = scripted_router(lambda b, t, L: 0.040)
-    eight = router.plan_batch(rows_of(8))
+    eight = router.plan_batch(rows_of(8)).decisions
     assert all(d.chain == ("draft", "target") and d.k > 1 for d in eight), eight
-    plain_step = router.step_seconds([(("target",), 0)] * 8, 200)
-    spec_step = router.step_seconds([(d.chain, d.k) for d in eight], 200)
+    plain_step = router.planner.step_seconds([(("target",), 0)] * 8, 200)
+    spec_step = router.planner.step_seconds([(d.chain, d.k) for d in eight], 200)
     assert spec_step > plain_step  # drafting costs something; the tokens pay for it
 
 
@@ -230,10 +230,10 @@ def test_sampled_rows_speculate_only_in_small_batches():
     router = scripted_router(lambda b, t, L: 0.040)
     limit = router.config.sampling_spec_max_batch
     mixed = [dataclasses.replace(r, greedy=r.seq_id % 2 == 0) for r in rows_of(8)]
-    out = router.plan_batch(mixed)
+    out = router.plan_batch(mixed).decisions
     assert all((d.k > 0) == r.greedy for r, d in zip(mixed, out)), out
     small = [dataclasses.replace(r, greedy=False) for r in rows_of(limit)]
-    assert all(d.chain == ("draft", "target") and d.k > 0 for d in router.plan_batch(small))
+    assert all(d.chain == ("draft", "target") and d.k > 0 for d in router.plan_batch(small).decisions)
 
 
 def test_plain_hold_skips_replanning_until_rows_change():
@@ -247,43 +247,43 @@ def test_plain_hold_skips_replanning_until_rows_change():
     decides = Counter()
     inner = router.decide
     router.decide = lambda row: (decides.update([row.seq_id]), inner(row))[1]
-    router.plan_batch(rows_of(8))  # planned: plain wins, hold 2 steps
-    assert sum(decides.values()) == 8 and router.plain_hold.span == 2
-    held = router.plan_batch(rows_of(8))
-    assert sum(decides.values()) == 8 and router.held_decisions == 8  # no decide: held
+    router.plan_batch(rows_of(8)).decisions  # planned: plain wins, hold 2 steps
+    assert sum(decides.values()) == 8 and router.planner.hold.span == 2
+    held = router.plan_batch(rows_of(8)).decisions
+    assert sum(decides.values()) == 8 and router.planner.held_decisions == 8  # no decide: held
     assert all(d.chain == ("target",) and d.k == 0 for d in held)
-    router._observed += 2  # two steps later the hold is over: plan again, hold twice as long
-    router.plan_batch(rows_of(8))
-    assert sum(decides.values()) == 16 and router.plain_hold.span == 4
-    router.plan_batch(rows_of(9))  # a row joined: still held
-    assert sum(decides.values()) == 16 and router.held_decisions == 17
-    router.plan_batch(rows_of(6))  # two rows left: 6 >= 3/4 of 8, still held
-    assert sum(decides.values()) == 16 and router.held_decisions == 23
-    router.plan_batch(rows_of(5))  # below 3/4 of the rows it was found for: planned afresh
+    router.observed_steps += 2  # two steps later the hold is over: plan again, hold twice as long
+    router.plan_batch(rows_of(8)).decisions
+    assert sum(decides.values()) == 16 and router.planner.hold.span == 4
+    router.plan_batch(rows_of(9)).decisions  # a row joined: still held
+    assert sum(decides.values()) == 16 and router.planner.held_decisions == 17
+    router.plan_batch(rows_of(6)).decisions  # two rows left: 6 >= 3/4 of 8, still held
+    assert sum(decides.values()) == 16 and router.planner.held_decisions == 23
+    router.plan_batch(rows_of(5)).decisions  # below 3/4 of the rows it was found for: planned afresh
     assert sum(decides.values()) == 21
     from specrouter.router.batch import hold_floor
 
     assert [hold_floor(n) for n in (2, 3, 4, 8, 16)] == [2, 3, 3, 6, 12]  # small batches: any departure
     no_hold = scripted_router(target)
     no_hold.config = dataclasses.replace(no_hold.config, plain_hold_max=0)
-    no_hold.plan_batch(rows_of(8))
-    no_hold.plan_batch(rows_of(8))
-    assert no_hold.held_decisions == 0 and no_hold.plain_hold is None
+    no_hold.plan_batch(rows_of(8)).decisions
+    no_hold.plan_batch(rows_of(8)).decisions
+    assert no_hold.planner.held_decisions == 0 and no_hold.planner.hold is None
 
 
 def test_single_row_is_never_held():
     router = scripted_router(lambda b, t, L: 0.040 if b == 1 else 0.1 * b * t)
     for _ in range(3):
-        assert router.plan_batch(rows_of(1))[0].k > 0
-    assert router.held_decisions == 0
+        assert router.plan_batch(rows_of(1)).decisions[0].k > 0
+    assert router.planner.held_decisions == 0
 
 
 def test_no_speculation_planned_beyond_the_swept_batch_sizes():
     """Flat costs make every row speculate at 8 rows (the largest swept); at 9 rows the cost
     would be extrapolated: the batch decodes plainly."""
     router = scripted_router(lambda b, t, L: 0.040)
-    assert all(d.k > 0 for d in router.plan_batch(rows_of(8)))
-    nine = router.plan_batch(rows_of(9))
+    assert all(d.k > 0 for d in router.plan_batch(rows_of(8)).decisions)
+    nine = router.plan_batch(rows_of(9)).decisions
     assert all(d.chain == ("target",) and d.k == 0 for d in nine)
 
 
@@ -292,20 +292,19 @@ def test_batch_calibration_turns_a_slower_than_predicted_batch_plain():
     tokens they commit are the predicted ones) turns plain within 20 steps; the same steps at
     their predicted speed keep speculating; a single row is not affected; once plain steps run,
     the correction ages and the batch speculates again."""
-    from specrouter.router.batch import expected_tokens, observe_batch_step
-
+    
     def run(router, slow, steps, n=2):
         chosen = []
         for _ in range(steps):
-            plans = [(d.chain, d.k) for d in router.plan_batch(rows_of(n))]
+            plans = [(d.chain, d.k) for d in router.plan_batch(rows_of(n)).decisions]
             outcomes = []
             for r, (c, k) in zip(rows_of(n), plans):
-                accepted = max(0, round(expected_tokens(router, router.requests.get(r.seq_id), c, k)) - 1)
+                accepted = max(0, round(router.planner.expected_tokens(router.requests.get(r.seq_id), c, k)) - 1)
                 outcomes.append(RowOutcome(r.seq_id, c, k, [k] * len(c), [0] + [accepted] * (len(c) - 1),
                                            True, r.context_len))
             spec = any(k > 0 for _, k in plans)
-            observe_batch_step(router, outcomes, [], router.step_seconds(plans, 200) * (slow if spec else 1.0))
-            router._observed += 1  # the engine's step clock (observe_step's tick)
+            router.planner.observe(outcomes, [], router.planner.step_seconds(plans, 200) * (slow if spec else 1.0))
+            router.observed_steps += 1  # the engine's step clock (observe_step's tick)
             chosen.append(spec)
         return chosen
 
@@ -316,7 +315,7 @@ def test_batch_calibration_turns_a_slower_than_predicted_batch_plain():
     assert all(run(honest, 1.0, 20))
     slow = scripted_router(target)
     assert not all(run(slow, 2.0, 20))
-    spec_factor = slow.batch_calibration[(2, True)].factor(slow.config.batch_calibration_prior)
+    spec_factor = slow.planner.calibrations[(2, True)].factor(slow.config.batch_calibration_prior)
     assert 0.45 < spec_factor < 0.65  # realised half the predicted rate, shrunk toward 1
     assert run(slow, 2.0, 1, n=1) == [True]
     assert not all(run(slow, 1.0, 10)) and run(slow, 1.0, 40)[-1]  # aged: speculating again

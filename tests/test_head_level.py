@@ -98,8 +98,6 @@ def test_greedy_with_the_head_equals_plain_decoding(dirs, dtype):
 class RandomRouter(QuietRouterHooks):
     """A random chain (the head's included) and draft length for every row, every cycle."""
 
-    config = RouterConfig()
-
     def __init__(self, pool, seed=0):
         self.rng = random.Random(seed)
         first = set(pool.drafters) | set(pool.heads)

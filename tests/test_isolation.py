@@ -8,7 +8,7 @@ import pytest
 import torch
 from fixtures import QuietRouterHooks, load_named_pool
 
-from specrouter.config import RouterConfig, SamplingParams
+from specrouter.config import SamplingParams
 from specrouter.engine.engine import Engine
 from specrouter.records.routing import Decision
 
@@ -54,6 +54,18 @@ def _run(eng: Engine, bad_after: int, corrupt) -> tuple[list, object]:
     return seqs, bad
 
 
+class UnplannableRow:
+    """A row's plan record whose plan cannot be read (everything else reads through)."""
+
+    def __init__(self, plan):
+        self.__dict__["inner"] = plan
+
+    def __getattr__(self, name):
+        if name == "pinned":
+            raise KeyError("no plan")
+        return getattr(self.__dict__["inner"], name)
+
+
 @pytest.mark.parametrize("how", ["top_k_overflow", "nan_temperature", "plan_raises"])
 def test_a_raising_row_fails_alone(pool, solo, how):
     eng = Engine(pool, max_num_seqs=6, max_model_len=96)
@@ -63,11 +75,8 @@ def test_a_raising_row_fails_alone(pool, solo, how):
     elif how == "nan_temperature":  # sampling: a NaN distribution (torch.multinomial raises)
         corrupt = lambda s: _corrupt(s.params, temperature=float("nan"))  # noqa: E731
         words = "RuntimeError"
-    else:  # planning the row's chain raises (a router bug hitting one request)
-        real_plan = eng.plan
-
-        def corrupt(bad):
-            eng.plan = lambda s: (_ for _ in ()).throw(KeyError("no plan")) if s is bad else real_plan(s)
+    else:  # planning the row's chain raises (a bug in the row's plan record)
+        corrupt = lambda s: setattr(s, "plan", UnplannableRow(s.plan))  # noqa: E731
         words = "KeyError"
     seqs, bad = _run(eng, 3, corrupt)
     for s, p in zip(seqs, PROMPTS):  # the co-batched rows: exactly their solo output
@@ -114,8 +123,6 @@ class CountingRouter(QuietRouterHooks):
     cycle) and raises from its FIRST observation, after having recorded it (a router bug in
     the bookkeeping of a committed step)."""
 
-    config = RouterConfig()  # the engine reads shadow_k from it
-
     def __init__(self):
         self.cycles: dict[int, int] = {}
         self.raised = False
@@ -123,8 +130,8 @@ class CountingRouter(QuietRouterHooks):
     def decide(self, row):
         return Decision(chain=CHAIN, k=3, t_eff=0.0, reason="fixed")
 
-    def observe_step(self, rows, *args, **kwargs):
-        for r in rows:
+    def observe_step(self, report):
+        for r in report.outcomes:
             self.cycles[r.seq_id] = self.cycles.get(r.seq_id, 0) + 1
         if not self.raised:
             self.raised = True

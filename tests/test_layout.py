@@ -155,3 +155,39 @@ def test_pillars_are_folders():
         assert (PKG / folder / "__init__.py").is_file(), folder
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert top == ["__init__.py", "api.py", "config.py", "errors.py"], top
+
+
+MAX_METHODS = 25  # a class with more is two concepts (issue 27: Router had 46)
+
+
+def big_classes(source: str, limit: int = MAX_METHODS) -> list[str]:
+    """Classes of `source` with more than `limit` methods (nested functions not counted)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            n = sum(isinstance(x, (ast.FunctionDef, ast.AsyncFunctionDef)) for x in node.body)
+            if n > limit:
+                out.append(f"{node.name} ({n} methods)")
+    return out
+
+
+def test_no_class_has_more_than_25_methods():
+    bad = [f"{p.relative_to(PKG)}: {c}" for p in PKG.rglob("*.py") for c in big_classes(p.read_text())]
+    assert not bad, bad
+    # positive control
+    assert big_classes("class Big:\n" + "".join(f"    def m{i}(self): pass\n" for i in range(26))) == ["Big (26 methods)"]
+
+
+def probes(source: str) -> list[str]:
+    """getattr / hasattr calls of `source` (optional members probed instead of declared)."""
+    return [f"{node.func.id} line {node.lineno}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")]
+
+
+def test_the_engine_never_probes_the_router_or_the_drafters():
+    """The engine and the executor call what RouterProtocol / DrafterProtocol declare
+    (router/protocol.py, drafters/base.py): no getattr / hasattr."""
+    for name in ("engine/engine.py", "engine/drafts.py", "engine/isolation.py", "decoding/executor.py",
+                 "decoding/head_drafting.py"):
+        assert probes((PKG / name).read_text()) == [], name
+    assert probes("x = getattr(router, 'plan_batch', None)") == ["getattr line 1"]  # positive control

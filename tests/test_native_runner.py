@@ -462,7 +462,11 @@ def test_native_kernels_run_a_ragged_batch_on_its_valid_tokens_only(ckpt, monkey
     new = [ids[b, 6 : 6 + n] for b, n in enumerate(widths)]
     from specrouter.models.runners import linear as linear_module
 
+    from specrouter.models.runners import llama as llama_module
+
     monkeypatch.setattr(linear_module, "_rowinv", Counting())
+    monkeypatch.setattr(llama_module, "FUSED_STACK", False)  # the Python loop's linears, counted
+    # (the fused stack runs the same ops on the same packed rows: test_row_invariance.py)
     out = run(native, [0, 1, 2], [6] * 3, new)
     monkeypatch.undo()
     assert set(rows_seen) == {sum(widths)}  # every linear: 8 rows, not 3 x 5 = 15

@@ -30,6 +30,7 @@ from specrouter.router.policy import (
     Router,
     RowContext,
     RowOutcome,
+    StepReport,
 )
 from specrouter.router.profile import (
     CostProfile,
@@ -203,8 +204,9 @@ class Sim:
 
 
 def observe_cycle(router, stats, outcomes, forwards):
-    """One simulated cycle (one chain's rows) told to the router."""
-    router.observe_cycle(stats, outcomes, forwards)
+    """One simulated cycle (one chain's rows) told to the router as the engine tells a step."""
+    router.observe_step(StepReport(outcomes, forwards, stats.wall_time, sum(stats.forward_time.values()),
+                                   len(stats.chain) > 1))
 
 
 def drive(router, sim, cycles, sids=(0,), L=L0, greedy=True, shadow=False, trace=None, timed=True):
@@ -635,7 +637,7 @@ def test_per_request_chains_differ_by_request_type():
     prose_truth = true_plan(order, {**alphas, ("ngram", "T"): 0.1, ("ngram", "d1"): 0.1}, 0.3, b=2)
     assert code_truth.chain[0] == "ngram" and prose_truth.chain == ("d1", "T")
     assert code == {code_truth.chain} and prose == {prose_truth.chain}
-    router.release(0)
+    router.finish_request(0)
     assert 0 not in router.requests
 
 
@@ -647,20 +649,20 @@ def test_new_requests_start_from_an_upper_quantile_of_finished_requests():
     router = make_router(order)
     pair = ("d1", "T")
     for sid, rate in enumerate([0.1, 0.7, 0.1, 0.7, 0.1, 0.7, 0.1, 0.7]):
-        req = router._request(sid, True)
+        req = router.request(sid, True)
         req.counts[pair] = [40 * rate, 40 * (1 - rate)]
         router.similarity.observe_acceptance(pair, GREEDY, 40 * rate, 40 * (1 - rate))
-        router.release(sid)
+        router.finish_request(sid)
     glob = router.similarity.alpha(pair, GREEDY)
     assert 0.2 < glob < 0.6
-    fresh = router._request(100, True)
+    fresh = router.request(100, True)
     assert router.alpha(pair, GREEDY, fresh) == pytest.approx(0.7)
     assert router.alpha(pair, GREEDY) == glob  # the global estimate itself is unchanged
     fresh.counts[pair] = [0.0, 30.0]  # its own evidence soon dominates
     assert router.alpha(pair, GREEDY, fresh) < 0.2
     plain = make_router(order, config=RouterConfig(request_prior_quantile=None))
     plain.similarity.observe_acceptance(pair, GREEDY, 10, 30)
-    assert plain.alpha(pair, GREEDY, plain._request(1, True)) == plain.similarity.alpha(pair, GREEDY)
+    assert plain.alpha(pair, GREEDY, plain.request(1, True)) == plain.similarity.alpha(pair, GREEDY)
 
 
 def test_probing_stays_within_budget_and_refreshes_pairs():
@@ -679,7 +681,7 @@ def test_probing_stays_within_budget_and_refreshes_pairs():
     sim = Sim(ALPHAS, seed=9)
     router = make_router()
     drive(router, sim, 400)
-    b = router.budget
+    b = router.prober.budget
     assert b.seconds <= 0.02 * b.total_seconds + max(b.history, default=0.0)
     assert b.probes <= 0.05 * b.cycles
 
@@ -698,19 +700,6 @@ def test_decision_events_and_callback():
     d = router.decide(RowContext(0, L0, remaining=1))
     assert d == Decision(("T",), 0, pytest.approx(cost_T(1, 1, L0), rel=0.05), "end")
     print("\n" + router.plan_table(RowContext(0, L0)).format())
-
-
-def test_observe_cycle_from_cycle_stats_alone():
-    """Without ForwardRecords the router attributes CycleStats timings to forward shapes."""
-    sim = Sim(ALPHAS, seed=11)
-    router = make_router()
-    for _ in range(3):
-        sim.slow["T"] = 3.0
-        stats, outcomes, _, _ = sim.run(("d1", "T"), 4, [0], L0)
-        router.observe_cycle(stats, outcomes)
-    assert router.profile.speed("T") == pytest.approx(3.0, rel=0.1)
-    assert router.profile.speed("d1") == pytest.approx(1.0, rel=0.05)
-    assert router.overhead["spec"] > 0
 
 
 def test_decide_time_is_measured_and_charged_per_row():
@@ -749,8 +738,8 @@ def test_sampling_rows_feed_similarity_from_tv():
     for _ in range(20):
         stats, outcomes, fwd, _ = sim.run(("d1", "d2", "T"), 4, [0, 1], L0, greedy=False)
         tv = (math.nan, 1 - ALPHAS[("d1", "d2")], 1 - ALPHAS[("d2", "T")])
-        router.observe_step([RowOutcome(o.seq_id, o.chain, o.k, o.drafted, o.accepted, False, L0, tv)
-                             for o in outcomes], fwd, stats.wall_time, sum(stats.forward_time.values()), True)
+        router.observe_step(StepReport([RowOutcome(o.seq_id, o.chain, o.k, o.drafted, o.accepted, False, L0, tv)
+                                        for o in outcomes], fwd, stats.wall_time, sum(stats.forward_time.values()), True))
     est = router.similarity
     assert est.sim_score(("d1", "d2"), SAMPLING) == pytest.approx(0.9)
     assert est.sim_score(("d2", "T"), SAMPLING) == pytest.approx(0.85)
@@ -803,7 +792,7 @@ def test_router_config_reaches_every_part():
     assert est.prior(("d1", "T")) == pytest.approx(0.6 + 0.1 * math.log10(10 / 400))
     assert est.calibrate(0.8, GREEDY) == pytest.approx(0.8)  # the identity prior line, no data
     assert router.finished.min_requests == 1
-    req = router._request(5, True)
+    req = router.request(5, True)
     req.observe_hit("ngram", True, cfg.request_hit_decay)
     assert router.hit_rate("ngram", req) == 1.0  # no pseudo-proposals of the global rate
     router.decide(RowContext(5, L0))

@@ -13,7 +13,7 @@ from test_engine_sampling import pool as v8_pool  # noqa: F401
 from test_greedy_equivalence import MAX_NEW, expected, prompts  # noqa: F401
 
 from specrouter import SpecRouter
-from specrouter.config import RouterConfig, SamplingParams
+from specrouter.config import SamplingParams
 from specrouter.engine.engine import Engine
 from specrouter.router.cost_model import enumerate_chains
 from specrouter.records.routing import Decision
@@ -21,8 +21,6 @@ from specrouter.records.routing import Decision
 
 class RandomRouter(QuietRouterHooks):
     """A worst-case router: a random chain and draft length for every row, every cycle."""
-
-    config = RouterConfig()  # the engine reads shadow_k from it
 
     def __init__(self, pool, seed=0):
         self.rng = random.Random(seed)
@@ -78,7 +76,7 @@ def test_real_router_is_exact_and_logs_decisions(tiny_pool_dirs, prompts, expect
     results = sr.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
     assert [r.token_ids for r in results] == expected
     # every row-cycle was decided: by the router (logged) or by the batch's plain hold
-    assert len(sr.router.events) + sr.router.held_decisions >= sum(r.stats.cycles for r in results) - len(results)
+    assert len(sr.router.events) + sr.router.planner.held_decisions >= sum(r.stats.cycles for r in results) - len(results)
     # a second pool load reuses the persisted profile instead of sweeping again
     from specrouter.router.profile import CostProfile, default_profile_path, identity_of
 

@@ -101,3 +101,33 @@ def test_logits_are_bitwise_the_same_however_the_rows_are_grouped(runner):
     # two rows of the same sequence content in different slots agree with each other too
     out = _run(runner, [(2, 0, seq[:66]), (4, 0, seq[:66])])
     assert torch.equal(out[0], out[1]) and torch.equal(out[0], ref[:66])
+
+
+def test_the_fused_decoder_stack_computes_the_python_loops_bits(runner):
+    """The native `decoder_layers` op (the whole stack in one call) against the Python loop over
+    the same ops (`_fused = None`): bitwise the same logits and cache, on a ragged batch (packed
+    tokens), a full batch, and the features; the torch path has no fused op."""
+    if runner._ops is None:
+        assert runner._fused is None
+        return
+    assert runner._fused is not None, "every linear is native, so the fused stack must serve"
+    V = runner.vocab_size
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randint(0, V, (n,), generator=g).tolist() for n in (40, 30))
+    rows = [(0, 0, a[:33]), (2, 0, b[:7]), (3, 0, a[:1])]
+
+    def forward(fused: bool):
+        saved = runner._fused
+        runner._fused = saved if fused else None
+        try:
+            first = _run(runner, rows)  # ragged: the packed path
+            full = _run(runner, [(0, 33, a[33:38]), (2, 7, b[7:12])])  # every row 5 tokens
+            batch = ForwardBatch.build([3], [1], [a[1:4]], [[0, 1, 2]])
+            feats = runner.forward_with_features(batch)[1]
+            return first + full + [feats, runner._k[-1][:4, :, :40].clone()]
+        finally:
+            runner._fused = saved
+
+    fused, loop = forward(True), forward(False)
+    for x, y in zip(fused, loop):
+        assert torch.equal(x, y)

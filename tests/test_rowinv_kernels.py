@@ -46,6 +46,28 @@ def test_silu_mul_matches_reference_and_saturates_cleanly(dtype):
     assert torch.equal(torch.cat([ops.silu_mul(gu[i : i + 1]) for i in range(5)]), y)
 
 
+@DTYPES
+def test_the_vector_code_rounds_each_element_as_the_scalar_tail_does(dtype):
+    """rms_norm and silu_mul run 8 elements at a time and the last width % 8 one by one: the
+    same ops, so the same bits. Widths 12 and 13, rolled so an element moves between the tail
+    and the vector part (RMSNorm's inputs are small halves, so its sum of squares is exact in
+    any order and the roll changes no scale); NaN included, to the bit."""
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randint(-8, 9, (3, 12), generator=g) * 0.5).to(dtype)
+    w = (1 + torch.randn(12, generator=g) * 0.3).to(dtype)
+    for s in (4, 8):
+        rolled = ops.rms_norm(x.roll(s, 1), w.roll(s), 1e-5)
+        assert torch.equal(rolled, ops.rms_norm(x, w, 1e-5).roll(s, 1)), s
+    gate = (torch.randn(3, 13, generator=g) * 4).to(dtype)
+    up = (torch.randn(3, 13, generator=g) * 4).to(dtype)
+    gate[0, 8], up[1, 9] = float("nan"), float("nan")
+    for s in (5, 8):
+        rolled = ops.silu_mul(torch.cat([gate.roll(s, 1), up.roll(s, 1)], 1))
+        y = ops.silu_mul(torch.cat([gate, up], 1)).roll(s, 1)
+        assert torch.equal(rolled.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           y.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), s  # NaN bits too
+
+
 def _reference_attention(qkv, nh, cos, sin, caches, slots, starts, nums):
     """Per valid token: RoPE, write into the float64 caches; per valid query: SDPA over its
     slot's keys [0, pos]. Padding queries: zeros."""

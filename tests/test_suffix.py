@@ -367,9 +367,6 @@ class FloorRouter(QuietRouterHooks):
     def __init__(self, seed=0):
         import random
 
-        from specrouter.config import RouterConfig
-
-        self.config = RouterConfig()  # the engine reads shadow_k from it
         self.rng = random.Random(seed)
 
     def decide(self, row):
@@ -526,7 +523,7 @@ def test_router_gives_a_suffix_plan_its_break_even_confidence():
     for b in (1, 8):
         d = router.decide(RowContext(100 + b, 400, batch_size=b))
         assert d.chain[0] == "suffix" and d.k >= 1
-        rows = router._cost_rows(b, 400)
+        rows = router.board.cost_rows(b, 400, router.t_width)
         assert d.min_confidence == pytest.approx(break_even_confidence([rows[m] for m in d.chain[1:]], d.k, d.t_eff))
         floors[b] = d.min_confidence
     assert 0.0 < floors[1] < floors[8] < 1.0

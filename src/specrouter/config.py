@@ -131,7 +131,10 @@ class SamplingParams:
 class SimilarityConfig:
     """How the router's acceptance estimator weighs evidence (router/similarity.py)."""
 
+    measure_tv: bool = True  # the executor measures D_TV at verified positions (False: acceptance counts only)
     tv_alpha: float = 0.1  # EMA weight of one observation's mean D_TV (after the first few)
+    drift: bool = True  # shift the observed acceptance by f(SimScore now) - f(SimScore of its trials)
+    drift_decay: float = 0.95  # per trial: "SimScore now" forgets (~20 trials; the counts: ~500)
     min_tv_positions: int = 8  # positions measured before a pair's SimScore is used
     decay: float = 0.998  # per trial: the global acceptance counts forget (window ~500 trials)
     prior_strength: float = 4.0  # pseudo-trials of the fallback while evidence is thin
@@ -156,7 +159,7 @@ class SimilarityConfig:
     hit_decay: float = 0.98  # per proposal: the global hit counts forget
 
     def __post_init__(self) -> None:
-        for name in ("decay", "calib_decay", "hit_decay"):
+        for name in ("decay", "calib_decay", "hit_decay", "drift_decay"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if not 0.0 < self.tv_alpha <= 1.0:
@@ -209,6 +212,10 @@ class RouterConfig:
     request_min_trials: float = 4.0  # trials a finished request needs on a pair for its alpha to count
     request_min_finished: int = 3  # finished requests before their quantile is used
     request_hit_decay: float = 0.95  # per proposal: a request's own model-free hit counts forget (~20)
+    # a request's own D_TV (decayed like its counts) makes its prior for a pair f(its SimScore),
+    # worth this many pseudo-trials per measured position, up to request_tv_cap
+    request_tv_weight: float = 1.0
+    request_tv_cap: float = 32.0
     shadow_k: int = MAX_DRAFT_LENGTH  # tokens asked of model-free drafters when shadow-scoring rows not running them
     probe_k: int = 8  # longest draft of a probe cycle
     probe_optimism: float = 1.5  # z of the Wilson upper bound that makes a stale pair worth a probe

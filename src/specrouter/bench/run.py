@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specrouter.bench.slowdown import Slowdown
-from specrouter.bench.summary import ADAPTIVE_CACHE, NO_HEAD, NO_SUFFIX, TARGET_CACHE, chain_label, summarize
+from specrouter.bench.summary import ADAPTIVE_CACHE, NO_HEAD, NO_SUFFIX, NO_TV, TARGET_CACHE, chain_label, summarize
 from specrouter.bench.systems import (
     AdaptiveSystem,
     Decoding,
@@ -210,6 +210,9 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
                               profile=profile, router_config=cfg.router)
     systems.append(adaptive)
     ablations = []
+    if cfg.router.similarity.measure_tv and pool.runners.keys() - {pool.target}:  # a pair to measure
+        no_tv = dataclasses.replace(cfg.router, similarity=dataclasses.replace(cfg.router.similarity, measure_tv=False))
+        ablations.append(AdaptiveSystem(pool, NO_TV, profile=profile, router_config=no_tv))
     if SUFFIX in pool.drafters:
         ablations.append(AdaptiveSystem(pool.without_drafters([SUFFIX]), NO_SUFFIX, profile=profile))
     if pool.heads:

@@ -29,6 +29,7 @@ chain: seeded requests are reproducible whatever the router does.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.noise import position_keys
 from specrouter.decoding.processors import RowHistory, process_rows
 from specrouter.decoding.sampling import SamplingTensors, choose_tokens
+from specrouter.decoding.tv import level_tv
 from specrouter.models.device import synchronize
 from specrouter.decoding.verification import verify_tokens
 from specrouter.records.stats import CycleStats
@@ -64,6 +66,10 @@ class RowWork:
     accepted: list[int] = field(default_factory=list)  # per level: candidates level j accepted (0 unused)
     proposal: list[int] | None = None  # a model drafter's proposal (greedy rows), for shadow scoring
     min_confidence: float = 0.0  # a confidence-sized drafter stops below this (Decision.min_confidence)
+    # per candidate, the logits (V,) the level below had at its position (copies: runners may
+    # reuse their output buffers); None: a model-free drafter, nothing to compare
+    cand_logits: list[torch.Tensor] | None = None
+    tv: list[float] = field(default_factory=list)  # per level j >= 1: mean D_TV (j-1 vs j) at its candidates; NaN: none
 
     def level(self, model: str) -> int:
         """Index of `model` in the row's chain (-1: not in it)."""
@@ -81,6 +87,7 @@ class StepResult:
     forward_time: dict[str, float]  # seconds per model over the step
     wall_time: float  # seconds for the whole step
     speculative: bool  # some row ran a drafter
+    tv_seconds: float = 0.0  # of the wall time, measuring D_TV at the verified positions
 
 
 class ChainExecutor:
@@ -98,6 +105,7 @@ class ChainExecutor:
         state: StateManager,
         vocab_width: int,
         order: list[str] | None = None,
+        heads: frozenset[str] = frozenset(),
         clock=time.perf_counter,
     ):
         self.runners = runners
@@ -106,10 +114,11 @@ class ChainExecutor:
         self.vocab_width = vocab_width
         self.order = list(order) if order is not None else [*drafters, *runners]
         self.target = self.order[-1]
-        self.heads = frozenset(n for n, r in runners.items() if getattr(r, "is_head", False))
+        self.heads = frozenset(heads)  # draft heads among the runners (Pool.heads)
         if self.heads and state.features is None:
             raise ValueError("a pool with a draft head needs a StateManager with a FeatureStore")
         self.clock = clock  # timing source (tests inject a virtual clock)
+        self.measure_tv = False  # measure D_TV at verified positions (the router's similarity signal)
 
     # -- one step ---------------------------------------------------------------------------
     def step(
@@ -126,6 +135,7 @@ class ChainExecutor:
         self._forwards: list[ForwardRecord] = []
         self._ftime: dict[str, float] = {}
         self._ftoks: dict[str, int] = {}
+        self._tv_seconds = 0.0
         work = [self._start_row(b, s, chain, k) for b, (s, (chain, k)) in enumerate(zip(rows, plans))]
         for w, floor in zip(work, min_confidence or ()):
             w.min_confidence = floor
@@ -153,7 +163,7 @@ class ChainExecutor:
         chain = chain if k > 0 else chain[-1:]
         n = len(chain)
         return RowWork(b=b, seq=seq, chain=chain, k=k, cap=cap, start=len(seq.tokens),
-                       drafted=[0] * n, accepted=[0] * n)
+                       drafted=[0] * n, accepted=[0] * n, tv=[math.nan] * n)
 
     def _models_in_use(self, work: list[RowWork]) -> list[str]:
         used = {m for w in work for m in w.chain}
@@ -166,7 +176,7 @@ class ChainExecutor:
             return
         drafter = self.drafters[name]
         floors = [w.min_confidence for w in work]
-        sized = {"min_confidence": floors} if any(floors) and getattr(drafter, "sized_by_confidence", False) else {}
+        sized = {"min_confidence": floors} if any(floors) and drafter.sized_by_confidence else {}
         t0 = self.clock()
         tokens, lengths = drafter.propose([w.seq.tokens for w in work], [w.k for w in work],
                                           [w.seq.tenant for w in work], **sized)
@@ -178,11 +188,13 @@ class ChainExecutor:
             w.cand = toks[: min(m, w.cap)]
             w.drafted[0] = len(w.cand)
 
-    def _draft_steps(self, name: str, work: list[RowWork], first: list[int], sampling: SamplingTensors) -> None:
+    def _draft_steps(self, name: str, work: list[RowWork], first: list[int], first_logits: torch.Tensor,
+                     sampling: SamplingTensors) -> None:
         """Draft tokens 2..k of the rows drafting with model `name` (their first token came from
-        the shared forward): one one-token forward per step over the rows still drafting."""
-        for w, t in zip(work, first):
-            w.cand = [t]
+        the shared forward, with `first_logits` (B, V)): one one-token forward per step over the
+        rows still drafting."""
+        for w, t, x in zip(work, first, first_logits):
+            w.cand, w.cand_logits = [t], [x.clone()] if self.measure_tv else None
         active = [w for w in work if w.k > 1]
         i = 1
         while active:
@@ -195,8 +207,10 @@ class ChainExecutor:
                                        [[0]] * len(feeds))
             logits = self._timed_forward(name, batch, len(active), 1)  # (B', 1, V)
             tokens = self._choose(logits, active, sampling, offset=i)[:, 0].tolist()
-            for w, t in zip(active, tokens):
+            for w, t, x in zip(active, tokens, logits[:, 0]):
                 w.cand.append(t)
+                if w.cand_logits is not None:
+                    w.cand_logits.append(x.clone())
             i += 1
             active = [w for w in active if w.k > i]
         for w in work:
@@ -217,21 +231,47 @@ class ChainExecutor:
         logits = self._forward(name, rows, spec)  # (B, n_max + 1, V)
         tokens = self._choose(logits, rows, sampling)  # (B, n_max + 1): the token each row samples there
         if verify:
-            self._verify(name, verify, tokens[: len(verify)])
+            if self.measure_tv:
+                self._measure_tv(name, verify, logits[: len(verify)], sampling)
+            self._verify(name, verify, tokens[: len(verify)], logits)
         if draft:
-            self._draft_steps(name, draft, tokens[len(verify):, 0].tolist(), sampling)
+            self._draft_steps(name, draft, tokens[len(verify):, 0].tolist(), logits[len(verify):, 0], sampling)
 
-    def _verify(self, name: str, work: list[RowWork], tokens: torch.Tensor) -> None:
-        """Level `name` verifies each row's candidates against its own tokens (B, n + 1)."""
+    def _measure_tv(self, name: str, work: list[RowWork], logits: torch.Tensor, sampling: SamplingTensors) -> None:
+        """Each row's mean D_TV between the level below (its `cand_logits`) and level `name`
+        (`logits` (B, n + 1, V)) at its candidates, in one vectorised pass over the rows that
+        have both (decoding/tv.py); its seconds are the step's `tv_seconds`."""
+        t0 = self.clock()
+        idx = [i for i, w in enumerate(work) if w.cand and w.cand_logits is not None
+               and not w.seq.params.has_processors]
+        if idx:
+            n = max(len(work[i].cand) for i in idx)
+            draft = logits.new_zeros((len(idx), n, logits.shape[-1]))  # (R, n, V)
+            for r, i in enumerate(idx):
+                m = len(work[i].cand)
+                draft[r, :m] = torch.stack(work[i].cand_logits[:m])
+            rows = torch.tensor([work[i].b for i in idx], dtype=torch.long, device=sampling.temperature.device)
+            num = torch.tensor([len(work[i].cand) for i in idx], dtype=torch.long)
+            tv = level_tv(draft, logits[idx], num, sampling.select(rows)).tolist()
+            for i, d in zip(idx, tv):
+                work[i].tv[work[i].level(name)] = d
+        self._tv_seconds += self.clock() - t0
+
+    def _verify(self, name: str, work: list[RowWork], tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """Level `name` verifies each row's candidates against its own tokens (B, n + 1); what a
+        row passes up carries this level's logits at its positions (`logits` (B', n + 1, V), the
+        verifying rows first)."""
         n = tokens.shape[1] - 1
         num = torch.tensor([len(w.cand) for w in work], dtype=torch.long)
         cand = torch.tensor([w.cand + [0] * (n - len(w.cand)) for w in work], dtype=torch.long).view(len(work), n)
         res = verify_tokens(cand, num, tokens)
-        for w, toks, m, a in zip(work, res.tokens.tolist(), res.lengths.tolist(), res.num_accepted.tolist()):
+        for w_i, (w, toks, m, a) in enumerate(zip(work, res.tokens.tolist(), res.lengths.tolist(),
+                                                  res.num_accepted.tolist())):
             j = w.level(name)
             w.drafted[j], w.accepted[j] = len(w.cand), a
             out = toks[:m]
             w.cand = out if j == len(w.chain) - 1 else out[: w.cap]  # the target's output is committed
+            w.cand_logits = list(logits[w_i, : len(w.cand)].clone()) if j < len(w.chain) - 1 and self.measure_tv else None
 
     def _choose(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0) -> torch.Tensor:
         """(B, G) tokens the rows sample at logit positions g = 0..G-1, i.e. at sequence
@@ -281,7 +321,7 @@ class ChainExecutor:
             states.append(st)
         batch = ForwardBatch.build(slots, starts, feeds, positions)
         width = batch.tokens.shape[1]
-        if getattr(self.runners[name], "packs_ragged", False):  # it costs its valid tokens
+        if self.runners[name].packs_ragged:  # it costs its valid tokens
             width = sum(batch.num_tokens_list) / len(work)
         context = sum(starts) // len(starts)
         if keep is None:
@@ -336,7 +376,7 @@ class ChainExecutor:
             seq.stats.observe_cycle(w.chain, w.drafted, w.accepted, len(seq.tokens) - w.start)
             outcomes.append(RowOutcome(seq_id=seq.seq_id, chain=w.chain, k=w.k, drafted=list(w.drafted),
                                        accepted=list(w.accepted), greedy=seq.params.greedy,
-                                       context_len=w.start, tv=None))
+                                       context_len=w.start, tv=list(w.tv) if self.measure_tv else None))
             proposals.append(w.proposal or [])
             groups.setdefault(w.chain, []).append((w, len(w.cand)))
         wall = self.clock() - t_start
@@ -356,4 +396,4 @@ class ChainExecutor:
             ))
         return StepResult(outcomes=outcomes, proposals=proposals, forwards=self._forwards, cycles=cycles,
                           forward_time=dict(self._ftime), wall_time=wall,
-                          speculative=any(w.k > 0 for w in work))
+                          speculative=any(w.k > 0 for w in work), tv_seconds=self._tv_seconds)

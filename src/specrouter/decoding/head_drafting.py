@@ -62,8 +62,8 @@ def draft_with_head(ex, name: str, work: list, sampling: SamplingTensors) -> Non
     logits, predicted = ex._timed_head(name, batch, features, len(ready))  # (B, 1, V), (B, T, H)
     last = batch.num_tokens - 1  # (B,)
     fhat = predicted[torch.arange(len(ready)), last]  # (B, H): f^_{n-1}
-    for w, t in zip(ready, ex._choose(logits, ready, sampling)[:, 0].tolist()):
-        w.cand = [t]
+    for w, t, x in zip(ready, ex._choose(logits, ready, sampling)[:, 0].tolist(), logits[:, 0]):
+        w.cand, w.cand_logits = [t], [x.clone()] if ex.measure_tv else None
     # 2. draft steps on the head's own features
     active = [b for b, w in enumerate(ready) if w.k > 1]
     i = 1
@@ -75,8 +75,10 @@ def draft_with_head(ex, name: str, work: list, sampling: SamplingTensors) -> Non
         idx = torch.tensor(active)
         logits, predicted = ex._timed_head(name, batch, fhat[idx][:, None], len(rows))  # (B', 1, V), (B', 1, H)
         fhat[idx] = predicted[:, 0].to(fhat.dtype)
-        for w, t in zip(rows, ex._choose(logits, rows, sampling, offset=i)[:, 0].tolist()):
+        for w, t, x in zip(rows, ex._choose(logits, rows, sampling, offset=i)[:, 0].tolist(), logits[:, 0]):
             w.cand.append(t)
+            if w.cand_logits is not None:
+                w.cand_logits.append(x.clone())
         i += 1
         active = [b for b in active if ready[b].k > i]
     for w in ready:

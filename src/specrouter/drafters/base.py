@@ -1,37 +1,67 @@
-"""Interface of model-free drafters (level M1 without a neural model)."""
+"""The model-free drafters' contract (`DrafterProtocol`) and the helpers they share."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
 
-class ModelFreeDrafter(Protocol):
-    """Proposes up to k tokens per row from the row's own context (e.g. prompt lookup).
-    Its proposal distribution is one-hot at the proposed token, so speculative sampling
-    against it stays lossless."""
+@dataclass(frozen=True)
+class Proposal:
+    """One row's proposal (`DrafterProtocol.propose_row`)."""
 
-    name: str
+    tokens: np.ndarray  # (m,) int64 proposed tokens
+    confidence: np.ndarray  # (m,) float64 cumulative probability of each prefix (decreasing)
+    match_len: int  # length of the matched context suffix (0: no match)
 
-    def propose(self, contexts: list[list[int]], k: int,
-                tenants: list[str | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (tokens (B, k) int64 right-padded, lengths (B,) int64 in 0..k). `tenants`
-        (one per row, None: shared) picks whose learned statistics a learning drafter reads."""
+    @property
+    def score(self) -> float:
+        """Expected accepted tokens under the drafter's own frequency model."""
+        return float(self.confidence.sum())
+
+
+EMPTY = Proposal(np.zeros(0, np.int64), np.zeros(0), 0)
+
+
+class DrafterProtocol(Protocol):
+    """A model-free drafter (level M1 without a neural model): proposes up to k tokens per row
+    from the row's context (prompt lookup) or from earlier requests (suffix decoding). Its
+    proposal distribution is one-hot at the proposed token, so speculative sampling against it
+    stays lossless. Everything the engine, the executor and the pool call is declared here."""
+
+    name: str  # its name in a pool
+    is_model_free: bool  # True (the cost profile times a proposal, not a forward)
+    sized_by_confidence: bool  # propose() honours min_confidence (stops below the router's floor)
+
+    def propose(self, contexts: Sequence[Sequence[int]], k: int | Sequence[int],
+                tenants: Sequence[str | None] | None = None,
+                min_confidence: Sequence[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (tokens (B, max k) int64 right-padded, lengths (B,) int64 in 0..k); `k` is one
+        draft length for all rows or one per row. `tenants` (one per row, None: shared) picks
+        whose learned statistics a learning drafter reads; `min_confidence` (one per row) is
+        where a confidence-sized drafter stops (others ignore it)."""
+        ...
+
+    def propose_row(self, context: np.ndarray, k: int, tenant: str | None = None,
+                    min_confidence: float | None = None) -> Proposal:
+        """One row's proposal with its confidences and match length (the engine's
+        confident-draft check)."""
+        ...
+
+    def observe_request(self, tokens: Sequence[int], tenant: str | None = None) -> None:
+        """A finished request's tokens (prompt + output): a learning drafter learns them."""
+        ...
+
+    def fresh(self) -> "DrafterProtocol":
+        """The same drafter with nothing learned (a pool view of its own)."""
         ...
 
 
-class LearningDrafter(ModelFreeDrafter, Protocol):
-    """A model-free drafter that also learns from finished requests (the suffix drafter); the
-    engine calls `observe_request` with each finished request's tokens (prompt + output)."""
-
-    def observe_request(self, tokens: list[int], tenant: str | None = None) -> None: ...
-
-    def fresh(self) -> "LearningDrafter":
-        """The same drafter with nothing learned."""
-        ...
+ModelFreeDrafter = DrafterProtocol  # the name used across the package
 
 
 def draft_lengths(k, batch: int) -> list[int]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specrouter.drafters.base import as_int64, draft_lengths, pad_drafts
+from specrouter.drafters.base import Proposal, as_int64, draft_lengths, pad_drafts
 
 __all__ = ["NgramConfig", "NgramDrafter", "ngram_lookup"]
 
@@ -98,6 +98,7 @@ class NgramDrafter:
 
     name = "ngram"
     is_model_free = True
+    sized_by_confidence = False  # min_confidence is ignored
 
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()
@@ -107,8 +108,10 @@ class NgramDrafter:
         contexts: Sequence[Sequence[int]] | Sequence[np.ndarray] | Sequence[torch.Tensor],
         k: int | Sequence[int],
         tenants: Sequence[str | None] | None = None,
+        min_confidence: Sequence[float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft for every row (`tenants` is ignored: the n-gram drafter learns nothing).
+        """Draft for every row (`tenants` and `min_confidence` are ignored: the n-gram drafter
+        learns nothing and has no confidences).
 
         contexts: each row's tokens so far (prompt + committed output), a list of ints, a 1-D
             numpy array or a 1-D CPU tensor. int64 numpy arrays are used without a copy.
@@ -121,3 +124,17 @@ class NgramDrafter:
                  for ctx, kb in zip(contexts, ks)]
         tokens, lengths = pad_drafts(props, max(ks, default=0))  # (B, max k), (B,)
         return torch.from_numpy(tokens), torch.from_numpy(lengths)
+
+    def propose_row(self, context: np.ndarray, k: int, tenant: str | None = None,
+                    min_confidence: float | None = None) -> Proposal:
+        """One row's lookup; its confidences are 0 (it has none)."""
+        cfg = self.config
+        tokens, match_len = ngram_lookup(as_int64(context), k, cfg.max_ngram, cfg.min_ngram, cfg.max_lookback)
+        tokens = np.array(tokens, dtype=np.int64)  # a copy: not a view of the context
+        return Proposal(tokens, np.zeros(tokens.shape[0]), match_len)
+
+    def observe_request(self, tokens: Sequence[int], tenant: str | None = None) -> None:
+        """Nothing to learn: a lookup reads the row's own context only."""
+
+    def fresh(self) -> "NgramDrafter":
+        return self  # it holds no learned state

@@ -74,7 +74,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from specrouter.drafters.base import as_int64, draft_lengths, pad_drafts
+from specrouter.drafters.base import EMPTY, Proposal, as_int64, draft_lengths, pad_drafts
 
 __all__ = ["SuffixConfig", "SuffixDrafter", "SuffixStore", "Proposal", "match", "walk"]
 
@@ -104,21 +104,6 @@ class SuffixConfig:
                              "max_request_tokens >= 2")
 
 
-@dataclass(frozen=True)
-class Proposal:
-    """One row's proposal from one tree."""
-
-    tokens: np.ndarray  # (m,) int64 proposed tokens
-    confidence: np.ndarray  # (m,) float64 cumulative probability of each prefix (decreasing)
-    match_len: int  # length of the matched context suffix (0: no match)
-
-    @property
-    def score(self) -> float:
-        """Expected accepted tokens under the frequency model."""
-        return float(self.confidence.sum())
-
-
-EMPTY = Proposal(np.zeros(0, np.int64), np.zeros(0), 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -574,13 +559,13 @@ class SuffixDrafter:
 
     # -- proposing --------------------------------------------------------------------------
     def propose_row(self, context: np.ndarray, k: int, tenant: str | None = None,
-                    min_confidence: float = 0.0) -> Proposal:
+                    min_confidence: float | None = 0.0) -> Proposal:
         """The better of the request tree's and the tenant's global tree's proposals, each
         stopping before its cumulative confidence drops below max(min_token_prob, min_confidence)."""
         cfg = self.config
         if k <= 0:
             return EMPTY
-        min_prob = max(cfg.min_token_prob, min_confidence)
+        min_prob = max(cfg.min_token_prob, min_confidence or 0.0)
         own = propose_from_context(context, k, cfg, min_prob)
         store = self._stores.get(tenant) if cfg.global_tree else None  # one atomic read: a snapshot
         if store is None or own.tokens.shape[0] >= k and own.confidence[-1] >= 1.0:
@@ -617,6 +602,6 @@ class SuffixDrafter:
 
     def propose(self, contexts, k, tenants: Sequence[str | None] | None = None,
                 min_confidence: Sequence[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft for every row (the `ModelFreeDrafter` interface): (tokens (B, max k), lengths (B,))."""
+        """Draft for every row (`DrafterProtocol.propose`): (tokens (B, max k), lengths (B,))."""
         tokens, lengths, _ = self.propose_scored(contexts, k, tenants, min_confidence)
         return tokens, lengths

@@ -11,8 +11,11 @@ the given generator or the engine's own (`self.rng`), so the output of a seeded 
 function of the request alone: the same at every run, concurrency and router decision, and
 equal to plain decoding of the target with that seed.
 
-Which chain and draft length a row runs is `plan(seq)`; here it is the static choice made at
-`add_request` (the adaptive router replaces it).
+Which chain and draft length a row runs: the one pinned at `add_request`, else the router's
+(`RouterProtocol.plan_batch`, router/protocol.py), planned for the batch the step runs; a row's
+plan lives in one record on its Sequence (`RowPlan`: pinned plan, confidence floor, next
+confident-draft check, start time). Around the router's plans the engine asks the model-free
+drafters for confident drafts and shadow proposals (drafts.py).
 
 Context accounting: a request fits when prompt + max_new_tokens <= the context limit (the
 smallest of `max_model_len` and the chain's models' contexts; with the router, the pool's). The
@@ -47,10 +50,10 @@ from dataclasses import dataclass
 import torch
 
 from specrouter.config import MAX_DRAFT_LENGTH, SamplingParams
-from specrouter.drafters.base import as_int64
 from specrouter.decoding.executor import ChainExecutor, StepResult
 from specrouter.decoding.noise import seed_key
 from specrouter.decoding.sampling import SamplingTensors
+from specrouter.engine.drafts import CONFIDENT, confident_offers, judge_shadows, shadow_proposals
 from specrouter.engine.faults import ModelFailure, without_failed
 from specrouter.engine.faults import logger as fault_logger
 from specrouter.engine.isolation import fail_row, run_isolated
@@ -62,7 +65,8 @@ from specrouter.errors import (
     SpecRouterError,
 )
 from specrouter.models.pool import Pool
-from specrouter.records.routing import RowContext
+from specrouter.records.routing import Plan, RowContext, RowPlan, StepReport
+from specrouter.router.protocol import RouterProtocol
 from specrouter.state.manager import StateManager
 from specrouter.state.prefix_cache import PrefixCache
 from specrouter.state.sequence import Sequence
@@ -70,7 +74,7 @@ from specrouter.state.sequence import Sequence
 
 def _feature_store(pool: Pool):
     """The target's features by slot when the pool has a draft head (state/features.py)."""
-    if not getattr(pool, "heads", None):
+    if not pool.heads:
         return None
     from specrouter.state.features import FeatureStore
 
@@ -103,7 +107,7 @@ class Engine:
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        router=None,
+        router: RouterProtocol | None = None,
         prefix_cache: bool = True,
         kv_cache_bytes: int | None = None,
     ):
@@ -111,19 +115,17 @@ class Engine:
         # parked KV of finished rows, shared by every engine over these runners (None: off)
         self.prefix_cache = PrefixCache.of(pool.runners, kv_cache_bytes) if prefix_cache else None
         self.cache_scope = next(_ENGINE_IDS)  # prefix-cache entries are keyed (cache_scope, tenant)
-        self.router = router  # router.policy.Router: picks chain and k per row every cycle
+        self.router = router  # picks chain and k of the rows that did not pin theirs, every step
         self.clock = clock
         self.state = StateManager(pool.runners, features=_feature_store(pool))
-        self.executor = ChainExecutor(pool.runners, pool.drafters, self.state,
-                                      pool.vocab_width, order=list(pool.order), clock=clock)
+        self.executor = ChainExecutor(pool.runners, pool.drafters, self.state, pool.vocab_width,
+                                      order=list(pool.order), heads=pool.heads, clock=clock)
+        self.executor.measure_tv = router is not None and router.measure_tv
         self.rng = torch.Generator()  # seeds of requests without one (AsyncEngine reseeds it)
         self.rng.manual_seed(torch.seed())
         self._ids = itertools.count()
-        self.running: dict[int, Sequence] = {}
-        self._plans: dict[int, tuple[tuple[str, ...], int] | None] = {}  # None: the router decides
-        self._floors: dict[int, float] = {}  # the router's Decision.min_confidence of each row's plan
-        self._peek_at: dict[int, int] = {}  # a row's next confident-draft check (router steps)
-        self._start: dict[int, float] = {}
+        self.running: dict[int, Sequence] = {}  # every row's plan is its `seq.plan` (RowPlan)
+        self.steps = 0  # steps run (the clock of the rows' confident-draft checks)
         self.fixed_capacity = max_num_seqs is not None and max_model_len is not None
         if self.fixed_capacity:
             for r in pool.runners.values():
@@ -199,12 +201,11 @@ class Engine:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator or self.rng))
         seq.seed_key = seed_key(seed)
         self.state.add(seq.seq_id)
-        if self.prefix_cache is not None:
+        seq.plan = RowPlan(pinned=(chain, k) if chain is not None else None, started=self.clock())
+        if self.prefix_cache is not None:  # the longest cached prefix, in every model (adopted KV)
             seq.stats.cached_tokens = self.prefix_cache.adopt(
                 seq.seq_id, seq.tokens, (self.cache_scope, tenant), self.state, self.pool.target).cached_tokens
         self.running[seq.seq_id] = seq
-        self._plans[seq.seq_id] = (chain, k) if chain is not None else None
-        self._start[seq.seq_id] = self.clock()
         return seq
 
     def _ensure_capacity(self, new_rows: int, positions: int) -> None:
@@ -253,173 +254,127 @@ class Engine:
             self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
-        seq.stats.wall_time = self.clock() - self._start.pop(seq.seq_id, self.clock())
+        seq.stats.wall_time = self.clock() - seq.plan.started
         if seq.finish_reason != "error":  # learning drafters (suffix) see every finished request
             for drafter in self.pool.drafters.values():
-                observe = getattr(drafter, "observe_request", None)
-                if observe is not None:
-                    observe(seq.tokens, seq.tenant)
-        self._plans.pop(seq.seq_id, None)
-        self._floors.pop(seq.seq_id, None)
-        self._peek_at.pop(seq.seq_id, None)
+                drafter.observe_request(seq.tokens, seq.tenant)
         if self.prefix_cache is not None and seq.finish_reason != "error":
             self.prefix_cache.park(seq.tokens, (self.cache_scope, seq.tenant), self.state.detach(seq.seq_id))
         else:
             self.state.release(seq.seq_id)
         if self.router is not None:
-            self.router.release(seq.seq_id)
+            self.router.finish_request(seq.seq_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
-    # -- scheduling -------------------------------------------------------------------------
-    def plan(self, seq: Sequence) -> tuple[tuple[str, ...], int]:
-        """The chain and draft length this row runs next cycle: pinned at add_request, or the
-        router's decision for this cycle (k == 0 for plain decoding)."""
-        pinned = self._plans[seq.seq_id]
-        if pinned is not None:
-            return pinned
-        d = self.router.decide(RowContext(seq.seq_id, len(seq.tokens), batch_size=len(self.running),
-                                          greedy=seq.params.greedy, remaining=seq.remaining))
-        self._floors[seq.seq_id] = d.min_confidence
-        return d.chain, d.k
-
+    # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One cycle for every running row: one executor step, every model at most one forward
-        over all rows that need it; returns what each row committed. A row whose planning or
-        cycle raises ends alone with finish_reason "error" (isolation.py). Randomness is
-        counter-based (decoding/noise.py): keyed by each row's seed and position."""
+        over all rows that need it; returns what each row committed. Randomness is
+        counter-based (decoding/noise.py): keyed by each row's seed and position.
+        1. plan every row (pinned, or the router's for the batch); a row whose planning raises
+           ends alone with finish_reason "error" (isolation.py);
+        2. run the executor step over the rows (`_run_rows`): a row whose cycle raises ends
+           alone, the others are rolled back and rerun alone; a failing model is taken out of
+           the chains and the step retried (faults.py);
+        3. report the committed step once to the router and `on_cycle` (`_report`);
+        4. collect each row's new tokens; finished rows leave the batch."""
         rows = list(self.running.values())
         if not rows:
             return []
+        self.steps += 1
         outputs = []
-        try:
-            plans = self._plan_step(rows)
+        try:  # 1.
+            plans, shadow_k = self._plan_step(rows)
         except Exception:  # noqa: BLE001 - find the rows whose planning fails alone
-            plans, ok = [], []
+            plans, ok, shadow_k = [], [], 0
             for seq in rows:
                 try:
-                    plans.append(self._plan_step([seq])[0])
+                    plans.append(self._plan_step([seq])[0][0])
                     ok.append(seq)
                 except Exception as e:  # noqa: BLE001 - this row's failure, not the batch's
                     fail_row(seq, e)
                     outputs.append(self._collect(seq, len(seq.tokens)))
             rows = ok
-        if rows:
+        if rows:  # 2. and 3.
             before = [len(s.tokens) for s in rows]
             plan_of = {s.seq_id: p for s, p in zip(rows, plans)}
-            run_isolated(rows, lambda part: self._run_rows(part, [plan_of[s.seq_id] for s in part]),
+            run_isolated(rows, lambda part: self._run_rows(part, [plan_of[s.seq_id] for s in part], shadow_k),
                          self.state, self._report)
-            outputs += [self._collect(s, b) for s, b in zip(rows, before)]
+            outputs += [self._collect(s, b) for s, b in zip(rows, before)]  # 4.
         return outputs
+
+    def _plan_step(self, rows: list[Sequence]) -> tuple[list[Plan], int]:
+        """Every row's (chain, k) for this step: pinned ones as pinned, the router's for the
+        others (planned jointly, for the batch this step really runs), then the confident drafts
+        the router takes (drafts.py); and the draft length of this step's shadow proposals."""
+        plans: list = [s.plan.pinned for s in rows]
+        if self.router is None:
+            return plans, 0
+        free = [i for i, p in enumerate(plans) if p is None]
+        pinned = [p for p in plans if p is not None]
+        contexts = [RowContext(rows[i].seq_id, len(rows[i].tokens), batch_size=len(rows),
+                               greedy=rows[i].params.greedy, remaining=rows[i].remaining) for i in free]
+        batch = self.router.plan_batch(contexts, pinned)
+        for i, d in zip(free, batch.decisions):
+            plans[i] = (d.chain, d.k)
+            rows[i].plan.min_confidence = d.min_confidence
+        if free and not batch.held:
+            drafters = {n: d for n, d in self.pool.drafters.items() if n not in self.failed_models}
+            offers = confident_offers([rows[i] for i in free], [plans[i] for i in free], drafters, self.steps)
+            if offers:
+                taken = self.router.take_confident_drafts(contexts, [plans[i] for i in free], offers, pinned)
+                for i, plan in zip(free, taken):
+                    if plan != plans[i]:
+                        plans[i] = plan
+                        rows[i].plan.min_confidence = CONFIDENT  # the executor drafts the same tokens
+        return plans, batch.shadow_k
+
+    def _run_rows(self, rows: list[Sequence], plans: list[Plan], shadow_k: int
+                  ) -> tuple[StepResult | None, dict, int]:
+        """One executor step over `rows`, row b running `plans[b]`: its result (None when the
+        target failed and the rows ended), the shadow proposals made before it and their k."""
+        sampling = SamplingTensors.from_params([s.params for s in rows], device=self.pool.device)
+        shadow = shadow_proposals(rows, plans, self.pool.drafters, shadow_k) if shadow_k else {}
+        # a model that raised or timed out is out of every chain; on a failure the rows are
+        # rolled back to their committed tokens and the step is retried without it (the
+        # target failing ends the rows with "error"): faults.py
+        while True:
+            plans = [(without_failed(c, self.failed_models, self.pool.target), k) for c, k in plans]
+            try:
+                result = self.executor.step(rows, plans, sampling, [s.plan.min_confidence for s in rows])
+                return result, shadow, shadow_k
+            except ModelFailure as failure:
+                if not self._on_step_failure(failure, rows, plans):
+                    return None, shadow, shadow_k
+
+    def _report(self, rows: list[Sequence], ran: tuple[StepResult | None, dict, int]) -> None:
+        """A committed step told to the router and `on_cycle` (once: isolation.py)."""
+        result, shadow, shadow_k = ran
+        if result is None:
+            return
+        if self.router is not None:
+            self.router.observe_step(StepReport(
+                outcomes=result.outcomes, forwards=result.forwards, wall_time=result.wall_time,
+                forward_time=sum(result.forward_time.values()), speculative=result.speculative,
+                shadow=judge_shadows(rows, result.outcomes, result.proposals, shadow, shadow_k),
+                tv_seconds=result.tv_seconds))
+        if self.on_cycle is not None:
+            for stats in result.cycles:
+                self.on_cycle(stats)
 
     def _collect(self, seq: Sequence, before: int) -> StepOutput:
         """The row's output of this step; a finished row leaves the batch."""
-        if len(seq.tokens) > before and not seq.stats.first_token_time and seq.seq_id in self._start:
-            seq.stats.first_token_time = self.clock() - self._start[seq.seq_id]
+        if len(seq.tokens) > before and not seq.stats.first_token_time:
+            seq.stats.first_token_time = self.clock() - seq.plan.started
         if seq.done:
             self.running.pop(seq.seq_id, None)
             self._finish(seq)
         return StepOutput(seq=seq, new_token_ids=seq.tokens[before:])
 
-    def _run_rows(self, rows: list[Sequence], plans: list[tuple[tuple[str, ...], int]]
-                  ) -> tuple[StepResult | None, dict | None]:
-        """One executor step over `rows`, row b running `plans[b]`: its result (None when the
-        target failed and the rows ended) and the shadow proposals made before it."""
-        sampling = SamplingTensors.from_params([s.params for s in rows], device=self.pool.device)
-        shadow = self._shadow_proposals(rows, plans) if self._shadow_due() else None
-        # -- fault tolerance (faults.py): a model that raised or timed out is out of every
-        # chain; on a failure the rows are rolled back to their committed tokens and the step
-        # is retried without it (the target failing ends the rows with "error") -------------
-        result = None
-        while True:
-            plans = [(without_failed(c, self.failed_models, self.pool.target), k) for c, k in plans]
-            try:
-                result = self.executor.step(rows, plans, sampling, [self._floors.get(s.seq_id, 0.0) for s in rows])
-                break
-            except ModelFailure as failure:
-                if not self._on_step_failure(failure, rows, plans):
-                    break
-        # -------------------------------------------------------------------------------------
-        return result, shadow
-
-    def _report(self, rows: list[Sequence], ran: tuple[StepResult | None, dict | None]) -> None:
-        """A committed step told to the router and `on_cycle` (once: isolation.py)."""
-        result, shadow = ran
-        if result is None:
-            return
-        if self.router is not None:
-            self._observe(rows, result, shadow)
-        if self.on_cycle is not None:
-            for stats in result.cycles:
-                self.on_cycle(stats)
-
-    def _plan_step(self, rows: list[Sequence]) -> list[tuple[tuple[str, ...], int]]:
-        """Every row's (chain, k) for this step: pinned ones as pinned, the router's for the
-        others (planned jointly, for the batch this step really runs)."""
-        plans: list = [self.plan(s) if self._plans[s.seq_id] is not None else None for s in rows]
-        free = [i for i, p in enumerate(plans) if p is None]
-        if free:
-            contexts = [RowContext(rows[i].seq_id, len(rows[i].tokens), batch_size=len(rows),
-                                   greedy=rows[i].params.greedy, remaining=rows[i].remaining) for i in free]
-            pinned = [p for p in plans if p is not None]
-            plan_batch = getattr(self.router, "plan_batch", None)
-            decisions = (plan_batch(contexts, pinned) if plan_batch is not None
-                         else [self.router.decide(c) for c in contexts])
-            for i, d in zip(free, decisions):
-                plans[i] = (d.chain, d.k)
-                self._floors[rows[i].seq_id] = d.min_confidence
-            self._take_confident_drafts(rows, plans, free, contexts, pinned)
-        return plans
-
-    # -- confident drafts (suffix decoding) ------------------------------------------------------
-    CONFIDENT = 0.5  # a confident draft: every token's cumulative confidence >= this
-    CONFIDENT_MIN = 3  # ... and at least this many tokens
-    CONFIDENT_MATCH = 8  # ... from a match of at least this many context tokens (one earlier
-    # occurrence of a short match has confidence 1 and predicts little: measured, a 3-token
-    # gate let chat greedy drop to 0.90x of SpecRouter without the suffix drafter)
-    PEEK_BACKOFF = 4  # router steps between checks of a row whose last check found none
-
-    def _take_confident_drafts(self, rows: list[Sequence], plans: list, free: list[int],
-                               contexts: list[RowContext], pinned: list) -> None:
-        """Suffix decoding's rule on top of the router's plans: a greedy row whose learning
-        drafter (suffix) matches earlier requests with a long confident draft (an exact retry,
-        a template's fixed text) runs that draft now when the cost model says the step gains
-        (`Router.take_confident_drafts`). The router's acceptance estimates average over the
-        request's cycles and cannot see such a draft coming. Skipped while the router holds the
-        batch plain; a row that had none is checked again PEEK_BACKOFF steps later (a check
-        costs one proposal, ~0.1-0.3 ms)."""
-        take = getattr(self.router, "take_confident_drafts", None)
-        drafters = [(n, d) for n, d in self.pool.drafters.items()
-                    if getattr(d, "sized_by_confidence", False) and n not in self.failed_models]
-        if take is None or not drafters or getattr(self.router, "plain_hold", None) is not None:
-            return
-        now = self.router.observed_steps
-        offers: dict[int, tuple[str, int, float]] = {}
-        for j, i in enumerate(free):
-            seq = rows[i]
-            chain, k = plans[i]
-            k_cap = min(MAX_DRAFT_LENGTH, seq.remaining - 1)
-            if not seq.params.greedy or k_cap < self.CONFIDENT_MIN or self._peek_at.get(seq.seq_id, 0) > now:
-                continue
-            context = as_int64(seq.tokens)
-            for name, drafter in drafters:
-                p = drafter.propose_row(context, k_cap, seq.tenant, self.CONFIDENT)
-                m = int(p.tokens.shape[0])
-                if (m >= self.CONFIDENT_MIN and p.match_len >= self.CONFIDENT_MATCH
-                        and not (chain[0] == name and k >= m)):
-                    offers[j] = (name, m, p.score)
-            self._peek_at[seq.seq_id] = now + (1 if j in offers else self.PEEK_BACKOFF)
-        if not offers:
-            return
-        new = take(contexts, [plans[i] for i in free], offers, pinned)
-        for j, i in enumerate(free):
-            if new[j] != plans[i]:
-                plans[i] = new[j]
-                self._floors[rows[i].seq_id] = self.CONFIDENT  # the executor drafts the same tokens
-
-    def _on_step_failure(self, failure: ModelFailure, rows: list[Sequence],
-                         plans: list[tuple[tuple[str, ...], int]]) -> bool:
+    # -- model failures (faults.py) ------------------------------------------------------------
+    def _on_step_failure(self, failure: ModelFailure, rows: list[Sequence], plans: list[Plan]) -> bool:
         """A model failed in a step: take it out (`_on_model_failure`); True to retry the step."""
         chain = max((c for c, _ in plans), key=len)
         return self._on_model_failure(failure, rows, chain, 0) is not None
@@ -442,9 +397,8 @@ class Engine:
         )
         if model != target or failure.kind == "timeout":
             self.failed_models.add(model)
-            mark_failed = getattr(self.router, "mark_failed", None)
-            if mark_failed is not None:  # router plans avoid it from now on (cached decisions dropped)
-                mark_failed(model)
+            if self.router is not None:  # router plans avoid it from now on (cached decisions dropped)
+                self.router.mark_failed(model)
         if self.on_model_failure is not None:
             self.on_model_failure(failure)
         for seq in rows:  # drop speculative tokens, keep the last committed token pending
@@ -454,51 +408,10 @@ class Engine:
                 seq.done, seq.finish_reason, seq.error = True, "error", str(failure)
             return None
         for seq in rows:  # pinned plans lose the model (router plans avoid it from now on)
-            pinned = self._plans.get(seq.seq_id)
+            pinned = seq.plan.pinned
             if pinned is not None:
-                self._plans[seq.seq_id] = (tuple(m for m in pinned[0] if m != model), pinned[1])
+                seq.plan.pinned = (tuple(m for m in pinned[0] if m != model), pinned[1])
         return tuple(m for m in chain if m != model)  # == chain if it failed outside the chain
-
-    # -- router feedback ----------------------------------------------------------------------
-    SHADOW_EVERY_HELD = 4  # while the router holds a batch plain: shadow-score every 4th step
-
-    def _shadow_due(self) -> bool:
-        """Shadow proposals (evidence for model-free drafters not running) every step, or every
-        SHADOW_EVERY_HELD-th while a plain hold lasts (router/batch.py): under load their
-        ~0.3 ms per row is a few % of plain batching's step for evidence nobody reads until
-        the hold ends."""
-        if self.router is None:
-            return False
-        if getattr(self.router, "plain_hold", None) is None:
-            return True
-        return self.router.observed_steps % self.SHADOW_EVERY_HELD == 0
-
-    def _shadow_proposals(self, rows: list[Sequence], plans) -> dict:
-        """What each model-free drafter would propose for rows that do not run it (free
-        evidence of its acceptance for this request: tens of microseconds per row)."""
-        out = {}
-        for name, drafter in self.pool.drafters.items():
-            idx = [b for b, (chain, _) in enumerate(plans) if chain[0] != name]
-            if not idx:
-                continue
-            tokens, lengths = drafter.propose([rows[b].tokens for b in idx], self.router.config.shadow_k,
-                                              [rows[b].tenant for b in idx])
-            out[name] = {b: t[:m] for b, t, m in zip(idx, tokens.tolist(), lengths.tolist())}
-        return out
-
-    def _observe(self, rows: list[Sequence], result: StepResult, shadow: dict | None) -> None:
-        self.router.observe_step(result.outcomes, result.forwards, result.wall_time,
-                                 sum(result.forward_time.values()), result.speculative)
-        for name, proposals in (shadow or {}).items():
-            for b, proposal in proposals.items():
-                s, o = rows[b], result.outcomes[b]
-                committed = s.tokens[o.context_len:]
-                self.router.observe_shadow(s.seq_id, name, proposal, committed, self.router.config.shadow_k,
-                                           s.params.greedy)
-                drafted = result.proposals[b]
-                if drafted:  # greedy, a model drafted: how it would judge `name`
-                    self.router.observe_shadow(s.seq_id, name, proposal, drafted, len(drafted),
-                                               True, verifier=o.chain[0], count_hit=False)
 
     # -- offline ----------------------------------------------------------------------------
     def generate_ids(

@@ -1,6 +1,7 @@
 """The router's boundary dataclasses (its settings, `RouterConfig`, are in config.py): what it
-is told about a row before a cycle (`RowContext`) and after it (`RowOutcome`, `ForwardRecord`), and what it answers (`Decision`,
-`DecisionEvent`)."""
+is told about a row before a cycle (`RowContext`) and after a step (`StepReport`: `RowOutcome`,
+`ForwardRecord`, `ShadowProposal`), what it answers (`Decision`, `BatchPlan`, `DecisionEvent`),
+and the engine's record of a row's plan (`RowPlan`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 Chain = tuple[str, ...]  # model names, drafter first, target last
 Pair = tuple[str, str]  # (drafter, verifier): the lower level first
+Plan = tuple[Chain, int]  # (chain, draft length k); k == 0 with the target-only chain: plain decoding
 
 
 @dataclass(frozen=True)
@@ -80,3 +82,51 @@ class ForwardRecord:
     context_len: int  # L: mean cached positions of the rows before the forward
     seconds: float  # wall time, all `count` forwards together
     count: int = 1  # e.g. a draft model's k sequential one-token steps
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The router's answer for one engine step (`RouterProtocol.plan_batch`)."""
+
+    decisions: list[Decision]  # one per row asked about, in order
+    held: bool = False  # the batch is held plain (router/batch.py): no per-row re-planning now
+    shadow_k: int = 0  # draft length of this step's shadow proposals (0: none this step)
+
+
+@dataclass(frozen=True)
+class ShadowProposal:
+    """What a model-free drafter the row did not run would have proposed, against what it is
+    judged by: the tokens the target committed, or (greedy) a model drafter's own proposal of
+    the cycle (`verifier` names that model; its hit was already counted: `count_hit` False)."""
+
+    seq_id: int  # the request
+    drafter: str  # the model-free drafter
+    proposal: Sequence[int]  # its proposal, asked for `k` tokens before the cycle
+    judged_by: Sequence[int]  # the tokens it is compared with
+    k: int  # draft length it was asked for
+    greedy: bool = True  # the row decodes greedily
+    verifier: str | None = None  # None: the target
+    count_hit: bool = True  # count the proposal as a hit or a miss of the drafter
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Everything one engine step tells the router (`RouterProtocol.observe_step`)."""
+
+    outcomes: Sequence[RowOutcome]  # one per row of the step
+    forwards: Sequence[ForwardRecord]  # every timed forward of the step
+    wall_time: float  # seconds of the executor's step
+    forward_time: float  # of which inside forwards
+    speculative: bool  # some row ran a drafter
+    shadow: Sequence[ShadowProposal] = ()  # shadow scoring of model-free drafters
+    tv_seconds: float = 0.0  # of the wall time, measuring D_TV at the verified positions
+
+
+@dataclass
+class RowPlan:
+    """The engine's record of one row's plan (one per row, on its `Sequence`)."""
+
+    pinned: Plan | None  # the (chain, k) the request asked for; None: the router decides
+    started: float  # the engine clock at add_request (RequestStats.wall_time)
+    min_confidence: float = 0.0  # of this step's plan (Decision.min_confidence)
+    peek_at: int = 0  # the engine step from which its confident-draft check runs again

@@ -1,17 +1,20 @@
 """Planning a step's batch (issue 14): every model runs one forward per step over all rows
 that need it, padded to the widest row, so a row's speculation costs what it adds to shared
-forwards. `plan_batch` weighs joint alternatives by predicted step throughput; `step_seconds`
-predicts a step's seconds from the cost profile at the forwards' real rows and widths.
-Functions of a `Router` (policy.py), which exposes them as methods."""
+forwards. `BatchPlanner` owns what planning a batch needs beyond one row's decision: the plain
+hold, the batch calibration, the timing of its own planning. `plan` weighs joint alternatives by
+predicted step throughput; `step_seconds` predicts a step's seconds from the cost profile at the
+forwards' real rows and widths. It asks its `Router` (policy.py) for each row's own decision and
+reads the router's estimates; the router exposes it through `RouterProtocol` (protocol.py)."""
 
 from __future__ import annotations
 
 import functools
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specrouter.records.routing import Chain, Decision, ForwardRecord, RowContext, RowOutcome
+from specrouter.records.routing import BatchPlan, Chain, Decision, ForwardRecord, Plan, RowContext, RowOutcome
 from specrouter.router.request_state import RequestState
 
 
@@ -65,95 +68,8 @@ class StepCalibration:
         return 1.0 + (ratio - 1.0) * self.weight / (self.weight + prior)
 
 
-def calibration(router, n: int) -> tuple[float, float]:
-    """(speculative, plain) factors on the predicted throughput of a step of n rows (1, 1 for a
-    single row, whose plans the per-row evidence already corrects)."""
-    if n < 2:
-        return 1.0, 1.0
-    prior = router.config.batch_calibration_prior
-    spec, plain = router.batch_calibration.get((n, True)), router.batch_calibration.get((n, False))
-    return (spec.factor(prior) if spec is not None else 1.0,
-            plain.factor(prior) if plain is not None else 1.0)
-
-
-def speculates(plans: Sequence[tuple[Chain, int]]) -> bool:
+def speculates(plans: Sequence[Plan]) -> bool:
     return any(k > 0 and len(c) > 1 for c, k in plans)
-
-
-def calibrated_rate(router, plans: Sequence[tuple[Chain, int]], tokens: float, context_len: int,
-                    factors: tuple[float, float]) -> float:
-    """Predicted committed tokens per second of a step running `plans` (every row's, pinned
-    ones included) that commits `tokens`, scaled by what such steps realised (`calibration`)."""
-    return factors[0 if speculates(plans) else 1] * tokens / step_seconds(router, plans, context_len)
-
-
-def observe_batch_step(router, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord],
-                       wall_time: float) -> None:
-    """Calibrate the planner on one multi-row step: the tokens it committed and its seconds
-    (the executor's `wall_time` plus the router's planning of the step) against the rates the
-    planner predicts for the plans that ran; the other kind of step at this batch size ages.
-    A step that prefills a joining row's prompt is not a step of either kind (its forward is
-    wider than any plan's)."""
-    plan_seconds, router.plan_seconds = router.plan_seconds, 0.0
-    n = len(rows)
-    if n < 2 or wall_time <= 0.0:
-        return
-    plans = [(tuple(r.chain), r.k) for r in rows]
-    widest = max(k + len(c) - 1 if len(c) > 1 and k > 0 else 1 for c, k in plans)
-    if any(f.new_tokens > widest + 1 for f in forwards if f.model == router.target):
-        return
-    spec = speculates(plans)
-    cfg = router.config
-    L = max(1, sum(r.context_len for r in rows) // n)
-    predicted_tokens = sum(expected_tokens(router, router.requests.get(r.seq_id), c, k)
-                           for r, (c, k) in zip(rows, plans))
-    realised_tokens = sum(int(r.accepted[len(c) - 1]) + 1 if len(c) > 1 and k > 0 else 1
-                          for r, (c, k) in zip(rows, plans))
-    cal = router.batch_calibration.setdefault((n, spec), StepCalibration())
-    cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, step_seconds(router, plans, L),
-            cfg.batch_calibration_discount)
-    other = router.batch_calibration.get((n, not spec))
-    if other is not None:
-        other.forget(cfg.batch_calibration_forget)
-
-
-def planning(fn):
-    """A planning function of the router (its first argument): its seconds count toward the
-    step it plans (`Router.plan_seconds`, read by `observe_batch_step`)."""
-    @functools.wraps(fn)
-    def timed(router, *args, **kwargs):
-        t0 = router.timer()
-        try:
-            return fn(router, *args, **kwargs)
-        finally:
-            router.plan_seconds += router.timer() - t0
-    return timed
-
-
-@planning
-def plan_batch(router, rows: Sequence[RowContext],
-               pinned: Sequence[tuple[Chain, int]] = ()) -> list[Decision]:
-    """`plan_batch_afresh`, or plain decoding for every row while a plain hold lasts: under
-    load, where plain continuous batching wins, re-planning every step would cost the router
-    a few ms of every ~70 ms step for the same answer. The hold ends when the batch shrinks
-    below `hold_floor` (fewer rows make speculation cheaper; more rows only make plain batching
-    stronger, so joins keep it), and grows 2, 4, ... up to `RouterConfig.plain_hold_max` steps
-    while the verdict repeats."""
-    if not rows:
-        return []
-    hold: PlainHold | None = router.plain_hold
-    n = len(rows) + len(pinned)
-    if hold is not None and n >= hold_floor(hold.rows) and router.observed_steps < hold.until:
-        router.held_decisions += len(rows)  # decided by the hold (no DecisionEvent each)
-        return all_plain(router, rows)
-    decisions = plan_batch_afresh(router, rows, pinned)
-    limit = router.config.plain_hold_max
-    if n > 1 and limit > 0 and all(d.k == 0 or len(d.chain) == 1 for d in decisions):
-        span = min(limit, 2 * hold.span if hold is not None else 2)
-        router.plain_hold = PlainHold(n, router.observed_steps + span, span)
-    else:
-        router.plain_hold = None
-    return decisions
 
 
 def hold_floor(rows: int) -> int:
@@ -164,157 +80,264 @@ def hold_floor(rows: int) -> int:
     return rows if rows < 4 else math.ceil(0.75 * rows)
 
 
-def plan_batch_afresh(router, rows: Sequence[RowContext],
-                      pinned: Sequence[tuple[Chain, int]] = ()) -> list[Decision]:
-    """The plans of a step's rows, chosen for the batch the step really runs.
-
-    Every model runs one forward per step over all rows that need it, padded to the widest
-    row, so a row's speculation costs what it adds to shared forwards: a batch of plain rows
-    costs the target one 1-token forward of b rows, one speculating row makes it (b, k + 1).
-    1. each row's own best plan (`decide`, with cost rows at the step's b);
-    2. joint alternatives: every row plain; the speculating rows' k capped at K; only the m
-       rows that gain most speculate;
-    3. the predicted step throughput of each, sum of E[tokens] / predicted step seconds
-       (`step_seconds`: every model's forwards at their real rows and widths, pinned rows
-       included); the rows' own plans stay unless an alternative is better by more than
-       `persist_margin`, and plain decoding wins unless speculation beats it by that much (by
-       `batch_plain_margin` in a multi-row batch)."""
-    n = len(rows) + len(pinned)
-    if n > router.profile.max_batch(router.target):
-        # beyond the swept batch sizes the step's cost is a linear extrapolation: no
-        # speculation is planned on it (measured: 16 rows speculated where plain won by 10-17%)
-        return all_plain(router, rows)
-    plain = (router.target,)
-    decisions = [router.decide(r) for r in rows]
-    if n > router.config.sampling_spec_max_batch:
-        # a sampled row's acceptance is estimated from similarity (1 - D_TV), above what its
-        # coupled drafts get: in the serving bench at t=0.7 and 8 rows the router lost ~3% to
-        # plain batching in two runs of three rounds (RouterConfig.sampling_spec_max_batch)
-        decisions = [d if r.greedy or len(d.chain) == 1 else Decision((router.target,), 0, d.t_eff, "batch-plain")
-                     for r, d in zip(rows, decisions)]
-    L = max(1, sum(r.context_len for r in rows) // len(rows))
-    reqs = [router.requests.get(r.seq_id) for r in rows]
-    factors = calibration(router, n)
-
-    def option(plans: list[tuple[Chain, int]]) -> tuple[float, list[tuple[Chain, int]]]:
-        tokens = sum(expected_tokens(router, req, c, k) for req, (c, k) in zip(reqs, plans))
-        tokens += len(pinned)  # pinned rows commit >= 1 token each, whatever we choose
-        return calibrated_rate(router, list(plans) + list(pinned), tokens, L, factors), plans
-
-    own = [(d.chain, d.k) for d in decisions]
-    if all(len(c) == 1 for c, _ in own):
-        return decisions
-    options = [option(own), option([(plain, 0)] * len(rows))]
-    ks = sorted({k for _, k in own if k > 0})
-    for cap in (1, 2, 3, 4, 6, 8):
-        if cap < ks[-1]:
-            options.append(option([(c, min(k, cap)) if k else (c, k) for c, k in own]))
-    gain = sorted(range(len(rows)), key=lambda i: -expected_tokens(router, reqs[i], *own[i]))
-    spec = [i for i in gain if own[i][1] > 0]
-    for m in range(1, len(spec)):
-        keep = set(spec[:m])
-        options.append(option([own[i] if i in keep else (plain, 0) for i in range(len(rows))]))
-    rate_own, rate_plain = options[0][0], options[1][0]
-    rate, best = max(options, key=lambda o: o[0])
-    margin = 1.0 + router.config.persist_margin
-    # in a multi-row batch a speculating row slows every row of the step: speculation must beat
-    # plain continuous batching by `batch_plain_margin` (its acceptance is an estimate)
-    plain_margin = 1.0 + max(router.config.persist_margin,
-                             router.config.batch_plain_margin if n > 1 else 0.0)
-    if rate_plain * plain_margin >= rate:
-        best, reason = options[1][1], "batch-plain"
-    elif rate_own * margin >= rate:
-        return decisions
-    else:
-        reason = "batch"
-    router.batch_events.append((router.similarity.now, n, reason, rate, rate_plain))
-    out = []
-    for d, (c, k) in zip(decisions, best):
-        if (c, k) != (d.chain, d.k):
-            d = Decision(c, k, d.t_eff, reason, d.min_confidence if c == d.chain else 0.0)
-        out.append(d)
-    return out
+def planning(fn):
+    """A planning method of the BatchPlanner: its seconds count toward the step it plans
+    (`BatchPlanner.plan_seconds`, read by `observe`)."""
+    @functools.wraps(fn)
+    def timed(self, *args, **kwargs):
+        t0 = self.router.timer()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.plan_seconds += self.router.timer() - t0
+    return timed
 
 
-def all_plain(router, rows: Sequence[RowContext]) -> list[Decision]:
-    """Plain decoding for every row, decided for the batch (no per-row decide)."""
-    plain = (router.target,)
-    return [Decision(plain, 0, math.nan, "batch-plain", 0.0) for _ in rows]
+class BatchPlanner:
+    """Plans the batch of each engine step for a `Router` (module docstring)."""
 
+    SHADOW_EVERY_HELD = 4  # while the batch is held plain: shadow proposals every 4th step
 
-def expected_tokens(router, req: RequestState | None, chain: Chain, k: int) -> float:
-    """E[target tokens committed per cycle] of a plan, from the request's last PlanTable."""
-    if len(chain) == 1 or k == 0 or req is None or req.table is None:
-        return 1.0
-    i = router._chain_index.get(chain)
-    if i is None or k > req.table.expected_tokens.shape[1]:
-        return 1.0
-    e = float(req.table.expected_tokens[i, k - 1])
-    return e if math.isfinite(e) else 1.0
+    def __init__(self, router):
+        self.router = router  # policy.Router: per-row decisions, estimates, cost profile
+        self.hold: PlainHold | None = None  # the batch stays plain without re-planning until hold.until
+        self.held_decisions = 0  # row decisions the plain hold made (they log no DecisionEvent)
+        # (rows, speculative) -> StepCalibration: multi-row steps' realised / predicted rates
+        self.calibrations: dict[tuple[int, bool], StepCalibration] = {}
+        self.plan_seconds = 0.0  # the planning of the step being run (observe adds it to the step)
+        self.events: deque = deque(maxlen=router.config.log_size)  # (row-cycle, rows, reason, rate, plain rate)
 
+    # -- planning ---------------------------------------------------------------------------
+    @planning
+    def plan(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> BatchPlan:
+        """`plan_afresh`, or plain decoding for every row while a plain hold lasts: under
+        load, where plain continuous batching wins, re-planning every step would cost the router
+        a few ms of every ~70 ms step for the same answer. The hold ends when the batch shrinks
+        below `hold_floor` (fewer rows make speculation cheaper; more rows only make plain
+        batching stronger, so joins keep it), and grows 2, 4, ... up to
+        `RouterConfig.plain_hold_max` steps while the verdict repeats. Shadow proposals (free
+        evidence for model-free drafters not running) every step, or every
+        SHADOW_EVERY_HELD-th while a hold lasts: under load their ~0.3 ms per row is a few % of
+        plain batching's step for evidence nobody reads until the hold ends."""
+        router = self.router
+        hold, now = self.hold, router.observed_steps
+        n = len(rows) + len(pinned)
+        if not rows:
+            decisions = []
+        elif hold is not None and n >= hold_floor(hold.rows) and now < hold.until:
+            self.held_decisions += len(rows)  # decided by the hold (no DecisionEvent each)
+            decisions = self.all_plain(rows)
+        else:
+            decisions = self.plan_afresh(rows, pinned)
+            limit = router.config.plain_hold_max
+            if n > 1 and limit > 0 and all(d.k == 0 or len(d.chain) == 1 for d in decisions):
+                span = min(limit, 2 * hold.span if hold is not None else 2)
+                self.hold = PlainHold(n, now + span, span)
+            else:
+                self.hold = None
+        held = self.hold is not None
+        shadow = 0 if held and now % self.SHADOW_EVERY_HELD else router.config.shadow_k
+        return BatchPlan(decisions, held, shadow)
 
-def step_seconds(router, plans: Sequence[tuple[Chain, int]], context_len: int) -> float:
-    """Predicted seconds of one engine step running `plans` (one per row): every model's
-    forwards at their real rows and widths (the verifier at level j of a row with draft length
-    k gets at most k + j - 1 candidates; padded to the widest row, or packed: the mean width,
-    for runners that pack ragged batches), drafting steps, the step overhead."""
-    verify: dict[str, list[int]] = {}  # model -> widths of the rows it verifies / drafts (first step)
-    draft: dict[str, list[int]] = {}  # model drafter -> draft lengths
-    speculative = False
-    for chain, k in plans:
-        if len(chain) == 1 or k == 0:
-            verify.setdefault(chain[-1], []).append(1)
-            continue
-        speculative = True
-        draft.setdefault(chain[0], []).append(k)
-        for j, m in enumerate(chain[1:], start=1):
-            verify.setdefault(m, []).append(k + j)
-    total = router.overhead["spec" if speculative else "plain"]
-    for m in router.order:
-        ks = draft.get(m, [])
-        if m in router.model_free:
-            if ks and m in router.profile:
-                total += router.predict(m, len(ks), max(ks), context_len)
-            continue
-        widths = verify.get(m, []) + [1] * len(ks)
-        if widths:  # a packing runner costs its valid tokens: b rows of the mean width
-            t = sum(widths) / len(widths) if m in router.packed else max(widths)
-            total += router.predict(m, len(widths), t, context_len)
-        for i in range(2, max(ks, default=0) + 1):
-            total += router.predict(m, sum(1 for k in ks if k >= i), 1, context_len)
-    return max(total, 1e-9)
+    def plan_afresh(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> list[Decision]:
+        """The plans of a step's rows, chosen for the batch the step really runs.
 
+        Every model runs one forward per step over all rows that need it, padded to the widest
+        row, so a row's speculation costs what it adds to shared forwards: a batch of plain rows
+        costs the target one 1-token forward of b rows, one speculating row makes it (b, k + 1).
+        1. each row's own best plan (`Router.decide`, with cost rows at the step's b);
+        2. joint alternatives: every row plain; the speculating rows' k capped at K; only the m
+           rows that gain most speculate;
+        3. the predicted step throughput of each, sum of E[tokens] / predicted step seconds
+           (`step_seconds`: every model's forwards at their real rows and widths, pinned rows
+           included); the rows' own plans stay unless an alternative is better by more than
+           `persist_margin`, and plain decoding wins unless speculation beats it by that much
+           (by `batch_plain_margin` in a multi-row batch)."""
+        router, cfg = self.router, self.router.config
+        n = len(rows) + len(pinned)
+        if n > router.profile.max_batch(router.target):
+            # beyond the swept batch sizes the step's cost is a linear extrapolation: no
+            # speculation is planned on it (measured: 16 rows speculated where plain won by 10-17%)
+            return self.all_plain(rows)
+        plain = (router.target,)
+        decisions = [router.decide(r) for r in rows]
+        if n > cfg.sampling_spec_max_batch:
+            # a sampled row's acceptance is estimated from similarity (1 - D_TV), above what its
+            # coupled drafts get: in the serving bench at t=0.7 and 8 rows the router lost ~3% to
+            # plain batching in two runs of three rounds (RouterConfig.sampling_spec_max_batch)
+            decisions = [d if r.greedy or len(d.chain) == 1 else Decision(plain, 0, d.t_eff, "batch-plain")
+                         for r, d in zip(rows, decisions)]
+        L = max(1, sum(r.context_len for r in rows) // len(rows))
+        reqs = [router.requests.get(r.seq_id) for r in rows]
+        factors = self.calibration(n)
 
-@planning
-def take_confident_drafts(router, rows: Sequence[RowContext], plans: list[tuple[Chain, int]],
-                          offers: dict[int, tuple[str, int, float]],
-                          pinned: Sequence[tuple[Chain, int]] = ()) -> list[tuple[Chain, int]]:
-    """Suffix decoding's rule, weighed by the cost model: row i's model-free drafter offers a
-    draft of m tokens now (`offers[i] = (drafter, m, score)`, score = the drafter's own expected
-    accepted tokens, the sum of its cumulative confidences: a long match in earlier requests,
-    e.g. an exact retry, offers a long confident draft). Row i switches to (drafter > target, m)
-    when that raises the step's predicted throughput (E[tokens] over `step_seconds`, the other
-    rows' plans as they are); offers are taken best first. The router's own acceptance
-    estimates cannot see such a draft coming: they average over the request's cycles."""
-    if not offers:
-        return plans
-    L = max(1, sum(r.context_len for r in rows) // len(rows))
-    reqs = [router.requests.get(r.seq_id) for r in rows]
-    tokens = [expected_tokens(router, req, c, k) for req, (c, k) in zip(reqs, plans)]
-    best = list(plans)
-    factors = calibration(router, len(rows) + len(pinned))
+        def option(plans: list[Plan]) -> tuple[float, list[Plan]]:
+            tokens = sum(self.expected_tokens(req, c, k) for req, (c, k) in zip(reqs, plans))
+            tokens += len(pinned)  # pinned rows commit >= 1 token each, whatever we choose
+            return self.rate(list(plans) + list(pinned), tokens, L, factors), plans
 
-    def rate(ps: list, toks: list) -> float:
-        return calibrated_rate(router, ps + list(pinned), sum(toks) + len(pinned), L, factors)
+        own = [(d.chain, d.k) for d in decisions]
+        if all(len(c) == 1 for c, _ in own):
+            return decisions
+        options = [option(own), option([(plain, 0)] * len(rows))]
+        ks = sorted({k for _, k in own if k > 0})
+        for cap in (1, 2, 3, 4, 6, 8):
+            if cap < ks[-1]:
+                options.append(option([(c, min(k, cap)) if k else (c, k) for c, k in own]))
+        gain = sorted(range(len(rows)), key=lambda i: -self.expected_tokens(reqs[i], *own[i]))
+        spec = [i for i in gain if own[i][1] > 0]
+        for m in range(1, len(spec)):
+            keep = set(spec[:m])
+            options.append(option([own[i] if i in keep else (plain, 0) for i in range(len(rows))]))
+        rate_own, rate_plain = options[0][0], options[1][0]
+        rate, best = max(options, key=lambda o: o[0])
+        margin = 1.0 + cfg.persist_margin
+        # in a multi-row batch a speculating row slows every row of the step: speculation must
+        # beat plain continuous batching by `batch_plain_margin` (its acceptance is an estimate)
+        plain_margin = 1.0 + max(cfg.persist_margin, cfg.batch_plain_margin if n > 1 else 0.0)
+        if rate_plain * plain_margin >= rate:
+            best, reason = options[1][1], "batch-plain"
+        elif rate_own * margin >= rate:
+            return decisions
+        else:
+            reason = "batch"
+        self.events.append((router.similarity.now, n, reason, rate, rate_plain))
+        out = []
+        for d, (c, k) in zip(decisions, best):
+            if (c, k) != (d.chain, d.k):
+                d = Decision(c, k, d.t_eff, reason, d.min_confidence if c == d.chain else 0.0)
+            out.append(d)
+        return out
 
-    current = rate(best, tokens)
-    for i, (name, m, score) in sorted(offers.items(), key=lambda o: -o[1][2]):
-        chain = (name, router.target)
-        if chain not in router._chain_index or 1.0 + score <= tokens[i]:
-            continue
-        trial, t2 = best.copy(), tokens.copy()
-        trial[i], t2[i] = (chain, m), 1.0 + score
-        r = rate(trial, t2)
-        if r > current:
-            best, tokens, current = trial, t2, r
-    return best
+    def all_plain(self, rows: Sequence[RowContext]) -> list[Decision]:
+        """Plain decoding for every row, decided for the batch (no per-row decide)."""
+        plain = (self.router.target,)
+        return [Decision(plain, 0, math.nan, "batch-plain", 0.0) for _ in rows]
+
+    @planning
+    def take_confident_drafts(self, rows: Sequence[RowContext], plans: list[Plan],
+                              offers: dict[int, tuple[str, int, float]],
+                              pinned: Sequence[Plan] = ()) -> list[Plan]:
+        """Suffix decoding's rule, weighed by the cost model: row i's model-free drafter offers
+        a draft of m tokens now (`offers[i] = (drafter, m, score)`, score = the drafter's own
+        expected accepted tokens, the sum of its cumulative confidences: a long match in earlier
+        requests, e.g. an exact retry, offers a long confident draft). Row i switches to
+        (drafter > target, m) when that raises the step's predicted throughput (E[tokens] over
+        `step_seconds`, the other rows' plans as they are); offers are taken best first. The
+        router's own acceptance estimates cannot see such a draft coming: they average over the
+        request's cycles."""
+        if not offers:
+            return plans
+        router = self.router
+        L = max(1, sum(r.context_len for r in rows) // len(rows))
+        reqs = [router.requests.get(r.seq_id) for r in rows]
+        tokens = [self.expected_tokens(req, c, k) for req, (c, k) in zip(reqs, plans)]
+        best = list(plans)
+        factors = self.calibration(len(rows) + len(pinned))
+
+        def rate(ps: list, toks: list) -> float:
+            return self.rate(ps + list(pinned), sum(toks) + len(pinned), L, factors)
+
+        current = rate(best, tokens)
+        for i, (name, m, score) in sorted(offers.items(), key=lambda o: -o[1][2]):
+            chain = (name, router.target)
+            if chain not in router.chain_index or 1.0 + score <= tokens[i]:
+                continue
+            trial, t2 = best.copy(), tokens.copy()
+            trial[i], t2[i] = (chain, m), 1.0 + score
+            r = rate(trial, t2)
+            if r > current:
+                best, tokens, current = trial, t2, r
+        return best
+
+    # -- predictions ------------------------------------------------------------------------
+    def expected_tokens(self, req: RequestState | None, chain: Chain, k: int) -> float:
+        """E[target tokens committed per cycle] of a plan, from the request's last PlanTable."""
+        if len(chain) == 1 or k == 0 or req is None or req.table is None:
+            return 1.0
+        i = self.router.chain_index.get(chain)
+        if i is None or k > req.table.expected_tokens.shape[1]:
+            return 1.0
+        e = float(req.table.expected_tokens[i, k - 1])
+        return e if math.isfinite(e) else 1.0
+
+    def step_seconds(self, plans: Sequence[Plan], context_len: int, publish: bool = True) -> float:
+        """Predicted seconds of one engine step running `plans` (one per row): every model's
+        forwards at their real rows and widths (the verifier at level j of a row with draft
+        length k gets at most k + j - 1 candidates; padded to the widest row, or packed: the
+        mean width, for runners that pack ragged batches), drafting steps, the step overhead.
+        `publish`: as `EvidenceBoard.predict`."""
+        router = self.router
+        verify: dict[str, list[int]] = {}  # model -> widths of the rows it verifies / drafts (first step)
+        draft: dict[str, list[int]] = {}  # model drafter -> draft lengths
+        speculative = False
+        for chain, k in plans:
+            if len(chain) == 1 or k == 0:
+                verify.setdefault(chain[-1], []).append(1)
+                continue
+            speculative = True
+            draft.setdefault(chain[0], []).append(k)
+            for j, m in enumerate(chain[1:], start=1):
+                verify.setdefault(m, []).append(k + j)
+        total = router.overhead["spec" if speculative else "plain"]
+        def predict(m: str, b: int, t: float, L: int) -> float:
+            return router.board.predict(m, b, t, L, publish)
+
+        for m in router.order:
+            ks = draft.get(m, [])
+            if m in router.model_free:
+                if ks and m in router.profile:
+                    total += predict(m, len(ks), max(ks), context_len)
+                continue
+            widths = verify.get(m, []) + [1] * len(ks)
+            if widths:  # a packing runner costs its valid tokens: b rows of the mean width
+                t = sum(widths) / len(widths) if m in router.packed else max(widths)
+                total += predict(m, len(widths), t, context_len)
+            for i in range(2, max(ks, default=0) + 1):
+                total += predict(m, sum(1 for k in ks if k >= i), 1, context_len)
+        return max(total, 1e-9)
+
+    def calibration(self, n: int) -> tuple[float, float]:
+        """(speculative, plain) factors on the predicted throughput of a step of n rows (1, 1
+        for a single row, whose plans the per-row evidence already corrects)."""
+        if n < 2:
+            return 1.0, 1.0
+        prior = self.router.config.batch_calibration_prior
+        spec, plain = self.calibrations.get((n, True)), self.calibrations.get((n, False))
+        return (spec.factor(prior) if spec is not None else 1.0,
+                plain.factor(prior) if plain is not None else 1.0)
+
+    def rate(self, plans: Sequence[Plan], tokens: float, context_len: int,
+             factors: tuple[float, float]) -> float:
+        """Predicted committed tokens per second of a step running `plans` (every row's, pinned
+        ones included) that commits `tokens`, scaled by what such steps realised (`calibration`)."""
+        return factors[0 if speculates(plans) else 1] * tokens / self.step_seconds(plans, context_len)
+
+    # -- observing --------------------------------------------------------------------------
+    def observe(self, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord], wall_time: float) -> None:
+        """Calibrate the planner on one multi-row step: the tokens it committed and its seconds
+        (the executor's `wall_time` plus the planning of the step) against the rates the planner
+        predicts for the plans that ran; the other kind of step at this batch size ages. A step
+        that prefills a joining row's prompt is not a step of either kind (its forward is wider
+        than any plan's)."""
+        plan_seconds, self.plan_seconds = self.plan_seconds, 0.0
+        router, cfg = self.router, self.router.config
+        n = len(rows)
+        if n < 2 or wall_time <= 0.0:
+            return
+        plans = [(tuple(r.chain), r.k) for r in rows]
+        widest = max(k + len(c) - 1 if len(c) > 1 and k > 0 else 1 for c, k in plans)
+        if any(f.new_tokens > widest + 1 for f in forwards if f.model == router.target):
+            return
+        spec = speculates(plans)
+        L = max(1, sum(r.context_len for r in rows) // n)
+        predicted_tokens = sum(self.expected_tokens(router.requests.get(r.seq_id), c, k)
+                               for r, (c, k) in zip(rows, plans))
+        realised_tokens = sum(int(r.accepted[len(c) - 1]) + 1 if len(c) > 1 and k > 0 else 1
+                              for r, (c, k) in zip(rows, plans))
+        cal = self.calibrations.setdefault((n, spec), StepCalibration())
+        cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, self.step_seconds(plans, L, publish=False),
+                cfg.batch_calibration_discount)
+        other = self.calibrations.get((n, not spec))
+        if other is not None:
+            other.forget(cfg.batch_calibration_forget)

@@ -37,8 +37,11 @@ while both are unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from specrouter.config import RouterConfig
 from specrouter.router.cost_model import PlanTable
@@ -125,3 +128,125 @@ def decision_key(batch_size: int, context_bucket: int, mode: str, k_cap: int, ch
                  version: int, request_version: int) -> tuple:
     """What step 1 depends on (module docstring): equal keys, equal PlanTables."""
     return (batch_size, context_bucket, mode, k_cap, chain, version, request_version)
+
+
+class EvidenceBoard:
+    """The published evidence of one `Router` (module docstring): the snapshot decide() reads,
+    each request's published estimates, and what is cached per published version (the cost
+    rows T_M(b, ., L), profile predictions). The router reports what it learns (`note_*`,
+    `changed`); the board republishes when that moved materially."""
+
+    def __init__(self, router):
+        self.router = router  # policy.Router: its estimates, profile and settings
+        self.published: Published | None = None
+        self.modes: set[str] = set()  # decoding modes decided for (their priors are published)
+        self._seen: tuple = ()  # what the published evidence was last checked against
+        self._changes = 0  # router-side changes of evidence since (overheads, releases, failures)
+        self._cost_cache: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
+        self._cost_version = -1  # the published version the cost rows are of
+        self._predict_cache: dict[tuple[str, int, float, int], float] = {}
+        self._predict_version = -1
+
+    def changed(self) -> None:
+        """Router-side evidence changed (an overhead, a release, a failure, a new mode, the
+        router's own decide() time): look again before the next decision."""
+        self._changes += 1
+
+    def current(self) -> Published:
+        """The evidence decide() reads, republished first when the live one moved materially."""
+        r = self.router
+        seen = (r.similarity.version, r.profile.version, self._changes)
+        if self.published is None or seen != self._seen:
+            self._seen = seen
+            live = self._snapshot()
+            if self.published is None or material_change(live, self.published, r.config):
+                version = 0 if self.published is None else self.published.version + 1
+                self.published = dataclasses.replace(live, version=version)
+        return self.published
+
+    def _snapshot(self) -> Published:
+        """The live evidence (version -1)."""
+        r = self.router
+        L = r.config.context_bucket // 2
+        steps = {m: r.profile.predict(m, 1, 1, L) for m in r.order if m in r.profile}
+        return Published(
+            version=-1,
+            priors={(p, mode): r.request_prior(p, mode) for mode in sorted(self.modes) for p in r.pairs},
+            hits={d: r.similarity.hit_rate(d) for d in sorted(r.model_free)},
+            times={"plain": r.overhead["plain"], "spec": r.overhead["spec"], "router": r.decide_seconds},
+            steps=steps,
+            jumps=dict(r.profile.jumps),
+            failed=frozenset(r.failed),
+            scale=steps[r.target],
+            observed=r.observed_steps,
+        )
+
+    def request_evidence(self, req, mode: str) -> RequestEvidence:
+        """A request's published alphas and hit rates (the global ones for None), recomputed
+        when the router's or the request's evidence version moved."""
+        r = self.router
+        published = self.current()
+        stamp = (published.version, req.version if req is not None else -1, mode)
+        if req is not None and req.evidence is not None and req.evidence.stamp == stamp:
+            return req.evidence
+        digits = r.config.alpha_decimals  # rounding: plan cache hits
+        evidence = RequestEvidence(stamp, {p: round(r.alpha(p, mode, req), digits) for p in r.pairs},
+                                   {d: r.hit_rate(d, req) for d in r.model_free})
+        if req is not None:
+            req.evidence = evidence
+        return evidence
+
+    def note_alpha(self, req, pair: Pair, mode: str) -> None:
+        """The request's own alpha of `pair` was updated: a new request version if it moved
+        materially since published."""
+        evidence, cfg = req.evidence, self.router.config
+        if evidence is None:
+            return
+        published = evidence.alphas.get(pair)
+        if (published is None or evidence.stamp[2] != mode
+                or crossed(self.router.alpha(pair, mode, req), published, cfg.decision_tolerance, cfg.prune_below)):
+            req.version += 1
+
+    def note_hit(self, req, drafter: str) -> None:
+        """As `note_alpha`, for the request's hit rate of a model-free drafter."""
+        evidence, cfg = req.evidence, self.router.config
+        if evidence is None:
+            return
+        published = evidence.hits.get(drafter)
+        if published is None or crossed(self.router.hit_rate(drafter, req), published,
+                                        cfg.decision_hit_tolerance, cfg.prune_below):
+            req.version += 1
+
+    def cost_rows(self, b: int, L: int, width: int) -> dict[str, np.ndarray]:
+        """T_M(b, t, L) for t = 0..width per model, cached until the evidence is republished."""
+        r = self.router
+        version = self.current().version
+        if version != self._cost_version:
+            self._cost_cache.clear()
+            self._cost_version = version
+        bucket = r.config.context_bucket
+        key = (b, L // bucket, width)
+        rows = self._cost_cache.get(key)
+        if rows is None:
+            L_mid = (L // bucket) * bucket + bucket // 2
+            rows = {m: r.profile.cost_row(m, b, L_mid, width) if m in r.profile
+                    else np.zeros(width + 1) for m in r.order}  # an unprofiled model-free drafter: free
+            self._cost_cache[key] = rows
+        return rows
+
+    def predict(self, model: str, b: int, t: float, L: int, publish: bool = True) -> float:
+        """profile.predict, cached per (model, b, t, L bucket) until the evidence is republished.
+        `publish=False` (observing a step) reads the evidence as published without checking it
+        first: only planning publishes, so when evidence is published does not depend on what
+        else reads it."""
+        r = self.router
+        version = (self.current() if publish or self.published is None else self.published).version
+        if version != self._predict_version:
+            self._predict_cache.clear()
+            self._predict_version = version
+        bucket = r.config.context_bucket
+        key = (model, b, t, L // bucket)
+        v = self._predict_cache.get(key)
+        if v is None:
+            v = self._predict_cache[key] = r.profile.predict(model, b, t, (L // bucket) * bucket + bucket // 2)
+        return v

@@ -24,6 +24,7 @@ class RequestState:
     epoch: tuple[int, ...] = ()  # step-detector counts of the plan's models when it was chosen
     counts: dict[Pair, list[float]] = field(default_factory=dict)  # pair -> [accepted, rejections], decayed
     hits: dict[str, list[float]] = field(default_factory=dict)  # model-free drafter -> [hits, proposals], decayed
+    tv: dict[Pair, list[float]] = field(default_factory=dict)  # pair -> [D_TV x positions, positions], decayed
     cycles: int = 0  # cycles observed
     table: object = None  # the PlanTable of its last decision (plan_batch weighs alternatives with it)
     version: int = 0  # increases when its own estimates moved materially (router/evidence.py)
@@ -33,6 +34,15 @@ class RequestState:
     def observe(self, pair: Pair, accepted: float, rejections: float, decay: float) -> None:
         c = self.counts.setdefault(pair, [0.0, 0.0])
         c[:] = decayed_add(c, (accepted, rejections), decay, accepted + rejections)
+
+    def observe_tv(self, pair: Pair, tv: float, positions: int, decay: float) -> None:
+        t = self.tv.setdefault(pair, [0.0, 0.0])
+        t[:] = decayed_add(t, (tv * positions, float(positions)), decay, positions)
+
+    def sim_score(self, pair: Pair) -> tuple[float, float] | None:
+        """(1 - its mean D_TV, positions measured) of a pair in this request, None if never."""
+        t = self.tv.get(pair)
+        return None if t is None or t[1] <= 0 else (1.0 - t[0] / t[1], t[1])
 
     def observe_hit(self, drafter: str, hit: bool, decay: float) -> None:
         h = self.hits.setdefault(drafter, [0.0, 0.0])

@@ -39,9 +39,8 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from specrouter.config import SimilarityConfig  # the estimator's settings (also importable from here)
+from specrouter.decoding.tv import candidate_mask, candidate_tv, tv_distance, tv_from_logits  # noqa: F401  (re-exported)
 from specrouter.records.routing import Pair
 from specrouter.state.sequence import common_prefix_len
 
@@ -52,43 +51,6 @@ MODES = (GREEDY, SAMPLING)
 
 # ---------------------------------------------------------------------------------------------
 # pure functions
-
-
-def candidate_mask(num_candidates: torch.Tensor, n: int) -> torch.Tensor:
-    """(B, n) bool: position i of row b holds a valid candidate (i < num_candidates[b])."""
-    return torch.arange(n, device=num_candidates.device)[None, :] < num_candidates[:, None]
-
-
-def tv_distance(draft_probs: torch.Tensor, verifier_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) float64: per row, the mean over masked positions of D_TV = 1/2 sum_v |p - q|.
-
-    draft_probs (B, n, V): the proposal distribution at each candidate position; verifier_probs
-    (B, >= n, V): the verifier's at the same positions (its extra bonus position is ignored);
-    mask (B, n): valid candidates. Rows without any get NaN."""
-    n = draft_probs.shape[1]
-    if n == 0:
-        return torch.full((draft_probs.shape[0],), math.nan, dtype=torch.float64)
-    tv = 0.5 * (draft_probs - verifier_probs[:, :n].to(draft_probs.dtype)).abs().sum(-1)  # (B, n)
-    m = mask[:, :n].to(torch.float64)
-    count = m.sum(1)  # (B,)
-    total = (tv.to(torch.float64) * m).sum(1)
-    return torch.where(count > 0, total / count.clamp_min(1), torch.full_like(total, math.nan))
-
-
-def candidate_tv(draft_probs: torch.Tensor, verifier_probs: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
-    """(B,) per-row mean D_TV at a level's valid candidates, from what the executor has at the
-    level: draft_probs (B, n, V), verifier_probs (B, n + 1, V), num_candidates (B,). NaN: none."""
-    return tv_distance(draft_probs, verifier_probs, candidate_mask(num_candidates, draft_probs.shape[1]))
-
-
-def tv_from_logits(
-    draft_logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """`tv_distance` of softmax(logits / temperature): greedy mode's SimScore (temperature 1)."""
-    n = draft_logits.shape[1]
-    d = torch.softmax(draft_logits.to(torch.float32) / temperature, dim=-1)  # (B, n, V)
-    v = torch.softmax(verifier_logits[:, :n].to(torch.float32) / temperature, dim=-1)  # (B, n, V)
-    return tv_distance(d, v, mask)
 
 
 def acceptance_trials(candidates: int, accepted: int, proposal_len: int | None = None) -> tuple[int, int]:
@@ -161,6 +123,9 @@ class PairStats:
     tv_positions: float = 0.0  # positions measured (not decayed)
     accepted: float = 0.0  # decayed accepted tokens
     rejections: float = 0.0  # decayed rejections
+    sim_trials: float = 0.0  # decayed trials that came with the row's own SimScore ...
+    sim_sum: float = 0.0  # ... and the sum of SimScore x trials over them (the SimScore of the counts)
+    recent: tuple[float, float] = (0.0, 0.0)  # the same two sums over ~20 trials (drift_decay): SimScore now
     last_measured: int = -(1 << 60)  # row-cycle of the last measurement
 
     @property
@@ -252,17 +217,25 @@ class SimilarityEstimator:
         s.last_measured = self.now
         self.version += 1
 
-    def observe_acceptance(self, pair: Pair, mode: str, accepted: float, rejections: float) -> None:
-        """Trials of the iid model (see `acceptance_trials`), summed over rows."""
+    def observe_acceptance(self, pair: Pair, mode: str, accepted: float, rejections: float,
+                           sim: float | None = None) -> None:
+        """Trials of the iid model (see `acceptance_trials`), summed over rows. `sim`: the
+        SimScore (1 - mean D_TV) measured at these very trials (one row's cycle): it teaches the
+        mode's calibration f with the row's own similarity, and dates the counts (`drift`)."""
         trials = accepted + rejections
         if trials <= 0:
             return
         cfg = self.config
         s = self.stats(pair, mode)
+        f = cfg.decay ** trials
         s.accepted, s.rejections = decayed_add((s.accepted, s.rejections), (accepted, rejections), cfg.decay, trials)
+        s.sim_trials, s.sim_sum = f * s.sim_trials, f * s.sim_sum
+        if sim is not None:
+            s.sim_trials, s.sim_sum = s.sim_trials + trials, s.sim_sum + sim * trials
+            s.recent = tuple(decayed_add(s.recent, (trials, sim * trials), cfg.drift_decay, trials))
         s.last_measured = self.now
         self.version += 1
-        sim = self.sim_score(pair, mode)
+        sim = self.sim_score(pair, mode) if sim is None else sim
         if sim is not None:
             self.calibrations[mode].add(sim, accepted, trials, cfg.calib_decay)
 
@@ -326,12 +299,24 @@ class SimilarityEstimator:
         s = self.pairs.get((tuple(pair), _check_mode(mode)))
         cfg = self.config
         if s is not None and s.trials >= cfg.min_evidence:
-            return s.accepted / s.trials, "observed"
+            return self.drifted(s, pair, mode, s.accepted / s.trials), "observed"
         fb, source = self.fallback(pair, mode)
         if s is None or s.trials <= 0:
             return fb, source
         value = blend(s.accepted, s.rejections, fb, cfg.prior_strength, cfg.min_evidence)
-        return value, "observed" if s.trials >= cfg.min_evidence else "blend"
+        return self.drifted(s, pair, mode, value), "observed" if s.trials >= cfg.min_evidence else "blend"
+
+    def drifted(self, s: PairStats, pair: Pair, mode: str, observed: float) -> float:
+        """The observed acceptance moved by what the similarity moved since its trials: f(SimScore
+        now) - f(SimScore of the trials), both through the mode's calibration and weighted alike
+        (per trial), "now" over ~20 trials (`drift_decay`), the counts over ~500: a change of
+        regime shows in D_TV long before the counts catch up. Unchanged without `drift` or
+        without both SimScores."""
+        cfg = self.config
+        if not cfg.drift or s.recent[0] < cfg.min_tv_positions or s.sim_trials < cfg.min_tv_positions:
+            return observed
+        now, then = s.recent[1] / s.recent[0], s.sim_sum / s.sim_trials
+        return min(1.0, max(0.0, observed + self.calibrate(now, mode) - self.calibrate(then, mode)))
 
     def alpha(self, pair: Pair, mode: str) -> float:
         return self.alpha_detail(pair, mode)[0]

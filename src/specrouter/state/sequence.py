@@ -6,6 +6,7 @@ from collections.abc import Sequence as _Tokens
 from dataclasses import dataclass, field
 
 from specrouter.config import SamplingParams
+from specrouter.records.routing import RowPlan
 from specrouter.records.stats import RequestStats
 
 
@@ -35,6 +36,7 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     seed_key: int = 0  # 32-bit key of the row's sampling seed: its noise at position i is a function of (seed_key, i)
     tenant: str | None = None  # whose learned drafter statistics it reads and feeds (None: shared)
+    plan: RowPlan | None = None  # the engine's record of its plan (engine.py)
 
     @property
     def num_generated(self) -> int:

@@ -27,6 +27,9 @@ from specrouter.models.runners.linear import (
     ATEN_LINEAR,
     MM,
     ONEDNN_BLOCKED,
+    ROWINV,
+    ROWINV512,
+    ROWINV_DP,
     TRITON,
     Linear,
     kernel_for,
@@ -48,6 +51,9 @@ _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "mistral": 131072}
 # a draft checkpoint's frequent-token list, {"token_ids": [...], ...}: the runner computes only
 # those logits (see LlamaRunner._make_embed_and_head)
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+# the native decoder stack in one call (`decoder_layers`) where it serves; False: the Python loop
+# over the same ops (per-op profiles, tests that patch an op such as `linear`)
+FUSED_STACK = True
 _DEFAULT_KV_HEADS = {"llama": None, "qwen2": 32, "mistral": 8}  # None: = num_attention_heads
 
 
@@ -319,6 +325,7 @@ class LlamaRunner(ModelRunner):
         if self._ops is not None and off:  # per op: the rest stays on the native kernels
             log.warning("model %r: %d of its %d linears run on torch's kernels (an input width the native "
                         "kernel's blocks do not divide)", name, len(off), 4 * arch.num_layers)
+        self._fused = self._fused_layers()
         self._inv_freq, self._rope_scaling = rope_inv_freq(
             arch.rope, arch.head_dim, arch.max_position_embeddings
         )
@@ -326,6 +333,27 @@ class LlamaRunner(ModelRunner):
         if max_len is None:
             max_len = min(self.max_context, 2048)
         self.reserve(num_slots, max_len)
+
+    def _fused_layers(self) -> tuple[list[torch.Tensor], list[int], int] | None:
+        """(params, outs, kernel) of the native `decoder_layers` op, which runs the whole decoder
+        stack in one call (kernels/rowinv.cpp), where every linear runs one native kernel; else
+        None (the Python loop of `_hidden_native` serves). A bias of 0 elements stands for none."""
+        code = {ROWINV: 0, ROWINV512: 1, ROWINV_DP: 2}
+        kinds = {lin.kernel for layer in self._layers for lin in (layer[1], layer[2], layer[4], layer[5])}
+        if self._ops is None or len(kinds) != 1 or not kinds <= code.keys():
+            return None
+        none = torch.empty(0, dtype=self.dtype, device=self.device)
+        params: list[torch.Tensor] = []
+        outs: list[int] = []
+        for ln1, w_qkv, w_o, ln2, w_gu, w_down in self._layers:
+            params.append(ln1)
+            for lin in (w_qkv, w_o):
+                params += [lin.weight, none if lin.bias is None else lin.bias]
+            params.append(ln2)
+            for lin in (w_gu, w_down):
+                params += [lin.weight, none if lin.bias is None else lin.bias]
+            outs += [w_qkv.out_features, w_o.out_features, w_gu.out_features, w_down.out_features]
+        return params, outs, code[kinds.pop()]
 
     # ---- cache -----------------------------------------------------------------------------
     def reserve(self, num_slots: int, max_len: int) -> None:
@@ -582,6 +610,11 @@ class LlamaRunner(ModelRunner):
                 x = inputs.index_select(0, valid)  # (N, H)
         else:
             x = self._embed_fn(batch.tokens).view(B * T, H) if inputs is None else inputs  # (N, H)
+        if self._fused is not None and FUSED_STACK:  # the loop below in one native call: the same bits
+            params, outs, kernel = self._fused
+            x = ops.decoder_layers(x, params, outs, kernel, self._k, self._v, B, T, nh, D, self.arch.rms_norm_eps,
+                                   cos, sin, slots, starts, nums, valid)
+            return x, valid  # (N, H)
         for (ln1, w_qkv, w_o, ln2, w_gu, w_down), kc, vc in zip(self._layers, self._k, self._v):
             qkv = linear(norm(x, ln1), w_qkv)  # (N, (nh + 2 nkv) D)
             if valid is not None:  # padding tokens: zeros, neither written nor attended

@@ -191,6 +191,10 @@ T512 void run_tiles_fma(const float* x, int64_t N, int64_t K, const W* w, int64_
   }
 }
 
+}  // namespace
+
+namespace specrouter {
+
 // x (N, K); weight packed by pack_512 ((ceil(O/32), K, 32) float32 or (ceil(O/32), K/2, 32, 2)
 // bfloat16, dtype of x); bias (O,) or None; residual (N, O) or None; dp: bfloat16 on
 // vdpbf16ps (else widened FMAs) -> (N, O), dtype of x
@@ -248,10 +252,10 @@ at::Tensor linear512(const at::Tensor& x, const at::Tensor& weight, int64_t O, c
   return y;
 }
 
-}  // namespace
+}  // namespace specrouter
 
 TORCH_LIBRARY_FRAGMENT(specrouter_rowinv, m) {
   m.def("linear512(Tensor x, Tensor weight, int out_features, Tensor? bias=None, Tensor? residual=None, bool dp=False) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) { m.impl("linear512", &linear512); }
+TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) { m.impl("linear512", &specrouter::linear512); }

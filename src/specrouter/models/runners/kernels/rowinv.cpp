@@ -9,8 +9,8 @@
 // linear: y[n, o] = (residual[n, o] +) (bias[o] +) dot(x[n, :], w[o, :]). One dot = 8 float32
 //   lanes accumulated with FMA over the input in order, then a fixed horizontal sum; float32
 //   accumulation in both precisions (bf16 * bf16 is exact in float32), one rounding at the end.
-//   The weight is packed once so a thread streams one contiguous block; 4 outputs at a time so
-//   one weight load serves every row, rows 2 at a time so the accumulators stay in registers.
+//   The weight is packed once so a thread streams one contiguous block; register tiles of 4
+//   outputs x up to 3 rows (12 accumulators), so one weight load serves 3 rows.
 //   Memory-bound for 1 row (the weight bytes are the cost).
 // rope_attention: RoPE of q and k, the write of k and v into the slot cache, and for each
 //   (row, head, query) its own softmax over keys [0, pos] in order, float32 throughout.
@@ -25,7 +25,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+namespace specrouter {  // linear512.cpp
+at::Tensor linear512(const at::Tensor& x, const at::Tensor& weight, int64_t O, const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& residual, bool dp);
+}
 
 namespace {
 
@@ -55,6 +61,24 @@ inline void store(bf16* p, float v) {  // round to nearest even, NaN kept quiet
   *p = static_cast<bf16>(u >> 16);
 }
 
+// 8 float32 -> their bfloat16 bits in the low half of each 32-bit lane, rounded as `store`
+// rounds (nearest even, NaN kept quiet), lane by lane
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rne = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  return _mm256_blendv_epi8(rne, quiet, nan);
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16* p, __m256 v) {
+  const __m256i b = bf16_bits8(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
 // fixed-order horizontal sum of 8 lanes: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -79,6 +103,40 @@ inline void fma_block(const float* xr, const bf16* w, __m256& a) {  // 16 weight
                       _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xffff0000))), a);
 }
 
+// One register tile: R rows x the 4 outputs of group `wg` (packed (K/B, 4, B)), R * 4
+// accumulators; each weight block is loaded (and, in bfloat16, widened) once for the R rows.
+// The sequence of an accumulator (row r, output j) is fma_block over i = 0, B, 2B, ... whatever R.
+template <int R, typename W>
+__attribute__((always_inline)) inline void tile_rows(const float* x, int64_t K, const W* wg, __m256 (&a)[R][4]) {
+  constexpr int64_t Bk = sizeof(W) == 4 ? BLOCK_F32 : BLOCK_BF16;
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm256_setzero_ps();
+  const W* wp = wg;
+  for (int64_t i = 0; i < K; i += Bk, wp += 4 * Bk) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (sizeof(W) == 4) {
+        const __m256 w = _mm256_loadu_ps(reinterpret_cast<const float*>(wp) + j * Bk);
+#pragma GCC unroll 3
+        for (int r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + i), w, a[r][j]);
+      } else {  // as fma_block: the even elements, then the odd ones
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + j * Bk));
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xffff0000)));
+#pragma GCC unroll 3
+        for (int r = 0; r < R; ++r) {
+          a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + i), we, a[r][j]);
+          a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + i + 8), wo, a[r][j]);
+        }
+      }
+    }
+  }
+}
+
+constexpr int ROWS_AVX2 = 3;  // 12 accumulators + the widened weights: the 16 ymm registers
+
 template <typename T, typename W>
 void linear_impl(const float* x, int64_t N, int64_t K, const W* w, int64_t O, const T* bias,
                  const T* residual, T* y) {
@@ -91,42 +149,23 @@ void linear_impl(const float* x, int64_t N, int64_t K, const W* w, int64_t O, co
     if (residual) v = to_f(residual[n * O + o]) + v;
     store(&y[n * O + o], v);
   };
+  auto rows = [&](auto R_, int64_t n, const W* wg, int64_t o0) {
+    constexpr int R = decltype(R_)::value;
+    __m256 a[R][4];
+    tile_rows<R, W>(x + n * K, K, wg, a);
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) finish(n + r, o0 + j, a[r][j]);
+  };
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const W* wg = w + g * nb * 4 * Bk;  // (K/B, 4, B)
       const int64_t o0 = g * 4;
       int64_t n = 0;
-      for (; n + 2 <= N; n += 2) {  // two rows share each weight load
-        const float* xa = x + n * K;
-        const float* xb = xa + K;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-        const W* wp = wg;
-        for (int64_t i = 0; i < K; i += Bk, wp += 4 * Bk) {
-          fma_block(xa + i, wp, a0);
-          fma_block(xb + i, wp, b0);
-          fma_block(xa + i, wp + Bk, a1);
-          fma_block(xb + i, wp + Bk, b1);
-          fma_block(xa + i, wp + 2 * Bk, a2);
-          fma_block(xb + i, wp + 2 * Bk, b2);
-          fma_block(xa + i, wp + 3 * Bk, a3);
-          fma_block(xb + i, wp + 3 * Bk, b3);
-        }
-        finish(n, o0, a0), finish(n, o0 + 1, a1), finish(n, o0 + 2, a2), finish(n, o0 + 3, a3);
-        finish(n + 1, o0, b0), finish(n + 1, o0 + 1, b1), finish(n + 1, o0 + 2, b2), finish(n + 1, o0 + 3, b3);
-      }
-      if (n < N) {  // the last odd row: the same instruction sequence per (row, output)
-        const float* xa = x + n * K;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        const W* wp = wg;
-        for (int64_t i = 0; i < K; i += Bk, wp += 4 * Bk) {
-          fma_block(xa + i, wp, a0);
-          fma_block(xa + i, wp + Bk, a1);
-          fma_block(xa + i, wp + 2 * Bk, a2);
-          fma_block(xa + i, wp + 3 * Bk, a3);
-        }
-        finish(n, o0, a0), finish(n, o0 + 1, a1), finish(n, o0 + 2, a2), finish(n, o0 + 3, a3);
-      }
+      for (; n + ROWS_AVX2 <= N; n += ROWS_AVX2) rows(std::integral_constant<int, ROWS_AVX2>{}, n, wg, o0);
+      if (N - n == 2) rows(std::integral_constant<int, 2>{}, n, wg, o0);
+      if (N - n == 1) rows(std::integral_constant<int, 1>{}, n, wg, o0);
     }
   });
 }
@@ -228,10 +267,84 @@ inline float dot_q(const float* q, const T* k, int64_t D) {
   return s;
 }
 
+// dot_q of 4 consecutive keys (D % 8 == 0): four independent chains, each with the bits of dot_q
+template <typename T>
+inline void dot_q4(const float* q, const T* k, int64_t D, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 qi = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(qi, load8(k + i), a0);
+    a1 = _mm256_fmadd_ps(qi, load8(k + D + i), a1);
+    a2 = _mm256_fmadd_ps(qi, load8(k + 2 * D + i), a2);
+    a3 = _mm256_fmadd_ps(qi, load8(k + 3 * D + i), a3);
+  }
+  out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+}
+
+// acc[d] = sum over j = 0..L-1, in order, of p[j] * values[j, d] (one FMA per j), float32; the
+// accumulators of NB blocks of 8 stay in registers over the whole j loop
+template <int NB, typename T>
+inline void pv_blocks(const float* p, const T* values, int64_t L, int64_t D, int64_t d0, float* acc) {
+  __m256 a[NB];
+  for (int b = 0; b < NB; ++b) a[b] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const T* vj = values + j * D + d0;
+    for (int b = 0; b < NB; ++b) a[b] = _mm256_fmadd_ps(pj, load8(vj + 8 * b), a[b]);
+  }
+  for (int b = 0; b < NB; ++b) _mm256_storeu_ps(acc + d0 + 8 * b, a[b]);
+}
+
+template <typename T>
+inline void weighted_values(const float* p, const T* values, int64_t L, int64_t D, float* acc) {
+  const int64_t d8 = D / 8 * 8;
+  int64_t d0 = 0;
+  for (; d0 + 64 <= d8; d0 += 64) pv_blocks<8>(p, values, L, D, d0, acc);
+  for (; d0 + 32 <= d8; d0 += 32) pv_blocks<4>(p, values, L, D, d0, acc);
+  for (; d0 < d8; d0 += 8) pv_blocks<1>(p, values, L, D, d0, acc);
+  for (int64_t d = d8; d < D; ++d) {  // the D % 8 tail
+    float a = 0.f;
+    for (int64_t j = 0; j < L; ++j) a = std::fma(p[j], to_f(values[j * D + d]), a);
+    acc[d] = a;
+  }
+}
+
 template <typename T>
 inline void load_f(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
 }
+
+// the max of p[0..n) (exact in any order); the sum of p[0..n) in a fixed order that depends on
+// n only: 8 lanes over the whole blocks of 8, the fixed horizontal sum, then the tail in order
+inline float max_n(const float* p, int64_t n) {
+  __m256 acc = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) acc = _mm256_max_ps(_mm256_loadu_ps(p + j), acc);
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+  float m = _mm_cvtss_f32(s);
+  for (; j < n; ++j) m = p[j] > m ? p[j] : m;
+  return m;
+}
+inline float sum_n(const float* p, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + j));
+  float s = hsum(acc);
+  for (; j < n; ++j) s += p[j];
+  return s;
+}
+
+// n elements -> float32, exactly (8 at a time, then the tail)
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+  for (; i < n; ++i) dst[i] = to_f(src[i]);
+}
+
+constexpr int64_t QCHUNK = 8;  // attention: query rows per work item (they share widened keys)
 
 // RoPE of one head in float32: out = x * cos + [x2, x1] * sin_signed
 inline void rope_head(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
@@ -244,7 +357,8 @@ inline void rope_head(const float* x, const float* cos, const float* sin, int64_
 
 // Phase 1 (per valid token): rotate k, write k and v at the token's position of its slot.
 // Phase 2 (per valid (row, head, query)): rotate q, softmax over keys [0, pos] in order,
-// weighted sum of values in order, all float32; padding queries get zeros.
+// weighted sum of values in order, all float32; padding queries get zeros. A query's sequence
+// of operations depends only on its position, never on the other queries of its work item.
 template <typename T>
 void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_t nkv, int64_t D,
                          const float* cos, const float* sin, T* kc, T* vc, int64_t P,
@@ -268,42 +382,49 @@ void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_
   });
   int64_t max_len = 1;
   for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, starts[b] + nums[b]);
-  const int64_t grain = std::max<int64_t>(1, 32768 / (max_len * D));
-  at::parallel_for(0, B * nh * Tq, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(max_len), x(D), q(D), acc(D);
+  // work items: (row b, KV head, a chunk of up to QCHUNK of its groups * Tq query rows (g, t));
+  // an item widens its keys and values to float32 once (exact) for all its queries
+  const int64_t rows_per_kv = groups * Tq, chunks = (rows_per_kv + QCHUNK - 1) / QCHUNK;
+  at::parallel_for(0, B * nkv * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(max_len), x(D), q(D), acc(D), kf, vf;
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t t = item % Tq, h = (item / Tq) % nh, b = item / (Tq * nh);
-      T* o = out + ((b * Tq + t) * nh + h) * D;
-      if (t >= nums[b]) {
-        for (int64_t d = 0; d < D; ++d) store(&o[d], 0.f);
-        continue;
+      const int64_t c = item % chunks, kv = (item / chunks) % nkv, b = item / (chunks * nkv);
+      const int64_t r0 = c * QCHUNK, r1 = std::min(rows_per_kv, r0 + QCHUNK);
+      int64_t Lc = 0;  // keys the chunk's valid queries attend: [0, Lc)
+      for (int64_t r = r0; r < r1; ++r)
+        if (r % Tq < nums[b]) Lc = std::max(Lc, starts[b] + r % Tq + 1);
+      const int64_t base = (slots[b] * nkv + kv) * P * D;
+      const float* keys;
+      const float* values;
+      if constexpr (sizeof(T) == 4) {
+        keys = reinterpret_cast<const float*>(kc + base), values = reinterpret_cast<const float*>(vc + base);
+      } else {
+        kf.resize(Lc * D), vf.resize(Lc * D);
+        widen(kc + base, kf.data(), Lc * D), widen(vc + base, vf.data(), Lc * D);
+        keys = kf.data(), values = vf.data();
       }
-      const int64_t pos = starts[b] + t, L = pos + 1;
-      load_f(qkv + ((b * Tq + t) * heads + h) * D, x.data(), D);
-      rope_head(x.data(), cos + pos * D, sin + pos * D, D, q.data());
-      const int64_t base = (slots[b] * nkv + h / groups) * P * D;
-      const T* keys = kc + base;
-      const T* values = vc + base;
-      float m = -INFINITY;
-      for (int64_t j = 0; j < L; ++j) {
-        p[j] = dot_q(q.data(), keys + j * D, D);
-        m = p[j] > m ? p[j] : m;
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t t = r % Tq, h = kv * groups + r / Tq;
+        T* o = out + ((b * Tq + t) * nh + h) * D;
+        if (t >= nums[b]) {
+          for (int64_t d = 0; d < D; ++d) store(&o[d], 0.f);
+          continue;
+        }
+        const int64_t pos = starts[b] + t, L = pos + 1;
+        load_f(qkv + ((b * Tq + t) * heads + h) * D, x.data(), D);
+        rope_head(x.data(), cos + pos * D, sin + pos * D, D, q.data());
+        int64_t j = 0;
+        if (D % 8 == 0)
+          for (; j + 4 <= L; j += 4) dot_q4(q.data(), keys + j * D, D, &p[j]);
+        for (; j < L; ++j) p[j] = dot_q(q.data(), keys + j * D, D);
+        const float m = max_n(p.data(), L);
+        for (j = 0; j < L; ++j) p[j] -= m;
+        exp_n(p.data(), L);
+        const float sum = sum_n(p.data(), L);
+        weighted_values(p.data(), values, L, D, acc.data());
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < D; ++d) store(&o[d], acc[d] * inv);
       }
-      for (int64_t j = 0; j < L; ++j) p[j] -= m;
-      exp_n(p.data(), L);
-      float sum = 0.f;
-      for (int64_t j = 0; j < L; ++j) sum += p[j];
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const int64_t d8 = D / 8 * 8;
-      for (int64_t j = 0; j < L; ++j) {
-        const __m256 pj = _mm256_set1_ps(p[j]);
-        const T* vj = values + j * D;
-        for (int64_t d = 0; d < d8; d += 8)
-          _mm256_storeu_ps(&acc[d], _mm256_fmadd_ps(pj, load8(vj + d), _mm256_loadu_ps(&acc[d])));
-        for (int64_t d = d8; d < D; ++d) acc[d] = std::fma(p[j], to_f(vj[d]), acc[d]);  // D % 8 tail
-      }
-      const float inv = 1.f / sum;
-      for (int64_t d = 0; d < D; ++d) store(&o[d], acc[d] * inv);
     }
   });
 }
@@ -372,7 +493,14 @@ void rms_norm_impl(const T* x, const T* w, int64_t N, int64_t H, float eps, T* y
       float ss = hsum(acc);
       for (int64_t i = h8; i < H; ++i) ss += xf[i] * xf[i];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-      for (int64_t i = 0; i < H; ++i) {
+      const __m256 vinv = _mm256_set1_ps(inv);
+      int64_t i = 0;
+      for (; i < h8; i += 8) {  // 8 at a time, the ops of the scalar loop below
+        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(&xf[i]), vinv);
+        if constexpr (sizeof(T) == 2) t = _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(t), 16));
+        store8(&y[n * H + i], _mm256_mul_ps(t, load8(w + i)));
+      }
+      for (; i < H; ++i) {
         float t = xf[i] * inv;
         if constexpr (sizeof(T) == 2) {
           T r;
@@ -406,9 +534,17 @@ void silu_mul_impl(const T* gu, int64_t N, int64_t I, T* y) {
     std::vector<float> g(I);
     for (int64_t n = n0; n < n1; ++n) {
       const T* row = gu + n * 2 * I;
-      for (int64_t i = 0; i < I; ++i) g[i] = -to_f(row[i]);
-      exp_n(g.data(), I);  // exp(-gate)
-      for (int64_t i = 0; i < I; ++i) store(&y[n * I + i], to_f(row[i]) / (1.f + g[i]) * to_f(row[I + i]));
+      const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {  // 8 at a time, the ops of the tail below
+        const __m256 gate = load8(row + i);
+        const __m256 e = exp8(_mm256_xor_ps(gate, sign));  // exp(-gate)
+        store8(&y[n * I + i], _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(one, e)), load8(row + I + i)));
+      }
+      const int64_t i8 = i;
+      for (; i < I; ++i) g[i - i8] = -to_f(row[i]);
+      exp_n(g.data(), I - i8);  // exp(-gate) of the tail (lane-independent: the same bits)
+      for (i = i8; i < I; ++i) store(&y[n * I + i], to_f(row[i]) / (1.f + g[i - i8]) * to_f(row[I + i]));
     }
   });
 }
@@ -428,6 +564,43 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
+// The whole decoder stack in one call (runners/llama.py `_hidden_native` without the Python
+// between the ops): per layer the ops above in the order the Python loop runs them, the same
+// kernels on the same inputs, so the same bits. x (N, H): the valid tokens (all B*T of them, or
+// packed: `valid` (N,) their flat indices into B*T). `params`: per layer ln1, w_qkv, b_qkv, w_o,
+// b_o, ln2, w_gu, b_gu, w_down, b_down (a bias of 0 elements: none); `outs`: per layer the 4
+// linears' output widths; `kernel`: 0 the AVX2 linear, 1 linear512 on FMAs, 2 on vdpbf16ps.
+at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntArrayRef outs, int64_t kernel,
+                          at::TensorList k_caches, at::TensorList v_caches, int64_t B, int64_t T, int64_t nh,
+                          int64_t D, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& nums,
+                          const std::optional<at::Tensor>& valid) {
+  constexpr int64_t P = 10;
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == P * layers && static_cast<int64_t>(outs.size()) == 4 * layers &&
+                  static_cast<int64_t>(v_caches.size()) == layers && kernel >= 0 && kernel <= 2,
+              "decoder_layers: ", P, " params and 4 widths per layer, one K and one V cache per layer");
+  const bool packed = valid.has_value() && valid->defined();
+  auto lin = [&](const at::Tensor& in, int64_t l, int64_t i, const std::optional<at::Tensor>& res) {
+    const at::Tensor& b = params[l * P + (i == 0 ? 2 : i == 1 ? 4 : i == 2 ? 7 : 9)];
+    const at::Tensor& w = params[l * P + (i == 0 ? 1 : i == 1 ? 3 : i == 2 ? 6 : 8)];
+    const std::optional<at::Tensor> bias = b.numel() ? std::optional<at::Tensor>(b) : std::nullopt;
+    const int64_t O = outs[4 * l + i];
+    return kernel == 0 ? linear(in, w, O, bias, res) : specrouter::linear512(in, w, O, bias, res, kernel == 2);
+  };
+  at::Tensor x = x0;
+  for (int64_t l = 0; l < layers; ++l) {
+    at::Tensor qkv = lin(rms_norm(x, params[l * P], eps), l, 0, std::nullopt);  // (N, (nh + 2 nkv) D)
+    if (packed) qkv = at::zeros({B * T, qkv.size(1)}, qkv.options()).index_copy_(0, *valid, qkv);
+    at::Tensor o = rope_attention(qkv.view({B, T, -1, D}), nh, cos, sin, k_caches[l], v_caches[l], slots, starts, nums)
+                       .view({B * T, nh * D});
+    if (packed) o = o.index_select(0, *valid);
+    x = lin(o, l, 1, x);
+    x = lin(silu_mul(lin(rms_norm(x, params[l * P + 5], eps), l, 2, std::nullopt)), l, 3, x);
+  }
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specrouter_rowinv, m) {
@@ -435,6 +608,7 @@ TORCH_LIBRARY(specrouter_rowinv, m) {
   m.def("rope_attention(Tensor qkv, int num_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor starts, Tensor nums) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor[] params, int[] outs, int kernel, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int B, int T, int num_heads, int head_dim, float eps, Tensor cos, Tensor sin, Tensor slots, Tensor starts, Tensor nums, Tensor? valid=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) {
@@ -442,4 +616,5 @@ TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) {
   m.impl("rope_attention", &rope_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("decoder_layers", &decoder_layers);
 }

@@ -1,0 +1,105 @@
+"""Step 3 of a decision (policy.py): bounded probing, optimism under uncertainty within a budget.
+
+Pairs with little (or faded) evidence (`SimilarityEstimator.needs_probe`) get their optimistic
+alpha (a Wilson upper bound), and models believed slow (speed > `probe_slow_speed`) whose timing
+is stale their swept speed; when the `ProbeBudget` allows (5% of row-cycles, 2% of wall time) and
+a chain measuring one of them could beat the plan in that optimistic world, one cycle runs it
+(the most promising first), at its best k up to `probe_k`; its expected extra cost over the plan
+is charged to the budget. A probe that taught nothing about its pair (a model-free miss) doubles
+the wait before that pair's next one, so refuted pairs stop being probed until their evidence
+fades.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specrouter.records.routing import Decision, Pair, RowContext
+from specrouter.router.cost_model import best_plan
+from specrouter.router.similarity import ProbeBudget
+
+
+class Prober:
+    """The probing of one `Router` (module docstring): its budget and back-off state."""
+
+    def __init__(self, router):
+        cfg = router.config
+        self.router = router  # policy.Router: chains, estimates, plan tables
+        self.budget = ProbeBudget(cfg.probe_fraction, cfg.probe_time_fraction)
+        self.next_check = 0  # row-cycle from which a probe is worth computing again
+        self.probes: dict[Pair, tuple[int, float, int]] = {}  # pair -> (row-cycle, trials then, back-off)
+        self.model_seen: dict[str, int] = {}  # row-cycle each model was last timed
+
+    def due(self) -> bool:
+        """May this decision probe (the budget allows, and the last look found no probe long
+        enough ago)?"""
+        return self.budget.allow() and self.router.similarity.now >= self.next_check
+
+    def decide(self, row: RowContext, req, mode: str, k_cap: int, decision: Decision) -> Decision:
+        """A probe instead of `decision` this one cycle, within the budget (the request's plan
+        stays as it is); else `decision`."""
+        router = self.router
+        costs, alphas, overhead = router.inputs(row, req)
+        probe = self._probe(mode, decision.chain, decision.t_eff, costs, alphas, overhead, k_cap)
+        if probe is None:
+            self.next_check = router.similarity.now + router.config.probe_recheck
+            return decision
+        pi, pk = probe
+        chain = router.chains[pi]
+        one = best_plan([chain], pk, costs=costs, alphas=alphas,
+                        overhead=router.board.current().times["spec"] + overhead).table  # as now estimated
+        latency, tokens = float(one.expected_latency[0, pk - 1]), float(one.expected_tokens[0, pk - 1])
+        self.budget.charge(latency - decision.t_eff * tokens)
+        return Decision(chain, pk, latency / tokens, "probe",
+                        router.confidence_floor(chain, pk, latency / tokens, costs))
+
+    def _probe(self, mode: str, running, t_plan: float, costs, alphas, overhead: float,
+               k_cap: int) -> tuple[int, int] | None:
+        """(chain index, k) of a probe, or None (module docstring). A candidate pair is worth a
+        probe when some chain measuring it beats the plan (T_eff below `t_plan`) in the
+        optimistic world; the most promising one goes, with its best chain at that chain's best
+        k up to `probe_k`."""
+        router = self.router
+        cfg, sim, now = router.config, router.similarity, router.similarity.now
+        busy = set(zip(running[:-1], running[1:]))
+        slow = {m for m in router.order if m in router.profile and router.profile.speed(m) > cfg.probe_slow_speed
+                and now - self.model_seen.get(m, 0) >= sim.config.stale_after}
+        candidates = [p for p in router.pairs if p not in busy
+                      and (sim.needs_probe(p, mode) or slow.intersection(p))
+                      and now >= self._ready(p, mode)]
+        if not candidates:
+            return None
+        hopeful = dict(alphas)
+        for p in candidates:
+            if sim.needs_probe(p, mode):
+                hopeful[p] = max(alphas[p], round(sim.upper(p, mode, cfg.probe_optimism), cfg.alpha_decimals))
+        hopeful_costs = dict(costs)
+        for m in slow:  # it may have recovered while nobody looked
+            if isinstance(costs[m], np.ndarray):
+                hopeful_costs[m] = costs[m] / router.profile.speed(m)
+        t = router.table(hopeful_costs, hopeful, overhead, k_cap).t_eff
+        best = None  # (optimistic T_eff, pair, chain index, k index)
+        for p in candidates:
+            for i in router.pair_chains[p]:
+                j = int(np.argmin(t[i]))
+                if t[i, j] < t_plan and (best is None or t[i, j] < best[0]):
+                    best = (float(t[i, j]), p, i, j)
+        if best is None:
+            return None
+        _, p, i, j = best
+        last = self.probes.get(p)
+        wait = 0 if last is None or self._taught(p, mode, last) else max(2 * last[2], cfg.probe_recheck)
+        longest = int(cfg.probe_max_wait * sim.config.stale_after)
+        self.probes[p] = (now, sim.stats(p, mode).trials, min(wait, longest))
+        return i, min(j + 1, cfg.probe_k)
+
+    def _taught(self, pair: Pair, mode: str, last: tuple[int, float, int]) -> bool:
+        return self.router.similarity.stats(pair, mode).trials > last[1] + 0.5
+
+    def _ready(self, pair: Pair, mode: str) -> int:
+        """Row-cycle from which the pair may be probed again: at once if its last probe taught
+        something, else after twice the previous wait (back-off)."""
+        last = self.probes.get(pair)
+        if last is None or self._taught(pair, mode, last):
+            return 0
+        return last[0] + max(2 * last[2], self.router.config.probe_recheck)

@@ -1,0 +1,40 @@
+"""What the engine calls on a router (`RouterProtocol`): plan a step's batch, observe the step,
+finish a request, and the two events in between (a confident draft on offer, a model failed).
+`policy.Router` is the adaptive one; tests drive the engine with scripted ones that implement
+the same five methods. The engine never probes a router for optional members."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from specrouter.records.routing import BatchPlan, Plan, RowContext, StepReport
+
+
+class RouterProtocol(Protocol):
+    measure_tv: bool  # the executor measures D_TV at verified positions for it (RowOutcome.tv)
+
+    def plan_batch(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> BatchPlan:
+        """The plans of a step's rows that the router chooses (`rows`), knowing the plans of
+        the rows that pinned theirs (`pinned`), for the batch the step really runs."""
+        ...
+
+    def take_confident_drafts(self, rows: Sequence[RowContext], plans: list[Plan],
+                              offers: Mapping[int, tuple[str, int, float]],
+                              pinned: Sequence[Plan] = ()) -> list[Plan]:
+        """`plans` with the rows whose model-free drafter offers a confident draft now
+        (`offers[i] = (drafter, m tokens, its expected accepted tokens)`) switched to it where
+        the step gains."""
+        ...
+
+    def observe_step(self, report: StepReport) -> None:
+        """Learn from one committed engine step (called once per step, after its commit)."""
+        ...
+
+    def finish_request(self, seq_id: int) -> None:
+        """The request ended (finished, aborted or failed): forget it."""
+        ...
+
+    def mark_failed(self, model: str) -> None:
+        """`model` is out of service: no plan uses it from now on."""
+        ...
