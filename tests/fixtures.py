@@ -197,6 +197,7 @@ class QuietRouterHooks:
     decide() row by row; nothing is learned."""
 
     measure_tv = False
+    tv_positions = 2
 
     def plan_batch(self, rows, pinned=()):
         from specrouter.records.routing import BatchPlan

@@ -24,8 +24,8 @@ N = 12
 class Recorder(QuietRouterHooks):
     """A fixed plan for every row; keeps every StepReport (with the rows' D_TV)."""
 
-    def __init__(self, chain, k, measure_tv=True):
-        self.plan, self.measure_tv, self.reports = (chain, k), measure_tv, []
+    def __init__(self, chain, k, measure_tv=True, tv_positions=16):
+        self.plan, self.measure_tv, self.tv_positions, self.reports = (chain, k), measure_tv, tv_positions, []
 
     def decide(self, row):
         return Decision(*self.plan, t_eff=0.0, reason="fixed")
@@ -45,8 +45,8 @@ def fresh(tiny_pool_dirs):
     return load_named_pool(tiny_pool_dirs, ("target", "mid", "draft"), ngram=False, suffix=False).runners
 
 
-def run(pool, chain, k, temperature=0.0, measure_tv=True):
-    router = Recorder(chain, k, measure_tv)
+def run(pool, chain, k, temperature=0.0, measure_tv=True, tv_positions=16):
+    router = Recorder(chain, k, measure_tv, tv_positions)
     eng = Engine(pool.with_fresh_drafters(), router=router)
     cycles, steps = [], []  # CycleStats of each step (one per chain group)
     eng.on_cycle = cycles.append
@@ -72,10 +72,12 @@ def logits_at(runner, tokens, positions):
     return runner.forward(batch)[0]
 
 
-def test_tv_at_verified_positions_equals_a_fresh_forwards(pool, fresh):
+@pytest.mark.parametrize("positions", [16, 1])
+def test_tv_at_verified_positions_equals_a_fresh_forwards(pool, fresh, positions):
     """A greedy draft > target row's D_TV is the temperature-1 D_TV of the two models' fresh
-    forwards at the draft's positions (the proposal the row verified), for every cycle."""
-    reports, cycles, seqs = run(pool, ("draft", "target"), 4)
+    forwards at the draft's positions (the proposal the row verified; its first `positions`),
+    for every cycle."""
+    reports, cycles, seqs = run(pool, ("draft", "target"), 4, tv_positions=positions)
     checked = 0
     for report, step in zip(reports, cycles, strict=True):
         props = {sid: p for c in step for sid, p in zip(c.row_ids, c.row_proposal)}
@@ -90,7 +92,8 @@ def test_tv_at_verified_positions_equals_a_fresh_forwards(pool, fresh):
             ctx = seqs[o.seq_id].tokens[: o.context_len]
             toks, pos = ctx + props[o.seq_id][: n - 1], range(len(ctx) - 1, len(ctx) - 1 + n)
             d, t = (logits_at(fresh[m], toks, pos)[None] for m in ("draft", "target"))
-            want = float(tv_from_logits(d, t, torch.ones(1, n, dtype=torch.bool))[0])
+            mask = torch.arange(n)[None] < positions
+            want = float(tv_from_logits(d, t, mask)[0])
             assert o.tv[1] == pytest.approx(want, abs=1e-5)
             assert math.isnan(o.tv[0])
             checked += 1

@@ -132,6 +132,9 @@ class SimilarityConfig:
     """How the router's acceptance estimator weighs evidence (router/similarity.py)."""
 
     measure_tv: bool = True  # the executor measures D_TV at verified positions (False: acceptance counts only)
+    # ... at a row's first this many candidates of each level (a softmax over the vocabulary per
+    # position and level: all 8 cost 2% of the step on the default pool, measured)
+    tv_positions: int = 2
     tv_alpha: float = 0.1  # EMA weight of one observation's mean D_TV (after the first few)
     drift: bool = True  # shift the observed acceptance by f(SimScore now) - f(SimScore of its trials)
     drift_decay: float = 0.95  # per trial: "SimScore now" forgets (~20 trials; the counts: ~500)
@@ -162,6 +165,8 @@ class SimilarityConfig:
         for name in ("decay", "calib_decay", "hit_decay", "drift_decay"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        if self.tv_positions < 1:
+            raise ValueError(f"tv_positions must be >= 1, got {self.tv_positions!r}")
         if not 0.0 < self.tv_alpha <= 1.0:
             raise ValueError(f"tv_alpha must be in (0, 1], got {self.tv_alpha!r}")
         if self.prior_strength < 0 or self.min_evidence < 0 or self.calib_strength < 0 or self.stale_after < 1:
@@ -213,8 +218,8 @@ class RouterConfig:
     request_min_finished: int = 3  # finished requests before their quantile is used
     request_hit_decay: float = 0.95  # per proposal: a request's own model-free hit counts forget (~20)
     # a request's own D_TV (decayed like its counts) makes its prior for a pair f(its SimScore),
-    # worth this many pseudo-trials per measured position, up to request_tv_cap
-    request_tv_weight: float = 1.0
+    # worth this many pseudo-trials per measured position, up to request_tv_cap pseudo-trials
+    request_tv_weight: float = 4.0  # (a measured position gives a probability, a trial one 0/1 outcome)
     request_tv_cap: float = 32.0
     shadow_k: int = MAX_DRAFT_LENGTH  # tokens asked of model-free drafters when shadow-scoring rows not running them
     probe_k: int = 8  # longest draft of a probe cycle

@@ -119,6 +119,7 @@ class ChainExecutor:
             raise ValueError("a pool with a draft head needs a StateManager with a FeatureStore")
         self.clock = clock  # timing source (tests inject a virtual clock)
         self.measure_tv = False  # measure D_TV at verified positions (the router's similarity signal)
+        self.tv_positions = 2  # ... at each row's first this many candidates per level
 
     # -- one step ---------------------------------------------------------------------------
     def step(
@@ -209,7 +210,7 @@ class ChainExecutor:
             tokens = self._choose(logits, active, sampling, offset=i)[:, 0].tolist()
             for w, t, x in zip(active, tokens, logits[:, 0]):
                 w.cand.append(t)
-                if w.cand_logits is not None:
+                if w.cand_logits is not None and len(w.cand_logits) < self.tv_positions:
                     w.cand_logits.append(x.clone())
             i += 1
             active = [w for w in active if w.k > i]
@@ -239,19 +240,18 @@ class ChainExecutor:
 
     def _measure_tv(self, name: str, work: list[RowWork], logits: torch.Tensor, sampling: SamplingTensors) -> None:
         """Each row's mean D_TV between the level below (its `cand_logits`) and level `name`
-        (`logits` (B, n + 1, V)) at its candidates, in one vectorised pass over the rows that
-        have both (decoding/tv.py); its seconds are the step's `tv_seconds`."""
+        (`logits` (B, n + 1, V)) at its first `tv_positions` candidates, in one vectorised pass
+        over the rows that have both (decoding/tv.py); its seconds are the step's `tv_seconds`."""
         t0 = self.clock()
-        idx = [i for i, w in enumerate(work) if w.cand and w.cand_logits is not None
+        idx = [i for i, w in enumerate(work) if w.cand and w.cand_logits
                and not w.seq.params.has_processors]
         if idx:
-            n = max(len(work[i].cand) for i in idx)
-            draft = logits.new_zeros((len(idx), n, logits.shape[-1]))  # (R, n, V)
-            for r, i in enumerate(idx):
-                m = len(work[i].cand)
+            num = [min(len(work[i].cand), len(work[i].cand_logits)) for i in idx]  # <= tv_positions
+            draft = logits.new_zeros((len(idx), max(num), logits.shape[-1]))  # (R, n, V)
+            for r, (i, m) in enumerate(zip(idx, num)):
                 draft[r, :m] = torch.stack(work[i].cand_logits[:m])
             rows = torch.tensor([work[i].b for i in idx], dtype=torch.long, device=sampling.temperature.device)
-            num = torch.tensor([len(work[i].cand) for i in idx], dtype=torch.long)
+            num = torch.tensor(num, dtype=torch.long)
             tv = level_tv(draft, logits[idx], num, sampling.select(rows)).tolist()
             for i, d in zip(idx, tv):
                 work[i].tv[work[i].level(name)] = d
@@ -271,7 +271,8 @@ class ChainExecutor:
             w.drafted[j], w.accepted[j] = len(w.cand), a
             out = toks[:m]
             w.cand = out if j == len(w.chain) - 1 else out[: w.cap]  # the target's output is committed
-            w.cand_logits = list(logits[w_i, : len(w.cand)].clone()) if j < len(w.chain) - 1 and self.measure_tv else None
+            w.cand_logits = (list(logits[w_i, : min(len(w.cand), self.tv_positions)].clone())
+                             if j < len(w.chain) - 1 and self.measure_tv else None)
 
     def _choose(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0) -> torch.Tensor:
         """(B, G) tokens the rows sample at logit positions g = 0..G-1, i.e. at sequence

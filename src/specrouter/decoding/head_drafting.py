@@ -77,7 +77,7 @@ def draft_with_head(ex, name: str, work: list, sampling: SamplingTensors) -> Non
         fhat[idx] = predicted[:, 0].to(fhat.dtype)
         for w, t, x in zip(rows, ex._choose(logits, rows, sampling, offset=i)[:, 0].tolist(), logits[:, 0]):
             w.cand.append(t)
-            if w.cand_logits is not None:
+            if w.cand_logits is not None and len(w.cand_logits) < ex.tv_positions:
                 w.cand_logits.append(x.clone())
         i += 1
         active = [b for b in active if ready[b].k > i]

@@ -121,6 +121,8 @@ class Engine:
         self.executor = ChainExecutor(pool.runners, pool.drafters, self.state, pool.vocab_width,
                                       order=list(pool.order), heads=pool.heads, clock=clock)
         self.executor.measure_tv = router is not None and router.measure_tv
+        if self.executor.measure_tv:
+            self.executor.tv_positions = router.tv_positions
         self.rng = torch.Generator()  # seeds of requests without one (AsyncEngine reseeds it)
         self.rng.manual_seed(torch.seed())
         self._ids = itertools.count()

@@ -68,7 +68,8 @@ class RowOutcome:
     accepted: Sequence[int]  # per level, as CycleStats.accepted (0 unused)
     greedy: bool = True  # the row decodes greedily
     context_len: int = 0  # tokens in the row before the cycle (L of its forwards)
-    tv: Sequence[float] | None = None  # per level j >= 1: mean D_TV (level j-1 vs j) at the candidates; NaN: none
+    tv: Sequence[float] | None = None  # per level j >= 1: mean D_TV (level j-1 vs j) at its first
+    #                                     candidates (RouterProtocol.tv_positions); NaN: none; None: not measured
 
 
 @dataclass(frozen=True)

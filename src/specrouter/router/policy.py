@@ -153,6 +153,7 @@ class Router:
         self.profile = profile
         self.similarity = similarity or SimilarityEstimator(sizes, self.model_free, cfg.similarity)
         self.measure_tv = self.similarity.config.measure_tv  # RouterProtocol: the executor measures D_TV
+        self.tv_positions = self.similarity.config.tv_positions  # ... at this many candidates per level
         self.on_decision = on_decision
         self.timer = timer  # measures decide() (real time, also under a virtual clock)
         self.chains: list[Chain] = [
@@ -454,9 +455,10 @@ class Router:
                     self.board.note_hit(req, chain[0])
                     proposal_len = r.k
                 tv = float(r.tv[j]) if r.tv is not None and j < len(r.tv) and r.tv[j] is not None else math.nan
-                if math.isfinite(tv):  # the row's own D_TV at these candidates (decoding/tv.py)
-                    sim.observe_tv(pair, mode, tv, cand)
-                    req.observe_tv(pair, tv, cand, cfg.request_decay)
+                if math.isfinite(tv):  # the row's own D_TV at its first candidates (decoding/tv.py)
+                    measured = min(cand, self.tv_positions)
+                    sim.observe_tv(pair, mode, tv, measured)
+                    req.observe_tv(pair, tv, measured, cfg.request_decay)
                 a, rej = acceptance_trials(cand, acc, proposal_len)
                 if a + rej:
                     sim.observe_acceptance(pair, mode, a, rej, 1.0 - tv if math.isfinite(tv) else None)
