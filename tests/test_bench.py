@@ -178,3 +178,49 @@ def test_a_pool_with_a_draft_head_runs_specrouter_without_it_side_by_side(tiny_p
 
     goal = next(g for g in evaluate_goals(result) if g["goal"].startswith("head:"))
     assert goal["value"] == s["ratios"]["specrouter/no_head"] and goal["met"] == (goal["value"] >= 1.3)
+
+
+def test_multiturn_and_templated_run_with_the_prefix_cache_on_and_off_side_by_side(tiny_pool_dirs, tmp_path):
+    """Issue 29's bench: the multi-turn stream re-sends each system's own replies, target-only
+    and SpecRouter also run with the prefix cache (the same greedy tokens as every system
+    without it, checked by the bench), their later turns and retries take the earlier prompt
+    from the cache while every other system recomputes it, and the goals and table come out."""
+    from specrouter.bench.report import evaluate_goals, markdown
+
+    d = tiny_pool_dirs
+    cfg = tiny_config(d, str(tmp_path / "profile.json"), tmp_path / "out", workloads=("multiturn", "templated"),
+                      prompts_per_type=2, temperatures=(0.0,), hf="none", slowdown=False, peers=False)
+    result = run_bench(cfg, progress=False, log=lambda m: None)
+    multi, templated = result["scenarios"]
+    reqs = multi["requests"]
+    assert [r["turn"] for r in reqs] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    for i, r in enumerate(reqs):
+        sent = r["prompt_tokens_sent"]
+        assert len(set(sent.values())) == 1  # greedy: every system re-sent the same conversation
+        for name, cached in r["cached_tokens"].items():
+            if name not in ("target-only +cache", "SpecRouter +cache"):
+                assert cached == 0, (name, r)
+            elif r["turn"] > 0:  # at least the previous turn's prompt (its reply too where the
+                # text re-tokenizes as generated; the tiny model's random tokens often do not)
+                assert reqs[i - 2]["prompt_tokens_sent"][name] - 2 <= cached < sent[name], (name, r)
+            else:  # a first turn: at most the chat template's opening, shared with another conversation
+                assert cached < 0.5 * sent[name], (name, r)
+        assert r["first_token_seconds"]["target-only"] > 0
+    later = [r for r in multi["requests"] if r["turn"] > 0]
+    assert later[-1]["prompt_tokens_sent"]["target-only"] > later[0]["prompt_tokens_sent"]["target-only"]
+    retries = [r for r in templated["requests"] if r["kind"] == "retry"]
+    assert retries and all(r["cached_tokens"]["SpecRouter +cache"] == r["prompt_tokens"] - 1 for r in retries)
+    assert all(r["cached_tokens"]["target-only"] == 0 for r in templated["requests"])
+    for s in (multi, templated):
+        assert len({e["tokens"] for e in s["systems"].values()}) == 1  # greedy: the same tokens everywhere
+        assert s["systems"]["SpecRouter +cache"]["kind"] == "adaptive+cache"
+        assert s["best_static"]["system"] not in ("target-only +cache", "SpecRouter +cache")
+        pc = s["prefix_cache"]
+        assert 0 < pc["parked_bytes_max"] <= pc["budget_bytes"] and pc["hits"] > 0
+    goals = {g["goal"]: g for g in evaluate_goals(result)}
+    ttft = goals["prefix cache: multi-turn turns 2+ time to first token >= 5x lower (target-only)"]
+    e = multi["systems"]
+    assert ttft["value"] == e["target-only"]["first_token_s_later_turns"] / e["target-only +cache"]["first_token_s_later_turns"]
+    assert "prefix cache: an exactly repeated request >= 3x plain decoding without cache" in goals
+    assert goals["prefix cache: parked KV within the budget (fraction used at most)"]["met"]
+    assert "## Prefix cache" in markdown({**result, "goals": list(goals.values())})

@@ -429,7 +429,10 @@ def check_context_boundaries(server, auth: dict):
 
 
 def _stats(raw) -> dict:
-    return {"specrouter": json.loads(raw)["usage"]["specrouter"]}
+    """The usage fields the context checks do not pin: the request's stats and how many of its
+    prompt tokens came from the prefix cache."""
+    usage = json.loads(raw)["usage"]
+    return {"specrouter": usage["specrouter"], "prompt_tokens_details": usage["prompt_tokens_details"]}
 
 
 # -- one bad row never costs another, through the server --------------------------------------------

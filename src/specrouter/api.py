@@ -16,6 +16,7 @@ from specrouter.config import (
     RouterConfig,
     SamplingParams,
     SpecRouterConfig,
+    kv_cache_bytes,
 )
 from specrouter.engine.engine import Engine
 from specrouter.records.stats import RequestStats
@@ -56,7 +57,8 @@ class SpecRouter:
         self.pool = pool
         self.router = router  # None: static chains only (the pool's default chain)
         self.config = config or SpecRouterConfig()
-        self.engine = Engine(pool, router=router)
+        self.engine = Engine(pool, router=router, prefix_cache=self.config.engine.prefix_cache,
+                             kv_cache_bytes=kv_cache_bytes(self.config.engine.kv_cache_gb))
 
     @classmethod
     def from_config(cls, config: SpecRouterConfig, *, progress: bool = False) -> "SpecRouter":

@@ -324,7 +324,9 @@ class ServerConfig:
     # or "api-key": only those sent with the same Authorization header value (a tenant is the
     # SHA-256 of that value; requests without one form one anonymous tenant). The router's
     # acceptance rates (aggregate numbers, no text) stay shared.
-    suffix_scope: str = "shared"
+    suffix_scope: str = "shared"  # also the prefix cache's scope: with "api-key" a key never reads another's
+    prefix_cache: bool = True  # see EngineConfig (set from it by SpecRouterConfig)
+    kv_cache_gb: float | None = None  # see EngineConfig
     router: RouterConfig = field(default_factory=RouterConfig)  # settings of the served router
 
     def __post_init__(self):
@@ -347,6 +349,16 @@ class ServerConfig:
         if self.chat_template is not None and not (isinstance(self.chat_template, str)
                                                    and self.chat_template.strip()):
             raise ValueError("chat_template must be a non-empty Jinja template string")
+
+
+def check_kv_cache_gb(gb) -> None:
+    if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float))
+                           or not math.isfinite(gb) or gb < 0):
+        raise ValueError(f"kv_cache_gb must be a number of GB >= 0 (0: nothing parked) or None, got {gb!r}")
+
+
+def kv_cache_bytes(gb: float | None) -> int | None:
+    return None if gb is None else int(gb * (1 << 30))
 
 
 def check_chain_names(chain: tuple[str, ...]) -> None:
@@ -418,8 +430,11 @@ class EngineConfig:
     chain: tuple[str, ...] | None = None  # pin this chain (pool names or roles); None: the router's
     k: int = 4  # draft length of a pinned chain (the router picks its own)
     adaptive: bool = True  # the router picks chain and k per request every cycle; False: the pool's default chain
+    prefix_cache: bool = True  # reuse the KV of earlier requests' shared prefixes (state/prefix_cache.py)
+    kv_cache_gb: float | None = None  # parked-KV budget of the prefix cache; None: a tenth of RAM, at most 4 GiB
 
     def __post_init__(self) -> None:
+        check_kv_cache_gb(self.kv_cache_gb)
         if self.chain is not None:
             object.__setattr__(self, "chain", tuple(self.chain))
             check_chain_names(self.chain)
@@ -450,5 +465,6 @@ class SpecRouterConfig:
             raise ChainError(f"the chain {e.chain} starts with {NGRAM!r} but the pool has no "
                              "n-gram drafter (ngram=False / --no-ngram)")
         server = dataclasses.replace(self.server, chain=e.chain, k=e.k, adaptive=e.adaptive,
+                                     prefix_cache=e.prefix_cache, kv_cache_gb=e.kv_cache_gb,
                                      router=self.router)
         object.__setattr__(self, "server", server)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 ADAPTIVE = "SpecRouter"
 TARGET_ONLY = "target-only"
+TARGET_CACHE = "target-only +cache"  # = summary.TARGET_CACHE
+ADAPTIVE_CACHE = "SpecRouter +cache"  # = summary.ADAPTIVE_CACHE
 HF_FP32 = "HF generate fp32"  # transformers at float32 beside a bfloat16 pool: its fastest exact precision on AVX2 CPUs
 
 
@@ -59,6 +61,7 @@ def evaluate_goals(result: dict) -> list[dict]:
                        f"worst: {worst['name']}", worst["ratios"]["specrouter/target_only"], 0.95))
     goals += suffix_goals(scenarios)
     goals += head_goals(scenarios)
+    goals += prefix_goals(scenarios)
     goals += peer_goals(result)
     goals.append(identity_goal(scenarios))
     return goals
@@ -96,6 +99,77 @@ def suffix_goals(scenarios: list[dict]) -> list[dict]:
             goals.append(_goal("suffix: no other workload slower than without it (>= 0.98x)", s["name"],
                                s["ratios"]["specrouter/no_suffix"], 0.98))
     return goals
+
+
+def _ttft_ratio(s: dict, plain: str, cached: str, field: str) -> float | None:
+    a, b = (s["systems"].get(n, {}).get(field) for n in (plain, cached))
+    return a / b if a and b else None
+
+
+def prefix_goals(scenarios: list[dict]) -> list[dict]:
+    """Issue 29's goals, where target-only and SpecRouter also ran with the prefix cache:
+    multi-turn turns 2+ time to first token >= 5x lower with it; on the templated workload
+    SpecRouter with it >= 2x target-only (without and with the cache) and an exactly repeated
+    request >= 3x plain decoding without it; parked KV within the budget."""
+    goals = []
+    for s in scenarios:
+        if ADAPTIVE_CACHE not in s["systems"]:
+            continue
+        r = s["ratios"]
+        if s["workload"] == "multiturn":
+            for plain, cached in ((TARGET_ONLY, TARGET_CACHE), (ADAPTIVE, ADAPTIVE_CACHE)):
+                goals.append(_goal(f"prefix cache: multi-turn turns 2+ time to first token >= 5x lower ({plain})",
+                                   f"{s['name']}: mean TTFT without / with the cache",
+                                   _ttft_ratio(s, plain, cached, "first_token_s_later_turns"), 5.0))
+        if s["workload"] == "templated":
+            goals.append(_goal("prefix cache: SpecRouter +cache >= 2x target-only (no cache)", s["name"],
+                               r.get("specrouter_cache/target_only"), 2.0))
+            goals.append(_goal("prefix cache: SpecRouter +cache >= 2x target-only +cache", s["name"],
+                               r.get("specrouter_cache/target_only_cache"), 2.0))
+            retry = s["tokens_per_second_by_kind"].get("retry")
+            if retry and retry.get(TARGET_ONLY):
+                goals.append(_goal("prefix cache: an exactly repeated request >= 3x plain decoding without cache",
+                                   f"{s['name']}: the retry requests, SpecRouter +cache / target-only",
+                                   retry[ADAPTIVE_CACHE] / retry[TARGET_ONLY], 3.0))
+        pc = s.get("prefix_cache")
+        if pc and pc["budget_bytes"]:
+            goals.append(_goal("prefix cache: parked KV within the budget (fraction used at most)", s["name"],
+                               pc["parked_bytes_max"] / pc["budget_bytes"], 1.0, at_most=True))
+    return goals
+
+
+def prefix_table(result: dict) -> list[str]:
+    """Per scenario: tokens/s without and with the prefix cache, SpecRouter +cache's ratios,
+    time to first token (turns 2+ on multi-turn), prompt tokens taken from the cache."""
+    rows = []
+    for s in result["scenarios"]:
+        e = s["systems"]
+        if ADAPTIVE_CACHE not in e:
+            continue
+        t = {n: v["tokens_per_second"] for n, v in e.items()}
+        r = s["ratios"]
+        field = "first_token_s_later_turns" if s["workload"] == "multiturn" else "first_token_s"
+
+        def ttft(n):
+            v = e.get(n, {}).get(field)
+            return f"{v * 1e3:.0f}" if v is not None else "n/a"
+
+        src = e[ADAPTIVE_CACHE]
+        pc = s.get("prefix_cache") or {}
+        rows.append([s["name"], _f(t.get(TARGET_ONLY)), _f(t.get(TARGET_CACHE)), _f(t.get(ADAPTIVE)),
+                     _f(t.get(ADAPTIVE_CACHE)), _x(r.get("specrouter_cache/target_only")),
+                     _x(r.get("specrouter_cache/target_only_cache")),
+                     f"{ttft(TARGET_ONLY)} / {ttft(TARGET_CACHE)} ({_x(_ttft_ratio(s, TARGET_ONLY, TARGET_CACHE, field))})",
+                     f"{ttft(ADAPTIVE)} / {ttft(ADAPTIVE_CACHE)} ({_x(_ttft_ratio(s, ADAPTIVE, ADAPTIVE_CACHE, field))})",
+                     f"{src.get('cached_tokens', 0)} / {src.get('prompt_tokens', 0)}",
+                     f"{pc.get('parked_bytes_max', 0) / 2**20:.0f} / {pc.get('budget_bytes', 0) / 2**20:.0f}"])
+    if not rows:
+        return ["- not run (--no-prefix-cache)"]
+    return _table(["scenario", "target-only", "target-only +cache", "SpecRouter", "SpecRouter +cache",
+                   "SR+cache / target-only", "SR+cache / target-only+cache",
+                   "TTFT ms target-only / +cache", "TTFT ms SpecRouter / +cache",
+                   "SR+cache cached / prompt tokens", "parked MiB max / budget"], rows) + [
+        "", "TTFT: mean time to first token (turns 2+ on multi-turn); every other system runs without the cache."]
 
 
 def head_goals(scenarios: list[dict]) -> list[dict]:
@@ -314,6 +388,7 @@ def markdown(result: dict) -> str:
     for note in m["omitted"]:
         lines.append(f"- Left out: {note}.")
     lines += ["", "## Tokens/s and ratios", ""] + summary_table(result)
+    lines += ["", "## Prefix cache", ""] + prefix_table(result)
     lines += ["", "## llama.cpp (peers)", ""] + peer_table(result)
     lines += ["", "## Goals", ""] + goals_table(result.get("goals", []))
     lines += ["", "## Per scenario", ""]

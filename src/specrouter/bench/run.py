@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specrouter.bench.slowdown import Slowdown
-from specrouter.bench.summary import NO_HEAD, NO_SUFFIX, NO_TV, chain_label, summarize
+from specrouter.bench.summary import ADAPTIVE_CACHE, NO_HEAD, NO_SUFFIX, NO_TV, TARGET_CACHE, chain_label, summarize
 from specrouter.bench.systems import (
     AdaptiveSystem,
     Decoding,
@@ -38,6 +38,7 @@ from specrouter.bench.workloads import (
     Request,
     Scenario,
     build_workloads,
+    conversation_messages,
 )
 from specrouter.config import MAX_DRAFT_LENGTH, RouterConfig
 from specrouter.errors import SpecRouterError
@@ -80,6 +81,9 @@ class BenchConfig:
     out_dir: str = "bench-out"
     quick: bool = False  # set by `quick_preset` (recorded in the output)
     suffix: bool = True  # the pool has the suffix drafter; SpecRouter also runs without it, side by side
+    # also run target-only and SpecRouter with the prefix cache on ("target-only +cache",
+    # "SpecRouter +cache"), side by side with every system without it
+    prefix_cache: bool = True
     # sampling controls of every request (SamplingParams fields: presence_penalty, frequency_penalty,
     # repetition_penalty, min_p); with any, only the native systems run (transformers and llama.cpp
     # do not apply OpenAI's penalties the same way)
@@ -88,9 +92,10 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.hf not in ("all", "greedy", "none"):
             raise ValueError(f"hf must be 'all', 'greedy' or 'none', got {self.hf!r}")
-        unknown = [w for w in self.workloads if w not in ("mixed", "templated") and w not in KINDS]
+        streams = ("mixed", "templated", "multiturn")
+        unknown = [w for w in self.workloads if w not in streams and w not in KINDS]
         if unknown or not self.workloads:
-            raise ValueError(f"unknown workloads {unknown}; use some of {KINDS + ('mixed', 'templated')}")
+            raise ValueError(f"unknown workloads {unknown}; use some of {KINDS + streams}")
         if not self.ks or any(not 1 <= k <= MAX_DRAFT_LENGTH for k in self.ks):
             raise ValueError(f"ks must be draft lengths in 1..{MAX_DRAFT_LENGTH}, got {self.ks}")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
@@ -213,6 +218,10 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
     if pool.heads:
         ablations.append(AdaptiveSystem(pool.without_drafters(pool.heads), NO_HEAD, profile=profile))
     systems += ablations
+    if cfg.prefix_cache:  # the same two systems with the prefix cache on
+        systems.append(NativeSystem(pool, TARGET_CACHE, (pool.target,), None, prefix_cache=True))
+        systems.append(AdaptiveSystem(pool, ADAPTIVE_CACHE, profile=profile, router_config=cfg.router,
+                                      prefix_cache=True))
 
     hf_models: dict = {}
     assistant = _resolve(pool, aliases, cfg.hf_assistant, drafts[-1] if drafts else None)
@@ -240,14 +249,33 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
             log("no neural draft in the pool: transformers assisted generation is left out")
 
     encoded: dict[Request, list[int]] = {}
-    for sc in build_scenarios(cfg):
+    longest = 0
+    scenarios = build_scenarios(cfg)
+    for sc in scenarios:
         for req in sc.workload.requests:
             if req not in encoded:
-                encoded[req] = sr.encode(req.prompt, chat=req.chat)
-    # size every cache once for the longest request (the router may pick any k up to the max)
-    need = max(len(ids) for ids in encoded.values()) + cfg.max_new_tokens + MAX_DRAFT_LENGTH + 2
+                encoded[req] = sr.encode(req.prompt, chat=req.chat)  # multi-turn: the first turn's form
+            if req.conversation is None:
+                longest = max(longest, len(encoded[req]))
+            else:  # every message of the conversation so far (each with the template's overhead)
+                sent = [r for r in sc.workload.requests
+                        if r.conversation == req.conversation and r.turn <= req.turn]
+                longest = max(longest, sum(len(encoded.get(r) or sr.encode(r.prompt, chat=True)) for r in sent)
+                          + req.turn * (cfg.max_new_tokens + 8))
+    # size every cache once for the longest request (the router may pick any k up to the max;
+    # multi-turn: every earlier turn's message and reply, template included, bounded above)
+    need = longest + cfg.max_new_tokens + MAX_DRAFT_LENGTH + 2
+    slots = 1
+    if cfg.prefix_cache:  # positions as the engine rounds them (no reallocation while timing), and
+        # a slot per request each cached system may keep parked (nothing evicted for room)
+        from specrouter.state.prefix_cache import MAX_PARKED_SLOTS
+
+        ctx = min(getattr(r, "max_context", need) for r in pool.runners.values())
+        need = max(need, min(max(256, 1 << (need - 1).bit_length()), ctx))
+        distinct = max(len(set(sc.workload.requests)) for sc in scenarios)
+        slots += min(MAX_PARKED_SLOTS, 2 * distinct)
     for r in pool.runners.values():
-        r.reserve(max(r.num_slots, 1), max(r.max_len, need))
+        r.reserve(max(r.num_slots, slots), max(r.max_len, need))
     peers_missing = ["every llama.cpp row: --no-peers"]
     if cfg.peers:
         from specrouter.bench.peers import peer_systems
@@ -307,9 +335,23 @@ def _runs_in(s: System, sc: Scenario) -> bool:
     return s.kind != "peer" or sc.slowdown_start is None
 
 
+def _prefix_cache(h: Harness):
+    """The pool's prefix cache (shared by every cached system), None when none runs one."""
+    for s in h.systems:
+        sr = getattr(s, "sr", None)
+        if getattr(s, "prefix_cache", False) and sr is not None:
+            return sr.engine.prefix_cache
+    return None
+
+
 def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown | None, bar) -> dict:
     """Every system of the scenario on every request, interleaved; returns its summary."""
+    from specrouter.models.tokenizer import apply_chat_template
+
     events: list[dict] = []
+    histories: dict[tuple[str, int], list[dict]] = {}  # multi-turn: (system, conversation) -> messages
+    cache = _prefix_cache(h)
+    parked_max = 0
     current = [-1]
     aliases = h.aliases
 
@@ -331,16 +373,30 @@ def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown 
         ids = h.encoded[req]
         decoding = Decoding(sc.temperature, cfg.max_new_tokens, cfg.seed + i, cfg.controls)
         outs: dict[str, Outcome] = {}
+        sent: dict[str, int] = {}
         for j in range(len(systems)):
             s = systems[(i + j) % len(systems)]  # rotated: no system always runs first
+            if req.conversation is not None:  # re-send the conversation: this system's own replies
+                key = (s.name, req.conversation)
+                messages = conversation_messages(req, histories.get(key, []))
+                ids = apply_chat_template(h.pool.tokenizer, messages)
             outs[s.name] = s.run(ids, decoding)
+            sent[s.name] = len(ids)
+            if req.conversation is not None:
+                reply = h.pool.tokenizer.decode(outs[s.name].token_ids, skip_special_tokens=True)
+                histories[key] = messages + [{"role": "assistant", "content": reply}]
+            if cache is not None:
+                parked_max = max(parked_max, cache.parked_bytes)
             if bar is not None:
                 bar.set_postfix_str(f"{sc.name}: request {i + 1}/{len(sc.workload.requests)}, {s.name}")
                 bar.update(1)
         if slowdown is not None:
             slowdown.active = False
         record = {"index": i, "kind": req.kind, "prompt": req.prompt[:60], "prompt_tokens": len(ids),
-                  "slowed": slowed,
+                  "prompt_tokens_sent": sent, "turn": req.turn, "slowed": slowed,
+                  "first_token_seconds": {n: o.stats.first_token_time for n, o in outs.items()
+                                          if o.stats is not None},
+                  "cached_tokens": {n: o.stats.cached_tokens for n, o in outs.items() if o.stats is not None},
                   "tokens": {n: len(o.token_ids) for n, o in outs.items()},
                   "seconds": {n: o.seconds for n, o in outs.items()},
                   "stats": {n: o.stats for n, o in outs.items() if o.stats is not None}}
@@ -354,6 +410,11 @@ def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown 
         mem = dataclasses.asdict(suffix.memory())
         mem["us_per_proposal"] = 1e6 * mem["propose_seconds"] / mem["proposals"] if mem["proposals"] else None
         out["suffix"] = mem
+    if cache is not None:  # memory: parked KV never above the budget
+        out["prefix_cache"] = {"parked_bytes_max": parked_max, "budget_bytes": cache.budget_bytes,
+                               "slots": {h.aliases[n]: r.num_slots for n, r in h.pool.runners.items()},
+                               "positions": {h.aliases[n]: r.max_len for n, r in h.pool.runners.items()},
+                               **dataclasses.asdict(cache.stats)}
     if out["slowdown"] is not None and slowdown is not None:
         out["slowdown"].update(slowdown_shares(events, h.aliases[slowdown.model], sc.slowdown_start),
                                model=h.aliases[slowdown.model], factor=slowdown.factor)

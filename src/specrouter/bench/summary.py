@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 NO_SUFFIX = "SpecRouter (no suffix)"  # the same router over the pool without the suffix drafter
 NO_HEAD = "SpecRouter (no head)"  # ... over the pool without its draft heads (issue 18's goal)
 NO_TV = "SpecRouter (no D_TV)"  # ... the same pool, the router learning from acceptance counts only
+TARGET_CACHE = "target-only +cache"  # target-only with the prefix cache on (every other system: off)
+ADAPTIVE_CACHE = "SpecRouter +cache"  # SpecRouter with the prefix cache on
 
 
 def chain_label(chain: tuple[str, ...], aliases: dict[str, str], k: int | None = None) -> str:
@@ -109,10 +111,24 @@ def _per_system(systems: list[System], requests: list[dict], aliases: dict[str, 
         stats = [r["stats"][s.name] for r in requests if s.name in r["stats"]]
         if stats:
             entry.update(_acceptance(stats, aliases))
+            entry.update(_first_token(s.name, requests))
         out[s.name] = entry
     for e in out.values():
         e["vs_target_only"] = _ratio(e["tokens_per_second"], out[reference]["tokens_per_second"])
     return out
+
+
+def _first_token(name: str, requests: list[dict]) -> dict:
+    """Time to first token (mean seconds) over every request and over the later turns of
+    multi-turn conversations (turn >= 2); prompt tokens taken from the prefix cache."""
+    def mean(rows):
+        vals = [r["first_token_seconds"][name] for r in rows if name in r.get("first_token_seconds", {})]
+        return sum(vals) / len(vals) if vals else None
+
+    later = [r for r in requests if r.get("turn", 0) >= 1]
+    return {"first_token_s": mean(requests), "first_token_s_later_turns": mean(later) if later else None,
+            "cached_tokens": sum(r.get("cached_tokens", {}).get(name, 0) for r in requests),
+            "prompt_tokens": sum(r.get("prompt_tokens_sent", {}).get(name, r["prompt_tokens"]) for r in requests)}
 
 
 def _best_k_per_chain(static: list[System], tps: dict[str, float], aliases: dict[str, str]) -> list[dict]:
@@ -170,4 +186,9 @@ def _ratios(tps: dict[str, float], sr: float | None, reference: str, best_static
         "specrouter/hf_assisted": _ratio(sr, hf_asst),
         "hf_generate/target_only": _ratio(hf_gen, tps[reference]),
         "hf_assisted/target_only": _ratio(hf_asst, tps[reference]),
+        # the prefix cache: SpecRouter with it against plain decoding without and with it
+        "specrouter_cache/target_only": _ratio(tps.get(ADAPTIVE_CACHE), tps[reference]),
+        "specrouter_cache/target_only_cache": _ratio(tps.get(ADAPTIVE_CACHE), tps.get(TARGET_CACHE)),
+        "specrouter_cache/specrouter": _ratio(tps.get(ADAPTIVE_CACHE), sr),
+        "target_only_cache/target_only": _ratio(tps.get(TARGET_CACHE), tps[reference]),
     }

@@ -10,6 +10,10 @@ Systems (`kind`):
 - static: one pinned chain and draft length k through the same engine (no router);
 - adaptive: SpecRouter, the router choosing chain and k per request every cycle; a fresh router
   per scenario (cold start from this machine's cost profile), fed only by its own cycles;
+- target-only+cache, adaptive+cache: the same with the prefix cache on (state/prefix_cache.py:
+  a request reuses the KV of the longest prefix an earlier request of the same system computed).
+  Every other native system runs without it (the plain baseline, as before the cache existed);
+  its engine never adopts another system's entries;
 - hf-generate: transformers `generate()` of the target;
 - hf-assisted: transformers assisted generation (`assistant_model=` a pool draft), with its
   default schedule (read from the assistant's generation config; recorded in bench.json).
@@ -26,7 +30,7 @@ from pathlib import Path
 import torch
 
 from specrouter.api import SpecRouter
-from specrouter.config import RouterConfig
+from specrouter.config import EngineConfig, RouterConfig, SpecRouterConfig
 from specrouter.records.stats import RequestStats
 
 
@@ -66,17 +70,33 @@ class System:
         pass
 
 
+def _config(prefix_cache: bool) -> SpecRouterConfig:
+    return SpecRouterConfig(engine=EngineConfig(prefix_cache=prefix_cache))
+
+
+def _forget(sr: SpecRouter | None) -> None:
+    """Free the parked entries of a system's engine about to be replaced (a new scenario)."""
+    if sr is not None and sr.engine.prefix_cache is not None:
+        sr.engine.prefix_cache.forget(sr.engine.cache_scope)
+
+
 class NativeSystem(System):
     """Target-only or a static chain at a fixed k, through the engine without a router. Its
-    learning drafters (suffix) are its own: it learns only from the requests it served."""
+    learning drafters (suffix) are its own: it learns only from the requests it served.
+    `prefix_cache`: off unless asked (kind "target-only+cache" for target-only with it)."""
 
-    def __init__(self, pool, name: str, chain: tuple[str, ...], k: int | None):
+    def __init__(self, pool, name: str, chain: tuple[str, ...], k: int | None, *,
+                 prefix_cache: bool = False):
         self.pool, self.name, self.chain, self.k = pool, name, tuple(chain), k
+        self.prefix_cache = prefix_cache
         self.kind = "target-only" if len(self.chain) == 1 else "static"
+        if prefix_cache:
+            self.kind += "+cache"
         self.reset()
 
     def reset(self) -> None:
-        self.sr = SpecRouter(self.pool.with_fresh_drafters())
+        _forget(getattr(self, "sr", None))
+        self.sr = SpecRouter(self.pool.with_fresh_drafters(), config=_config(self.prefix_cache))
 
     def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
         t0 = time.perf_counter()
@@ -90,11 +110,12 @@ class AdaptiveSystem(System):
     """SpecRouter adaptive. `reset(on_decision)` gives it a fresh router and fresh learning
     drafters (call it per scenario); `on_decision` receives every `DecisionEvent`."""
 
-    kind = "adaptive"
-
     def __init__(self, pool, name: str = "SpecRouter", *, profile_path: str | Path | None = None,
-                 progress: bool = True, profile=None, router_config: RouterConfig | None = None):
+                 progress: bool = True, profile=None, router_config: RouterConfig | None = None,
+                 prefix_cache: bool = False):
         self.pool, self.name = pool, name
+        self.prefix_cache = prefix_cache
+        self.kind = "adaptive+cache" if prefix_cache else "adaptive"
         self.profile_path, self.progress = profile_path, progress
         self.profile = profile  # the cost profile every reset starts from (None: loaded at the first)
         self.router_config = router_config or RouterConfig()
@@ -111,7 +132,8 @@ class AdaptiveSystem(System):
         pool = self.pool.with_fresh_drafters()
         router = Router.from_pool(pool, copy.deepcopy(self.profile), on_decision=on_decision,
                                   config=self.router_config)
-        self.sr = SpecRouter(pool, router)
+        _forget(self.sr)
+        self.sr = SpecRouter(pool, router, _config(self.prefix_cache))
 
     def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
         if self.sr is None:

@@ -16,6 +16,13 @@ ACROSS requests, where a drafter that learns from earlier requests (suffix) gain
 looks only at the row's own context (n-gram) cannot: the same extraction task over different
 records ("template"), the same tool-call instruction with different arguments ("tool"), and
 exact retries of earlier requests ("retry"), interleaved, retries last.
+
+The multi-turn stream (`multiturn_stream`, workload "multiturn") is chat conversations of
+`TURNS` turns, interleaved (turn 1 of every conversation, then turn 2, ...): each turn re-sends
+the whole conversation, the system's own earlier replies included (as a chat client does), so
+the history of a request depends on what that system answered before (`Request.conversation`,
+`Request.turn`; the loop builds the prompt per system). Where a prefix cache helps most: turn t
+starts with everything turn t-1 computed.
 """
 
 from __future__ import annotations
@@ -91,6 +98,24 @@ TOOL_ASKS = [
     "Do I need a coat in Warsaw today?",
     "What's the weather in Lima?",
 ]
+CONVERSATIONS = [  # the user's messages, one conversation each (TURNS turns)
+    ["Hi! I am planning a trip to Lisbon next spring. What should I know before I go?",
+     "What neighbourhoods are best to stay in for a first visit?",
+     "And what should I eat there? I like seafood.",
+     "How many days would you recommend, and is a day trip to Sintra worth it?",
+     "Thanks. Can you summarize the plan in a short list?"],
+    ["I want to learn Python. Where should I start?",
+     "What is the difference between a list and a dictionary?",
+     "Can you show me a short example of a loop over a dictionary?",
+     "How do I read a text file line by line?",
+     "Great. What should I learn after these basics?"],
+    ["My tomato plants have yellow leaves. What could be wrong?",
+     "I water them every day. Is that too much?",
+     "What kind of fertilizer should I use?",
+     "When is the best time to harvest the tomatoes?",
+     "Can you give me a short checklist for next season?"],
+]
+TURNS = 5  # turns per conversation
 PROMPTS = {"code": CODE, "prose": PROSE, "chat": CHAT, "extraction": EXTRACTION}
 CHAT_KINDS = frozenset({"chat", "extraction"})  # sent through the target's chat template
 
@@ -99,16 +124,18 @@ CHAT_KINDS = frozenset({"chat", "extraction"})  # sent through the target's chat
 class Request:
     """One benchmark request."""
 
-    kind: str  # code | prose | chat | extraction | template | tool | retry
+    kind: str  # code | prose | chat | extraction | template | tool | retry | turn
     prompt: str  # raw text, or the user message of a chat request
     chat: bool  # wrap `prompt` in the target's chat template
+    conversation: int | None = None  # multi-turn: the conversation (its earlier turns are re-sent)
+    turn: int = 0  # multi-turn: 0 for the first turn of its conversation
 
 
 @dataclass(frozen=True)
 class Workload:
     """A named, ordered list of requests."""
 
-    name: str  # a kind, "mixed" or "templated"
+    name: str  # a kind, "mixed", "templated" or "multiturn"
     requests: tuple[Request, ...]
 
 
@@ -131,6 +158,19 @@ def templated_stream(n: int) -> list[Request]:
     tools = [Request("tool", TOOL.format(a), True) for a in TOOL_ASKS[:n]]
     out = [r for pair in zip(records, tools) for r in pair] + records[n:]
     return out + [Request("retry", r.prompt, True) for r in out[:2]]
+
+
+def multiturn_stream(n: int) -> list[Request]:
+    """`n` conversations of `TURNS` turns, interleaved by turn (see the module docstring)."""
+    if not 1 <= n <= len(CONVERSATIONS):
+        raise ValueError(f"conversations (prompts per type) must be in 1..{len(CONVERSATIONS)}, got {n}")
+    return [Request("turn", CONVERSATIONS[c][t], True, conversation=c, turn=t)
+            for t in range(TURNS) for c in range(n)]
+
+
+def conversation_messages(req: Request, history: list[dict]) -> list[dict]:
+    """The chat messages a multi-turn request sends: the conversation so far, then its message."""
+    return history + [{"role": "user", "content": req.prompt}]
 
 
 def mixed_stream(n: int, block: int = 2, kinds: tuple[str, ...] = MIXED_ORDER) -> list[Request]:
@@ -159,6 +199,8 @@ def build_workloads(names: tuple[str, ...], n: int, block: int = 2, repeat: int 
             reqs = mixed_stream(n, block, kinds)
         elif name == "templated":
             reqs = templated_stream(n)
+        elif name == "multiturn":
+            reqs = multiturn_stream(min(n, len(CONVERSATIONS)))
         else:
             reqs = requests_of(name, n)
         out.append(Workload(name, tuple(reqs) * repeat))

@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the greedy run only")
     p.add_argument("--out-dir", default=None, help="output folder (default: bench-out)")
     p.add_argument("--workloads", nargs="+", default=None,
-                   help="some of: code prose chat extraction mixed (default: all)")
+                   help="some of: code prose chat extraction mixed templated multiturn (default: code prose chat "
+                        "extraction mixed)")
     p.add_argument("--kinds", nargs="+", default=None,
                    help="request types of the mixed stream, in order (default: extraction prose code chat)")
     p.add_argument("--prompts-per-type", type=int, default=None, help="default 3 (1..6)")
@@ -65,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=float, default=None,
                        help=f"{what} on every request (native systems only: transformers and "
                             "llama.cpp rows are left out)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="leave out 'target-only +cache' and 'SpecRouter +cache' (the prefix cache on; "
+                        "every other system runs without it)")
     p.add_argument("--no-peers", action="store_true",
                    help="leave out the llama.cpp rows (they need the peers extra: pip install 'specrouter[peers]')")
     add_pool_arguments(p, flags=BENCH_POOL_FLAGS)
@@ -91,6 +95,8 @@ def config_from_args(args: argparse.Namespace):
         over["plots"] = False
     if args.no_peers:
         over["peers"] = False
+    if args.no_prefix_cache:
+        over["prefix_cache"] = False
     controls = tuple((f, getattr(args, f)) for f in ("presence_penalty", "frequency_penalty",
                                                      "repetition_penalty", "min_p")
                      if getattr(args, f, None) is not None)

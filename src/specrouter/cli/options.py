@@ -120,6 +120,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, k_help: str) -> None:
     g.add_argument("--k", type=_draft_length, default=None, help=k_help)
     g.add_argument("--static", action="store_true",
                    help="no router: the pool's default chain (its smallest draft, then the target)")
+    c = p.add_argument_group("prefix cache")
+    c.add_argument("--no-prefix-cache", action="store_true",
+                   help="recompute every prompt (default: a request that starts like an earlier "
+                        "one reuses its KV in every model, bit for bit)")
+    c.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="memory the prefix cache may keep parked (default: a tenth of RAM, at most 4)")
 
 
 def engine_config(args: argparse.Namespace, *, k_alone: bool = False) -> EngineConfig:
@@ -134,8 +140,10 @@ def engine_config(args: argparse.Namespace, *, k_alone: bool = False) -> EngineC
     try:
         return EngineConfig(chain=tuple(args.chain) if args.chain else None,
                             k=args.k if args.k is not None else 4,
-                            adaptive=not args.static)
-    except ChainError as e:
+                            adaptive=not args.static,
+                            prefix_cache=not getattr(args, "no_prefix_cache", False),
+                            kv_cache_gb=getattr(args, "kv_cache_gb", None))
+    except (ChainError, ValueError) as e:
         raise UsageError(str(e)) from None
 
 

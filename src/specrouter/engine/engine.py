@@ -29,6 +29,15 @@ finish_reason "error"; the other rows of its batch are rolled back and rerun alo
 Capacity: with `max_num_seqs` and `max_model_len` given, caches are allocated once and requests
 that do not fit raise `CapacityError` (a server queues them); without them, caches are sized to
 the batch when no sequence is live (offline use).
+
+Prefix caching (state/prefix_cache.py, on unless `prefix_cache=False`): a finished (or aborted)
+row's slots are parked at `_finish`, and `add_request` adopts the longest cached prefix of the
+prompt (same engine, same tenant) in every model; engines over views of one pool share the
+cache's slots (any may reclaim them) but never read each other's entries (side-by-side
+comparisons stay honest). A server's caches hold up to `max_num_seqs` more slots for parked
+rows (within the budget: `PrefixCache.extra_slots`); offline, parked rows use the slots left
+free, and reservations round positions up (a power of two) so that a growing conversation does
+not reallocate (which drops parked slots) at every turn.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ from specrouter.models.pool import Pool
 from specrouter.records.routing import Plan, RowContext, RowPlan, StepReport
 from specrouter.router.protocol import RouterProtocol
 from specrouter.state.manager import StateManager
+from specrouter.state.prefix_cache import PrefixCache
 from specrouter.state.sequence import Sequence
 
 
@@ -70,6 +80,9 @@ def _feature_store(pool: Pool):
 
     target = pool.runners[pool.target]
     return FeatureStore(target.arch.hidden_size, target.dtype, target.device)
+
+
+_ENGINE_IDS = itertools.count()
 
 
 class CapacityError(SpecRouterError):
@@ -95,8 +108,13 @@ class Engine:
         max_model_len: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
         router: RouterProtocol | None = None,
+        prefix_cache: bool = True,
+        kv_cache_bytes: int | None = None,
     ):
         self.pool = pool
+        # parked KV of finished rows, shared by every engine over these runners (None: off)
+        self.prefix_cache = PrefixCache.of(pool.runners, kv_cache_bytes) if prefix_cache else None
+        self.cache_scope = next(_ENGINE_IDS)  # prefix-cache entries are keyed (cache_scope, tenant)
         self.router = router  # picks chain and k of the rows that did not pin theirs, every step
         self.clock = clock
         self.state = StateManager(pool.runners, features=_feature_store(pool))
@@ -113,7 +131,7 @@ class Engine:
         self.fixed_capacity = max_num_seqs is not None and max_model_len is not None
         if self.fixed_capacity:
             for r in pool.runners.values():
-                r.reserve(max_num_seqs, max_model_len)
+                r.reserve(max_num_seqs + self._parked_slots(max_num_seqs, max_model_len), max_model_len)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.on_cycle: Callable[[CycleStats], None] | None = None
@@ -185,8 +203,11 @@ class Engine:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator or self.rng))
         seq.seed_key = seed_key(seed)
         self.state.add(seq.seq_id)
-        self.running[seq.seq_id] = seq
         seq.plan = RowPlan(pinned=(chain, k) if chain is not None else None, started=self.clock())
+        if self.prefix_cache is not None:  # the longest cached prefix, in every model (adopted KV)
+            seq.stats.cached_tokens = self.prefix_cache.adopt(
+                seq.seq_id, seq.tokens, (self.cache_scope, tenant), self.state, self.pool.target).cached_tokens
+        self.running[seq.seq_id] = seq
         return seq
 
     def _ensure_capacity(self, new_rows: int, positions: int) -> None:
@@ -206,11 +227,24 @@ class Engine:
                 )
             r.reserve(max(new_rows, r.num_slots), max(positions, 1))
 
+    def _parked_slots(self, rows: int, positions: int) -> int:
+        """Slots for parked sequences beside `rows` running ones (at most as many: memory)."""
+        return 0 if self.prefix_cache is None else min(rows, self.prefix_cache.extra_slots(positions))
+
+    ROUND_ROWS = 8  # offline reservations of at most this many rows round positions up (reserve)
+
     def reserve(self, num_rows: int, positions: int) -> None:
-        """Offline use: size every cache for `num_rows` rows of `positions` positions."""
+        """Offline use: size every cache for `num_rows` rows of `positions` positions (with the
+        prefix cache and at most ROUND_ROWS rows: positions rounded up to a power of two >= 256
+        within the models' contexts, so that a growing conversation does not reallocate every
+        turn; never for big batches, whose memory it would multiply; parked sequences use the
+        slots left free, and give them back to running ones)."""
         if self.running:
             raise RuntimeError("cannot resize caches while sequences are running")
         if not self.fixed_capacity:
+            if self.prefix_cache is not None and num_rows <= self.ROUND_ROWS:
+                positions = max(positions, min(max(256, 1 << (positions - 1).bit_length()),
+                                               self.context_limit(tuple(self.pool.runners))))
             for r in self.pool.runners.values():
                 r.reserve(num_rows, positions)
 
@@ -226,7 +260,10 @@ class Engine:
         if seq.finish_reason != "error":  # learning drafters (suffix) see every finished request
             for drafter in self.pool.drafters.values():
                 drafter.observe_request(seq.tokens, seq.tenant)
-        self.state.release(seq.seq_id)
+        if self.prefix_cache is not None and seq.finish_reason != "error":
+            self.prefix_cache.park(seq.tokens, (self.cache_scope, seq.tenant), self.state.detach(seq.seq_id))
+        else:
+            self.state.release(seq.seq_id)
         if self.router is not None:
             self.router.finish_request(seq.seq_id)
 
@@ -331,6 +368,8 @@ class Engine:
 
     def _collect(self, seq: Sequence, before: int) -> StepOutput:
         """The row's output of this step; a finished row leaves the batch."""
+        if len(seq.tokens) > before and not seq.stats.first_token_time:
+            seq.stats.first_token_time = self.clock() - seq.plan.started
         if seq.done:
             self.running.pop(seq.seq_id, None)
             self._finish(seq)

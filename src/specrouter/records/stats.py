@@ -40,6 +40,8 @@ class RequestStats:
     drafted: dict[str, int] = field(default_factory=dict)  # "drafter>verifier" -> candidates
     accepted: dict[str, int] = field(default_factory=dict)  # "drafter>verifier" -> accepted
     wall_time: float = 0.0  # seconds from the first cycle to completion
+    cached_tokens: int = 0  # prompt tokens the target took from the prefix cache (not recomputed)
+    first_token_time: float = 0.0  # seconds from add_request to the first committed token (TTFT)
 
     def observe_cycle(self, chain: tuple[str, ...], drafted: list[int], accepted: list[int],
                       committed: int) -> None:
@@ -73,4 +75,6 @@ class RequestStats:
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "tokens_per_second": round(self.tokens_per_second, 2),
             "wall_time_s": round(self.wall_time, 4),
+            "cached_tokens": self.cached_tokens,
+            "first_token_s": round(self.first_token_time, 4),
         }

@@ -106,8 +106,9 @@ def _submit(srv: Service, p: Prepared, tenant: str | None = None) -> RequestHand
 
 def _usage(prompt_len: int, ts: TextStream, stats: dict | None) -> Usage:
     n = len(ts.token_ids)
+    cached = (stats or {}).get("cached_tokens", 0)
     return Usage(prompt_tokens=prompt_len, completion_tokens=n, total_tokens=prompt_len + n,
-                 specrouter=stats)
+                 prompt_tokens_details={"cached_tokens": cached}, specrouter=stats)
 
 
 class _Generation:

@@ -15,7 +15,11 @@ Names (all prefixed `specrouter_`):
 - model_failures_total{model,kind}: forwards that raised ("exception") or hung ("timeout");
 - learned_tokens{drafter}, learned_bytes{drafter}, learned_requests{drafter},
   learned_tenants{drafter}, learned_evicted_requests{drafter}: what a learning drafter (suffix)
-  holds now (its memory bound and evictions), read when /metrics is scraped.
+  holds now (its memory bound and evictions), read when /metrics is scraped;
+- prefix_cache_{lookups,hits,prompt_tokens,cached_tokens,evictions} (cumulative),
+  prefix_cache_hit_rate (hits / lookups), prefix_cache_token_hit_rate (cached / prompt tokens),
+  prefix_cache_{bytes,entries,budget_bytes}: the prefix cache (state/prefix_cache.py), read
+  when /metrics is scraped.
 """
 
 from __future__ import annotations
@@ -79,6 +83,18 @@ class ServerMetrics:
             ("tenants", "Separate statistics (tenants) a learning drafter keeps"),
             ("evicted_requests", "Requests a learning drafter evicted to stay within its bound"))}
         self.learning_drafters: dict = {}  # name -> drafter with memory(), read at render()
+        self.prefix = {f: Gauge(p + "prefix_cache_" + f, help_, registry=r) for f, help_ in (
+            ("lookups", "Requests that looked up the prefix cache"),
+            ("hits", "Requests that adopted a cached prefix"),
+            ("hit_rate", "Hits / lookups"),
+            ("prompt_tokens", "Prompt tokens of the lookups"),
+            ("cached_tokens", "Prompt tokens taken from the prefix cache (not recomputed)"),
+            ("token_hit_rate", "Cached tokens / prompt tokens"),
+            ("evictions", "Parked entries dropped (budget, a running request, a reallocation)"),
+            ("bytes", "KV bytes the parked slots hold"),
+            ("entries", "Parked sequences"),
+            ("budget_bytes", "The prefix cache's budget"))}
+        self.prefix_cache = None  # state/prefix_cache.PrefixCache, read at render()
 
     def observe_cycle(self, s: CycleStats) -> None:
         """Engine.on_cycle hook (engine thread)."""
@@ -105,4 +121,14 @@ class ServerMetrics:
             mem = drafter.memory()
             for f, gauge in self.learned.items():
                 gauge.labels(name).set(getattr(mem, f))
+        cache = self.prefix_cache
+        if cache is not None:
+            st = cache.stats
+            for f, v in (("lookups", st.lookups), ("hits", st.hits), ("prompt_tokens", st.prompt_tokens),
+                         ("cached_tokens", st.cached_tokens), ("evictions", st.evictions),
+                         ("hit_rate", st.hits / st.lookups if st.lookups else 0.0),
+                         ("token_hit_rate", st.cached_tokens / st.prompt_tokens if st.prompt_tokens else 0.0),
+                         ("bytes", cache.parked_bytes), ("entries", len(cache.entries)),
+                         ("budget_bytes", cache.budget_bytes)):
+                self.prefix[f].set(v)
         return generate_latest(self.registry)

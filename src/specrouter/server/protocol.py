@@ -353,6 +353,8 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's {"cached_tokens": n}: prompt tokens taken from the prefix cache (not recomputed)
+    prompt_tokens_details: dict | None = None
     specrouter: dict | None = None  # the request's stats: chains, acceptance, tokens/s
 
 

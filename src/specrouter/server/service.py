@@ -8,7 +8,7 @@ import functools
 import logging
 import time
 
-from specrouter.config import ServerConfig
+from specrouter.config import ServerConfig, kv_cache_bytes
 from specrouter.engine.engine import Engine
 from specrouter.engine.faults import GuardedRunner, guard_runners
 from specrouter.models.pool import Pool
@@ -40,9 +40,11 @@ class Service:
                            config.max_model_len, max_ctx, max_len)
         self.max_model_len = max_len
         self.engine = Engine(self.pool, max_num_seqs=config.max_num_seqs, max_model_len=max_len,
-                             router=router)
+                             router=router, prefix_cache=config.prefix_cache,
+                             kv_cache_bytes=kv_cache_bytes(config.kv_cache_gb))
         self.metrics = ServerMetrics()
         self.metrics.learning_drafters = {n: d for n, d in self.pool.drafters.items() if hasattr(d, "memory")}
+        self.metrics.prefix_cache = self.engine.prefix_cache
         self.engine.on_cycle = self.metrics.observe_cycle
         self.engine.on_model_failure = self.metrics.observe_failure
         self.loop_engine = AsyncEngine(self.engine, max_queue=config.max_queue,

@@ -66,6 +66,26 @@ class StateManager:
             st = states[model] = ModelState(slot=self.runners[model].allocate_slot())
         return st
 
+    def adopt(self, seq_id: int, model: str, slot: int, cache_len: int, *, features: int = 0,
+              source: int | None = None) -> None:
+        """Start the model's state on a slot already holding the KV of the sequence's first
+        `cache_len` tokens (a prefix cache hit, state/prefix_cache.py). The target's first
+        `features` features are in this manager's store at slot `source` (copied when the slot
+        differs); without a store holding them, features restart at 0 (a head re-feeds)."""
+        states = self._states[seq_id]
+        assert model not in states, "a prefix is adopted before the model's first use"
+        store = self.features
+        if store is None or source is None or max(slot, source) >= store.buffer.shape[0] \
+                or features > store.buffer.shape[1]:
+            features = 0
+        elif features and source != slot:
+            store.buffer[slot, :features] = store.buffer[source, :features]  # (features, H)
+        states[model] = ModelState(slot=slot, cache_len=cache_len, features=features)
+
+    def detach(self, seq_id: int) -> dict[str, ModelState]:
+        """Remove the sequence and hand its states (and slots) to the caller (a prefix cache)."""
+        return self._states.pop(seq_id, {})
+
     def release(self, seq_id: int) -> None:
         """Free every cache slot the sequence holds."""
         for model, st in self._states.pop(seq_id, {}).items():

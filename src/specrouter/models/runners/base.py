@@ -120,9 +120,37 @@ class ModelRunner(ABC):
             self._slot_capacity = self.num_slots
         return self._free_slots
 
+    # -- prefix caching (state/prefix_cache.py) ----------------------------------------------
+    # A prefix cache parks finished sequences' slots (still "in use" here) and registers itself
+    # as `parking` = (cache, pool name). A slot request that finds no free slot makes it give
+    # one back first: running requests always take precedence over parked KV, whichever engine
+    # parked it. `generation` counts reallocations: parked KV of an older one is never adopted.
+    parking: tuple | None = None
+    generation: int = 0
+
+    def reallocating(self) -> None:
+        """Call in `reserve` before the cache is reallocated (or its contents dropped): parked
+        slots go back to the free list and the generation moves on."""
+        if self.parking is not None:
+            cache, name = self.parking
+            cache.drop_model(name)
+        self.generation += 1
+
+    def kv_bytes_per_position(self) -> int:
+        """Bytes of cache one position of one slot holds (0 when unknown, e.g. grown on demand)."""
+        return 0
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the KV of positions [0, length) of slot `src` into slot `dst` (a prefix cache
+        hit shared by a running sequence). Runners that cannot raise NotImplementedError."""
+        raise NotImplementedError(f"model {self.name!r} cannot copy cache slots")
+
     def allocate_slot(self) -> int:
-        """Reserve a free cache slot; raises RuntimeError when all are taken."""
+        """Reserve a free cache slot, reclaiming a parked one if none is free; raises
+        RuntimeError when all are taken by running sequences."""
         free = self._free_list()
+        while not free and self.parking is not None and self.parking[0].reclaim(self.parking[1]):
+            free = self._free_list()
         if not free:
             raise RuntimeError(f"model {self.name!r}: all {self.num_slots} cache slots are in use")
         slot = free.pop()

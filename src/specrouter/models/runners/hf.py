@@ -102,6 +102,7 @@ class HFRunner(ModelRunner):
                 f"{self.max_context} (max_position_embeddings); lower max_len / max_new_tokens "
                 "or shorten the prompt"
             )
+        self.reallocating()  # parked prefix-cache slots are dropped with the caches
         self.num_slots = num_slots
         self.max_len = max_len
         self._caches.clear()

@@ -372,6 +372,7 @@ class LlamaRunner(ModelRunner):
             raise ValueError(f"reserve needs num_slots, max_len >= 1, got {num_slots}, {max_len}")
         if num_slots <= self.num_slots and max_len <= self.max_len:
             return
+        self.reallocating()  # parked prefix-cache slots are dropped first
         grown = (max(num_slots, self.num_slots), max(max_len, self.max_len))
         # keep what is already larger, unless that would hold over twice the memory asked for
         # (e.g. 100k short rows after a long single one): then allocate exactly the request
@@ -390,6 +391,15 @@ class LlamaRunner(ModelRunner):
         )
         self._arange = torch.arange(shape[2], device=dev)
         self.num_slots, self.max_len = num_slots, max_len  # base rebuilds the free list
+
+    def kv_bytes_per_position(self) -> int:
+        a = self.arch
+        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * self._k[0].element_size()
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        for kc, vc in zip(self._k, self._v):  # (S, KV, P, D) each
+            kc[dst, :, :length] = kc[src, :, :length]
+            vc[dst, :, :length] = vc[src, :, :length]
 
     # ---- forward ---------------------------------------------------------------------------
     def _make_embed_and_head(self, embed: torch.Tensor, lm_head: torch.Tensor | None,
