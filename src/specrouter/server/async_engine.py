@@ -45,6 +45,7 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     stats: dict | None = None  # RequestStats.as_dict() when done
     error: str | None = None  # why, when finish_reason == "error"
+    committed: float = 0.0  # perf_counter time the engine step that committed them ended
 
 
 @dataclass(eq=False)
@@ -216,6 +217,7 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
         out = []
+        now = time.perf_counter()
         with self._cv:
             for o in outputs:
                 h = self._by_seq.get(o.seq.seq_id)
@@ -229,9 +231,10 @@ class AsyncEngine:
                     err = (o.seq.error or "a model of the chain failed (see the server log)") \
                         if o.seq.finish_reason == "error" else None
                     out.append((h, TokenEvent(list(o.new_token_ids), True, o.seq.finish_reason,
-                                              stats=o.seq.stats.as_dict(), error=err)))
+                                              stats=o.seq.stats.as_dict(), error=err,
+                                              committed=now)))
                 elif o.new_token_ids:
-                    out.append((h, TokenEvent(list(o.new_token_ids))))
+                    out.append((h, TokenEvent(list(o.new_token_ids), committed=now)))
             self._gauges()
         return out
 
