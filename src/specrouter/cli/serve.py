@@ -60,6 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         from specrouter.server import create_app
         from specrouter.server.http11 import JSONErrorH11Protocol
+        from specrouter.server.threads import on_passing_thread
     except ImportError as e:
         print(f"specrouter serve needs the serve extra: pip install 'specrouter[serve]' ({e})",
               file=sys.stderr)
@@ -78,15 +79,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        args.host)
     if args.ray:
         return _serve_ray(args, config)
-    preview = check_pool(config.pool, config.engine)
     if config.pool.threads:
         torch.set_num_threads(config.pool.threads)
-    # trust_remote_code is never enabled by the server
-    pool = Pool.from_config(dataclasses.replace(config.pool, trust_remote_code=False),
-                            progress=True, paths=list(preview.paths))
-    print(f"pool (cheapest first): {' < '.join(pool.order)}; target: {pool.target}",
-          file=sys.stderr)
-    app = create_app(pool, config.server)
+
+    def setup():
+        preview = check_pool(config.pool, config.engine)
+        # trust_remote_code is never enabled by the server
+        pool = Pool.from_config(dataclasses.replace(config.pool, trust_remote_code=False),
+                                progress=True, paths=list(preview.paths))
+        print(f"pool (cheapest first): {' < '.join(pool.order)}; target: {pool.target}",
+              file=sys.stderr)
+        return create_app(pool, config.server)
+
+    # all torch work of the set-up (checkpoint headers, weights, router profile) runs on a thread
+    # that ends, so its OpenMP team goes with it; the main thread runs none (server/threads.py)
+    app = on_passing_thread(setup)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=10, http=JSONErrorH11Protocol)
     return 0

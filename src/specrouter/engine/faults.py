@@ -1,7 +1,11 @@
 """Fault tolerance: a pool model that raises, or hangs, is taken out of the chains.
 
 `GuardedRunner` wraps a `ModelRunner` (same interface): its forwards run in a worker thread
-with a timeout, and an exception or a timeout becomes `ModelFailure(model, cause)`. The engine
+with a timeout, and an exception or a timeout becomes `ModelFailure(model, cause)`. The runners
+of one `guard_runners` call share ONE forward thread (`ForwardThread`): every thread that runs
+torch's parallel kernels gets its own OpenMP team, and more teams than cores make libgomp sleep
+at every barrier (docs/serving-performance.md); a forward that times out abandons the shared
+thread and the next forward starts a fresh one. The engine
 catches it around a cycle (`Engine.step`) and calls `Engine._on_model_failure`, which
 
 1. logs it (logger "specrouter.engine.faults", the fields also in `extra`) and counts it
@@ -51,8 +55,7 @@ class _Worker:
 
     def __init__(self, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name=f"specrouter-forward-{name}",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
@@ -83,18 +86,52 @@ class _Worker:
         self._jobs.put(None)
 
 
+class ForwardThread:
+    """The worker thread the forwards of a set of guarded runners run on, started on the first
+    forward; `abandon()` leaves a hung one behind (the next forward starts a new one)."""
+
+    def __init__(self, name: str = "specrouter-forward"):
+        self.name = name
+        self._worker: _Worker | None = None
+        self._lock = threading.Lock()
+
+    def run(self, fn, arg, timeout: float):
+        with self._lock:
+            if self._worker is None:
+                self._worker = _Worker(self.name)
+            worker = self._worker
+        return worker.run(fn, arg, timeout)
+
+    def abandon(self) -> threading.Thread | None:
+        """Stop using the current thread (it exits if its forward ever returns); returns it."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is None:
+            return None
+        worker.stop()
+        return worker.thread
+
+    def close(self) -> None:
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
+            worker.thread.join(timeout=5)
+
+
 class GuardedRunner(ModelRunner):
     """A `ModelRunner` whose forwards raise `ModelFailure` on an exception or after `timeout`
-    seconds (None: no timeout, the forward runs in the caller's thread). Everything else
-    (slots, reserve, attributes) is the wrapped runner's."""
+    seconds (None: no timeout, the forward runs in the caller's thread) on `thread` (shared
+    with other runners, or the runner's own). Everything else (slots, reserve, attributes) is
+    the wrapped runner's."""
 
-    def __init__(self, inner: ModelRunner, timeout: float | None):
+    def __init__(self, inner: ModelRunner, timeout: float | None, thread: ForwardThread | None = None):
         if timeout is not None and not timeout > 0:
             raise ValueError(f"model timeout must be > 0 seconds, got {timeout!r}")
         self.__dict__["inner"] = inner
         self.__dict__["timeout"] = timeout
         self.__dict__["failed"] = None  # ModelFailure of a timeout: the runner is unusable
-        self.__dict__["_worker"] = None
+        self.__dict__["thread"] = thread or ForwardThread(f"specrouter-forward-{inner.name}")
         self.__dict__["abandoned"] = []  # threads of timed-out forwards (daemons, left running)
 
     def __getattr__(self, attr):  # name, vocab_size, max_len, num_slots, ... of the wrapped runner
@@ -111,17 +148,14 @@ class GuardedRunner(ModelRunner):
                 return self.inner.forward(batch)
             except Exception as e:
                 raise ModelFailure(self.inner.name, e) from e
-        if self._worker is None:
-            self.__dict__["_worker"] = _Worker(self.inner.name)
-            # torch's grad mode is thread-local: the worker runs in inference mode like the runners
-        try:
-            return self._worker.run(_forward_no_grad, (self.inner, batch), self.timeout)
+        try:  # torch's grad mode is thread-local: the worker runs in inference mode like the runners
+            return self.thread.run(_forward_no_grad, (self.inner, batch), self.timeout)
         except TimeoutError as e:
             failure = ModelFailure(self.inner.name, e)
             self.__dict__["failed"] = failure
-            self._worker.stop()  # it exits if the forward ever returns; abandoned otherwise
-            self.abandoned.append(self._worker.thread)
-            self.__dict__["_worker"] = None
+            hung = self.thread.abandon()  # it exits if the forward ever returns; abandoned otherwise
+            if hung is not None:
+                self.abandoned.append(hung)
             raise failure from e
         except Exception as e:
             raise ModelFailure(self.inner.name, e) from e
@@ -136,11 +170,8 @@ class GuardedRunner(ModelRunner):
         self.inner.free_slot(slot)
 
     def close(self) -> None:
-        """Stop the worker thread (a hung one was already abandoned)."""
-        if self._worker is not None:
-            self._worker.stop()
-            self._worker.thread.join(timeout=5)
-            self.__dict__["_worker"] = None
+        """Stop the forward thread (a hung one was already abandoned)."""
+        self.thread.close()
 
 
 def _forward_no_grad(args):
@@ -150,8 +181,10 @@ def _forward_no_grad(args):
 
 
 def guard_runners(runners: dict[str, ModelRunner], timeout: float | None) -> dict[str, ModelRunner]:
-    """The runners, each wrapped in a `GuardedRunner` (already wrapped ones are kept)."""
-    return {n: r if isinstance(r, GuardedRunner) else GuardedRunner(r, timeout)
+    """The runners, each wrapped in a `GuardedRunner` (already wrapped ones are kept); the newly
+    wrapped ones share one forward thread."""
+    thread = ForwardThread()
+    return {n: r if isinstance(r, GuardedRunner) else GuardedRunner(r, timeout, thread)
             for n, r in runners.items()}
 
 

@@ -119,6 +119,7 @@ class _Generation:
         self.text = TextStream(srv.pool.tokenizer, p.stops)
         self.stats: dict | None = None
         self.first_token_at: float | None = None
+        self.committed = 0.0  # when the engine committed the tokens of the last event
 
     async def watch_disconnect(self, request: Request) -> None:
         """Non-streaming: abort the row as soon as the client goes away (after the body was
@@ -134,6 +135,7 @@ class _Generation:
         h = self.handle
         while True:
             ev = await h.events.get()
+            self.committed = ev.committed
             if ev.finish_reason == "abort":
                 raise _ClientGone()
             if ev.token_ids and self.first_token_at is None:
@@ -404,12 +406,14 @@ async def _stream(srv: Service, gen: _Generation, rid: str, created: int, chat: 
     try:
         if chat:
             yield _sse(chunk(None, None, role=True))
+        delivery = srv.metrics.stream_delivery_seconds
         async for delta, finish in gen.events():
-            if finish is None:
-                yield _sse(chunk(delta, None))
-                continue
             if delta:
                 yield _sse(chunk(delta, None))
+                # resumed once the chunk was handed to the socket (StreamingResponse's send)
+                delivery.observe(time.perf_counter() - gen.committed)
+            if finish is None:
+                continue
             yield _sse(chunk(None, finish))
             if include_usage:  # usage once, on a last chunk with no choices (OpenAI)
                 last = chunk(None, None, _usage(len(gen.p.prompt), gen.text, gen.stats))

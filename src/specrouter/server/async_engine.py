@@ -9,7 +9,9 @@ After each step, the new tokens of every row go to the requests' asyncio queues 
 `loop.call_soon_threadsafe` call. The waiting queue is bounded: `submit` raises `QueueFull`
 (the server answers 429 with Retry-After) when it holds `max_queue` requests.
 
-torch work never runs on the event loop; the event loop never blocks on the engine.
+torch work never runs on the event loop; the event loop never blocks on the engine. With
+`serial_torch` (the forwards run on the guarded runners' forward thread) the engine thread's
+own torch work is single-threaded, so the process has one OpenMP team (server/threads.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from specrouter.config import SamplingParams
 from specrouter.engine.engine import CapacityError, Engine
+from specrouter.server.threads import serial_torch_here
 
 logger = logging.getLogger("specrouter.server")
 
@@ -42,6 +45,7 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     stats: dict | None = None  # RequestStats.as_dict() when done
     error: str | None = None  # why, when finish_reason == "error"
+    committed: float = 0.0  # perf_counter time the engine step that committed them ended
 
 
 @dataclass(eq=False)
@@ -65,8 +69,10 @@ class RequestHandle:
 class AsyncEngine:
     """Runs `engine` in a background thread; see the module docstring."""
 
-    def __init__(self, engine: Engine, *, max_queue: int = 64, metrics=None, seed: int | None = None):
+    def __init__(self, engine: Engine, *, max_queue: int = 64, metrics=None, seed: int | None = None,
+                 serial_torch: bool = False):
         self.engine = engine
+        self.serial_torch = serial_torch
         self.max_queue = max_queue
         self.metrics = metrics
         self._generator = torch.Generator()
@@ -141,6 +147,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        if self.serial_torch:
+            serial_torch_here()
         try:
             while True:
                 with self._cv:
@@ -209,6 +217,7 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
         out = []
+        now = time.perf_counter()
         with self._cv:
             for o in outputs:
                 h = self._by_seq.get(o.seq.seq_id)
@@ -222,9 +231,10 @@ class AsyncEngine:
                     err = (o.seq.error or "a model of the chain failed (see the server log)") \
                         if o.seq.finish_reason == "error" else None
                     out.append((h, TokenEvent(list(o.new_token_ids), True, o.seq.finish_reason,
-                                              stats=o.seq.stats.as_dict(), error=err)))
+                                              stats=o.seq.stats.as_dict(), error=err,
+                                              committed=now)))
                 elif o.new_token_ids:
-                    out.append((h, TokenEvent(list(o.new_token_ids))))
+                    out.append((h, TokenEvent(list(o.new_token_ids), committed=now)))
             self._gauges()
         return out
 

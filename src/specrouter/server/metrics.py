@@ -12,6 +12,8 @@ Names (all prefixed `specrouter_`):
 - step_seconds: one engine step (all groups); queue_depth, running_rows: gauges;
 - generated_tokens_total (tokens/s = rate()); requests_total{endpoint,status};
   request_seconds{endpoint}: end to end; time_to_first_token_seconds;
+- stream_delivery_seconds: a streamed token's engine commit (end of the engine step) to its SSE
+  chunk handed to the socket (issue 34: streaming costs nothing extra);
 - model_failures_total{model,kind}: forwards that raised ("exception") or hung ("timeout");
 - learned_tokens{drafter}, learned_bytes{drafter}, learned_requests{drafter},
   learned_tenants{drafter}, learned_evicted_requests{drafter}: what a learning drafter (suffix)
@@ -36,6 +38,7 @@ from prometheus_client import (
 from specrouter.records.stats import CycleStats
 
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_DELIVERY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _REQUEST = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -74,6 +77,10 @@ class ServerMetrics:
         self.ttft_seconds = Histogram(p + "time_to_first_token_seconds",
                                       "Submission to first generated token", buckets=_REQUEST,
                                       registry=r)
+        self.stream_delivery_seconds = Histogram(
+            p + "stream_delivery_seconds",
+            "Engine commit of a streamed token to its SSE chunk handed to the socket",
+            buckets=_DELIVERY, registry=r)
         self.model_failures = Counter(p + "model_failures", "Model forwards that failed",
                                       ["model", "kind"], registry=r)
         self.learned = {f: Gauge(p + "learned_" + f, help_, ["drafter"], registry=r) for f, help_ in (

@@ -140,13 +140,15 @@ class SpecRouterReplica:
         from ray import serve
 
         from specrouter.server.app import create_app
+        from specrouter.server.threads import on_passing_thread
 
         torch.set_num_threads(torch_threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node = ray.util.get_node_ip_address()
         self._labels = {"replica": self.replica_id, "node": self.node}
         self._board, self._push_s, self._pusher = board, metrics_push_s, None
-        app = create_app(pool_spec.load(), server_config)
+        # set-up on a thread that ends: the replica's only OpenMP team is its forward thread's
+        app = on_passing_thread(lambda: create_app(pool_spec.load(), server_config))
         self._srv = app.state.server
         # /metrics: every replica's, not only this one's
         app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/metrics"]

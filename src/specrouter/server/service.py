@@ -47,8 +47,11 @@ class Service:
         self.metrics.prefix_cache = self.engine.prefix_cache
         self.engine.on_cycle = self.metrics.observe_cycle
         self.engine.on_model_failure = self.metrics.observe_failure
+        # with a model timeout every forward runs on the runners' one forward thread, and the
+        # engine thread's own torch work is serial: one OpenMP team (server/threads.py)
         self.loop_engine = AsyncEngine(self.engine, max_queue=config.max_queue,
-                                       metrics=self.metrics, seed=config.seed)
+                                       metrics=self.metrics, seed=config.seed,
+                                       serial_torch=config.model_timeout is not None)
         self.model_name = config.served_model_name or self.pool.target
         self.served_names = (self.model_name, *config.model_aliases)  # names /v1/models lists
         self.chat_template = config.chat_template  # None: the target tokenizer's

@@ -1,0 +1,78 @@
+"""One OpenMP team per server process: which threads may run torch's parallel kernels.
+
+torch's CPU kernels (and SpecRouter's native ones) run their parallel regions on OpenMP (GNU
+libgomp in the PyPI wheels), and libgomp gives EVERY thread that opens a parallel region its own
+team of workers, kept until that thread exits. libgomp counts the threads of all teams; when
+they outnumber the CPUs it stops spinning at its barriers (about 100 pause instructions instead
+of 300,000) and parks the workers in futex sleeps, so every parallel region of every forward pays
+a sleep/wake round trip. The server had two teams: the forward thread's (engine/faults.py runs
+forwards on a thread, for the model timeout) and the engine thread's (KV-cache reservation,
+sampling), 3 managed threads on 2 cores, and decoded at 0.6x the Python API's speed
+(docs/serving-performance.md). On n cores with n torch threads it is 2n - 1 > n as well.
+
+So in the server exactly one thread runs parallel torch work:
+- with a model timeout (the default) the forward thread, which every model's forwards share
+  (`guard_runners`); the engine thread runs its own torch work serially (`serial_torch_here`);
+- without one, the engine thread, which then runs the forwards itself;
+- set-up (loading the pool, building the router) runs on a thread that ends
+  (`on_passing_thread`), so its team is gone before serving starts. The event loop thread
+  runs no torch work (it tokenizes with the Rust tokenizer and hands tokens over).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def on_passing_thread(fn: Callable[[], T], name: str = "specrouter-setup") -> T:
+    """`fn()` on a new thread that ends when it returns (its OpenMP team with it); its result,
+    or its exception re-raised here."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name=name)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@functools.cache
+def _libgomp():
+    """The libgomp torch runs on (found in this process's mappings), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line}
+    except OSError:  # not Linux
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+def serial_torch_here() -> bool:
+    """Make this thread's torch CPU work single-threaded (it opens no OpenMP team of its own);
+    other threads keep torch's thread count. False where it cannot (no libgomp in the process)."""
+    torch.get_num_threads()  # torch sets a thread's OpenMP thread count on its first use: first
+    lib = _libgomp()
+    if lib is None:
+        return False
+    lib.omp_set_num_threads(1)
+    return torch.get_num_threads() == 1
