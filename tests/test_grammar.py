@@ -201,6 +201,15 @@ def test_greedy_constrained_equals_reference_plain_decoding(pool, prompts, refer
                 assert got == expected, (chain, k, jf)
 
 
+def test_an_exact_draft_is_accepted_under_the_grammar(pool, prompts):
+    """The "same" draft (the target's copy) proposes what the target samples only if both see the
+    same mask at every drafted position: misaligned masks would show as rejections."""
+    params = SamplingParams(max_new_tokens=MAX_NEW, grammar=SPECS["json_schema"])
+    _, seqs = run(pool, prompts, params, ("same", "target"), 4, jump_forward=False)
+    for seq in seqs:
+        assert seq.stats.acceptance_rates["same>target"] > 0.99, seq.stats.acceptance_rates
+
+
 def test_finished_outputs_validate_against_the_schema(pool, prompts, references):
     params = SamplingParams(max_new_tokens=120, grammar=SPECS["json_schema"])
     outs, seqs = run(pool, prompts, params, ("draft", "target"), 4)

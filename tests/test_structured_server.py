@@ -9,6 +9,7 @@ official `openai` client against a live server on 127.0.0.1 (tiny float64 pool):
 """
 
 import json
+from typing import Literal
 
 import pytest
 
@@ -32,8 +33,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 class Item(BaseModel):
-    name: str
-    count: int
+    kind: Literal["tool", "toy"]
+    fragile: bool
 
 
 def load_pool(dirs):
@@ -111,8 +112,8 @@ def test_sdk_parse_with_a_pydantic_model(client):
         model="target", messages=[{"role": "user", "content": "An item, please."}], temperature=0,
         max_tokens=120, response_format=Item)
     msg = r.choices[0].message
-    if r.choices[0].finish_reason == "stop":
-        assert isinstance(msg.parsed, Item) and msg.parsed == Item.model_validate_json(msg.content)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(msg.parsed, Item) and msg.parsed == Item.model_validate_json(msg.content)
 
 
 def test_bad_formats_and_schemas_get_a_400_naming_the_problem(client):
