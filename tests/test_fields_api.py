@@ -105,9 +105,10 @@ def test_explicit_null_is_the_default(server):
 
 def test_recognised_but_not_implemented_is_a_400_naming_it(server):
     status, _, body = send(server, "POST", "/v1/chat/completions",
-                           {"messages": MSGS, "guided_json": {"type": "object"}})
-    assert status == 400 and body["error"]["param"] == "guided_json"
-    assert "guided decoding is not implemented" in body["error"]["message"]
+                           {"messages": MSGS, "tool_choice": "required",
+                            "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert status == 400 and body["error"]["param"] == "tool_choice", body
+    assert "not implemented" in body["error"]["message"], body
     # at its default value it is accepted
     status, _, body = send(server, "POST", "/v1/chat/completions",
                            {"messages": MSGS, "max_tokens": 2, "use_beam_search": False,

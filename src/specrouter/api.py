@@ -18,6 +18,7 @@ from specrouter.config import (
     SpecRouterConfig,
     kv_cache_bytes,
 )
+from specrouter.decoding.grammar import GrammarSpec
 from specrouter.engine.engine import Engine
 from specrouter.records.stats import RequestStats
 from specrouter.models.device import resolve_device
@@ -32,7 +33,7 @@ class GenerationResult:
     text: str  # decoded generated text (prompt excluded, special tokens skipped)
     token_ids: list[int]  # generated token ids (prompt excluded)
     prompt_tokens: int  # prompt length in tokens
-    finish_reason: str  # "stop" (stop/EOS token) | "length" (max_new_tokens) | "abort"
+    finish_reason: str  # "stop" (stop/EOS token, complete grammar) | "length" (max_new_tokens) | "grammar" (dead end) | "abort"
     stats: RequestStats  # chain(s) used, acceptance per level, tokens/s
 
 
@@ -142,10 +143,12 @@ class SpecRouter:
         return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
     def _request(self, *, max_new_tokens, temperature, top_k, top_p, stop_token_ids, seed,
-                 ignore_eos, chain, k, controls=None) -> tuple[SamplingParams, torch.Generator, tuple | None, int]:
+                 ignore_eos, chain, k, controls=None, json_schema=None, grammar=None
+                 ) -> tuple[SamplingParams, torch.Generator, tuple | None, int]:
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-            stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos, **(controls or {}),
+            stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+            grammar=grammar_spec(json_schema, grammar), **(controls or {}),
         )
         generator = torch.Generator()
         # row i's sampling seed: draw i of this stream (a batch's rows differ; a call repeats)
@@ -177,6 +180,8 @@ class SpecRouter:
         chain: list[str] | tuple[str, ...] | None = None,
         k: int | None = None,
         chat: bool = False,
+        json_schema: dict | str | type | None = None,
+        grammar: str | GrammarSpec | None = None,
         **controls,
     ) -> list[GenerationResult]:
         """Generate for one prompt or a batch (text, token ids, or chat message lists).
@@ -190,6 +195,9 @@ class SpecRouter:
         sampling controls of `SamplingParams` (min_p, presence_penalty, frequency_penalty,
         repetition_penalty, logit_bias, min_tokens, allowed_token_ids), applied at every level
         of the chain: the output is plain decoding's with the same controls.
+        `json_schema` (a dict, its JSON text, or a pydantic model class) or `grammar` (a Lark
+        grammar's text, or a `GrammarSpec`) constrains the output (docs/structured-output.md):
+        greedy, it equals plain constrained decoding of the target token for token.
         """
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
@@ -199,7 +207,7 @@ class SpecRouter:
         params, generator, chain, k = self._request(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, chain=chain, k=k,
-            controls=controls)
+            controls=controls, json_schema=json_schema, grammar=grammar)
         seqs = self.engine.generate_ids(ids, [params] * len(ids), chain=chain, k=k,
                                         generator=generator)
         return [self._result(s) for s in seqs]
@@ -218,6 +226,8 @@ class SpecRouter:
         chain: list[str] | tuple[str, ...] | None = None,
         k: int | None = None,
         chat: bool = False,
+        json_schema: dict | str | type | None = None,
+        grammar: str | GrammarSpec | None = None,
     ) -> Iterator[StreamChunk]:
         """Generate for one prompt, yielding each cycle's committed tokens as they come (the
         same tokens as `generate`; arguments as there). The last chunk carries `result`.
@@ -227,7 +237,8 @@ class SpecRouter:
         ids = self.encode(prompt, chat=chat)
         params, generator, chain, k = self._request(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, chain=chain, k=k)
+            stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, chain=chain, k=k,
+            json_schema=json_schema, grammar=grammar)
         engine = self.engine
         need = engine.check_request(ids, params, chain, k)[1]
         if not engine.running:
@@ -250,3 +261,19 @@ class SpecRouter:
         finally:
             if not seq.done:
                 engine.abort(seq.seq_id)
+
+
+def grammar_spec(json_schema=None, grammar=None) -> GrammarSpec | None:
+    """The request's `GrammarSpec` from `generate`'s `json_schema` (dict, JSON text or a pydantic
+    model class) or `grammar` (Lark text or a GrammarSpec); at most one of them."""
+    from specrouter.decoding.grammar import GrammarError
+
+    if json_schema is not None and grammar is not None:
+        raise GrammarError("give json_schema or grammar, not both")
+    if json_schema is not None:
+        if isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema"):
+            json_schema = json_schema.model_json_schema()  # a pydantic model
+        return GrammarSpec.json_schema(json_schema)
+    if grammar is None or isinstance(grammar, GrammarSpec):
+        return grammar
+    return GrammarSpec("lark", grammar)

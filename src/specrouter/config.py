@@ -8,11 +8,12 @@ CLI command are built."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass, field
 
-from specrouter.errors import ChainError, SamplingParamsError
+from specrouter.errors import ChainError, GrammarError, SamplingParamsError
 
 MAX_DRAFT_LENGTH = 16  # k is searched in 1..MAX_DRAFT_LENGTH by the router
 SUFFIX_SCOPES = ("shared", "api-key")  # ServerConfig.suffix_scope
@@ -31,6 +32,41 @@ DTYPES = ("auto", "float32", "bfloat16", "float64", "float16", "fp32", "bf16", "
 # distribution that sharp is the argmax anyway; vLLM uses the same threshold (_SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
 _INT64 = 2**63  # top_k and token ids become int64 tensors
+
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "regex")  # GrammarSpec.kind
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request constrains its output to (decoding/grammar.py applies it). `source`: the
+    JSON schema (its JSON text, properties in their order) for "json_schema", "" for
+    "json_object" (any JSON object), the grammar text for "lark" (llguidance's Lark dialect)
+    and "regex"."""
+
+    kind: str
+    source: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: dict | str | bool) -> "GrammarSpec":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+        if schema is True or schema == {}:
+            return cls("json_object")
+        if not isinstance(schema, dict):
+            raise GrammarError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise GrammarError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
+        if not isinstance(self.source, str):
+            raise GrammarError(f"grammar source must be a string, got {type(self.source).__name__}")
+        if self.kind in ("lark", "regex") and not self.source.strip():
+            raise GrammarError(f"the {self.kind} grammar is empty")
 
 
 @dataclass(frozen=True)
@@ -60,13 +96,15 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits
     min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens were generated
     allowed_token_ids: tuple[int, ...] | None = None  # sample only among these (None: all)
+    grammar: GrammarSpec | None = None  # constrain the output to a JSON schema / grammar (decoding/grammar.py)
 
     @property
     def has_processors(self) -> bool:
         """Some history-dependent or token-level processor is on (min_p is not one: it is
         part of the temperature / top-k / top-p stage, sampling.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None
+                    or self.grammar is not None)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> SamplingParamsError:
@@ -90,6 +128,8 @@ class SamplingParams:
                     or not isinstance(pair[1], (int, float)) or not -100.0 <= pair[1] <= 100.0):
                 raise bad(f"logit_bias must be (token id >= 0, bias in [-100, 100]) pairs, got {pair!r}")
         object.__setattr__(self, "logit_bias", bias)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise bad(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
         m = self.min_tokens
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise bad(f"min_tokens must be an integer >= 0, got {m!r}")

@@ -22,6 +22,10 @@ class SamplingParamsError(SpecRouterError, ValueError):
     """Invalid sampling parameters (temperature, top_k, top_p, max_new_tokens, ...)."""
 
 
+class GrammarError(SamplingParamsError):
+    """A grammar or JSON schema that cannot constrain decoding (the message names the problem)."""
+
+
 class ChainError(SpecRouterError, ValueError):
     """An invalid chain: unknown model, target not last, bad draft length."""
 

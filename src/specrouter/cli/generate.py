@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 import time
 
@@ -25,12 +26,36 @@ from specrouter.config import SamplingParams, SpecRouterConfig
 def config_from_args(args: argparse.Namespace) -> tuple[SpecRouterConfig, SamplingParams]:
     """The configuration and sampling parameters of the flags, checked before any model loads."""
     config = SpecRouterConfig(pool=pool_config(args), engine=engine_config(args))
-    return config, sampling_params(args)
+    params = sampling_params(args)
+    spec = grammar_from_files(getattr(args, "json_schema", None), getattr(args, "grammar", None))
+    return config, dataclasses.replace(params, grammar=spec) if spec is not None else params
+
+
+def grammar_from_files(schema_file: str | None, grammar_file: str | None):
+    """The GrammarSpec of --json-schema FILE (a JSON schema) or --grammar FILE (Lark), or None;
+    a file that cannot be read or parsed is a UsageError naming it (the schema compiles when
+    the pool's tokenizer is loaded)."""
+    from pathlib import Path
+
+    from specrouter.api import grammar_spec
+    from specrouter.decoding.grammar import GrammarError
+
+    if schema_file is None and grammar_file is None:
+        return None
+    path = schema_file or grammar_file
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        return grammar_spec(json_schema=text) if schema_file else grammar_spec(grammar=text)
+    except GrammarError as e:
+        raise UsageError(f"{path}: {e}") from None
 
 
 def sampling_kwargs(params: SamplingParams) -> dict:
     return dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature,
-                top_k=params.top_k, top_p=params.top_p, seed=params.seed)
+                top_k=params.top_k, top_p=params.top_p, seed=params.seed, grammar=params.grammar)
 
 
 def stream_reply(sr, prompt, params: SamplingParams, *, chat: bool, out=None):
@@ -129,6 +154,11 @@ def register(sub) -> None:
     g.add_argument("--chat", action="store_true", help="wrap prompts in the target's chat template")
     g.add_argument("--compare", action="store_true",
                    help="also run target-only decoding and print the speed-up")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE",
+                       help="constrain the output to this JSON schema (docs/structured-output.md)")
+    shape.add_argument("--grammar", metavar="FILE",
+                       help="constrain the output to this Lark grammar (llguidance's dialect)")
     g.add_argument("--verbose-stats", action="store_true",
                    help="explain the statistics line after the replies")
     add_engine_arguments(g, k_help="draft length of a pinned --chain or of --static (default 4)")

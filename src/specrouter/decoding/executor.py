@@ -187,6 +187,8 @@ class ChainExecutor:
                                             context_len=sum(w.start for w in work) // len(work), seconds=dt))
         for w, toks, m in zip(work, tokens.tolist(), lengths.tolist()):
             w.cand = toks[: min(m, w.cap)]
+            if w.seq.grammar is not None:  # only what the grammar allows goes up the chain
+                w.cand = w.cand[: w.seq.grammar.valid_prefix(w.seq.output_ids, w.cand)]
             w.drafted[0] = len(w.cand)
 
     def _draft_steps(self, name: str, work: list[RowWork], first: list[int], first_logits: torch.Tensor,
@@ -282,7 +284,8 @@ class ChainExecutor:
         dev = logits.device  # the pool's device: every tensor of the choice lives there
         if any(w.seq.params.has_processors for w in work):  # penalties etc.: processors.py (host tensors)
             logits = process_rows(logits.cpu(), [
-                RowHistory(w.seq.params, w.seq.tokens, w.seq.prompt_len, w.seq.stop_ids, w.cand, offset)
+                RowHistory(w.seq.params, w.seq.tokens, w.seq.prompt_len, w.seq.stop_ids, w.cand, offset,
+                           w.seq.grammar)
                 for w in work]).to(dev)
         if len(work) != len(sampling):
             st = sampling.select(torch.tensor([w.b for w in work], dtype=torch.long, device=sampling.temperature.device))

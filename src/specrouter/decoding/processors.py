@@ -10,6 +10,8 @@ i draft tokens). So at every position every level samples from the same processe
 distribution, and the target's output is exactly plain decoding's under the same controls.
 
 Order and definitions (vLLM's), per row, on raw logits:
+0. grammar (decoding/grammar.py): tokens the row's grammar refuses at a position get -inf
+   (the row's matcher advanced along the same path).
 1. allowed_token_ids: every other token gets -inf.
 2. logit_bias: `logits[t] += bias` (OpenAI: added to the logits before sampling).
 3. min_tokens: while fewer than min_tokens tokens were generated before a position, the row's
@@ -43,6 +45,7 @@ class RowHistory:
     stop_ids: frozenset[int]  # tokens that end generation (masked by min_tokens)
     path: list[int]  # tokens along the draft path after `tokens` (offset + G - 1 of them used)
     offset: int  # positions of the path before logit position 0
+    grammar: object | None = None  # the row's RowGrammar (decoding/grammar.py), None: no grammar
 
 
 def penalize(logits: torch.Tensor, prompt_ids: torch.Tensor, output_ids: torch.Tensor,
@@ -99,6 +102,9 @@ def process_row(logits: torch.Tensor, h: RowHistory) -> torch.Tensor:
     """One row's processors (module docstring order): logits (G, V) -> (G, V)."""
     G, V = logits.shape
     p = h.params
+    if h.grammar is not None:
+        allowed = h.grammar.allowed(h.tokens[h.prompt_len :], h.path, h.offset, G)  # (G, V)
+        logits = logits.masked_fill(~allowed, float("-inf"))
     add = token_mask_and_bias(p, V, logits.dtype)
     if add is not None:
         logits = logits + add[None, :]

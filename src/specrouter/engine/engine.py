@@ -53,6 +53,7 @@ from specrouter.config import MAX_DRAFT_LENGTH, SamplingParams
 from specrouter.decoding.executor import ChainExecutor, StepResult
 from specrouter.decoding.noise import seed_key
 from specrouter.decoding.sampling import SamplingTensors
+from specrouter.engine import constrained
 from specrouter.engine.drafts import CONFIDENT, confident_offers, judge_shadows, shadow_proposals
 from specrouter.engine.faults import ModelFailure, without_failed
 from specrouter.engine.faults import logger as fault_logger
@@ -137,6 +138,7 @@ class Engine:
         self.on_cycle: Callable[[CycleStats], None] | None = None
         self.failed_models: set[str] = set()  # taken out of every chain (faults.py)
         self.on_model_failure: Callable[[ModelFailure], None] | None = None
+        self.jump_forward = True  # commit grammar-forced tokens without a forward (constrained.py)
 
     # -- requests ---------------------------------------------------------------------------
     def context_limit(self, chain: tuple[str, ...]) -> int:
@@ -163,6 +165,8 @@ class Engine:
             raise SamplingParamsError(
                 f"top_k must be at most the vocabulary size {self.pool.vocab_width} (0 disables "
                 f"it), got {params.top_k}")
+        if params.grammar is not None:
+            constrained.check_spec(self.pool, params.grammar)
         limit = self.context_limit(checked)
         total = len(prompt) + params.max_new_tokens
         if len(prompt) >= limit:
@@ -197,6 +201,7 @@ class Engine:
         seq = Sequence(seq_id=next(self._ids), tokens=list(prompt), prompt_len=len(prompt),
                        params=params, stop_ids=eos | frozenset(params.stop_token_ids))
         seq.tenant = tenant
+        constrained.attach(self.pool, seq)
         if params.seed is not None:
             seed = params.seed
         else:
@@ -275,6 +280,7 @@ class Engine:
         """One cycle for every running row: one executor step, every model at most one forward
         over all rows that need it; returns what each row committed. Randomness is
         counter-based (decoding/noise.py): keyed by each row's seed and position.
+        0. constrained rows (constrained.py): forced tokens committed, complete or dead-end rows end;
         1. plan every row (pinned, or the router's for the batch); a row whose planning raises
            ends alone with finish_reason "error" (isolation.py);
         2. run the executor step over the rows (`_run_rows`): a row whose cycle raises ends
@@ -287,6 +293,13 @@ class Engine:
             return []
         self.steps += 1
         outputs = []
+        start = {s.seq_id: len(s.tokens) for s in rows}
+        if any(s.grammar is not None for s in rows):  # forced tokens, complete / dead-end grammars
+            constrained.before_step(rows, tuple(self.pool.eos_ids), self.jump_forward)
+            outputs += [self._collect(s, start[s.seq_id]) for s in rows if s.done]
+            rows = [s for s in rows if not s.done]
+            if not rows:
+                return outputs
         try:  # 1.
             plans, shadow_k = self._plan_step(rows)
         except Exception:  # noqa: BLE001 - find the rows whose planning fails alone
@@ -300,7 +313,7 @@ class Engine:
                     outputs.append(self._collect(seq, len(seq.tokens)))
             rows = ok
         if rows:  # 2. and 3.
-            before = [len(s.tokens) for s in rows]
+            before = [start[s.seq_id] for s in rows]
             plan_of = {s.seq_id: p for s, p in zip(rows, plans)}
             run_isolated(rows, lambda part: self._run_rows(part, [plan_of[s.seq_id] for s in part], shadow_k),
                          self.state, self._report)

@@ -152,7 +152,9 @@ class _Generation:
                 return
             if ev.done:
                 self.stats = ev.stats
-                yield delta + self.text.finish(), ("stop" if ev.finish_reason == "stop" else "length")
+                # "grammar": the request's grammar reached a dead end (engine/constrained.py)
+                yield delta + self.text.finish(), (ev.finish_reason if ev.finish_reason in ("stop", "grammar")
+                                                   else "length")
                 return
             if delta:
                 yield delta, None

@@ -110,7 +110,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
     "tool_choice": (("none", "auto"), "tool calling is not implemented"),
     "functions": (([],), "function calling is not implemented"),
     "function_call": (("none", "auto"), "function calling is not implemented"),
-    "response_format": (({"type": "text"},), "structured output (JSON mode) is not implemented"),
     "store": ((False,), "stored completions are not implemented"),
     "modalities": ((["text"],), "only text output is implemented"),
     "audio": ((), "audio output is not implemented"),
@@ -125,12 +124,8 @@ _NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
     "spaces_between_special_tokens": ((True,), "special tokens are always skipped in the text"),
     "bad_words": (([],), "bad_words is not implemented (use logit_bias for single tokens)"),
     "prompt_embeds": ((), "prompt embeddings are not implemented"),
-    "guided_json": ((), "guided decoding is not implemented"),
-    "guided_regex": ((), "guided decoding is not implemented"),
-    "guided_choice": ((), "guided decoding is not implemented"),
-    "guided_grammar": ((), "guided decoding is not implemented"),
     "structural_tag": ((), "guided decoding is not implemented"),
-    "guided_decoding_backend": ((), "guided decoding is not implemented"),
+    "guided_decoding_backend": ((), "the grammar engine is llguidance; no other backend is offered"),
     "guided_whitespace_pattern": ((), "guided decoding is not implemented"),
     "priority": ((0,), "priority scheduling is not implemented"),
     "logits_processors": (([],), "custom logits processors are not accepted"),
@@ -188,17 +183,18 @@ class _GenerationRequest(_Lenient):
     cache_salt: str | None = None  # vLLM: accepted; no cache is shared between requests' prompts
     specrouter_chain: list[str] | None = None  # extension: pin the chain (pool names, target last)
     specrouter_k: int | None = Field(None, ge=1, le=MAX_DRAFT_LENGTH)  # extension: draft length
+    # structured output (server/structured.py): OpenAI's response_format, vLLM's guided_*
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # recognised, refused unless at their default (see _NOT_IMPLEMENTED)
-    response_format: dict | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     priority: int = 0

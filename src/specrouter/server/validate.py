@@ -27,6 +27,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from specrouter.config import SamplingParams
+from specrouter.decoding.grammar import GrammarError
 from specrouter.errors import (
     ChainError,
     CheckpointError,
@@ -35,6 +36,7 @@ from specrouter.errors import (
 )
 from specrouter.server.protocol import RequestError, validation_error
 from specrouter.server.service import Service
+from specrouter.server.structured import grammar_of_request
 from specrouter.server.text import stop_token_ids
 
 logger = logging.getLogger("specrouter.server")
@@ -215,6 +217,7 @@ def prepare(srv: Service, req, prompt: list[int], *, chat: bool) -> Prepared:
         raise RequestError(f"invalid value for 'top_k': at most the vocabulary size "
                            f"{pool.vocab_width} (0 or -1 disables it), got {req.top_k}",
                            param="top_k")
+    grammar, grammar_field = grammar_of_request(req)
     try:
         params = SamplingParams(
             temperature=float(req.temperature), top_k=max(0, req.top_k), top_p=float(req.top_p),
@@ -227,10 +230,13 @@ def prepare(srv: Service, req, prompt: list[int], *, chat: bool) -> Prepared:
             logit_bias=tuple(_token_ids(pool, req.logit_bias_ids(), "logit_bias").items()),
             min_tokens=_min_tokens(req, max_tokens),
             allowed_token_ids=(None if req.allowed_token_ids is None else tuple(
-                _token_ids(pool, dict.fromkeys(req.allowed_token_ids), "allowed_token_ids"))))
+                _token_ids(pool, dict.fromkeys(req.allowed_token_ids), "allowed_token_ids"))),
+            grammar=grammar)
         engine.check_request(prompt, params, chain, k)
     except ContextLengthError as e:
         raise RequestError(str(e), param="max_tokens", code="context_length_exceeded") from None
+    except GrammarError as e:  # a schema / grammar that does not compile: its field
+        raise RequestError(str(e), param=grammar_field) from None
     except SamplingParamsError as e:
         raise RequestError(str(e)) from None
     except ChainError as e:

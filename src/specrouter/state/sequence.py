@@ -37,6 +37,7 @@ class Sequence:
     seed_key: int = 0  # 32-bit key of the row's sampling seed: its noise at position i is a function of (seed_key, i)
     tenant: str | None = None  # whose learned drafter statistics it reads and feeds (None: shared)
     plan: RowPlan | None = None  # the engine's record of its plan (engine.py)
+    grammar: object | None = None  # its RowGrammar (decoding/grammar.py) when params.grammar is set
 
     @property
     def num_generated(self) -> int:

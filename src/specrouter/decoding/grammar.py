@@ -1,0 +1,211 @@
+"""Grammar-constrained decoding (issue 30): a request's grammar (a JSON schema, any JSON
+object, a Lark grammar or a regex) is one more logits processor, a token mask, applied like
+the others (decoding/processors.py) at EVERY level of the chain, so the output is exactly plain
+constrained decoding of the target: greedy token for token, sampled in distribution (the
+coupled noise samples the masked distribution at every level).
+
+The engine is llguidance (docs/structured-output.md says why: no dependencies, explicit
+rollback, forced-token computation, ~20 us a mask on SmolLM2's 49k vocabulary here).
+
+The mask is stateful, so each row keeps one `RowGrammar` (on its `Sequence`), a matcher that
+has consumed exactly the row's committed generated tokens (it re-syncs lazily, so a row rolled
+back by the engine's failure isolation is followed). At a call for positions g = 0..G-1 after
+a draft path (the same convention as `RowHistory`: position g follows the committed tokens and
+`path[: offset + g]`), the matcher advances along the path, computing each position's mask,
+then rolls back. A path token the grammar refuses (a model-free drafter's guess) leaves the
+later positions unmasked: they follow a rejected candidate, so what is sampled there is never
+committed. `valid_prefix` cuts such drafts before they are verified.
+
+Forced tokens (`forced_tokens`): while the mask allows exactly one token, the target's masked
+distribution is one-hot there, so greedy and sampled decoding both produce it: the engine
+commits those tokens without any forward ("jump forward"); every model is fed them as
+pending tokens at its next forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from specrouter.config import GrammarSpec
+from specrouter.errors import GrammarError
+
+__all__ = ["GrammarError", "GrammarSpec", "RowGrammar", "check_grammar", "to_llguidance"]
+
+# JSON text as json.dumps writes it ({"a": 1, "b": [2, 3]}): no free whitespace, so a small
+# model cannot run away into newlines, and more of the text is forced
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_ANY_JSON_OBJECT = {"type": "object"}
+
+
+def to_llguidance(spec: GrammarSpec) -> str:
+    """The grammar in llguidance's serialized form (compiled when a matcher is built)."""
+    import llguidance
+
+    M = llguidance.LLMatcher
+    if spec.kind == "json_object":
+        return M.grammar_from_json_schema(_ANY_JSON_OBJECT, overrides=JSON_OPTIONS)
+    if spec.kind == "json_schema":
+        return M.grammar_from_json_schema(spec.source, overrides=JSON_OPTIONS)
+    if spec.kind == "lark":
+        return M.grammar_from_lark(spec.source)
+    return M.grammar_from_regex(spec.source)
+
+
+@functools.lru_cache(maxsize=8)
+def _ll_tokenizer(tokenizer, eos_ids: tuple[int, ...], vocab_width: int):
+    """llguidance's view of a pool's tokenizer (about 0.5 s to build: once per pool)."""
+    import llguidance.hf
+
+    n_vocab = max(vocab_width, len(tokenizer))
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=list(eos_ids) or None)
+
+
+def check_grammar(spec: GrammarSpec, tokenizer, eos_ids: tuple[int, ...], vocab_width: int) -> None:
+    """Raise GrammarError naming the problem when `spec` does not compile for this tokenizer."""
+    import llguidance
+
+    try:
+        grammar = to_llguidance(spec)
+    except ValueError as e:
+        raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {e}") from None
+    err = llguidance.LLMatcher.validate_grammar(grammar, _ll_tokenizer(tokenizer, eos_ids, vocab_width))
+    if err and not err.startswith("WARNING"):
+        raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {err.strip()}")
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(G, W) int32 bitmasks (bit t % 32 of word t // 32: token t allowed) -> (G, vocab) bool."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)[:, :vocab].bool()  # (G, W*32) -> (G, V)
+
+
+class RowGrammar:
+    """One row's grammar state: a matcher at the row's committed generated tokens."""
+
+    def __init__(self, spec: GrammarSpec, tokenizer, eos_ids: tuple[int, ...], vocab_width: int,
+                 stop_ids: frozenset[int]):
+        import llguidance
+
+        self.spec = spec
+        self.vocab = vocab_width
+        self.stop_ids = stop_ids
+        ll_tok = _ll_tokenizer(tokenizer, eos_ids, vocab_width)
+        self._words = (ll_tok.vocab_size + 31) // 32
+        try:
+            grammar = to_llguidance(spec)
+        except ValueError as e:
+            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {e}") from None
+        self.matcher = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {self.matcher.get_error()}")
+        self.consumed: list[int] = []  # generated tokens the matcher has consumed
+        self.mask_seconds = 0.0  # time spent computing masks (reported against the step)
+        self.masks_computed = 0
+
+    # -- following the committed tokens -----------------------------------------------------
+    def sync(self, generated: list[int]) -> None:
+        """Make the matcher's consumed tokens equal `generated` (roll back what differs)."""
+        c = self.consumed
+        if len(generated) >= len(c) and generated[: len(c)] == c:
+            new = generated[len(c):]
+        else:
+            n = 0
+            for a, b in zip(c, generated):
+                if a != b:
+                    break
+                n += 1
+            self.matcher.rollback(len(c) - n)
+            del c[n:]
+            new = generated[n:]
+        for t in new:
+            if t in self.stop_ids or not self.matcher.consume_token(t):
+                break  # a stop token ends the row; a refused token leaves the matcher in error
+            c.append(t)
+
+    @property
+    def dead_end(self) -> bool:
+        """The matcher refused a token or allows nothing (error state)."""
+        return self.matcher.is_error()
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and allows nothing but a stop token."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
+
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+    # -- masks along a draft path -----------------------------------------------------------
+    def allowed(self, generated: list[int], path: list[int], offset: int, G: int) -> torch.Tensor:
+        """(G, V) bool: the tokens the grammar allows at positions g = 0..G-1, position g
+        following `generated` + `path[: offset + g]`; positions after a refused or stop path
+        token, or past the path (a shorter row's padding), are all True (nothing sampled there
+        is committed)."""
+        import llguidance.torch as lt
+        import time
+
+        t0 = time.perf_counter()
+        self.sync(generated)
+        m = self.matcher
+        bits = torch.full((G, self._words), -1, dtype=torch.int32)  # (G, W): all allowed
+        steps = 0
+        ok = not m.is_error()
+        for i in range(offset):
+            if not ok or i >= len(path) or path[i] in self.stop_ids or not m.consume_token(path[i]):
+                ok = False
+                break
+            steps += 1
+        for g in range(G):
+            if not ok:
+                break
+            lt.fill_next_token_bitmask(m, bits, g)
+            if g + 1 < G:
+                if offset + g >= len(path):
+                    break  # padding positions of a shorter row
+                t = path[offset + g]
+                if t in self.stop_ids or m.validate_tokens([t]) != 1:
+                    break
+                m.consume_token(t)
+                steps += 1
+        if steps:
+            m.rollback(steps)
+        self.mask_seconds += time.perf_counter() - t0
+        self.masks_computed += G
+        return unpack_bitmask(bits, self.vocab)  # (G, V)
+
+    def valid_prefix(self, generated: list[int], tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar accepts after `generated` (a stop token counts
+        when the grammar may end there)."""
+        self.sync(generated)
+        if self.matcher.is_error():
+            return 0
+        return self.matcher.validate_tokens(list(tokens))
+
+    def forced_tokens(self, generated: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces after `generated`: at each, the mask allows
+        exactly one token and it is not a stop token (a stop token is left to the model: it
+        ends the row, min_tokens may mask it)."""
+        import llguidance.torch as lt
+
+        self.sync(generated)
+        m = self.matcher
+        out: list[int] = []
+        bits = torch.empty((1, self._words), dtype=torch.int32)
+        while len(out) < limit and not m.is_error() and not m.is_stopped():
+            lt.fill_next_token_bitmask(m, bits, 0)
+            nz = bits[0].nonzero()
+            if nz.shape[0] != 1:
+                break
+            w = int(nz[0, 0])
+            word = int(bits[0, w]) & 0xFFFFFFFF
+            if word & (word - 1):
+                break  # more than one bit
+            t = w * 32 + word.bit_length() - 1
+            if t >= self.vocab or t in self.stop_ids or not m.consume_token(t):
+                break
+            out.append(t)
+        if out:
+            m.rollback(len(out))
+        return out

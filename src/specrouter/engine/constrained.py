@@ -1,0 +1,57 @@
+"""The engine's side of grammar-constrained rows (decoding/grammar.py): a row's matcher is
+built at admission, and before every step each constrained row
+
+1. a complete grammar allows only the end of text: the pool's EOS tokens are stop tokens of a
+   constrained row even with ignore_eos (the row ends when the model samples one, as in plain
+   decoding; a pool without EOS ends the row with "stop" as soon as the grammar is complete);
+2. ends with finish_reason "grammar" and `seq.error` saying why when its grammar reached a dead
+   end (no token can continue it: a refused token or an empty mask);
+3. commits the tokens its grammar forces, without any forward ("jump forward"): where the mask
+   allows exactly one token, the target's masked distribution is one-hot, so greedy and
+   sampled plain decoding both produce it. The models see them as pending tokens at their next
+   forward (the state manager's catch-up); the row's next cycle starts after them.
+"""
+
+from __future__ import annotations
+
+from specrouter.decoding.grammar import GrammarSpec, RowGrammar, check_grammar
+from specrouter.models.pool import Pool
+from specrouter.state.sequence import Sequence
+
+DEAD_END = "grammar"  # finish_reason of a row whose grammar allows no continuation
+
+
+def check_spec(pool: Pool, spec: GrammarSpec) -> None:
+    """GrammarError (a SamplingParamsError) naming the problem when `spec` does not compile."""
+    check_grammar(spec, pool.tokenizer, tuple(pool.eos_ids), pool.vocab_width)
+
+
+def attach(pool: Pool, seq: Sequence) -> None:
+    """Give a constrained row its matcher (at its empty generated output)."""
+    spec = seq.params.grammar
+    if spec is not None:
+        seq.stop_ids = seq.stop_ids | frozenset(pool.eos_ids)  # step 1: a complete grammar ends the row
+        seq.grammar = RowGrammar(spec, pool.tokenizer, tuple(pool.eos_ids), pool.vocab_width, seq.stop_ids)
+
+
+def before_step(rows: list[Sequence], eos_ids: tuple[int, ...], jump_forward: bool = True) -> None:
+    """Steps 1-3 of the module docstring for the constrained `rows` (others untouched); a row
+    that ends is marked done (the engine collects it)."""
+    eos = frozenset(eos_ids)
+    for seq in rows:
+        g = seq.grammar
+        if g is None or seq.done:
+            continue
+        generated = seq.output_ids
+        g.sync(generated)
+        if g.dead_end or (not g.finished and not g.allowed(generated, [], 0, 1).any()):
+            seq.done, seq.finish_reason = True, DEAD_END
+            seq.error = f"the grammar allows no continuation: {g.error() or 'no token is allowed'}"
+            continue
+        if g.finished and not (seq.stop_ids & eos):
+            seq.done, seq.finish_reason = True, "stop"
+            continue
+        if jump_forward and seq.params.allowed_token_ids is None and seq.remaining > 1:
+            forced = g.forced_tokens(generated, seq.remaining - 1)  # leave >= 1 for the cycle
+            if forced:
+                seq.append(forced)
