@@ -215,3 +215,22 @@ class QuietRouterHooks:
 
     def mark_failed(self, model):
         pass
+
+
+def make_near_tie_pool(root: str | Path, *, max_position_embeddings: int) -> dict[str, Path]:
+    """float32 checkpoints whose target logits sit close together (its head scaled by 0.05: near
+    ties, so one differing bit flips an argmax), with a mid and a draft initialised from it."""
+    from safetensors.torch import load_file, save_file
+
+    root = Path(root)
+    kw = dict(hidden_size=64, num_layers=3, tie_word_embeddings=False, max_position_embeddings=max_position_embeddings)
+    target = make_tiny_llama(root / "target", seed=1, **kw)
+    f = target / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 0.05
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return {
+        "target": target,
+        "mid": make_tiny_llama(root / "mid", seed=2, init_from=target, noise=0.1, **kw),
+        "draft": make_tiny_llama(root / "draft", seed=3, init_from=target, noise=0.4, **kw),
+    }

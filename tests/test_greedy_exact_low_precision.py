@@ -27,21 +27,14 @@ CHAINS = [
 @pytest.fixture(scope="module")
 def flat_pool(tmp_path_factory):
     """The conftest pool's shapes, with heads scaled to near-tie logits (float32 checkpoints)."""
-    from fixtures import make_tiny_llama
+    from fixtures import make_near_tie_pool, make_tiny_llama
 
     root = tmp_path_factory.mktemp("flatpool")
+    dirs = make_near_tie_pool(root, max_position_embeddings=256)
+    target = dirs["target"]
     kw = dict(hidden_size=64, num_layers=3, tie_word_embeddings=False, max_position_embeddings=256)
-    target = make_tiny_llama(root / "target", seed=1, **kw)
-    from safetensors.torch import load_file, save_file
-
-    f = target / "model.safetensors"
-    tensors = load_file(str(f))
-    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 0.05
-    save_file(tensors, str(f), metadata={"format": "pt"})
     return {
-        "target": target,
-        "mid": make_tiny_llama(root / "mid", seed=2, init_from=target, noise=0.1, **kw),
-        "draft": make_tiny_llama(root / "draft", seed=3, init_from=target, noise=0.4, **kw),
+        **dirs,
         "same": make_tiny_llama(root / "same", seed=4, init_from=target, noise=0.0, **kw),
         "random": make_tiny_llama(root / "random", hidden_size=32, num_layers=1, num_heads=2,
                                   num_kv_heads=1, seed=5, tie_word_embeddings=False),

@@ -28,21 +28,9 @@ CHAINS = [("target",), ("draft", "target"), ("ngram", "target"), ("draft", "mid"
 def flat_dirs(tmp_path_factory):
     """float32 checkpoints whose target logits sit close together (near-ties: one differing
     bit flips an argmax), as in test_greedy_exact_low_precision.py."""
-    from fixtures import make_tiny_llama
-    from safetensors.torch import load_file, save_file
+    from fixtures import make_near_tie_pool
 
-    root = tmp_path_factory.mktemp("prefixpool")
-    kw = dict(hidden_size=64, num_layers=3, tie_word_embeddings=False, max_position_embeddings=512)
-    target = make_tiny_llama(root / "target", seed=1, **kw)
-    f = target / "model.safetensors"
-    tensors = load_file(str(f))
-    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 0.05
-    save_file(tensors, str(f), metadata={"format": "pt"})
-    return {
-        "target": target,
-        "mid": make_tiny_llama(root / "mid", seed=2, init_from=target, noise=0.1, **kw),
-        "draft": make_tiny_llama(root / "draft", seed=3, init_from=target, noise=0.4, **kw),
-    }
+    return make_near_tie_pool(tmp_path_factory.mktemp("prefixpool"), max_position_embeddings=512)
 
 
 def load(dirs, dtype):
