@@ -38,9 +38,15 @@ class ForwardBatch:
             return self
         import dataclasses
 
-        move = {n: getattr(self, n).to(device, non_blocking=True)
-                for n in ("slots", "starts", "tokens", "num_tokens", "logit_positions")}
-        return dataclasses.replace(self, **move)
+        names = ("slots", "starts", "tokens", "num_tokens", "logit_positions")
+        parts = [getattr(self, n) for n in names]
+        if any(p.device != parts[0].device for p in parts):
+            return dataclasses.replace(self, **{n: p.to(device, non_blocking=True) for n, p in zip(names, parts)})
+        # one host-to-device copy for the five small tensors, not five (each copy is a launch and
+        # a driver call: on a GPU they cost more than a graphed step of a small model)
+        flat = torch.cat([p.reshape(-1) for p in parts]).to(device, non_blocking=True)
+        views = torch.split(flat, [p.numel() for p in parts])
+        return dataclasses.replace(self, **{n: v.view(p.shape) for n, v, p in zip(names, views, parts)})
 
     @staticmethod
     def build(

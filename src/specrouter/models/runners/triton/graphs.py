@@ -44,6 +44,7 @@ class GraphedRunner:
         self._graphs: dict[tuple[int, int], tuple[object, ForwardBatch, torch.Tensor]] = {}
         self._cache_ptr = None  # the cache the graphs were captured on
         self._mempool = None
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}  # a bucket's packed static inputs
         self.pad_slot: int | None = None
         self.replays = 0  # forwards served from a bucket (tests, the GPU check)
 
@@ -69,31 +70,55 @@ class GraphedRunner:
         return True
 
     def _static(self, B: int, T: int) -> ForwardBatch:
+        """A bucket's static inputs: views into ONE device buffer (slots, starts, num_tokens,
+        tokens, logit_positions), so a batch reaches them in one host-to-device copy."""
         dev, pad = self.runner.device, self.pad_slot
+        buf = torch.zeros(3 * B + 2 * B * T, dtype=torch.long, device=dev)  # (3B + 2BT,)
+        buf[:B] = pad
+        buf[2 * B : 3 * B] = T
+        self._buffers[(B, T)] = buf
         return ForwardBatch(
-            slots=torch.full((B,), pad, dtype=torch.long, device=dev),
-            starts=torch.zeros(B, dtype=torch.long, device=dev),
-            tokens=torch.zeros(B, T, dtype=torch.long, device=dev),
-            num_tokens=torch.ones(B, dtype=torch.long, device=dev),
-            logit_positions=torch.zeros(B, T, dtype=torch.long, device=dev),
+            slots=buf[:B], starts=buf[B : 2 * B], num_tokens=buf[2 * B : 3 * B],
+            tokens=buf[3 * B : 3 * B + B * T].view(B, T),
+            logit_positions=buf[3 * B + B * T :].view(B, T),
             # mirrors for the capture's checks only: every row at position 0 with T tokens
             slots_list=[pad] * B, starts_list=[0] * B, num_tokens_list=[T] * B,
         )
 
-    def _fill(self, static: ForwardBatch, batch: ForwardBatch) -> None:
-        """Copy `batch` into the bucket's static inputs; padding rows run one token at position 0
-        of the pad slot (this wrapper's own), so they write and read nothing that is kept."""
+    def _packed(self, batch: ForwardBatch, B2: int, T2: int) -> torch.Tensor:
+        """`batch` laid out as a (B2, T2) bucket's buffer, built on the host (tiny CPU ops):
+        padding rows run one token at position 0 of the pad slot (this wrapper's own), so they
+        write and read nothing that is kept; padding tokens and positions are 0."""
         B, T = batch.tokens.shape
         G = batch.logit_positions.shape[1]
+        host = torch.zeros(3 * B2 + 2 * B2 * T2, dtype=torch.long)
+        host[:B2] = self.pad_slot
+        host[:B] = batch.slots
+        host[B2 : B2 + B] = batch.starts
+        host[2 * B2 : 3 * B2] = 1
+        host[2 * B2 : 2 * B2 + B] = batch.num_tokens
+        host[3 * B2 : 3 * B2 + B2 * T2].view(B2, T2)[:B, :T] = batch.tokens
+        host[3 * B2 + B2 * T2 :].view(B2, T2)[:B, :G] = batch.logit_positions
+        return host
+
+    def _fill(self, static: ForwardBatch, batch: ForwardBatch) -> None:
+        """Copy `batch` into the bucket's static inputs: one host-to-device copy (a batch built
+        on the host, as the engine builds them), else device-side copies."""
+        B2, T2 = static.tokens.shape
+        buf = self._buffers[(B2, T2)]  # (3 B2 + 2 B2 T2,): the bucket's whole input
+        if batch.tokens.device.type == "cpu":
+            buf.copy_(self._packed(batch, B2, T2), non_blocking=True)
+            return
+        batch = batch.to(self.runner.device)
+        B, T = batch.tokens.shape
+        G = batch.logit_positions.shape[1]
+        buf.zero_()
         static.slots.fill_(self.pad_slot)
         static.slots[:B].copy_(batch.slots)
-        static.starts.zero_()
         static.starts[:B].copy_(batch.starts)
-        static.tokens.zero_()
-        static.tokens[:B, :T].copy_(batch.tokens)
         static.num_tokens.fill_(1)
         static.num_tokens[:B].copy_(batch.num_tokens)
-        static.logit_positions.zero_()
+        static.tokens[:B, :T].copy_(batch.tokens)
         static.logit_positions[:B, :G].copy_(batch.logit_positions)
 
     def _graph(self, bucket: tuple[int, int]):
@@ -127,7 +152,7 @@ class GraphedRunner:
         if bucket is None or too_long or not self._refresh():
             return runner.forward(batch)  # eager (the runner raises for a row past max_len)
         graph, static, out = self._graph(bucket)
-        self._fill(static, batch.to(runner.device))
+        self._fill(static, batch)
         if graph is None:
             out = runner.forward(static)
         else:
