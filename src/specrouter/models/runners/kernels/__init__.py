@@ -1,7 +1,8 @@
 """The native CPU kernels, compiled on first use and cached: the runner's row-invariant ops
 (rowinv.cpp: `linear` (AVX2), `rope_attention`, `rms_norm`, `silu_mul`; linear512.cpp:
 `linear512`, the AVX-512 and AVX-512-BF16 linears) and the sampling noise
-(noise.cpp: `coupled_argmax`, decoding/noise.py's lazy Gumbel-max in one call).
+(noise.cpp: `coupled_argmax`, decoding/noise.py's lazy Gumbel-max in one call); bf16.h holds
+the bfloat16 widening and rounding both linears and the other ops share.
 
 `rowinv()` returns `torch.ops.specrouter_rowinv` (all of those ops) or None where
 they cannot run: a CPU without AVX2/FMA, no C++ compiler, a torch without the extension
@@ -26,6 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(f) for f in ("rowinv.cpp", "linear512.cpp", "noise.cpp")]
+HEADERS = [Path(__file__).with_name("bf16.h")]  # included by rowinv.cpp and linear512.cpp
 ENV = "SPECROUTER_KERNELS"  # a path of PATHS: force it ("torch": never build or use the native kernels)
 # the kernel paths, fastest first, and the CPU flags (Linux's names) each needs; the native
 # ops other than the linear (attention, norms, silu) are AVX2 + FMA on every native path
@@ -126,7 +128,7 @@ def rowinv():
         # one build folder per source, flags and checkout: torch's builder re-runs ninja in
         # every new process, and ninja rebuilds when the source paths change, so two checkouts
         # sharing a folder would rebuild over each other (and wait on each other's lock)
-        digest = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()
+        digest = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(FLAGS).encode()
                               + str(SOURCES[0].resolve().parent).encode()).hexdigest()[:12]
         name = f"specrouter_rowinv_{digest}"
         build = Path(_get_build_directory(name, verbose=False))

@@ -26,33 +26,16 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
+
 namespace {
 
-using bf16 = uint16_t;
-#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-#define T512BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+using namespace specrouter_bf16;  // bf16, load16, store16 (bf16.h)
 
 constexpr int64_t TILE = 32, ROWS = 12;  // 2 x 16 output lanes; <= 24 accumulators in registers
 
-// 16 values of an output row, masked: float32 as is, bfloat16 widened exactly
-T512 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-T512 inline __m512 load16(const bf16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-T512 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-// bfloat16: rounded to nearest even, NaN kept quiet, lane by lane as rowinv.cpp's store() rounds
-T512 inline void store16(bf16* p, __m512 v, __mmask16 m) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rne = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rne, quiet)));
-}
-
 // acc (R, TILE) float32 of rows n0.. and outputs o0.. -> y: + bias, then residual +, one rounding
-// (rowinv.cpp's store()), 16 outputs at a time
+// (bf16.h's store16, lane by lane the scalar store()), 16 outputs at a time
 template <typename T>
 T512 void finish16(const float* acc, int R, int64_t n0, int64_t o0, int64_t O, const T* bias,
                    const T* residual, T* y) {

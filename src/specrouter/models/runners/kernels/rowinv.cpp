@@ -28,6 +28,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16.h"
+
 namespace specrouter {  // linear512.cpp
 at::Tensor linear512(const at::Tensor& x, const at::Tensor& weight, int64_t O, const std::optional<at::Tensor>& bias,
                      const std::optional<at::Tensor>& residual, bool dp);
@@ -35,49 +37,7 @@ at::Tensor linear512(const at::Tensor& x, const at::Tensor& weight, int64_t O, c
 
 namespace {
 
-using bf16 = uint16_t;
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float to_f(float v) { return v; }
-inline float to_f(bf16 v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline void store(float* p, float v) { *p = v; }
-inline void store(bf16* p, float v) {  // round to nearest even, NaN kept quiet
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *p = static_cast<bf16>((u >> 16) | 0x40);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = static_cast<bf16>(u >> 16);
-}
-
-// 8 float32 -> their bfloat16 bits in the low half of each 32-bit lane, rounded as `store`
-// rounds (nearest even, NaN kept quiet), lane by lane
-inline __m256i bf16_bits8(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                         _mm256_set1_epi32(0x7f800000));
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rne = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  return _mm256_blendv_epi8(rne, quiet, nan);
-}
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(bf16* p, __m256 v) {
-  const __m256i b = bf16_bits8(v);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
-}
+using namespace specrouter_bf16;  // bf16, to_f, store, load8, store8 (bf16.h)
 
 // fixed-order horizontal sum of 8 lanes: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two
 inline float hsum(__m256 v) {
