@@ -30,6 +30,12 @@ class ForwardBatch:
     slots_list: list[int]
     starts_list: list[int]
     num_tokens_list: list[int]
+    # a token tree (runners whose `supports_trees`): (B, T) int64, each new token's parent among
+    # its row's new tokens (< its own index; -1: a child of the cached prefix); None: every row
+    # is a chain (parents t - 1). A node's RoPE position is start + its depth, it is cached at
+    # start + its index, and it attends the prefix and its own ancestors: its logits are those
+    # of sequential decoding of its path (docs/trees.md)
+    parents: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "ForwardBatch":
         """The batch with its tensors on `device` (itself when they are there): host-to-device
@@ -38,11 +44,12 @@ class ForwardBatch:
             return self
         import dataclasses
 
-        names = ("slots", "starts", "tokens", "num_tokens", "logit_positions")
+        names = ("slots", "starts", "tokens", "num_tokens", "logit_positions") + (
+            ("parents",) if self.parents is not None else ())
         parts = [getattr(self, n) for n in names]
-        if any(p.device != parts[0].device for p in parts):
+        if any(p.device != parts[0].device or p.dtype != parts[0].dtype for p in parts):
             return dataclasses.replace(self, **{n: p.to(device, non_blocking=True) for n, p in zip(names, parts)})
-        # one host-to-device copy for the five small tensors, not five (each copy is a launch and
+        # one host-to-device copy for the small tensors, not one each (each copy is a launch and
         # a driver call: on a GPU they cost more than a graphed step of a small model)
         flat = torch.cat([p.reshape(-1) for p in parts]).to(device, non_blocking=True)
         views = torch.split(flat, [p.numel() for p in parts])
@@ -55,9 +62,11 @@ class ForwardBatch:
         new_tokens: list[list[int]],
         logit_positions: list[list[int]],
         device: torch.device | str = "cpu",
+        parents: list[list[int]] | None = None,
     ) -> "ForwardBatch":
         """Pad ragged Python lists into a batch. `logit_positions[b]` may be shorter than the
-        longest; it is padded by repeating its last index."""
+        longest; it is padded by repeating its last index. `parents[b]` (one per new token):
+        a token tree (see `ForwardBatch.parents`)."""
         B = len(slots)
         assert B == len(starts) == len(new_tokens) == len(logit_positions) and B > 0
         num = [len(t) for t in new_tokens]
@@ -74,6 +83,7 @@ class ForwardBatch:
             slots_list=list(slots),
             starts_list=list(starts),
             num_tokens_list=num,
+            parents=None if parents is None else _pad(parents, num, -1).to(device),
         )
 
 
@@ -109,6 +119,8 @@ class ModelRunner(ABC):
     # a ragged forward costs its valid tokens (packed), not rows x the widest row (padded): the
     # cost of a forward is then a function of the mean width, which the router predicts from
     packs_ragged: bool = False
+    # runs token trees (`ForwardBatch.parents`) and moves an accepted branch (`move_kv`)
+    supports_trees: bool = False
 
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -145,6 +157,13 @@ class ModelRunner(ABC):
     def kv_bytes_per_position(self) -> int:
         """Bytes of cache one position of one slot holds (0 when unknown, e.g. grown on demand)."""
         return 0
+
+    def move_kv(self, slot: int, start: int, nodes: list[int]) -> None:
+        """After a token tree's verification: the KV of the nodes cached at `start + nodes[i]`
+        (an accepted branch, root first, increasing indices) moves to `start + i`, so the branch
+        sits at contiguous positions like a chain's; what else the tree left past it is garbage
+        (overwritten by the next forward). Runners that run trees implement it."""
+        raise NotImplementedError(f"model {self.name!r} runs no token trees")
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the KV of positions [0, length) of slot `src` into slot `dst` (a prefix cache

@@ -271,6 +271,7 @@ class LlamaRunner(ModelRunner):
                   and self.device.type == "cpu")
         self._ops = rowinv() if native else None
         self.packs_ragged = self._ops is not None  # _forward_native packs ragged batches
+        self.supports_trees = not self._gpu  # token trees on the native kernels and torch's
         # every linear on the path's native kernel with the other native ops, else on torch's
         self._kernel = (TRITON if self._gpu
                         else kernel_for(dtype, self.device, None if kernels == "native" else kernels)
@@ -395,6 +396,15 @@ class LlamaRunner(ModelRunner):
     def kv_bytes_per_position(self) -> int:
         a = self.arch
         return 2 * a.num_layers * a.num_kv_heads * a.head_dim * self._k[0].element_size()
+
+    def move_kv(self, slot: int, start: int, nodes: list[int]) -> None:
+        if nodes == list(range(len(nodes))):  # the branch is where it belongs already
+            return
+        dst = torch.arange(start, start + len(nodes), device=self.device)
+        src = torch.tensor(nodes, dtype=torch.long, device=self.device) + start
+        for kc, vc in zip(self._k, self._v):  # (S, KV, P, D) each; the gather reads before it writes
+            kc[slot, :, dst] = kc[slot, :, src]
+            vc[slot, :, dst] = vc[slot, :, src]
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         for kc, vc in zip(self._k, self._v):  # (S, KV, P, D) each
@@ -534,13 +544,16 @@ class LlamaRunner(ModelRunner):
         if self._ops is not None:  # the native kernels index slots and positions themselves
             return self._hidden_native(batch, B, T, nh, D, inputs)
         if self._gpu:  # the batch-invariant Triton kernels, tensor-driven (CUDA-graph safe)
+            if batch.parents is not None:
+                raise NotImplementedError(f"model {self.name!r}: token trees do not run on the GPU path")
             from specrouter.models.runners.triton.forward import hidden
 
             return hidden(self, batch, inputs)
         s0 = slots[0]
         contiguous = slots == list(range(s0, s0 + B))
         start = starts[0]
-        uniform = contiguous and all(s == start for s in starts) and all(n == T for n in nums)
+        uniform = (contiguous and all(s == start for s in starts) and all(n == T for n in nums)
+                   and batch.parents is None)
         norm, H, inter, slots_t = self._norm, a.hidden_size, a.intermediate_size, batch.slots
         ar = self._arange
         Lp = padded_length(L)  # keys attended, in whole chunks: [0, Lp), masked past each query
@@ -554,6 +567,14 @@ class LlamaRunner(ModelRunner):
             cos, sin = self._cos[pos].unsqueeze(2), self._sin[pos].unsqueeze(2)  # (B, T, 1, D)
             slot_idx = batch.slots[:, None].expand(B, T)
             mask = (ar[:Lp] <= pos.repeat(1, groups)[..., None]).unsqueeze(1)  # (B, 1, groups*T, Lp)
+        tree = None
+        if batch.parents is not None:  # each node attends its own keys (tree_keys): its own GEMMs
+            tree = tree_keys(batch, self.max_len, Lp)
+            pos, kidx, mask = tree  # (B, T) RoPE positions, (B*T, Lp) key positions, (B*T, 1, groups, Lp)
+            cos, sin = self._cos[pos].unsqueeze(2), self._sin[pos].unsqueeze(2)  # (B, T, 1, D)
+            pos = torch.where(ar[:T] < batch.num_tokens[:, None], batch.starts[:, None] + ar[:T], self.max_len)
+            mask = mask.expand(B * T, 1, groups, Lp)
+            kslot = batch.slots.repeat_interleave(T)[:, None]  # (B*T, 1)
         blocked = blocked_keys(mask)  # once per forward, not per layer
 
         # (N, H), N = B*T: 2-D so linears are one mm
@@ -570,6 +591,15 @@ class LlamaRunner(ModelRunner):
             else:
                 kw.index_put_((slot_idx, pos), k)
                 vw.index_put_((slot_idx, pos), v)
+            if tree is not None:  # per node (B*T, nkv, Lp, D): the prefix, then its ancestors
+                keys = kw[kslot, kidx].permute(0, 2, 1, 3).contiguous()
+                values = vw[kslot, kidx].permute(0, 2, 1, 3).contiguous()
+                q = qk[:, :, :nh].reshape(B * T, nkv, groups, D)  # head h = kv * groups + g
+                o = attention(q, keys, values, blocked).reshape(B * T, nh * D)  # (B*T, nkv, groups, D)
+                x = linear_add(x, o, w_o)
+                gu = linear(norm(x, ln2), w_gu)  # (N, 2I)
+                x = linear_add(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
+                continue
             if contiguous:
                 keys, values = kc.narrow(0, s0, B).narrow(2, 0, Lp), vc.narrow(0, s0, B).narrow(2, 0, Lp)
             else:
@@ -613,13 +643,14 @@ class LlamaRunner(ModelRunner):
         if self._fused is not None and FUSED_STACK:  # the loop below in one native call: the same bits
             params, outs, kernel = self._fused
             x = ops.decoder_layers(x, params, outs, kernel, self._k, self._v, B, T, nh, D, self.arch.rms_norm_eps,
-                                   cos, sin, slots, starts, nums, valid)
+                                   cos, sin, slots, starts, nums, valid, batch.parents)
             return x, valid  # (N, H)
         for (ln1, w_qkv, w_o, ln2, w_gu, w_down), kc, vc in zip(self._layers, self._k, self._v):
             qkv = linear(norm(x, ln1), w_qkv)  # (N, (nh + 2 nkv) D)
             if valid is not None:  # padding tokens: zeros, neither written nor attended
                 qkv = qkv.new_zeros(B * T, qkv.shape[1]).index_copy_(0, valid, qkv)
-            o = rope_attention(qkv.view(B, T, -1, D), nh, cos, sin, kc, vc, slots, starts, nums)  # (B, T, nh, D)
+            o = rope_attention(qkv.view(B, T, -1, D), nh, cos, sin, kc, vc, slots, starts, nums,
+                               batch.parents)  # (B, T, nh, D)
             o = o.view(B * T, nh * D)
             if valid is not None:
                 o = o.index_select(0, valid)  # (N, nh D)
@@ -649,6 +680,35 @@ class LlamaRunner(ModelRunner):
             x = torch.gather(x, 1, batch.logit_positions[:, :, None].expand(B, G, H))  # (B, G, H)
         logits = self._logits_fn(norm(x, self._final_norm))  # (B, G, vocab)
         return logits.to(self._logits_dtype)
+
+
+def tree_keys(batch: ForwardBatch, scratch: int, Lp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A token tree on torch's kernels: (RoPE positions (B, T): start + depth, padding at the
+    `scratch` position; key positions (B*T, Lp): [0, start), then the node's ancestors and
+    itself as cached (start + index), in depth order; mask (B*T, 1, 1, Lp): True where the node
+    attends). Each node then attends its own gathered keys, the keys of sequential decoding
+    of its path in the order it reads them."""
+    B, T = batch.tokens.shape
+    parents, starts, nums = batch.parents.tolist(), batch.starts_list, batch.num_tokens_list
+    pos = [[scratch] * T for _ in range(B)]
+    kidx = torch.zeros(B * T, Lp, dtype=torch.long)
+    depth_of = torch.zeros(B * T, dtype=torch.long)
+    for b in range(B):
+        paths: list[list[int]] = []
+        for t in range(nums[b]):
+            par = parents[b][t]
+            if not -1 <= par < t:
+                raise ValueError(f"row {b} token {t}: parent {par} is not an earlier token")
+            path = (paths[par] if par >= 0 else []) + [t]
+            paths.append(path)
+            s = starts[b]
+            pos[b][t] = s + len(path) - 1
+            depth_of[b * T + t] = s + len(path) - 1
+            kidx[b * T + t, :s] = torch.arange(s)
+            kidx[b * T + t, s : s + len(path)] = torch.tensor(path) + s
+    dev = batch.tokens.device
+    mask = torch.arange(Lp)[None, :] <= depth_of[:, None]  # (B*T, Lp); padding tokens: key 0
+    return (torch.tensor(pos, dtype=torch.long, device=dev), kidx.to(dev), mask[:, None, None, :].to(dev))
 
 
 def _check_gpu_path(dtype: torch.dtype, device: torch.device) -> None:

@@ -13,7 +13,8 @@
 //   outputs x up to 3 rows (12 accumulators), so one weight load serves 3 rows.
 //   Memory-bound for 1 row (the weight bytes are the cost).
 // rope_attention: RoPE of q and k, the write of k and v into the slot cache, and for each
-//   (row, head, query) its own softmax over keys [0, pos] in order, float32 throughout.
+//   (row, head, query) its own softmax over keys [0, pos] in order, float32 throughout; with
+//   `parents` (a token tree), over the prefix and the query's ancestors, in position order.
 // rms_norm, silu_mul: per row, float32 inside.
 
 #include <ATen/ATen.h>
@@ -269,6 +270,34 @@ inline void weighted_values(const float* p, const T* values, int64_t L, int64_t 
   }
 }
 
+// weighted_values over value rows given by pointer (a token tree's keys: the prefix, then the
+// query's ancestors): the same instructions in the same order as weighted_values on rows laid
+// side by side, so the same bits
+template <int NB>
+inline void pv_blocks_rows(const float* p, const float* const* rows, int64_t L, int64_t d0, float* acc) {
+  __m256 a[NB];
+  for (int b = 0; b < NB; ++b) a[b] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = rows[j] + d0;
+    for (int b = 0; b < NB; ++b) a[b] = _mm256_fmadd_ps(pj, load8(vj + 8 * b), a[b]);
+  }
+  for (int b = 0; b < NB; ++b) _mm256_storeu_ps(acc + d0 + 8 * b, a[b]);
+}
+
+inline void weighted_values_rows(const float* p, const float* const* rows, int64_t L, int64_t D, float* acc) {
+  const int64_t d8 = D / 8 * 8;
+  int64_t d0 = 0;
+  for (; d0 + 64 <= d8; d0 += 64) pv_blocks_rows<8>(p, rows, L, d0, acc);
+  for (; d0 + 32 <= d8; d0 += 32) pv_blocks_rows<4>(p, rows, L, d0, acc);
+  for (; d0 < d8; d0 += 8) pv_blocks_rows<1>(p, rows, L, d0, acc);
+  for (int64_t d = d8; d < D; ++d) {  // the D % 8 tail
+    float a = 0.f;
+    for (int64_t j = 0; j < L; ++j) a = std::fma(p[j], rows[j][d], a);
+    acc[d] = a;
+  }
+}
+
 template <typename T>
 inline void load_f(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
@@ -322,17 +351,18 @@ inline void rope_head(const float* x, const float* cos, const float* sin, int64_
 template <typename T>
 void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_t nkv, int64_t D,
                          const float* cos, const float* sin, T* kc, T* vc, int64_t P,
-                         const int64_t* slots, const int64_t* starts, const int64_t* nums, T* out) {
+                         const int64_t* slots, const int64_t* starts, const int64_t* nums, T* out,
+                         const int64_t* depth = nullptr, const int64_t* path = nullptr) {
   const int64_t heads = nh + 2 * nkv, groups = nh / nkv;
   at::parallel_for(0, B * Tq, 16, [&](int64_t i0, int64_t i1) {
     std::vector<float> x(D), r(D);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / Tq, t = i % Tq;
       if (t >= nums[b]) continue;
-      const int64_t pos = starts[b] + t;
+      const int64_t pos = starts[b] + (depth ? depth[i] : t);  // a tree node: RoPE at its depth
       const T* tok = qkv + i * heads * D;
       for (int64_t h = 0; h < nkv; ++h) {
-        const int64_t at = ((slots[b] * nkv + h) * P + pos) * D;
+        const int64_t at = ((slots[b] * nkv + h) * P + starts[b] + t) * D;  // stored at its index
         load_f(tok + (nh + h) * D, x.data(), D);
         rope_head(x.data(), cos + pos * D, sin + pos * D, D, r.data());
         for (int64_t d = 0; d < D; ++d) store(&kc[at + d], r[d]);
@@ -347,6 +377,7 @@ void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_
   const int64_t rows_per_kv = groups * Tq, chunks = (rows_per_kv + QCHUNK - 1) / QCHUNK;
   at::parallel_for(0, B * nkv * chunks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p(max_len), x(D), q(D), acc(D), kf, vf;
+    std::vector<const float*> vrows(depth ? max_len : 0);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t c = item % chunks, kv = (item / chunks) % nkv, b = item / (chunks * nkv);
       const int64_t r0 = c * QCHUNK, r1 = std::min(rows_per_kv, r0 + QCHUNK);
@@ -370,18 +401,29 @@ void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_
           for (int64_t d = 0; d < D; ++d) store(&o[d], 0.f);
           continue;
         }
-        const int64_t pos = starts[b] + t, L = pos + 1;
+        const int64_t pos = starts[b] + (depth ? depth[b * Tq + t] : t), L = pos + 1;
+        // keys in position order: [0, start) of the cache, then (a tree) the query's ancestors
+        // and itself, stored at start + their node index; a chain: start + t for depth t
+        const int64_t Lk = depth ? starts[b] : L;  // keys read side by side
         load_f(qkv + ((b * Tq + t) * heads + h) * D, x.data(), D);
         rope_head(x.data(), cos + pos * D, sin + pos * D, D, q.data());
         int64_t j = 0;
         if (D % 8 == 0)
-          for (; j + 4 <= L; j += 4) dot_q4(q.data(), keys + j * D, D, &p[j]);
-        for (; j < L; ++j) p[j] = dot_q(q.data(), keys + j * D, D);
+          for (; j + 4 <= Lk; j += 4) dot_q4(q.data(), keys + j * D, D, &p[j]);
+        for (; j < Lk; ++j) p[j] = dot_q(q.data(), keys + j * D, D);
+        const int64_t* anc = depth ? path + (b * Tq + t) * Tq : nullptr;  // node indices, root first
+        for (; j < L; ++j) p[j] = dot_q(q.data(), keys + (starts[b] + anc[j - Lk]) * D, D);
         const float m = max_n(p.data(), L);
         for (j = 0; j < L; ++j) p[j] -= m;
         exp_n(p.data(), L);
         const float sum = sum_n(p.data(), L);
-        weighted_values(p.data(), values, L, D, acc.data());
+        if (depth) {
+          for (j = 0; j < Lk; ++j) vrows[j] = values + j * D;
+          for (; j < L; ++j) vrows[j] = values + (starts[b] + anc[j - Lk]) * D;
+          weighted_values_rows(p.data(), vrows.data(), L, D, acc.data());
+        } else {
+          weighted_values(p.data(), values, L, D, acc.data());
+        }
         const float inv = 1.f / sum;
         for (int64_t d = 0; d < D; ++d) store(&o[d], acc[d] * inv);
       }
@@ -399,7 +441,8 @@ T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 // slots[b]; tokens t >= nums[b] are padding: not written, zero output.
 at::Tensor rope_attention(const at::Tensor& qkv, int64_t num_heads, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& nums) {
+                          const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& nums,
+                          const std::optional<at::Tensor>& parents) {
   TORCH_CHECK(qkv.dim() == 4 && k_cache.dim() == 4, "qkv is (B, T, heads, D), the caches (S, nkv, P, D)");
   const auto dt = qkv.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rope_attention: float32 or bfloat16, got ", dt);
@@ -424,14 +467,35 @@ at::Tensor rope_attention(const at::Tensor& qkv, int64_t num_heads, const at::Te
     TORCH_CHECK(np[b] <= Tq && tp[b] >= 0 && tp[b] + np[b] <= std::min(P, cos.size(0)),
                 "row ", b, " reaches past the cache");
   }
+  // a token tree: parents (B, T) int64, each valid token's parent among the row's new tokens
+  // (< its own index), -1 for a child of the cached prefix. Node t sits at RoPE position
+  // start + depth(t) and attends [0, start) plus its ancestors and itself in depth order: the
+  // keys, positions and order of sequential decoding of its path (a chain: parents t - 1)
+  std::vector<int64_t> depth, path;
+  if (parents.has_value() && parents->defined()) {
+    auto pa = parents->to(at::kLong).contiguous();
+    TORCH_CHECK(pa.dim() == 2 && pa.size(0) == B && pa.size(1) == Tq, "parents: (B, T)");
+    const int64_t* pp = pa.data_ptr<int64_t>();
+    depth.assign(B * Tq, 0), path.assign(B * Tq * Tq, 0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < np[b]; ++t) {
+        const int64_t i = b * Tq + t, par = pp[i];
+        TORCH_CHECK(par >= -1 && par < t, "row ", b, " token ", t, ": parent ", par, " is not an earlier token");
+        depth[i] = par < 0 ? 0 : depth[b * Tq + par] + 1;
+        if (par >= 0) std::memcpy(&path[i * Tq], &path[(b * Tq + par) * Tq], depth[i] * sizeof(int64_t));
+        path[i * Tq + depth[i]] = t;
+      }
+  }
+  const int64_t* dp = depth.empty() ? nullptr : depth.data();
+  const int64_t* ap = path.empty() ? nullptr : path.data();
   at::Tensor x = qkv.contiguous();
   at::Tensor out = at::empty({B, Tq, nh, D}, qkv.options());
   if (dt == at::kFloat)
     rope_attention_impl<float>(ptr<float>(x), B, Tq, nh, nkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(),
-                               ptr<float>(k_cache), ptr<float>(v_cache), P, sp, tp, np, ptr<float>(out));
+                               ptr<float>(k_cache), ptr<float>(v_cache), P, sp, tp, np, ptr<float>(out), dp, ap);
   else
     rope_attention_impl<bf16>(ptr<bf16>(x), B, Tq, nh, nkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(),
-                              ptr<bf16>(k_cache), ptr<bf16>(v_cache), P, sp, tp, np, ptr<bf16>(out));
+                              ptr<bf16>(k_cache), ptr<bf16>(v_cache), P, sp, tp, np, ptr<bf16>(out), dp, ap);
   return out;
 }
 
@@ -534,7 +598,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
                           at::TensorList k_caches, at::TensorList v_caches, int64_t B, int64_t T, int64_t nh,
                           int64_t D, double eps, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& nums,
-                          const std::optional<at::Tensor>& valid) {
+                          const std::optional<at::Tensor>& valid, const std::optional<at::Tensor>& parents) {
   constexpr int64_t P = 10;
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(params.size()) == P * layers && static_cast<int64_t>(outs.size()) == 4 * layers &&
@@ -552,7 +616,8 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
   for (int64_t l = 0; l < layers; ++l) {
     at::Tensor qkv = lin(rms_norm(x, params[l * P], eps), l, 0, std::nullopt);  // (N, (nh + 2 nkv) D)
     if (packed) qkv = at::zeros({B * T, qkv.size(1)}, qkv.options()).index_copy_(0, *valid, qkv);
-    at::Tensor o = rope_attention(qkv.view({B, T, -1, D}), nh, cos, sin, k_caches[l], v_caches[l], slots, starts, nums)
+    at::Tensor o = rope_attention(qkv.view({B, T, -1, D}), nh, cos, sin, k_caches[l], v_caches[l], slots, starts, nums,
+                                  parents)
                        .view({B * T, nh * D});
     if (packed) o = o.index_select(0, *valid);
     x = lin(o, l, 1, x);
@@ -565,10 +630,10 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
 
 TORCH_LIBRARY(specrouter_rowinv, m) {
   m.def("linear(Tensor x, Tensor weight, int out_features, Tensor? bias=None, Tensor? residual=None) -> Tensor");
-  m.def("rope_attention(Tensor qkv, int num_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor starts, Tensor nums) -> Tensor");
+  m.def("rope_attention(Tensor qkv, int num_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor starts, Tensor nums, Tensor? parents=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
-  m.def("decoder_layers(Tensor x, Tensor[] params, int[] outs, int kernel, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int B, int T, int num_heads, int head_dim, float eps, Tensor cos, Tensor sin, Tensor slots, Tensor starts, Tensor nums, Tensor? valid=None) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor[] params, int[] outs, int kernel, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int B, int T, int num_heads, int head_dim, float eps, Tensor cos, Tensor sin, Tensor slots, Tensor starts, Tensor nums, Tensor? valid=None, Tensor? parents=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) {
