@@ -105,9 +105,8 @@ def test_explicit_null_is_the_default(server):
 
 def test_recognised_but_not_implemented_is_a_400_naming_it(server):
     status, _, body = send(server, "POST", "/v1/chat/completions",
-                           {"messages": MSGS, "tool_choice": "required",
-                            "tools": [{"type": "function", "function": {"name": "f"}}]})
-    assert status == 400 and body["error"]["param"] == "tool_choice", body
+                           {"messages": MSGS, "functions": [{"name": "f"}]})
+    assert status == 400 and body["error"]["param"] == "functions", body
     assert "not implemented" in body["error"]["message"], body
     # at its default value it is accepted
     status, _, body = send(server, "POST", "/v1/chat/completions",

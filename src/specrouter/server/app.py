@@ -79,6 +79,14 @@ from specrouter.server.protocol import (
 from specrouter.server.service import Service
 from specrouter.server.text import TextStream
 from specrouter.server.tokenize import tokenize_routes
+from specrouter.server.tools import (
+    ToolCallParser,
+    ToolRequest,
+    chat_messages,
+    finish_message,
+    message_of,
+    tool_request,
+)
 from specrouter.server.validate import (
     Prepared,
     parse,
@@ -272,12 +280,13 @@ def _v1_routes(srv: Service) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
-        prompt = await render_chat(srv, req.template_messages(),
+        tools = tool_request(req)
+        prompt = await render_chat(srv, chat_messages(req.messages, tools),
                                    add_generation_prompt=req.add_generation_prompt,
                                    template_kwargs=req.chat_template_kwargs,
                                    add_special_tokens=req.add_special_tokens)
         p = prepare(srv, req, prompt, chat=True)
-        return await _respond(srv, request, req, p, chat=True)
+        return await _respond(srv, request, req, p, chat=True, tools=tools)
 
     return router
 
@@ -290,7 +299,8 @@ def _row_seed(seed: int, i: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "little") >> 1
 
 
-async def _respond_n(srv: Service, request: Request, req, p: Prepared, *, chat: bool):
+async def _respond_n(srv: Service, request: Request, req, p: Prepared, *, chat: bool,
+                     tools: ToolRequest | None = None):
     """n > 1 (not streamed): n rows sharing the prompt, run concurrently; seeded requests
     give each choice its own seed (`_row_seed`); usage counts the prompt once."""
     rows = []
@@ -331,10 +341,12 @@ async def _respond_n(srv: Service, request: Request, req, p: Prepared, *, chat: 
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     if chat:
+        choices = []
+        for i, (t, f) in enumerate(results):
+            fields, f = message_of(t, f, tools)  # tool calls parsed (server/tools.py)
+            choices.append(ChatChoice(index=i, message=ChatMessageOut(**fields), finish_reason=f))
         body = ChatCompletionResponse(id=rid, created=created, model=srv.model_name, usage=usage,
-                                      choices=[ChatChoice(index=i, message=ChatMessageOut(content=t),
-                                                          finish_reason=f)
-                                               for i, (t, f) in enumerate(results)])
+                                      choices=choices)
     else:
         body = CompletionResponse(id=rid, created=created, model=srv.model_name, usage=usage,
                                   choices=[CompletionChoice(index=i, text=t, finish_reason=f)
@@ -353,9 +365,10 @@ async def _watch_all(srv: Service, request: Request, gens: list) -> None:
         g.handle.events.put_nowait(TokenEvent([], True, "abort"))
 
 
-async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bool):
+async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bool,
+                   tools: ToolRequest | None = None):
     if req.n > 1:
-        return await _respond_n(srv, request, req, p, chat=chat)
+        return await _respond_n(srv, request, req, p, chat=chat, tools=tools)
     handle = _submit(srv, p, tenant_of(srv, request))
     gen = _Generation(srv, p, handle)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -364,7 +377,7 @@ async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bo
     extra_headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(srv, gen, rid, created, chat, include_usage),
+        return StreamingResponse(_stream(srv, gen, rid, created, chat, include_usage, tools),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                           **extra_headers})
@@ -383,8 +396,9 @@ async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bo
     text = "".join(parts)
     usage = _usage(len(p.prompt), gen.text, gen.stats)
     if chat:
+        fields, finish = message_of(text, finish, tools)  # tool calls parsed (server/tools.py)
         body = ChatCompletionResponse(id=rid, created=created, model=srv.model_name, usage=usage,
-                                      choices=[ChatChoice(message=ChatMessageOut(content=text),
+                                      choices=[ChatChoice(message=ChatMessageOut(**fields),
                                                           finish_reason=finish)])
     else:
         body = CompletionResponse(id=rid, created=created, model=srv.model_name, usage=usage,
@@ -393,13 +407,17 @@ async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bo
 
 
 async def _stream(srv: Service, gen: _Generation, rid: str, created: int, chat: bool,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, tools: ToolRequest | None = None) -> AsyncIterator[str]:
+    """SSE chunks; with tools, the text goes through the tool-call parser (server/tools.py),
+    whose deltas are content or tool_calls pieces."""
     model = srv.model_name
+    parser = ToolCallParser(tools.names) if chat and tools is not None and tools.rendered else None
 
-    def chunk(text: str | None, finish: str | None, usage: Usage | None = None, role: bool = False):
+    def chunk(text: str | dict | None, finish: str | None, usage: Usage | None = None,
+              role: bool = False):
         if chat:
             delta = {"role": "assistant", "content": ""} if role else (
-                {"content": text} if text else {})
+                text if isinstance(text, dict) else {"content": text} if text else {})
             return ChatCompletionChunk(id=rid, created=created, model=model, usage=usage,
                                        choices=[ChatStreamChoice(delta=delta, finish_reason=finish)])
         return CompletionResponse(id=rid, created=created, model=model, usage=usage,
@@ -411,11 +429,16 @@ async def _stream(srv: Service, gen: _Generation, rid: str, created: int, chat: 
         delivery = srv.metrics.stream_delivery_seconds
         async for delta, finish in gen.events():
             if delta:
-                yield _sse(chunk(delta, None))
+                for d in (parser.feed(delta) if parser is not None else [delta]):
+                    yield _sse(chunk(d, None))
                 # resumed once the chunk was handed to the socket (StreamingResponse's send)
                 delivery.observe(time.perf_counter() - gen.committed)
             if finish is None:
                 continue
+            if parser is not None:
+                for d in parser.finish():
+                    yield _sse(chunk(d, None))
+                finish = finish_message(parser, finish)[1]
             yield _sse(chunk(None, finish))
             if include_usage:  # usage once, on a last chunk with no choices (OpenAI)
                 last = chunk(None, None, _usage(len(gen.p.prompt), gen.text, gen.stats))

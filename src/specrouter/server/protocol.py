@@ -3,7 +3,7 @@
 How a request field is treated (docs/openai-compatibility.md has the table per field):
 - honoured: declared here and acted on (sampling controls, stop, seed, logprobs, n, ...);
 - explicit `null` is the field's default (OpenAI and vLLM do the same);
-- recognised but not implemented (tools, guided decoding, beam search, ...): accepted at their
+- recognised but not implemented (legacy `functions`, beam search, ...): accepted at their
   default value, a 400 naming the field otherwise (`unsupported()`);
 - unknown: accepted and ignored, named in the response header `X-SpecRouter-Ignored-Fields`
   and in a log line (`ignored_fields()`), as vLLM and llama-server accept what they do not know
@@ -106,8 +106,6 @@ class StreamOptions(_Lenient):
 # values; anything else is a 400 naming the field and saying why.
 _NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
     "suffix": (("",), "insertion (suffix) is not implemented"),
-    "tools": (([],), "tool calling is not implemented"),
-    "tool_choice": (("none", "auto"), "tool calling is not implemented"),
     "functions": (([],), "function calling is not implemented"),
     "function_call": (("none", "auto"), "function calling is not implemented"),
     "store": ((False,), "stored completions are not implemented"),
@@ -283,9 +281,20 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any  # a string, or a list of {"type": "text", "text": ...} parts
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any  # a string, or a list of {"type": "text", "text": ...} parts ("" when an
+    # assistant message with tool_calls leaves it out or null)
     name: str | None = None  # accepted, not rendered (chat templates do not take it)
+    tool_calls: Any = None  # assistant: the calls it made (checked in server/tools.py)
+    tool_call_id: str | None = None  # tool: the call this message answers
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_without_content(cls, data):
+        data = _drop_nulls(data)
+        if isinstance(data, dict) and data.get("role") == "assistant" and data.get("tool_calls"):
+            data.setdefault("content", "")
+        return data
 
     @field_validator("content")
     @classmethod
@@ -317,11 +326,12 @@ class ChatCompletionRequest(_GenerationRequest):
     add_special_tokens: bool = False  # vLLM: add BOS etc. on top of the template's
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # extra template variables
     include_reasoning: bool = True  # vLLM: no reasoning parser runs, so nothing is removed
-    parallel_tool_calls: bool = True  # meaningful with tools only (not implemented); accepted
+    parallel_tool_calls: bool = True  # tool_choice required / named: several calls allowed
     metadata: dict[str, str] | None = None  # accepted, not used
-    # recognised, refused unless at their default (see _NOT_IMPLEMENTED)
-    tools: list | None = None
+    # tool calling (server/tools.py): OpenAI's tools and tool_choice
+    tools: Any = None
     tool_choice: Any = None
+    # recognised, refused unless at their default (see _NOT_IMPLEMENTED)
     functions: list | None = None
     function_call: Any = None
     store: bool = False
@@ -337,11 +347,6 @@ class ChatCompletionRequest(_GenerationRequest):
     mm_processor_kwargs: dict | None = None
     continue_final_message: bool = False
     documents: list | None = None
-
-    def template_messages(self) -> list[dict]:
-        """Messages for the chat template ("developer" is OpenAI's newer name of "system")."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -372,7 +377,9 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the message is only tool calls
+    # [{"id", "type": "function", "function": {"name", "arguments"}}]; left out when none
+    tool_calls: list[dict] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatChoice(BaseModel):
@@ -393,7 +400,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # {"role": "assistant"} first, then {"content": ...}, {} last
+    delta: dict[str, Any]  # {"role": "assistant"} first, then {"content": ...} or
+    # {"tool_calls": [...]} (server/tools.py), {} last
     logprobs: None = None
     finish_reason: str | None = None
 

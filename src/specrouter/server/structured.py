@@ -9,7 +9,8 @@
   schema (strict or not, the output always follows it: llguidance enforces the schema);
 - `guided_json` (a schema, object or text), `guided_regex` (a regex), `guided_choice` (a list
   of strings: exactly one of them), `guided_grammar` (a Lark grammar, llguidance's dialect).
-At most one of them per request.
+At most one of them per request; a tool_choice "required" or naming a function constrains the
+output too (server/tools.py: `tool_grammar`), so it excludes them as well.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 
 from specrouter.decoding.grammar import GrammarError, GrammarSpec
 from specrouter.server.protocol import RequestError
+from specrouter.server.tools import tool_grammar, tool_request
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _META = set("\\.^$|?*+()[]{}/")
@@ -80,12 +82,17 @@ def _spec_of_guided(name: str, value) -> GrammarSpec:
 def grammar_of_request(req) -> tuple[GrammarSpec | None, str | None]:
     """The request's GrammarSpec and the field it came from (None, None: unconstrained)."""
     given = [n for n in ("response_format", *_GUIDED) if getattr(req, n, None) is not None]
+    tools = tool_grammar(tool_request(req))
+    if tools is not None:
+        given.insert(0, "tool_choice")
     if len(given) > 1:
         raise RequestError(f"{' and '.join(repr(n) for n in given)} both constrain the output: "
                            "give one of them", param=given[1])
     if not given:
         return None, None
     name = given[0]
+    if tools is not None:
+        return tools, "tools"  # a schema that does not compile is a 400 naming 'tools'
     value = getattr(req, name)
     try:
         spec = _spec_of_response_format(value) if name == "response_format" else _spec_of_guided(name, value)

@@ -26,6 +26,7 @@ from specrouter.server.protocol import (
     _Lenient,
 )
 from specrouter.server.service import Service
+from specrouter.server.tools import chat_messages
 from specrouter.server.validate import check_model, parse, read_json, render_chat, tokenize_prompt
 
 
@@ -69,8 +70,7 @@ def tokenize_routes(srv: Service, max_body_bytes: int) -> APIRouter:
         req = parse(TokenizeRequest, await read_json(request, max_body_bytes))
         check_model(srv, req.model)
         if req.messages is not None:
-            ids = await render_chat(srv, [{"role": "system" if m.role == "developer" else m.role,
-                                           "content": m.text()} for m in req.messages],
+            ids = await render_chat(srv, chat_messages(req.messages),
                                     add_generation_prompt=req.add_generation_prompt,
                                     template_kwargs=req.chat_template_kwargs,
                                     add_special_tokens=bool(req.add_special_tokens))
