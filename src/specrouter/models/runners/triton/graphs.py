@@ -149,7 +149,7 @@ class GraphedRunner:
         B, T = batch.tokens.shape
         bucket = bucket_of(B, T, self.batch_buckets, self.token_buckets)
         too_long = max(s + n for s, n in zip(batch.starts_list, batch.num_tokens_list)) > runner.max_len
-        if bucket is None or too_long or not self._refresh():
+        if bucket is None or too_long or batch.parents is not None or not self._refresh():
             return runner.forward(batch)  # eager (the runner raises for a row past max_len)
         graph, static, out = self._graph(bucket)
         self._fill(static, batch)
