@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-ray test-peers peers bench install clean
+.PHONY: demo test test-slow test-ray test-peers test-clients peers bench install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,15 @@ test-peers: $(VENV)/.installed-peers
 # ARGS=--quick` for a smoke run
 bench: $(VENV)/.installed-peers
 	$(BIN)/specrouter bench $(ARGS)
+
+# real clients (openai SDK, LangChain, LiteLLM) against `specrouter serve` with the default
+# pool: installs the `clients` extra (LiteLLM: about 250 MB), then runs the tests marked `clients`
+$(VENV)/.installed-clients: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,clients]'
+	touch $@
+
+test-clients: $(VENV)/.installed-clients
+	$(BIN)/python -m pytest -q -m clients
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

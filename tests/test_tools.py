@@ -33,6 +33,7 @@ from specrouter.server.tools import (  # noqa: E402
     ToolCallParser,
     ToolRequest,
     chat_messages,
+    closed_schema,
     message_of,
     tool_grammar,
     tool_request,
@@ -190,6 +191,21 @@ def test_history_renders_calls_and_results():
     # tool_choice none: the tools are not rendered
     req = ChatCompletionRequest.model_validate({"messages": MSGS, "tools": TOOLS, "tool_choice": "none"})
     assert chat_messages(req.messages, tool_request(req)) == MSGS
+
+
+def test_tool_arguments_are_closed_objects():
+    """Objects that list properties and say nothing of others get additionalProperties false
+    (a small model invents keys otherwise); what a schema says is kept."""
+    s = closed_schema({"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {}}},
+        "c": {"type": "array", "items": {"properties": {}}},
+        "d": {"anyOf": [{"properties": {}}, {"type": "null"}]}}, "$defs": {"X": {"properties": {}}}})
+    assert s["additionalProperties"] is False and s["properties"]["a"]["additionalProperties"] is False
+    assert s["properties"]["c"]["items"]["additionalProperties"] is False
+    assert s["properties"]["d"]["anyOf"][0]["additionalProperties"] is False
+    assert s["$defs"]["X"]["additionalProperties"] is False and "additionalProperties" not in s["properties"]["a"]["properties"]["b"]
+    assert closed_schema({"properties": {}, "additionalProperties": True})["additionalProperties"] is True
+    assert "additionalProperties" not in closed_schema({"type": "object"})
 
 
 # -- over HTTP ----------------------------------------------------------------------------------

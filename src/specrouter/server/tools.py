@@ -137,16 +137,43 @@ def tool_request(req) -> ToolRequest:
     return ToolRequest(tools, "named", fn["name"], parallel)
 
 
+_SUBSCHEMAS = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed_schema(schema):
+    """`schema` with `additionalProperties: false` wherever an object lists `properties` and
+    says nothing of others: a function's arguments are its parameters, as vLLM's xgrammar
+    backend reads a schema (strict mode). (An open object lets a small model invent keys until
+    max_tokens; LangChain's tools and many clients' schemas leave it unsaid.)"""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUBSCHEMAS:
+        if k in out:
+            out[k] = closed_schema(out[k])
+    for k in _SCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [closed_schema(v) for v in out[k]]
+    for k in _SCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {n: closed_schema(v) for n, v in out[k].items()}
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def tool_grammar(tr: ToolRequest) -> GrammarSpec | None:
     """The grammar of a required / named tool choice (a Lark grammar with one JSON schema per
-    allowed function: `{"name": <const>, "arguments": <its parameters>}` written as json.dumps
-    writes it), or None when the output is free."""
+    allowed function: `{"name": <const>, "arguments": <its parameters, closed_schema>}` written
+    as json.dumps writes it), or None when the output is free."""
     if not tr.constrained:
         return None
     allowed = [t for t in tr.tools if tr.choice == "required" or t.name == tr.named]
     rules = []
     for i, t in enumerate(allowed):
-        schema = {"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+        schema = {"type": "object", "properties": {"name": {"const": t.name}, "arguments": closed_schema(t.parameters)},
                   "required": ["name", "arguments"], "additionalProperties": False,
                   "x-guidance": JSON_OPTIONS}
         rules.append(f"fn{i}: %json {json.dumps(schema)}")
