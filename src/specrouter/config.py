@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from specrouter.errors import ChainError, GrammarError, SamplingParamsError
 
 MAX_DRAFT_LENGTH = 16  # k is searched in 1..MAX_DRAFT_LENGTH by the router
+MAX_LOGPROBS = 20  # most alternatives per token (SamplingParams.logprobs; OpenAI's top_logprobs limit)
 SUFFIX_SCOPES = ("shared", "api-key")  # ServerConfig.suffix_scope
 DEFAULT_POOL = "default"  # the name of the embedded pool (models/default_pool.py)
 DEFAULT_HEAD = "default-head"  # the draft head shipped for the default target (opt-in pool entry)
@@ -97,6 +98,10 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens were generated
     allowed_token_ids: tuple[int, ...] | None = None  # sample only among these (None: all)
     grammar: GrammarSpec | None = None  # constrain the output to a JSON schema / grammar (decoding/grammar.py)
+    # log-probabilities (decoding/logprobs.py): None = not asked; n >= 0 = each committed token's
+    # logprob under the distribution it was sampled from, with the n most likely alternatives
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (the target's raw distribution)
 
     @property
     def has_processors(self) -> bool:
@@ -140,6 +145,11 @@ class SamplingParams:
             if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _INT64 for t in ids):
                 raise bad(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
             object.__setattr__(self, "allowed_token_ids", ids)
+
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+                raise bad(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {n!r}")
 
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:

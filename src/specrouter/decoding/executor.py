@@ -16,6 +16,12 @@ way, so when a model's turn comes the candidates of every row it verifies are re
    at stop tokens / max_new_tokens) and every model keeps the prefix of what it cached that was
    committed (`StateManager.commit`).
 
+Log-probabilities (decoding/logprobs.py), for the rows that ask: at the target, from the
+logits of the forward that committed the tokens (after the rows' processors, the distribution
+each was sampled from), no forward of their own; a row asking for prompt logprobs prefills its
+prompt in the target in a forward that returns every position (`_prompt_logprobs`) at its
+first cycle.
+
 A draft head (models/heads/level.py) drafts like a model drafter, first in its chains, from the
 target's features the state manager keeps (decoding/head_drafting.py); the target's forward
 returns and stores features only in a step where some row drafts with a head.
@@ -37,6 +43,7 @@ import torch
 
 from specrouter.drafters.base import ModelFreeDrafter
 from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
+from specrouter.decoding.logprobs import generated_logprobs, prompt_logprobs
 from specrouter.decoding.noise import position_keys
 from specrouter.decoding.processors import RowHistory, process_rows
 from specrouter.decoding.sampling import SamplingTensors, choose_tokens
@@ -70,6 +77,8 @@ class RowWork:
     # reuse their output buffers); None: a model-free drafter, nothing to compare
     cand_logits: list[torch.Tensor] | None = None
     tv: list[float] = field(default_factory=list)  # per level j >= 1: mean D_TV (j-1 vs j) at its candidates; NaN: none
+    logprobs: list | None = None  # the target's TokenLogprob of each token in `cand` (rows asking)
+    prompt_logprobs: list | None = None  # its prompt's, when this cycle prefilled them
 
     def level(self, model: str) -> int:
         """Index of `model` in the row's chain (-1: not in it)."""
@@ -231,12 +240,18 @@ class ChainExecutor:
         if not rows:
             return
         spec = [w.cand for w in verify] + [[] for _ in draft]
+        if name == self.target:
+            self._prompt_logprobs(name, [w for w in verify if w.seq.params.prompt_logprobs is not None
+                                         and w.seq.prompt_logprobs is None])
         logits = self._forward(name, rows, spec)  # (B, n_max + 1, V)
-        tokens = self._choose(logits, rows, sampling)  # (B, n_max + 1): the token each row samples there
+        processed = self._process(logits, rows)  # after the rows' logits processors
+        tokens = self._sample(processed, rows, sampling)  # (B, n_max + 1): the token each row samples there
         if verify:
             if self.measure_tv:
                 self._measure_tv(name, verify, logits[: len(verify)], sampling)
             self._verify(name, verify, tokens[: len(verify)], logits)
+            if name == self.target:
+                self._logprobs(verify, processed, sampling)
         if draft:
             self._draft_steps(name, draft, tokens[len(verify):, 0].tolist(), logits[len(verify):, 0], sampling)
 
@@ -281,12 +296,23 @@ class ChainExecutor:
         positions start + offset + g (greedy rows: argmax; others: counter-based noise), after
         the rows' logits processors, whose history at position g is the committed tokens plus
         w.cand[: offset + g] (the draft path: the same at every level)."""
+        return self._sample(self._process(logits, work, offset), work, sampling, offset)
+
+    @staticmethod
+    def _process(logits: torch.Tensor, work: list[RowWork], offset: int = 0) -> torch.Tensor:
+        """`logits` (B, G, V) after the rows' logits processors (processors.py; itself when no
+        row has any), the history at position g being the committed tokens plus
+        w.cand[: offset + g]."""
+        if not any(w.seq.params.has_processors for w in work):
+            return logits
+        return process_rows(logits.cpu(), [  # penalties etc. run on host tensors
+            RowHistory(w.seq.params, w.seq.tokens, w.seq.prompt_len, w.seq.stop_ids, w.cand, offset,
+                       w.seq.grammar)
+            for w in work]).to(logits.device)
+
+    def _sample(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0) -> torch.Tensor:
+        """`_choose` on logits already processed (`_process`)."""
         dev = logits.device  # the pool's device: every tensor of the choice lives there
-        if any(w.seq.params.has_processors for w in work):  # penalties etc.: processors.py (host tensors)
-            logits = process_rows(logits.cpu(), [
-                RowHistory(w.seq.params, w.seq.tokens, w.seq.prompt_len, w.seq.stop_ids, w.cand, offset,
-                           w.seq.grammar)
-                for w in work]).to(dev)
         if len(work) != len(sampling):
             st = sampling.select(torch.tensor([w.b for w in work], dtype=torch.long, device=sampling.temperature.device))
         else:
@@ -299,6 +325,46 @@ class ChainExecutor:
             keys = position_keys(seeds, starts + torch.arange(G, device=dev)[None, :])  # (B, G)
         # the tokens come to the host once per forward (the next level's feed is built from them)
         return choose_tokens(logits, st, keys).cpu()
+
+    # -- log-probabilities (decoding/logprobs.py) -------------------------------------------
+    def _logprobs(self, work: list[RowWork], processed: torch.Tensor, sampling: SamplingTensors) -> None:
+        """The target's logprobs of what each row asking for them commits (`w.cand` after the
+        target verified: its positions 0..len - 1 of `processed` (B', n + 1, V), the target's
+        logits after the rows' processors, the verifying rows first)."""
+        idx = [i for i, w in enumerate(work) if w.seq.params.logprobs is not None]
+        if not idx:
+            return
+        G = max(len(work[i].cand) for i in idx)
+        rows = torch.tensor([work[i].b for i in idx], dtype=torch.long, device=sampling.temperature.device)
+        tokens = torch.tensor([work[i].cand + [0] * (G - len(work[i].cand)) for i in idx],
+                              dtype=torch.long, device=processed.device).view(len(idx), G)
+        entries = generated_logprobs(processed[idx, :G], sampling.select(rows), tokens,
+                                     [work[i].seq.params.logprobs for i in idx])
+        for i, e in zip(idx, entries):
+            work[i].logprobs = e[: len(work[i].cand)]
+
+    PROMPT_CHUNK = 512  # prompt positions per forward of `_prompt_logprobs` (bounds its logits' memory)
+
+    def _prompt_logprobs(self, name: str, work: list[RowWork]) -> None:
+        """Rows asking for prompt logprobs, at their first cycle: the target prefills all but the
+        last committed token in forwards of their own (PROMPT_CHUNK positions each) that return
+        every position's logits (a prefix-cache hit is recomputed: those logits were never
+        kept); the main forward then feeds the last token as usual."""
+        for w in work:
+            st = self.state.state(w.seq.seq_id, name)
+            tokens = w.seq.tokens[: w.seq.prompt_len]
+            StateManager.rollback(st, 0)
+            if st.features:  # the target's features follow its cache (state/features.py)
+                st.features = 0
+            entries = []
+            for s in range(0, len(tokens) - 1, self.PROMPT_CHUNK):
+                e = min(s + self.PROMPT_CHUNK, len(tokens) - 1)
+                batch = ForwardBatch.build([st.slot], [s], [tokens[s:e]], [list(range(e - s))])
+                logits = self._timed_forward(name, batch, 1, e - s, s)  # (1, e - s, V)
+                entries += prompt_logprobs(logits[0], torch.tensor(tokens[s + 1 : e + 1], device=logits.device),
+                                           w.seq.params.prompt_logprobs)
+                st.cache_len = e
+            w.prompt_logprobs = entries
 
     # -- forwards ---------------------------------------------------------------------------
     def _forward(self, name: str, work: list[RowWork], speculative: list[list[int]]) -> torch.Tensor:
@@ -375,7 +441,13 @@ class ChainExecutor:
         outcomes, proposals, groups = [], [], {}
         for w in work:
             seq = w.seq
-            seq.append(w.cand)  # the target's output (stop tokens / max_new_tokens truncate)
+            kept = seq.append(w.cand)  # the target's output (stop tokens / max_new_tokens truncate)
+            if w.logprobs is not None:
+                if seq.logprobs is None:
+                    seq.logprobs = []
+                seq.logprobs.extend(w.logprobs[:kept])
+            if w.prompt_logprobs is not None:
+                seq.prompt_logprobs = w.prompt_logprobs
             self.state.commit(seq.seq_id, seq.tokens, w.start)
             seq.stats.observe_cycle(w.chain, w.drafted, w.accepted, len(seq.tokens) - w.start)
             outcomes.append(RowOutcome(seq_id=seq.seq_id, chain=w.chain, k=w.k, drafted=list(w.drafted),

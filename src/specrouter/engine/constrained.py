@@ -51,7 +51,9 @@ def before_step(rows: list[Sequence], eos_ids: tuple[int, ...], jump_forward: bo
         if g.finished and not (seq.stop_ids & eos):
             seq.done, seq.finish_reason = True, "stop"
             continue
-        if jump_forward and seq.params.allowed_token_ids is None and seq.remaining > 1:
+        # rows asking for logprobs take every token from a target forward (its logits)
+        if (jump_forward and seq.params.allowed_token_ids is None and seq.remaining > 1
+                and seq.params.logprobs is None and seq.params.prompt_logprobs is None):
             forced = g.forced_tokens(generated, seq.remaining - 1)  # leave >= 1 for the cycle
             if forced:
                 seq.append(forced)

@@ -97,6 +97,15 @@ class StepOutput:
     seq: Sequence  # the row (its .tokens, .done, .finish_reason, .stats are up to date)
     new_token_ids: list[int]  # tokens committed by this step (after stop truncation)
 
+    @property
+    def new_logprobs(self) -> list | None:
+        """The TokenLogprob of each new token (decoding/logprobs.py) for a row asking for
+        logprobs, else None."""
+        lp = self.seq.logprobs
+        if self.seq.params.logprobs is None:
+            return None
+        return lp[len(lp) - len(self.new_token_ids):] if lp and self.new_token_ids else []
+
 
 class Engine:
     """Owns the state manager and executor of one pool."""

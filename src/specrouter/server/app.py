@@ -58,6 +58,12 @@ from specrouter.server.async_engine import (
     TokenEvent,
 )
 from specrouter.server.edge import EdgeGuard
+from specrouter.server.logprobs import (
+    CompletionLogprobWriter,
+    TokenIds,
+    chat_logprobs,
+    vllm_prompt_logprobs,
+)
 from specrouter.server.metrics import ServerMetrics
 from specrouter.server.protocol import (
     ChatChoice,
@@ -128,6 +134,15 @@ class _Generation:
         self.stats: dict | None = None
         self.first_token_at: float | None = None
         self.committed = 0.0  # when the engine committed the tokens of the last event
+        self.logprobs: list = []  # TokenLogprob of every token so far (requests asking)
+        self.prompt_logprobs: list | None = None  # the prompt's (requests asking)
+        self._taken = 0  # logprobs handed out by take_logprobs
+
+    def take_logprobs(self) -> list:
+        """The logprobs of the tokens since the last call (a stream's chunk carries them)."""
+        out = self.logprobs[self._taken:]
+        self._taken = len(self.logprobs)
+        return out
 
     async def watch_disconnect(self, request: Request) -> None:
         """Non-streaming: abort the row as soon as the client goes away (after the body was
@@ -152,6 +167,10 @@ class _Generation:
             if ev.finish_reason == "error":
                 raise RequestError(f"generation failed: {ev.error}", status=500,
                                    type="server_error", code="model_failure")
+            if ev.logprobs:
+                self.logprobs.extend(ev.logprobs)
+            if ev.prompt_logprobs is not None and self.prompt_logprobs is None:
+                self.prompt_logprobs = ev.prompt_logprobs
             delta = self.text.add(ev.token_ids)
             if self.text.stopped:  # a stop string: done, free the row now
                 self.srv.loop_engine.abort(h)
@@ -271,11 +290,15 @@ def _v1_routes(srv: Service) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(request: Request):
         req = parse(CompletionRequest, await read_json(request, config.max_body_bytes))
-        prompt = req.prompt_value()
+        text = prompt = req.prompt_value()
         if isinstance(prompt, str):
             prompt = await tokenize_prompt(srv, prompt, req.add_special_tokens)
         p = prepare(srv, req, prompt, chat=False)
-        return await _respond(srv, request, req, p, chat=False)
+        echo = None
+        if req.echo:  # the prompt as sent (decoded when sent as ids or truncated)
+            echo = text if isinstance(text, str) and p.prompt == prompt else \
+                srv.pool.tokenizer.decode(p.prompt, skip_special_tokens=False)
+        return await _respond(srv, request, req, p, chat=False, echo=echo)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -300,7 +323,7 @@ def _row_seed(seed: int, i: int) -> int:
 
 
 async def _respond_n(srv: Service, request: Request, req, p: Prepared, *, chat: bool,
-                     tools: ToolRequest | None = None):
+                     tools: ToolRequest | None = None, echo: str | None = None):
     """n > 1 (not streamed): n rows sharing the prompt, run concurrently; seeded requests
     give each choice its own seed (`_row_seed`); usage counts the prompt once."""
     rows = []
@@ -342,15 +365,17 @@ async def _respond_n(srv: Service, request: Request, req, p: Prepared, *, chat: 
     created = int(time.time())
     if chat:
         choices = []
-        for i, (t, f) in enumerate(results):
+        for i, ((t, f), g) in enumerate(zip(results, gens)):
             fields, f = message_of(t, f, tools)  # tool calls parsed (server/tools.py)
-            choices.append(ChatChoice(index=i, message=ChatMessageOut(**fields), finish_reason=f))
+            choices.append(ChatChoice(index=i, message=ChatMessageOut(**fields), finish_reason=f,
+                                      **_logprobs(srv, req, g, chat)))
         body = ChatCompletionResponse(id=rid, created=created, model=srv.model_name, usage=usage,
                                       choices=choices)
     else:
         body = CompletionResponse(id=rid, created=created, model=srv.model_name, usage=usage,
-                                  choices=[CompletionChoice(index=i, text=t, finish_reason=f)
-                                           for i, (t, f) in enumerate(results)])
+                                  choices=[CompletionChoice(index=i, text=(echo or "") + t, finish_reason=f,
+                                                            **_logprobs(srv, req, g, chat, echo))
+                                           for i, ((t, f), g) in enumerate(zip(results, gens))])
     ignored = req.ignored_fields()
     return Response(body.model_dump_json(), media_type="application/json",
                     headers={IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {})
@@ -365,10 +390,31 @@ async def _watch_all(srv: Service, request: Request, gens: list) -> None:
         g.handle.events.put_nowait(TokenEvent([], True, "abort"))
 
 
+def _logprobs(srv: Service, req, gen: _Generation, chat: bool, echo: str | None = None,
+              entries: list | None = None, writer: CompletionLogprobWriter | None = None) -> dict:
+    """The logprob fields of a choice (server/logprobs.py) for what the request asked:
+    `entries` (default: all of the generation's), with the prompt's first for an echo."""
+    out = {}
+    entries = gen.logprobs if entries is None else entries
+    text = TokenIds() if req.return_tokens_as_token_ids else srv.token_text
+    if chat and req.logprobs:
+        out["logprobs"] = chat_logprobs(entries, text)
+    elif not chat and req.logprobs is not None:
+        pairs = [(e.token, e) for e in entries]
+        if echo is not None:
+            prompt = gen.p.prompt
+            pairs = [(prompt[0], None), *zip(prompt[1:], gen.prompt_logprobs or [None] * (len(prompt) - 1)),
+                     *pairs]
+        out["logprobs"] = (writer or CompletionLogprobWriter(text)).write(pairs)
+    if req.prompt_logprobs is not None and gen.prompt_logprobs is not None:
+        out["prompt_logprobs"] = vllm_prompt_logprobs(gen.prompt_logprobs, text)
+    return out
+
+
 async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bool,
-                   tools: ToolRequest | None = None):
+                   tools: ToolRequest | None = None, echo: str | None = None):
     if req.n > 1:
-        return await _respond_n(srv, request, req, p, chat=chat, tools=tools)
+        return await _respond_n(srv, request, req, p, chat=chat, tools=tools, echo=echo)
     handle = _submit(srv, p, tenant_of(srv, request))
     gen = _Generation(srv, p, handle)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -377,7 +423,7 @@ async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bo
     extra_headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(srv, gen, rid, created, chat, include_usage, tools),
+        return StreamingResponse(_stream(srv, gen, rid, created, chat, include_usage, tools, req, echo),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                           **extra_headers})
@@ -399,38 +445,53 @@ async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bo
         fields, finish = message_of(text, finish, tools)  # tool calls parsed (server/tools.py)
         body = ChatCompletionResponse(id=rid, created=created, model=srv.model_name, usage=usage,
                                       choices=[ChatChoice(message=ChatMessageOut(**fields),
-                                                          finish_reason=finish)])
+                                                          finish_reason=finish,
+                                                          **_logprobs(srv, req, gen, chat))])
     else:
         body = CompletionResponse(id=rid, created=created, model=srv.model_name, usage=usage,
-                                  choices=[CompletionChoice(text=text, finish_reason=finish)])
+                                  choices=[CompletionChoice(text=(echo or "") + text, finish_reason=finish,
+                                                            **_logprobs(srv, req, gen, chat, echo))])
     return Response(body.model_dump_json(), media_type="application/json", headers=extra_headers)
 
 
 async def _stream(srv: Service, gen: _Generation, rid: str, created: int, chat: bool,
-                  include_usage: bool, tools: ToolRequest | None = None) -> AsyncIterator[str]:
+                  include_usage: bool, tools: ToolRequest | None = None, req=None,
+                  echo: str | None = None) -> AsyncIterator[str]:
     """SSE chunks; with tools, the text goes through the tool-call parser (server/tools.py),
-    whose deltas are content or tool_calls pieces."""
+    whose deltas are content or tool_calls pieces. A chunk carries the logprobs of the tokens
+    since the last one (the last chunk the rest); a completions echo comes first, with the
+    prompt's logprobs."""
     model = srv.model_name
     parser = ToolCallParser(tools.names) if chat and tools is not None and tools.rendered else None
+    writer = CompletionLogprobWriter(TokenIds() if req is not None and req.return_tokens_as_token_ids
+                                     else srv.token_text)
 
     def chunk(text: str | dict | None, finish: str | None, usage: Usage | None = None,
-              role: bool = False):
+              role: bool = False, logprobs: list | None = None):
+        extra = {} if req is None or logprobs is None else _logprobs(srv, req, gen, chat, None,
+                                                                       logprobs, writer)
+        extra.pop("prompt_logprobs", None)
         if chat:
             delta = {"role": "assistant", "content": ""} if role else (
                 text if isinstance(text, dict) else {"content": text} if text else {})
             return ChatCompletionChunk(id=rid, created=created, model=model, usage=usage,
-                                       choices=[ChatStreamChoice(delta=delta, finish_reason=finish)])
+                                       choices=[ChatStreamChoice(delta=delta, finish_reason=finish, **extra)])
         return CompletionResponse(id=rid, created=created, model=model, usage=usage,
-                                  choices=[CompletionChoice(text=text or "", finish_reason=finish)])
+                                  choices=[CompletionChoice(text=text or "", finish_reason=finish, **extra)])
 
     try:
         if chat:
             yield _sse(chunk(None, None, role=True))
         delivery = srv.metrics.stream_delivery_seconds
         async for delta, finish in gen.events():
+            if echo is not None:  # the prompt first (its logprobs are known by the first tokens)
+                first = _logprobs(srv, req, gen, chat, echo, [], writer)
+                yield _sse(CompletionResponse(id=rid, created=created, model=model, choices=[
+                    CompletionChoice(text=echo, finish_reason=None, **first)]))
+                echo = None
             if delta:
                 for d in (parser.feed(delta) if parser is not None else [delta]):
-                    yield _sse(chunk(d, None))
+                    yield _sse(chunk(d, None, logprobs=gen.take_logprobs()))
                 # resumed once the chunk was handed to the socket (StreamingResponse's send)
                 delivery.observe(time.perf_counter() - gen.committed)
             if finish is None:
@@ -439,7 +500,7 @@ async def _stream(srv: Service, gen: _Generation, rid: str, created: int, chat: 
                 for d in parser.finish():
                     yield _sse(chunk(d, None))
                 finish = finish_message(parser, finish)[1]
-            yield _sse(chunk(None, finish))
+            yield _sse(chunk(None, finish, logprobs=gen.take_logprobs()))
             if include_usage:  # usage once, on a last chunk with no choices (OpenAI)
                 last = chunk(None, None, _usage(len(gen.p.prompt), gen.text, gen.stats))
                 last.choices = []

@@ -46,6 +46,8 @@ class TokenEvent:
     stats: dict | None = None  # RequestStats.as_dict() when done
     error: str | None = None  # why, when finish_reason == "error"
     committed: float = 0.0  # perf_counter time the engine step that committed them ended
+    logprobs: list | None = None  # TokenLogprob per token (requests asking for logprobs)
+    prompt_logprobs: list | None = None  # the prompt's (requests asking), once computed
 
 
 @dataclass(eq=False)
@@ -232,9 +234,12 @@ class AsyncEngine:
                         if o.seq.finish_reason == "error" else None
                     out.append((h, TokenEvent(list(o.new_token_ids), True, o.seq.finish_reason,
                                               stats=o.seq.stats.as_dict(), error=err,
-                                              committed=now)))
+                                              committed=now, logprobs=o.new_logprobs,
+                                              prompt_logprobs=o.seq.prompt_logprobs)))
                 elif o.new_token_ids:
-                    out.append((h, TokenEvent(list(o.new_token_ids), committed=now)))
+                    out.append((h, TokenEvent(list(o.new_token_ids), committed=now,
+                                              logprobs=o.new_logprobs,
+                                              prompt_logprobs=o.seq.prompt_logprobs)))
             self._gauges()
         return out
 

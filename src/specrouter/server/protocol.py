@@ -132,7 +132,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
     "mm_processor_kwargs": (({},), "multimodal input is not implemented"),
     "kv_transfer_params": (({},), "disaggregated serving is not implemented"),
     "vllm_xargs": (({},), "vLLM extension arguments are not implemented"),
-    "return_tokens_as_token_ids": ((False,), "tokens in logprobs are always strings"),
     "continue_final_message": ((False,), "continuing the final message is not implemented"),
     "documents": (([],), "documents (RAG templates) are not implemented"),
 }
@@ -141,10 +140,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
 # they are (they move to honoured in one place: here).
 _NOT_YET: dict[str, tuple[tuple, str]] = {
     "best_of": ((1,), "only best_of=1 is supported"),
-    "logprobs": ((False, 0), "logprobs are not implemented yet"),
-    "top_logprobs": ((0,), "logprobs are not implemented yet"),
-    "echo": ((False,), "echo is not implemented yet"),
-    "prompt_logprobs": ((0,), "prompt logprobs are not implemented yet"),
 }
 
 
@@ -176,7 +171,7 @@ class _GenerationRequest(_Lenient):
     ignore_eos: bool = False  # vLLM: keep generating past EOS
     n: int = Field(1, ge=1, le=MAX_N)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM: keep the last N prompt tokens
-    prompt_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM: the prompt's, n alternatives
     request_id: str | None = None  # vLLM: accepted (the response id is the server's own)
     cache_salt: str | None = None  # vLLM: accepted; no cache is shared between requests' prompts
     specrouter_chain: list[str] | None = None  # extension: pin the chain (pool names, target last)
@@ -197,7 +192,7 @@ class _GenerationRequest(_Lenient):
     guided_whitespace_pattern: Any = None
     priority: int = 0
     logits_processors: list | None = None
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:{id}"
     kv_transfer_params: dict | None = None
     vllm_xargs: dict | None = None
 
@@ -259,8 +254,8 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: Any  # a string, a list of token ids, or a list holding one of those
     best_of: int = Field(1, ge=1, le=MAX_N)
-    echo: bool = False
-    logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # top alternatives per token (0: none)
+    echo: bool = False  # the prompt before the completion (with its logprobs when `logprobs` is set)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # each token's logprob + n alternatives
     suffix: str = ""
     add_special_tokens: bool = False  # vLLM's default is true; this server's prompts are text as sent
     prompt_embeds: Any = None
@@ -318,8 +313,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
-    logprobs: bool = False
-    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: bool = False  # each generated token's logprob (choices[i].logprobs.content)
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (needs logprobs)
     best_of: int = Field(1, ge=1, le=MAX_N)
     echo: bool = False  # vLLM: prepend the last message of the same role (not implemented)
     add_generation_prompt: bool = True  # vLLM: passed to the chat template
@@ -348,6 +343,15 @@ class ChatCompletionRequest(_GenerationRequest):
     continue_final_message: bool = False
     documents: list | None = None
 
+    def unsupported(self) -> RequestError | None:
+        if self.top_logprobs and not self.logprobs:
+            return RequestError(f"'top_logprobs' ({self.top_logprobs}) needs 'logprobs': true",
+                                param="top_logprobs")
+        if self.echo:
+            return RequestError("unsupported value True for 'echo': echoing the last message is "
+                                "not implemented (only False or null is accepted)", param="echo")
+        return super().unsupported()
+
 
 # -- responses -------------------------------------------------------------------------------
 class Usage(BaseModel):
@@ -359,11 +363,22 @@ class Usage(BaseModel):
     specrouter: dict | None = None  # the request's stats: chains, acceptance, tokens/s
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs, one entry per token (server/logprobs.py)."""
+
+    text_offset: list[int] = Field(default_factory=list)  # where each token's text starts in `text`
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: the prompt's first token
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)  # n best + the token
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    # vLLM's prompt_logprobs: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
+    prompt_logprobs: list[dict[str, dict] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -382,11 +397,26 @@ class ChatMessageOut(BaseModel):
     tool_calls: list[dict] | None = Field(None, exclude_if=lambda v: v is None)
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    prompt_logprobs: list[dict[str, dict] | None] | None = None  # vLLM's, as in CompletionChoice
 
 
 class ChatCompletionResponse(BaseModel):
@@ -402,7 +432,7 @@ class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: dict[str, Any]  # {"role": "assistant"} first, then {"content": ...} or
     # {"tool_calls": [...]} (server/tools.py), {} last
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None  # of the tokens since the last chunk
     finish_reason: str | None = None
 
 

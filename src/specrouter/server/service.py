@@ -64,6 +64,13 @@ class Service:
         for a space). Bounds the bytes a prompt of n tokens can have."""
         return max((len(t.encode("utf-8")) for t in self.pool.tokenizer.get_vocab()), default=1)
 
+    @functools.cached_property
+    def token_text(self):
+        """Token id -> its text in logprobs (server/logprobs.py), cached per server."""
+        from specrouter.server.logprobs import TokenText
+
+        return TokenText(self.pool.tokenizer)
+
     def close(self) -> None:
         self.loop_engine.stop()
         for r in self.pool.runners.values():

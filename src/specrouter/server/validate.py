@@ -231,7 +231,7 @@ def prepare(srv: Service, req, prompt: list[int], *, chat: bool) -> Prepared:
             min_tokens=_min_tokens(req, max_tokens),
             allowed_token_ids=(None if req.allowed_token_ids is None else tuple(
                 _token_ids(pool, dict.fromkeys(req.allowed_token_ids), "allowed_token_ids"))),
-            grammar=grammar)
+            grammar=grammar, **_logprob_params(req, chat))
         engine.check_request(prompt, params, chain, k)
     except ContextLengthError as e:
         raise RequestError(str(e), param="max_tokens", code="context_length_exceeded") from None
@@ -248,6 +248,20 @@ def prepare(srv: Service, req, prompt: list[int], *, chat: bool) -> Prepared:
         generator = torch.Generator()
         generator.manual_seed(req.seed)
     return Prepared(prompt, params, chain, k, stops, generator)
+
+
+def _logprob_params(req, chat: bool) -> dict:
+    """SamplingParams' logprobs / prompt_logprobs of a request (server/logprobs.py): chat's
+    `logprobs` + `top_logprobs`, completions' `logprobs` (n alternatives), which with `echo` asks
+    for the prompt's too; vLLM's `prompt_logprobs` on either."""
+    if chat:
+        logprobs = req.top_logprobs if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    prompt = req.prompt_logprobs
+    if not chat and req.echo and logprobs is not None:
+        prompt = max(logprobs, prompt or 0)
+    return {"logprobs": logprobs, "prompt_logprobs": prompt}
 
 
 def _min_tokens(req, max_tokens: int) -> int:

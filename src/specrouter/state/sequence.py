@@ -38,6 +38,10 @@ class Sequence:
     tenant: str | None = None  # whose learned drafter statistics it reads and feeds (None: shared)
     plan: RowPlan | None = None  # the engine's record of its plan (engine.py)
     grammar: object | None = None  # its RowGrammar (decoding/grammar.py) when params.grammar is set
+    # with params.logprobs: one TokenLogprob (decoding/logprobs.py) per generated token
+    logprobs: list | None = None
+    # with params.prompt_logprobs: one per prompt token after the first (set at the first cycle)
+    prompt_logprobs: list | None = None
 
     @property
     def num_generated(self) -> int:
