@@ -167,6 +167,30 @@ def test_budget_bounds_parked_bytes_and_evicts(tiny_pool_dirs):
     assert cache.stats.evictions >= 6
 
 
+def test_the_transformers_runner_counts_its_parked_bytes_for_real(tiny_pool_dirs):
+    """The fallback runner's caches grow on demand: a parked slot costs what it holds (it was
+    counted as 0 bytes, so no budget ever evicted one)."""
+    from specrouter.models.pool import Pool
+
+    pool = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float64",
+                     backend="hf")
+    runner = pool.runners["target"]
+    assert type(runner).__name__ == "HFRunner" and runner.kv_bytes_per_position() == 0
+    eng = Engine(pool, max_num_seqs=2, max_model_len=128, kv_cache_bytes=1 << 30)
+    cache = eng.prefix_cache
+    params = [SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    eng.generate_ids([list(range(5, 25))], params, chain=("target",))
+    (entry,) = cache.entries
+    held = runner._caches[entry.parts["target"].slot].get_seq_length()
+    per_position = 2 * 3 * 2 * 16 * 8  # (k, v) x 3 layers x 2 KV heads x head dim 16 x float64
+    assert held >= 20 and per_position * held <= cache.parked_bytes <= per_position * 128
+    # the budget evicts by those bytes: room for one such entry, a second prompt evicts the first
+    cache.budget_bytes = int(1.5 * cache.parked_bytes)
+    eng.generate_ids([list(range(100, 121))], params, chain=("target",))
+    assert len(cache.entries) == 1 and cache.entries[0] is not entry and cache.stats.evictions == 1
+    assert 0 < cache.parked_bytes <= cache.budget_bytes
+
+
 def test_tenant_never_adopts_another_tenants_entry(tiny_pool_dirs):
     """A recording runner: the first forward of B's request (same prompt as A's parked one)
     starts at position 0; A's retry starts past the cached prefix."""

@@ -151,12 +151,13 @@ class PrefixCache:
         return cls(runners, budget_bytes)
 
     # -- sizing ------------------------------------------------------------------------------
-    def slot_bytes(self, name: str) -> int:
-        r = self.runners[name]
-        return r.kv_bytes_per_position() * r.max_len
+    def slot_bytes(self, name: str, slot: int = 0) -> int:
+        """Bytes parking slot `slot` of model `name` keeps alive (`ModelRunner.slot_bytes`: the
+        whole allocation of a preallocated cache, what a grown one holds now)."""
+        return self.runners[name].slot_bytes(slot)
 
     def entry_bytes(self, e: Entry) -> int:
-        return sum(self.slot_bytes(m) for m in e.parts)
+        return sum(self.slot_bytes(m, p.slot) for m, p in e.parts.items())
 
     @property
     def parked_bytes(self) -> int:
