@@ -339,8 +339,10 @@ def test_server_reports_cached_tokens_and_metrics_and_keeps_tenants_apart(tiny_p
 def test_a_draft_head_chain_adopts_the_targets_features_too(tmp_path):
     """A pool with a draft head: the target's features are parked with its slot and adopted
     (moved, or copied beside a kept entry), so a later request feeds the target only the tokens
-    past the cached prefix (counted on every forward) and the head drafts at once; outputs are
-    those of the cache off. Negative control: features dropped at adoption make the target
+    past the cached prefix (counted on every forward) and the head drafts at once; the head's
+    own KV is parked and adopted too (one position short), so its catch-up feeds only the new
+    positions; outputs, and every cycle's drafted and accepted counts (the head's proposals),
+    are those of the cache off. Negative control: features dropped at adoption make the target
     re-feed the whole prefix (the count shows it)."""
     from fixtures import make_tiny_llama
     from test_head_level import _save_head
@@ -362,27 +364,31 @@ def test_a_draft_head_chain_adopts_the_targets_features_too(tmp_path):
             cycles = []
             (seq,) = eng.generate_ids([conv], [SamplingParams(max_new_tokens=8, ignore_eos=True)],
                                       chain=("head", "target"), k=3, on_cycle=cycles.append)
-            fed.append(sum(c.forward_tokens.get("target", 0) for c in cycles))
-            outs.append((seq.output_ids, seq.stats.cached_tokens))
+            fed.append({m: sum(c.forward_tokens.get(m, 0) for c in cycles) for m in ("target", "head")})
+            outs.append((seq.output_ids, seq.stats.cached_tokens, [(c.drafted, c.accepted) for c in cycles]))
             conv = (list(seq.tokens) if t != 1 else conv) + [50 + t, 60 + t]  # turn 2 branches: a copy
         return fed, outs
 
     fed_off, off = run(False)
     fed_on, on = run(True)
-    assert [o for o, _ in on] == [o for o, _ in off]
-    cached = [c for _, c in on]
+    assert [o for o, _, _ in on] == [o for o, _, _ in off]
+    assert [d for _, _, d in on] == [d for _, _, d in off]  # the head proposed the same tokens
+    cached = [c for _, c, _ in on]
     assert cached[0] == 0 and all(c > 30 for c in cached[1:]), cached
     assert fed_on[0] == fed_off[0]
     for t in (1, 2):  # the target fed only what was not cached
-        assert fed_off[t] - fed_on[t] == cached[t], (fed_on, fed_off, cached)
+        assert fed_off[t]["target"] - fed_on[t]["target"] == cached[t], (fed_on, fed_off, cached)
+        # the head too, give or take its lag: it parks the positions of its last catch-up (the
+        # tokens its last cycle accepted, at most k + 1, are not in it), adopted one short
+        assert fed_on[t]["head"] <= fed_on[t]["target"] + 3 + 1 < fed_off[t]["head"] - 30, (fed_on, fed_off)
     adopt = StateManager.adopt
     try:  # negative control: features not adopted -> the target re-feeds the prefix
         StateManager.adopt = lambda self, *a, features=0, source=None: adopt(self, *a)
         fed_nf, nf = run(True)
     finally:
         StateManager.adopt = adopt
-    assert [o for o, _ in nf] == [o for o, _ in off]
-    assert fed_nf[1] >= fed_off[1] - 1, (fed_nf, fed_off)
+    assert [o for o, _, _ in nf] == [o for o, _, _ in off]
+    assert fed_nf[1]["target"] >= fed_off[1]["target"] - 1, (fed_nf, fed_off)
 
 
 def test_a_shared_prefix_serves_a_burst_when_the_cache_is_full_of_other_entries(tiny_pool_dirs):
