@@ -66,3 +66,37 @@ def test_continuous_batching_keeps_at_most_c_rows_and_equals_one_by_one(tiny_poo
     alone = Engine(pool.with_fresh_drafters(), max_num_seqs=1, max_model_len=32)
     for x, s in zip(ids, seqs):
         assert alone.generate_ids([x], [params], chain=(pool.target,))[0].output_ids == s.output_ids
+
+
+def test_shared_prompt_workload_runs_cache_on_and_off_servers_side_by_side(tiny_pool_dirs, tmp_path):
+    """`bench --serve --workloads shared-prompt` on a tiny pool: two live servers (the prefix
+    cache on, `--no-prefix-cache`), concurrent clients sharing a system prompt, greedy replies
+    identical, the cached tokens reported by the cache server only."""
+    from specrouter.bench.serve_shared import SYSTEM, markdown_shared, run_shared_prompt_bench, write_shared
+
+    d = tiny_pool_dirs
+    cfg = ServeBenchConfig.quick_preset(models=(str(d["draft"]), str(d["target"])), target=str(d["target"]),
+                                        concurrency=(3,), requests=4, max_new_tokens=6, dtype="float64",
+                                        out_dir=str(tmp_path), threads=1, rounds=2)
+    result = run_shared_prompt_bench(cfg, log=lambda m: None, system=SYSTEM[:160])
+    assert result["mismatches"] == [] and result["clients"] == 3
+    on, off = result["servers"]["cache"], result["servers"]["no cache"]
+    assert on["requests"] == off["requests"] == 8  # 2 rounds x 4 requests, pooled
+    # the tiny tokenizer spells the system prompt in ~140 tokens (the question ~40 more): every
+    # request of the cache server adopted it, none of the other's
+    assert on["prompt_tokens_mean"] == off["prompt_tokens_mean"] > 150
+    cached = {name: [x["cached_tokens"] for lv in lvs for x in lv["results"]] for name, lvs in result["rounds"].items()}
+    assert min(cached["cache"]) > 120 and max(cached["no cache"]) == 0
+    assert "--no-prefix-cache" in (tmp_path / "server-no-cache.log").read_text()
+    assert "--no-prefix-cache" not in (tmp_path / "server-cache.log").read_text()
+    assert result["ttft_p50_ratio"] > 0 and result["throughput_ratio"] > 0
+    assert [g["met"] for g in result["goals"]][-1] is True  # greedy replies identical
+    paths = write_shared(result, tmp_path)
+    assert json.loads(paths[0].read_text())["workload"] == "shared-prompt"
+    assert "| prefix cache (default) |" in markdown_shared(result)
+
+
+def test_serve_workloads_are_checked():
+    from specrouter.cli.main import main
+
+    assert main(["bench", "--serve", "--workloads", "templated"]) == 2

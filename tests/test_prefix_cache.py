@@ -167,6 +167,30 @@ def test_budget_bounds_parked_bytes_and_evicts(tiny_pool_dirs):
     assert cache.stats.evictions >= 6
 
 
+def test_the_transformers_runner_counts_its_parked_bytes_for_real(tiny_pool_dirs):
+    """The fallback runner's caches grow on demand: a parked slot costs what it holds (it was
+    counted as 0 bytes, so no budget ever evicted one)."""
+    from specrouter.models.pool import Pool
+
+    pool = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float64",
+                     backend="hf")
+    runner = pool.runners["target"]
+    assert type(runner).__name__ == "HFRunner" and runner.kv_bytes_per_position() == 0
+    eng = Engine(pool, max_num_seqs=2, max_model_len=128, kv_cache_bytes=1 << 30)
+    cache = eng.prefix_cache
+    params = [SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    eng.generate_ids([list(range(5, 25))], params, chain=("target",))
+    (entry,) = cache.entries
+    held = runner._caches[entry.parts["target"].slot].get_seq_length()
+    per_position = 2 * 3 * 2 * 16 * 8  # (k, v) x 3 layers x 2 KV heads x head dim 16 x float64
+    assert held >= 20 and per_position * held <= cache.parked_bytes <= per_position * 128
+    # the budget evicts by those bytes: room for one such entry, a second prompt evicts the first
+    cache.budget_bytes = int(1.5 * cache.parked_bytes)
+    eng.generate_ids([list(range(100, 121))], params, chain=("target",))
+    assert len(cache.entries) == 1 and cache.entries[0] is not entry and cache.stats.evictions == 1
+    assert 0 < cache.parked_bytes <= cache.budget_bytes
+
+
 def test_tenant_never_adopts_another_tenants_entry(tiny_pool_dirs):
     """A recording runner: the first forward of B's request (same prompt as A's parked one)
     starts at position 0; A's retry starts past the cached prefix."""
@@ -315,8 +339,10 @@ def test_server_reports_cached_tokens_and_metrics_and_keeps_tenants_apart(tiny_p
 def test_a_draft_head_chain_adopts_the_targets_features_too(tmp_path):
     """A pool with a draft head: the target's features are parked with its slot and adopted
     (moved, or copied beside a kept entry), so a later request feeds the target only the tokens
-    past the cached prefix (counted on every forward) and the head drafts at once; outputs are
-    those of the cache off. Negative control: features dropped at adoption make the target
+    past the cached prefix (counted on every forward) and the head drafts at once; the head's
+    own KV is parked and adopted too (one position short), so its catch-up feeds only the new
+    positions; outputs, and every cycle's drafted and accepted counts (the head's proposals),
+    are those of the cache off. Negative control: features dropped at adoption make the target
     re-feed the whole prefix (the count shows it)."""
     from fixtures import make_tiny_llama
     from test_head_level import _save_head
@@ -338,27 +364,31 @@ def test_a_draft_head_chain_adopts_the_targets_features_too(tmp_path):
             cycles = []
             (seq,) = eng.generate_ids([conv], [SamplingParams(max_new_tokens=8, ignore_eos=True)],
                                       chain=("head", "target"), k=3, on_cycle=cycles.append)
-            fed.append(sum(c.forward_tokens.get("target", 0) for c in cycles))
-            outs.append((seq.output_ids, seq.stats.cached_tokens))
+            fed.append({m: sum(c.forward_tokens.get(m, 0) for c in cycles) for m in ("target", "head")})
+            outs.append((seq.output_ids, seq.stats.cached_tokens, [(c.drafted, c.accepted) for c in cycles]))
             conv = (list(seq.tokens) if t != 1 else conv) + [50 + t, 60 + t]  # turn 2 branches: a copy
         return fed, outs
 
     fed_off, off = run(False)
     fed_on, on = run(True)
-    assert [o for o, _ in on] == [o for o, _ in off]
-    cached = [c for _, c in on]
+    assert [o for o, _, _ in on] == [o for o, _, _ in off]
+    assert [d for _, _, d in on] == [d for _, _, d in off]  # the head proposed the same tokens
+    cached = [c for _, c, _ in on]
     assert cached[0] == 0 and all(c > 30 for c in cached[1:]), cached
     assert fed_on[0] == fed_off[0]
     for t in (1, 2):  # the target fed only what was not cached
-        assert fed_off[t] - fed_on[t] == cached[t], (fed_on, fed_off, cached)
+        assert fed_off[t]["target"] - fed_on[t]["target"] == cached[t], (fed_on, fed_off, cached)
+        # the head too, give or take its lag: it parks the positions of its last catch-up (the
+        # tokens its last cycle accepted, at most k + 1, are not in it), adopted one short
+        assert fed_on[t]["head"] <= fed_on[t]["target"] + 3 + 1 < fed_off[t]["head"] - 30, (fed_on, fed_off)
     adopt = StateManager.adopt
     try:  # negative control: features not adopted -> the target re-feeds the prefix
         StateManager.adopt = lambda self, *a, features=0, source=None: adopt(self, *a)
         fed_nf, nf = run(True)
     finally:
         StateManager.adopt = adopt
-    assert [o for o, _ in nf] == [o for o, _ in off]
-    assert fed_nf[1] >= fed_off[1] - 1, (fed_nf, fed_off)
+    assert [o for o, _, _ in nf] == [o for o, _, _ in off]
+    assert fed_nf[1]["target"] >= fed_off[1]["target"] - 1, (fed_nf, fed_off)
 
 
 def test_a_shared_prefix_serves_a_burst_when_the_cache_is_full_of_other_entries(tiny_pool_dirs):

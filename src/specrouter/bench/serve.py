@@ -135,8 +135,9 @@ def free_port() -> int:
 
 
 def start_server(cfg: ServeBenchConfig, models: list[str], port: int, log, *, plain: bool = False,
-                 name: str = "server") -> subprocess.Popen:
-    """A `specrouter serve` subprocess; `plain`: the router off (`--static --chain target`)."""
+                 name: str = "server", extra: list[str] = ()) -> subprocess.Popen:
+    """A `specrouter serve` subprocess; `plain`: the router off (`--static --chain target`);
+    `extra`: more `serve` flags (bench/serve_shared.py: `--no-prefix-cache`)."""
     cmd = [sys.executable, "-m", "specrouter.cli.main", "serve", "--models", *models,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype,
            "--max-num-seqs", str(max(cfg.concurrency)), "--max-queue", str(4 * cfg.requests + 64),
@@ -149,6 +150,7 @@ def start_server(cfg: ServeBenchConfig, models: list[str], port: int, log, *, pl
         cmd += ["--target", cfg.target]
     if plain:
         cmd += ["--static", "--chain", "target"]
+    cmd += list(extra)
     env = dict(os.environ)
     if cfg.threads:
         env["OMP_NUM_THREADS"] = str(cfg.threads)

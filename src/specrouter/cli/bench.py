@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default=None, help="output folder (default: bench-out)")
     p.add_argument("--workloads", nargs="+", default=None,
                    help="some of: code prose chat extraction mixed templated multiturn (default: code prose chat "
-                        "extraction mixed)")
+                        "extraction mixed); with --serve: mixed (default) and/or shared-prompt (clients sharing a "
+                        "~300-token system prompt, prefix cache on vs off servers, side by side)")
     p.add_argument("--kinds", nargs="+", default=None,
                    help="request types of the mixed stream, in order (default: extraction prose code chat)")
     p.add_argument("--prompts-per-type", type=int, default=None, help="default 3 (1..6)")
@@ -105,8 +106,11 @@ def config_from_args(args: argparse.Namespace):
     return BenchConfig.quick_preset(**over) if args.quick else BenchConfig(**over)
 
 
+SERVE_WORKLOADS = ("mixed", "shared-prompt")  # --serve --workloads: the mixed stream, a shared system prompt
+
+
 def cmd_serve_bench(args: argparse.Namespace) -> int:
-    from specrouter.bench.serve import ServeBenchConfig, run_serve_bench, write
+    from specrouter.bench.serve import ServeBenchConfig
 
     over = {}
     for field, name in (("threads", "threads"), ("dtype", "dtype"), ("target", "target"),
@@ -123,12 +127,40 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
         over["static_levels"] = args.max_levels
     over["out_dir"] = args.out_dir or "bench-out/serve"
     over["plots"] = not args.no_plots
+    workloads = args.workloads or ("mixed",)
+    unknown = [w for w in workloads if w not in SERVE_WORKLOADS]
+    if unknown:
+        print(f"specrouter bench: error: --serve --workloads takes {', '.join(SERVE_WORKLOADS)}, "
+              f"got {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    if set(workloads) == {"shared-prompt"} and args.concurrency is None:
+        over["concurrency"] = (8,)  # issue 29: 8 clients sharing a system prompt (else the highest level)
     cfg = ServeBenchConfig.quick_preset(**over) if args.quick else ServeBenchConfig(**over)
+    status = 0
+    if "shared-prompt" in workloads:
+        status = cmd_shared_prompt_bench(cfg)
+    if "mixed" in workloads:
+        status = max(status, cmd_mixed_serve_bench(cfg))
+    return status
+
+
+def cmd_shared_prompt_bench(cfg) -> int:
+    from specrouter.bench.serve_shared import markdown_shared, run_shared_prompt_bench, write_shared
+
+    t0 = time.perf_counter()
+    result = run_shared_prompt_bench(cfg, log=lambda m: print(m, file=sys.stderr))
+    paths = write_shared(result, cfg.out_dir)
+    print(markdown_shared(result))
+    print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - t0:.0f} s")
+    return 2 if result["mismatches"] else 0
+
+
+def cmd_mixed_serve_bench(cfg) -> int:
+    from specrouter.bench.serve import markdown, run_serve_bench, write
+
     t0 = time.perf_counter()
     result = run_serve_bench(cfg, log=lambda m: print(m, file=sys.stderr))
     paths = write(result, cfg.out_dir, cfg.plots)
-    from specrouter.bench.serve import markdown
-
     print(markdown(result))
     print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - t0:.0f} s")
     return 2 if result["mismatches"] else 0

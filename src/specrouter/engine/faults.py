@@ -28,6 +28,7 @@ every later forward.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -120,10 +121,13 @@ class ForwardThread:
 
 
 class GuardedRunner(ModelRunner):
-    """A `ModelRunner` whose forwards raise `ModelFailure` on an exception or after `timeout`
-    seconds (None: no timeout, the forward runs in the caller's thread) on `thread` (shared
-    with other runners, or the runner's own). Everything else (slots, reserve, attributes) is
-    the wrapped runner's."""
+    """A `ModelRunner` whose model calls (`forward`, and where the wrapped runner has them the
+    target's `forward_with_features` and a draft head's `step`) raise `ModelFailure` on an
+    exception or after `timeout` seconds (None: no timeout, the call runs in the caller's
+    thread) on `thread` (shared with other runners, or the runner's own). Everything else
+    (slots, reserve, attributes) is the wrapped runner's: every attribute `ModelRunner` defines
+    (`packs_ragged`, `parking`, `generation`, `kv_bytes_per_position`, `copy_slot`, ...) reads
+    the wrapped runner's, never the base class's default (`_forward_base_attributes`)."""
 
     def __init__(self, inner: ModelRunner, timeout: float | None, thread: ForwardThread | None = None):
         if timeout is not None and not timeout > 0:
@@ -133,6 +137,11 @@ class GuardedRunner(ModelRunner):
         self.__dict__["failed"] = None  # ModelFailure of a timeout: the runner is unusable
         self.__dict__["thread"] = thread or ForwardThread(f"specrouter-forward-{inner.name}")
         self.__dict__["abandoned"] = []  # threads of timed-out forwards (daemons, left running)
+        # the wrapped runner's other model calls, guarded like `forward` (instance attributes:
+        # a runner without them still has none)
+        for call in GUARDED_CALLS:
+            if callable(getattr(inner, call, None)):
+                self.__dict__[call] = functools.partial(self._guarded, call)
 
     def __getattr__(self, attr):  # name, vocab_size, max_len, num_slots, ... of the wrapped runner
         return getattr(self.__dict__["inner"], attr)
@@ -141,15 +150,19 @@ class GuardedRunner(ModelRunner):
         setattr(self.inner, attr, value)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self._guarded("forward", batch)
+
+    def _guarded(self, call: str, *args):
+        """`inner.<call>(*args)`, a failure or a timeout raised as ModelFailure."""
         if self.failed is not None:
             raise self.failed
         if self.timeout is None:
             try:
-                return self.inner.forward(batch)
+                return getattr(self.inner, call)(*args)
             except Exception as e:
                 raise ModelFailure(self.inner.name, e) from e
         try:  # torch's grad mode is thread-local: the worker runs in inference mode like the runners
-            return self.thread.run(_forward_no_grad, (self.inner, batch), self.timeout)
+            return self.thread.run(_call_no_grad, (getattr(self.inner, call), args), self.timeout)
         except TimeoutError as e:
             failure = ModelFailure(self.inner.name, e)
             self.__dict__["failed"] = failure
@@ -174,10 +187,31 @@ class GuardedRunner(ModelRunner):
         self.thread.close()
 
 
-def _forward_no_grad(args):
-    runner, batch = args
+# model calls besides `forward` that run a model (the target's forward that also returns the
+# features a draft head reads; a head level's step), guarded where the wrapped runner has them
+GUARDED_CALLS = ("forward_with_features", "step")
+
+
+def _forward_base_attributes() -> None:
+    """Make every attribute `ModelRunner` defines at class level (defaults such as
+    `packs_ragged = False`, `parking`, `generation`, and methods such as `kv_bytes_per_position`,
+    `copy_slot`, `reallocating`) read the wrapped runner's on a `GuardedRunner`: inherited, they
+    would shadow `__getattr__` (which only sees names the class lacks) and answer with the base
+    class's defaults (a guarded native runner that packs ragged batches claimed it pads)."""
+    own = set(vars(GuardedRunner))
+    for attr in vars(ModelRunner):
+        if attr.startswith(("__", "_abc")) or attr in own:
+            continue
+        setattr(GuardedRunner, attr, property(lambda self, _a=attr: getattr(self.__dict__["inner"], _a)))
+
+
+_forward_base_attributes()
+
+
+def _call_no_grad(args):
+    fn, call_args = args
     with torch.inference_mode():
-        return runner.forward(batch)
+        return fn(*call_args)
 
 
 def guard_runners(runners: dict[str, ModelRunner], timeout: float | None) -> dict[str, ModelRunner]:

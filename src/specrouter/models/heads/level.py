@@ -54,7 +54,15 @@ class HeadLevel(ModelRunner):
         return self.head.layer.max_len
 
     def reserve(self, num_slots: int, max_len: int) -> None:
+        if num_slots > self.num_slots or max_len > self.max_len:
+            self.reallocating()  # the layer reallocates: parked prefix-cache slots are dropped first
         self.head.reserve(num_slots, max_len)
+
+    def kv_bytes_per_position(self) -> int:
+        return self.head.layer.kv_bytes_per_position()
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.head.layer.copy_slot(src, dst, length)
 
     def step(self, batch: ForwardBatch, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits (B, G, V), predicted features (B, T, H)): see `HeadRunner.step`."""

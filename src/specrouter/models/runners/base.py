@@ -165,6 +165,12 @@ class ModelRunner(ABC):
         (overwritten by the next forward). Runners that run trees implement it."""
         raise NotImplementedError(f"model {self.name!r} runs no token trees")
 
+    def slot_bytes(self, slot: int) -> int:
+        """Bytes of cache that slot `slot` keeps alive (what parking it costs): its whole
+        allocation on a preallocated cache; a runner whose caches grow on demand counts what the
+        slot holds now."""
+        return self.kv_bytes_per_position() * self.max_len
+
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the KV of positions [0, length) of slot `src` into slot `dst` (a prefix cache
         hit shared by a running sequence). Runners that cannot raise NotImplementedError."""

@@ -110,6 +110,12 @@ class HFRunner(ModelRunner):
     def on_slot_freed(self, slot: int) -> None:
         self._caches.pop(slot, None)
 
+    def slot_bytes(self, slot: int) -> int:
+        """The bytes the slot's DynamicCache holds now (the storage of its tensors: a cropped
+        cache keeps its storage until it grows again); 0 before its first forward."""
+        cache = self._caches.get(slot)
+        return 0 if cache is None else _cache_bytes(cache)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run every row on its own (ragged rows, one DynamicCache each); see ModelRunner.forward.
@@ -251,6 +257,22 @@ def load_hf_runner(
         )
     model.to(device)
     return HFRunner(model, name=name, num_slots=num_slots, max_len=max_len)
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes of every tensor a DynamicCache holds (transformers 5.x: `layers[i].keys/values` and
+    any other tensor state of a layer; 4.56-4.x: `key_cache` / `value_cache`), each storage once."""
+    tensors = []
+    for layer in getattr(cache, "layers", None) or ():
+        tensors += [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+    if not getattr(cache, "layers", None):
+        tensors += [*getattr(cache, "key_cache", ()), *getattr(cache, "value_cache", ())]
+    storages = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
 
 
 def _text_config(config):
