@@ -185,6 +185,11 @@ class SimilarityConfig:
     # ... at a row's first this many candidates of each level (a softmax over the vocabulary per
     # position and level: all 8 cost 2% of the step on the default pool, measured)
     tv_positions: int = 2
+    # greedy rows' D_TV feeds the estimator too. Off: a greedy row accepts on an argmax match,
+    # which the temperature-1 D_TV only proxies (through the learned calibration), and on the
+    # mixed stream it cost greedy SpecRouter 10-20% against acceptance counts alone (three
+    # side-by-side runs, docs/router.md); a sampled row's acceptance is 1 - D_TV exactly
+    greedy_tv: bool = False
     tv_alpha: float = 0.1  # EMA weight of one observation's mean D_TV (after the first few)
     drift: bool = True  # shift the observed acceptance by f(SimScore now) - f(SimScore of its trials)
     drift_decay: float = 0.95  # per trial: "SimScore now" forgets (~20 trials; the counts: ~500)
@@ -311,6 +316,17 @@ class RouterConfig:
     batch_calibration_discount: float = 0.9
     batch_calibration_prior: float = 1.0
     batch_calibration_forget: float = 0.98
+    # the realized check (router/policy.py, step 1b): in a one-row step, each chain drafted by a
+    # model-free drafter that a request ran has its predicted seconds per token scaled by what
+    # it realized there (every chain's sums decayed by this per cycle of the request, shrunk
+    # toward no correction by realized_prior_tokens tokens that came as predicted, clipped to
+    # realized_clip: by default it only slows a chain down, so noise never makes a chain look
+    # faster than its estimates say); a move above realized_tolerance republishes it
+    realized_check: bool = True
+    realized_decay: float = 0.9
+    realized_prior_tokens: float = 4.0
+    realized_tolerance: float = 0.05
+    realized_clip: tuple[float, float] = (1.0, 10.0)
     similarity: SimilarityConfig = field(default_factory=SimilarityConfig)  # the acceptance estimator
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # the cost profile's online refresh
 
@@ -324,6 +340,10 @@ class RouterConfig:
         for name in ("request_decay", "request_hit_decay"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        if not 0.0 < self.realized_decay <= 1.0 or self.realized_prior_tokens < 0 or self.realized_tolerance < 0 \
+                or not 0.0 < self.realized_clip[0] <= 1.0 <= self.realized_clip[1]:
+            raise ValueError("realized_decay must be in (0, 1], realized_prior_tokens and realized_tolerance "
+                             ">= 0, realized_clip a (low <= 1 <= high) pair above 0")
         if self.request_prior_strength < 0 or self.request_hit_prior_strength < 0:
             raise ValueError("request prior strengths must be >= 0")
         if self.request_prior_quantile is not None and not 0.0 <= self.request_prior_quantile <= 1.0:
