@@ -138,9 +138,7 @@ _NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
 
 # Honoured sampling controls not yet wired into the engine are refused like the above until
 # they are (they move to honoured in one place: here).
-_NOT_YET: dict[str, tuple[tuple, str]] = {
-    "best_of": ((1,), "only best_of=1 is supported"),
-}
+_NOT_YET: dict[str, tuple[tuple, str]] = {}
 
 
 def _is_default(value, allowed: tuple) -> bool:
@@ -209,14 +207,22 @@ class _GenerationRequest(_Lenient):
                 default = f" (only {allowed[0]!r} or null is accepted)" if allowed else ""
                 return RequestError(f"unsupported value {_short(value)} for '{name}': {why}"
                                     f"{default}", param=name)
-        if self.n > 1 and self.stream:
-            return RequestError(f"unsupported value {self.n} for 'n' with 'stream': true: only "
-                                "n=1 is streamed (n > 1 is answered whole)", param="n")
+        best_of = self.rows()
+        if best_of < self.n:
+            return RequestError(f"'best_of' ({best_of}) must be at least 'n' ({self.n})",
+                                param="best_of")
+        if best_of > self.n and self.stream:
+            return RequestError(f"'best_of' ({best_of}) over 'n' ({self.n}) cannot be streamed: "
+                                "the best rows are known only at the end", param="best_of")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             return RequestError("unsupported value True for 'stream_options."
                                 "continuous_usage_stats': usage is sent once, on the last chunk",
                                 param="stream_options.continuous_usage_stats")
         return None
+
+    def rows(self) -> int:
+        """Rows the request runs: best_of when sent (default: n)."""
+        return self.best_of if "best_of" in self.model_fields_set else self.n
 
     def stop_strings(self) -> list[str]:
         stop = self.stop

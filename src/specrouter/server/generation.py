@@ -1,0 +1,140 @@
+"""One row of a request on the asyncio side (`Generation`): its submission to the engine loop,
+its text deltas (server/text.py: stop strings, held-back tails), its logprobs, its usage.
+A request runs one row, or n / best_of rows sharing the prompt (server/choices.py); its
+response is whole (choices.py) or streamed (streaming.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from specrouter.server.async_engine import QueueFull, RequestHandle, TokenEvent
+from specrouter.server.logprobs import CompletionLogprobWriter, TokenIds, chat_logprobs, vllm_prompt_logprobs
+from specrouter.server.protocol import RequestError, Usage
+from specrouter.server.service import Service
+from specrouter.server.text import TextStream
+from specrouter.server.validate import Prepared
+
+
+class ClientGone(Exception):
+    """The client went away: nobody reads the response."""
+
+
+def submit(srv: Service, p: Prepared, tenant: str | None = None) -> RequestHandle:
+    """Queue a prepared row on the engine loop (429 queue full, 503 engine down)."""
+    try:
+        return srv.loop_engine.submit(p.prompt, p.params, chain=p.chain, k=p.k,
+                                      generator=p.generator, tenant=tenant)
+    except QueueFull as e:
+        raise RequestError(str(e), status=429, type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(srv.config.retry_after_s)}) from None
+    except RuntimeError as e:
+        raise RequestError(str(e), status=503, type="server_error") from None
+
+
+def usage_of(prompt_len: int, ts: TextStream, stats: dict | None) -> Usage:
+    """One row's usage (with its stats in `usage.specrouter`)."""
+    n = len(ts.token_ids)
+    cached = (stats or {}).get("cached_tokens", 0)
+    return Usage(prompt_tokens=prompt_len, completion_tokens=n, total_tokens=prompt_len + n,
+                 prompt_tokens_details={"cached_tokens": cached}, specrouter=stats)
+
+
+def sse(obj) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+class Generation:
+    """Runs one row: yields (text delta, finish_reason or None)."""
+
+    def __init__(self, srv: Service, p: Prepared, handle: RequestHandle):
+        self.srv, self.p, self.handle = srv, p, handle
+        self.text = TextStream(srv.pool.tokenizer, p.stops)
+        self.stats: dict | None = None
+        self.first_token_at: float | None = None
+        self.committed = 0.0  # when the engine committed the tokens of the last event
+        self.logprobs: list = []  # TokenLogprob of every token so far (requests asking)
+        self.prompt_logprobs: list | None = None  # the prompt's (requests asking)
+        self._taken = 0  # logprobs handed out by take_logprobs
+
+    def take_logprobs(self) -> list:
+        """The logprobs of the tokens since the last call (a stream's chunk carries them)."""
+        out = self.logprobs[self._taken:]
+        self._taken = len(self.logprobs)
+        return out
+
+    def abort(self) -> None:
+        """Free the row now (client gone), waking whoever waits on its events."""
+        self.srv.loop_engine.abort(self.handle)
+        self.handle.events.put_nowait(TokenEvent([], True, "abort"))
+
+    async def events(self) -> AsyncIterator[tuple[str, str | None]]:
+        """Text deltas; the last item carries the finish reason. Raises RequestError(500) if a
+        model failure ended the row, ClientGone if the client went away."""
+        h = self.handle
+        while True:
+            ev = await h.events.get()
+            self.committed = ev.committed
+            if ev.finish_reason == "abort":
+                raise ClientGone()
+            if ev.token_ids and self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+                self.srv.metrics.ttft_seconds.observe(self.first_token_at - h.submitted)
+            if ev.finish_reason == "error":
+                raise RequestError(f"generation failed: {ev.error}", status=500,
+                                   type="server_error", code="model_failure")
+            if ev.logprobs:
+                self.logprobs.extend(ev.logprobs)
+            if ev.prompt_logprobs is not None and self.prompt_logprobs is None:
+                self.prompt_logprobs = ev.prompt_logprobs
+            delta = self.text.add(ev.token_ids)
+            if self.text.stopped:  # a stop string: done, free the row now
+                self.srv.loop_engine.abort(h)
+                self.stats = ev.stats
+                yield delta, "stop"
+                return
+            if ev.done:
+                self.stats = ev.stats
+                # "grammar": the request's grammar reached a dead end (engine/constrained.py)
+                yield delta + self.text.finish(), (ev.finish_reason if ev.finish_reason in ("stop", "grammar")
+                                                   else "length")
+                return
+            if delta:
+                yield delta, None
+
+
+async def watch_disconnect(request: Request, gens: list[Generation]) -> None:
+    """Abort every row of a request as soon as the client goes away (after the body was read,
+    the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for g in gens:
+        g.abort()
+
+
+def token_namer(srv: Service, req):
+    """Token id -> its name in logprobs: its text, or "token_id:{id}" when asked."""
+    return TokenIds() if req.return_tokens_as_token_ids else srv.token_text
+
+
+def choice_logprobs(srv: Service, req, gen: Generation, chat: bool, echo: str | None = None,
+                    entries: list | None = None, writer: CompletionLogprobWriter | None = None) -> dict:
+    """The logprob fields of a choice (server/logprobs.py) for what the request asked:
+    `entries` (default: all of the row's), with the prompt's first for an echo."""
+    out = {}
+    entries = gen.logprobs if entries is None else entries
+    text = token_namer(srv, req)
+    if chat and req.logprobs:
+        out["logprobs"] = chat_logprobs(entries, text)
+    elif not chat and req.logprobs is not None:
+        pairs = [(e.token, e) for e in entries]
+        if echo is not None:
+            prompt = gen.p.prompt
+            pairs = [(prompt[0], None), *zip(prompt[1:], gen.prompt_logprobs or [None] * (len(prompt) - 1)),
+                     *pairs]
+        out["logprobs"] = (writer or CompletionLogprobWriter(text)).write(pairs)
+    if req.prompt_logprobs is not None and gen.prompt_logprobs is not None:
+        out["prompt_logprobs"] = vllm_prompt_logprobs(gen.prompt_logprobs, text)
+    return out
