@@ -337,7 +337,9 @@ class ChainExecutor:
         idx = [i for i, w in enumerate(work) if w.cand and w.cand_logits
                and not w.seq.params.has_processors]
         if idx:
-            num = [min(len(work[i].cand), len(work[i].cand_logits)) for i in idx]  # <= tv_positions
+            # <= tv_positions; a tree row's logits follow its main path to its first node only
+            num = [min(len(work[i].cand), len(work[i].cand_logits), 2 if work[i].tree is not None else len(work[i].cand))
+                   for i in idx]
             draft = logits.new_zeros((len(idx), max(num), logits.shape[-1]))  # (R, n, V)
             for r, (i, m) in enumerate(zip(idx, num)):
                 draft[r, :m] = torch.stack(work[i].cand_logits[:m])
