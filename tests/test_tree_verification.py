@@ -175,3 +175,31 @@ def test_decoding_by_random_trees_is_plain_decoding(runner, temperature):
         cache_len = start + len(nodes)  # the final token stays pending
     assert tokens[: len(plain)] == plain
     assert forwards < steps, "the trees must have been accepted sometimes"
+
+
+def test_token_noise_is_the_reference_noise_of_those_tokens():
+    from specrouter.decoding.noise import exponential_noise, token_noise
+
+    keys = position_keys(torch.tensor([[seed_key(1)], [seed_key(2)]]), torch.tensor([[5], [9]]))[:, 0]
+    tokens = torch.tensor([[0, 63, 64, 300, 1000], [7, 8, 128, 129, 4095]])
+    assert torch.equal(token_noise(keys, tokens), exponential_noise(keys, 4096).gather(1, tokens))
+
+
+def test_grow_tree_keeps_the_best_nodes_as_a_tree():
+    from specrouter.decoding.tree_drafting import DraftDepth, grow_tree, rank_evidence
+
+    depths = [DraftDepth(10, -0.1, ((11, -2.5), (12, -3.0))), DraftDepth(20, -0.5, ((21, -1.0), (22, -4.0))),
+              DraftDepth(30, -0.2, ((31, -2.0),))]
+    tree, ranks = grow_tree(depths, 3, 1)
+    assert tree == TokenTree.chain([10, 20, 30]) and ranks == [0, 0, 0]  # width 1: the chain
+    tree, ranks = grow_tree(depths, 5, 3)
+    # scores: 10 -0.1, 20 -0.6, 21 -1.1, 30 -0.8, 31 -2.6, 11 -2.5: the best 5 but 31 and 12
+    assert tree.tokens == (10, 11, 20, 21, 30) and tree.parents == (-1, -1, 0, 0, 2)
+    assert ranks == [0, 1, 0, 1, 0]
+    # the target's tokens after the root, node 0, ..., node 4: 10, then 21 (an alternative), then 99
+    nodes, final = walk(tree, [10, 21, 5, 5, 99, 5])
+    assert nodes == [0, 3] and final == 99
+    assert walk(tree, [10, 20, 5, 30, 5, 7]) == ([0, 2, 4], 7)  # the main path, then the bonus
+    assert walk(tree, [13, 5, 5, 5, 5, 5]) == ([], 13)  # no child matches: recovered at once
+    assert rank_evidence(depths, [10, 21]) == [0, 1]
+    assert rank_evidence(depths, [10, 77]) == [0, -1]

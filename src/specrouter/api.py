@@ -60,6 +60,13 @@ class SpecRouter:
         self.config = config or SpecRouterConfig()
         self.engine = Engine(pool, router=router, prefix_cache=self.config.engine.prefix_cache,
                              kv_cache_bytes=kv_cache_bytes(self.config.engine.kv_cache_gb))
+        if router is not None and self.config.engine.trees:
+            from specrouter.engine.tree_policy import TreePolicy
+
+            profile, target = router.profile, pool.target
+            drafters = frozenset(m for m in pool.runners if m != target and m not in pool.heads)
+            self.engine.tree_policy = TreePolicy(lambda n, L: profile.predict(target, 1, n, L),
+                                                 lambda d, L: profile.predict(d, 1, 1, L), drafters)
 
     @classmethod
     def from_config(cls, config: SpecRouterConfig, *, progress: bool = False) -> "SpecRouter":

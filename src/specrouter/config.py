@@ -502,6 +502,7 @@ class EngineConfig:
     adaptive: bool = True  # the router picks chain and k per request every cycle; False: the pool's default chain
     prefix_cache: bool = True  # reuse the KV of earlier requests' shared prefixes (state/prefix_cache.py)
     kv_cache_gb: float | None = None  # parked-KV budget of the prefix cache; None: a tenth of RAM, at most 4 GiB
+    trees: bool = True  # the router may verify token trees instead of chains where they pay (docs/trees.md)
 
     def __post_init__(self) -> None:
         check_kv_cache_gb(self.kv_cache_gb)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from specrouter.bench.slowdown import Slowdown
-from specrouter.bench.summary import ADAPTIVE_CACHE, NO_HEAD, NO_SUFFIX, NO_TV, TARGET_CACHE, chain_label, summarize
+from specrouter.bench.summary import (ADAPTIVE_CACHE, NO_HEAD, NO_SUFFIX, NO_TREES, NO_TV, TARGET_CACHE, chain_label,
+                                      summarize)
 from specrouter.bench.systems import (
     AdaptiveSystem,
     Decoding,
@@ -41,6 +42,7 @@ from specrouter.bench.workloads import (
     conversation_messages,
 )
 from specrouter.config import MAX_DRAFT_LENGTH, RouterConfig
+from specrouter.engine.tree_policy import MAX_NODES
 from specrouter.errors import SpecRouterError
 from specrouter.models.pool import SUFFIX, resolved_dtype
 
@@ -202,6 +204,10 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
         for k in (cfg.ks if len(chain) > 1 else (None,)):
             label = "target-only" if len(chain) == 1 else chain_label(chain, aliases, k)
             systems.append(NativeSystem(pool, label, chain, k))
+            if len(chain) == 2 and chain[0] in pool.runners and pool.runners[pool.target].supports_trees:
+                # beside each model-draft chain: its token tree of twice the nodes (docs/trees.md)
+                nodes = min(2 * k, MAX_NODES)
+                systems.append(NativeSystem(pool, f"{label} tree N={nodes} w=3", chain, k, tree=(nodes, 3)))
     target_only = systems[0]
     from specrouter.router.setup import load_or_sweep_profile
 
@@ -215,6 +221,8 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
         ablations.append(AdaptiveSystem(pool, NO_TV, profile=profile, router_config=no_tv))
     if SUFFIX in pool.drafters:
         ablations.append(AdaptiveSystem(pool.without_drafters([SUFFIX]), NO_SUFFIX, profile=profile))
+    if pool.model_drafts and pool.runners[pool.target].supports_trees:
+        ablations.append(AdaptiveSystem(pool, NO_TREES, profile=profile, router_config=cfg.router, trees=False))
     if pool.heads:
         ablations.append(AdaptiveSystem(pool.without_drafters(pool.heads), NO_HEAD, profile=profile))
     systems += ablations

@@ -7,7 +7,8 @@ Tokens: the generated tokens, the stop token included.
 
 Systems (`kind`):
 - target-only: plain decoding with the native runner (chain `(target,)`); the reference;
-- static: one pinned chain and draft length k through the same engine (no router);
+- static: one pinned chain and draft length k through the same engine (no router); with `tree`
+  (budget, width), its model draft's token tree of that shape instead of the chain (docs/trees.md);
 - adaptive: SpecRouter, the router choosing chain and k per request every cycle; a fresh router
   per scenario (cold start from this machine's cost profile), fed only by its own cycles;
 - target-only+cache, adaptive+cache: the same with the prefix cache on (state/prefix_cache.py:
@@ -70,8 +71,8 @@ class System:
         pass
 
 
-def _config(prefix_cache: bool) -> SpecRouterConfig:
-    return SpecRouterConfig(engine=EngineConfig(prefix_cache=prefix_cache))
+def _config(prefix_cache: bool, trees: bool = True) -> SpecRouterConfig:
+    return SpecRouterConfig(engine=EngineConfig(prefix_cache=prefix_cache, trees=trees))
 
 
 def _forget(sr: SpecRouter | None) -> None:
@@ -86,9 +87,10 @@ class NativeSystem(System):
     `prefix_cache`: off unless asked (kind "target-only+cache" for target-only with it)."""
 
     def __init__(self, pool, name: str, chain: tuple[str, ...], k: int | None, *,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, tree: tuple[int, int] | None = None):
         self.pool, self.name, self.chain, self.k = pool, name, tuple(chain), k
         self.prefix_cache = prefix_cache
+        self.tree = tree  # (node budget, width) of a fixed token-tree shape; None: the chain
         self.kind = "target-only" if len(self.chain) == 1 else "static"
         if prefix_cache:
             self.kind += "+cache"
@@ -97,6 +99,10 @@ class NativeSystem(System):
     def reset(self) -> None:
         _forget(getattr(self, "sr", None))
         self.sr = SpecRouter(self.pool.with_fresh_drafters(), config=_config(self.prefix_cache))
+        if self.tree is not None:
+            from specrouter.engine.tree_policy import FixedTreeShape
+
+            self.sr.engine.tree_policy = FixedTreeShape(*self.tree)
 
     def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
         t0 = time.perf_counter()
@@ -112,8 +118,9 @@ class AdaptiveSystem(System):
 
     def __init__(self, pool, name: str = "SpecRouter", *, profile_path: str | Path | None = None,
                  progress: bool = True, profile=None, router_config: RouterConfig | None = None,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, trees: bool = True):
         self.pool, self.name = pool, name
+        self.trees = trees  # the router may verify token trees (EngineConfig.trees)
         self.prefix_cache = prefix_cache
         self.kind = "adaptive+cache" if prefix_cache else "adaptive"
         self.profile_path, self.progress = profile_path, progress
@@ -133,7 +140,7 @@ class AdaptiveSystem(System):
         router = Router.from_pool(pool, copy.deepcopy(self.profile), on_decision=on_decision,
                                   config=self.router_config)
         _forget(self.sr)
-        self.sr = SpecRouter(pool, router, _config(self.prefix_cache))
+        self.sr = SpecRouter(pool, router, _config(self.prefix_cache, self.trees))
 
     def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
         if self.sr is None:

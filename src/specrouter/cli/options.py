@@ -120,6 +120,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, k_help: str) -> None:
     g.add_argument("--k", type=_draft_length, default=None, help=k_help)
     g.add_argument("--static", action="store_true",
                    help="no router: the pool's default chain (its smallest draft, then the target)")
+    g.add_argument("--no-trees", action="store_true",
+                   help="chains only (default: where a model draft drafts for the target in a single "
+                        "stream, the router may verify a token tree of its alternatives instead)")
     c = p.add_argument_group("prefix cache")
     c.add_argument("--no-prefix-cache", action="store_true",
                    help="recompute every prompt (default: a request that starts like an earlier "
@@ -142,7 +145,8 @@ def engine_config(args: argparse.Namespace, *, k_alone: bool = False) -> EngineC
                             k=args.k if args.k is not None else 4,
                             adaptive=not args.static,
                             prefix_cache=not getattr(args, "no_prefix_cache", False),
-                            kv_cache_gb=getattr(args, "kv_cache_gb", None))
+                            kv_cache_gb=getattr(args, "kv_cache_gb", None),
+                            trees=not getattr(args, "no_trees", False))
     except (ChainError, ValueError) as e:
         raise UsageError(str(e)) from None
 

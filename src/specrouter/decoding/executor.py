@@ -50,6 +50,8 @@ from specrouter.decoding.sampling import SamplingTensors, choose_tokens
 from specrouter.decoding.tv import level_tv
 from specrouter.models.device import synchronize
 from specrouter.decoding.verification import verify_tokens
+from specrouter.decoding.tree import TokenTree, feed_parents, token_offsets, walk
+from specrouter.decoding.tree_drafting import DraftDepth, draft_depths, grow_tree, rank_evidence
 from specrouter.records.stats import CycleStats
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
 from specrouter.records.routing import ForwardRecord, RowOutcome
@@ -79,6 +81,15 @@ class RowWork:
     tv: list[float] = field(default_factory=list)  # per level j >= 1: mean D_TV (j-1 vs j) at its candidates; NaN: none
     logprobs: list | None = None  # the target's TokenLogprob of each token in `cand` (rows asking)
     prompt_logprobs: list | None = None  # its prompt's, when this cycle prefilled them
+    # a token tree (docs/trees.md): the node budget and width asked (0: a chain), what the
+    # drafter offered per depth, the tree the target verifies, and what it accepted
+    tree_budget: int = 0
+    tree_width: int = 1
+    depths: list[DraftDepth] = field(default_factory=list)
+    tree: TokenTree | None = None
+    tree_ranks: list[int] = field(default_factory=list)  # per node: 0 main path, r alternative
+    ranks: list[int] = field(default_factory=list)  # rank evidence per depth reached (tree_drafting.rank_evidence)
+    tree_accepted: int = 0  # nodes of the accepted branch
 
     def level(self, model: str) -> int:
         """Index of `model` in the row's chain (-1: not in it)."""
@@ -97,6 +108,20 @@ class StepResult:
     wall_time: float  # seconds for the whole step
     speculative: bool  # some row ran a drafter
     tv_seconds: float = 0.0  # of the wall time, measuring D_TV at the verified positions
+    trees: list[TreeOutcome] = field(default_factory=list)  # the rows that verified a token tree
+
+
+@dataclass(frozen=True)
+class TreeOutcome:
+    """One row's token-tree cycle (engine/tree_policy.py learns from these)."""
+
+    seq_id: int
+    nodes: int  # nodes verified (besides the root and pending tokens)
+    width: int  # candidates per depth offered (main + alternatives)
+    main: int  # main-path nodes in the tree (the chain it replaced)
+    accepted: int  # nodes of the accepted branch
+    main_accepted: int  # of them on the main path before any alternative
+    ranks: tuple[int, ...]  # rank evidence per depth reached (tree_drafting.rank_evidence)
 
 
 class ChainExecutor:
@@ -137,10 +162,14 @@ class ChainExecutor:
         plans: list[tuple[tuple[str, ...], int]],
         sampling: SamplingTensors,
         min_confidence: list[float] | None = None,
+        trees: list[tuple[int, int]] | None = None,
     ) -> StepResult:
         """One cycle for every row, row b running `plans[b] = (chain, k)`; commits >= 1 token
         per row. Rows' random numbers come from `seq.seed_key` and positions only.
-        `min_confidence[b]`: where a confidence-sized drafter drafting for row b stops."""
+        `min_confidence[b]`: where a confidence-sized drafter drafting for row b stops.
+        `trees[b] = (budget, width)`: row b verifies a token tree of up to `budget` nodes, its
+        model drafter's main path and up to `width - 1` alternatives per depth (a budget <= k:
+        its chain); only where the tree can run (`_tree_ok`)."""
         t_start = self.clock()
         self._forwards: list[ForwardRecord] = []
         self._ftime: dict[str, float] = {}
@@ -149,6 +178,10 @@ class ChainExecutor:
         work = [self._start_row(b, s, chain, k) for b, (s, (chain, k)) in enumerate(zip(rows, plans))]
         for w, floor in zip(work, min_confidence or ()):
             w.min_confidence = floor
+        heads_draft = any(w.chain[0] in self.heads and w.k > 0 for w in work)
+        for w, (budget, width) in zip(work, trees or ()):
+            if budget > w.k and width > 1 and not heads_draft and self._tree_ok(w):
+                w.tree_budget, w.tree_width = min(budget, w.cap), width
         for name in self._models_in_use(work):
             if name in self.drafters:
                 self._propose(name, [w for w in work if w.chain[0] == name and w.k > 0])
@@ -174,6 +207,14 @@ class ChainExecutor:
         n = len(chain)
         return RowWork(b=b, seq=seq, chain=chain, k=k, cap=cap, start=len(seq.tokens),
                        drafted=[0] * n, accepted=[0] * n, tv=[math.nan] * n)
+
+    def _tree_ok(self, w: RowWork) -> bool:
+        """A row may verify a tree: a model drafter straight below the target (no pruning
+        level), a target that runs trees, no history-dependent processor or grammar (their
+        history is the path: one per branch), no logprobs asked (they read chain positions)."""
+        return (len(w.chain) == 2 and w.k > 0 and w.chain[0] in self.runners and w.chain[0] not in self.heads
+                and self.runners[w.chain[1]].supports_trees and not w.seq.params.has_processors
+                and w.seq.grammar is None and w.seq.params.logprobs is None)
 
     def _models_in_use(self, work: list[RowWork]) -> list[str]:
         used = {m for w in work for m in w.chain}
@@ -207,6 +248,7 @@ class ChainExecutor:
         rows still drafting."""
         for w, t, x in zip(work, first, first_logits):
             w.cand, w.cand_logits = [t], [x.clone()] if self.measure_tv else None
+        self._offer(work, first, first_logits, 0)
         active = [w for w in work if w.k > 1]
         i = 1
         while active:
@@ -219,6 +261,7 @@ class ChainExecutor:
                                        [[0]] * len(feeds))
             logits = self._timed_forward(name, batch, len(active), 1)  # (B', 1, V)
             tokens = self._choose(logits, active, sampling, offset=i)[:, 0].tolist()
+            self._offer(active, tokens, logits[:, 0], i)
             for w, t, x in zip(active, tokens, logits[:, 0]):
                 w.cand.append(t)
                 if w.cand_logits is not None and len(w.cand_logits) < self.tv_positions:
@@ -229,6 +272,25 @@ class ChainExecutor:
             w.drafted[0] = len(w.cand)
             if w.seq.params.greedy:
                 w.proposal = list(w.cand)
+            if w.tree_budget:
+                w.tree, w.tree_ranks = grow_tree(w.depths[: len(w.cand)], w.tree_budget, w.tree_width)
+
+    def _offer(self, work: list[RowWork], chosen: list[int], logits: torch.Tensor, depth: int) -> None:
+        """Tree rows record what the drafter offered at this depth (logits (B, V) of `work`);
+        a sampling row ranks its alternatives by its noise at position start + depth."""
+        idx = [i for i, w in enumerate(work) if w.tree_budget]
+        if not idx:
+            return
+        width = max(work[i].tree_width for i in idx)
+        sel = torch.tensor(idx, dtype=torch.long, device=logits.device)
+        temps = [work[i].seq.params.temperature for i in idx]
+        keys = None
+        if any(temps):
+            keys = position_keys(torch.tensor([work[i].seq.seed_key for i in idx], dtype=torch.long),
+                                 torch.tensor([work[i].start + depth for i in idx], dtype=torch.long))
+        for i, dd in zip(idx, draft_depths(logits.index_select(0, sel), [chosen[i] for i in idx], width,
+                                            temps, keys)):
+            work[i].depths.append(dd)
 
     # -- one model's forward ----------------------------------------------------------------
     def _run_model(self, name: str, work: list[RowWork], sampling: SamplingTensors) -> None:
@@ -239,19 +301,31 @@ class ChainExecutor:
         rows = verify + draft
         if not rows:
             return
-        spec = [w.cand for w in verify] + [[] for _ in draft]
+        trees = [w.tree if w.tree is not None and w.level(name) == 1 else None for w in verify] + [None] * len(draft)
+        spec = [list(t.tokens) if t is not None else w.cand for w, t in zip(verify, trees)] + [[] for _ in draft]
         if name == self.target:
             self._prompt_logprobs(name, [w for w in verify if w.seq.params.prompt_logprobs is not None
                                          and w.seq.prompt_logprobs is None])
-        logits = self._forward(name, rows, spec)  # (B, n_max + 1, V)
-        processed = self._process(logits, rows)  # after the rows' logits processors
-        tokens = self._sample(processed, rows, sampling)  # (B, n_max + 1): the token each row samples there
+        logits = self._forward(name, rows, spec, trees)  # (B, n_max + 1, V)
+        offsets = None
+        if any(t is not None for t in trees):  # a tree node gives the token at start + depth + 1
+            G = logits.shape[1]
+            offsets = [token_offsets(t) + [0] * (G - len(t) - 1) if t is not None else list(range(G)) for t in trees]
+        processed = self._process(logits, rows)  # after the rows' logits processors (never a tree row's)
+        tokens = self._sample(processed, rows, sampling, offsets=offsets)  # (B, n_max + 1): the token each row samples there
         if verify:
             if self.measure_tv:
                 self._measure_tv(name, verify, logits[: len(verify)], sampling)
-            self._verify(name, verify, tokens[: len(verify)], logits)
+            chains = [i for i, t in enumerate(trees[: len(verify)]) if t is None]
+            if len(chains) < len(verify):
+                self._verify_trees(name, [(verify[i], tokens[i]) for i, t in enumerate(trees[: len(verify)]) if t is not None])
+            if len(chains) == len(verify):
+                self._verify(name, verify, tokens[: len(verify)], logits)
+            elif chains:
+                sel = torch.tensor(chains, dtype=torch.long)
+                self._verify(name, [verify[i] for i in chains], tokens.index_select(0, sel), logits.index_select(0, sel))
             if name == self.target:
-                self._logprobs(verify, processed, sampling)
+                self._logprobs(verify, processed, sampling)  # (no tree row asks: `_tree_ok`)
         if draft:
             self._draft_steps(name, draft, tokens[len(verify):, 0].tolist(), logits[len(verify):, 0], sampling)
 
@@ -263,7 +337,9 @@ class ChainExecutor:
         idx = [i for i, w in enumerate(work) if w.cand and w.cand_logits
                and not w.seq.params.has_processors]
         if idx:
-            num = [min(len(work[i].cand), len(work[i].cand_logits)) for i in idx]  # <= tv_positions
+            # <= tv_positions; a tree row's logits follow its main path to its first node only
+            num = [min(len(work[i].cand), len(work[i].cand_logits), 2 if work[i].tree is not None else len(work[i].cand))
+                   for i in idx]
             draft = logits.new_zeros((len(idx), max(num), logits.shape[-1]))  # (R, n, V)
             for r, (i, m) in enumerate(zip(idx, num)):
                 draft[r, :m] = torch.stack(work[i].cand_logits[:m])
@@ -291,12 +367,38 @@ class ChainExecutor:
             w.cand_logits = (list(logits[w_i, : min(len(w.cand), self.tv_positions)].clone())
                              if j < len(w.chain) - 1 and self.measure_tv else None)
 
-    def _choose(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0) -> torch.Tensor:
+    def _verify_trees(self, name: str, rows: list[tuple[RowWork, torch.Tensor]]) -> None:
+        """The target walks each row's token tree (decoding/tree.py `walk`) with its own tokens
+        (root, then one per node), moves the accepted branch's KV to contiguous positions and
+        keeps it as the row's speculative tokens (what `StateManager.commit` keeps)."""
+        runner = self.runners[name]
+        for w, toks in rows:
+            tree = w.tree
+            target = toks[: len(tree) + 1].tolist()
+            nodes, final = walk(tree, target)
+            runner.move_kv(self.state.state(w.seq.seq_id, name).slot, w.start, nodes)
+            self.state.state(w.seq.seq_id, name).speculative = [tree.tokens[i] for i in nodes]
+            main = [i for i, r in enumerate(w.tree_ranks) if r == 0]
+            main_acc = 0
+            for i in nodes:
+                if w.tree_ranks[i] != 0:
+                    break
+                main_acc += 1
+            # the target's token at each main-path depth reached: after main node d - 1
+            at_main = [target[0]] + [target[1 + i] for i in main[:main_acc]]
+            w.ranks = rank_evidence(w.depths, at_main)
+            # the router's evidence stays the chain's: its main path, what of it was accepted
+            w.drafted[1], w.accepted[1], w.tree_accepted = len(main), main_acc, len(nodes)
+            w.cand = [tree.tokens[i] for i in nodes] + [final]
+            w.cand_logits = None
+
+    def _choose(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0,
+                offsets: list[list[int]] | None = None) -> torch.Tensor:
         """(B, G) tokens the rows sample at logit positions g = 0..G-1, i.e. at sequence
-        positions start + offset + g (greedy rows: argmax; others: counter-based noise), after
+        positions start + offset + g (or start + offsets[b][g]: a tree's nodes) (greedy rows: argmax; others: counter-based noise), after
         the rows' logits processors, whose history at position g is the committed tokens plus
         w.cand[: offset + g] (the draft path: the same at every level)."""
-        return self._sample(self._process(logits, work, offset), work, sampling, offset)
+        return self._sample(self._process(logits, work, offset), work, sampling, offset, offsets)
 
     @staticmethod
     def _process(logits: torch.Tensor, work: list[RowWork], offset: int = 0) -> torch.Tensor:
@@ -310,7 +412,8 @@ class ChainExecutor:
                        w.seq.grammar)
             for w in work]).to(logits.device)
 
-    def _sample(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0,
+                offsets: list[list[int]] | None = None) -> torch.Tensor:
         """`_choose` on logits already processed (`_process`)."""
         dev = logits.device  # the pool's device: every tensor of the choice lives there
         if len(work) != len(sampling):
@@ -322,7 +425,9 @@ class ChainExecutor:
             G = logits.shape[1]
             seeds = torch.tensor([[w.seq.seed_key] for w in work], dtype=torch.long, device=dev)  # (B, 1)
             starts = torch.tensor([[w.start + offset] for w in work], dtype=torch.long, device=dev)  # (B, 1)
-            keys = position_keys(seeds, starts + torch.arange(G, device=dev)[None, :])  # (B, G)
+            steps = (torch.arange(G, device=dev)[None, :] if offsets is None
+                     else torch.tensor(offsets, dtype=torch.long, device=dev))  # (1 or B, G)
+            keys = position_keys(seeds, starts + steps)  # (B, G)
         # the tokens come to the host once per forward (the next level's feed is built from them)
         return choose_tokens(logits, st, keys).cpu()
 
@@ -367,7 +472,8 @@ class ChainExecutor:
             w.prompt_logprobs = entries
 
     # -- forwards ---------------------------------------------------------------------------
-    def _forward(self, name: str, work: list[RowWork], speculative: list[list[int]]) -> torch.Tensor:
+    def _forward(self, name: str, work: list[RowWork], speculative: list[list[int]],
+                 trees: list[TokenTree | None] | None = None) -> torch.Tensor:
         """Feed each row's pending tokens plus `speculative[b]` to model `name`; return logits at
         the last pending position and at every speculative one: (B, max_spec + 1, V).
         With a head in the pool, the target's forward keeps its features when a row drafts
@@ -389,7 +495,11 @@ class ChainExecutor:
             positions.append(list(range(first, first + len(spec) + 1)))
             state.fed(st, w.seq.tokens, list(spec))
             states.append(st)
-        batch = ForwardBatch.build(slots, starts, feeds, positions)
+        parents = None
+        if trees is not None and any(t is not None for t in trees):  # tree rows: their nodes' parents
+            parents = [feed_parents(len(f) - len(s), t) if t is not None else list(range(-1, len(f) - 1))
+                       for f, s, t in zip(feeds, speculative, trees)]
+        batch = ForwardBatch.build(slots, starts, feeds, positions, parents=parents)
         width = batch.tokens.shape[1]
         if self.runners[name].packs_ragged:  # it costs its valid tokens
             width = sum(batch.num_tokens_list) / len(work)
@@ -470,6 +580,9 @@ class ChainExecutor:
                 row_proposal=([w.proposal for w, _ in members]
                               if all(w.proposal for w, _ in members) else []),
             ))
+        trees = [TreeOutcome(seq_id=w.seq.seq_id, nodes=len(w.tree), width=w.tree_width,
+                             main=w.drafted[1], accepted=w.tree_accepted, main_accepted=w.accepted[1],
+                             ranks=tuple(w.ranks)) for w in work if w.tree is not None]
         return StepResult(outcomes=outcomes, proposals=proposals, forwards=self._forwards, cycles=cycles,
                           forward_time=dict(self._ftime), wall_time=wall,
-                          speculative=any(w.k > 0 for w in work), tv_seconds=self._tv_seconds)
+                          speculative=any(w.k > 0 for w in work), tv_seconds=self._tv_seconds, trees=trees)

@@ -114,6 +114,18 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return noise.reshape(len(keys), nb * BLOCK)[:, :vocab]
 
 
+def token_noise(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """E_v of the given tokens only: keys (N,) int64 position keys, tokens (N, M) int64 ->
+    (N, M) float64, equal to `exponential_noise(keys, V).gather(1, tokens)` (a tree drafter
+    ranks a few candidates by their noisy scores, decoding/tree_drafting.py)."""
+    k = keys[:, None]  # (N, 1)
+    blocks = tokens // BLOCK  # (N, M)
+    extra = -torch.log(_uniform(k, "token", tokens))  # (N, M)
+    arg = (_uniform(k, "block_arg", blocks) * BLOCK).long().clamp_(max=BLOCK - 1)  # (N, M)
+    extra = torch.where(tokens % BLOCK == arg, 0.0, extra)
+    return _block_min(k, blocks) + extra
+
+
 def coupled_argmax_reference(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Reference: argmax_v scores[n, v] - log E_v(keys[n]), materializing all the noise."""
     noise = exponential_noise(keys, scores.shape[-1])

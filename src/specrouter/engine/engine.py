@@ -51,6 +51,7 @@ import torch
 
 from specrouter.config import MAX_DRAFT_LENGTH, SamplingParams
 from specrouter.decoding.executor import ChainExecutor, StepResult
+from specrouter.engine.tree_policy import TreePolicy
 from specrouter.decoding.noise import seed_key
 from specrouter.decoding.sampling import SamplingTensors
 from specrouter.engine import constrained
@@ -126,6 +127,7 @@ class Engine:
         self.prefix_cache = PrefixCache.of(pool.runners, kv_cache_bytes) if prefix_cache else None
         self.cache_scope = next(_ENGINE_IDS)  # prefix-cache entries are keyed (cache_scope, tenant)
         self.router = router  # picks chain and k of the rows that did not pin theirs, every step
+        self.tree_policy: TreePolicy | None = None  # token-tree shapes (api.py sets it with a router)
         self.clock = clock
         self.state = StateManager(pool.runners, features=_feature_store(pool))
         self.executor = ChainExecutor(pool.runners, pool.drafters, self.state, pool.vocab_width,
@@ -367,7 +369,8 @@ class Engine:
         while True:
             plans = [(without_failed(c, self.failed_models, self.pool.target), k) for c, k in plans]
             try:
-                result = self.executor.step(rows, plans, sampling, [s.plan.min_confidence for s in rows])
+                trees = self.tree_policy.shapes(rows, plans) if self.tree_policy is not None else None
+                result = self.executor.step(rows, plans, sampling, [s.plan.min_confidence for s in rows], trees)
                 return result, shadow, shadow_k
             except ModelFailure as failure:
                 if not self._on_step_failure(failure, rows, plans):
@@ -378,6 +381,8 @@ class Engine:
         result, shadow, shadow_k = ran
         if result is None:
             return
+        if self.tree_policy is not None:
+            self.tree_policy.observe(result, rows)
         if self.router is not None:
             self.router.observe_step(StepReport(
                 outcomes=result.outcomes, forwards=result.forwards, wall_time=result.wall_time,

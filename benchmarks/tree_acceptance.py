@@ -1,0 +1,93 @@
+"""Token trees against chains on the embedded default pool (the shipped draft -> SmolLM2-135M),
+single stream, held-out prompts of the bench's request types: mean committed tokens per target
+verification (accepted + the target's own token) and tokens/s, side by side in one process, every
+system on the same prompts (issue 28's first goal: a tree's tokens per verification >= 1.3x the
+best chain's at the same number of verified tokens).
+
+A chain of k drafts verifies k + 1 tokens; a tree of N nodes verifies N + 1 (its root is the
+chain's first token). `tree k=K N=N w=W`: the draft's main path of K tokens and up to W - 1
+alternatives per depth, the N best by cumulative draft probability (decoding/tree_drafting.py).
+
+    python benchmarks/tree_acceptance.py [--kinds code prose chat] [--prompts 3] [--tokens 48]
+        [--temperature 0] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from specrouter import SpecRouter
+from specrouter.bench.workloads import requests_of
+from specrouter.engine.tree_policy import FixedTreeShape
+
+
+class Count(FixedTreeShape):
+    """A fixed tree shape (budget 0: the chain) that also counts target verifications."""
+
+    def __init__(self, budget: int, width: int, target: str):
+        super().__init__(budget, width)
+        self.target, self.forwards, self.tokens = target, 0, 0
+
+    def observe(self, result, rows) -> None:
+        super().observe(result, rows)
+        self.forwards += sum(f.count for f in result.forwards if f.model == self.target)
+        self.tokens += sum(len(s.tokens) for s in rows)  # minus the lengths before: below
+
+
+def run(sr: SpecRouter, prompts, chain, k, shape, tokens: int, temperature: float):
+    target = sr.pool.target
+    counter = Count(*shape, target=target)
+    sr.engine.tree_policy = counter
+    committed, wall = 0, 0.0
+    for p, chat in prompts:
+        t0 = time.perf_counter()
+        r = sr.generate(p, max_new_tokens=tokens, ignore_eos=True, chain=chain, k=k, chat=chat,
+                        temperature=temperature, seed=1)[0]
+        wall += time.perf_counter() - t0
+        committed += len(r.token_ids)
+    return committed, counter.forwards, wall, counter.outcomes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", nargs="+", default=["code", "prose", "chat"])
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--configs", nargs="*", default=None,
+                    help="e.g. chain:4 tree:3:8:3 (tree:K:N:W); default: a grid")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    sr = SpecRouter.from_pretrained("default", adaptive=False)
+    draft = [m for m in sr.pool.order if m in sr.pool.runners and m != sr.pool.target][0]
+    prompts = [(r.prompt, r.chat) for kind in args.kinds for r in requests_of(kind, args.prompts)]
+    configs = args.configs or (["plain"] + [f"chain:{k}" for k in (1, 2, 3, 4, 6, 8)]
+                               + [f"tree:{k}:{n}:{w}" for k in (2, 3, 4) for w in (3, 4)
+                                  for n in sorted({k + 1, 2 * k, 3 * k, min(15, 4 * k)}) if n <= k * w])
+    sr.generate(prompts[0][0], max_new_tokens=4, chat=prompts[0][1])  # warm-up (kernels, caches)
+    print(f"pool: {sr.pool.order}, draft {draft}; {len(prompts)} prompts x {args.tokens} tokens, "
+          f"temperature {args.temperature}")
+    print(f"{'system':<16} {'verified':>8} {'tok/verif':>9} {'tok/s':>7} {'alt-acc':>7}")
+    base = None
+    for c in configs:
+        parts = c.split(":")
+        if parts[0] == "plain":
+            chain, k, shape, verified = [sr.pool.target], None, (0, 1), 1
+        elif parts[0] == "chain":
+            chain, k, shape, verified = [draft, sr.pool.target], int(parts[1]), (0, 1), int(parts[1]) + 1
+        else:
+            chain, k = [draft, sr.pool.target], int(parts[1])
+            shape, verified = (int(parts[2]), int(parts[3])), int(parts[2]) + 1
+        committed, forwards, wall, outcomes = run(sr, prompts, chain, k, shape, args.tokens, args.temperature)
+        alt = sum(o.accepted > o.main_accepted for o in outcomes)
+        tps = committed / wall
+        base = base or tps
+        print(f"{c:<16} {verified:>8} {committed / forwards:>9.3f} {tps:>7.1f} {alt:>7}  ({tps / base:.2f}x plain)")
+
+
+if __name__ == "__main__":
+    main()
