@@ -14,6 +14,8 @@ What it measures, written as JSON with the device's name (GPU model or CPU model
 3. engine: greedy output and tokens/s of target-only, draft>target (k = 4) and the router, each
    compared token for token with target-only; the engine's per-token time against the raw
    graphed 1-token forward; transformers' `generate` on the same device as the peer.
+4. noise (GPU): seeded sampling's Triton kernel chooses the reference's token on every row, and
+   its ms per call against the torch path's (~100 small ops); the engine at t=0.7 as in 3.
 
 The models: the target has random weights in SmolLM2-135M's shape (the real target's GGUF does
 not travel); the draft is a controlled-acceptance pair with it: the target's first
@@ -196,6 +198,36 @@ def invariance(runner, seed: int = 2) -> dict:
     return res
 
 
+# -- sampling noise -------------------------------------------------------------------------------
+def noise_check(device: torch.device, V: int, iters: int) -> dict:
+    """Seeded sampling's noise (decoding/noise.py) on the device: the Triton kernel's tokens
+    against the materialized reference on the same device (rows at temperatures 0.05..5, flat,
+    filtered and top-k rows; 2048 keys on one row), and ms per call against the torch path."""
+    from specrouter.decoding import noise
+
+    g = torch.Generator().manual_seed(4)
+    N = 136  # 8 rows x 17 positions, the largest verify bucket
+    temps = torch.tensor([0.05, 0.3, 0.7, 1.0, 2.0, 5.0])
+    s = torch.randn(N, V, generator=g) * 3 / temps[torch.arange(N) % 6][:, None]
+    s[5::11] = 0.0  # flat: every block a candidate
+    s[7::13, V // 3:] = -math.inf  # filtered
+    for i in range(3, N, 17):  # top-k 50
+        s[i] = s[i].masked_fill(s[i] < s[i].topk(50).values[-1], -math.inf)
+    keys = noise.position_keys(torch.tensor([noise.seed_key(i) for i in range(N)]), torch.arange(N) * 37 + 5)
+    s, keys = s.to(device), keys.to(device)
+    out = {"kernel": "triton" if noise._use_triton(s) else "cpu"}
+    tokens = noise.coupled_argmax(s, keys)
+    out["mismatch_vs_reference"] = int((tokens != noise.coupled_argmax_reference(s, keys)).sum())
+    many = noise.position_keys(torch.full((2048,), noise.seed_key(7), device=device), torch.arange(2048, device=device))
+    row = s[2:3].expand(2048, V).contiguous()  # temperature 0.7
+    ref = torch.cat([noise.coupled_argmax_reference(row[i:i + 256], many[i:i + 256]) for i in range(0, 2048, 256)])
+    out["mismatch_2048_keys"] = int((noise.coupled_argmax(row, many) != ref).sum())
+    for n in (1, 17, N):
+        for name, fn in (("dispatched", noise.coupled_argmax), ("torch", noise.coupled_argmax_torch)):
+            out[f"{name}_ms_N{n}"] = min_ms(lambda: fn(s[:n], keys[:n]), device, iters)
+    return out
+
+
 # -- engine ---------------------------------------------------------------------------------------
 def engine_runs(target: Path, draft: Path, device: str, dtype: str, prompts, max_new: int, cache: Path,
                 graphs: bool, temperature: float = 0.0) -> dict:
@@ -371,6 +403,8 @@ def main(argv=None) -> int:
 
         if gpu:
             section("graphed_vs_eager", graphed_equals_eager)
+        if gpu:
+            section("noise", lambda: noise_check(device, shape["vocab_size"], iters))
         section("engine", lambda: engine_runs(target, draft, str(device), args.dtype, prompts, max_new, tmp, graphs=gpu))
         if gpu:
             section("engine_eager", lambda: engine_runs(target, draft, str(device), args.dtype, prompts, max_new, tmp,
@@ -394,6 +428,9 @@ def main(argv=None) -> int:
         summary["router_speedup"] = eng["router"]["tok_s"] / eng["target-only"]["tok_s"]
         summary["draft_speedup"] = eng["draft>target k=4"]["tok_s"] / eng["target-only"]["tok_s"]
         summary["greedy_identical_every_chain"] = all(v["identical_to_target_only"] for v in eng.values())
+    if "noise" in report:
+        summary["noise_kernel_equals_reference"] = (report["noise"]["mismatch_vs_reference"] == 0
+                                                   and report["noise"]["mismatch_2048_keys"] == 0)
     if "engine_sampled" in report:
         sampled = report["engine_sampled"]
         summary["sampled_identical_every_chain"] = all(v["identical_to_target_only"] for v in sampled.values())

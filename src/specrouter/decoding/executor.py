@@ -44,7 +44,7 @@ import torch
 from specrouter.drafters.base import ModelFreeDrafter
 from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.logprobs import generated_logprobs, prompt_logprobs
-from specrouter.decoding.noise import position_keys
+from specrouter.decoding.noise import check_tokens, position_keys
 from specrouter.decoding.processors import RowHistory, process_rows
 from specrouter.decoding.sampling import SamplingTensors, choose_tokens
 from specrouter.decoding.tv import level_tv
@@ -428,8 +428,10 @@ class ChainExecutor:
             steps = (torch.arange(G, device=dev)[None, :] if offsets is None
                      else torch.tensor(offsets, dtype=torch.long, device=dev))  # (1 or B, G)
             keys = position_keys(seeds, starts + steps)  # (B, G)
-        # the tokens come to the host once per forward (the next level's feed is built from them)
-        return choose_tokens(logits, st, keys).cpu()
+        # the tokens come to the host once per forward (the next level's feed is built from them);
+        # the GPU's noise marks a row with NaN scores -1 rather than sync to raise: raised here
+        tokens = choose_tokens(logits, st, keys).cpu()
+        return tokens if keys is None else check_tokens(tokens)
 
     # -- log-probabilities (decoding/logprobs.py) -------------------------------------------
     def _logprobs(self, work: list[RowWork], processed: torch.Tensor, sampling: SamplingTensors) -> None:

@@ -136,11 +136,39 @@ def coupled_argmax(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """scores (N, V) float (scaled logits; -inf = filtered), keys (N,) int64 position keys ->
     (N,) int64 tokens: argmax_v scores - log E_v, equal to `coupled_argmax_reference` (module
     docstring: lazy block evaluation with an exact stopping bound). One native call where the
-    native kernels are built (kernels/noise.cpp), else `coupled_argmax_torch`."""
+    native kernels are built (kernels/noise.cpp); on CUDA one Triton launch with no host sync
+    (models/runners/triton/noise.py), where a row with NaN scores gets -1 instead of raising:
+    `check_tokens` raises where the tokens reach the host; else `coupled_argmax_torch`."""
+    if _use_triton(scores):
+        return coupled_argmax_triton(scores, keys)
     ops = _native()
     if ops is not None and scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
         return ops.coupled_argmax(scores, keys.to(torch.long))
     return coupled_argmax_torch(scores, keys)
+
+
+def _use_triton(scores: torch.Tensor) -> bool:
+    """The Triton kernel for CUDA tensors (tests route CPU tensors to it under the interpreter)."""
+    from specrouter.models.runners.triton import triton_available
+
+    return scores.device.type == "cuda" and triton_available()
+
+
+def coupled_argmax_triton(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`coupled_argmax` in one Triton launch, no host sync (CUDA; CPU tensors under
+    TRITON_INTERPRET=1): (N,) int64 tokens, -1 for a row with a NaN score."""
+    from specrouter.models.runners.triton import noise as kernel
+
+    return kernel.coupled_argmax(scores, keys, block=BLOCK, mix=(_M1, _M2), golden=_GOLDEN,
+                                 streams=(_STREAM["token"], _STREAM["block_min"], _STREAM["block_arg"]))
+
+
+def check_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    """Host tokens from `coupled_argmax`, raised on where a row had NaN scores (-1: the GPU path
+    marks them instead of syncing to raise); returns `tokens`."""
+    if bool((tokens < 0).any()):
+        raise RuntimeError("invalid distribution: NaN scores (non-finite logits or temperature)")
+    return tokens
 
 
 def _native():

@@ -14,6 +14,8 @@ ops, used by vLLM and SGLang):
   (a fixed KV split SIZE, not a fixed number of splits), online softmax in float32 in order.
 - `forward.py`: the decoder stack on them, driven by tensors only (no host values), so a forward
   can be captured in a CUDA graph (`graphs.py`).
+- `noise.py`: seeded sampling's noisy argmax (decoding/noise.py's `coupled_argmax`) in one
+  launch, no host sync.
 
 Everything else of the forward (embedding gather, RoPE, SiLU * up, cache writes) is elementwise
 and invariant anyway. On CPU the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`):
