@@ -16,63 +16,14 @@ Run: `python benchmarks/structured.py [--rounds 2] [--pool default]`.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import subprocess
 import time
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string"}, "born": {"type": "integer"}, "city": {"type": "string"},
-    "occupation": {"type": "string"}}, "required": ["name", "born", "city", "occupation"],
-    "additionalProperties": False}
-WEATHER_CALL = {"type": "object", "properties": {
-    "name": {"const": "get_weather"}, "arguments": {"type": "object", "properties": {
-        "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer"}}, "required": ["city", "unit", "days"], "additionalProperties": False}},
-    "required": ["name", "arguments"], "additionalProperties": False}
-SHOPPING = {"type": "object", "properties": {"items": {"type": "array", "items": {
-    "type": "object", "properties": {"item": {"type": "string"}, "quantity": {"type": "integer"}},
-    "required": ["item", "quantity"], "additionalProperties": False}, "maxItems": 5}},
-    "required": ["items"], "additionalProperties": False}
-
-REQUESTS = [
-    ("extract", PERSON, "Extract the person's name, birth year, city and occupation as JSON from this "
-     "record: Ada Lovelace, born 1815 in London, was a mathematician who wrote the first program."),
-    ("extract", PERSON, "Extract the person's name, birth year, city and occupation as JSON from this "
-     "record: Alan Turing, born 1912 in London, was a computer scientist and codebreaker."),
-    ("tool", WEATHER_CALL, "Call the get_weather function for this request: What will the weather be "
-     "in Paris for the next 3 days, in celsius?"),
-    ("tool", WEATHER_CALL, "Call the get_weather function for this request: I need a 5 day forecast "
-     "for Chicago in fahrenheit."),
-    ("list", SHOPPING, "Write a shopping list as JSON for a pancake breakfast for four people: flour, "
-     "eggs, milk, butter and maple syrup, with quantities."),
-    ("list", SHOPPING, "Turn this into a JSON shopping list with quantities: 2 apples, 3 bananas, "
-     "1 bread, 6 eggs."),
-]
-
-
-def valid(doc: str, schema: dict) -> bool:
-    """A minimal validator for these schemas (types, required, enums, const, no extras)."""
-    def ok(v, s):
-        if "const" in s:
-            return v == s["const"]
-        if "enum" in s:
-            return v in s["enum"]
-        t = s.get("type")
-        if t == "object":
-            return (isinstance(v, dict) and set(v) == set(s["required"])
-                    and all(ok(v[k], s["properties"][k]) for k in v))
-        if t == "array":
-            return isinstance(v, list) and len(v) <= s.get("maxItems", 1 << 30) and all(ok(x, s["items"]) for x in v)
-        if t == "integer":
-            return isinstance(v, int) and not isinstance(v, bool)
-        if t == "string":
-            return isinstance(v, str)
-        return False
-    try:
-        return ok(json.loads(doc), schema)
-    except ValueError:
-        return False
+# the requests and the validator are the `structured` workload's (`specrouter bench --workloads
+# structured` runs them beside the other workloads, against every static chain)
+from specrouter.bench.structured import STRUCTURED as REQUESTS  # noqa: E402
+from specrouter.bench.structured import schema_valid as valid  # noqa: E402
 
 
 def run_system(sr, name, chain, jump_forward, max_new):

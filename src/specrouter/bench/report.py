@@ -345,6 +345,11 @@ def scenario_section(s: dict) -> list[str]:
         lines += ["", f"SpecRouter's suffix drafter at the end: {sfx['tokens']} tokens of {sfx['requests']} "
                       f"earlier requests, {sfx['bytes'] / 1024:.0f} KiB, {sfx['evicted_requests']} evicted; "
                       f"{sfx['proposals']} row proposals, {_f(sfx['us_per_proposal'])} us each."]
+    valid = s.get("schema_valid")
+    if valid:  # the structured workload: target-only runs with jump forward (the fastest plain)
+        lines += ["", "Outputs that follow their JSON schema (structured workload; every system with "
+                      "the grammar, target-only with jump forward): "
+                      + ", ".join(f"{n} {ok}/{total}" for n, (ok, total) in valid.items()) + "."]
     mism = [(r["index"], n, d) for r in s["requests"] for n, d in (r.get("mismatches") or {}).items()]
     if mism:
         lines += ["", "Transformers baselines differing from target-only greedy (reported, not fatal; "

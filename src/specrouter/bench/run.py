@@ -16,12 +16,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 
 import torch
 
 from specrouter.bench.slowdown import Slowdown
+from specrouter.bench.structured import schema_valid
 from specrouter.bench.summary import (ADAPTIVE_CACHE, NO_HEAD, NO_SUFFIX, NO_TREES, NO_TV, TARGET_CACHE, chain_label,
                                       summarize)
 from specrouter.bench.systems import (
@@ -94,7 +96,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.hf not in ("all", "greedy", "none"):
             raise ValueError(f"hf must be 'all', 'greedy' or 'none', got {self.hf!r}")
-        streams = ("mixed", "templated", "multiturn")
+        streams = ("mixed", "templated", "multiturn", "structured")
         unknown = [w for w in self.workloads if w not in streams and w not in KINDS]
         if unknown or not self.workloads:
             raise ValueError(f"unknown workloads {unknown}; use some of {KINDS + streams}")
@@ -337,7 +339,10 @@ def check_greedy(sc: Scenario, i: int, req: Request, outs: dict[str, Outcome],
 
 def _runs_in(s: System, sc: Scenario) -> bool:
     """transformers baselines where the scenario asks for them; llama.cpp peers outside the
-    scripted slowdown (it slows a pool model, not theirs)."""
+    scripted slowdown (it slows a pool model, not theirs); neither in the structured workload
+    (they decode without the grammar)."""
+    if sc.workload.name == "structured" and (isinstance(s, HFSystem) or s.kind == "peer"):
+        return False
     if isinstance(s, HFSystem):
         return sc.hf
     return s.kind != "peer" or sc.slowdown_start is None
@@ -379,7 +384,7 @@ def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown 
         if slowdown is not None:
             slowdown.active = slowed
         ids = h.encoded[req]
-        decoding = Decoding(sc.temperature, cfg.max_new_tokens, cfg.seed + i, cfg.controls)
+        decoding = Decoding(sc.temperature, cfg.max_new_tokens, cfg.seed + i, cfg.controls, req.json_schema)
         outs: dict[str, Outcome] = {}
         sent: dict[str, int] = {}
         for j in range(len(systems)):
@@ -410,6 +415,10 @@ def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown 
                   "stats": {n: o.stats for n, o in outs.items() if o.stats is not None}}
         if sc.temperature == 0:
             record["mismatches"] = check_greedy(sc, i, req, outs, systems, h.target_only.name)
+        if req.json_schema is not None:  # every output must follow its schema (finished ones)
+            schema = json.loads(req.json_schema)
+            record["schema_valid"] = {n: schema_valid(h.pool.tokenizer.decode(o.token_ids, skip_special_tokens=True), schema)
+                                      for n, o in outs.items()}
         requests.append(record)
     out = summarize(sc, systems, requests, events, aliases=h.aliases,
                     reference=h.target_only.name, adaptive=h.adaptive.name)

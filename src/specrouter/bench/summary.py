@@ -94,6 +94,10 @@ def summarize(sc: Scenario, systems: list[System], requests: list[dict], events:
                           best_three.name if best_three else None, oracle["tokens_per_second"]),
         "tokens_per_second_by_kind": by_kind,
         "hf_mismatch_requests": sum(1 for r in requests if r.get("mismatches")),
+        # structured workload: per system, outputs that follow their JSON schema / requests
+        "schema_valid": {s.name: [sum(r["schema_valid"][s.name] for r in requests if "schema_valid" in r),
+                                  sum(1 for r in requests if "schema_valid" in r)]
+                         for s in systems} if any("schema_valid" in r for r in requests) else None,
         "decisions": events,
     }
 

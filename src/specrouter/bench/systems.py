@@ -43,6 +43,7 @@ class Decoding:
     max_new_tokens: int  # cap on generated tokens
     seed: int  # sampling seed (the request's; systems consume randomness differently)
     controls: tuple[tuple[str, float], ...] = ()  # SamplingParams controls (penalties, min_p): native systems only
+    json_schema: str | None = None  # the output's JSON schema (structured workload): native systems only
 
 
 @dataclass
@@ -108,7 +109,8 @@ class NativeSystem(System):
         t0 = time.perf_counter()
         res = self.sr.generate(prompt_ids, max_new_tokens=decoding.max_new_tokens,
                                temperature=decoding.temperature, seed=decoding.seed,
-                               chain=self.chain, k=self.k or 4, **dict(decoding.controls))[0]
+                               chain=self.chain, k=self.k or 4, json_schema=decoding.json_schema,
+                               **dict(decoding.controls))[0]
         return Outcome(res.token_ids, time.perf_counter() - t0, res.stats)
 
 
@@ -148,7 +150,7 @@ class AdaptiveSystem(System):
         t0 = time.perf_counter()
         res = self.sr.generate(prompt_ids, max_new_tokens=decoding.max_new_tokens,
                                temperature=decoding.temperature, seed=decoding.seed,
-                               **dict(decoding.controls))[0]
+                               json_schema=decoding.json_schema, **dict(decoding.controls))[0]
         return Outcome(res.token_ids, time.perf_counter() - t0, res.stats)
 
 

@@ -23,11 +23,19 @@ the whole conversation, the system's own earlier replies included (as a chat cli
 the history of a request depends on what that system answered before (`Request.conversation`,
 `Request.turn`; the loop builds the prompt per system). Where a prefix cache helps most: turn t
 starts with everything turn t-1 computed.
+
+The structured stream (`structured_stream`, workload "structured"; bench/structured.py) is chat
+requests constrained to a JSON schema (`Request.json_schema`): field extraction, tool-call
+arguments, JSON lists, interleaved. Only the native systems run it (transformers and llama.cpp
+rows decode without the grammar); every output is checked against its schema.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+
+from specrouter.bench.structured import PER_KIND, STRUCTURED
 
 KINDS = ("code", "prose", "chat", "extraction")
 MIXED_ORDER = ("extraction", "prose", "code", "chat")  # the mixed stream's order of types
@@ -129,6 +137,7 @@ class Request:
     chat: bool  # wrap `prompt` in the target's chat template
     conversation: int | None = None  # multi-turn: the conversation (its earlier turns are re-sent)
     turn: int = 0  # multi-turn: 0 for the first turn of its conversation
+    json_schema: str | None = None  # structured: the JSON schema (its text) the output follows
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,14 @@ def multiturn_stream(n: int) -> list[Request]:
             for t in range(TURNS) for c in range(n)]
 
 
+def structured_stream(n: int) -> list[Request]:
+    """The first `n` requests of each structured kind (extract, tool, list), interleaved."""
+    if not 1 <= n <= PER_KIND:
+        raise ValueError(f"prompts per type must be in 1..{PER_KIND} for the structured workload, got {n}")
+    return [Request(kind, prompt, True, json_schema=json.dumps(schema))
+            for kind, schema, prompt in STRUCTURED[: 3 * n]]
+
+
 def conversation_messages(req: Request, history: list[dict]) -> list[dict]:
     """The chat messages a multi-turn request sends: the conversation so far, then its message."""
     return history + [{"role": "user", "content": req.prompt}]
@@ -201,6 +218,8 @@ def build_workloads(names: tuple[str, ...], n: int, block: int = 2, repeat: int 
             reqs = templated_stream(n)
         elif name == "multiturn":
             reqs = multiturn_stream(min(n, len(CONVERSATIONS)))
+        elif name == "structured":
+            reqs = structured_stream(min(n, PER_KIND))
         else:
             reqs = requests_of(name, n)
         out.append(Workload(name, tuple(reqs) * repeat))

@@ -34,9 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the greedy run only")
     p.add_argument("--out-dir", default=None, help="output folder (default: bench-out)")
     p.add_argument("--workloads", nargs="+", default=None,
-                   help="some of: code prose chat extraction mixed templated multiturn (default: code prose chat "
-                        "extraction mixed); with --serve: mixed (default) and/or shared-prompt (clients sharing a "
-                        "~300-token system prompt, prefix cache on vs off servers, side by side)")
+                   help="some of: code prose chat extraction mixed templated multiturn structured (default: code "
+                        "prose chat extraction mixed); with --serve: mixed (default) and/or shared-prompt (clients "
+                        "sharing a ~300-token system prompt, prefix cache on vs off servers, side by side)")
     p.add_argument("--kinds", nargs="+", default=None,
                    help="request types of the mixed stream, in order (default: extraction prose code chat)")
     p.add_argument("--prompts-per-type", type=int, default=None, help="default 3 (1..6)")

@@ -15,7 +15,8 @@ Order and definitions (vLLM's), per row, on raw logits:
 1. allowed_token_ids: every other token gets -inf.
 2. logit_bias: `logits[t] += bias` (OpenAI: added to the logits before sampling).
 3. min_tokens: while fewer than min_tokens tokens were generated before a position, the row's
-   stop tokens (EOS unless ignore_eos, and its stop_token_ids) get -inf.
+   stop tokens (EOS unless ignore_eos, and its stop_token_ids) get -inf, except where they
+   are the only tokens left (a complete grammar allows only EOS): there they go through.
 4. repetition_penalty r (CTRL, vLLM): a token seen in the prompt or the generated tokens gets
    `logit / r` if its logit > 0, else `logit * r`.
 5. frequency_penalty f, presence_penalty p (OpenAI): over the GENERATED tokens only,
@@ -98,6 +99,14 @@ def token_mask_and_bias(params: SamplingParams, vocab: int, dtype: torch.dtype) 
     return add
 
 
+def never_empty(masked: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """`masked` (G, V), except at positions where it allows nothing: there `logits` (min_tokens
+    never masks the only tokens left: a complete grammar, allowed_token_ids of stop tokens;
+    the stop tokens go through and end the row)."""
+    empty = torch.isneginf(masked).all(dim=-1)  # (G,)
+    return torch.where(empty[:, None], logits, masked)
+
+
 def process_row(logits: torch.Tensor, h: RowHistory) -> torch.Tensor:
     """One row's processors (module docstring order): logits (G, V) -> (G, V)."""
     G, V = logits.shape
@@ -114,9 +123,10 @@ def process_row(logits: torch.Tensor, h: RowHistory) -> torch.Tensor:
         early = generated < p.min_tokens  # (G,)
         stops = [t for t in h.stop_ids if t < V]
         if bool(early.any()) and stops:
-            logits = logits.clone()
+            masked = logits.clone()
             cols = torch.tensor(stops, dtype=torch.long)
-            logits[early.nonzero().flatten()[:, None], cols[None, :]] = float("-inf")
+            masked[early.nonzero().flatten()[:, None], cols[None, :]] = float("-inf")
+            logits = never_empty(masked, logits)
     if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
         logits = penalize(
             logits, torch.tensor(h.tokens[: h.prompt_len], dtype=torch.long),

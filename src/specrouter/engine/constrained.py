@@ -2,8 +2,11 @@
 built at admission, and before every step each constrained row
 
 1. a complete grammar allows only the end of text: the pool's EOS tokens are stop tokens of a
-   constrained row even with ignore_eos (the row ends when the model samples one, as in plain
-   decoding; a pool without EOS ends the row with "stop" as soon as the grammar is complete);
+   constrained row even with ignore_eos, and min_tokens never masks them there (the processors
+   never mask the only tokens left: decoding/processors.py). When the mask allows exactly one
+   EOS token, the target's masked distribution is one-hot on it, so it is committed without a
+   forward (as jump forward, step 3); with several EOS ids the model samples one, as in plain
+   decoding; a pool without EOS ends the row with "stop" as soon as the grammar is complete;
 2. ends with finish_reason "grammar" and `seq.error` saying why when its grammar reached a dead
    end (no token can continue it: a refused token or an empty mask);
 3. commits the tokens its grammar forces, without any forward ("jump forward"): where the mask
@@ -52,8 +55,18 @@ def before_step(rows: list[Sequence], eos_ids: tuple[int, ...], jump_forward: bo
             seq.done, seq.finish_reason = True, "stop"
             continue
         # rows asking for logprobs take every token from a target forward (its logits)
-        if (jump_forward and seq.params.allowed_token_ids is None and seq.remaining > 1
-                and seq.params.logprobs is None and seq.params.prompt_logprobs is None):
+        if (not jump_forward or seq.params.allowed_token_ids is not None
+                or seq.params.logprobs is not None or seq.params.prompt_logprobs is not None):
+            continue
+        if seq.remaining > 1:
             forced = g.forced_tokens(generated, seq.remaining - 1)  # leave >= 1 for the cycle
             if forced:
                 seq.append(forced)
+                generated = seq.output_ids
+                g.sync(generated)
+        if g.finished and not (seq.stop_ids & eos):  # complete after the forced tokens
+            seq.done, seq.finish_reason = True, "stop"
+        elif g.finished:  # step 1: the one EOS a complete grammar allows, without a forward
+            only = g.allowed(generated, [], 0, 1)[0].nonzero().flatten()  # (n,) allowed ids
+            if only.numel() == 1 and int(only[0]) in seq.stop_ids:
+                seq.append([int(only[0])])  # the row ends ("stop")

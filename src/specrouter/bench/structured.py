@@ -1,0 +1,77 @@
+"""The `structured` workload's requests (issue 30): chat requests whose output is constrained to
+a JSON schema, in three regimes for speculation under a grammar:
+- extract: a record's fields into a schema (the values are copied from the prompt: the suffix /
+  n-gram drafters propose them; the keys and braces are forced by the grammar);
+- tool: the arguments of a function call for a request (mostly forced: the name, the keys, an
+  enum; the values come from the request);
+- list: a JSON list of objects (the keys repeat per item).
+`schema_valid` checks an output against these schemas without a dependency (types, required,
+enum, const, no extra keys, maxItems): the bench counts valid outputs per system.
+"""
+
+from __future__ import annotations
+
+import json
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string"}, "born": {"type": "integer"}, "city": {"type": "string"},
+    "occupation": {"type": "string"}}, "required": ["name", "born", "city", "occupation"],
+    "additionalProperties": False}
+WEATHER_CALL = {"type": "object", "properties": {
+    "name": {"const": "get_weather"}, "arguments": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer"}}, "required": ["city", "unit", "days"], "additionalProperties": False}},
+    "required": ["name", "arguments"], "additionalProperties": False}
+SHOPPING = {"type": "object", "properties": {"items": {"type": "array", "items": {
+    "type": "object", "properties": {"item": {"type": "string"}, "quantity": {"type": "integer"}},
+    "required": ["item", "quantity"], "additionalProperties": False}, "maxItems": 5}},
+    "required": ["items"], "additionalProperties": False}
+
+# (kind, schema, user message); the first of each kind come first in `structured_requests`
+STRUCTURED = [
+    ("extract", PERSON, "Extract the person's name, birth year, city and occupation as JSON from this "
+     "record: Ada Lovelace, born 1815 in London, was a mathematician who wrote the first program."),
+    ("tool", WEATHER_CALL, "Call the get_weather function for this request: What will the weather be "
+     "in Paris for the next 3 days, in celsius?"),
+    ("list", SHOPPING, "Write a shopping list as JSON for a pancake breakfast for four people: flour, "
+     "eggs, milk, butter and maple syrup, with quantities."),
+    ("extract", PERSON, "Extract the person's name, birth year, city and occupation as JSON from this "
+     "record: Alan Turing, born 1912 in London, was a computer scientist and codebreaker."),
+    ("tool", WEATHER_CALL, "Call the get_weather function for this request: I need a 5 day forecast "
+     "for Chicago in fahrenheit."),
+    ("list", SHOPPING, "Turn this into a JSON shopping list with quantities: 2 apples, 3 bananas, "
+     "1 bread, 6 eggs."),
+    ("extract", PERSON, "Extract the person's name, birth year, city and occupation as JSON from this "
+     "record: Marie Curie, born 1867 in Warsaw, was a physicist and chemist."),
+    ("tool", WEATHER_CALL, "Call the get_weather function for this request: Will it be cold in Oslo "
+     "over the next 2 days? Use celsius."),
+    ("list", SHOPPING, "Make a JSON shopping list with quantities for a salad: 1 lettuce, 2 tomatoes, "
+     "1 cucumber, 1 onion."),
+]
+PER_KIND = len(STRUCTURED) // 3
+
+
+def schema_valid(doc: str, schema: dict) -> bool:
+    """Whether `doc` is JSON that follows `schema` (the subset these schemas use)."""
+    def ok(v, s):
+        if "const" in s:
+            return v == s["const"]
+        if "enum" in s:
+            return v in s["enum"]
+        t = s.get("type")
+        if t == "object":
+            return (isinstance(v, dict) and set(s.get("required", ())) <= set(v)
+                    and (s.get("additionalProperties", True) or set(v) <= set(s["properties"]))
+                    and all(ok(v[k], s["properties"].get(k, {})) for k in v))
+        if t == "array":
+            return (isinstance(v, list) and len(v) <= s.get("maxItems", 1 << 30)
+                    and all(ok(x, s.get("items", {})) for x in v))
+        if t == "integer":
+            return isinstance(v, int) and not isinstance(v, bool)
+        if t == "string":
+            return isinstance(v, str)
+        return t is None
+    try:
+        return ok(json.loads(doc), schema)
+    except ValueError:
+        return False
