@@ -85,9 +85,29 @@ def identity_of(model) -> ModelIdentity:
                          device_label(getattr(model, "device", "cpu")))
 
 
+def kernel_sources() -> str:
+    """A short digest of the native kernels' sources (models/runners/kernels/*.cpp and the
+    Python that drives them): a kernel made faster under the same name (`kernels()`) changes
+    it, so a profile swept before is not reused. (It was: the AVX-512 kernels' later speed-ups
+    kept their name, and the profile swept before them priced a 5-token verification 45%
+    above its time, which kept the router at k = 1.)"""
+    import hashlib
+
+    from specrouter.models import runners
+
+    root = Path(runners.__file__).parent
+    digest = hashlib.sha256()
+    for f in sorted([*root.glob("kernels/*.cpp"), *root.glob("kernels/*.py"), root / "linear.py",
+                     root / "attention.py", root / "llama.py"]):
+        if f.is_file():
+            digest.update(f.name.encode())
+            digest.update(f.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def machine_fingerprint() -> dict[str, object]:
-    """CPU model, torch intra-op threads, torch version and the runner's linear kernels:
-    timings from another fingerprint are not reused."""
+    """CPU model, torch intra-op threads, torch version, the runner's linear kernels and a digest
+    of their sources: timings from another fingerprint are not reused."""
     import torch
 
     from specrouter.models.runners.linear import kernels
@@ -101,7 +121,8 @@ def machine_fingerprint() -> dict[str, object]:
                     break
     except OSError:
         pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": kernels()}
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": kernels(),
+            "kernel_sources": kernel_sources()}
 
 
 def fingerprint_key(fingerprint: Mapping[str, object]) -> str:
