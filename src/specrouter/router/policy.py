@@ -57,6 +57,7 @@ its own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -113,6 +114,23 @@ def viable(chain: Chain, costs, alphas, model_free: Collection[str], prune_below
     if chain[0] in model_free and costs[chain[0]].hit_rate < prune_below:
         return False
     return all(alphas[p] >= prune_below for p in zip(chain[:-1], chain[1:]))
+
+
+def corrected(table: PlanTable, chain_index: Mapping[Chain, int], corrections: Mapping[Chain, float]) -> PlanTable:
+    """Step 1b, the realized check: each chain a request ran has its predicted seconds per token
+    scaled by realized / predicted there (its expected tokens by the inverse: the same latency,
+    fewer or more tokens). A chain that keeps under-delivering (a model-free drafter that rarely
+    proposes in open text, a draft accepted less than its pair's estimate) gives way to the
+    alternatives, whatever the cause; one that over-delivers keeps its place."""
+    if not corrections:
+        return table
+    t, tokens = table.t_eff.copy(), table.expected_tokens.copy()
+    for chain, c in corrections.items():
+        i = chain_index.get(chain)
+        if i is not None:
+            t[i] *= c
+            tokens[i] /= c
+    return dataclasses.replace(table, t_eff=t, expected_tokens=tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +223,7 @@ class Router:
         """Learn from one engine step: every row's outcome, every forward's timing, the step's
         overhead, the batch calibration, the shadow proposals."""
         self.planner.observe(report.outcomes, report.forwards, report.wall_time)
-        self._observe_rows(report.outcomes)
+        self._observe_rows(report.outcomes, report.wall_time)
         now = self.similarity.now
         for f in report.forwards:
             self.prober.model_seen[f.model] = now
@@ -336,7 +354,7 @@ class Router:
         if k_cap < 1 or len(self.chains) == 1:
             t_plain = float(self.board.cost_rows(max(row.batch_size, 1), max(row.context_len, 1),
                                                  self.t_width)[self.target][1])
-            req.plan, req.worse, req.table = (plain, 0), 0, None
+            req.plan, req.worse, req.table, req.pending = (plain, 0), 0, None, None
             decision = Decision(plain, 0, t_plain, "end" if k_cap < 1 else "only")
             return self._log(row, req, mode, decision, prev, (plain, 0), t_plain, t_plain, {}, t0)
         version = self.board.current().version
@@ -352,6 +370,10 @@ class Router:
         decision = self._hysteresis(req, plans, k_cap)
         if self.prober.due():
             decision = self.prober.decide(row, req, mode, k_cap, decision)
+        # what the realized check compares the cycle with: the model's prediction (probes are
+        # predicted without the correction, planned cycles with it)
+        applied = 1.0 if decision.reason == "probe" else req.corrections.get(decision.chain, 1.0)
+        req.pending = (decision.chain, decision.t_eff / applied)
         return self._log(row, req, mode, decision, prev, plans.best, plans.t_best, plans.t_plain,
                          req.evidence.alphas, t0)
 
@@ -360,7 +382,7 @@ class Router:
         prev = req.plan
         costs, alphas, router = self.inputs(row, req)
         keep = self.chain_index.get(prev[0]) if prev is not None else None
-        table = self.table(costs, alphas, router, k_cap, keep=keep)
+        table = corrected(self.table(costs, alphas, router, k_cap, keep=keep), self.chain_index, req.corrections)
         t = table.t_eff
         bi, bj = np.unravel_index(int(np.argmin(t)), t.shape)
         return CachedPlans(key, table, costs, plan_at(self.chains, bi, bj), float(t[bi, bj]), float(t[0, 0]))
@@ -434,14 +456,16 @@ class Router:
         return decision
 
     # -- observing --------------------------------------------------------------------------
-    def _observe_rows(self, rows: Sequence[RowOutcome]) -> None:
+    def _observe_rows(self, rows: Sequence[RowOutcome], wall_time: float = 0.0) -> None:
         """Acceptance trials, hit rates and D_TV of every row, per mode (greedy evidence only
-        from greedy rows)."""
+        from greedy rows); the realized check of a one-row step."""
         cfg = self.config
         sim = self.similarity
         for r in rows:
             mode = GREEDY if r.greedy else SAMPLING
             req = self.request(r.seq_id, r.greedy)
+            if len(rows) == 1 and cfg.realized_check:
+                self._observe_realized(req, r, wall_time)
             req.cycles += 1
             chain = tuple(r.chain)
             for j in range(1, len(chain)):
@@ -466,6 +490,31 @@ class Router:
                     self.board.note_alpha(req, pair, mode)
                 else:
                     sim.touch(pair, mode)
+
+    def _observe_realized(self, req: RequestState, r: RowOutcome, wall_time: float) -> None:
+        """The realized check (step 1b) of chains drafted by a model-free drafter, whose cost
+        model is the coarsest (a hit rate times iid acceptance, where a lookup's drafts are all
+        or nothing and a confidence-sized one stops at its floor): charge the cycle's seconds
+        and committed tokens to the chain decided for it (a drafter that proposed nothing ran a
+        plain step, on its account). Not the request's first cycle (its prefill) nor a plan
+        another part changed (the batch planner, a confident draft)."""
+        pending, req.pending = req.pending, None
+        chain = tuple(r.chain)
+        if pending is None or req.cycles == 0 or not (wall_time > 0.0):
+            return
+        planned, predicted = pending
+        if planned[0] not in self.model_free or (chain != planned and len(chain) != 1):
+            return
+        cfg = self.config
+        tokens = 1 if len(chain) == 1 else int(r.accepted[-1]) + 1
+        req.observe_realized(planned, wall_time, tokens, predicted, cfg.realized_decay)
+        prior = cfg.realized_prior_steps * self.board.current().scale
+        lo, hi = cfg.realized_clip
+        for c_chain in req.realized:  # every chain's evidence faded: republish what moved
+            c = min(max(req.correction(c_chain, prior), lo), hi)
+            if abs(c - req.corrections.get(c_chain, 1.0)) > cfg.realized_tolerance:
+                req.corrections[c_chain] = c
+                req.version += 1  # its decisions read it (router/evidence.py)
 
     def _observe_overhead(self, wall_time: float, forward_time: float, speculative: bool) -> None:
         key = "spec" if speculative else "plain"

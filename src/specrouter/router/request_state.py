@@ -30,6 +30,12 @@ class RequestState:
     version: int = 0  # increases when its own estimates moved materially (router/evidence.py)
     evidence: object = None  # its published estimates (evidence.RequestEvidence)
     cached: object = None  # its last decision (evidence.CachedDecision), reused while the key holds
+    # realized vs predicted (RealizedCheck in policy.py): the plan of its next cycle as decided,
+    # (chain, predicted seconds per token); per chain, decayed [seconds, predicted seconds of
+    # the tokens committed]; the corrections its decisions read (published when they moved)
+    pending: tuple[Chain, float] | None = None
+    realized: dict[Chain, list[float]] = field(default_factory=dict)
+    corrections: dict[Chain, float] = field(default_factory=dict)
 
     def observe(self, pair: Pair, accepted: float, rejections: float, decay: float) -> None:
         c = self.counts.setdefault(pair, [0.0, 0.0])
@@ -43,6 +49,22 @@ class RequestState:
         """(1 - its mean D_TV, positions measured) of a pair in this request, None if never."""
         t = self.tv.get(pair)
         return None if t is None or t[1] <= 0 else (1.0 - t[0] / t[1], t[1])
+
+    def observe_realized(self, chain: Chain, seconds: float, tokens: int, predicted: float, decay: float) -> None:
+        """A cycle of `chain` took `seconds` for `tokens` committed tokens, predicted at
+        `predicted` seconds per token."""
+        for other in self.realized.values():  # every chain's evidence fades, run or not (so a
+            other[:] = decayed_add(other, (0.0, 0.0), decay, 1.0)  # chain given up is tried again)
+        r = self.realized.setdefault(chain, [0.0, 0.0])
+        r[:] = [r[0] + seconds, r[1] + tokens * predicted]
+
+    def correction(self, chain: Chain, prior_seconds: float) -> float:
+        """Realized / predicted seconds per token of `chain` in this request (1.0 untried),
+        shrunk toward 1 by `prior_seconds` of cycles that went as predicted."""
+        r = self.realized.get(chain)
+        if r is None or r[1] <= 0.0:
+            return 1.0
+        return (r[0] + prior_seconds) / (r[1] + prior_seconds)
 
     def observe_hit(self, drafter: str, hit: bool, decay: float) -> None:
         h = self.hits.setdefault(drafter, [0.0, 0.0])
