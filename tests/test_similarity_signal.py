@@ -160,13 +160,16 @@ def test_drift_shows_in_similarity_before_the_counts(drift):
     assert moved > 0.5 if drift else moved < 0.35, (before, after)
 
 
-def test_a_requests_own_similarity_is_its_prior():
+@pytest.mark.parametrize("greedy_tv", [True, False])
+def test_a_requests_own_similarity_is_its_prior(greedy_tv):
     """Two new requests after one cycle each on the same pair, one at SimScore 0.95, one at 0.5,
     each with 2 of 4 accepted: the similar one's alpha is well above the other's (without
-    measuring, both would sit at the same count-based estimate)."""
+    measuring, both would sit at the same count-based estimate). These rows are greedy, whose
+    D_TV the router reads only with `greedy_tv` (off by default, docs/router.md): without it
+    both requests sit at the same estimate (the negative control)."""
     from test_router import make_router
 
-    router = make_router(config=RouterConfig())
+    router = make_router(config=RouterConfig(similarity=SimilarityConfig(greedy_tv=greedy_tv)))
     est = router.similarity
     import random
 
@@ -177,4 +180,7 @@ def test_a_requests_own_similarity_is_its_prior():
         router.observe_step(StepReport([RowOutcome(sid, ("d1", "T"), 4, [4, 4], [0, 2], True, 100, [math.nan, tv])],
                                        [], 0.01, 0.009, True))
         alphas.append(router.alpha(("d1", "T"), GREEDY, router.requests[sid]))
-    assert alphas[0] > alphas[1] + 0.1, alphas
+    if greedy_tv:
+        assert alphas[0] > alphas[1] + 0.1, alphas
+    else:
+        assert alphas[0] == pytest.approx(alphas[1], abs=0.01), alphas  # (the global counts moved a little)

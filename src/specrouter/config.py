@@ -185,6 +185,11 @@ class SimilarityConfig:
     # ... at a row's first this many candidates of each level (a softmax over the vocabulary per
     # position and level: all 8 cost 2% of the step on the default pool, measured)
     tv_positions: int = 2
+    # greedy rows' D_TV feeds the estimator too. Off: a greedy row accepts on an argmax match,
+    # which the temperature-1 D_TV only proxies (through the learned calibration), and on the
+    # mixed stream it cost greedy SpecRouter 10-20% against acceptance counts alone (three
+    # side-by-side runs, docs/router.md); a sampled row's acceptance is 1 - D_TV exactly
+    greedy_tv: bool = False
     tv_alpha: float = 0.1  # EMA weight of one observation's mean D_TV (after the first few)
     drift: bool = True  # shift the observed acceptance by f(SimScore now) - f(SimScore of its trials)
     drift_decay: float = 0.95  # per trial: "SimScore now" forgets (~20 trials; the counts: ~500)

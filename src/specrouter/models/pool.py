@@ -251,7 +251,7 @@ class Pool:
         the requests it served)."""
         import dataclasses
 
-        drafters = {n: d.fresh() if hasattr(d, "fresh") else d for n, d in self.drafters.items()}
+        drafters = {n: d.fresh() for n, d in self.drafters.items()}  # DrafterProtocol.fresh
         return dataclasses.replace(self, drafters=drafters)
 
     def without_drafters(self, names) -> "Pool":

@@ -478,7 +478,8 @@ class Router:
                     req.observe_hit(chain[0], hit, cfg.request_hit_decay)
                     self.board.note_hit(req, chain[0])
                     proposal_len = r.k
-                tv = float(r.tv[j]) if r.tv is not None and j < len(r.tv) and r.tv[j] is not None else math.nan
+                tv = float(r.tv[j]) if (r.tv is not None and j < len(r.tv) and r.tv[j] is not None
+                                        and (not r.greedy or sim.config.greedy_tv)) else math.nan
                 if math.isfinite(tv):  # the row's own D_TV at its first candidates (decoding/tv.py)
                     measured = min(cand, self.tv_positions)
                     sim.observe_tv(pair, mode, tv, measured)
