@@ -596,6 +596,36 @@ def test_useless_drafts_fall_back_to_plain_decoding_within_5_percent():
     assert ratio >= 0.95
 
 
+@pytest.mark.parametrize("check", [True, False])
+def test_the_realized_check_leaves_a_lookup_that_never_delivers(check):
+    """Step 1b. The estimates say the n-gram lookup is excellent (hit rate 0.9, alpha 0.95), but
+    in this request every lookup cycle commits one token at plain decoding's price, and the
+    estimators never see why (the executor reports a plain step, and no shadow score tells
+    the miss). With the realized check the request leaves ngram -> T within a few cycles for
+    a model chain; without it (the negative control) it stays on the lookup to the end."""
+    sim = Sim(ALPHAS, seed=4)
+    router = make_router(config=RouterConfig(realized_check=check))
+    _feed_truth(router, {**ALPHAS, ("ngram", "T"): 0.95}, 0.9)
+    ctx = RowContext(0, L0)
+    chains = []
+    for _ in range(40):
+        d = router.decide(ctx)
+        chains.append(d.chain)
+        if d.chain[0] == "ngram":  # the lookup proposed nothing: a plain step on its account
+            seconds = cost_T(1, 1, L0)
+            router.observe_step(StepReport([RowOutcome(0, ("T",), 0, [0], [0], True, L0)],
+                                           [ForwardRecord("T", 1, 1, L0, seconds)], seconds + 1e-4, seconds, False))
+        else:
+            stats, outcomes, fwd, _ = sim.run(d.chain, d.k, [0], L0)
+            observe_cycle(router, stats, outcomes, fwd)
+    lookup = sum(c[0] == "ngram" for c in chains[-20:])
+    if check:
+        assert chains[0][0] == "ngram" and lookup <= 2, chains
+        assert router.requests[0].corrections[chains[0]] > 1.5
+    else:
+        assert lookup == 20, chains
+
+
 def test_hysteresis_does_not_flap_between_near_equal_plans():
     # two two-level chains within ~0.1% of each other: d1 -> T and d2 -> T
     order = ["d1", "d2", "T"]

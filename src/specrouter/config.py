@@ -316,17 +316,17 @@ class RouterConfig:
     batch_calibration_discount: float = 0.9
     batch_calibration_prior: float = 1.0
     batch_calibration_forget: float = 0.98
-    # the realized check (router/policy.py, step 1b): in a one-row step, each chain a request ran
-    # has its predicted seconds per token scaled by what it realized there (every chain's sums
-    # decayed by this per cycle of the request, shrunk toward no correction by
-    # realized_prior_steps target steps that went as predicted, clipped to realized_clip: by
-    # default it only slows a chain down, so noise never makes a chain look faster than its
-    # estimates say); a move above realized_tolerance republishes it
+    # the realized check (router/policy.py, step 1b): in a one-row step, each chain drafted by a
+    # model-free drafter that a request ran has its predicted seconds per token scaled by what
+    # it realized there (every chain's sums decayed by this per cycle of the request, shrunk
+    # toward no correction by realized_prior_tokens tokens that came as predicted, clipped to
+    # realized_clip: by default it only slows a chain down, so noise never makes a chain look
+    # faster than its estimates say); a move above realized_tolerance republishes it
     realized_check: bool = True
     realized_decay: float = 0.9
-    realized_prior_steps: float = 4.0
+    realized_prior_tokens: float = 4.0
     realized_tolerance: float = 0.05
-    realized_clip: tuple[float, float] = (1.0, 3.0)
+    realized_clip: tuple[float, float] = (1.0, 10.0)
     similarity: SimilarityConfig = field(default_factory=SimilarityConfig)  # the acceptance estimator
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # the cost profile's online refresh
 
@@ -340,9 +340,9 @@ class RouterConfig:
         for name in ("request_decay", "request_hit_decay"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
-        if not 0.0 < self.realized_decay <= 1.0 or self.realized_prior_steps < 0 or self.realized_tolerance < 0 \
+        if not 0.0 < self.realized_decay <= 1.0 or self.realized_prior_tokens < 0 or self.realized_tolerance < 0 \
                 or not 0.0 < self.realized_clip[0] <= 1.0 <= self.realized_clip[1]:
-            raise ValueError("realized_decay must be in (0, 1], realized_prior_steps and realized_tolerance "
+            raise ValueError("realized_decay must be in (0, 1], realized_prior_tokens and realized_tolerance "
                              ">= 0, realized_clip a (low <= 1 <= high) pair above 0")
         if self.request_prior_strength < 0 or self.request_hit_prior_strength < 0:
             raise ValueError("request prior strengths must be >= 0")

@@ -509,10 +509,9 @@ class Router:
         cfg = self.config
         tokens = 1 if len(chain) == 1 else int(r.accepted[-1]) + 1
         req.observe_realized(planned, wall_time, tokens, predicted, cfg.realized_decay)
-        prior = cfg.realized_prior_steps * self.board.current().scale
         lo, hi = cfg.realized_clip
         for c_chain in req.realized:  # every chain's evidence faded: republish what moved
-            c = min(max(req.correction(c_chain, prior), lo), hi)
+            c = min(max(req.correction(c_chain, cfg.realized_prior_tokens), lo), hi)
             if abs(c - req.corrections.get(c_chain, 1.0)) > cfg.realized_tolerance:
                 req.corrections[c_chain] = c
                 req.version += 1  # its decisions read it (router/evidence.py)

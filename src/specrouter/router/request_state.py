@@ -30,9 +30,10 @@ class RequestState:
     version: int = 0  # increases when its own estimates moved materially (router/evidence.py)
     evidence: object = None  # its published estimates (evidence.RequestEvidence)
     cached: object = None  # its last decision (evidence.CachedDecision), reused while the key holds
-    # realized vs predicted (RealizedCheck in policy.py): the plan of its next cycle as decided,
-    # (chain, predicted seconds per token); per chain, decayed [seconds, predicted seconds of
-    # the tokens committed]; the corrections its decisions read (published when they moved)
+    # realized vs predicted (the realized check, policy.py): the plan of its next cycle as
+    # decided, (chain, predicted seconds per token); per chain, decayed [seconds, predicted
+    # seconds of the tokens committed, tokens]; the corrections its decisions read (published
+    # when they moved)
     pending: tuple[Chain, float] | None = None
     realized: dict[Chain, list[float]] = field(default_factory=dict)
     corrections: dict[Chain, float] = field(default_factory=dict)
@@ -54,17 +55,18 @@ class RequestState:
         """A cycle of `chain` took `seconds` for `tokens` committed tokens, predicted at
         `predicted` seconds per token."""
         for other in self.realized.values():  # every chain's evidence fades, run or not (so a
-            other[:] = decayed_add(other, (0.0, 0.0), decay, 1.0)  # chain given up is tried again)
-        r = self.realized.setdefault(chain, [0.0, 0.0])
-        r[:] = [r[0] + seconds, r[1] + tokens * predicted]
+            other[:] = decayed_add(other, (0.0, 0.0, 0.0), decay, 1.0)  # chain given up is tried again)
+        r = self.realized.setdefault(chain, [0.0, 0.0, 0.0])
+        r[:] = [r[0] + seconds, r[1] + tokens * predicted, r[2] + tokens]
 
-    def correction(self, chain: Chain, prior_seconds: float) -> float:
+    def correction(self, chain: Chain, prior_tokens: float) -> float:
         """Realized / predicted seconds per token of `chain` in this request (1.0 untried),
-        shrunk toward 1 by `prior_seconds` of cycles that went as predicted."""
+        shrunk toward 1 by `prior_tokens` tokens that came as predicted."""
         r = self.realized.get(chain)
-        if r is None or r[1] <= 0.0:
+        if r is None or r[1] <= 0.0 or r[2] <= 0.0:
             return 1.0
-        return (r[0] + prior_seconds) / (r[1] + prior_seconds)
+        prior = prior_tokens * r[1] / r[2]  # seconds of those tokens at the mean predicted rate
+        return (r[0] + prior) / (r[1] + prior)
 
     def observe_hit(self, drafter: str, hit: bool, decay: float) -> None:
         h = self.hits.setdefault(drafter, [0.0, 0.0])
