@@ -60,7 +60,9 @@ class SpecRouter:
         self.config = config or SpecRouterConfig()
         self.engine = Engine(pool, router=router, prefix_cache=self.config.engine.prefix_cache,
                              kv_cache_bytes=kv_cache_bytes(self.config.engine.kv_cache_gb))
-        if router is not None and self.config.engine.trees:
+        # token trees need a tree attention mask, which the GPU path's Triton attention does not
+        # have (its runner refuses a tree batch): trees only where the pool runs on the CPU
+        if router is not None and self.config.engine.trees and pool.device.type == "cpu":
             from specrouter.engine.tree_policy import TreePolicy
 
             profile, target = router.profile, pool.target
