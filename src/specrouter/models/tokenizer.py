@@ -207,25 +207,53 @@ __all__ = [
 
 
 class IncrementalDecoder:
-    """The text of a growing list of token ids, as deltas: `add(ids)` returns the new text,
-    holding back a trailing U+FFFD (the first bytes of a character split across tokens) until
-    the rest arrives; `finish()` returns what was held back."""
+    """The text of a growing list of token ids, as deltas, in time linear in the output:
+    `add(ids)` returns the new text, holding back a trailing U+FFFD (the first bytes of a
+    character split across tokens) until the rest arrives; `finish()` returns what was held
+    back.
+
+    Each `add` decodes only a window, as vLLM's and transformers' incremental detokenizers do:
+    the tokens since the last stable offset `read` (where the text ended on a whole character),
+    decoded together with the tokens of the step before (`prefix:read`) and minus that step's own
+    decode. Both decodes start at the same token, so a decoder that changes the first token's
+    text (SentencePiece drops its leading space) changes both alike, and the delta is the full
+    decode's. `text` is the final text so far (of `token_ids[:read]`); `pending` what follows it
+    for now (it may end in U+FFFD, or change when more tokens come)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
         self.token_ids: list[int] = []
-        self.sent = ""  # text handed out so far
+        self.text = ""  # final text: the decode of token_ids[:read]
+        self.pending = ""  # the text of token_ids[read:] for now
+        self._prefix = 0  # the window starts here (a token that starts a whole character)
+        self._read = 0  # text covers the tokens before this
+        self._prefix_text = ""  # decode(token_ids[prefix:read])
 
-    def _take(self, text: str) -> str:
-        if not text.startswith(self.sent):  # not prefix-stable (unusual tokenizer): wait
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def extend(self, token_ids: list[int]) -> str:
+        """Append tokens; returns the text that became final (added to `text`)."""
+        self.token_ids.extend(token_ids)
+        window = self._decode(self.token_ids[self._prefix:])
+        if not window.startswith(self._prefix_text):  # not prefix-stable (unusual tokenizer):
+            self.pending = ""                          # wait for the tokens to settle
             return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+        tail = window[len(self._prefix_text):]
+        if not tail or tail.endswith("\ufffd"):  # nothing yet, or a character still split
+            self.pending = tail
+            return ""
+        self.text += tail
+        self.pending = ""
+        self._prefix, self._read = self._read, len(self.token_ids)
+        self._prefix_text = self._decode(self.token_ids[self._prefix:self._read])
+        return tail
 
     def add(self, token_ids: list[int]) -> str:
-        self.token_ids.extend(token_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        return self._take(text.rstrip("\ufffd"))
+        return self.extend(token_ids)
 
     def finish(self) -> str:
-        return self._take(self.tokenizer.decode(self.token_ids, skip_special_tokens=True))
+        """What was held back (a split character's U+FFFD when the output ended inside it)."""
+        rest, self.pending = self.pending, ""
+        self.text += rest
+        return rest

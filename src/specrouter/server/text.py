@@ -13,6 +13,8 @@ also given to the engine as a stop token id (`stop_token_ids`), so generation en
 
 from __future__ import annotations
 
+from specrouter.models.tokenizer import IncrementalDecoder
+
 
 def stop_token_ids(tokenizer, stops: list[str]) -> tuple[int, ...]:
     """Token ids whose text is exactly a stop string."""
@@ -25,62 +27,73 @@ def stop_token_ids(tokenizer, stops: list[str]) -> tuple[int, ...]:
 
 
 class TextStream:
-    """The output text of one request, token by token."""
+    """The output text of one request, token by token, in time linear in the output: the
+    tokens are decoded incrementally (`IncrementalDecoder`: a window since the last stable
+    offset), and only the text not yet sent (at most the longest stop string plus the new
+    delta) is searched and held back."""
 
     def __init__(self, tokenizer, stops: list[str] = ()):
         self.tokenizer = tokenizer
         self.stops = [s for s in stops if s]
         self.max_stop = max((len(s) for s in self.stops), default=0)
-        self.token_ids: list[int] = []
-        self.sent = ""  # text handed out so far
+        self._decoder = IncrementalDecoder(tokenizer)
+        self._held = ""  # final text not sent yet (it may be the start of a stop string)
+        self._sent: list[str] = []  # the deltas handed out
+        self._sent_tail = ""  # the last max_stop - 1 characters handed out
         self.stopped = False  # a stop string was found: the text is final
 
-    def _decode(self) -> str:
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+    @property
+    def token_ids(self) -> list[int]:
+        return self._decoder.token_ids
 
-    def _cut_at_stop(self, text: str) -> str | None:
+    @property
+    def sent(self) -> str:
+        """The text handed out so far."""
+        return "".join(self._sent)
+
+    def _send(self, text: str) -> str:
+        if text:
+            self._sent.append(text)
+            if self.max_stop > 1:
+                self._sent_tail = (self._sent_tail + text)[-(self.max_stop - 1):]
+        return text
+
+    def _stop_in(self, text: str) -> str | None:
+        """`text` (what follows the sent text) cut before the first stop string, or None."""
         if not self.stops:
             return None
-        start = max(0, len(self.sent) - self.max_stop)
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        return text[: min(hits)] if hits else None
-
-    def _delta(self, text: str) -> str:
-        if not text.startswith(self.sent):  # not prefix-stable (unusual tokenizer): wait
-            return ""
-        delta = text[len(self.sent):]
-        self.sent = text
-        return delta
+        window = self._sent_tail + text  # a stop string may begin in what was sent
+        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
+        if not hits:
+            return None
+        self.stopped = True
+        return text[: max(0, min(hits) - len(self._sent_tail))]
 
     def add(self, token_ids: list[int]) -> str:
         """Text that can be sent after these new tokens ("" if none yet, or after a stop)."""
         if self.stopped:
             return ""
-        self.token_ids.extend(token_ids)
-        text = self._decode()
-        cut = self._cut_at_stop(text)
+        self._held += self._decoder.extend(token_ids)
+        # the provisional text of a split character counts for stop strings before it
+        cut = self._stop_in(self._held + self._decoder.pending)
         if cut is not None:
-            self.stopped = True
-            return self._delta(cut)
-        safe = len(text)
-        while safe > len(self.sent) and text[safe - 1] == "\ufffd":
-            safe -= 1
+            self._held = ""
+            return self._send(cut)
         hold = 0  # the longest tail that may grow into a stop string
         for s in self.stops:
-            for n in range(min(len(s) - 1, safe - len(self.sent)), hold, -1):
-                if text.endswith(s[:n], 0, safe):
+            for n in range(min(len(s) - 1, len(self._held)), hold, -1):
+                if self._held.endswith(s[:n]):
                     hold = n
                     break
-        safe -= hold
-        return self._delta(text[:safe]) if safe > len(self.sent) else ""
+        out = self._held[: len(self._held) - hold]
+        self._held = self._held[len(out):]
+        return self._send(out)
 
     def finish(self) -> str:
         """The rest of the text once generation ended (held-back tails included)."""
         if self.stopped:
             return ""
-        text = self._decode()
-        cut = self._cut_at_stop(text)
-        if cut is not None:
-            self.stopped = True
-            text = cut
-        return self._delta(text)
+        rest = self._held + self._decoder.finish()
+        self._held = ""
+        cut = self._stop_in(rest)
+        return self._send(rest if cut is None else cut)
