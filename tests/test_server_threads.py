@@ -45,6 +45,17 @@ def other():
     if sys.argv[1] == "serial":
         serial_torch_here()
     torch.ones(1 << 20).mul_(2)
+    if sys.argv[1] == "released":
+        from specrouter.server.threads import release_omp_team_here
+        assert release_omp_team_here()
+    if sys.argv[1] == "create_app":  # an in-process server set up on a thread that stays
+        from specrouter.config import ServerConfig
+        from specrouter.models.pool import Pool
+        from specrouter.server import create_app
+        pool = Pool.load([sys.argv[2]], names=["target"], target="target", dtype="float32")
+        pool.runners["target"]  # loaded on this thread, then a parallel op of its own:
+        torch.ones(1 << 20).mul_(2)
+        box["app"] = create_app(pool, ServerConfig(max_num_seqs=1, max_model_len=32, adaptive=False))
     ready.set(); hold.wait()
 def hot():
     x = torch.ones(1 << 20)
@@ -59,9 +70,9 @@ print(box["per_op"])
 """
 
 
-def _sleeps_per_op(mode: str) -> float:
+def _sleeps_per_op(mode: str, *args: str) -> float:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode, *args], capture_output=True, text=True,
                          env=env, timeout=120, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -72,6 +83,15 @@ def test_a_second_team_makes_every_barrier_sleep_and_a_serial_thread_does_not():
     one_team = _sleeps_per_op("serial")  # the fix: the other thread's torch work is serial
     assert two_teams >= 1.0, two_teams  # negative control: libgomp's throttled spin sleeps
     assert one_team < 0.2, one_team
+
+
+@pytest.mark.skipif(CPUS < 2, reason="one CPU: torch runs no parallel regions")
+def test_a_thread_that_stays_gives_its_team_back(tiny_pool_dirs):
+    """release_omp_team_here ends the live thread's team; create_app does it for the thread that
+    loaded the pool (an in-process server): no sleeps. The negative control is the first test's
+    'parallel' probe (the same live thread with its team kept)."""
+    assert _sleeps_per_op("released") < 0.2
+    assert _sleeps_per_op("create_app", str(tiny_pool_dirs["target"])) < 0.2
 
 
 def test_serial_torch_here_is_per_thread():

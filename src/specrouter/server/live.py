@@ -5,6 +5,8 @@
 
 The socket is bound before uvicorn starts (port 0: a free port, no race); leaving the block
 shuts the server down (the app's lifespan stops the engine thread) and joins the thread.
+Starting it ends the caller's OpenMP team, as `create_app` does (server/threads.py): the pool
+may be loaded on the caller's thread and the server still decodes at full speed.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class LiveServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> LiveServer:
+        from specrouter.server.threads import release_omp_team_here
+
+        release_omp_team_here()  # torch work the caller did since create_app: one team only
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:

@@ -17,6 +17,11 @@ So in the server exactly one thread runs parallel torch work:
 - set-up (loading the pool, building the router) runs on a thread that ends
   (`on_passing_thread`), so its team is gone before serving starts. The event loop thread
   runs no torch work (it tokenizes with the Rust tokenizer and hands tokens over).
+- a thread that set up and stays (an in-process server: `LiveServer` in tests, a notebook that
+  loaded the pool on its main thread) gives its team back: `create_app` and `LiveServer.start`
+  call `release_omp_team_here` (OpenMP 5's `omp_pause_resource_all`: libgomp ends the calling
+  thread's team and stops counting it; torch makes a new one if that thread runs parallel work
+  again).
 """
 
 from __future__ import annotations
@@ -76,3 +81,15 @@ def serial_torch_here() -> bool:
         return False
     lib.omp_set_num_threads(1)
     return torch.get_num_threads() == 1
+
+
+def release_omp_team_here() -> bool:
+    """End the OpenMP team of the calling thread (its workers exit; a later parallel region on
+    this thread starts a new one). True if it was done (or there was none), False where it
+    cannot be (no libgomp, an OpenMP before 5.0, or inside a parallel region)."""
+    lib = _libgomp()
+    pause = getattr(lib, "omp_pause_resource_all", None) if lib is not None else None
+    if pause is None:
+        return False
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause(1) == 0  # omp_pause_soft
