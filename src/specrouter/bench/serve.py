@@ -17,7 +17,13 @@ p50 and p99. Greedy outputs are checked identical across systems (exit status 2 
 The server beside the library (issue 34): on the same prompts, greedy, the bench process runs
 the Python API itself (`SpecRouter.generate`, one request at a time, each system on its own pool
 view) for the plain chain and the router, and the engine's own continuous batching of the same
-requests at concurrency 4 (and 8); the `library` table puts each beside the server's figure.
+requests at concurrency 4 (and 8), PAIRED with the live servers: at concurrency 1 request i goes
+to the library and to the server back to back (which goes first alternates), at c >= 4 a batch
+of the engine and a level of the server alternate `rounds` times. Library and server figures are
+then taken in the same minutes, so the drift of a shared machine (its speed varies by +-20%
+between minutes) cancels; a library run minutes after the servers stopped gave ratios of 0.84x
+and 1.10x for the same code. The `library` table puts each library figure beside its paired
+server figure.
 Output: serve.json, serve.md and serve.png (throughput and p99 latency vs concurrency).
 """
 
@@ -32,6 +38,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 from specrouter.bench.workloads import CHAT, CODE, EXTRACTION, PROSE
@@ -215,11 +222,11 @@ async def one_request(client, model: str, prompt: str, chat: bool, temperature: 
 
 
 async def run_level(base_url: str, model: str, cfg: ServeBenchConfig, temperature: float, concurrency: int,
-                    system: str, extra: dict, round_: int = 0) -> LevelResult:
+                    system: str, extra: dict, round_: int = 0, key: str | None = None) -> LevelResult:
     from openai import AsyncOpenAI
 
     # its own learned statistics (--suffix-scope): no round learns from another's outputs
-    key = f"bench|{system}|t={temperature}|c={concurrency}|round={round_}"
+    key = key or f"bench|{system}|t={temperature}|c={concurrency}|round={round_}"
     client = AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
     reqs = prompts(max(cfg.requests, concurrency))
     results: list[RequestResult | None] = [None] * len(reqs)
@@ -299,6 +306,9 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
                             for i, (a, b) in enumerate(zip(ref, lv.results)):
                                 if a.text != b.text:
                                     mismatches.append({"system": name, "concurrency": c, "request": i})
+        # paired with the servers, while they run (the library table)
+        library = library_runs(cfg, models, target, log, servers=bases, model=model) \
+            if 0.0 in cfg.temperatures else []
     finally:
         for proc in procs:
             proc.terminate()
@@ -307,17 +317,16 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    library = library_runs(cfg, models, target, log) if 0.0 in cfg.temperatures else []
     if 0.0 in cfg.temperatures:  # the library's greedy texts are the servers' (same prompts)
         served = {(lv.system, lv.concurrency): lv for lv in levels if lv.temperature == 0.0}
         for run in library:
             lv = served.get((run["system"], run["server_concurrency"]))
-            if lv is None:
-                continue
-            for i, (a, b) in enumerate(zip(run["texts"], [x.text for x in lv.results])):
-                if a != b:
-                    mismatches.append({"system": f"library {run['name']}", "concurrency": run["concurrency"],
-                                       "request": i})
+            others = [run["server_texts"]] + ([[x.text for x in lv.results]] if lv is not None else [])
+            for texts in others:
+                for i, (a, b) in enumerate(zip(run["texts"], texts)):
+                    if a != b:
+                        mismatches.append({"system": f"library {run['name']}", "concurrency": run["concurrency"],
+                                           "request": i})
     return summarize(cfg, levels, mismatches, models, library)
 
 
@@ -325,18 +334,24 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
 # the library beside the server
 
 
-def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log) -> list[dict]:
-    """The Python API on the same greedy requests in this process, after the servers stopped:
-    `SpecRouter.generate` one request at a time (plain chain, router), and the engine's own
-    continuous batching of the requests at the concurrency levels >= 4 (plain chain). Each run
-    on its own view of the pool (nothing learned from another run's outputs)."""
+def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, servers: dict[str, str],
+                 model: str) -> list[dict]:
+    """The Python API on the same greedy requests in this process, PAIRED with the running
+    servers (`servers`: system -> base URL): `SpecRouter.generate` one request at a time (plain
+    chain, router), request i to the library and to the server back to back, alternating which
+    goes first; and the engine's own continuous batching of the requests at each concurrency
+    level >= 4 (plain chain), alternating with a level of the plain server, `rounds` times. Each
+    library run on its own view of the pool, each server run with its own API key (nothing
+    learned from another run's outputs)."""
     import torch
+    from openai import AsyncOpenAI
 
     from specrouter.api import SpecRouter
     from specrouter.config import PoolConfig, RouterConfig, SamplingParams
     from specrouter.engine.engine import Engine
     from specrouter.models.pool import Pool, preview_pool
     from specrouter.router.setup import build_router
+    from specrouter.server.threads import release_omp_team_here
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -344,47 +359,97 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log) -> 
     preview = preview_pool(pcfg)
     pool = Pool.from_config(pcfg, paths=list(preview.paths))
     sr = SpecRouter(pool)
-    ids_all = [sr.encode(p, chat=chat) for p, chat in prompts(max(cfg.requests, *cfg.concurrency))]
-    ids = ids_all[:cfg.requests]  # what a level of concurrency c sends: max(requests, c) of them
+    reqs_all = prompts(max(cfg.requests, *cfg.concurrency))
+    ids_all = [sr.encode(p, chat=chat) for p, chat in reqs_all]
     params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
+    loop = asyncio.new_event_loop()
     out = []
+
+    clients: dict[tuple[str, str], AsyncOpenAI] = {}
+
+    def served(system: str, key: str, reqs: list[tuple[str, bool]], c: int) -> tuple[float, list[RequestResult]]:
+        """Wall time and results of `reqs` sent to the server, at most `c` at once."""
+        if c > 1:
+            lv = loop.run_until_complete(run_level(servers[system], model, dataclasses_replace(cfg, requests=len(reqs)),
+                                                   0.0, c, system, {}, key=key))
+            return lv.wall, lv.results
+        if (system, key) not in clients:  # one client (and connection) per paired run, as run_level
+            clients[system, key] = AsyncOpenAI(base_url=servers[system], api_key=key, max_retries=0, timeout=600)
+        client = clients[system, key]
+        t0 = time.perf_counter()
+        done = [loop.run_until_complete(one_request(client, model, p, chat, 0.0, cfg.max_new_tokens, cfg.seed + i, {}))
+                for i, (p, chat) in enumerate(reqs)]
+        return time.perf_counter() - t0, done
 
     def one_by_one(name: str, system: str, chain):
         view = pool.with_fresh_drafters()
         router = None if chain else build_router(view, progress=False, config=RouterConfig())
         api = SpecRouter(view, router)
-        api.generate(ids[0][:8], max_new_tokens=4, chain=chain)  # warm-up
-        t0, n, texts = time.perf_counter(), 0, []
-        for x in ids:
-            r = api.generate(x, max_new_tokens=cfg.max_new_tokens, chain=chain, ignore_eos=True)[0]
-            n, texts = n + len(r.token_ids), texts + [r.text]
-        wall = time.perf_counter() - t0
+        api.generate(ids_all[0][:8], max_new_tokens=4, chain=chain)  # warm-up
+        release_omp_team_here()  # this thread stays idle while the server runs: no second team
+        lib = [0, 0.0, []]
+        srv = [0, 0.0, []]
+        key = f"bench|paired|{name}"
+        for i, (x, req) in enumerate(zip(ids_all[:cfg.requests], reqs_all)):
+            for who in (("library", "server") if i % 2 == 0 else ("server", "library")):
+                if who == "library":
+                    t0 = time.perf_counter()
+                    r = api.generate(x, max_new_tokens=cfg.max_new_tokens, chain=chain, ignore_eos=True)[0]
+                    lib[0] += len(r.token_ids)
+                    lib[1] += time.perf_counter() - t0
+                    lib[2].append(r.text)
+                    release_omp_team_here()
+                else:
+                    wall, (res,) = served(system, key, [req], 1)
+                    srv[0] += res.tokens
+                    srv[1] += wall
+                    srv[2].append(res.text)
         out.append({"name": name, "system": system, "concurrency": 1, "server_concurrency": 1,
-                    "tokens_per_s": n / wall, "tokens": n, "wall": wall, "texts": texts})
-        log(f"library {name}: {n / wall:.1f} tok/s")
+                    "tokens_per_s": lib[0] / lib[1], "tokens": lib[0], "wall": lib[1], "texts": lib[2],
+                    "server_tokens_per_s": srv[0] / srv[1], "server_wall": srv[1], "server_texts": srv[2]})
+        log(f"library {name}: {lib[0] / lib[1]:.1f} tok/s; paired server {srv[0] / srv[1]:.1f} tok/s")
 
     def batched(c: int):
-        ids = ids_all[:max(cfg.requests, c)]
-        view = pool.with_fresh_drafters()
-        engine = Engine(view, max_num_seqs=c, max_model_len=max(len(x) for x in ids) + cfg.max_new_tokens + 16)
-        engine.generate_ids([ids[0][:8]], [params], chain=(view.target,), k=1)  # warm-up
-        t0 = time.perf_counter()
-        seqs = continuous_batching(engine, ids, params, c, (view.target,))
-        wall = time.perf_counter() - t0
-        n = sum(len(s.output_ids) for s in seqs)
-        texts = [sr.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
+        n_req = max(cfg.requests, c)
+        ids = ids_all[:n_req]
+        lib, srv = [0, 0.0], [0, 0.0]
+        texts, server_texts = [], []
+        for r in range(max(1, cfg.rounds)):
+            for who in (("library", "server") if r % 2 == 0 else ("server", "library")):
+                if who == "library":
+                    view = pool.with_fresh_drafters()
+                    engine = Engine(view, max_num_seqs=c,
+                                    max_model_len=max(len(x) for x in ids) + cfg.max_new_tokens + 16)
+                    engine.generate_ids([ids[0][:8]], [params], chain=(view.target,), k=1)  # warm-up
+                    t0 = time.perf_counter()
+                    seqs = continuous_batching(engine, ids, params, c, (view.target,))
+                    lib[1] += time.perf_counter() - t0
+                    lib[0] += sum(len(s.output_ids) for s in seqs)
+                    texts = [sr.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
+                    release_omp_team_here()
+                else:
+                    wall, res = served("plain", f"bench|paired|engine c={c}|{r}", reqs_all[:n_req], c)
+                    srv[0] += sum(x.tokens for x in res)
+                    srv[1] += wall
+                    server_texts = [x.text for x in res]
         out.append({"name": f"engine plain c={c}", "system": "plain", "concurrency": c,
-                    "server_concurrency": c, "tokens_per_s": n / wall, "tokens": n, "wall": wall,
-                    "texts": texts})
-        log(f"library engine plain c={c}: {n / wall:.1f} tok/s")
+                    "server_concurrency": c, "tokens_per_s": lib[0] / lib[1], "tokens": lib[0], "wall": lib[1],
+                    "texts": texts, "server_tokens_per_s": srv[0] / srv[1], "server_wall": srv[1],
+                    "server_texts": server_texts})
+        log(f"library engine plain c={c}: {lib[0] / lib[1]:.1f} tok/s; paired server {srv[0] / srv[1]:.1f} tok/s")
 
-    if 1 in cfg.concurrency:
-        one_by_one("API plain", "plain", (pool.target,))
-        if len(pool.order) > 1:
-            one_by_one("API router", "router", None)
-    for c in cfg.concurrency:
-        if c >= 4:
-            batched(c)
+    try:
+        if 1 in cfg.concurrency:
+            one_by_one("API plain", "plain", (pool.target,))
+            if len(pool.order) > 1:
+                one_by_one("API router", "router", None)
+        for c in cfg.concurrency:
+            if c >= 4:
+                batched(c)
+    finally:
+        for client in clients.values():
+            loop.run_until_complete(client.close())
+        loop.close()
     return out
 
 
@@ -409,7 +474,7 @@ def library_rows(levels: list[LevelResult], library: list[dict]) -> list[dict]:
     rows = []
     for run in library:
         lv = served.get((run["system"], run["server_concurrency"]))
-        server = lv.tokens_per_s if lv is not None else None
+        server = run.get("server_tokens_per_s") or (lv.tokens_per_s if lv is not None else None)
         rows.append({"library": run["name"], "system": run["system"], "concurrency": run["concurrency"],
                      "library_tps": run["tokens_per_s"], "server_tps": server,
                      "server_vs_library": server / run["tokens_per_s"] if server else None})
@@ -483,7 +548,8 @@ def markdown(result: dict) -> str:
                      f"{f(r['router_ttft_p50'], 1e3, 0)} / {f(r['plain_ttft_p50'], 1e3, 0)} | "
                      f"{f(r['router_tpot_p99'], 1e3, 0)} / {f(r['plain_tpot_p99'], 1e3, 0)} |")
     if result.get("library"):
-        lines += ["", "The server beside the library (greedy, same prompts; plain = the router-off server):", "",
+        lines += ["", "The server beside the library (greedy, same prompts, paired: each library run interleaved with "
+                      "the server's; plain = the router-off server):", "",
                   "| library run | concurrency | library tok/s | server tok/s | server / library |",
                   "| --- | --- | --- | --- | --- |"]
         for r in result["library"]:
