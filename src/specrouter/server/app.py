@@ -84,7 +84,6 @@ from specrouter.server.protocol import (
 )
 from specrouter.server.service import Service
 from specrouter.server.text import TextStream
-from specrouter.server.threads import release_omp_team_here
 from specrouter.server.tokenize import tokenize_routes
 from specrouter.server.tools import (
     ToolCallParser,
@@ -215,9 +214,6 @@ def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(_ops_routes(srv))
     app.include_router(_v1_routes(srv))
     app.include_router(tokenize_routes(srv, config.max_body_bytes))
-    # the caller's thread loaded and profiled: its OpenMP team would make the forward thread's
-    # barriers sleep for as long as the caller lives (server/threads.py)
-    release_omp_team_here()
     return app
 
 
