@@ -63,7 +63,6 @@ from specrouter.server.protocol import (
 )
 from specrouter.server.service import Service
 from specrouter.server.streaming import stream
-from specrouter.server.threads import release_omp_team_here
 from specrouter.server.tokenize import tokenize_routes
 from specrouter.server.tools import ToolRequest, chat_messages, tool_request
 from specrouter.server.validate import (
@@ -98,9 +97,6 @@ def create_app(pool: Pool, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(_ops_routes(srv))
     app.include_router(_v1_routes(srv))
     app.include_router(tokenize_routes(srv, config.max_body_bytes))
-    # the caller's thread loaded and profiled: its OpenMP team would make the forward thread's
-    # barriers sleep for as long as the caller lives (server/threads.py)
-    release_omp_team_here()
     return app
 
 

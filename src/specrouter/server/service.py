@@ -14,6 +14,7 @@ from specrouter.engine.faults import GuardedRunner, guard_runners
 from specrouter.models.pool import Pool
 from specrouter.server.async_engine import AsyncEngine
 from specrouter.server.metrics import ServerMetrics
+from specrouter.server.threads import release_omp_team_here
 
 logger = logging.getLogger("specrouter.server")
 
@@ -56,6 +57,9 @@ class Service:
         self.served_names = (self.model_name, *config.model_aliases)  # names /v1/models lists
         self.chat_template = config.chat_template  # None: the target tokenizer's
         self.created = int(time.time())
+        # the caller's thread loaded, profiled and reserved: its OpenMP team would make the
+        # forward thread's barriers sleep for as long as the caller lives (server/threads.py)
+        release_omp_team_here()
 
     @functools.cached_property
     def longest_token_bytes(self) -> int:

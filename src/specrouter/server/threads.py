@@ -18,10 +18,10 @@ So in the server exactly one thread runs parallel torch work:
   (`on_passing_thread`), so its team is gone before serving starts. The event loop thread
   runs no torch work (it tokenizes with the Rust tokenizer and hands tokens over).
 - a thread that set up and stays (an in-process server: `LiveServer` in tests, a notebook that
-  loaded the pool on its main thread) gives its team back: `create_app` and `LiveServer.start`
-  call `release_omp_team_here` (OpenMP 5's `omp_pause_resource_all`: libgomp ends the calling
-  thread's team and stops counting it; torch makes a new one if that thread runs parallel work
-  again).
+  loaded the pool on its main thread) gives its team back: `create_app` (its `Service`) and
+  `LiveServer.start` call `release_omp_team_here` (OpenMP 5's `omp_pause_resource_all`:
+  libgomp ends the calling thread's team and stops counting it; torch makes a new one if that
+  thread runs parallel work again).
 """
 
 from __future__ import annotations
