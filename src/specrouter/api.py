@@ -62,7 +62,10 @@ class SpecRouter:
                              kv_cache_bytes=kv_cache_bytes(self.config.engine.kv_cache_gb))
         # token trees need a tree attention mask, which the GPU path's Triton attention does not
         # have (its runner refuses a tree batch): trees only where the pool runs on the CPU
-        if router is not None and self.config.engine.trees and pool.device.type == "cpu":
+        from specrouter.router.policy import Router
+
+        # its cost profile prices the trees (a router of the protocol alone keeps chains)
+        if isinstance(router, Router) and self.config.engine.trees and pool.device.type == "cpu":
             from specrouter.engine.tree_policy import TreePolicy
 
             profile, target = router.profile, pool.target
