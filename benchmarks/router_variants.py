@@ -1,0 +1,80 @@
+"""SpecRouter variants side by side on the mixed stream (docs/router.md, "Measured"): each a
+fresh router per temperature, every request decoded by every variant and by target-only in
+turn (the order rotated per request), one process, the bench's prompts (3 per type, 64 new
+tokens). Prints tokens/s per request and summed.
+
+    python benchmarks/router_variants.py [--temperatures 0 0.7] [--variants no-tv greedy-tv no-check tv-cap-8]
+
+Variants (RouterConfig changes against the default): no-tv (measure_tv=False), greedy-tv
+(greedy rows' D_TV fed to the estimator), no-check (realized_check=False), tv-cap-8
+(request_tv_cap=8, request_tv_weight=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from specrouter.api import SpecRouter
+from specrouter.bench.run import BenchConfig, build_scenarios
+from specrouter.bench.systems import AdaptiveSystem, Decoding, NativeSystem
+from specrouter.config import RouterConfig
+from specrouter.models.default_pool import default_pool_paths
+from specrouter.router.setup import load_or_sweep_profile
+
+
+def variants(names: list[str]) -> dict[str, RouterConfig]:
+    base = RouterConfig()
+    sim = base.similarity
+    known = {
+        "no-tv": dataclasses.replace(base, similarity=dataclasses.replace(sim, measure_tv=False)),
+        "greedy-tv": dataclasses.replace(base, similarity=dataclasses.replace(sim, greedy_tv=True)),
+        "no-check": dataclasses.replace(base, realized_check=False),
+        "tv-cap-8": dataclasses.replace(base, request_tv_cap=8.0, request_tv_weight=1.0),
+    }
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; use some of {list(known)}")
+    return {"default": base, **{n: known[n] for n in names}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    ap.add_argument("--variants", nargs="+", default=["no-tv", "greedy-tv", "no-check"])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
+    pool = sr.pool
+    profile = load_or_sweep_profile(pool, progress=False)
+    systems = {n: AdaptiveSystem(pool, n, profile=profile, progress=False, router_config=c)
+               for n, c in variants(args.variants).items()}
+    systems["target-only"] = NativeSystem(pool, "target-only", (pool.target,), None)
+    for s in systems.values():  # first forwards allocate
+        s.run(sr.encode("hello"), Decoding(0.0, 8, 0))
+    names = list(systems)
+    for temp in args.temperatures:
+        cfg = BenchConfig(workloads=("mixed",), prompts_per_type=3, temperatures=(temp,), slowdown=False,
+                          hf="none", peers=False)
+        scenario = build_scenarios(cfg)[0]
+        for s in systems.values():
+            s.reset()
+        total = {n: [0, 0.0] for n in names}
+        for i, req in enumerate(scenario.workload.requests):
+            ids = sr.encode(req.prompt, chat=req.chat)
+            row = {}
+            for j in range(len(names)):
+                n = names[(i + j) % len(names)]
+                out = systems[n].run(ids, Decoding(temp, cfg.max_new_tokens, cfg.seed + i))
+                total[n][0] += len(out.token_ids)
+                total[n][1] += out.seconds
+                row[n] = len(out.token_ids) / out.seconds
+            print(f"t={temp:g} #{i} {req.kind:10s} " + " ".join(f"{n} {v:.0f}" for n, v in row.items()), flush=True)
+        print(f"t={temp:g} total tokens/s: " + " ".join(f"{n} {t / s:.1f}" for n, (t, s) in total.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
