@@ -378,6 +378,31 @@ def test_profile_save_load_round_trip(tmp_path, monkeypatch):
     assert default_profile_path() == tmp_path / "c" / "profiles.json"
 
 
+def test_profile_fingerprint_follows_the_kernels_sources(tmp_path, monkeypatch):
+    """A kernel made faster under the same kernels() name changes the fingerprint (a digest of
+    the kernels' sources), so the profile swept before it is not reused; the same sources
+    reuse it."""
+    from specrouter.models import runners
+    from specrouter.router import profile as profile_mod
+
+    fp = profile_mod.machine_fingerprint()
+    assert len(fp["kernel_sources"]) == 12 and fp["kernel_sources"] == profile_mod.kernel_sources()
+    path = swept_profile().save(tmp_path / "p.json", fingerprint=fp)
+    assert "T" in CostProfile.load(path, fingerprint=profile_mod.machine_fingerprint())
+    # the same package with one kernel source edited: another digest, nothing reused
+    src = tmp_path / "runners"
+    (src / "kernels").mkdir(parents=True)
+    root = __import__("pathlib").Path(runners.__file__).parent
+    for f in [*root.glob("kernels/*.cpp"), *root.glob("kernels/*.py"), *root.glob("*.py")]:
+        (src / f.relative_to(root)).write_bytes(f.read_bytes())
+    monkeypatch.setattr(runners, "__file__", str(src / "__init__.py"))
+    assert profile_mod.kernel_sources() == fp["kernel_sources"]  # a copy: the same digest
+    (src / "kernels" / "linear512.cpp").write_bytes((root / "kernels" / "linear512.cpp").read_bytes() + b"// faster\n")
+    edited = profile_mod.machine_fingerprint()
+    assert edited["kernel_sources"] != fp["kernel_sources"]
+    assert CostProfile.load(path, fingerprint=edited).models == []
+
+
 # ---------------------------------------------------------------------------------------------
 # similarity
 
