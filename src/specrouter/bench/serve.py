@@ -183,6 +183,17 @@ def start_server(cfg: ServeBenchConfig, models: list[str], port: int, log, *, pl
     raise RuntimeError("the server did not become healthy in time")
 
 
+def stop_servers(procs: list[subprocess.Popen]) -> None:
+    """Terminate the bench's servers, then wait for each (killed after 30 s)."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def server_info(port: int) -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
         return json.loads(r.read())
@@ -310,13 +321,7 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
         library = library_runs(cfg, models, target, log, servers=bases, model=model) \
             if 0.0 in cfg.temperatures else []
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_servers(procs)
     if 0.0 in cfg.temperatures:  # the library's greedy texts are the servers' (same prompts)
         served = {(lv.system, lv.concurrency): lv for lv in levels if lv.temperature == 0.0}
         for run in library:

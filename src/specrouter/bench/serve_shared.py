@@ -18,13 +18,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specrouter.bench.serve import (LevelResult, RequestResult, ServeBenchConfig, free_port, level_result,
-                                    pooled, quantile, server_info, start_server)
+                                    pooled, quantile, server_info, start_server, stop_servers)
 
 SYSTEM = (
     "You are the support assistant of Nordlicht Outdoor, an online shop for hiking, camping and "
@@ -141,13 +140,7 @@ def run_shared_prompt_bench(cfg: ServeBenchConfig, log=print, system: str = SYST
                 log(f"shared prompt, {clients} clients, {name} (round {r + 1}): ttft p50 "
                     f"{lv.ttft_p50 * 1e3:.0f} ms, {lv.tokens_per_s:.1f} tok/s")
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_servers(procs)
     return summarize_shared(cfg, models, clients, runs)
 
 
