@@ -29,7 +29,7 @@ from specrouter.server.generation import (
     Generation,
     choice_logprobs,
     submit,
-    usage_of,
+    usage_of_rows,
     watch_disconnect,
 )
 from specrouter.server.protocol import (
@@ -40,7 +40,6 @@ from specrouter.server.protocol import (
     CompletionChoice,
     CompletionResponse,
     RequestError,
-    Usage,
 )
 from specrouter.server.service import Service
 from specrouter.server.tools import ToolRequest, message_of
@@ -102,14 +101,7 @@ async def respond_whole(srv: Service, request: Request, req, gens: list[Generati
         for g in gens:
             if not g.handle.finished:
                 srv.loop_engine.abort(g.handle)
-    p = gens[0].p
-    if len(gens) == 1:
-        usage = usage_of(len(p.prompt), gens[0].text, gens[0].stats)
-    else:
-        n_out = sum(len(g.text.token_ids) for g in gens)
-        usage = Usage(prompt_tokens=len(p.prompt), completion_tokens=n_out,
-                      total_tokens=len(p.prompt) + n_out,
-                      specrouter={"choices": [g.stats for g in gens]})
+    usage = usage_of_rows(gens)
     order = list(range(len(gens)))
     if len(gens) > req.n:  # best_of: the n best by mean logprob per token, best first
         order = sorted(order, key=lambda i: -mean_logprob(gens[i]))[: req.n]

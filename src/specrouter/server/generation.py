@@ -42,6 +42,17 @@ def usage_of(prompt_len: int, ts: TextStream, stats: dict | None) -> Usage:
                  prompt_tokens_details={"cached_tokens": cached}, specrouter=stats)
 
 
+def usage_of_rows(gens: list["Generation"]) -> Usage:
+    """A request's usage: its one row's, or its n rows' completion tokens summed (each row's
+    stats in `usage.specrouter["choices"]`)."""
+    prompt_len = len(gens[0].p.prompt)
+    if len(gens) == 1:
+        return usage_of(prompt_len, gens[0].text, gens[0].stats)
+    out = sum(len(g.text.token_ids) for g in gens)
+    return Usage(prompt_tokens=prompt_len, completion_tokens=out, total_tokens=prompt_len + out,
+                 specrouter={"choices": [g.stats for g in gens]})
+
+
 def sse(obj) -> str:
     return f"data: {obj.model_dump_json()}\n\n"
 

@@ -18,7 +18,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from specrouter.server.generation import Generation, choice_logprobs, sse, token_namer, usage_of
+from specrouter.server.generation import Generation, choice_logprobs, sse, token_namer, usage_of_rows
 from specrouter.server.logprobs import CompletionLogprobWriter
 from specrouter.server.protocol import (
     ChatCompletionChunk,
@@ -26,7 +26,6 @@ from specrouter.server.protocol import (
     CompletionChoice,
     CompletionResponse,
     RequestError,
-    Usage,
     error_body,
 )
 from specrouter.server.service import Service
@@ -117,14 +116,7 @@ async def stream(srv: Service, gens: list[Generation], rid: str, created: int, c
                 finish = finish_message(parser, finish)[1]
             yield sse(chunk(i, None, finish))
         if include_usage:  # usage once, on a last chunk with no choices (OpenAI)
-            p = gens[0].p
-            if n == 1:
-                usage = usage_of(len(p.prompt), gens[0].text, gens[0].stats)
-            else:
-                out = sum(len(g.text.token_ids) for g in gens)
-                usage = Usage(prompt_tokens=len(p.prompt), completion_tokens=out,
-                              total_tokens=len(p.prompt) + out,
-                              specrouter={"choices": [g.stats for g in gens]})
+            usage = usage_of_rows(gens)
             last = (ChatCompletionChunk if chat else CompletionResponse)(
                 id=rid, created=created, model=model, choices=[], usage=usage)
             yield sse(last)
