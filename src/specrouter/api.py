@@ -60,11 +60,11 @@ class SpecRouter:
         self.config = config or SpecRouterConfig()
         self.engine = Engine(pool, router=router, prefix_cache=self.config.engine.prefix_cache,
                              kv_cache_bytes=kv_cache_bytes(self.config.engine.kv_cache_gb))
-        # token trees need a tree attention mask, which the GPU path's Triton attention does not
-        # have (its runner refuses a tree batch): trees only where the pool runs on the CPU
         from specrouter.router.policy import Router
 
-        # its cost profile prices the trees (a router of the protocol alone keeps chains)
+        # token trees: priced by the package Router's cost profile (a router of the protocol alone
+        # keeps chains), and only on a CPU pool (the GPU path's Triton attention has no tree mask:
+        # its runner refuses a tree batch)
         if isinstance(router, Router) and self.config.engine.trees and pool.device.type == "cpu":
             from specrouter.engine.tree_policy import TreePolicy
 

@@ -77,9 +77,8 @@ def verify_tokens(candidates: torch.Tensor, num_candidates: torch.Tensor, verifi
     alone: the target's output is the target's own sampled sequence, whatever the drafts."""
     B, n = candidates.shape
     assert verifier_tokens.shape == (B, n + 1), f"verifier_tokens {tuple(verifier_tokens.shape)} for {B}x{n} candidates"
-    if n == 0:  # plain steps (no row drafted): the verifier's token is the output; one op, not 13
-        # (each op is a kernel launch on a GPU, where a plain step's bookkeeping otherwise costs
-        # more than the graphed forward's launch)
+    if n == 0:  # plain steps (no row drafted): the verifier's token is the output (3 small
+        # tensor ops instead of 13 on every plain step; the result is the same)
         return LevelResult(tokens=verifier_tokens.to(torch.long), lengths=torch.ones_like(num_candidates),
                            num_accepted=torch.zeros_like(num_candidates), probs=None)
     num_accepted = _num_accepted(candidates == verifier_tokens[:, :n], num_candidates)  # (B,)

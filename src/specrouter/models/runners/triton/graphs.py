@@ -86,40 +86,26 @@ class GraphedRunner:
         )
 
     def _packed(self, batch: ForwardBatch, B2: int, T2: int) -> torch.Tensor:
-        """`batch` laid out as a (B2, T2) bucket's buffer, built on the host (tiny CPU ops):
-        padding rows run one token at position 0 of the pad slot (this wrapper's own), so they
-        write and read nothing that is kept; padding tokens and positions are 0."""
+        """`batch` laid out as a (B2, T2) bucket's buffer, built where the batch lives (the host,
+        as the engine builds them: tiny CPU ops): padding rows run one token at position 0 of
+        the pad slot (this wrapper's own), so they write and read nothing that is kept; padding
+        tokens and positions are 0."""
         B, T = batch.tokens.shape
         G = batch.logit_positions.shape[1]
-        host = torch.zeros(3 * B2 + 2 * B2 * T2, dtype=torch.long)
-        host[:B2] = self.pad_slot
-        host[:B] = batch.slots
-        host[B2 : B2 + B] = batch.starts
-        host[2 * B2 : 3 * B2] = 1
-        host[2 * B2 : 2 * B2 + B] = batch.num_tokens
-        host[3 * B2 : 3 * B2 + B2 * T2].view(B2, T2)[:B, :T] = batch.tokens
-        host[3 * B2 + B2 * T2 :].view(B2, T2)[:B, :G] = batch.logit_positions
-        return host
+        out = torch.zeros(3 * B2 + 2 * B2 * T2, dtype=torch.long, device=batch.tokens.device)
+        out[:B2] = self.pad_slot
+        out[:B] = batch.slots
+        out[B2 : B2 + B] = batch.starts
+        out[2 * B2 : 3 * B2] = 1
+        out[2 * B2 : 2 * B2 + B] = batch.num_tokens
+        out[3 * B2 : 3 * B2 + B2 * T2].view(B2, T2)[:B, :T] = batch.tokens
+        out[3 * B2 + B2 * T2 :].view(B2, T2)[:B, :G] = batch.logit_positions
+        return out
 
     def _fill(self, static: ForwardBatch, batch: ForwardBatch) -> None:
-        """Copy `batch` into the bucket's static inputs: one host-to-device copy (a batch built
-        on the host, as the engine builds them), else device-side copies."""
+        """Copy `batch` into the bucket's static inputs (views of one buffer) in one copy."""
         B2, T2 = static.tokens.shape
-        buf = self._buffers[(B2, T2)]  # (3 B2 + 2 B2 T2,): the bucket's whole input
-        if batch.tokens.device.type == "cpu":
-            buf.copy_(self._packed(batch, B2, T2), non_blocking=True)
-            return
-        batch = batch.to(self.runner.device)
-        B, T = batch.tokens.shape
-        G = batch.logit_positions.shape[1]
-        buf.zero_()
-        static.slots.fill_(self.pad_slot)
-        static.slots[:B].copy_(batch.slots)
-        static.starts[:B].copy_(batch.starts)
-        static.num_tokens.fill_(1)
-        static.num_tokens[:B].copy_(batch.num_tokens)
-        static.tokens[:B, :T].copy_(batch.tokens)
-        static.logit_positions[:B, :G].copy_(batch.logit_positions)
+        self._buffers[(B2, T2)].copy_(self._packed(batch, B2, T2), non_blocking=True)
 
     def _graph(self, bucket: tuple[int, int]):
         if bucket in self._graphs:
