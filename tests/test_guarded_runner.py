@@ -2,7 +2,7 @@
 every attribute `ModelRunner` defines reads the wrapped runner's (inherited, the base class's
 defaults shadowed them: a guarded native runner claimed it pads ragged batches and could not
 copy slots or report its KV size), and every model call it has (`forward`,
-`forward_with_features`, a head's `step`) is guarded and runs on the forward thread."""
+`forward_with_features`, a head's `step`) is guarded, on the caller's thread, under the watch."""
 
 import threading
 
@@ -10,7 +10,7 @@ import pytest
 
 from specrouter.config import SamplingParams
 from specrouter.engine.engine import Engine
-from specrouter.engine.faults import GUARDED_CALLS, GuardedRunner, ModelFailure, guard_runners
+from specrouter.engine.faults import GUARDED_CALLS, ForwardWatch, GuardedRunner, ModelFailure, guard_runners
 from specrouter.models.pool import Pool
 from specrouter.models.runners.base import ModelRunner
 from specrouter.models.runners.kernels import rowinv, why_not_native
@@ -36,27 +36,24 @@ def test_every_base_attribute_reads_the_wrapped_runner(tiny_pool_dirs):
     pool = native_pool(tiny_pool_dirs)
     Engine(pool, max_num_seqs=2, max_model_len=64)  # registers the prefix cache (`parking`)
     inner = pool.runners["target"]
-    guarded = GuardedRunner(inner, 5.0)
-    try:
-        # the control: these differ from the base class's defaults on a native runner
-        assert inner.packs_ragged and not ModelRunner.packs_ragged
-        assert inner.parking is not None and inner.kv_bytes_per_position() > 0
-        for attr in base_attributes():
-            mine, theirs = getattr(guarded, attr), getattr(inner, attr)
-            if callable(theirs) and hasattr(theirs, "__self__"):  # a bound method: the inner's own
-                if attr in ("forward", "reserve", "allocate_slot", "free_slot"):
-                    continue  # the guard's own (forwarding) methods, checked below by behaviour
-                assert mine.__self__ is inner and mine.__func__ is theirs.__func__, attr
-            else:
-                assert mine == theirs, attr
-        # writes reach the wrapped runner too (reserve's generation bump, the cache's parking)
-        guarded.generation = inner.generation + 1
-        assert inner.generation == guarded.generation
-        # and the runner's own attributes, as before
-        for attr in ("name", "vocab_size", "max_len", "num_slots", "dtype", "device", "max_context"):
-            assert getattr(guarded, attr) == getattr(inner, attr), attr
-    finally:
-        guarded.close()
+    guarded = GuardedRunner(inner, ForwardWatch(5.0))
+    # the control: these differ from the base class's defaults on a native runner
+    assert inner.packs_ragged and not ModelRunner.packs_ragged
+    assert inner.parking is not None and inner.kv_bytes_per_position() > 0
+    for attr in base_attributes():
+        mine, theirs = getattr(guarded, attr), getattr(inner, attr)
+        if callable(theirs) and hasattr(theirs, "__self__"):  # a bound method: the inner's own
+            if attr in ("forward", "reserve", "allocate_slot", "free_slot"):
+                continue  # the guard's own (forwarding) methods, checked below by behaviour
+            assert mine.__self__ is inner and mine.__func__ is theirs.__func__, attr
+        else:
+            assert mine == theirs, attr
+    # writes reach the wrapped runner too (reserve's generation bump, the cache's parking)
+    guarded.generation = inner.generation + 1
+    assert inner.generation == guarded.generation
+    # and the runner's own attributes, as before
+    for attr in ("name", "vocab_size", "max_len", "num_slots", "dtype", "device", "max_context"):
+        assert getattr(guarded, attr) == getattr(inner, attr), attr
 
 
 def run_ragged(pool: Pool) -> tuple[list[list[int]], list, dict]:
@@ -87,12 +84,8 @@ def run_ragged(pool: Pool) -> tuple[list[list[int]], list, dict]:
 def test_a_guarded_pool_runs_like_the_bare_one_ragged_and_cached(tiny_pool_dirs):
     bare = run_ragged(native_pool(tiny_pool_dirs))
     pool = native_pool(tiny_pool_dirs)
-    pool.runners = guard_runners(pool.runners, 5.0)
-    try:
-        guarded = run_ragged(pool)
-    finally:
-        for r in pool.runners.values():
-            r.close()
+    pool.runners = guard_runners(pool.runners, ForwardWatch(5.0))
+    guarded = run_ragged(pool)
     assert guarded[0] == bare[0]  # the same tokens
     assert guarded[0][0] == guarded[0][1]  # cache hits change nothing
     # the same forwards, costed as packed (a fractional mean width: ragged rows packed)
@@ -101,7 +94,7 @@ def test_a_guarded_pool_runs_like_the_bare_one_ragged_and_cached(tiny_pool_dirs)
     assert guarded[2] == bare[2] and bare[2]["hits"] > 0 and bare[2]["parked"] > 0
 
 
-def test_every_model_call_is_guarded_and_on_the_forward_thread(tiny_pool_dirs):
+def test_every_model_call_is_guarded_and_on_the_callers_thread(tiny_pool_dirs):
     pool = native_pool(tiny_pool_dirs)
     inner = pool.runners["target"]
     assert "forward_with_features" in GUARDED_CALLS and callable(inner.forward_with_features)
@@ -115,18 +108,20 @@ def test_every_model_call_is_guarded_and_on_the_forward_thread(tiny_pool_dirs):
         return real(batch, *rest)
 
     inner.forward_with_features = spy
-    guarded = GuardedRunner(inner, 5.0)
-    try:
-        from specrouter.models.runners.base import ForwardBatch
+    watch = ForwardWatch(5.0)
+    guarded = GuardedRunner(inner, watch)
+    from specrouter.models.runners.base import ForwardBatch
 
-        batch = ForwardBatch.build([0], [0], [[5, 6, 7]], [[2]])
-        logits, features = guarded.forward_with_features(batch)
-        assert logits.shape[:2] == (1, 1) and features.shape[:2] == (1, 3)
-        assert seen == [guarded.thread.name]  # not the caller's thread
-        with pytest.raises(ModelFailure, match="injected"):
-            guarded.forward_with_features(batch)
-    finally:
-        guarded.close()
+    batch = ForwardBatch.build([0], [0], [[5, 6, 7]], [[2]])
+    began = watch.begin
+    watched = []
+    watch.begin = lambda runner: watched.append(runner) or began(runner)
+    logits, features = guarded.forward_with_features(batch)
+    assert logits.shape[:2] == (1, 1) and features.shape[:2] == (1, 3)
+    assert seen == [threading.current_thread().name] and watched == [guarded]  # here, under the deadline
+    with pytest.raises(ModelFailure, match="injected"):
+        guarded.forward_with_features(batch)
+    assert not watch._inflight  # a raising forward ends its deadline too
     # a runner without the call has none through the guard either
     draft = GuardedRunner(pool.runners["draft"], None)
     assert not hasattr(draft, "step")

@@ -1,5 +1,6 @@
 """Fault injection: a model that raises or hangs is taken out of the chain, the rows finish with
-the rest of the chain, and the output is still exactly the target's greedy output."""
+the rest of the chain, and the output is still exactly the target's greedy output. A hang is
+the server's (its watchdog retires the engine thread and a new one carries on: faults.py)."""
 
 import asyncio
 import threading
@@ -9,7 +10,7 @@ import pytest
 
 from specrouter.config import SamplingParams
 from specrouter.engine.engine import Engine
-from specrouter.engine.faults import GuardedRunner, ModelFailure, guard_runners
+from specrouter.engine.faults import ForwardWatch, ModelFailure, Retired, guard_runners
 from specrouter.models.pool import Pool
 
 NAMES = ("draft", "mid", "target")
@@ -61,7 +62,7 @@ def flaky_pool(dirs, model, every, hang=0.0):
 
 def guarded_pool(dirs, model, every, hang=0.0, timeout=None):
     pool, flaky = flaky_pool(dirs, model, every, hang)
-    pool.runners = guard_runners(pool.runners, timeout)
+    pool.runners = guard_runners(pool.runners, ForwardWatch(timeout) if timeout else None)
     return pool, flaky
 
 
@@ -74,15 +75,6 @@ def run_all(eng, requests):
         steps += 1
         assert steps < 500
     return seqs
-
-
-def close(pool):
-    for r in pool.runners.values():
-        if isinstance(r, GuardedRunner):
-            r.close()
-            for t in r.abandoned:
-                t.join(10)
-            assert not any(t.is_alive() for t in r.abandoned)
 
 
 @pytest.mark.parametrize("timeout", [None, 5.0])
@@ -100,7 +92,6 @@ def test_engine_drops_a_raising_model_and_stays_exact(tiny_pool_dirs, reference,
     assert failures[0].model == "mid" and failures[0].kind == "exception"
     assert flaky.calls == 4  # never called again once out
     assert eng.state.live() == []
-    close(pool)
 
 
 def test_engine_target_exception_ends_rows_with_error(tiny_pool_dirs, reference):
@@ -112,17 +103,48 @@ def test_engine_target_exception_ends_rows_with_error(tiny_pool_dirs, reference)
     flaky.every = 10**9  # the target recovers: it was not taken out, new requests run
     (s,) = run_all(eng, [(PROMPTS[2], 30, ("mid", "target"), 2)])
     assert s.output_ids == reference[tuple(PROMPTS[2])][:30]
-    close(pool)
 
 
-def test_engine_target_timeout_takes_it_out(tiny_pool_dirs):
-    pool, _ = guarded_pool(tiny_pool_dirs, "target", every=2, hang=1.0, timeout=0.3)
-    eng = Engine(pool, max_num_seqs=2, max_model_len=96)
-    (s,) = run_all(eng, [(PROMPTS[0], 30, ("target",), 1)])
-    assert s.finish_reason == "error" and eng.failed_models == {"target"}
-    with pytest.raises(ModelFailure, match="timeout"):
-        pool.runners["target"].forward(None)  # refused at once from now on
-    close(pool)
+def test_the_watchdog_retires_a_hung_forward_and_its_thread_touches_nothing(tiny_pool_dirs):
+    """A forward past its deadline: the watchdog marks the runner failed and reports the thread;
+    when the forward returns, the guard raises Retired in that thread (a BaseException); a
+    forward within its deadline is not touched (the control)."""
+    pool, flaky = flaky_pool(tiny_pool_dirs, "draft", every=2, hang=0.6)
+    watch = ForwardWatch(0.2)
+    pool.runners = guard_runners(pool.runners, watch)
+    hung, seen = threading.Event(), {}
+
+    def on_hang(failure, thread):
+        seen["failure"], seen["thread"] = failure, thread
+        hung.set()
+
+    def forward():
+        try:
+            seen["out"] = pool.runners["draft"].forward(batch)
+        except BaseException as e:  # noqa: BLE001 - what the thread saw
+            seen["raised"] = e
+
+    from specrouter.models.runners.base import ForwardBatch
+
+    pool.runners["draft"].reserve(1, 16)
+    batch = ForwardBatch.build([0], [0], [[5, 6, 7]], [[2]])
+    watch.start(on_hang)
+    try:
+        t = threading.Thread(target=forward)
+        t.start()
+        t.join(5)  # call 1: in time
+        assert "out" in seen and not hung.is_set()
+        t = threading.Thread(target=forward)
+        t.start()  # call 2 hangs 0.6 s
+        assert hung.wait(5) and seen["thread"] is t and t.is_alive()
+        assert seen["failure"].model == "draft" and seen["failure"].kind == "timeout"
+        with pytest.raises(ModelFailure, match="timeout"):
+            pool.runners["draft"].forward(batch)  # refused at once from now on
+        t.join(5)
+        assert isinstance(seen["raised"], Retired) and watch.retired == [t]
+    finally:
+        watch.stop()
+    assert flaky.calls == 2
 
 
 # -- through the server ------------------------------------------------------------------------
@@ -187,7 +209,9 @@ def _serve_and_check(pool, reference, timeout, concurrency=6):
         health = urllib.request.urlopen(srv.url + "/health", timeout=10).read().decode()
         engine = app.state.server.engine
         assert engine.state.live() == []
-    close(app.state.server.pool)  # the server's guarded runners: join abandoned threads
+    for t in app.state.server.loop_engine.retired:  # engine threads left in a hung forward
+        t.join(10)  # its forward returned: the thread unwound (Retired) and ended
+        assert not t.is_alive()
     return _failures(metrics), health
 
 
@@ -203,3 +227,28 @@ def test_server_survives_a_hanging_verifier(tiny_pool_dirs, reference):
     failures, health = _serve_and_check(pool, reference, timeout=0.5)
     assert failures == {("mid", "timeout"): 1.0} and flaky.calls == 5
     assert '"failed_models":["mid"]' in health
+
+
+def test_server_with_a_hung_target_ends_its_requests_and_reports_it(tiny_pool_dirs):
+    """A hung target is fatal: the request in flight ends with an error, the target is out, later
+    requests end with an error at once, and /health says so."""
+    pool, flaky = flaky_pool(tiny_pool_dirs, "target", every=3, hang=1.5)
+    app = create_app(pool, ServerConfig(chain=("draft", "target"), k=2, max_num_seqs=2,
+                                        max_model_len=96, model_timeout=0.5, adaptive=False))
+    import urllib.error
+    import urllib.request
+
+    with LiveServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="-", max_retries=0, timeout=30)
+        for _ in range(2):
+            with pytest.raises(openai.APIError):
+                client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=32,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(srv.url + "/health", timeout=10)
+        metrics = urllib.request.urlopen(srv.url + "/metrics", timeout=10).read().decode()
+    assert health.value.code == 503
+    assert _failures(metrics) == {("target", "timeout"): 1.0} and flaky.calls == 3
+    (retired,) = app.state.server.loop_engine.retired
+    retired.join(10)
+    assert not retired.is_alive()

@@ -2,8 +2,9 @@
 
 The mechanism (a second thread that ran torch's parallel kernels makes every barrier of the
 first sleep) is shown on torch itself in a fresh process, with the fault as negative control;
-then the server: every model's forwards run on one forward thread, the engine thread's torch
-work is serial, and `specrouter serve` sets up on a thread that ends."""
+then the server: every model's forwards run on the engine thread with torch's threads (with
+the model timeout on: it is a watchdog, not a forward thread), and `specrouter serve` sets up
+on a thread that ends."""
 
 import os
 import subprocess
@@ -16,20 +17,19 @@ import pytest
 import torch
 
 from specrouter.config import ServerConfig
-from specrouter.engine.faults import ForwardThread, GuardedRunner, guard_runners
+from specrouter.engine.faults import ForwardWatch, guard_runners
 from specrouter.models.pool import Pool
 from specrouter.server import create_app
 from specrouter.server.live import LiveServer
-from specrouter.server.threads import on_passing_thread, serial_torch_here
+from specrouter.server.threads import on_passing_thread
 
 CPUS = len(os.sched_getaffinity(0))
 
-# Thread `other` runs one parallel op (a team of its own, unless made serial first) and stays
+# Thread `other` runs one parallel op (a team of its own, unless it gives it back) and stays
 # alive; then thread `hot` runs 400 parallel ops: the voluntary context switches of the process
 # during them are libgomp's barrier sleeps.
 _PROBE = r"""
 import os, sys, threading, torch
-from specrouter.server.threads import serial_torch_here
 torch.set_num_threads(len(os.sched_getaffinity(0)))
 def sleeps():
     total = 0
@@ -42,8 +42,6 @@ def sleeps():
     return total
 hold, ready, box = threading.Event(), threading.Event(), {}
 def other():
-    if sys.argv[1] == "serial":
-        serial_torch_here()
     torch.ones(1 << 20).mul_(2)
     if sys.argv[1] == "released":
         from specrouter.server.threads import release_omp_team_here
@@ -78,39 +76,13 @@ def _sleeps_per_op(mode: str, *args: str) -> float:
 
 
 @pytest.mark.skipif(CPUS < 2, reason="one CPU: torch runs no parallel regions")
-def test_a_second_team_makes_every_barrier_sleep_and_a_serial_thread_does_not():
-    two_teams = _sleeps_per_op("parallel")  # the fault: both threads opened a team
-    one_team = _sleeps_per_op("serial")  # the fix: the other thread's torch work is serial
-    assert two_teams >= 1.0, two_teams  # negative control: libgomp's throttled spin sleeps
-    assert one_team < 0.2, one_team
-
-
-@pytest.mark.skipif(CPUS < 2, reason="one CPU: torch runs no parallel regions")
-def test_a_thread_that_stays_gives_its_team_back(tiny_pool_dirs):
+def test_a_second_team_makes_every_barrier_sleep_and_one_given_back_does_not(tiny_pool_dirs):
     """release_omp_team_here ends the live thread's team; create_app does it for the thread that
-    loaded the pool (an in-process server): no sleeps. The negative control is the first test's
-    'parallel' probe (the same live thread with its team kept)."""
+    loaded the pool (an in-process server): no sleeps, against >= 1 per op with the team kept."""
+    two_teams = _sleeps_per_op("parallel")  # the fault: both threads opened a team
+    assert two_teams >= 1.0, two_teams  # negative control: libgomp's throttled spin sleeps
     assert _sleeps_per_op("released") < 0.2
     assert _sleeps_per_op("create_app", str(tiny_pool_dirs["target"])) < 0.2
-
-
-def test_serial_torch_here_is_per_thread():
-    n = torch.get_num_threads()
-    seen = {}
-
-    def serial():
-        seen["ok"] = serial_torch_here()
-        seen["serial"] = torch.get_num_threads()
-
-    def other():
-        seen["other"] = torch.get_num_threads()
-
-    for fn in (serial, other):
-        t = threading.Thread(target=fn)
-        t.start()
-        t.join()
-    assert seen == {"ok": True, "serial": 1, "other": n}
-    assert torch.get_num_threads() == n
 
 
 def test_on_passing_thread_returns_raises_and_ends():
@@ -126,63 +98,38 @@ def test_on_passing_thread_returns_raises_and_ends():
         on_passing_thread(lambda: {}["boom"])
 
 
-def test_guarded_runners_share_one_forward_thread(tiny_pool_dirs):
+def test_guarded_runners_share_one_watch(tiny_pool_dirs):
     pool = Pool.load([tiny_pool_dirs[n] for n in ("draft", "target")], names=["draft", "target"],
                      target="target", dtype="float64")
-    guarded = guard_runners(pool.runners, 5.0)
-    assert len({id(r.thread) for r in guarded.values()}) == 1  # one OpenMP team for all models
-    alone = GuardedRunner(pool.runners["draft"], 5.0)
-    assert alone.thread is not guarded["draft"].thread
-    assert isinstance(alone.thread, ForwardThread)
+    watch = ForwardWatch(5.0)
+    guarded = guard_runners(pool.runners, watch)
+    assert {id(r.watch) for r in guarded.values()} == {id(watch)}
+    assert guard_runners(guarded, ForwardWatch(1.0)) == guarded  # wrapped ones are kept
 
 
-def test_server_runs_every_forward_on_one_thread_and_the_engine_thread_serial(tiny_pool_dirs):
+@pytest.mark.parametrize("timeout", [30.0, None])
+def test_the_engine_thread_runs_every_forward_with_torchs_threads(tiny_pool_dirs, timeout):
+    """With the model timeout (the default) and without: no forward thread, no hand-off."""
     names = ("draft", "mid", "target")
     pool = Pool.load([tiny_pool_dirs[n] for n in names], names=list(names), target="target",
                      dtype="float64")
-    forwards: dict[str, set[str]] = {}
+    forwards: dict[str, set] = {}
     for name, runner in pool.runners.items():
         def spy(batch, _inner=runner.forward, _name=name):
-            forwards.setdefault(_name, set()).add(threading.current_thread().name)
+            forwards.setdefault(_name, set()).add((threading.current_thread().name, torch.get_num_threads()))
             return _inner(batch)
         runner.forward = spy
     app = create_app(pool, ServerConfig(chain=("draft", "mid", "target"), k=3, max_num_seqs=2,
-                                        max_model_len=64, adaptive=False))
-    engine = app.state.server.engine
-    cycles = []
-    observe = engine.on_cycle
-
-    def watch(*args, **kw):
-        cycles.append((threading.current_thread().name, torch.get_num_threads()))
-        return observe(*args, **kw)
-
-    engine.on_cycle = watch
+                                        max_model_len=64, adaptive=False, model_timeout=timeout))
+    watch = app.state.server.loop_engine.watch
+    assert (watch is None) == (timeout is None)
     with LiveServer(app) as srv:
         client = openai.OpenAI(base_url=srv.base_url, api_key="-", max_retries=0, timeout=60)
         client.completions.create(model="target", prompt=[5, 6, 7, 8], max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True})
         assert urllib.request.urlopen(srv.url + "/health", timeout=10).status == 200
-    for r in app.state.server.pool.runners.values():
-        r.close()
+        if watch is not None:
+            assert watch._thread is not None and watch._thread.is_alive()  # the watchdog runs
     assert set(forwards) == set(names)
-    assert set().union(*forwards.values()) == {"specrouter-forward"}
-    assert cycles and set(cycles) == {("specrouter-engine", 1)}
-
-
-def test_without_a_timeout_the_engine_thread_runs_the_forwards_in_parallel(tiny_pool_dirs):
-    pool = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target",
-                     dtype="float64")
-    seen = set()
-    inner = pool.runners["target"].forward
-
-    def spy(batch):
-        seen.add((threading.current_thread().name, torch.get_num_threads()))
-        return inner(batch)
-
-    pool.runners["target"].forward = spy
-    app = create_app(pool, ServerConfig(max_num_seqs=1, max_model_len=32, model_timeout=None,
-                                        adaptive=False))
-    with LiveServer(app) as srv:
-        openai.OpenAI(base_url=srv.base_url, api_key="-", max_retries=0).completions.create(
-            model="target", prompt=[5, 6, 7], max_tokens=4, temperature=0)
-    assert seen == {("specrouter-engine", torch.get_num_threads())}
+    assert set().union(*forwards.values()) == {("specrouter-engine", torch.get_num_threads())}
+    assert watch is None or watch._thread is None  # stopped with the server

@@ -442,6 +442,18 @@ class Engine:
                 seq.plan.pinned = (tuple(m for m in pinned[0] if m != model), pinned[1])
         return tuple(m for m in chain if m != model)  # == chain if it failed outside the chain
 
+    def recover_from_hang(self, failure: ModelFailure) -> None:
+        """The step in flight was abandoned: a forward of `failure.model` hung and the server's
+        watchdog retired the thread running it (faults.py), so that step never returns. Take the
+        model out and roll every running row back to its committed tokens, as a failure raised
+        in the step would (`_on_model_failure`; a hung target ends the rows with "error"); rows
+        that step finished before the hang leave the batch. The next `step()` carries on."""
+        live = [s for s in self.running.values() if not s.done]
+        self._on_model_failure(failure, live, tuple(self.pool.order), 0)
+        for seq in [s for s in self.running.values() if s.done]:
+            self.running.pop(seq.seq_id)
+            self._finish(seq)
+
     # -- offline ----------------------------------------------------------------------------
     def generate_ids(
         self,

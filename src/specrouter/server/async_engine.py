@@ -9,9 +9,15 @@ After each step, the new tokens of every row go to the requests' asyncio queues 
 `loop.call_soon_threadsafe` call. The waiting queue is bounded: `submit` raises `QueueFull`
 (the server answers 429 with Retry-After) when it holds `max_queue` requests.
 
-torch work never runs on the event loop; the event loop never blocks on the engine. With
-`serial_torch` (the forwards run on the guarded runners' forward thread) the engine thread's
-own torch work is single-threaded, so the process has one OpenMP team (server/threads.py).
+torch work never runs on the event loop; the event loop never blocks on the engine. The engine
+thread runs the forwards itself, with torch's threads: the process's only OpenMP team
+(server/threads.py). A model timeout is a watchdog (`ForwardWatch`, engine/faults.py): when a
+forward hangs it retires the engine thread and calls `_on_hang`, which starts a fresh engine
+thread; that one first recovers (`Engine.recover_from_hang`: the model out, the rows back to
+their committed tokens; what the abandoned step committed before the hang is delivered: every
+request counts the tokens it was sent, `RequestHandle.sent`) and then carries on with the same
+rows and queue. The retired thread, if its forward ever returns, unwinds touching nothing
+(`Retired`).
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specrouter.config import SamplingParams
-from specrouter.engine.engine import CapacityError, Engine
-from specrouter.server.threads import serial_torch_here
+from specrouter.engine.engine import CapacityError, Engine, StepOutput
+from specrouter.engine.faults import ForwardWatch, ModelFailure, Retired
+from specrouter.state.sequence import Sequence
 
 logger = logging.getLogger("specrouter.server")
 
@@ -62,6 +69,8 @@ class RequestHandle:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq_id: int | None = None  # set when the engine admits it
+    seq: Sequence | None = None  # the engine's row, once admitted
+    sent: int = 0  # tokens of seq.tokens (prompt included) events have carried so far
     submitted: float = field(default_factory=time.perf_counter)
     admitted: float | None = None  # perf_counter time it started running
     tenant: str | None = None  # whose learned drafter statistics it uses (None: shared)
@@ -72,9 +81,9 @@ class AsyncEngine:
     """Runs `engine` in a background thread; see the module docstring."""
 
     def __init__(self, engine: Engine, *, max_queue: int = 64, metrics=None, seed: int | None = None,
-                 serial_torch: bool = False):
+                 watch: ForwardWatch | None = None):
         self.engine = engine
-        self.serial_torch = serial_torch
+        self.watch = watch  # the guarded runners' deadlines (None: no model timeout)
         self.max_queue = max_queue
         self.metrics = metrics
         self._generator = torch.Generator()
@@ -87,11 +96,19 @@ class AsyncEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # set if the loop itself died
+        self.retired: list[threading.Thread] = []  # engine threads left in a hung forward
 
     # -- asyncio side -----------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="specrouter-engine", daemon=True)
-        self._thread.start()
+        with self._cv:
+            self._thread = self._spawn(None)
+        if self.watch is not None:
+            self.watch.start(self._on_hang)
+
+    def _spawn(self, recover: ModelFailure | None) -> threading.Thread:
+        t = threading.Thread(target=self._run, args=(recover,), name="specrouter-engine", daemon=True)
+        t.start()
+        return t
 
     @property
     def alive(self) -> bool:
@@ -137,9 +154,25 @@ class AsyncEngine:
         """Stop the thread; running and waiting requests end with an error event."""
         with self._cv:
             self._stop = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+            self._cv.notify_all()
+        deadline = time.monotonic() + timeout
+        while (t := self._thread) is not None:  # a hang meanwhile hands the loop to a new thread
+            t.join(max(deadline - time.monotonic(), 0.0))
+            if t is self._thread or time.monotonic() >= deadline:
+                break
+        if self.watch is not None:
+            self.watch.stop()
+
+    def _on_hang(self, failure: ModelFailure, thread: threading.Thread) -> None:
+        """The watchdog retired `thread` in a hung forward (on the watchdog's thread): if it is
+        the engine thread, a new one takes over (it recovers first: `_run`)."""
+        with self._cv:
+            if thread is not self._thread:
+                logger.error("a forward of %r hung outside the engine loop (thread %s)",
+                             failure.model, thread.name)
+                return
+            self.retired.append(thread)
+            self._thread = self._spawn(failure)
 
     # -- engine thread ----------------------------------------------------------------------
     def _gauges(self) -> None:
@@ -147,15 +180,18 @@ class AsyncEngine:
             self.metrics.queue_depth.set(len(self._waiting))
             self.metrics.running_rows.set(len(self.engine.running))
 
-    def _run(self) -> None:
+    def _run(self, recover: ModelFailure | None) -> None:
         engine = self.engine
-        if self.serial_torch:
-            serial_torch_here()
+        me = threading.current_thread()
         try:
+            if recover is not None:
+                self._recover(recover)
             while True:
                 with self._cv:
                     while not (self._stop or self._waiting or self._aborts or engine.has_unfinished()):
                         self._cv.wait()
+                    if self._thread is not me:
+                        return  # retired (belt and braces: a retired forward raises Retired)
                     if self._stop:
                         break
                     aborts, self._aborts = self._aborts, []
@@ -169,11 +205,22 @@ class AsyncEngine:
                     deliveries += self._step()
                 if deliveries:
                     self._deliver(deliveries)
+        except Retired:
+            return  # a new engine thread owns everything now: touch nothing
         except BaseException as e:
             self.error = e
             logger.exception("the engine loop died")
-        finally:
-            self._shutdown()
+        self._shutdown()
+
+    def _recover(self, failure: ModelFailure) -> None:
+        """Take over from a thread retired in a hung forward (see the module docstring)."""
+        with self._cv:
+            self.engine.recover_from_hang(failure)
+            outputs = [StepOutput(h.seq, h.seq.tokens[h.sent:]) for h in list(self._by_seq.values())]
+            deliveries = self._events(outputs, time.perf_counter())
+            self._gauges()
+        if deliveries:
+            self._deliver(deliveries)
 
     def _admit(self) -> list[tuple[RequestHandle, str]]:
         """Admit waiting requests in FIFO order while the engine has room (lock held)."""
@@ -196,7 +243,7 @@ class AsyncEngine:
                 refused.append((h, f"{type(e).__name__}: {e}"))
                 continue
             self._waiting.popleft()
-            h.seq_id, h.admitted = seq.seq_id, time.perf_counter()
+            h.seq_id, h.seq, h.sent, h.admitted = seq.seq_id, seq, len(seq.tokens), time.perf_counter()
             self._by_seq[seq.seq_id] = h
         return refused
 
@@ -218,29 +265,34 @@ class AsyncEngine:
             return out
         if self.metrics is not None:
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
-        out = []
-        now = time.perf_counter()
         with self._cv:
-            for o in outputs:
-                h = self._by_seq.get(o.seq.seq_id)
-                if h is None:  # aborted meanwhile
-                    continue
-                if self.metrics is not None and o.new_token_ids:
-                    self.metrics.generated_tokens.inc(len(o.new_token_ids))
-                if o.seq.done:
-                    del self._by_seq[o.seq.seq_id]
-                    h.finished = True
-                    err = (o.seq.error or "a model of the chain failed (see the server log)") \
-                        if o.seq.finish_reason == "error" else None
-                    out.append((h, TokenEvent(list(o.new_token_ids), True, o.seq.finish_reason,
-                                              stats=o.seq.stats.as_dict(), error=err,
-                                              committed=now, logprobs=o.new_logprobs,
-                                              prompt_logprobs=o.seq.prompt_logprobs)))
-                elif o.new_token_ids:
-                    out.append((h, TokenEvent(list(o.new_token_ids), committed=now,
-                                              logprobs=o.new_logprobs,
-                                              prompt_logprobs=o.seq.prompt_logprobs)))
+            out = self._events(outputs, time.perf_counter())
             self._gauges()
+        return out
+
+    def _events(self, outputs: list[StepOutput], now: float) -> list[tuple[RequestHandle, TokenEvent]]:
+        """The event of each output's request (lock held); finished rows leave `_by_seq`."""
+        out = []
+        for o in outputs:
+            h = self._by_seq.get(o.seq.seq_id)
+            if h is None:  # aborted meanwhile
+                continue
+            h.sent = len(o.seq.tokens)
+            if self.metrics is not None and o.new_token_ids:
+                self.metrics.generated_tokens.inc(len(o.new_token_ids))
+            if o.seq.done:
+                del self._by_seq[o.seq.seq_id]
+                h.finished = True
+                err = (o.seq.error or "a model of the chain failed (see the server log)") \
+                    if o.seq.finish_reason == "error" else None
+                out.append((h, TokenEvent(list(o.new_token_ids), True, o.seq.finish_reason,
+                                          stats=o.seq.stats.as_dict(), error=err,
+                                          committed=now, logprobs=o.new_logprobs,
+                                          prompt_logprobs=o.seq.prompt_logprobs)))
+            elif o.new_token_ids:
+                out.append((h, TokenEvent(list(o.new_token_ids), committed=now,
+                                          logprobs=o.new_logprobs,
+                                          prompt_logprobs=o.seq.prompt_logprobs)))
         return out
 
     @staticmethod

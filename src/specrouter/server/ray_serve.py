@@ -147,7 +147,7 @@ class SpecRouterReplica:
         self.node = ray.util.get_node_ip_address()
         self._labels = {"replica": self.replica_id, "node": self.node}
         self._board, self._push_s, self._pusher = board, metrics_push_s, None
-        # set-up on a thread that ends: the replica's only OpenMP team is its forward thread's
+        # set-up on a thread that ends: the replica's only OpenMP team is its engine thread's
         app = on_passing_thread(lambda: create_app(pool_spec.load(), server_config))
         self._srv = app.state.server
         # /metrics: every replica's, not only this one's

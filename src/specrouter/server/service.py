@@ -10,7 +10,7 @@ import time
 
 from specrouter.config import ServerConfig, kv_cache_bytes
 from specrouter.engine.engine import Engine
-from specrouter.engine.faults import GuardedRunner, guard_runners
+from specrouter.engine.faults import ForwardWatch, guard_runners
 from specrouter.models.pool import Pool
 from specrouter.server.async_engine import AsyncEngine
 from specrouter.server.metrics import ServerMetrics
@@ -32,8 +32,10 @@ class Service:
 
             # profiled once per machine, then cached
             router = build_router(pool, progress=False, config=config.router)
-        # the guarded runners are this server's own: the caller's pool object is left as it was
-        self.pool = dataclasses.replace(pool, runners=guard_runners(pool.runners, config.model_timeout))
+        # the guarded runners are this server's own: the caller's pool object is left as it was;
+        # their forwards run on the engine thread under the watchdog's deadline (faults.py)
+        watch = ForwardWatch(config.model_timeout) if config.model_timeout is not None else None
+        self.pool = dataclasses.replace(pool, runners=guard_runners(pool.runners, watch))
         max_ctx = min(r.max_context for r in self.pool.runners.values())
         max_len = min(config.max_model_len, max_ctx)
         if max_len < config.max_model_len:
@@ -48,17 +50,16 @@ class Service:
         self.metrics.prefix_cache = self.engine.prefix_cache
         self.engine.on_cycle = self.metrics.observe_cycle
         self.engine.on_model_failure = self.metrics.observe_failure
-        # with a model timeout every forward runs on the runners' one forward thread, and the
-        # engine thread's own torch work is serial: one OpenMP team (server/threads.py)
+        # the engine thread runs every forward (the process's one OpenMP team: server/threads.py);
+        # a hung forward hands its loop to a new thread (async_engine.py)
         self.loop_engine = AsyncEngine(self.engine, max_queue=config.max_queue,
-                                       metrics=self.metrics, seed=config.seed,
-                                       serial_torch=config.model_timeout is not None)
+                                       metrics=self.metrics, seed=config.seed, watch=watch)
         self.model_name = config.served_model_name or self.pool.target
         self.served_names = (self.model_name, *config.model_aliases)  # names /v1/models lists
         self.chat_template = config.chat_template  # None: the target tokenizer's
         self.created = int(time.time())
         # the caller's thread loaded, profiled and reserved: its OpenMP team would make the
-        # forward thread's barriers sleep for as long as the caller lives (server/threads.py)
+        # engine thread's barriers sleep for as long as the caller lives (server/threads.py)
         release_omp_team_here()
 
     @functools.cached_property
@@ -76,10 +77,7 @@ class Service:
         return TokenText(self.pool.tokenizer)
 
     def close(self) -> None:
-        self.loop_engine.stop()
-        for r in self.pool.runners.values():
-            if isinstance(r, GuardedRunner):
-                r.close()
+        self.loop_engine.stop()  # and its watchdog
 
     @property
     def target_down(self) -> bool:

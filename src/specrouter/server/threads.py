@@ -5,15 +5,16 @@ libgomp in the PyPI wheels), and libgomp gives EVERY thread that opens a paralle
 team of workers, kept until that thread exits. libgomp counts the threads of all teams; when
 they outnumber the CPUs it stops spinning at its barriers (about 100 pause instructions instead
 of 300,000) and parks the workers in futex sleeps, so every parallel region of every forward pays
-a sleep/wake round trip. The server had two teams: the forward thread's (engine/faults.py runs
+a sleep/wake round trip. The server had two teams: a forward thread's (engine/faults.py ran
 forwards on a thread, for the model timeout) and the engine thread's (KV-cache reservation,
 sampling), 3 managed threads on 2 cores, and decoded at 0.6x the Python API's speed
 (docs/serving-performance.md). On n cores with n torch threads it is 2n - 1 > n as well.
 
 So in the server exactly one thread runs parallel torch work:
-- with a model timeout (the default) the forward thread, which every model's forwards share
-  (`guard_runners`); the engine thread runs its own torch work serially (`serial_torch_here`);
-- without one, the engine thread, which then runs the forwards itself;
+- the engine thread, which runs every model's forwards itself (the model timeout is a
+  watchdog that replaces a hung engine thread: engine/faults.py, server/async_engine.py;
+  the retired thread keeps its team until its forward returns and it exits, so after a hang
+  the server serves on, slower, until then);
 - set-up (loading the pool, building the router) runs on a thread that ends
   (`on_passing_thread`), so its team is gone before serving starts. The event loop thread
   runs no torch work (it tokenizes with the Rust tokenizer and hands tokens over).
@@ -31,8 +32,6 @@ import functools
 import threading
 from collections.abc import Callable
 from typing import TypeVar
-
-import torch
 
 T = TypeVar("T")
 
@@ -70,17 +69,6 @@ def _libgomp():
         except OSError:
             continue
     return None
-
-
-def serial_torch_here() -> bool:
-    """Make this thread's torch CPU work single-threaded (it opens no OpenMP team of its own);
-    other threads keep torch's thread count. False where it cannot (no libgomp in the process)."""
-    torch.get_num_threads()  # torch sets a thread's OpenMP thread count on its first use: first
-    lib = _libgomp()
-    if lib is None:
-        return False
-    lib.omp_set_num_threads(1)
-    return torch.get_num_threads() == 1
 
 
 def release_omp_team_here() -> bool:
