@@ -5,8 +5,9 @@ system on the same prompts (issue 28's first goal: a tree's tokens per verificat
 best chain's at the same number of verified tokens).
 
 A chain of k drafts verifies k + 1 tokens; a tree of N nodes verifies N + 1 (its root is the
-chain's first token). `tree k=K N=N w=W`: the draft's main path of K tokens and up to W - 1
-alternatives per depth, the N best by cumulative draft probability (decoding/tree_drafting.py).
+chain's first token). `tree:K:N:W`: a tree the draft grows K deep (K draft forwards, like a chain
+of K), expanding the W best nodes of each depth into their W best children each, of which the
+target verifies the N best by cumulative draft probability (decoding/tree_drafting.py).
 
     python benchmarks/tree_acceptance.py [--kinds code prose chat] [--prompts 3] [--tokens 48]
         [--temperature 0] [--threads 2]
