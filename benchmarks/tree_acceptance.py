@@ -70,8 +70,11 @@ def main() -> None:
                                + [f"tree:{k}:{n}:{w}" for k in (2, 3, 4) for w in (3, 4)
                                   for n in sorted({k + 1, 2 * k, 3 * k, min(15, 4 * k)}) if n <= k * w])
     sr.generate(prompts[0][0], max_new_tokens=4, chat=prompts[0][1])  # warm-up (kernels, caches)
+    from specrouter.bench.provenance import describe, provenance
+
     print(f"pool: {sr.pool.order}, draft {draft}; {len(prompts)} prompts x {args.tokens} tokens, "
           f"temperature {args.temperature}")
+    print(describe(provenance()))
     print(f"{'system':<16} {'verified':>8} {'tok/verif':>9} {'tok/s':>7} {'alt-acc':>7}")
     base = None
     for c in configs:
@@ -88,6 +91,7 @@ def main() -> None:
         tps = committed / wall
         base = base or tps
         print(f"{c:<16} {verified:>8} {committed / forwards:>9.3f} {tps:>7.1f} {alt:>7}  ({tps / base:.2f}x plain)")
+    print(describe(provenance()))
 
 
 if __name__ == "__main__":
