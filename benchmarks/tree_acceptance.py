@@ -5,8 +5,9 @@ system on the same prompts (issue 28's first goal: a tree's tokens per verificat
 best chain's at the same number of verified tokens).
 
 A chain of k drafts verifies k + 1 tokens; a tree of N nodes verifies N + 1 (its root is the
-chain's first token). `tree k=K N=N w=W`: the draft's main path of K tokens and up to W - 1
-alternatives per depth, the N best by cumulative draft probability (decoding/tree_drafting.py).
+chain's first token). `tree:K:N:W`: a tree the draft grows K deep (K draft forwards, like a chain
+of K), expanding the W best nodes of each depth into their W best children each, of which the
+target verifies the N best by cumulative draft probability (decoding/tree_drafting.py).
 
     python benchmarks/tree_acceptance.py [--kinds code prose chat] [--prompts 3] [--tokens 48]
         [--temperature 0] [--threads 2]
@@ -69,8 +70,11 @@ def main() -> None:
                                + [f"tree:{k}:{n}:{w}" for k in (2, 3, 4) for w in (3, 4)
                                   for n in sorted({k + 1, 2 * k, 3 * k, min(15, 4 * k)}) if n <= k * w])
     sr.generate(prompts[0][0], max_new_tokens=4, chat=prompts[0][1])  # warm-up (kernels, caches)
+    from specrouter.bench.provenance import describe, provenance
+
     print(f"pool: {sr.pool.order}, draft {draft}; {len(prompts)} prompts x {args.tokens} tokens, "
           f"temperature {args.temperature}")
+    print(describe(provenance()))
     print(f"{'system':<16} {'verified':>8} {'tok/verif':>9} {'tok/s':>7} {'alt-acc':>7}")
     base = None
     for c in configs:
@@ -87,6 +91,7 @@ def main() -> None:
         tps = committed / wall
         base = base or tps
         print(f"{c:<16} {verified:>8} {committed / forwards:>9.3f} {tps:>7.1f} {alt:>7}  ({tps / base:.2f}x plain)")
+    print(describe(provenance()))
 
 
 if __name__ == "__main__":

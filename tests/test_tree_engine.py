@@ -1,9 +1,11 @@
 """Token trees through the engine (issue 28): with a model draft below the target, rows that
-verify token trees (the draft's main path plus its alternatives, grown best-first under a node
-budget) generate exactly what plain decoding of the target generates, greedy and sampled, in
-float32 and bfloat16 (near-tie target logits, where one differing bit flips an argmax), in
-ragged batches beside chain rows and plain rows; and the trees were verified and sometimes
-accepted an alternative."""
+verify token trees (grown by the draft depth by depth, its best frontier nodes expanded in one
+tree forward per depth, the best nodes kept under a budget: decoding/tree_drafting.py) generate
+exactly what plain decoding of the target generates, greedy and sampled, in float32 and bfloat16
+(near-tie target logits, where one differing bit flips an argmax), in ragged batches beside chain
+rows and plain rows; the trees were verified and accepted alternatives and nodes below them; and
+a draft identical to the target drafts its trees right (its tree forwards see each node's own
+branch), so every tree is accepted to its full depth."""
 
 import pytest
 from fixtures import named_router, repeating_prompts
@@ -59,3 +61,29 @@ def test_a_pruning_level_keeps_the_chain(pool):
     sr.engine.tree_policy = fixed = FixedTreeShape(9, 3)
     assert _gen(sr, prompts, chain=["draft", "mid", "target"], k=4) == plain
     assert fixed.outcomes == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_draft_equal_to_the_target_has_its_main_paths_accepted(tmp_path, dtype):
+    """The draft is the target's own weights: a tree drafted right (each frontier node's logits
+    those of drafting its branch, the draft's cache rolled back to the committed prefix between
+    cycles) has the target's greedy path as its main path, so every verification accepts the main
+    path as far as the tree kept it. A draft tree forward that mixed up positions or ancestors
+    would miss (the negative control of the runner's tree exactness is test_tree_verification's)."""
+    from fixtures import make_tiny_llama
+
+    target = make_tiny_llama(tmp_path / "target", seed=4, num_layers=2, max_position_embeddings=256)
+    dirs = {"target": target, "draft": make_tiny_llama(tmp_path / "draft", seed=5, init_from=target, noise=0.0,
+                                                       num_layers=2, max_position_embeddings=256)}
+    sr = named_router(dirs, ("target", "draft"), dtype, ngram=False, suffix=False, adaptive=False)
+    prompts = repeating_prompts(PROMPT_LENS[:3], seed=3)
+    plain = _gen(sr, prompts, chain=["target"])
+    sr.engine.tree_policy = fixed = FixedTreeShape(10, 3)
+    assert _gen(sr, prompts, chain=["draft", "target"], k=4) == plain
+    assert fixed.outcomes
+    # at every node expanded along the accepted branch (the root, then nodes of depth 0, 1, ...:
+    # the deeper ones expanded by the draft's tree forwards), the draft's first child was the
+    # target's token, so the tree's main path was accepted as far as the tree kept it
+    assert all(o.ranks and set(o.ranks) == {0} and o.accepted == o.main_accepted == o.main
+               for o in fixed.outcomes)
+    assert max(len(o.ranks) for o in fixed.outcomes) >= 3

@@ -185,21 +185,38 @@ def test_token_noise_is_the_reference_noise_of_those_tokens():
     assert torch.equal(token_noise(keys, tokens), exponential_noise(keys, 4096).gather(1, tokens))
 
 
-def test_grow_tree_keeps_the_best_nodes_as_a_tree():
-    from specrouter.decoding.tree_drafting import DraftDepth, grow_tree, rank_evidence
+def test_draft_tree_keeps_the_best_nodes_as_a_tree():
+    """DraftTree (decoding/tree_drafting.py): nodes grown depth by depth under expanded
+    frontier nodes; `best` keeps the budget best by cumulative draft log-probability, always a
+    tree (a parent before its children); `feed` is the frontier's ancestor closure with parents
+    among itself; `evidence` reads the rank of the target's token along the accepted branch."""
+    from specrouter.decoding.tree_drafting import DraftTree
 
-    depths = [DraftDepth(10, -0.1, ((11, -2.5), (12, -3.0))), DraftDepth(20, -0.5, ((21, -1.0), (22, -4.0))),
-              DraftDepth(30, -0.2, ((31, -2.0),))]
-    tree, ranks = grow_tree(depths, 3, 1)
-    assert tree == TokenTree.chain([10, 20, 30]) and ranks == [0, 0, 0]  # width 1: the chain
-    tree, ranks = grow_tree(depths, 5, 3)
-    # scores: 10 -0.1, 20 -0.6, 21 -1.1, 30 -0.8, 31 -2.6, 11 -2.5: the best 5 but 31 and 12
+    t = DraftTree()
+    assert t.expand(-1, [10, 11, 12], [-0.1, -2.5, -3.0]) == [0, 1, 2]
+    assert t.expand(0, [20, 21], [-0.5, -1.0]) == [3, 4]  # scores -0.6, -1.1
+    assert t.expand(1, [22], [-0.05]) == [5]  # -2.55
+    assert t.expand(3, [30, 31], [-0.2, -2.0]) == [6, 7]  # -0.8, -2.6
+    assert t.depths == [0, 0, 0, 1, 1, 1, 2, 2] and t.ranks == [0, 1, 2, 0, 1, 0, 0, 1]
+    tree, ids = t.best(1)
+    assert tree == TokenTree.chain([10]) and ids == [0]
+    tree, ids = t.best(5)  # -0.1 (10), -0.6 (20), -0.8 (30), -1.1 (21), -2.5 (11)
+    assert ids == [0, 1, 3, 4, 6]
     assert tree.tokens == (10, 11, 20, 21, 30) and tree.parents == (-1, -1, 0, 0, 2)
-    assert ranks == [0, 1, 0, 1, 0]
-    # the target's tokens after the root, node 0, ..., node 4: 10, then 21 (an alternative), then 99
-    nodes, final = walk(tree, [10, 21, 5, 5, 99, 5])
-    assert nodes == [0, 3] and final == 99
-    assert walk(tree, [10, 20, 5, 30, 5, 7]) == ([0, 2, 4], 7)  # the main path, then the bonus
-    assert walk(tree, [13, 5, 5, 5, 5, 5]) == ([], 13)  # no child matches: recovered at once
-    assert rank_evidence(depths, [10, 21]) == [0, 1]
-    assert rank_evidence(depths, [10, 77]) == [0, -1]
+    tree, ids = t.best(6)  # then 22 (-2.55) under 11
+    assert tree.tokens[-1] == 30 and 22 in tree.tokens and tree.parents[tree.tokens.index(22)] == 1
+    for n in range(1, len(t.tokens) + 1):  # every budget gives a tree whose nodes' parents are kept
+        TokenTree(*map(tuple, (t.best(n)[0].tokens, t.best(n)[0].parents)))
+    assert t.main_path() == [0, 3, 6]
+    t.frontier = [6, 5]
+    ids, parents, at = t.feed()
+    assert ids == [0, 1, 3, 5, 6] and parents == [-1, -1, 0, 1, 2] and at == [4, 3]
+    # the target's tokens: after the root 10 (rank 0), after node 0: 21 (rank 1), after node 4: 99
+    assert t.evidence([0, 4], [10, 21, 99]) == (0, 1)  # node 4 was never expanded: no evidence
+    assert t.evidence([0, 3], [10, 20, 31]) == (0, 0, 1)
+    assert t.evidence([], [13]) == (-1,)
+    # walking the kept tree with the target's tokens: root -> 10, node 0 -> 21 (an alternative)
+    tree, ids = t.best(5)
+    assert walk(tree, [10, 21, 5, 5, 99, 5]) == ([0, 3], 99)
+    assert walk(tree, [10, 20, 5, 30, 5, 7]) == ([0, 2, 4], 7)
+    assert walk(tree, [13, 5, 5, 5, 5, 5]) == ([], 13)

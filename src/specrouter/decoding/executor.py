@@ -51,7 +51,7 @@ from specrouter.decoding.tv import level_tv
 from specrouter.models.device import synchronize
 from specrouter.decoding.verification import verify_tokens
 from specrouter.decoding.tree import TokenTree, feed_parents, token_offsets, walk
-from specrouter.decoding.tree_drafting import DraftDepth, draft_depths, grow_tree, rank_evidence
+from specrouter.decoding.tree_drafting import DraftTree, draft_tree
 from specrouter.records.stats import CycleStats
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
 from specrouter.records.routing import ForwardRecord, RowOutcome
@@ -81,14 +81,14 @@ class RowWork:
     tv: list[float] = field(default_factory=list)  # per level j >= 1: mean D_TV (j-1 vs j) at its candidates; NaN: none
     logprobs: list | None = None  # the target's TokenLogprob of each token in `cand` (rows asking)
     prompt_logprobs: list | None = None  # its prompt's, when this cycle prefilled them
-    # a token tree (docs/trees.md): the node budget and width asked (0: a chain), what the
-    # drafter offered per depth, the tree the target verifies, and what it accepted
+    # a token tree (docs/trees.md): the node budget and width asked (0: a chain), the tree the
+    # drafter grew, the tree the target verifies (its nodes' ids in the draft tree), what it accepted
     tree_budget: int = 0
     tree_width: int = 1
-    depths: list[DraftDepth] = field(default_factory=list)
+    draft_tree: DraftTree | None = None
     tree: TokenTree | None = None
-    tree_ranks: list[int] = field(default_factory=list)  # per node: 0 main path, r alternative
-    ranks: list[int] = field(default_factory=list)  # rank evidence per depth reached (tree_drafting.rank_evidence)
+    tree_ids: list[int] = field(default_factory=list)
+    ranks: tuple[int, ...] = ()  # rank evidence along the accepted branch (DraftTree.evidence)
     tree_accepted: int = 0  # nodes of the accepted branch
 
     def level(self, model: str) -> int:
@@ -180,8 +180,8 @@ class ChainExecutor:
             w.min_confidence = floor
         heads_draft = any(w.chain[0] in self.heads and w.k > 0 for w in work)
         for w, (budget, width) in zip(work, trees or ()):
-            if budget > w.k and width > 1 and not heads_draft and self._tree_ok(w):
-                w.tree_budget, w.tree_width = min(budget, w.cap), width
+            if budget > w.k and width > 1 and not heads_draft and self._tree_ok(w, budget, width):
+                w.tree_budget, w.tree_width = budget, width
         for name in self._models_in_use(work):
             if name in self.drafters:
                 self._propose(name, [w for w in work if w.chain[0] == name and w.k > 0])
@@ -208,12 +208,17 @@ class ChainExecutor:
         return RowWork(b=b, seq=seq, chain=chain, k=k, cap=cap, start=len(seq.tokens),
                        drafted=[0] * n, accepted=[0] * n, tv=[math.nan] * n)
 
-    def _tree_ok(self, w: RowWork) -> bool:
+    def _tree_ok(self, w: RowWork, budget: int, width: int) -> bool:
         """A row may verify a tree: a model drafter straight below the target (no pruning
-        level), a target that runs trees, no history-dependent processor or grammar (their
-        history is the path: one per branch), no logprobs asked (they read chain positions)."""
-        return (len(w.chain) == 2 and w.k > 0 and w.chain[0] in self.runners and w.chain[0] not in self.heads
-                and self.runners[w.chain[1]].supports_trees and not w.seq.params.has_processors
+        level), both running trees, room in both caches for the nodes side by side (the
+        drafter's forwards feed up to width * (k - 1), the target's budget + 1), no
+        history-dependent processor or grammar (their history is the path: one per branch), no
+        logprobs asked (they read chain positions)."""
+        if not (len(w.chain) == 2 and w.k > 0 and w.chain[0] in self.runners and w.chain[0] not in self.heads
+                and all(self.runners[m].supports_trees for m in w.chain)):
+            return False
+        room = min(self.runners[m].max_len for m in w.chain) - w.start
+        return (room > max(budget, width * w.k) and not w.seq.params.has_processors
                 and w.seq.grammar is None and w.seq.params.logprobs is None)
 
     def _models_in_use(self, work: list[RowWork]) -> list[str]:
@@ -248,7 +253,6 @@ class ChainExecutor:
         rows still drafting."""
         for w, t, x in zip(work, first, first_logits):
             w.cand, w.cand_logits = [t], [x.clone()] if self.measure_tv else None
-        self._offer(work, first, first_logits, 0)
         active = [w for w in work if w.k > 1]
         i = 1
         while active:
@@ -261,7 +265,6 @@ class ChainExecutor:
                                        [[0]] * len(feeds))
             logits = self._timed_forward(name, batch, len(active), 1)  # (B', 1, V)
             tokens = self._choose(logits, active, sampling, offset=i)[:, 0].tolist()
-            self._offer(active, tokens, logits[:, 0], i)
             for w, t, x in zip(active, tokens, logits[:, 0]):
                 w.cand.append(t)
                 if w.cand_logits is not None and len(w.cand_logits) < self.tv_positions:
@@ -272,25 +275,6 @@ class ChainExecutor:
             w.drafted[0] = len(w.cand)
             if w.seq.params.greedy:
                 w.proposal = list(w.cand)
-            if w.tree_budget:
-                w.tree, w.tree_ranks = grow_tree(w.depths[: len(w.cand)], w.tree_budget, w.tree_width)
-
-    def _offer(self, work: list[RowWork], chosen: list[int], logits: torch.Tensor, depth: int) -> None:
-        """Tree rows record what the drafter offered at this depth (logits (B, V) of `work`);
-        a sampling row ranks its alternatives by its noise at position start + depth."""
-        idx = [i for i, w in enumerate(work) if w.tree_budget]
-        if not idx:
-            return
-        width = max(work[i].tree_width for i in idx)
-        sel = torch.tensor(idx, dtype=torch.long, device=logits.device)
-        temps = [work[i].seq.params.temperature for i in idx]
-        keys = None
-        if any(temps):
-            keys = position_keys(torch.tensor([work[i].seq.seed_key for i in idx], dtype=torch.long),
-                                 torch.tensor([work[i].start + depth for i in idx], dtype=torch.long))
-        for i, dd in zip(idx, draft_depths(logits.index_select(0, sel), [chosen[i] for i in idx], width,
-                                            temps, keys)):
-            work[i].depths.append(dd)
 
     # -- one model's forward ----------------------------------------------------------------
     def _run_model(self, name: str, work: list[RowWork], sampling: SamplingTensors) -> None:
@@ -327,7 +311,18 @@ class ChainExecutor:
             if name == self.target:
                 self._logprobs(verify, processed, sampling)  # (no tree row asks: `_tree_ok`)
         if draft:
-            self._draft_steps(name, draft, tokens[len(verify):, 0].tolist(), logits[len(verify):, 0], sampling)
+            first, first_logits = tokens[len(verify):, 0].tolist(), logits[len(verify):, 0]  # (B', V)
+            grow = [i for i, w in enumerate(draft) if w.tree_budget]
+            chain = [i for i, w in enumerate(draft) if not w.tree_budget]
+            if len(chain) == len(draft):
+                self._draft_steps(name, draft, first, first_logits, sampling)
+            elif chain:
+                self._draft_steps(name, [draft[i] for i in chain], [first[i] for i in chain],
+                                  first_logits[chain], sampling)
+            if grow:  # tree rows grow their trees depth by depth (decoding/tree_drafting.py)
+                for i in grow:
+                    draft[i].cand_logits = [first_logits[i].clone()] if self.measure_tv else None
+                draft_tree(self, name, [draft[i] for i in grow], first_logits[grow])
 
     def _measure_tv(self, name: str, work: list[RowWork], logits: torch.Tensor, sampling: SamplingTensors) -> None:
         """Each row's mean D_TV between the level below (its `cand_logits`) and level `name`
@@ -337,9 +332,8 @@ class ChainExecutor:
         idx = [i for i, w in enumerate(work) if w.cand and w.cand_logits
                and not w.seq.params.has_processors]
         if idx:
-            # <= tv_positions; a tree row's logits follow its main path to its first node only
-            num = [min(len(work[i].cand), len(work[i].cand_logits), 2 if work[i].tree is not None else len(work[i].cand))
-                   for i in idx]
+            # <= tv_positions; a tree row's: the root's only (the draft's root logits)
+            num = [min(len(work[i].cand), len(work[i].cand_logits)) for i in idx]
             draft = logits.new_zeros((len(idx), max(num), logits.shape[-1]))  # (R, n, V)
             for r, (i, m) in enumerate(zip(idx, num)):
                 draft[r, :m] = torch.stack(work[i].cand_logits[:m])
@@ -373,22 +367,19 @@ class ChainExecutor:
         keeps it as the row's speculative tokens (what `StateManager.commit` keeps)."""
         runner = self.runners[name]
         for w, toks in rows:
-            tree = w.tree
+            tree, dt = w.tree, w.draft_tree
             target = toks[: len(tree) + 1].tolist()
             nodes, final = walk(tree, target)
             runner.move_kv(self.state.state(w.seq.seq_id, name).slot, w.start, nodes)
             self.state.state(w.seq.seq_id, name).speculative = [tree.tokens[i] for i in nodes]
-            main = [i for i, r in enumerate(w.tree_ranks) if r == 0]
-            main_acc = 0
-            for i in nodes:
-                if w.tree_ranks[i] != 0:
-                    break
-                main_acc += 1
-            # the target's token at each main-path depth reached: after main node d - 1
-            at_main = [target[0]] + [target[1 + i] for i in main[:main_acc]]
-            w.ranks = rank_evidence(w.depths, at_main)
+            path = [w.tree_ids[i] for i in nodes]
+            w.ranks = dt.evidence(path, [target[0]] + [target[1 + i] for i in nodes])
             # the router's evidence stays the chain's: its main path, what of it was accepted
-            w.drafted[1], w.accepted[1], w.tree_accepted = len(main), main_acc, len(nodes)
+            main = set(dt.main_path())
+            main_acc = 0
+            while main_acc < len(path) and path[main_acc] in main:
+                main_acc += 1
+            w.drafted[1], w.accepted[1], w.tree_accepted = len(main & set(w.tree_ids)), main_acc, len(nodes)
             w.cand = [tree.tokens[i] for i in nodes] + [final]
             w.cand_logits = None
 
@@ -502,9 +493,7 @@ class ChainExecutor:
             parents = [feed_parents(len(f) - len(s), t) if t is not None else list(range(-1, len(f) - 1))
                        for f, s, t in zip(feeds, speculative, trees)]
         batch = ForwardBatch.build(slots, starts, feeds, positions, parents=parents)
-        width = batch.tokens.shape[1]
-        if self.runners[name].packs_ragged:  # it costs its valid tokens
-            width = sum(batch.num_tokens_list) / len(work)
+        width = self._width(name, batch, len(work))
         context = sum(starts) // len(starts)
         if keep is None:
             return self._timed_forward(name, batch, len(work), width, context)
@@ -525,10 +514,14 @@ class ChainExecutor:
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A draft head's step, timed like a forward: (logits (B, G, vocab_width), predicted
         features (B, T, H))."""
-        width = sum(batch.num_tokens_list) / rows if self.runners[name].packs_ragged else batch.tokens.shape[1]
-        logits, predicted = self._timed(name, batch, rows, width, None,
+        logits, predicted = self._timed(name, batch, rows, self._width(name, batch, rows), None,
                                         lambda: self.runners[name].step(batch, features))
         return logits[..., : self.vocab_width], predicted
+
+    def _width(self, name: str, batch: ForwardBatch, rows: int) -> float:
+        """The new tokens a forward of `batch` costs per row: its widest row, or the mean of
+        its valid tokens where the runner packs them (`packs_ragged`)."""
+        return sum(batch.num_tokens_list) / rows if self.runners[name].packs_ragged else batch.tokens.shape[1]
 
     def _timed_forward(self, name: str, batch: ForwardBatch, rows: int, width: float, context: int | None = None) -> torch.Tensor:
         logits = self._timed(name, batch, rows, width, context, lambda: self.runners[name].forward(batch))
@@ -584,7 +577,7 @@ class ChainExecutor:
             ))
         trees = [TreeOutcome(seq_id=w.seq.seq_id, nodes=len(w.tree), width=w.tree_width,
                              main=w.drafted[1], accepted=w.tree_accepted, main_accepted=w.accepted[1],
-                             ranks=tuple(w.ranks)) for w in work if w.tree is not None]
+                             ranks=w.ranks) for w in work if w.tree is not None]
         return StepResult(outcomes=outcomes, proposals=proposals, forwards=self._forwards, cycles=cycles,
                           forward_time=dict(self._ftime), wall_time=wall,
                           speculative=any(w.k > 0 for w in work), tv_seconds=self._tv_seconds, trees=trees)
