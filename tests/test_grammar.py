@@ -112,6 +112,14 @@ def test_masks_along_the_path_equal_fresh_matchers(pool, name):
     assert torch.equal(got[2], fresh_allowed(pool, spec, generated + path[:2])[0])
     assert got[3].all() and got[4].all()
     assert rg.valid_prefix(generated, path) == 2
+    # ... also before the positions asked (offset past it: a draft token at a position whose
+    # masked logits were all -inf) it leaves the matcher usable: the masks after it are exact
+    path[2] = next(t for t in range(pool.vocab_width)
+                   if not fresh_allowed(pool, spec, generated + path[:2])[0][t] and t not in pool.eos_ids)
+    got = rg.allowed(generated, path, 3, 2)
+    assert got.all()
+    assert not rg.dead_end
+    assert torch.equal(rg.allowed(generated, path[:2], 2, 1)[0], fresh_allowed(pool, spec, generated + path[:2])[0])
     # the matcher follows a row rolled back and re-extended differently
     rg.sync(doc[:10])
     rg.sync(doc[:4])

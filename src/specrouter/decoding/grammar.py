@@ -153,9 +153,13 @@ class RowGrammar:
         steps = 0
         ok = not m.is_error()
         for i in range(offset):
-            if not ok or i >= len(path) or path[i] in self.stop_ids or not m.consume_token(path[i]):
+            # validated before consumed: a refused token would leave the matcher in its error
+            # state, which no rollback clears (a draft whose masked logits were all -inf, e.g. a
+            # draft vocabulary without the one allowed token, proposes such a token)
+            if not ok or i >= len(path) or path[i] in self.stop_ids or m.validate_tokens([path[i]]) != 1:
                 ok = False
                 break
+            m.consume_token(path[i])
             steps += 1
         for g in range(G):
             if not ok:
