@@ -214,11 +214,8 @@ def observe_cycle(router, stats, outcomes, forwards, draft=(0, 0.0)):
                                    len(stats.chain) > 1, draft_steps=draft[0], draft_host_seconds=draft[1]))
 
 
-def drive(router, sim, cycles, sids=(0,), L=L0, greedy=True, shadow=False, trace=None, timed=True,
-          report_draft=True):
-    """Run `cycles` engine steps; returns (tokens committed, virtual seconds incl. decide()).
-    `report_draft=False`: the draft steps' host seconds are not told apart (the executor before
-    issue 33's fix: they were part of the cycle's overhead)."""
+def drive(router, sim, cycles, sids=(0,), L=L0, greedy=True, shadow=False, trace=None, timed=True):
+    """Run `cycles` engine steps; returns (tokens committed, virtual seconds incl. decide())."""
     clock, tokens = 0.0, 0
     for _ in range(cycles):
         t0 = time.perf_counter()
@@ -229,7 +226,7 @@ def drive(router, sim, cycles, sids=(0,), L=L0, greedy=True, shadow=False, trace
             groups[(d.chain, d.k)].append(s)
         for (chain, k), members in groups.items():
             stats, outcomes, fwd, committed = sim.run(chain, k, members, L, greedy)
-            observe_cycle(router, stats, outcomes, fwd, sim.draft if report_draft else (0, 0.0))
+            observe_cycle(router, stats, outcomes, fwd, sim.draft)
             clock += stats.wall_time
             tokens += sum(committed)
             if shadow:
@@ -612,31 +609,31 @@ def test_router_follows_a_3x_slowdown_within_20_cycles():
     print(f"3x slowdown of d2: {fast.chain} -> {slow.chain} after {first + 1} cycles")
 
 
-@pytest.mark.parametrize("report", [True, False])
-def test_draft_step_host_time_is_learned_and_shortens_the_draft(report):
+@pytest.mark.parametrize("charge", [True, False])
+def test_draft_step_host_time_is_learned_and_shortens_the_draft(charge):
     """Issue 33: every model draft step after the first costs host seconds outside its forward
     (on a GPU a sync per step). The router learns them per step from the step reports and
     charges k - 1 of them to a draft of length k: it settles on the closed-form optimum with
     them, a shorter draft than the optimum without. The negative control: told only the
     cycle's total (the executor before the fix), it averages them into a per-cycle overhead
-    that does not grow with k and keeps the longer draft."""
+    that does not grow with k and keeps the longer draft (`RouterConfig(draft_step_overhead=False)`)."""
     order, alphas, step = ["d1", "T"], {("d1", "T"): 0.8}, 0.004
     sim = Sim(alphas, seed=4, overhead_spec=0.0, overhead_plain=0.0, draft_step_host=step)
-    router = make_router(order, timer=lambda: 0.0)
+    router = make_router(order, timer=lambda: 0.0, config=RouterConfig(draft_step_overhead=charge))
     trace = []
-    drive(router, sim, 300, trace=trace, report_draft=report)
+    drive(router, sim, 300, trace=trace)
     charged, uncharged = true_plan(order, alphas, draft_step=step), true_plan(order, alphas)
     assert charged.chain == uncharged.chain == ("d1", "T") and charged.k < uncharged.k
     ks = [t[0].k for t in trace[-50:] if t[0].reason != "probe"]
-    want = charged.k if report else uncharged.k
+    want = charged.k if charge else uncharged.k
     assert abs(sum(ks) / len(ks) - want) <= 1, (ks, charged.k, uncharged.k)
-    if report:
+    if charge:
         assert router.overhead["draft_step"] == pytest.approx(step, rel=1e-6)
         assert router.overhead["spec"] == pytest.approx(0.0, abs=1e-9)
     else:
         assert router.overhead["draft_step"] == 0.0 and router.overhead["spec"] > step
     print(f"\nper-step host {step * 1e3:.1f} ms: optimum k={charged.k} (k={uncharged.k} uncharged); "
-          f"router ran k in {sorted(set(ks))}")
+          f"router ran k in {sorted({int(k) for k in ks})}")
 
 
 @pytest.mark.slow  # the router's real decide() time is on the clock: 0.956x alone on quiet cores,

@@ -528,10 +528,11 @@ class Router:
         if not report.speculative:
             self.overhead["plain"] += a * (host - self.overhead["plain"])
             return
-        if report.draft_steps > 0:
+        steps = report.draft_host_seconds if self.config.draft_step_overhead else 0.0
+        if report.draft_steps > 0 and self.config.draft_step_overhead:
             per_step = report.draft_host_seconds / report.draft_steps
             self.overhead["draft_step"] += a * (per_step - self.overhead["draft_step"])
-        cycle = max(host - report.draft_host_seconds, 0.0)
+        cycle = max(host - steps, 0.0)
         self.overhead["spec"] += a * (cycle - self.overhead["spec"])
 
     def observe_shadow(self, seq_id: int, drafter: str, proposal: Sequence[int], committed: Sequence[int],
