@@ -7,7 +7,8 @@ tokens). Prints tokens/s per request and summed.
 
 Variants (RouterConfig changes against the default): no-tv (measure_tv=False), greedy-tv
 (greedy rows' D_TV fed to the estimator), no-check (realized_check=False), tv-cap-8
-(request_tv_cap=8, request_tv_weight=1).
+(request_tv_cap=8, request_tv_weight=1), no-step-host (draft_step_overhead=False: the draft steps'
+host seconds folded into the cycle's overhead, as before issue 33).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "greedy-tv": dataclasses.replace(base, similarity=dataclasses.replace(sim, greedy_tv=True)),
         "no-check": dataclasses.replace(base, realized_check=False),
         "tv-cap-8": dataclasses.replace(base, request_tv_cap=8.0, request_tv_weight=1.0),
+        "no-step-host": dataclasses.replace(base, draft_step_overhead=False),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

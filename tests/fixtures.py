@@ -198,6 +198,7 @@ class QuietRouterHooks:
 
     measure_tv = False
     tv_positions = 2
+    tv_greedy_rows = True
 
     def plan_batch(self, rows, pinned=()):
         from specrouter.records.routing import BatchPlan

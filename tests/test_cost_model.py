@@ -200,6 +200,30 @@ def test_best_k_matches_closed_form():
     np.testing.assert_allclose(plan.table.t_eff[1], closed)
 
 
+def test_draft_step_overhead_is_charged_per_model_draft_step_after_the_first():
+    """Host seconds per draft step (issue 33, the GPU's sync per step): k - 1 of them for a model
+    drafter of length k, none for a model-free drafter (its cost(k) is the whole proposal), and
+    the closed-form optimum k moves down: with the per-step host time, a long draft is dearer."""
+    alpha, c_draft, step = 0.8, 0.05, 0.08  # target forward = 1 s whatever t
+    costs = [flat(c_draft), flat(1.0)]
+    base, tokens = expected_cycle_by_k(costs, [alpha], k_max=16, overhead=0.01)
+    charged, same = expected_cycle_by_k(costs, [alpha], k_max=16, overhead=0.01, draft_step_overhead=step)
+    np.testing.assert_allclose(charged - base, step * np.arange(16))
+    np.testing.assert_allclose(same, tokens)
+    assert t_eff(costs, [alpha], 5, overhead=0.01, draft_step_overhead=step) == pytest.approx(charged[4] / tokens[4])
+    free = [ModelFreeDraft(cost=0.001, hit_rate=0.5), flat(1.0)]
+    assert expected_cycle_by_k(free, [alpha], 8, draft_step_overhead=step)[0] == pytest.approx(
+        expected_cycle_by_k(free, [alpha], 8)[0])
+    closed = [(k * c_draft + (k - 1) * step + 1.0) / leviathan_expected_tokens(alpha, k) for k in range(1, 17)]
+    plan = best_plan([("t",), ("d", "t")], costs={"d": c_draft, "t": 1.0}, alphas={("d", "t"): alpha},
+                     draft_step_overhead=step)
+    uncharged = best_plan([("t",), ("d", "t")], costs={"d": c_draft, "t": 1.0}, alphas={("d", "t"): alpha})
+    assert plan.k == int(np.argmin(closed)) + 1 and plan.t_eff == pytest.approx(min(closed))
+    assert plan.k < uncharged.k  # the negative control: without it the draft runs longer
+    with pytest.raises(ValueError):
+        best_plan([("d", "t")], costs={"d": 0.1, "t": 1.0}, alphas={("d", "t"): 0.5}, draft_step_overhead=-1.0)
+
+
 def test_best_plan_is_the_true_argmin_on_random_tables():
     rng = np.random.default_rng(7)
     names = ["ngram", "d1", "d2", "d3", "t"]

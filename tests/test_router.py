@@ -130,13 +130,15 @@ def swept_profile(models=("d1", "d2", "T"), ngram=True, config=None):
 class Sim:
     """Plays cycles of the iid model; per-request acceptance overrides for request types."""
 
-    def __init__(self, alphas, hit=HIT, seed=0, overhead_spec=3e-4, overhead_plain=1e-4):
+    def __init__(self, alphas, hit=HIT, seed=0, overhead_spec=3e-4, overhead_plain=1e-4, draft_step_host=0.0):
         self.costs = dict(COSTS)
         self.slow = defaultdict(lambda: 1.0)  # scripted slowdowns
         self.alphas, self.hit = dict(alphas), hit
         self.per_request: dict[int, dict] = {}  # seq_id -> {"alphas": {...}, "hit": h}
         self.rng = random.Random(seed)
         self.overhead = {"spec": overhead_spec, "plain": overhead_plain}
+        self.draft_step_host = draft_step_host  # host seconds per model draft step after the first
+        self.draft = (0, 0.0)  # the last cycle's (draft steps, their host seconds)
 
     def cost(self, m, b, t, L):
         return self.costs[m](b, t, L) * self.slow[m]
@@ -185,7 +187,9 @@ class Sim:
                     drafted[r][j], accepted[r][j] = n[r], a
                     n[r] = a + 1
             committed = n
-        wall = sum(ftime.values()) + self.overhead["spec" if N > 1 else "plain"]
+        steps = k - 1 if N > 1 and chain[0] != "ngram" else 0
+        self.draft = (steps, steps * self.draft_step_host)
+        wall = sum(ftime.values()) + self.overhead["spec" if N > 1 else "plain"] + self.draft[1]
         stats = CycleStats(chain=tuple(chain), k=k if N > 1 else 0, rows=b,
                            drafted=[sum(x[j] for x in drafted) for j in range(N)],
                            accepted=[sum(x[j] for x in accepted) for j in range(N)],
@@ -203,10 +207,11 @@ class Sim:
         return [1] * k, [1] * m + [2] * (committed - m)
 
 
-def observe_cycle(router, stats, outcomes, forwards):
-    """One simulated cycle (one chain's rows) told to the router as the engine tells a step."""
+def observe_cycle(router, stats, outcomes, forwards, draft=(0, 0.0)):
+    """One simulated cycle (one chain's rows) told to the router as the engine tells a step;
+    `draft`: its (draft steps, their host seconds)."""
     router.observe_step(StepReport(outcomes, forwards, stats.wall_time, sum(stats.forward_time.values()),
-                                   len(stats.chain) > 1))
+                                   len(stats.chain) > 1, draft_steps=draft[0], draft_host_seconds=draft[1]))
 
 
 def drive(router, sim, cycles, sids=(0,), L=L0, greedy=True, shadow=False, trace=None, timed=True):
@@ -221,7 +226,7 @@ def drive(router, sim, cycles, sids=(0,), L=L0, greedy=True, shadow=False, trace
             groups[(d.chain, d.k)].append(s)
         for (chain, k), members in groups.items():
             stats, outcomes, fwd, committed = sim.run(chain, k, members, L, greedy)
-            observe_cycle(router, stats, outcomes, fwd)
+            observe_cycle(router, stats, outcomes, fwd, sim.draft)
             clock += stats.wall_time
             tokens += sum(committed)
             if shadow:
@@ -234,14 +239,14 @@ def drive(router, sim, cycles, sids=(0,), L=L0, greedy=True, shadow=False, trace
     return tokens, clock
 
 
-def true_plan(order, alphas, hit=HIT, b=1, L=L0, slow=None, k_max=16, overhead=0.0):
+def true_plan(order, alphas, hit=HIT, b=1, L=L0, slow=None, k_max=16, overhead=0.0, draft_step=0.0):
     slow = slow or {}
     costs = {m: [0.0] + [COSTS[m](b, t, L) * slow.get(m, 1.0) for t in range(1, 24)]
              for m in order if m != "ngram"}
     if "ngram" in order:
         costs["ngram"] = ModelFreeDraft(cost=lambda k: cost_ngram(b, k, L) * slow.get("ngram", 1.0), hit_rate=hit)
     chains = [c for c in enumerate_chains(order, "T") if "ngram" not in c[1:]]
-    return best_plan(chains, k_max, costs=costs, alphas=alphas, overhead=overhead)
+    return best_plan(chains, k_max, costs=costs, alphas=alphas, overhead=overhead, draft_step_overhead=draft_step)
 
 
 def true_t_eff(plan_table, chain, k):
@@ -602,6 +607,33 @@ def test_router_follows_a_3x_slowdown_within_20_cycles():
     assert first < 20 and all(c == slow.chain for c in chains[first:]), chains
     assert router.profile.speed("d2") == pytest.approx(3.0, rel=0.15)
     print(f"3x slowdown of d2: {fast.chain} -> {slow.chain} after {first + 1} cycles")
+
+
+@pytest.mark.parametrize("charge", [True, False])
+def test_draft_step_host_time_is_learned_and_shortens_the_draft(charge):
+    """Issue 33: every model draft step after the first costs host seconds outside its forward
+    (on a GPU a sync per step). The router learns them per step from the step reports and
+    charges k - 1 of them to a draft of length k: it settles on the closed-form optimum with
+    them, a shorter draft than the optimum without. The negative control: told only the
+    cycle's total (the executor before the fix), it averages them into a per-cycle overhead
+    that does not grow with k and keeps the longer draft (`RouterConfig(draft_step_overhead=False)`)."""
+    order, alphas, step = ["d1", "T"], {("d1", "T"): 0.8}, 0.004
+    sim = Sim(alphas, seed=4, overhead_spec=0.0, overhead_plain=0.0, draft_step_host=step)
+    router = make_router(order, timer=lambda: 0.0, config=RouterConfig(draft_step_overhead=charge))
+    trace = []
+    drive(router, sim, 300, trace=trace)
+    charged, uncharged = true_plan(order, alphas, draft_step=step), true_plan(order, alphas)
+    assert charged.chain == uncharged.chain == ("d1", "T") and charged.k < uncharged.k
+    ks = [t[0].k for t in trace[-50:] if t[0].reason != "probe"]
+    want = charged.k if charge else uncharged.k
+    assert abs(sum(ks) / len(ks) - want) <= 1, (ks, charged.k, uncharged.k)
+    if charge:
+        assert router.overhead["draft_step"] == pytest.approx(step, rel=1e-6)
+        assert router.overhead["spec"] == pytest.approx(0.0, abs=1e-9)
+    else:
+        assert router.overhead["draft_step"] == 0.0 and router.overhead["spec"] > step
+    print(f"\nper-step host {step * 1e3:.1f} ms: optimum k={charged.k} (k={uncharged.k} uncharged); "
+          f"router ran k in {sorted({int(k) for k in ks})}")
 
 
 @pytest.mark.slow  # the router's real decide() time is on the clock: 0.956x alone on quiet cores,

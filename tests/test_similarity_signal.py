@@ -24,8 +24,9 @@ N = 12
 class Recorder(QuietRouterHooks):
     """A fixed plan for every row; keeps every StepReport (with the rows' D_TV)."""
 
-    def __init__(self, chain, k, measure_tv=True, tv_positions=16):
+    def __init__(self, chain, k, measure_tv=True, tv_positions=16, tv_greedy_rows=True):
         self.plan, self.measure_tv, self.tv_positions, self.reports = (chain, k), measure_tv, tv_positions, []
+        self.tv_greedy_rows = tv_greedy_rows
 
     def decide(self, row):
         return Decision(*self.plan, t_eff=0.0, reason="fixed")
@@ -45,8 +46,8 @@ def fresh(tiny_pool_dirs):
     return load_named_pool(tiny_pool_dirs, ("target", "mid", "draft"), ngram=False, suffix=False).runners
 
 
-def run(pool, chain, k, temperature=0.0, measure_tv=True, tv_positions=16):
-    router = Recorder(chain, k, measure_tv, tv_positions)
+def run(pool, chain, k, temperature=0.0, measure_tv=True, tv_positions=16, tv_greedy_rows=True):
+    router = Recorder(chain, k, measure_tv, tv_positions, tv_greedy_rows)
     eng = Engine(pool.with_fresh_drafters(), router=router)
     cycles, steps = [], []  # CycleStats of each step (one per chain group)
     eng.on_cycle = cycles.append
@@ -122,6 +123,31 @@ def test_model_free_rows_and_measuring_off_have_no_tv(pool):
     assert all(math.isnan(x) for r in reports for o in r.outcomes for x in o.tv)
     reports, _, _ = run(pool, ("draft", "target"), 4, measure_tv=False)
     assert all(o.tv is None for r in reports for o in r.outcomes) and sum(r.tv_seconds for r in reports) == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_greedy_rows_skip_the_measurement_when_the_router_ignores_it(pool, temperature):
+    """The router reads greedy rows' D_TV only with `SimilarityConfig(greedy_tv=True)`
+    (`RouterProtocol.tv_greedy_rows`): otherwise the executor neither keeps their logits nor
+    compares them (no measuring seconds), while sampled rows are measured as before."""
+    reports = run(pool, ("draft", "target"), 4, temperature, tv_greedy_rows=False)[0]
+    tvs = level_tvs(reports, 1)
+    if temperature == 0.0:
+        assert tvs and all(math.isnan(x) for x in tvs) and sum(r.tv_seconds for r in reports) == 0
+    else:
+        assert tvs and all(0.0 < x < 1.0 for x in tvs) and sum(r.tv_seconds for r in reports) > 0
+
+
+def test_steps_report_their_draft_steps_and_host_seconds(pool):
+    """Issue 33: a step tells the router its model draft steps after each drafter's first
+    forward (k - 1 for a draft of k) and their host seconds outside forwards, a part of the
+    step's host time; model-free drafts have none."""
+    reports = run(pool, ("draft", "target"), 4)[0]
+    full = [r for r in reports if all(o.k == 4 and o.drafted[0] == 4 for o in r.outcomes)]
+    assert full and all(r.draft_steps == 3 for r in full)
+    assert all(0.0 < r.draft_host_seconds < r.wall_time - r.forward_time for r in full)
+    reports = run(pool, ("ngram", "target"), 4)[0]
+    assert all(r.draft_steps == 0 and r.draft_host_seconds == 0.0 for r in reports)
 
 
 def test_greedy_output_is_the_same_with_and_without_measuring(pool):

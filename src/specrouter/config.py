@@ -285,6 +285,9 @@ class RouterConfig:
     probe_fraction: float = 0.05  # at most this fraction of row-cycles are probes
     probe_time_fraction: float | None = 0.02  # and their cost at most this fraction of wall time
     overhead_alpha: float = 0.1  # EMA weight of one cycle's overhead (wall - forwards) and decide() time
+    # charge a model draft's host seconds per step (measured: its steps' wall outside forwards),
+    # k - 1 per draft of k; False: they are part of the cycle's overhead, whatever k (before issue 33)
+    draft_step_overhead: bool = True
     context_bucket: int = 32  # cost rows are cached per (b, L // context_bucket)
     prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
     alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)

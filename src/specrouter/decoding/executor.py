@@ -108,6 +108,8 @@ class StepResult:
     wall_time: float  # seconds for the whole step
     speculative: bool  # some row ran a drafter
     tv_seconds: float = 0.0  # of the wall time, measuring D_TV at the verified positions
+    draft_steps: int = 0  # sequential draft forwards after each drafter's first (k - 1 per draft of k)
+    draft_host_seconds: float = 0.0  # of the wall time, those steps' host work outside their forwards
     trees: list[TreeOutcome] = field(default_factory=list)  # the rows that verified a token tree
 
 
@@ -154,6 +156,7 @@ class ChainExecutor:
         self.clock = clock  # timing source (tests inject a virtual clock)
         self.measure_tv = False  # measure D_TV at verified positions (the router's similarity signal)
         self.tv_positions = 2  # ... at each row's first this many candidates per level
+        self.tv_greedy_rows = True  # ... in greedy rows too (False: in sampled rows only)
 
     # -- one step ---------------------------------------------------------------------------
     def step(
@@ -175,6 +178,8 @@ class ChainExecutor:
         self._ftime: dict[str, float] = {}
         self._ftoks: dict[str, int] = {}
         self._tv_seconds = 0.0
+        self._fsum = 0.0  # seconds inside forwards and proposals so far this step
+        self._steps_drafted, self._draft_host = 0, 0.0
         work = [self._start_row(b, s, chain, k) for b, (s, (chain, k)) in enumerate(zip(rows, plans))]
         for w, floor in zip(work, min_confidence or ()):
             w.min_confidence = floor
@@ -208,6 +213,23 @@ class ChainExecutor:
         return RowWork(b=b, seq=seq, chain=chain, k=k, cap=cap, start=len(seq.tokens),
                        drafted=[0] * n, accepted=[0] * n, tv=[math.nan] * n)
 
+    def measures_tv(self, w: RowWork) -> bool:
+        """Row w's D_TV is measured this cycle: measuring is on, and the row is sampled or
+        greedy rows are measured too (the router ignores greedy rows' D_TV by default:
+        `SimilarityConfig.greedy_tv`, so their logits are neither kept nor compared)."""
+        return self.measure_tv and (self.tv_greedy_rows or not w.seq.params.greedy)
+
+    def draft_step_started(self) -> tuple[float, float]:
+        """The clock and the forward seconds at the start of a draft step (`draft_step_done`)."""
+        return self.clock(), self._fsum
+
+    def draft_step_done(self, started: tuple[float, float]) -> None:
+        """One draft step ended: its host work (wall outside its forward: building the batch,
+        choosing the tokens, reading them back) is counted for the router's cost model."""
+        t0, f0 = started
+        self._steps_drafted += 1
+        self._draft_host += max(self.clock() - t0 - (self._fsum - f0), 0.0)
+
     def _tree_ok(self, w: RowWork, budget: int, width: int) -> bool:
         """A row may verify a tree: a model drafter straight below the target (no pruning
         level), both running trees, room in both caches for the nodes side by side (the
@@ -238,6 +260,7 @@ class ChainExecutor:
                                           [w.seq.tenant for w in work], **sized)
         dt = self.clock() - t0
         self._ftime[name] = self._ftime.get(name, 0.0) + dt
+        self._fsum += dt
         self._forwards.append(ForwardRecord(model=name, rows=len(work), new_tokens=max(w.k for w in work),
                                             context_len=sum(w.start for w in work) // len(work), seconds=dt))
         for w, toks, m in zip(work, tokens.tolist(), lengths.tolist()):
@@ -252,10 +275,11 @@ class ChainExecutor:
         the shared forward, with `first_logits` (B, V)): one one-token forward per step over the
         rows still drafting."""
         for w, t, x in zip(work, first, first_logits):
-            w.cand, w.cand_logits = [t], [x.clone()] if self.measure_tv else None
+            w.cand, w.cand_logits = [t], [x.clone()] if self.measures_tv(w) else None
         active = [w for w in work if w.k > 1]
         i = 1
         while active:
+            step = self.draft_step_started()
             feeds = []
             for w in active:  # feed the last draft token (the last one is never fed)
                 st = self.state.state(w.seq.seq_id, name)
@@ -271,6 +295,7 @@ class ChainExecutor:
                     w.cand_logits.append(x.clone())
             i += 1
             active = [w for w in active if w.k > i]
+            self.draft_step_done(step)
         for w in work:
             w.drafted[0] = len(w.cand)
             if w.seq.params.greedy:
@@ -321,27 +346,28 @@ class ChainExecutor:
                                   first_logits[chain], sampling)
             if grow:  # tree rows grow their trees depth by depth (decoding/tree_drafting.py)
                 for i in grow:
-                    draft[i].cand_logits = [first_logits[i].clone()] if self.measure_tv else None
+                    draft[i].cand_logits = [first_logits[i].clone()] if self.measures_tv(draft[i]) else None
                 draft_tree(self, name, [draft[i] for i in grow], first_logits[grow])
 
     def _measure_tv(self, name: str, work: list[RowWork], logits: torch.Tensor, sampling: SamplingTensors) -> None:
         """Each row's mean D_TV between the level below (its `cand_logits`) and level `name`
         (`logits` (B, n + 1, V)) at its first `tv_positions` candidates, in one vectorised pass
         over the rows that have both (decoding/tv.py); its seconds are the step's `tv_seconds`."""
-        t0 = self.clock()
         idx = [i for i, w in enumerate(work) if w.cand and w.cand_logits
                and not w.seq.params.has_processors]
-        if idx:
-            # <= tv_positions; a tree row's: the root's only (the draft's root logits)
-            num = [min(len(work[i].cand), len(work[i].cand_logits)) for i in idx]
-            draft = logits.new_zeros((len(idx), max(num), logits.shape[-1]))  # (R, n, V)
-            for r, (i, m) in enumerate(zip(idx, num)):
-                draft[r, :m] = torch.stack(work[i].cand_logits[:m])
-            rows = torch.tensor([work[i].b for i in idx], dtype=torch.long, device=sampling.temperature.device)
-            num = torch.tensor(num, dtype=torch.long)
-            tv = level_tv(draft, logits[idx], num, sampling.select(rows)).tolist()
-            for i, d in zip(idx, tv):
-                work[i].tv[work[i].level(name)] = d
+        if not idx:  # no row measures (greedy rows the router ignores, model-free drafts)
+            return
+        t0 = self.clock()
+        # <= tv_positions; a tree row's: the root's only (the draft's root logits)
+        num = [min(len(work[i].cand), len(work[i].cand_logits)) for i in idx]
+        draft = logits.new_zeros((len(idx), max(num), logits.shape[-1]))  # (R, n, V)
+        for r, (i, m) in enumerate(zip(idx, num)):
+            draft[r, :m] = torch.stack(work[i].cand_logits[:m])
+        rows = torch.tensor([work[i].b for i in idx], dtype=torch.long, device=sampling.temperature.device)
+        num = torch.tensor(num, dtype=torch.long)
+        tv = level_tv(draft, logits[idx], num, sampling.select(rows)).tolist()
+        for i, d in zip(idx, tv):
+            work[i].tv[work[i].level(name)] = d
         self._tv_seconds += self.clock() - t0
 
     def _verify(self, name: str, work: list[RowWork], tokens: torch.Tensor, logits: torch.Tensor) -> None:
@@ -359,7 +385,7 @@ class ChainExecutor:
             out = toks[:m]
             w.cand = out if j == len(w.chain) - 1 else out[: w.cap]  # the target's output is committed
             w.cand_logits = (list(logits[w_i, : min(len(w.cand), self.tv_positions)].clone())
-                             if j < len(w.chain) - 1 and self.measure_tv else None)
+                             if j < len(w.chain) - 1 and self.measures_tv(w) else None)
 
     def _verify_trees(self, name: str, rows: list[tuple[RowWork, torch.Tensor]]) -> None:
         """The target walks each row's token tree (decoding/tree.py `walk`) with its own tokens
@@ -534,6 +560,7 @@ class ChainExecutor:
         synchronize(self.runners[name].device)  # a GPU's forward is timed to its end (CPU: no-op)
         dt = self.clock() - t0
         self._ftime[name] = self._ftime.get(name, 0.0) + dt
+        self._fsum += dt
         self._ftoks[name] = self._ftoks.get(name, 0) + sum(batch.num_tokens_list)
         if context is None:
             context = sum(batch.starts_list) // rows
@@ -580,4 +607,5 @@ class ChainExecutor:
                              ranks=w.ranks) for w in work if w.tree is not None]
         return StepResult(outcomes=outcomes, proposals=proposals, forwards=self._forwards, cycles=cycles,
                           forward_time=dict(self._ftime), wall_time=wall,
-                          speculative=any(w.k > 0 for w in work), tv_seconds=self._tv_seconds, trees=trees)
+                          speculative=any(w.k > 0 for w in work), tv_seconds=self._tv_seconds,
+                          draft_steps=self._steps_drafted, draft_host_seconds=self._draft_host, trees=trees)

@@ -63,11 +63,12 @@ def draft_with_head(ex, name: str, work: list, sampling: SamplingTensors) -> Non
     last = batch.num_tokens - 1  # (B,)
     fhat = predicted[torch.arange(len(ready)), last]  # (B, H): f^_{n-1}
     for w, t, x in zip(ready, ex._choose(logits, ready, sampling)[:, 0].tolist(), logits[:, 0]):
-        w.cand, w.cand_logits = [t], [x.clone()] if ex.measure_tv else None
+        w.cand, w.cand_logits = [t], [x.clone()] if ex.measures_tv(w) else None
     # 2. draft steps on the head's own features
     active = [b for b, w in enumerate(ready) if w.k > 1]
     i = 1
     while active:
+        step = ex.draft_step_started()
         rows = [ready[b] for b in active]
         hslots = [state.state(w.seq.seq_id, name).slot for w in rows]
         batch = ForwardBatch.build(hslots, [w.start - 2 + i for w in rows], [[w.cand[-1]] for w in rows],
@@ -81,6 +82,7 @@ def draft_with_head(ex, name: str, work: list, sampling: SamplingTensors) -> Non
                 w.cand_logits.append(x.clone())
         i += 1
         active = [b for b in active if ready[b].k > i]
+        ex.draft_step_done(step)
     for w in ready:
         w.drafted[0] = len(w.cand)
         if w.seq.params.greedy:

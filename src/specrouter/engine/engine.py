@@ -135,6 +135,7 @@ class Engine:
         self.executor.measure_tv = router is not None and router.measure_tv
         if self.executor.measure_tv:
             self.executor.tv_positions = router.tv_positions
+            self.executor.tv_greedy_rows = router.tv_greedy_rows
         self.rng = torch.Generator()  # seeds of requests without one (AsyncEngine reseeds it)
         self.rng.manual_seed(torch.seed())
         self._ids = itertools.count()
@@ -388,7 +389,8 @@ class Engine:
                 outcomes=result.outcomes, forwards=result.forwards, wall_time=result.wall_time,
                 forward_time=sum(result.forward_time.values()), speculative=result.speculative,
                 shadow=judge_shadows(rows, result.outcomes, result.proposals, shadow, shadow_k),
-                tv_seconds=result.tv_seconds))
+                tv_seconds=result.tv_seconds, draft_steps=result.draft_steps,
+                draft_host_seconds=result.draft_host_seconds))
         if self.on_cycle is not None:
             for stats in result.cycles:
                 self.on_cycle(stats)

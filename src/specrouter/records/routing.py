@@ -121,6 +121,8 @@ class StepReport:
     speculative: bool  # some row ran a drafter
     shadow: Sequence[ShadowProposal] = ()  # shadow scoring of model-free drafters
     tv_seconds: float = 0.0  # of the wall time, measuring D_TV at the verified positions
+    draft_steps: int = 0  # sequential draft forwards after each drafter's first (k - 1 per draft of k)
+    draft_host_seconds: float = 0.0  # of the wall time, those steps' host work outside their forwards
 
 
 @dataclass

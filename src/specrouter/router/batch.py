@@ -265,7 +265,8 @@ class BatchPlanner:
         """Predicted seconds of one engine step running `plans` (one per row): every model's
         forwards at their real rows and widths (the verifier at level j of a row with draft
         length k gets at most k + j - 1 candidates; padded to the widest row, or packed: the
-        mean width, for runners that pack ragged batches), drafting steps, the step overhead.
+        mean width, for runners that pack ragged batches), drafting steps (each with its host
+        work), the step overhead.
         `publish`: as `EvidenceBoard.predict`."""
         router = self.router
         verify: dict[str, list[int]] = {}  # model -> widths of the rows it verifies / drafts (first step)
@@ -294,7 +295,7 @@ class BatchPlanner:
                 t = sum(widths) / len(widths) if m in router.packed else max(widths)
                 total += predict(m, len(widths), t, context_len)
             for i in range(2, max(ks, default=0) + 1):
-                total += predict(m, sum(1 for k in ks if k >= i), 1, context_len)
+                total += predict(m, sum(1 for k in ks if k >= i), 1, context_len) + router.overhead["draft_step"]
         return max(total, 1e-9)
 
     def calibration(self, n: int) -> tuple[float, float]:

@@ -27,6 +27,10 @@ Choices the paper leaves open:
 - `overhead` (Python/bookkeeping seconds per cycle) is charged to speculative chains only;
   the chain (target,) is plain decoding, T_eff = cost_N(1), whose own per-step overhead is part
   of the measured cost_N(1). It never depends on k; a Plan reports it with k = 0.
+- `draft_step_overhead` (host seconds per draft step outside its forward: building the step's
+  batch, choosing its tokens, reading them back; on a GPU one sync per step) is charged to each
+  of a model drafter's k - 1 steps after its first forward (whose host work is the cycle's), so
+  a long draft pays for its steps; a model-free drafter's `cost(k)` is its whole proposal.
 - Cost profiles T_M(b, t, L) enter as functions of t alone: the caller builds them for the
   current batch size and context length.
 - Ties between plans go to the earlier candidate, then to the smaller k; `enumerate_chains`
@@ -210,12 +214,14 @@ def _draft_distribution(hit_rate: float, k_max: int, width: int) -> np.ndarray:
     return dist
 
 
-def _draft_costs(drafter, table: np.ndarray | None, ks: np.ndarray, draft_catchup: int) -> np.ndarray:
+def _draft_costs(drafter, table: np.ndarray | None, ks: np.ndarray, draft_catchup: int,
+                 step_overhead: float = 0.0) -> np.ndarray:
     """(K,) seconds of drafting k tokens for each k in ks."""
     if isinstance(drafter, ModelFreeDraft):
         return drafter.costs(ks)
-    # k sequential forwards; the first one also carries the pending catch-up tokens
-    return table[1 + draft_catchup] + (ks - 1) * table[1]
+    # k sequential forwards; the first one also carries the pending catch-up tokens; each later
+    # one is a step of its own, with its host work
+    return table[1 + draft_catchup] + (ks - 1) * (table[1] + step_overhead)
 
 
 def _cycle_by_k(
@@ -277,16 +283,19 @@ def expected_cycle_by_k(
     k_max: int = MAX_DRAFT_LENGTH,
     overhead: float = 0.0,
     draft_catchup: int = 0,
+    draft_step_overhead: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(expected_latency, expected_tokens), each (k_max,), entry k-1 for draft length k.
 
     chain_costs: one CostSpec per level M1..MN (M1 may be a ModelFreeDraft); alphas[j-2] is the
     acceptance of level j-1's tokens by level j (j = 2..N). overhead: seconds per speculative
-    cycle. draft_catchup: pending tokens the drafter's first forward also carries."""
+    cycle. draft_catchup: pending tokens the drafter's first forward also carries.
+    draft_step_overhead: host seconds per model draft step after the first."""
     _check_chain(chain_costs, alphas)
     _check_int("k_max", k_max, 1)
     _check_int("draft_catchup", draft_catchup, 0)
     _check_seconds("overhead", overhead)
+    _check_seconds("draft_step_overhead", draft_step_overhead)
     if len(chain_costs) == 1:  # plain decoding: one token per target step, whatever k
         step = cost_table(chain_costs[0], 1)[1]
         return np.full(k_max, step), np.ones(k_max)
@@ -297,7 +306,8 @@ def expected_cycle_by_k(
         draft_cost = drafter.costs(ks)
         draft_dist = _draft_distribution(drafter.hit_rate, k_max, width)
     else:
-        draft_cost = _draft_costs(drafter, cost_table(drafter, 1 + draft_catchup), ks, draft_catchup)
+        draft_cost = _draft_costs(drafter, cost_table(drafter, 1 + draft_catchup), ks, draft_catchup,
+                                  draft_step_overhead)
         draft_dist = _draft_distribution(1.0, k_max, width)
     tables = [cost_table(c, width) for c in chain_costs[1:]]
     latency, tokens, _ = _cycle_by_k(draft_cost + overhead, draft_dist, tables, alphas)
@@ -310,11 +320,12 @@ def expected_cycle(
     k: int,
     overhead: float = 0.0,
     draft_catchup: int = 0,
+    draft_step_overhead: float = 0.0,
 ) -> tuple[float, float]:
     """(expected seconds per cycle, expected target tokens committed per cycle) of one chain at
     draft length k; see `expected_cycle_by_k` for the arguments."""
     _check_int("k", k, 1)
-    latency, tokens = expected_cycle_by_k(chain_costs, alphas, k, overhead, draft_catchup)
+    latency, tokens = expected_cycle_by_k(chain_costs, alphas, k, overhead, draft_catchup, draft_step_overhead)
     return float(latency[k - 1]), float(tokens[k - 1])
 
 
@@ -324,9 +335,10 @@ def t_eff(
     k: int,
     overhead: float = 0.0,
     draft_catchup: int = 0,
+    draft_step_overhead: float = 0.0,
 ) -> float:
     """Predicted seconds per committed target token: E[latency] / E[committed]."""
-    latency, tokens = expected_cycle(chain_costs, alphas, k, overhead, draft_catchup)
+    latency, tokens = expected_cycle(chain_costs, alphas, k, overhead, draft_catchup, draft_step_overhead)
     return latency / tokens
 
 
@@ -369,16 +381,20 @@ def best_plan(
     alphas: Mapping[tuple[str, str], float],
     overhead: float = 0.0,
     draft_catchup: int = 0,
+    draft_step_overhead: float = 0.0,
 ) -> Plan:
     """The (chain, k) of least T_eff over the candidate chains and k = 1..k_max.
 
     costs: per model name, its CostSpec (forward seconds vs new tokens) or a ModelFreeDraft.
     alphas: per pair (lower level, upper level), the acceptance of the lower one's tokens.
+    overhead: host seconds per speculative cycle; draft_step_overhead: per model draft step
+    after the first (module docstring).
     The returned Plan carries the whole PlanTable. Ties go to the earlier candidate, then the
     smaller k. Each model's cost table and each pair's transition matrix are built once."""
     _check_int("k_max", k_max, 1)
     _check_int("draft_catchup", draft_catchup, 0)
     _check_seconds("overhead", overhead)
+    _check_seconds("draft_step_overhead", draft_step_overhead)
     chains = tuple(tuple(c) for c in candidates)
     if not chains:
         raise ChainError("best_plan needs at least one candidate chain")
@@ -414,7 +430,7 @@ def best_plan(
             draft_cost = drafter.costs(ks)
             draft_dist = _draft_distribution(drafter.hit_rate, k_max, width)
         else:
-            draft_cost = _draft_costs(drafter, table(chain[0]), ks, draft_catchup)
+            draft_cost = _draft_costs(drafter, table(chain[0]), ks, draft_catchup, draft_step_overhead)
             draft_dist = full_draft
         latency[i], tokens[i], _ = _cycle_by_k(
             draft_cost + overhead, draft_dist, [table(n) for n in chain[1:]], pair_alphas

@@ -55,7 +55,7 @@ class Published:
     version: int  # increases with every publication
     priors: Mapping[tuple[Pair, str], float]  # (pair, mode) -> a request's prior alpha (request_prior)
     hits: Mapping[str, float]  # model-free drafter -> global hit rate
-    times: Mapping[str, float]  # per-cycle seconds: "plain" and "spec" overheads, "router" (one decide)
+    times: Mapping[str, float]  # host seconds: "plain", "spec" (per cycle), "draft_step" (per draft step), "router" (one decide)
     steps: Mapping[str, float]  # model -> seconds of its one-token step (b = 1), as the profile predicts
     jumps: Mapping[str, int]  # model -> times the profile's step detector fired
     failed: frozenset[str]  # models out of service
@@ -173,7 +173,7 @@ class EvidenceBoard:
             version=-1,
             priors={(p, mode): r.request_prior(p, mode) for mode in sorted(self.modes) for p in r.pairs},
             hits={d: r.similarity.hit_rate(d) for d in sorted(r.model_free)},
-            times={"plain": r.overhead["plain"], "spec": r.overhead["spec"], "router": r.decide_seconds},
+            times={**r.overhead, "router": r.decide_seconds},
             steps=steps,
             jumps=dict(r.profile.jumps),
             failed=frozenset(r.failed),

@@ -172,6 +172,7 @@ class Router:
         self.similarity = similarity or SimilarityEstimator(sizes, self.model_free, cfg.similarity)
         self.measure_tv = self.similarity.config.measure_tv  # RouterProtocol: the executor measures D_TV
         self.tv_positions = self.similarity.config.tv_positions  # ... at this many candidates per level
+        self.tv_greedy_rows = self.similarity.config.greedy_tv  # ... in greedy rows only when it reads them
         self.on_decision = on_decision
         self.timer = timer  # measures decide() (real time, also under a virtual clock)
         self.chains: list[Chain] = [
@@ -185,7 +186,9 @@ class Router:
                             for p in self.pairs}  # chains that measure the pair
         self.requests: dict[int, RequestState] = {}
         self.events: deque[DecisionEvent] = deque(maxlen=cfg.log_size)
-        self.overhead = {"plain": 0.0, "spec": 0.0}  # seconds per cycle outside forwards
+        # host seconds outside forwards: per plain step, per speculative cycle (its draft steps'
+        # share apart), per model draft step after a drafter's first forward
+        self.overhead = {"plain": 0.0, "spec": 0.0, "draft_step": 0.0}
         self.decide_seconds = 0.0  # EMA of decide() wall time
         self.t_width = cfg.k_max + cfg.max_levels + 2  # cost rows' widths (tokens per forward)
         # the alphas finished requests reached on their own, and their quantile (request_prior)
@@ -229,7 +232,7 @@ class Router:
             self.prober.model_seen[f.model] = now
             if f.model in self.profile:
                 self.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
-        self._observe_overhead(report.wall_time, report.forward_time, report.speculative)
+        self._observe_overhead(report)
         self.similarity.tick(len(report.outcomes))
         self.prober.budget.tick(len(report.outcomes), report.wall_time)
         self.observed_steps += 1
@@ -316,7 +319,8 @@ class Router:
             published.failed.isdisjoint(c)
             and (not prune or i == keep or viable(c, costs, alphas, self.model_free, cfg.prune_below)))]
         plan = best_plan([self.chains[i] for i in idx], k_cap, costs=costs, alphas=alphas,
-                         overhead=published.times["spec"] + router)
+                         overhead=published.times["spec"] + router,
+                         draft_step_overhead=published.times["draft_step"])
         shape = (len(self.chains), k_cap)
         t, latency, tokens = np.full(shape, np.inf), np.full(shape, np.nan), np.full(shape, np.nan)
         t[idx], latency[idx], tokens[idx] = plan.table.t_eff, plan.table.expected_latency, plan.table.expected_tokens
@@ -516,9 +520,20 @@ class Router:
                 req.corrections[c_chain] = c
                 req.version += 1  # its decisions read it (router/evidence.py)
 
-    def _observe_overhead(self, wall_time: float, forward_time: float, speculative: bool) -> None:
-        key = "spec" if speculative else "plain"
-        self.overhead[key] += self.config.overhead_alpha * (max(wall_time - forward_time, 0.0) - self.overhead[key])
+    def _observe_overhead(self, report: StepReport) -> None:
+        """The step's host seconds (wall outside forwards): a plain step's, or a speculative
+        one's split into its draft steps' (per step: they grow with k) and the cycle's own."""
+        a = self.config.overhead_alpha
+        host = max(report.wall_time - report.forward_time, 0.0)
+        if not report.speculative:
+            self.overhead["plain"] += a * (host - self.overhead["plain"])
+            return
+        steps = report.draft_host_seconds if self.config.draft_step_overhead else 0.0
+        if report.draft_steps > 0 and self.config.draft_step_overhead:
+            per_step = report.draft_host_seconds / report.draft_steps
+            self.overhead["draft_step"] += a * (per_step - self.overhead["draft_step"])
+        cycle = max(host - steps, 0.0)
+        self.overhead["spec"] += a * (cycle - self.overhead["spec"])
 
     def observe_shadow(self, seq_id: int, drafter: str, proposal: Sequence[int], committed: Sequence[int],
                        k: int, greedy: bool = True, verifier: str | None = None,

@@ -46,8 +46,9 @@ class Prober:
             return decision
         pi, pk = probe
         chain = router.chains[pi]
-        one = best_plan([chain], pk, costs=costs, alphas=alphas,
-                        overhead=router.board.current().times["spec"] + overhead).table  # as now estimated
+        times = router.board.current().times
+        one = best_plan([chain], pk, costs=costs, alphas=alphas, overhead=times["spec"] + overhead,
+                        draft_step_overhead=times["draft_step"]).table  # as now estimated
         latency, tokens = float(one.expected_latency[0, pk - 1]), float(one.expected_tokens[0, pk - 1])
         self.budget.charge(latency - decision.t_eff * tokens)
         return Decision(chain, pk, latency / tokens, "probe",

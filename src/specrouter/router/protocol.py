@@ -14,6 +14,7 @@ from specrouter.records.routing import BatchPlan, Plan, RowContext, StepReport
 class RouterProtocol(Protocol):
     measure_tv: bool  # the executor measures D_TV at verified positions for it (RowOutcome.tv)
     tv_positions: int  # ... at each row's first this many candidates per level
+    tv_greedy_rows: bool  # ... in greedy rows too (False: sampled rows only; greedy rows skip it)
 
     def plan_batch(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> BatchPlan:
         """The plans of a step's rows that the router chooses (`rows`), knowing the plans of
