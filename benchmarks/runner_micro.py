@@ -139,14 +139,19 @@ def llama_cpp_steps(path: Path, gguf_dtype: str, threads: int,
     return {t: functools.partial(step, t) for t in tokens}
 
 
-def compare_with_llama_cpp(models: dict[str, Path], threads: int, iters: int, rounds: int = 3) -> dict:
+DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16")}  # name: (torch dtype, GGUF type)
+
+
+def compare_with_llama_cpp(models: dict[str, Path], threads: int, iters: int, rounds: int = 3,
+                           dtypes: tuple[str, ...] = tuple(DTYPES)) -> dict:
     """{(model, dtype, tokens): {system: min ms}} for the native runner on its own kernels,
     on torch's kernels (what it ran before them) and llama.cpp on the same weights as a GGUF.
     The systems take turns, `rounds` times `iters` steps each, so drift on shared cores hits
     them alike; the min over all rounds is reported."""
     out: dict[tuple[str, str, int], dict[str, float]] = {}
     for model, path in models.items():
-        for dt_name, dt, gguf in (("fp32", torch.float32, "F32"), ("bf16", torch.bfloat16, "BF16")):
+        for dt_name in dtypes:
+            dt, gguf = DTYPES[dt_name]
             systems = {
                 "native": native_steps(path, dt, tokens=PEER_TOKENS),
                 "torch kernels": native_steps(path, dt, kernels="torch", tokens=PEER_TOKENS),
@@ -255,6 +260,9 @@ def main() -> None:
                     help="steps: per shape 1/5-token steps vs transformers and llama.cpp; scaling: T(n)/T(1)"
                          " per kernel path on 135M; gemm: GMAC/s per row count vs torch's GEMM")
     ap.add_argument("--paths", nargs="+", default=None, help="kernel paths for scaling/gemm (default: all this CPU has)")
+    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES),
+                    help="precisions of the steps section and the llama.cpp comparison")
+    ap.add_argument("--no-drafts", action="store_true", help="llama.cpp comparison on the 135M shape only")
     args = ap.parse_args()
     from specrouter.bench.peers import llama_cpp_missing
     from specrouter.models.runners.linear import kernels
@@ -285,7 +293,8 @@ def main() -> None:
                 continue
             n_params = load_llama_runner(path, max_len=8).num_params
             iters = max(8, args.iters // 3) if name == "135M" else args.iters
-            for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            for dt_name in args.dtypes:
+                dt = DTYPES[dt_name][0]
                 nat = time_native(path, dt, iters)
                 nan = (float("nan"), float("nan"))
                 hf = {t: nan for t in STEP_TOKENS} if args.no_transformers else time_transformers(path, dt, iters)
@@ -301,8 +310,9 @@ def main() -> None:
 
                 # the shipped draft: the native runner computes only its draft vocabulary's
                 # head rows, llama.cpp the whole head (it has no such option)
-                models = {"135M shape": path, **{"draft " + d.name[-4:]: d for d in shipped_drafts()}}
-                peers = compare_with_llama_cpp(models, args.threads, max(8, args.iters // 3))
+                drafts = {} if args.no_drafts else {"draft " + d.name[-4:]: d for d in shipped_drafts()}
+                peers = compare_with_llama_cpp({"135M shape": path, **drafts}, args.threads, max(8, args.iters // 3),
+                                               dtypes=tuple(args.dtypes))
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"\nms per step, context {CONTEXT}, {args.threads} threads, torch {torch.__version__}, kernels {kernels()}")
     print(f"(load average at the end: {load}; other processes on the cores inflate every number)")

@@ -71,7 +71,7 @@ def test_linear_matches_reference(which, dtype, with_bias, n):
 
 @pytest.mark.parametrize("which", NATIVE_PATHS)
 def test_native_kernel_falls_back_where_its_blocks_do_not_divide_the_input(which):
-    in_f = 24 if which == "avx2" else 23  # AVX2: blocks of 16 bfloat16; AVX-512: pairs
+    in_f = 23  # the native bfloat16 kernels read pairs (k, k + 1)
     lin = Linear.pack(torch.randn(8, in_f, dtype=torch.bfloat16), kernel=_kernel(which, torch.bfloat16))
     assert lin.kernel == FALLBACK_BY_DTYPE[torch.bfloat16]
     x = torch.randn(3, in_f, dtype=torch.bfloat16)
@@ -99,6 +99,23 @@ def test_every_row_count_is_row_invariant(which, dtype, with_bias):
             for lo in (0, 40 - n):
                 assert torch.equal(linear(x[lo : lo + n], lin), one[lo : lo + n]), (n, lo)
                 assert torch.equal(linear_add(r[lo : lo + n], x[lo : lo + n], lin), one_add[lo : lo + n])
+
+
+@pytest.mark.parametrize("which", NATIVE_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_last_tiles_partial_outputs_get_the_bits_of_whole_ones(which, dtype):
+    """A native kernel finishes a tile's outputs 8 or 16 at a time, and the last tile's partial
+    group one by one (or masked): the same ops, so an output has the same bits whether it is
+    finished in a whole group or in the partial tail (outputs 32-33 of 34 and of 48)."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(48, 64, generator=g) * 0.1).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype)
+    x = torch.randn(5, 64, generator=g).to(dtype)
+    r = torch.randn(5, 48, generator=g).to(dtype)
+    kernel = _kernel(which, dtype)
+    whole, part = Linear.pack(w, b, kernel=kernel), Linear.pack(w[:34], b[:34], kernel=kernel)
+    assert torch.equal(linear(x, part), linear(x, whole)[:, :34])
+    assert torch.equal(linear_add(r[:, :34], x, part), linear_add(r, x, whole)[:, :34])
 
 
 def test_kernels_name_one_choice_per_precision():

@@ -6,13 +6,13 @@ linear of every forward, whatever its row count (1 included), runs ONE kernel pe
 kernel whose result for a row is bitwise independent of the other rows (tests/test_linear.py,
 tests/test_row_invariance.py prove it on the shapes used):
 
-- float32 and bfloat16: the project's own kernel (kernels/rowinv.cpp, AVX2 + FMA, compiled on
-  first use): each output is one fixed sequence of FMAs over a weight packed once into a
-  streaming layout, float32 accumulation, one rounding at the end. Memory-bound for 1 row
-  (1.7-1.8x faster than oneDNN and MKL on this project's AVX2 machine), and 2-8 rows share
-  every weight load.
-- where that kernel cannot run (no AVX2, no compiler, `SPECROUTER_KERNELS=torch`, or an input
-  width that is not a whole number of its blocks): float32 on oneDNN's inner product over a
+- float32 and bfloat16: the project's own kernels (kernels/linear256.cpp on AVX2 + FMA,
+  kernels/linear512.cpp on AVX-512 and AVX-512-BF16, compiled on first use, chosen per kernel
+  path): each output is one fixed sequence of FMAs over a weight packed once into tiles of
+  outputs, float32 accumulation, one rounding at the end. Memory-bound for 1 row, and up to 6
+  (AVX2) or 12 (AVX-512) rows share every weight load.
+- where those kernels cannot run (no AVX2, no compiler, `SPECROUTER_KERNELS=torch`, or a
+  bfloat16 input width that is odd): float32 on oneDNN's inner product over a
   weight reordered to its blocked layout (`torch.ops.mkldnn._linear_pointwise`), bfloat16 on
   oneDNN where this CPU has the instructions its bfloat16 reorder needs, else ATen's
   `F.linear`. None of torch's kernels promises row invariance, and which row counts break it
@@ -66,7 +66,7 @@ def _onednn_available(dtype: torch.dtype) -> bool:
 ONEDNN = _onednn_available(torch.float32)
 ONEDNN_BF16 = _onednn_available(torch.bfloat16)
 
-# kernels, one per precision (on CPU): the native ones (rowinv.cpp's AVX2 linear,
+# kernels, one per precision (on CPU): the native ones (linear256.cpp's AVX2 linear,
 # linear512.cpp's AVX-512F one and its AVX-512-BF16 vdpbf16ps one), then torch's
 ROWINV, ROWINV512, ROWINV_DP = "rowinv", "rowinv512", "rowinv512-dpbf16"
 ONEDNN_BLOCKED, ATEN_LINEAR, MM = "onednn-blocked", "aten-linear", "mm"
@@ -78,15 +78,14 @@ NATIVE_BY_PATH = {
     "avx2": {torch.float32: ROWINV, torch.bfloat16: ROWINV},
 }
 TRITON = "triton"  # the GPU path's batch-invariant matmul (runners/triton/matmul.py)
-TILE_512 = 32  # linear512.cpp's outputs per tile
+TILE = {ROWINV: 16, ROWINV512: 32, ROWINV_DP: 32}  # outputs per packed tile (linear256.cpp, linear512.cpp)
 # the torch kernels, where rowinv cannot run
 FALLBACK_BY_DTYPE = {
     torch.float32: ONEDNN_BLOCKED if ONEDNN else MM,
     torch.bfloat16: ONEDNN_BLOCKED if ONEDNN_BF16 else ATEN_LINEAR,
     torch.float64: MM,
 }
-# rowinv's weight block (elements per 32-byte load): the input width must be a multiple
-ROWINV_BLOCK = {torch.float32: 8, torch.bfloat16: 16}
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native kernels compute in
 # torch kernels: candidate paddings (a call's rows are padded to a multiple of one; 2 and 3
 # rows cost oneDNN ~1.4-2x 4 rows, so 4 is the least), the widest call, the probe's output cap
 CHUNK = 32
@@ -99,7 +98,7 @@ def kernel_for(dtype: torch.dtype, device: torch.device | str = "cpu", path: str
     `kernel_path()`: the CPU's fastest, or SPECROUTER_KERNELS's); see `Linear.pack` for the one
     exception: an input width a native kernel's blocks do not divide."""
     path = path or kernel_path()
-    if torch.device(device).type == "cpu" and path in NATIVE_BY_PATH and dtype in ROWINV_BLOCK and rowinv() is not None:
+    if torch.device(device).type == "cpu" and path in NATIVE_BY_PATH and dtype in NATIVE_DTYPES and rowinv() is not None:
         return NATIVE_BY_PATH[path][dtype]
     return kernel_for_torch(dtype, device)
 
@@ -194,37 +193,27 @@ def row_policy(kernel: str, dtype: torch.dtype, in_features: int, out_features: 
     return ROWWISE
 
 
-def pack_512(weight: torch.Tensor) -> torch.Tensor:
-    """(out, in) -> linear512's tiles: float32 (ceil(out/32), in, 32), bfloat16
-    (ceil(out/32), in/2, 32, 2) (the pair k, k+1 of an output side by side), padding outputs zero."""
+def pack_tiles(weight: torch.Tensor, tile: int) -> torch.Tensor:
+    """(out, in) -> the native linears' tiles of `tile` outputs: float32 (ceil(out/tile), in,
+    tile), bfloat16 (ceil(out/tile), in/2, tile, 2) (the pair k, k+1 of an output side by side),
+    padding outputs zero."""
     out_f, in_f = weight.shape
-    w = F.pad(weight, (0, 0, 0, -out_f % TILE_512))  # (ceil32(out), in)
+    w = F.pad(weight, (0, 0, 0, -out_f % tile))  # (ceil(out), in)
     if weight.dtype == torch.float32:
-        return w.view(-1, TILE_512, in_f).transpose(1, 2).contiguous()
-    return w.view(-1, TILE_512, in_f // 2, 2).transpose(1, 2).contiguous()
+        return w.view(-1, tile, in_f).transpose(1, 2).contiguous()
+    return w.view(-1, tile, in_f // 2, 2).transpose(1, 2).contiguous()
 
 
-def _fits(kernel: str, dtype: torch.dtype, in_f: int) -> bool:
-    """Whether native `kernel` takes an input width of in_f."""
-    if kernel == ROWINV:
-        return in_f % ROWINV_BLOCK[dtype] == 0
+def _fits(dtype: torch.dtype, in_f: int) -> bool:
+    """Whether the native kernels take an input width of in_f (bfloat16 reads pairs)."""
     return dtype == torch.float32 or in_f % 2 == 0
-
-
-def pack_rowinv(weight: torch.Tensor) -> torch.Tensor:
-    """(out, in) -> rowinv's streaming layout (ceil(out/4), in/B, 4, B): 4 outputs' blocks of
-    B elements side by side, padding outputs zero."""
-    out_f, in_f = weight.shape
-    block = ROWINV_BLOCK[weight.dtype]
-    w = F.pad(weight, (0, 0, 0, -out_f % 4))  # (ceil4(out), in)
-    return w.view(-1, 4, in_f // block, block).permute(0, 2, 1, 3).contiguous()
 
 
 @dataclass(frozen=True, slots=True)
 class Linear:
     """One linear layer, y = x @ W.T + b, its weight in the layout of its kernel."""
 
-    weight: torch.Tensor  # rowinv: pack_rowinv's; rowinv512*: pack_512's; onednn-blocked: opaque blocked;
+    weight: torch.Tensor  # native: pack_tiles's (TILE[kernel]); onednn-blocked: opaque blocked;
     #                       aten-linear, triton: (out, in); mm: (in, out)
     bias: torch.Tensor | None  # (out,)
     kernel: str  # NATIVE_KERNELS | ONEDNN_BLOCKED | ATEN_LINEAR | MM | TRITON
@@ -237,13 +226,13 @@ class Linear:
         choice of `kernel_for`."""
         kernel = kernel or kernel_for(weight.dtype, weight.device)
         out_f, in_f = weight.shape
-        if kernel in NATIVE_KERNELS and not _fits(kernel, weight.dtype, in_f):
+        if kernel in NATIVE_KERNELS and not _fits(weight.dtype, in_f):
             kernel = FALLBACK_BY_DTYPE[weight.dtype]
         if kernel in NATIVE_KERNELS:
             if rowinv() is None:
                 raise RuntimeError(f"kernel {kernel!r}: the native kernels are not available here")
-            pack = pack_rowinv if kernel == ROWINV else pack_512
-            return Linear(pack(weight.contiguous()), None if bias is None else bias.contiguous(), kernel, out_f)
+            packed = pack_tiles(weight.contiguous(), TILE[kernel])
+            return Linear(packed, None if bias is None else bias.contiguous(), kernel, out_f)
         if kernel == TRITON:  # (out, in) as in the checkpoint; invariant by construction
             return Linear(weight.contiguous(), bias, kernel, out_f)
         pad = row_policy(kernel, weight.dtype, in_f, out_f, bias is not None) if weight.device.type == "cpu" else PADS[0]

@@ -1,6 +1,6 @@
 """The native CPU kernels, compiled on first use and cached: the runner's row-invariant ops
-(rowinv.cpp: `linear` (AVX2), `rope_attention`, `rms_norm`, `silu_mul`; linear512.cpp:
-`linear512`, the AVX-512 and AVX-512-BF16 linears) and the sampling noise
+(rowinv.cpp: `rope_attention`, `rms_norm`, `silu_mul`, `decoder_layers`; linear256.cpp:
+`linear`, the AVX2 linear; linear512.cpp: `linear512`, the AVX-512 and AVX-512-BF16 linears) and the sampling noise
 (noise.cpp: `coupled_argmax`, decoding/noise.py's lazy Gumbel-max in one call); bf16.h holds
 the bfloat16 widening and rounding both linears and the other ops share.
 
@@ -26,8 +26,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(f) for f in ("rowinv.cpp", "linear512.cpp", "noise.cpp")]
-HEADERS = [Path(__file__).with_name("bf16.h")]  # included by rowinv.cpp and linear512.cpp
+SOURCES = [Path(__file__).with_name(f) for f in ("rowinv.cpp", "linear256.cpp", "linear512.cpp", "noise.cpp")]
+HEADERS = [Path(__file__).with_name("bf16.h")]  # included by rowinv.cpp and the linears
 ENV = "SPECROUTER_KERNELS"  # a path of PATHS: force it ("torch": never build or use the native kernels)
 # the kernel paths, fastest first, and the CPU flags (Linux's names) each needs; the native
 # ops other than the linear (attention, norms, silu) are AVX2 + FMA on every native path

@@ -8,7 +8,7 @@
 //              products, float32 accumulation, the pair (k, k+1) summed into the accumulator in
 //              the instruction's fixed order), activations in bfloat16 as the model computes them.
 //
-// Layout: a weight is packed once (runners/linear.py `pack_512`) into tiles of TILE = 32
+// Layout: a weight is packed once (runners/linear.py `pack_tiles`, tile 32) into tiles of TILE = 32
 // outputs, (O/32, K, 32) float32 or (O/32, K/2, 32, 2) bfloat16, so a tile streams one
 // contiguous block. The 16 lanes of an accumulator are 16 outputs of one row; each output of
 // each row has its own accumulator, fed by one fixed sequence of instructions over k = 0, 1, ...
@@ -180,7 +180,7 @@ T512 void run_tiles_fma(const float* x, int64_t N, int64_t K, const W* w, int64_
 
 namespace specrouter {
 
-// x (N, K); weight packed by pack_512 ((ceil(O/32), K, 32) float32 or (ceil(O/32), K/2, 32, 2)
+// x (N, K); weight packed by pack_tiles ((ceil(O/32), K, 32) float32 or (ceil(O/32), K/2, 32, 2)
 // bfloat16, dtype of x); bias (O,) or None; residual (N, O) or None; dp: bfloat16 on
 // vdpbf16ps (else widened FMAs) -> (N, O), dtype of x
 at::Tensor linear512(const at::Tensor& x, const at::Tensor& weight, int64_t O, const std::optional<at::Tensor>& bias,
@@ -192,7 +192,7 @@ at::Tensor linear512(const at::Tensor& x, const at::Tensor& weight, int64_t O, c
   const int64_t N = x.size(0), K = x.size(1), tiles = (O + TILE - 1) / TILE;
   TORCH_CHECK(weight.scalar_type() == dt && weight.is_contiguous() && weight.numel() == tiles * K * TILE &&
                   weight.size(0) == tiles && (dt == at::kFloat || K % 2 == 0),
-              "weight: packed by pack_512 for x (", N, ", ", K, ") and O=", O);
+              "weight: packed by pack_tiles (tile 32) for x (", N, ", ", K, ") and O=", O);
   at::Tensor b, r;
   if (bias && bias->defined()) {
     b = bias->contiguous();

@@ -6,12 +6,8 @@
 // batch. So a position's logits are bitwise the same in a 1-token step, a k-token
 // verification and a ragged multi-row batch: exact speculative decoding by construction.
 //
-// linear: y[n, o] = (residual[n, o] +) (bias[o] +) dot(x[n, :], w[o, :]). One dot = 8 float32
-//   lanes accumulated with FMA over the input in order, then a fixed horizontal sum; float32
-//   accumulation in both precisions (bf16 * bf16 is exact in float32), one rounding at the end.
-//   The weight is packed once so a thread streams one contiguous block; register tiles of 4
-//   outputs x up to 3 rows (12 accumulators), so one weight load serves 3 rows.
-//   Memory-bound for 1 row (the weight bytes are the cost).
+// The linears live in their own files: linear256.cpp (AVX2, the op `linear`) and linear512.cpp
+// (AVX-512, `linear512`); `decoder_layers` below calls them.
 // rope_attention: RoPE of q and k, the write of k and v into the slot cache, and for each
 //   (row, head, query) its own softmax over keys [0, pos] in order, float32 throughout; with
 //   `parents` (a token tree), over the prefix and the query's ancestors, in position order.
@@ -31,7 +27,9 @@
 
 #include "bf16.h"
 
-namespace specrouter {  // linear512.cpp
+namespace specrouter {  // linear256.cpp, linear512.cpp
+at::Tensor linear256(const at::Tensor& x, const at::Tensor& weight, int64_t O, const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& residual);
 at::Tensor linear512(const at::Tensor& x, const at::Tensor& weight, int64_t O, const std::optional<at::Tensor>& bias,
                      const std::optional<at::Tensor>& residual, bool dp);
 }
@@ -48,137 +46,9 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Weights are packed once (see runners/linear.py `pack_rowinv`) so each thread streams one
-// contiguous block: outputs padded to a multiple of 4, then (O/4, K/B, 4, B) with B = 8 float32
-// or 16 bfloat16 elements (one 32-byte load). A bfloat16 block of 16 splits into its even and
-// odd elements with one shift and one mask (no shuffles); x is de-interleaved to match.
-constexpr int64_t BLOCK_F32 = 8, BLOCK_BF16 = 16;
-
-inline void fma_block(const float* xr, const float* w, __m256& a) {  // 8 weights
-  a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), _mm256_loadu_ps(w), a);
-}
-inline void fma_block(const float* xr, const bf16* w, __m256& a) {  // 16 weights: even, then odd
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  a = _mm256_fmadd_ps(_mm256_loadu_ps(xr), _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), a);
-  a = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8),
-                      _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xffff0000))), a);
-}
-
-// One register tile: R rows x the 4 outputs of group `wg` (packed (K/B, 4, B)), R * 4
-// accumulators; each weight block is loaded (and, in bfloat16, widened) once for the R rows.
-// The sequence of an accumulator (row r, output j) is fma_block over i = 0, B, 2B, ... whatever R.
-template <int R, typename W>
-__attribute__((always_inline)) inline void tile_rows(const float* x, int64_t K, const W* wg, __m256 (&a)[R][4]) {
-  constexpr int64_t Bk = sizeof(W) == 4 ? BLOCK_F32 : BLOCK_BF16;
-#pragma GCC unroll 3
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) a[r][j] = _mm256_setzero_ps();
-  const W* wp = wg;
-  for (int64_t i = 0; i < K; i += Bk, wp += 4 * Bk) {
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      if constexpr (sizeof(W) == 4) {
-        const __m256 w = _mm256_loadu_ps(reinterpret_cast<const float*>(wp) + j * Bk);
-#pragma GCC unroll 3
-        for (int r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + i), w, a[r][j]);
-      } else {  // as fma_block: the even elements, then the odd ones
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + j * Bk));
-        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xffff0000)));
-#pragma GCC unroll 3
-        for (int r = 0; r < R; ++r) {
-          a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + i), we, a[r][j]);
-          a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + i + 8), wo, a[r][j]);
-        }
-      }
-    }
-  }
-}
-
-constexpr int ROWS_AVX2 = 3;  // 12 accumulators + the widened weights: the 16 ymm registers
-
-template <typename T, typename W>
-void linear_impl(const float* x, int64_t N, int64_t K, const W* w, int64_t O, const T* bias,
-                 const T* residual, T* y) {
-  constexpr int64_t Bk = sizeof(W) == 4 ? BLOCK_F32 : BLOCK_BF16;
-  const int64_t nb = K / Bk, groups = (O + 3) / 4;
-  auto finish = [&](int64_t n, int64_t o, __m256 a) {
-    if (o >= O) return;  // a padding output
-    float v = hsum(a);
-    if (bias) v += to_f(bias[o]);
-    if (residual) v = to_f(residual[n * O + o]) + v;
-    store(&y[n * O + o], v);
-  };
-  auto rows = [&](auto R_, int64_t n, const W* wg, int64_t o0) {
-    constexpr int R = decltype(R_)::value;
-    __m256 a[R][4];
-    tile_rows<R, W>(x + n * K, K, wg, a);
-#pragma GCC unroll 3
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) finish(n + r, o0 + j, a[r][j]);
-  };
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const W* wg = w + g * nb * 4 * Bk;  // (K/B, 4, B)
-      const int64_t o0 = g * 4;
-      int64_t n = 0;
-      for (; n + ROWS_AVX2 <= N; n += ROWS_AVX2) rows(std::integral_constant<int, ROWS_AVX2>{}, n, wg, o0);
-      if (N - n == 2) rows(std::integral_constant<int, 2>{}, n, wg, o0);
-      if (N - n == 1) rows(std::integral_constant<int, 1>{}, n, wg, o0);
-    }
-  });
-}
-
-// x (N, K) as float32 rows in the order the kernel reads them: as is for float32; for
-// bfloat16 converted exactly and, per block of 16, the 8 even elements then the 8 odd ones
-at::Tensor as_f32(const at::Tensor& x) {
-  if (x.scalar_type() == at::kFloat) return x.contiguous();
-  const int64_t N = x.size(0), K = x.size(1);
-  return x.to(at::kFloat).view({N, K / BLOCK_BF16, 8, 2}).transpose(2, 3).contiguous().view({N, K});
-}
-
 void check_2d(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D");
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
-}
-
-// x (N, K); weight packed (ceil(O/4), K/B, 4, B); bias (O,) or None; residual (N, O) or None
-// -> (N, O), dtype of x
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, int64_t O,
-                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
-  check_2d(x, "x");
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rowinv.linear: float32 or bfloat16, got ", dt);
-  const int64_t N = x.size(0), K = x.size(1), Bk = dt == at::kFloat ? BLOCK_F32 : BLOCK_BF16;
-  TORCH_CHECK(weight.scalar_type() == dt && weight.is_contiguous() && weight.dim() == 4,
-              "weight: packed by pack_rowinv, dtype of x");
-  TORCH_CHECK(weight.size(0) == (O + 3) / 4 && weight.size(1) * Bk == K && weight.size(2) == 4 &&
-                  weight.size(3) == Bk, "packed weight does not match x (", N, ", ", K, ") and O=", O);
-  at::Tensor b, r;
-  if (bias && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == dt && b.numel() == O, "bias: (", O, ",) of the dtype of x");
-  }
-  if (residual && residual->defined()) {
-    r = residual->contiguous();
-    TORCH_CHECK(r.scalar_type() == dt && r.size(0) == N && r.size(1) == O, "residual: (N, O), dtype of x");
-  }
-  at::Tensor y = at::empty({N, O}, x.options());
-  if (N == 0) return y;
-  at::Tensor xf = as_f32(x);
-  if (dt == at::kFloat) {
-    linear_impl<float, float>(xf.data_ptr<float>(), N, K, weight.data_ptr<float>(), O,
-                              b.defined() ? b.data_ptr<float>() : nullptr,
-                              r.defined() ? r.data_ptr<float>() : nullptr, y.data_ptr<float>());
-  } else {
-    auto p = [](const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr<at::BFloat16>()); };
-    linear_impl<bf16, bf16>(xf.data_ptr<float>(), N, K, p(weight), O, b.defined() ? p(b) : nullptr,
-                            r.defined() ? p(r) : nullptr,
-                            reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>()));
-  }
-  return y;
 }
 
 // exp of 8 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (Cephes
@@ -610,7 +480,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
     const at::Tensor& w = params[l * P + (i == 0 ? 1 : i == 1 ? 3 : i == 2 ? 6 : 8)];
     const std::optional<at::Tensor> bias = b.numel() ? std::optional<at::Tensor>(b) : std::nullopt;
     const int64_t O = outs[4 * l + i];
-    return kernel == 0 ? linear(in, w, O, bias, res) : specrouter::linear512(in, w, O, bias, res, kernel == 2);
+    return kernel == 0 ? specrouter::linear256(in, w, O, bias, res) : specrouter::linear512(in, w, O, bias, res, kernel == 2);
   };
   at::Tensor x = x0;
   for (int64_t l = 0; l < layers; ++l) {
@@ -629,7 +499,6 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
 }  // namespace
 
 TORCH_LIBRARY(specrouter_rowinv, m) {
-  m.def("linear(Tensor x, Tensor weight, int out_features, Tensor? bias=None, Tensor? residual=None) -> Tensor");
   m.def("rope_attention(Tensor qkv, int num_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor starts, Tensor nums, Tensor? parents=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
@@ -637,7 +506,6 @@ TORCH_LIBRARY(specrouter_rowinv, m) {
 }
 
 TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) {
-  m.impl("linear", &linear);
   m.impl("rope_attention", &rope_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
