@@ -1,4 +1,4 @@
-"""kernels/rowinv.cpp's ops other than `linear` (tests/test_linear.py) against torch references:
+"""kernels/rowinv.cpp's ops (the linears, linear256.cpp and linear512.cpp: tests/test_linear.py) against torch references:
 RMSNorm, silu * up, and RoPE + cache write + attention over a ragged batch with padding, in
 float32 and bfloat16; and each op's result for a row independent of the other rows."""
 
