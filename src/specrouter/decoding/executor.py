@@ -45,7 +45,7 @@ from specrouter.drafters.base import ModelFreeDrafter
 from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.logprobs import generated_logprobs, prompt_logprobs
 from specrouter.decoding.noise import check_tokens, position_keys
-from specrouter.decoding.processors import RowHistory, process_rows
+from specrouter.decoding.processors import PenaltyMemo, RowHistory, process_rows
 from specrouter.decoding.sampling import SamplingTensors, choose_tokens
 from specrouter.decoding.tv import level_tv
 from specrouter.models.device import synchronize
@@ -424,9 +424,12 @@ class ChainExecutor:
         w.cand[: offset + g]."""
         if not any(w.seq.params.has_processors for w in work):
             return logits
+        for w in work:
+            if w.seq.params.has_processors and w.seq.penalty_memo is None:
+                w.seq.penalty_memo = PenaltyMemo()
         return process_rows(logits.cpu(), [  # penalties etc. run on host tensors
             RowHistory(w.seq.params, w.seq.tokens, w.seq.prompt_len, w.seq.stop_ids, w.cand, offset,
-                       w.seq.grammar)
+                       w.seq.grammar, w.seq.penalty_memo)
             for w in work]).to(logits.device)
 
     def _sample(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0,
