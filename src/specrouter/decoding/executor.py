@@ -45,7 +45,7 @@ from specrouter.drafters.base import ModelFreeDrafter
 from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.logprobs import generated_logprobs, prompt_logprobs
 from specrouter.decoding.noise import check_tokens, position_keys
-from specrouter.decoding.processors import RowHistory, process_rows
+from specrouter.decoding.processors import PenaltyMemo, RowHistory, process_rows
 from specrouter.decoding.sampling import SamplingTensors, choose_tokens
 from specrouter.decoding.tv import level_tv
 from specrouter.models.device import synchronize
@@ -110,6 +110,8 @@ class StepResult:
     tv_seconds: float = 0.0  # of the wall time, measuring D_TV at the verified positions
     draft_steps: int = 0  # sequential draft forwards after each drafter's first (k - 1 per draft of k)
     draft_host_seconds: float = 0.0  # of the wall time, those steps' host work outside their forwards
+    processor_seconds: float = 0.0  # of the wall time, the rows' logits processors
+    processor_rows: int = 0  # ... over this many row-forwards (rows with processors, summed over forwards)
     trees: list[TreeOutcome] = field(default_factory=list)  # the rows that verified a token tree
 
 
@@ -180,6 +182,7 @@ class ChainExecutor:
         self._tv_seconds = 0.0
         self._fsum = 0.0  # seconds inside forwards and proposals so far this step
         self._steps_drafted, self._draft_host = 0, 0.0
+        self._proc_seconds, self._proc_rows = 0.0, 0
         work = [self._start_row(b, s, chain, k) for b, (s, (chain, k)) in enumerate(zip(rows, plans))]
         for w, floor in zip(work, min_confidence or ()):
             w.min_confidence = floor
@@ -220,15 +223,17 @@ class ChainExecutor:
         return self.measure_tv and (self.tv_greedy_rows or not w.seq.params.greedy)
 
     def draft_step_started(self) -> tuple[float, float]:
-        """The clock and the forward seconds at the start of a draft step (`draft_step_done`)."""
-        return self.clock(), self._fsum
+        """The clock and the forward (and logits processors') seconds at the start of a draft
+        step (`draft_step_done`)."""
+        return self.clock(), self._fsum + self._proc_seconds
 
     def draft_step_done(self, started: tuple[float, float]) -> None:
         """One draft step ended: its host work (wall outside its forward: building the batch,
-        choosing the tokens, reading them back) is counted for the router's cost model."""
+        choosing the tokens, reading them back; the rows' processors are charged apart) is
+        counted for the router's cost model."""
         t0, f0 = started
         self._steps_drafted += 1
-        self._draft_host += max(self.clock() - t0 - (self._fsum - f0), 0.0)
+        self._draft_host += max(self.clock() - t0 - (self._fsum + self._proc_seconds - f0), 0.0)
 
     def _tree_ok(self, w: RowWork, budget: int, width: int) -> bool:
         """A row may verify a tree: a model drafter straight below the target (no pruning
@@ -417,17 +422,25 @@ class ChainExecutor:
         w.cand[: offset + g] (the draft path: the same at every level)."""
         return self._sample(self._process(logits, work, offset), work, sampling, offset, offsets)
 
-    @staticmethod
-    def _process(logits: torch.Tensor, work: list[RowWork], offset: int = 0) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, work: list[RowWork], offset: int = 0) -> torch.Tensor:
         """`logits` (B, G, V) after the rows' logits processors (processors.py; itself when no
         row has any), the history at position g being the committed tokens plus
-        w.cand[: offset + g]."""
-        if not any(w.seq.params.has_processors for w in work):
+        w.cand[: offset + g]. Its seconds and rows are the step's `processor_seconds` / `_rows`
+        (the router charges them per row-forward)."""
+        rows = sum(1 for w in work if w.seq.params.has_processors)
+        if not rows:
             return logits
-        return process_rows(logits.cpu(), [  # penalties etc. run on host tensors
+        t0 = self.clock()
+        for w in work:
+            if w.seq.params.has_processors and w.seq.penalty_memo is None:
+                w.seq.penalty_memo = PenaltyMemo()
+        out = process_rows(logits.cpu(), [  # penalties etc. run on host tensors
             RowHistory(w.seq.params, w.seq.tokens, w.seq.prompt_len, w.seq.stop_ids, w.cand, offset,
-                       w.seq.grammar)
+                       w.seq.grammar, w.seq.penalty_memo)
             for w in work]).to(logits.device)
+        self._proc_seconds += self.clock() - t0
+        self._proc_rows += rows
+        return out
 
     def _sample(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0,
                 offsets: list[list[int]] | None = None) -> torch.Tensor:
@@ -608,4 +621,5 @@ class ChainExecutor:
         return StepResult(outcomes=outcomes, proposals=proposals, forwards=self._forwards, cycles=cycles,
                           forward_time=dict(self._ftime), wall_time=wall,
                           speculative=any(w.k > 0 for w in work), tv_seconds=self._tv_seconds,
-                          draft_steps=self._steps_drafted, draft_host_seconds=self._draft_host, trees=trees)
+                          draft_steps=self._steps_drafted, draft_host_seconds=self._draft_host,
+                          processor_seconds=self._proc_seconds, processor_rows=self._proc_rows, trees=trees)

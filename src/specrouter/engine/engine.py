@@ -342,7 +342,8 @@ class Engine:
         free = [i for i, p in enumerate(plans) if p is None]
         pinned = [p for p in plans if p is not None]
         contexts = [RowContext(rows[i].seq_id, len(rows[i].tokens), batch_size=len(rows),
-                               greedy=rows[i].params.greedy, remaining=rows[i].remaining) for i in free]
+                               greedy=rows[i].params.greedy, remaining=rows[i].remaining,
+                               processors=rows[i].params.has_processors) for i in free]
         batch = self.router.plan_batch(contexts, pinned)
         for i, d in zip(free, batch.decisions):
             plans[i] = (d.chain, d.k)
@@ -390,7 +391,8 @@ class Engine:
                 forward_time=sum(result.forward_time.values()), speculative=result.speculative,
                 shadow=judge_shadows(rows, result.outcomes, result.proposals, shadow, shadow_k),
                 tv_seconds=result.tv_seconds, draft_steps=result.draft_steps,
-                draft_host_seconds=result.draft_host_seconds))
+                draft_host_seconds=result.draft_host_seconds, processor_seconds=result.processor_seconds,
+                processor_rows=result.processor_rows))
         if self.on_cycle is not None:
             for stats in result.cycles:
                 self.on_cycle(stats)

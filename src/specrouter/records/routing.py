@@ -22,6 +22,7 @@ class RowContext:
     batch_size: int = 1  # rows its forwards are batched with: b of T_M(b, t, L)
     greedy: bool = True  # temperature 0
     remaining: int | None = None  # tokens it may still generate (k <= remaining - 1); None: no cap
+    processors: bool = False  # some logits processor is on: each forward it takes part in costs the router's "processor" seconds more
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,8 @@ class StepReport:
     tv_seconds: float = 0.0  # of the wall time, measuring D_TV at the verified positions
     draft_steps: int = 0  # sequential draft forwards after each drafter's first (k - 1 per draft of k)
     draft_host_seconds: float = 0.0  # of the wall time, those steps' host work outside their forwards
+    processor_seconds: float = 0.0  # of the wall time, the rows' logits processors (decoding/processors.py)
+    processor_rows: int = 0  # ... over this many row-forwards (a row with processors in a processed forward)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specrouter.records.routing import BatchPlan, Chain, Decision, ForwardRecord, Plan, RowContext, RowOutcome
+from specrouter.router.cost_model import processor_forwards
 from specrouter.router.request_state import RequestState
 
 
@@ -170,11 +171,12 @@ class BatchPlanner:
         L = max(1, sum(r.context_len for r in rows) // len(rows))
         reqs = [router.requests.get(r.seq_id) for r in rows]
         factors = self.calibration(n)
+        flags = [r.processors for r in rows]  # pinned rows: not charged (their plan is fixed)
 
         def option(plans: list[Plan]) -> tuple[float, list[Plan]]:
             tokens = sum(self.expected_tokens(req, c, k) for req, (c, k) in zip(reqs, plans))
             tokens += len(pinned)  # pinned rows commit >= 1 token each, whatever we choose
-            return self.rate(list(plans) + list(pinned), tokens, L, factors), plans
+            return self.rate(list(plans) + list(pinned), tokens, L, factors, flags), plans
 
         own = [(d.chain, d.k) for d in decisions]
         if all(len(c) == 1 for c, _ in own):
@@ -236,7 +238,7 @@ class BatchPlanner:
         factors = self.calibration(len(rows) + len(pinned))
 
         def rate(ps: list, toks: list) -> float:
-            return self.rate(ps + list(pinned), sum(toks) + len(pinned), L, factors)
+            return self.rate(ps + list(pinned), sum(toks) + len(pinned), L, factors, [r.processors for r in rows])
 
         current = rate(best, tokens)
         for i, (name, m, score) in sorted(offers.items(), key=lambda o: -o[1][2]):
@@ -261,12 +263,15 @@ class BatchPlanner:
         e = float(req.table.expected_tokens[i, k - 1])
         return e if math.isfinite(e) else 1.0
 
-    def step_seconds(self, plans: Sequence[Plan], context_len: int, publish: bool = True) -> float:
+    def step_seconds(self, plans: Sequence[Plan], context_len: int, publish: bool = True,
+                     processors: Sequence[bool] = ()) -> float:
         """Predicted seconds of one engine step running `plans` (one per row): every model's
         forwards at their real rows and widths (the verifier at level j of a row with draft
         length k gets at most k + j - 1 candidates; padded to the widest row, or packed: the
         mean width, for runners that pack ragged batches), drafting steps (each with its host
-        work), the step overhead.
+        work), the step overhead, and the logits processors of the rows flagged in `processors`
+        (one per plan; missing: none) per forward they take part in
+        (`cost_model.processor_forwards`).
         `publish`: as `EvidenceBoard.predict`."""
         router = self.router
         verify: dict[str, list[int]] = {}  # model -> widths of the rows it verifies / drafts (first step)
@@ -281,6 +286,8 @@ class BatchPlanner:
             for j, m in enumerate(chain[1:], start=1):
                 verify.setdefault(m, []).append(k + j)
         total = router.overhead["spec" if speculative else "plain"]
+        total += router.overhead["processor"] * sum(processor_forwards(c, k, router.model_free)
+                                                    for (c, k), on in zip(plans, processors) if on)
         def predict(m: str, b: int, t: float, L: int) -> float:
             return router.board.predict(m, b, t, L, publish)
 
@@ -309,10 +316,11 @@ class BatchPlanner:
                 plain.factor(prior) if plain is not None else 1.0)
 
     def rate(self, plans: Sequence[Plan], tokens: float, context_len: int,
-             factors: tuple[float, float]) -> float:
+             factors: tuple[float, float], processors: Sequence[bool] = ()) -> float:
         """Predicted committed tokens per second of a step running `plans` (every row's, pinned
         ones included) that commits `tokens`, scaled by what such steps realised (`calibration`)."""
-        return factors[0 if speculates(plans) else 1] * tokens / self.step_seconds(plans, context_len)
+        return factors[0 if speculates(plans) else 1] * tokens / self.step_seconds(plans, context_len,
+                                                                                   processors=processors)
 
     # -- observing --------------------------------------------------------------------------
     def observe(self, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord], wall_time: float) -> None:

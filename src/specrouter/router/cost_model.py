@@ -32,7 +32,9 @@ Choices the paper leaves open:
   of a model drafter's k - 1 steps after its first forward (whose host work is the cycle's), so
   a long draft pays for its steps; a model-free drafter's `cost(k)` is its whole proposal.
 - Cost profiles T_M(b, t, L) enter as functions of t alone: the caller builds them for the
-  current batch size and context length.
+  current batch size and context length. A row with logits processors (penalties etc.) pays
+  their measured seconds once per forward it takes part in (`processor_costs`): they run on
+  the host per forward over the row's positions, so a model drafter's k steps pay k times.
 - Ties between plans go to the earlier candidate, then to the smaller k; `enumerate_chains`
   lists (target,) first, so a tie with plain decoding picks plain decoding.
 """
@@ -43,7 +45,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Mapping, Sequence, Union
+from typing import Callable, Collection, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -352,6 +354,28 @@ def break_even_confidence(verifier_costs: Sequence[np.ndarray], k: int, t_eff: f
         return 0.0
     extra = sum((float(c[k + 1]) - float(c[1])) / k for c in verifier_costs)  # seconds per candidate
     return min(1.0, max(0.0, extra / t_eff))
+
+
+def processor_costs(rows: Mapping[str, np.ndarray], seconds: float, model_free: Collection[str] = ()
+                    ) -> dict[str, np.ndarray]:
+    """Cost rows T_M(t) of a row with logits processors: every model forward it takes part in
+    (t >= 1) costs `seconds` more, the processors' measured seconds per row-forward (a model
+    drafter's k steps k times, each verifier once, plain decoding once)."""
+    out = {}
+    for m, row in rows.items():
+        if m not in model_free:
+            out[m] = row.copy()
+            out[m][1:] += seconds
+    return out
+
+
+def processor_forwards(chain: Sequence[str], k: int, model_free: Collection[str] = ()) -> int:
+    """Forwards whose logits a row's processors process in one cycle of (chain, k): each
+    model draft step, each verifier, or the one plain step (a model-free drafter's proposal is
+    none). With `processor_costs` the DP charges exactly this many times the seconds."""
+    if len(chain) == 1 or k == 0:
+        return 1
+    return (0 if chain[0] in model_free else k) + len(chain) - 1
 
 
 def enumerate_chains(

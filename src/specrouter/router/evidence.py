@@ -55,7 +55,7 @@ class Published:
     version: int  # increases with every publication
     priors: Mapping[tuple[Pair, str], float]  # (pair, mode) -> a request's prior alpha (request_prior)
     hits: Mapping[str, float]  # model-free drafter -> global hit rate
-    times: Mapping[str, float]  # host seconds: "plain", "spec" (per cycle), "draft_step" (per draft step), "router" (one decide)
+    times: Mapping[str, float]  # host seconds: "plain", "spec" (per cycle), "draft_step" (per draft step), "processor" (per row-forward of a row with processors), "router" (one decide)
     steps: Mapping[str, float]  # model -> seconds of its one-token step (b = 1), as the profile predicts
     jumps: Mapping[str, int]  # model -> times the profile's step detector fired
     failed: frozenset[str]  # models out of service

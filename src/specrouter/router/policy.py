@@ -9,7 +9,9 @@ pool order (cheapest first, target last) and the names of model-free drafters.
    evaluate every sub-chain ending at the target (2^(p-1), (target,) included) for k = 1..k_max
    with `cost_model.best_plan`. The per-cycle overheads are charged on top: the engine's own
    (cycle wall time minus forward time, learned separately for plain and speculative cycles) and
-   the router's (its measured decide() time times the batch rows).
+   the router's (its measured decide() time times the batch rows). A row with logits
+   processors pays their measured seconds per row-forward on every forward it takes part in
+   (`cost_model.processor_costs`, learned from the executor's `processor_seconds`).
    A plan whose first level is a model-free drafter also carries `Decision.min_confidence`, its
    break-even acceptance (`cost_model.break_even_confidence`: the verifiers' extra seconds per
    candidate over the plan's T_eff); a confidence-sized drafter (suffix) proposes up to k tokens
@@ -73,6 +75,7 @@ from specrouter.router.cost_model import (
     best_plan,
     break_even_confidence,
     enumerate_chains,
+    processor_costs,
 )
 from specrouter.router.evidence import CachedPlans, CacheStats, EvidenceBoard, decision_key
 from specrouter.router.probing import Prober
@@ -187,8 +190,9 @@ class Router:
         self.requests: dict[int, RequestState] = {}
         self.events: deque[DecisionEvent] = deque(maxlen=cfg.log_size)
         # host seconds outside forwards: per plain step, per speculative cycle (its draft steps'
-        # share apart), per model draft step after a drafter's first forward
-        self.overhead = {"plain": 0.0, "spec": 0.0, "draft_step": 0.0}
+        # share apart), per model draft step after a drafter's first forward; "processor": per
+        # row-forward of a row with logits processors (charged to such rows' forwards, `inputs`)
+        self.overhead = {"plain": 0.0, "spec": 0.0, "draft_step": 0.0, "processor": 0.0}
         self.decide_seconds = 0.0  # EMA of decide() wall time
         self.t_width = cfg.k_max + cfg.max_levels + 2  # cost rows' widths (tokens per forward)
         # the alphas finished requests reached on their own, and their quantile (request_prior)
@@ -225,7 +229,7 @@ class Router:
     def observe_step(self, report: StepReport) -> None:
         """Learn from one engine step: every row's outcome, every forward's timing, the step's
         overhead, the batch calibration, the shadow proposals."""
-        self.planner.observe(report.outcomes, report.forwards, report.wall_time)
+        self.planner.observe(report.outcomes, report.forwards, report.wall_time - report.processor_seconds)
         self._observe_rows(report.outcomes, report.wall_time)
         now = self.similarity.now
         for f in report.forwards:
@@ -233,6 +237,7 @@ class Router:
             if f.model in self.profile:
                 self.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
         self._observe_overhead(report)
+        self._observe_processors(report)
         self.similarity.tick(len(report.outcomes))
         self.prober.budget.tick(len(report.outcomes), report.wall_time)
         self.observed_steps += 1
@@ -304,6 +309,8 @@ class Router:
         rows = self.board.cost_rows(max(row.batch_size, 1), max(row.context_len, 1), self.t_width)
         evidence = self.board.request_evidence(req, mode)
         costs: dict[str, object] = dict(rows)
+        if row.processors and published.times["processor"] > 0.0:
+            costs.update(processor_costs(rows, published.times["processor"], self.model_free))
         for d in self.model_free:
             costs[d] = ModelFreeDraft(cost=rows[d], hit_rate=evidence.hits[d])
         return costs, dict(evidence.alphas), published.times["router"] * max(row.batch_size, 1)
@@ -520,11 +527,19 @@ class Router:
                 req.corrections[c_chain] = c
                 req.version += 1  # its decisions read it (router/evidence.py)
 
+    def _observe_processors(self, report: StepReport) -> None:
+        """The logits processors' seconds per row-forward (decoding/processors.py runs once per
+        forward over its rows' positions: the cost is mostly per call, little per position)."""
+        if report.processor_rows:
+            per_row = report.processor_seconds / report.processor_rows
+            self.overhead["processor"] += self.config.overhead_alpha * (per_row - self.overhead["processor"])
+
     def _observe_overhead(self, report: StepReport) -> None:
-        """The step's host seconds (wall outside forwards): a plain step's, or a speculative
-        one's split into its draft steps' (per step: they grow with k) and the cycle's own."""
+        """The step's host seconds (wall outside forwards and the rows' logits processors,
+        charged apart): a plain step's, or a speculative one's split into its draft steps' (per
+        step: they grow with k; the executor leaves their processors out too) and the cycle's own."""
         a = self.config.overhead_alpha
-        host = max(report.wall_time - report.forward_time, 0.0)
+        host = max(report.wall_time - report.forward_time - report.processor_seconds, 0.0)
         if not report.speculative:
             self.overhead["plain"] += a * (host - self.overhead["plain"])
             return

@@ -38,6 +38,7 @@ class Sequence:
     tenant: str | None = None  # whose learned drafter statistics it reads and feeds (None: shared)
     plan: RowPlan | None = None  # the engine's record of its plan (engine.py)
     grammar: object | None = None  # its RowGrammar (decoding/grammar.py) when params.grammar is set
+    penalty_memo: object | None = None  # its PenaltyMemo (decoding/processors.py) once a processor ran
     # with params.logprobs: one TokenLogprob (decoding/logprobs.py) per generated token
     logprobs: list | None = None
     # with params.prompt_logprobs: one per prompt token after the first (set at the first cycle)
