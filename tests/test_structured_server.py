@@ -105,6 +105,15 @@ def test_completions_response_format_and_guided_fields(client, pool):
     r = client.completions.create(model="target", prompt="x", temperature=0, max_tokens=40,
                                   extra_body={"guided_json": json.dumps(SCHEMA)})
     assert r.choices[0].text.startswith('{"name": "')
+    # llama-server's fields: json_schema, grammar (GBNF), response_format json_object with a schema
+    expected = plain(pool, ids, GrammarSpec.json_schema(SCHEMA), 50)
+    for extra in ({"json_schema": SCHEMA}, {"response_format": {"type": "json_object", "schema": SCHEMA}}):
+        r = client.completions.create(model="target", prompt="def add(a, b):", temperature=0, max_tokens=50,
+                                      extra_body=extra)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == expected, extra
+    r = client.completions.create(model="target", prompt="def add(a, b):", temperature=0, max_tokens=20,
+                                  extra_body={"grammar": 'root ::= ("yes" | "no") " " [0-9]'})
+    assert r.choices[0].text[:-1] in ("yes ", "no ") and r.choices[0].text[-1].isdigit()
 
 
 def test_sdk_parse_with_a_pydantic_model(client):
@@ -132,6 +141,8 @@ def test_bad_formats_and_schemas_get_a_400_naming_the_problem(client):
         ({"guided_regex": "(unclosed"}, "guided_regex", "regex"),
         ({"guided_choice": []}, "guided_choice", "non-empty"),
         ({"guided_grammar": "start: ("}, "guided_grammar", "lark"),
+        ({"grammar": "root ::= ("}, "grammar", "GBNF"),
+        ({"json_schema": {"type": "objekt"}}, "json_schema", "objekt"),
         ({"guided_json": SCHEMA, "response_format": {"type": "json_object"}}, "guided_json", "give one"),
     ]
     for extra, param, words in cases:

@@ -122,9 +122,11 @@ _NOT_IMPLEMENTED: dict[str, tuple[tuple, str]] = {
     "spaces_between_special_tokens": ((True,), "special tokens are always skipped in the text"),
     "bad_words": (([],), "bad_words is not implemented (use logit_bias for single tokens)"),
     "prompt_embeds": ((), "prompt embeddings are not implemented"),
-    "structural_tag": ((), "guided decoding is not implemented"),
+    "structural_tag": ((), "structural tags are not implemented (response_format, guided_* or "
+                           "tools constrain the output)"),
     "guided_decoding_backend": ((), "the grammar engine is llguidance; no other backend is offered"),
-    "guided_whitespace_pattern": ((), "guided decoding is not implemented"),
+    "guided_whitespace_pattern": ((), "JSON is written as json.dumps writes it (no free "
+                                      "whitespace); a whitespace pattern is not implemented"),
     "priority": ((0,), "priority scheduling is not implemented"),
     "logits_processors": (([],), "custom logits processors are not accepted"),
     "chat_template": ((), "a per-request chat template is not accepted (start the server with "
@@ -174,12 +176,15 @@ class _GenerationRequest(_Lenient):
     cache_salt: str | None = None  # vLLM: accepted; no cache is shared between requests' prompts
     specrouter_chain: list[str] | None = None  # extension: pin the chain (pool names, target last)
     specrouter_k: int | None = Field(None, ge=1, le=MAX_DRAFT_LENGTH)  # extension: draft length
-    # structured output (server/structured.py): OpenAI's response_format, vLLM's guided_*
+    # structured output (server/structured.py): OpenAI's response_format, vLLM's guided_*,
+    # llama-server's json_schema and grammar (GBNF)
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    json_schema: Any = None
+    grammar: Any = None
     # recognised, refused unless at their default (see _NOT_IMPLEMENTED)
     use_beam_search: bool = False
     length_penalty: float = 1.0

@@ -8,7 +8,10 @@
 - `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`: the
   schema (strict or not, the output always follows it: llguidance enforces the schema);
 - `guided_json` (a schema, object or text), `guided_regex` (a regex), `guided_choice` (a list
-  of strings: exactly one of them), `guided_grammar` (a Lark grammar, llguidance's dialect).
+  of strings: exactly one of them), `guided_grammar` (a Lark grammar, llguidance's dialect);
+- llama-server's `json_schema` (a schema object), `grammar` (a GBNF grammar, converted to
+  Lark by llguidance's `gbnf_to_lark`) and `response_format` `{"type": "json_object",
+  "schema": {...}}` (the schema).
 At most one of them per request; a tool_choice "required" or naming a function constrains the
 output too (server/tools.py: `tool_grammar`), so it excludes them as well.
 """
@@ -22,7 +25,7 @@ from specrouter.decoding.grammar import GrammarError, GrammarSpec
 from specrouter.server.protocol import RequestError
 from specrouter.server.tools import tool_grammar, tool_request
 
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "grammar")
 _META = set("\\.^$|?*+()[]{}/")
 
 
@@ -39,7 +42,12 @@ def _spec_of_response_format(rf) -> GrammarSpec | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return GrammarSpec("json_object")
+        schema = rf.get("schema")  # llama-server: a schema here constrains to it
+        if schema is None:
+            return GrammarSpec("json_object")
+        if not isinstance(schema, dict):
+            raise RequestError("'response_format.schema' must be a JSON schema object", param="response_format.schema")
+        return GrammarSpec.json_schema(schema)
     if kind != "json_schema":
         raise RequestError(f"unsupported 'response_format.type' {kind!r}: \"text\", \"json_object\" "
                            "or \"json_schema\"", param="response_format.type")
@@ -61,14 +69,14 @@ def _spec_of_response_format(rf) -> GrammarSpec | None:
 
 
 def _spec_of_guided(name: str, value) -> GrammarSpec:
-    if name == "guided_json":
+    if name in ("guided_json", "json_schema"):
         if isinstance(value, str):
             try:
                 value = json.loads(value)
             except ValueError as e:
-                raise RequestError(f"'guided_json' is not valid JSON: {e}", param=name) from None
+                raise RequestError(f"'{name}' is not valid JSON: {e}", param=name) from None
         if not isinstance(value, dict):
-            raise RequestError("'guided_json' must be a JSON schema (an object or its JSON text)", param=name)
+            raise RequestError(f"'{name}' must be a JSON schema (an object or its JSON text)", param=name)
         return GrammarSpec.json_schema(value)
     if name == "guided_choice":
         if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
@@ -76,6 +84,13 @@ def _spec_of_guided(name: str, value) -> GrammarSpec:
         return GrammarSpec("regex", "|".join(f"({literal_regex(c)})" for c in value))
     if not isinstance(value, str) or not value.strip():
         raise RequestError(f"'{name}' must be a non-empty string", param=name)
+    if name == "grammar":  # llama-server's GBNF
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            return GrammarSpec("lark", gbnf_to_lark(value))
+        except Exception as e:  # noqa: BLE001 - GbnfToLarkError and the parser's own errors
+            raise RequestError(f"invalid GBNF grammar: {e}", param=name) from None
     return GrammarSpec("regex" if name == "guided_regex" else "lark", value)
 
 
