@@ -5,10 +5,16 @@ Requests (chat template, greedy): extract a record's fields into a schema, produ
 (a schema of a function's arguments) for a request, fill a JSON list. Systems:
 - plain: the target alone, the grammar mask each step, no jump forward (plain constrained decoding);
 - plain+jf: the target alone with grammar-forced tokens committed without a forward;
-- specrouter: the router picks chain and k per request every cycle, jump forward on.
-Every output must validate against its schema and equal plain's token for token. Reported:
-tokens/s per system (generated tokens over wall time, prefill included), the ratio to the
-fastest plain system, and the mask's share of the step (seconds in RowGrammar over wall time).
+- specrouter-nocertain: the router, jump forward on, forced tokens NOT put into the drafts;
+- specrouter: the router picks chain and k per request every cycle, jump forward on, forced
+  tokens in the drafts as certain candidates (decoding/certain_drafts.py).
+Every round runs every system on fresh pool views (a learning drafter never sees an earlier
+round's answers; the first round warms up). Every output must validate against its schema and
+equal plain's token for token. Reported: tokens/s per system (generated tokens over wall time,
+prefill included), the ratio to the fastest plain system, target forwards (steps that ran one),
+the mask's share of the wall time (seconds in RowGrammar: masks and forced tokens) and the mask
+seconds per target forward against the mean target forward, and tokens committed by jump
+forward / as certain drafts.
 
 Run: `python benchmarks/structured.py [--rounds 2] [--pool default]`.
 """
@@ -16,6 +22,7 @@ Run: `python benchmarks/structured.py [--rounds 2] [--pool default]`.
 from __future__ import annotations
 
 import argparse
+import copy
 import platform
 import subprocess
 import time
@@ -26,9 +33,19 @@ from specrouter.bench.structured import STRUCTURED as REQUESTS  # noqa: E402
 from specrouter.bench.structured import schema_valid as valid  # noqa: E402
 
 
-def run_system(sr, name, chain, jump_forward, max_new):
+def run_system(sr, name, chain, jump_forward, max_new, certain=True):
     sr.engine.jump_forward = jump_forward
+    sr.engine.executor.certain_drafts = jump_forward and certain
     outs, tokens, mask_s = [], 0, 0.0
+    steps = []  # per step: the target's forward seconds
+
+    def on_cycle(stats):
+        if stats.forward_time and target in stats.forward_time:
+            steps.append(stats.forward_time[target])
+
+    target = sr.pool.target
+    real_generate_ids = sr.engine.generate_ids
+    sr.engine.generate_ids = lambda *a, **k: real_generate_ids(*a, **{**k, "on_cycle": on_cycle})
     t0 = time.perf_counter()
     for kind, schema, prompt in REQUESTS:
         seq_box = []
@@ -48,7 +65,10 @@ def run_system(sr, name, chain, jump_forward, max_new):
         outs.append(r)
         tokens += len(r.token_ids)
     wall = time.perf_counter() - t0
-    return dict(name=name, outs=outs, tokens=tokens, wall=wall, mask_s=mask_s)
+    sr.engine.generate_ids = real_generate_ids
+    return dict(name=name, outs=outs, tokens=tokens, wall=wall, mask_s=mask_s, target_steps=len(steps),
+                target_s=sum(steps), jumped=sum(o.stats.jumped for o in outs),
+                certain=sum(o.stats.certain for o in outs))
 
 
 def main() -> None:
@@ -58,23 +78,35 @@ def main() -> None:
     ap.add_argument("--pool", nargs="+", default=["default"])
     args = ap.parse_args()
     from specrouter import SpecRouter
+    from specrouter.router.policy import Router
 
     sr = SpecRouter.from_pretrained(args.pool if len(args.pool) > 1 else args.pool[0], progress=True)
     target = sr.pool.target
-    views = {
-        "plain": SpecRouter(sr.pool.with_fresh_drafters(), None, sr.config),
-        "plain+jf": SpecRouter(sr.pool.with_fresh_drafters(), None, sr.config),
-        "specrouter": SpecRouter(sr.pool.with_fresh_drafters(), sr.router, sr.config),
-    }
-    plan = {"plain": ((target,), False), "plain+jf": ((target,), True), "specrouter": (None, True)}
+    def fresh_router(pool):  # every router system learns alone (as `specrouter bench` does)
+        return Router.from_pool(pool, copy.deepcopy(sr.router.profile), config=sr.router.config)
+
+    def router_view():
+        pool = sr.pool.with_fresh_drafters()
+        return SpecRouter(pool, fresh_router(pool), sr.config)
+
+    def views():  # fresh every round: no system learns from an earlier round's outputs
+        return {
+            "plain": SpecRouter(sr.pool.with_fresh_drafters(), None, sr.config),
+            "plain+jf": SpecRouter(sr.pool.with_fresh_drafters(), None, sr.config),
+            "specrouter-nocertain": router_view(),
+            "specrouter": router_view(),
+        }
+
+    plan = {"plain": ((target,), False, False), "plain+jf": ((target,), True, False),
+            "specrouter-nocertain": (None, True, False), "specrouter": (None, True, True)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"pool {' < '.join(sr.pool.order)}; commit {commit}; {platform.processor() or platform.machine()}; "
           f"load {open('/proc/loadavg').read().split()[:3]}")
     results = {}
     for r in range(args.rounds):
-        for name, view in views.items():
-            chain, jf = plan[name]
-            results[name] = run_system(view, name, chain, jf, args.max_new_tokens)
+        for name, view in views().items():
+            chain, jf, certain = plan[name]
+            results[name] = run_system(view, name, chain, jf, args.max_new_tokens, certain)
         print(f"round {r + 1}: " + ", ".join(f"{n} {v['tokens'] / v['wall']:.1f} tok/s" for n, v in results.items()))
     base = results["plain"]["outs"]
     fastest_plain = max(results[n]["tokens"] / results[n]["wall"] for n in ("plain", "plain+jf"))
@@ -84,7 +116,10 @@ def main() -> None:
         tps = res["tokens"] / res["wall"]
         print(f"{name:11s} {res['tokens']:4d} tokens {res['wall']:6.2f} s {tps:6.1f} tok/s "
               f"x{tps / fastest_plain:.2f} vs fastest plain; identical to plain {same}; "
-              f"valid {ok}/{len(REQUESTS)}; mask {100 * res['mask_s'] / res['wall']:.2f}% of wall")
+              f"valid {ok}/{len(REQUESTS)}; target forwards {res['target_steps']}; mask "
+              f"{100 * res['mask_s'] / res['wall']:.2f}% of wall, {1e3 * res['mask_s'] / max(res['target_steps'], 1):.2f} ms "
+              f"per target forward of {1e3 * res['target_s'] / max(res['target_steps'], 1):.1f} ms; "
+              f"jumped {res['jumped']}, certain {res['certain']}")
     for (kind, _, _), o in zip(REQUESTS, results["specrouter"]["outs"]):
         print(f"  {kind:8s} {o.finish_reason:6s} {o.text[:110]!r}  chains {dict(o.stats.chains)}")
     print(f"load {open('/proc/loadavg').read().split()[:3]}")

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specrouter.decoding import certain_drafts as certain
 from specrouter.drafters.base import ModelFreeDrafter
 from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.logprobs import generated_logprobs, prompt_logprobs
@@ -90,6 +91,11 @@ class RowWork:
     tree_ids: list[int] = field(default_factory=list)
     ranks: tuple[int, ...] = ()  # rank evidence along the accepted branch (DraftTree.evidence)
     tree_accepted: int = 0  # nodes of the accepted branch
+    # grammar-forced candidates (decoding/certain_drafts.py): whether this row gets them, the
+    # positions in `cand` that hold one, and how many the target committed
+    forcing: bool = False
+    forced: list[int] = field(default_factory=list)
+    certain: int = 0
 
     def level(self, model: str) -> int:
         """Index of `model` in the row's chain (-1: not in it)."""
@@ -159,6 +165,8 @@ class ChainExecutor:
         self.measure_tv = False  # measure D_TV at verified positions (the router's similarity signal)
         self.tv_positions = 2  # ... at each row's first this many candidates per level
         self.tv_greedy_rows = True  # ... in greedy rows too (False: in sampled rows only)
+        self.certain_drafts = True  # grammar-forced tokens join the drafts (certain_drafts.py)
+        self.certain_counts = certain.CertainCounts()  # what the levels did with them
 
     # -- one step ---------------------------------------------------------------------------
     def step(
@@ -214,7 +222,8 @@ class ChainExecutor:
         chain = chain if k > 0 else chain[-1:]
         n = len(chain)
         return RowWork(b=b, seq=seq, chain=chain, k=k, cap=cap, start=len(seq.tokens),
-                       drafted=[0] * n, accepted=[0] * n, tv=[math.nan] * n)
+                       drafted=[0] * n, accepted=[0] * n, tv=[math.nan] * n,
+                       forcing=k > 0 and self.certain_drafts and certain.forcing(seq))
 
     def measures_tv(self, w: RowWork) -> bool:
         """Row w's D_TV is measured this cycle: measuring is on, and the row is sampled or
@@ -263,16 +272,18 @@ class ChainExecutor:
         t0 = self.clock()
         tokens, lengths = drafter.propose([w.seq.tokens for w in work], [w.k for w in work],
                                           [w.seq.tenant for w in work], **sized)
+        for w, toks, m in zip(work, tokens.tolist(), lengths.tolist()):
+            w.cand = toks[: min(m, w.cap)]
+            if w.seq.grammar is not None:  # only what the grammar allows goes up the chain
+                w.cand = w.cand[: w.seq.grammar.valid_prefix(w.seq.output_ids, w.cand)]
+            if w.forcing and w.cand:  # (before any proposal, jump forward took the forced tokens)
+                certain.propose_after_forced(drafter, w)
+            w.drafted[0] = certain.own_count(w, len(w.cand))
         dt = self.clock() - t0
         self._ftime[name] = self._ftime.get(name, 0.0) + dt
         self._fsum += dt
         self._forwards.append(ForwardRecord(model=name, rows=len(work), new_tokens=max(w.k for w in work),
                                             context_len=sum(w.start for w in work) // len(work), seconds=dt))
-        for w, toks, m in zip(work, tokens.tolist(), lengths.tolist()):
-            w.cand = toks[: min(m, w.cap)]
-            if w.seq.grammar is not None:  # only what the grammar allows goes up the chain
-                w.cand = w.cand[: w.seq.grammar.valid_prefix(w.seq.output_ids, w.cand)]
-            w.drafted[0] = len(w.cand)
 
     def _draft_steps(self, name: str, work: list[RowWork], first: list[int], first_logits: torch.Tensor,
                      sampling: SamplingTensors) -> None:
@@ -281,28 +292,39 @@ class ChainExecutor:
         rows still drafting."""
         for w, t, x in zip(work, first, first_logits):
             w.cand, w.cand_logits = [t], [x.clone()] if self.measures_tv(w) else None
-        active = [w for w in work if w.k > 1]
-        i = 1
+            if w.forcing:  # the tokens the grammar forces after it: certain, no draft step
+                certain.extend(w)
+        more = lambda w: certain.own_count(w, len(w.cand)) < w.k and len(w.cand) < w.cap  # noqa: E731
+        active = [w for w in work if more(w)]
         while active:
             step = self.draft_step_started()
             feeds = []
-            for w in active:  # feed the last draft token (the last one is never fed)
+            for w in active:  # feed what is not fed yet: the last draft token and the forced ones after it
                 st = self.state.state(w.seq.seq_id, name)
-                feeds.append((st.slot, st.cache_len + len(st.speculative), w.cand[-1]))
-                st.speculative.append(w.cand[-1])
-            batch = ForwardBatch.build([f[0] for f in feeds], [f[1] for f in feeds], [[f[2]] for f in feeds],
-                                       [[0]] * len(feeds))
-            logits = self._timed_forward(name, batch, len(active), 1)  # (B', 1, V)
-            tokens = self._choose(logits, active, sampling, offset=i)[:, 0].tolist()
+                new = w.cand[len(st.speculative):]
+                feeds.append((st.slot, st.cache_len + len(st.speculative), new))
+                st.speculative.extend(new)
+            batch = ForwardBatch.build([f[0] for f in feeds], [f[1] for f in feeds], [f[2] for f in feeds],
+                                       [[len(f[2]) - 1] for f in feeds])
+            width = batch.tokens.shape[1]
+            if self.runners[name].packs_ragged:
+                width = sum(batch.num_tokens_list) / len(active)
+            logits = self._timed_forward(name, batch, len(active), width)  # (B', 1, V)
+            at = [len(w.cand) for w in active]  # each row's next draft position (the step without forced tokens)
+            tokens = self._sample(self._process(logits, active, at), active, sampling,
+                                  offsets=[[o] for o in at])[:, 0].tolist()
             for w, t, x in zip(active, tokens, logits[:, 0]):
-                w.cand.append(t)
-                if w.cand_logits is not None and len(w.cand_logits) < self.tv_positions:
+                # a level's logits are kept for the candidates before the first forced one
+                if (w.cand_logits is not None and len(w.cand_logits) < self.tv_positions
+                        and len(w.cand_logits) == len(w.cand)):
                     w.cand_logits.append(x.clone())
-            i += 1
-            active = [w for w in active if w.k > i]
+                w.cand.append(t)
+                if w.forcing:
+                    certain.extend(w)
+            active = [w for w in active if more(w)]
             self.draft_step_done(step)
         for w in work:
-            w.drafted[0] = len(w.cand)
+            w.drafted[0] = certain.own_count(w, len(w.cand))
             if w.seq.params.greedy:
                 w.proposal = list(w.cand)
 
@@ -386,9 +408,17 @@ class ChainExecutor:
         for w_i, (w, toks, m, a) in enumerate(zip(work, res.tokens.tolist(), res.lengths.tolist(),
                                                   res.num_accepted.tolist())):
             j = w.level(name)
-            w.drafted[j], w.accepted[j] = len(w.cand), a
+            if w.forced:
+                certain.count(self.certain_counts, w, a)
+            # the router's evidence: the drafters' own candidates (certain ones are no trial)
+            w.drafted[j], w.accepted[j] = certain.own_count(w, len(w.cand)), certain.own_count(w, a)
+            if j == len(w.chain) - 1:
+                w.certain = a - w.accepted[j]
+            certain.keep_prefix(w, a)
             out = toks[:m]
             w.cand = out if j == len(w.chain) - 1 else out[: w.cap]  # the target's output is committed
+            if w.forcing and j < len(w.chain) - 1:  # the next level's bonus falls after the forced tokens
+                certain.extend(w)
             w.cand_logits = (list(logits[w_i, : min(len(w.cand), self.tv_positions)].clone())
                              if j < len(w.chain) - 1 and self.measures_tv(w) else None)
 
@@ -422,10 +452,10 @@ class ChainExecutor:
         w.cand[: offset + g] (the draft path: the same at every level)."""
         return self._sample(self._process(logits, work, offset), work, sampling, offset, offsets)
 
-    def _process(self, logits: torch.Tensor, work: list[RowWork], offset: int = 0) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, work: list[RowWork], offset: int | list[int] = 0) -> torch.Tensor:
         """`logits` (B, G, V) after the rows' logits processors (processors.py; itself when no
         row has any), the history at position g being the committed tokens plus
-        w.cand[: offset + g]. Its seconds and rows are the step's `processor_seconds` / `_rows`
+        w.cand[: offset + g] (`offset`: one for every row, or one per row). Its seconds and rows are the step's `processor_seconds` / `_rows`
         (the router charges them per row-forward)."""
         rows = sum(1 for w in work if w.seq.params.has_processors)
         if not rows:
@@ -434,10 +464,11 @@ class ChainExecutor:
         for w in work:
             if w.seq.params.has_processors and w.seq.penalty_memo is None:
                 w.seq.penalty_memo = PenaltyMemo()
+        offsets = offset if isinstance(offset, list) else [offset] * len(work)
         out = process_rows(logits.cpu(), [  # penalties etc. run on host tensors
-            RowHistory(w.seq.params, w.seq.tokens, w.seq.prompt_len, w.seq.stop_ids, w.cand, offset,
+            RowHistory(w.seq.params, w.seq.tokens, w.seq.prompt_len, w.seq.stop_ids, w.cand, o,
                        w.seq.grammar, w.seq.penalty_memo)
-            for w in work]).to(logits.device)
+            for w, o in zip(work, offsets)]).to(logits.device)
         self._proc_seconds += self.clock() - t0
         self._proc_rows += rows
         return out
@@ -595,9 +626,12 @@ class ChainExecutor:
                 seq.prompt_logprobs = w.prompt_logprobs
             self.state.commit(seq.seq_id, seq.tokens, w.start)
             seq.stats.observe_cycle(w.chain, w.drafted, w.accepted, len(seq.tokens) - w.start)
+            certain_kept = min(w.certain, kept)
+            seq.stats.certain += certain_kept
             outcomes.append(RowOutcome(seq_id=seq.seq_id, chain=w.chain, k=w.k, drafted=list(w.drafted),
                                        accepted=list(w.accepted), greedy=seq.params.greedy,
-                                       context_len=w.start, tv=list(w.tv) if self.measure_tv else None))
+                                       context_len=w.start, tv=list(w.tv) if self.measure_tv else None,
+                                       certain=certain_kept))
             proposals.append(w.proposal or [])
             groups.setdefault(w.chain, []).append((w, len(w.cand)))
         wall = self.clock() - t_start

@@ -17,9 +17,11 @@ later positions unmasked: they follow a rejected candidate, so what is sampled t
 committed. `valid_prefix` cuts such drafts before they are verified.
 
 Forced tokens (`forced_tokens`): while the mask allows exactly one token, the target's masked
-distribution is one-hot there, so greedy and sampled decoding both produce it: the engine
-commits those tokens without any forward ("jump forward"); every model is fed them as
-pending tokens at its next forward.
+distribution is one-hot there, so greedy and sampled decoding both produce it. After the
+committed tokens the engine commits them without any forward ("jump forward"; every model is
+fed them as pending tokens at its next forward); after a draft path the executor puts them into
+the draft as certain candidates (decoding/executor.py: no model proposes them, the drafter
+continues after them, and every level accepts them: its masked distribution is one-hot there).
 """
 
 from __future__ import annotations
@@ -179,23 +181,45 @@ class RowGrammar:
         self.masks_computed += G
         return unpack_bitmask(bits, self.vocab)  # (G, V)
 
-    def valid_prefix(self, generated: list[int], tokens: list[int]) -> int:
-        """How many leading `tokens` the grammar accepts after `generated` (a stop token counts
-        when the grammar may end there)."""
+    def _advance(self, path) -> tuple[int, bool]:
+        """Consume `path` after the committed tokens, each token validated first (a refused one
+        would leave the matcher in its error state, which no rollback clears): (tokens
+        consumed, to roll back; whether the whole path was)."""
+        m = self.matcher
+        for i, t in enumerate(path):
+            if m.is_error() or t in self.stop_ids or m.validate_tokens([t]) != 1:
+                return i, False
+            m.consume_token(t)
+        return len(path), not m.is_error()
+
+    def valid_prefix(self, generated: list[int], tokens: list[int], path: list[int] | tuple = ()) -> int:
+        """How many leading `tokens` the grammar accepts after `generated` + `path` (a draft
+        path: none when it leaves the grammar; a stop token counts when the grammar may end
+        there)."""
         self.sync(generated)
         if self.matcher.is_error():
             return 0
-        return self.matcher.validate_tokens(list(tokens))
+        steps, ok = self._advance(path)
+        n = self.matcher.validate_tokens(list(tokens)) if ok else 0
+        if steps:
+            self.matcher.rollback(steps)
+        return n
 
-    def forced_tokens(self, generated: list[int], limit: int) -> list[int]:
-        """Up to `limit` tokens the grammar forces after `generated`: at each, the mask allows
-        exactly one token and it is not a stop token (a stop token is left to the model: it
-        ends the row, min_tokens may mask it)."""
+    def forced_tokens(self, generated: list[int], limit: int, path: list[int] | tuple = ()) -> list[int]:
+        """Up to `limit` tokens the grammar forces after `generated` + `path` (a draft path:
+        none when it holds a refused or stop token): at each, the mask allows exactly one token
+        and it is not a stop token (a stop token is left to the model: it ends the row,
+        min_tokens may mask it)."""
         import llguidance.torch as lt
+        import time
 
+        t0 = time.perf_counter()
         self.sync(generated)
         m = self.matcher
         out: list[int] = []
+        steps, ok = self._advance(path)
+        if not ok:
+            limit = 0  # the path leaves the grammar: nothing is forced after it
         bits = torch.empty((1, self._words), dtype=torch.int32)
         while len(out) < limit and not m.is_error() and not m.is_stopped():
             lt.fill_next_token_bitmask(m, bits, 0)
@@ -210,6 +234,7 @@ class RowGrammar:
             if t >= self.vocab or t in self.stop_ids or not m.consume_token(t):
                 break
             out.append(t)
-        if out:
-            m.rollback(len(out))
+        if out or steps:
+            m.rollback(len(out) + steps)
+        self.mask_seconds += time.perf_counter() - t0
         return out

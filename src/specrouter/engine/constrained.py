@@ -37,6 +37,16 @@ def attach(pool: Pool, seq: Sequence) -> None:
         seq.grammar = RowGrammar(spec, pool.tokenizer, tuple(pool.eos_ids), pool.vocab_width, seq.stop_ids)
 
 
+def certain_rate(seq: Sequence) -> float:
+    """Grammar-forced tokens (jump forward and certain drafts) per token a model chose, over the
+    row's output so far: what the router's cost model widens its verifying forwards by
+    (RowContext.certain_rate; 0 for a row without grammar)."""
+    if seq.grammar is None:
+        return 0.0
+    forced = seq.stats.certain + seq.stats.jumped
+    return forced / max(1, seq.num_generated - forced)
+
+
 def before_step(rows: list[Sequence], eos_ids: tuple[int, ...], jump_forward: bool = True) -> None:
     """Steps 1-3 of the module docstring for the constrained `rows` (others untouched); a row
     that ends is marked done (the engine collects it)."""
@@ -61,7 +71,7 @@ def before_step(rows: list[Sequence], eos_ids: tuple[int, ...], jump_forward: bo
         if seq.remaining > 1:
             forced = g.forced_tokens(generated, seq.remaining - 1)  # leave >= 1 for the cycle
             if forced:
-                seq.append(forced)
+                seq.stats.jumped += seq.append(forced)
                 generated = seq.output_ids
                 g.sync(generated)
         if g.finished and not (seq.stop_ids & eos):  # complete after the forced tokens

@@ -150,7 +150,18 @@ class Engine:
         self.on_cycle: Callable[[CycleStats], None] | None = None
         self.failed_models: set[str] = set()  # taken out of every chain (faults.py)
         self.on_model_failure: Callable[[ModelFailure], None] | None = None
-        self.jump_forward = True  # commit grammar-forced tokens without a forward (constrained.py)
+        self._jump_forward = True
+
+    @property
+    def jump_forward(self) -> bool:
+        """Grammar-forced tokens are committed without a forward (constrained.py) and join the
+        drafts as certain candidates (decoding/certain_drafts.py; `executor.certain_drafts`
+        alone turns that part off). False: plain constrained decoding, for comparisons."""
+        return self._jump_forward
+
+    @jump_forward.setter
+    def jump_forward(self, on: bool) -> None:
+        self._jump_forward = self.executor.certain_drafts = bool(on)
 
     # -- requests ---------------------------------------------------------------------------
     def context_limit(self, chain: tuple[str, ...]) -> int:
@@ -343,7 +354,8 @@ class Engine:
         pinned = [p for p in plans if p is not None]
         contexts = [RowContext(rows[i].seq_id, len(rows[i].tokens), batch_size=len(rows),
                                greedy=rows[i].params.greedy, remaining=rows[i].remaining,
-                               processors=rows[i].params.has_processors) for i in free]
+                               processors=rows[i].params.has_processors,
+                               certain_rate=constrained.certain_rate(rows[i])) for i in free]
         batch = self.router.plan_batch(contexts, pinned)
         for i, d in zip(free, batch.decisions):
             plans[i] = (d.chain, d.k)

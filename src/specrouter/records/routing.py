@@ -23,6 +23,8 @@ class RowContext:
     greedy: bool = True  # temperature 0
     remaining: int | None = None  # tokens it may still generate (k <= remaining - 1); None: no cap
     processors: bool = False  # some logits processor is on: each forward it takes part in costs the router's "processor" seconds more
+    certain_rate: float = 0.0  # grammar-forced tokens per token a model chose, so far (a constrained
+    #                            row: they ride in its drafts as certain ones, cost_model.with_certain)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ class RowOutcome:
     context_len: int = 0  # tokens in the row before the cycle (L of its forwards)
     tv: Sequence[float] | None = None  # per level j >= 1: mean D_TV (level j-1 vs j) at its first
     #                                     candidates (RouterProtocol.tv_positions); NaN: none; None: not measured
+    certain: int = 0  # grammar-forced candidates the target committed (decoding/certain_drafts.py):
+    #                   not in `drafted` / `accepted`, which count the drafters' own candidates
 
 
 @dataclass(frozen=True)

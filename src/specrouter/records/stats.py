@@ -42,6 +42,8 @@ class RequestStats:
     wall_time: float = 0.0  # seconds from the first cycle to completion
     cached_tokens: int = 0  # prompt tokens the target took from the prefix cache (not recomputed)
     first_token_time: float = 0.0  # seconds from add_request to the first committed token (TTFT)
+    certain: int = 0  # tokens committed as grammar-forced drafts inside a cycle (certain_drafts.py)
+    jumped: int = 0  # tokens committed by jump forward, without a forward (engine/constrained.py)
 
     def observe_cycle(self, chain: tuple[str, ...], drafted: list[int], accepted: list[int],
                       committed: int) -> None:

@@ -249,6 +249,27 @@ def _cycle_by_k(
 # public API
 
 
+def with_certain(cost_rows: Mapping[str, np.ndarray], rate: float) -> dict[str, np.ndarray]:
+    """Cost rows T_M(t) (arrays indexed by t) of a row whose grammar forces `rate` tokens per
+    token a model chooses (decoding/certain_drafts.py): they join the candidates as certain
+    drafts, accepted with probability 1 at every level, so a forward that verifies n own
+    candidates runs over 1 + n (1 + rate) positions: T'_M(t) = T_M(1 + round((t - 1)(1 + rate))),
+    the row's last entry past its end. A certain token is no acceptance trial (the alphas stay
+    the drafters' own). The tokens they add are not counted: the rate multiplies every chain's
+    committed tokens alike, plain decoding's included (jump forward commits the ones after its
+    token), so no decision and no break-even acceptance changes with it."""
+    if not rate > 0.0:
+        return dict(cost_rows)
+    out = {}
+    for m, row in cost_rows.items():
+        row = np.asarray(row, dtype=np.float64)
+        t = np.arange(len(row))
+        wide = np.minimum(1 + np.rint((t - 1) * (1.0 + rate)).astype(np.int64), len(row) - 1)
+        wide[0] = 0
+        out[m] = row[wide]
+    return out
+
+
 def leviathan_expected_tokens(alpha: float, k: int) -> float:
     """Closed form for a 2-level chain (Leviathan et al., 2023): E[committed] =
     (1 - alpha^(k+1)) / (1 - alpha), and k + 1 when alpha = 1."""

@@ -125,9 +125,14 @@ def material_change(live: Published, published: Published, config: RouterConfig)
 
 
 def decision_key(batch_size: int, context_bucket: int, mode: str, k_cap: int, chain: Chain | None,
-                 version: int, request_version: int) -> tuple:
+                 version: int, request_version: int, certain: float = 0.0) -> tuple:
     """What step 1 depends on (module docstring): equal keys, equal PlanTables."""
-    return (batch_size, context_bucket, mode, k_cap, chain, version, request_version)
+    return (batch_size, context_bucket, mode, k_cap, chain, version, request_version, certain)
+
+
+def certain_bucket(rate: float) -> float:
+    """A row's certain-draft rate (RowContext.certain_rate) as planned: quarters, at most 4."""
+    return min(round(rate * 4) / 4, 4.0) if rate > 0.0 else 0.0
 
 
 class EvidenceBoard:

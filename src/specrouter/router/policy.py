@@ -76,8 +76,9 @@ from specrouter.router.cost_model import (
     break_even_confidence,
     enumerate_chains,
     processor_costs,
+    with_certain,
 )
-from specrouter.router.evidence import CachedPlans, CacheStats, EvidenceBoard, decision_key
+from specrouter.router.evidence import CachedPlans, CacheStats, EvidenceBoard, certain_bucket, decision_key
 from specrouter.router.probing import Prober
 from specrouter.router.profile import CostProfile
 from specrouter.records.routing import (  # noqa: F401  (re-exported: the router's public boundary)
@@ -311,6 +312,9 @@ class Router:
         costs: dict[str, object] = dict(rows)
         if row.processors and published.times["processor"] > 0.0:
             costs.update(processor_costs(rows, published.times["processor"], self.model_free))
+        rate = certain_bucket(row.certain_rate)
+        if rate:  # grammar-forced certain drafts widen the verifying forwards (cost_model.with_certain)
+            costs.update(with_certain({m: costs[m] for m in rows if m not in self.model_free}, rate))
         for d in self.model_free:
             costs[d] = ModelFreeDraft(cost=rows[d], hit_rate=evidence.hits[d])
         return costs, dict(evidence.alphas), published.times["router"] * max(row.batch_size, 1)
@@ -371,7 +375,8 @@ class Router:
         version = self.board.current().version
         self.board.request_evidence(req, mode)  # published for this key (the log and note_alpha read it)
         key = decision_key(max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
-                           mode, k_cap, req.plan[0] if req.plan is not None else None, version, req.version)
+                           mode, k_cap, req.plan[0] if req.plan is not None else None, version, req.version,
+                           certain_bucket(row.certain_rate))
         plans = req.cached
         if cfg.decision_cache and plans is not None and plans.key == key:
             self.cache_stats.hits += 1

@@ -1,0 +1,103 @@
+"""Grammar-forced tokens as certain drafts (issue 30 item 2; decoding/grammar.py).
+
+Where a constrained row's grammar allows exactly one token after a draft path, every level's
+masked distribution is one-hot there (the mask is applied at every level along the same path),
+so every level accepts that token, greedy or sampled: it is a draft whose acceptance is
+certain. The executor appends such tokens to a row's candidates without any model proposing
+them, and drafting continues after them:
+- a model-free drafter's proposal (cut at its first token the grammar refuses) is followed by
+  the forced tokens, then the drafter is asked again after them (up to FREE_ROUNDS times) for
+  what remains of its k;
+- a model drafter's token is followed by the forced tokens; its next one-token step feeds them
+  together with that token (one forward: no draft step is spent on a forced token), so a draft
+  of k tokens of its own can span several JSON values;
+- a verifier below the target passes up its accepted tokens, its recovered/bonus token and the
+  tokens forced after it, so the target's bonus token falls after them (where the model
+  chooses) rather than on a forced token.
+The draft length k counts the drafter's own tokens; the forced ones ride free, up to the row's
+cap (remaining - 1 and the context). The router's evidence counts own tokens only
+(`own_counts`): a forced token is neither a trial of a drafter's acceptance nor of its hit
+rate; `RowOutcome.certain` reports how many the target committed, and the router's cost model
+counts them with acceptance 1 (router/cost_model.py `with_certain`).
+
+Exact by construction: a certain candidate is verified like any other (the target's own token
+there is the forced token, so it is accepted); what it changes is how much a cycle commits.
+`ChainExecutor.certain_drafts = False` turns it off (Engine.jump_forward sets it too);
+`ChainExecutor.certain_counts` totals what the verifying levels did with certain candidates.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+FREE_ROUNDS = 2  # a model-free drafter is asked again after forced tokens at most this often
+
+
+def forcing(seq) -> bool:
+    """Whether a row's candidates are extended by its grammar's forced tokens: a constrained row
+    without allowed_token_ids (whose own mask could refuse the forced token)."""
+    return seq.grammar is not None and seq.params.allowed_token_ids is None
+
+
+def extend(w) -> int:
+    """Append the tokens the grammar forces after `w.cand` (up to the row's cap) to `w.cand`,
+    recording their positions in `w.forced`; returns how many."""
+    room = w.cap - len(w.cand)
+    if room <= 0:
+        return 0
+    forced = w.seq.grammar.forced_tokens(w.seq.output_ids, room, w.cand)
+    if forced:
+        w.forced.extend(range(len(w.cand), len(w.cand) + len(forced)))
+        w.cand.extend(forced)
+    return len(forced)
+
+
+def propose_after_forced(drafter, w) -> None:
+    """A model-free draft (`w.cand`) followed by the tokens its grammar forces, and the drafter
+    asked again after them for what remains of k, FREE_ROUNDS times at most."""
+    sized = drafter.sized_by_confidence and w.min_confidence
+    for r in range(FREE_ROUNDS + 1):
+        if not extend(w) or r == FREE_ROUNDS:
+            return
+        own = own_count(w, len(w.cand))
+        if own >= w.k or len(w.cand) >= w.cap:
+            return
+        tokens, lengths = drafter.propose([w.seq.tokens + w.cand], [min(w.k - own, w.cap - len(w.cand))],
+                                          [w.seq.tenant], **({"min_confidence": [w.min_confidence]} if sized else {}))
+        more = tokens[0, : int(lengths[0])].tolist()
+        more = more[: w.seq.grammar.valid_prefix(w.seq.output_ids, more, w.cand)]
+        if not more:
+            return
+        w.cand.extend(more)
+
+
+def own_count(w, n: int) -> int:
+    """Tokens of the first `n` candidate positions that some drafter proposed (not forced)."""
+    return n - bisect_left(w.forced, n)
+
+
+@dataclass
+class CertainCounts:
+    """What happened to certain candidates at the levels that verified them (the executor's
+    running totals: `ChainExecutor.certain_counts`). `rejected` counts a level's first rejection
+    falling on a certain candidate: never, when they are what the grammar forces there."""
+
+    offered: int = 0  # certain candidates that reached a verifying level
+    accepted: int = 0  # ... that it accepted
+    rejected: int = 0  # levels whose first rejection was a certain candidate
+
+
+def count(c: CertainCounts, w, a: int) -> None:
+    """A level verified `w.cand` (certain positions `w.forced`) and accepted its first `a`."""
+    n = len(w.cand)
+    offered = n - own_count(w, n)
+    if offered:
+        c.offered += offered
+        c.accepted += a - own_count(w, a)
+        c.rejected += a < n and own_count(w, a + 1) == own_count(w, a)  # position a is certain
+
+
+def keep_prefix(w, n: int) -> None:
+    """A level kept the first `n` candidates (accepted): forced positions past them are gone."""
+    del w.forced[bisect_left(w.forced, n):]
