@@ -48,21 +48,48 @@ def test_host_time_per_tree_depth_is_measured_and_priced():
         p._evidence("draft", True).observe((0, 0, 0, 0, 1))
     assert p.shape("draft", True, 3, 100)[0] > 0
 
-    def step(trees, k, wall, forwards):
-        outcome = SimpleNamespace(seq_id=1, chain=("draft", "target"), k=k)
-        return SimpleNamespace(outcomes=[outcome], trees=trees, wall_time=wall, forward_time={"target": forwards})
-
     row = SimpleNamespace(seq_id=1, params=SimpleNamespace(greedy=True))
     for _ in range(100):
-        p.observe(step([], 4, 1.2, 1.0), [row])
-        p.observe(step([SimpleNamespace(seq_id=1, ranks=())], 4, 5.0, 1.0), [row])
+        p.observe(_step([], 4, 1.2, 1.0), [row])
+        p.observe(_step([_tree(3, (0, 0, 0, 0, 1))], 4, 5.0, 1.0), [row])
     assert abs(p.host["chain"] - 0.05) < 1e-3 and abs(p.host["tree"] - 1.0) < 1e-3
     assert p.shape("draft", True, 3, 100) == (0, 1, 3)
 
 
+def _step(trees, k, wall=1.0, forwards=0.9, accepted=2):
+    outcome = SimpleNamespace(seq_id=1, chain=("draft", "target"), k=k, drafted=[k, k], accepted=[0, accepted])
+    return SimpleNamespace(outcomes=[outcome], trees=trees, wall_time=wall, forward_time={"target": forwards})
+
+
+def _tree(accepted, ranks):
+    return SimpleNamespace(seq_id=1, accepted=accepted, ranks=ranks)
+
+
+def test_trees_that_commit_less_than_expected_are_dropped():
+    """The expected tokens are calibrated by what cycles commit: trees that commit one token
+    a cycle whatever the evidence says are no longer chosen; chains' rejections count as rank
+    evidence too (the first child missed)."""
+    p = _policy(0.01)
+    seq = SimpleNamespace(seq_id=1, params=SimpleNamespace(greedy=True), tokens=[1] * 10)
+    for _ in range(300):
+        p._evidence("draft", True).observe((0, 0, 0, 0, 1))
+    assert p.shapes([seq], [(("draft", "target"), 3)])[0][0] > 0
+    for _ in range(200):
+        shape = p.shapes([seq], [(("draft", "target"), 3)])[0]
+        if not shape[0]:
+            break
+        p.observe(_step([_tree(0, (0, 0, 0, 0, 1))], shape[2]), [seq])
+    assert p.shapes([seq], [(("draft", "target"), 3)])[0][0] == 0 and p._calibration("tree") < 0.7
+    ev = p._evidence("draft", True)
+    before = ev.rates(1)[0]
+    for _ in range(50):
+        p.observe(_step([], 3, accepted=1), [seq])  # depth 0 accepted, depth 1 rejected
+    assert ev.rates(1)[0] < before / 2 and ev.rates(0)[0] > 0.9
+
+
 def test_only_model_drafters_of_two_level_chains_in_a_single_stream():
     p = _policy(0.01)
-    seq = SimpleNamespace(params=SimpleNamespace(greedy=True), tokens=[1] * 10)
+    seq = SimpleNamespace(seq_id=1, params=SimpleNamespace(greedy=True), tokens=[1] * 10)
     assert p.shapes([seq], [(("draft", "target"), 3)]) is not None
     assert p.shapes([seq], [(("ngram", "target"), 3)]) is None
     assert p.shapes([seq], [(("draft", "mid", "target"), 3)]) is None

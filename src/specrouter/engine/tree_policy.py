@@ -33,6 +33,7 @@ from specrouter.decoding.executor import StepResult
 MAX_NODES = 15  # a verification of n <= 16 new tokens (the profile's largest swept n)
 MAX_DEPTH = 8
 DEPTH_BUCKETS = 4  # evidence per depth 0, 1, 2, 3 and deeper
+UNKNOWN = -2  # a rank evidence entry: not the drafter's first child, which one unknown
 
 
 @dataclass
@@ -54,13 +55,24 @@ class RankEvidence:
             self.totals = [0.0] * DEPTH_BUCKETS
 
     def observe(self, ranks: tuple[int, ...]) -> None:
-        """`ranks[d]`: the rank of the target's token among the children at depth d (-1: none)."""
+        """`ranks[d]`: the rank of the target's token among the children at depth d (-1: none;
+        UNKNOWN: not rank 0, which one unknown (a chain's rejection): shared among the other
+        ranks and none as the current rates at that depth share them)."""
         for d, r in enumerate(ranks):
             b = min(d, DEPTH_BUCKETS - 1)
+            share = None
+            if r == UNKNOWN:
+                p = self.rates(d)
+                rest = [*p[1:], max(0.0, 1.0 - sum(p))]
+                share = [x / sum(rest) for x in rest] if sum(rest) > 0 else [0.0] * (self.width - 1) + [1.0]
             self.counts = [[c * self.decay for c in row] for row in self.counts]
             self.totals = [t * self.decay for t in self.totals]
             self.totals[b] += 1
-            self.counts[b][r if 0 <= r < self.width else self.width] += 1
+            if share is not None:
+                for i, x in enumerate(share, start=1):
+                    self.counts[b][i] += x
+            else:
+                self.counts[b][r if 0 <= r < self.width else self.width] += 1
 
     def rates(self, depth: int | None = None) -> list[float]:
         """p_r, r = 0..width-1: the probability the target's token is the drafter's rank-r child
@@ -96,7 +108,7 @@ class TreePolicy:
     """Chooses (budget, width, depth) per row each step; learns from the steps it sees."""
 
     def __init__(self, target_cost: Callable[[int, int], float], draft_cost: Callable[[str, int, int], float],
-                 drafters: frozenset[str], *, widths: tuple[int, ...] = (2, 3, 4), margin: float = 0.03,
+                 drafters: frozenset[str], *, widths: tuple[int, ...] = (2, 3, 4), margin: float = 0.05,
                  max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH, refresh: int = 8):
         self.target_cost = target_cost  # (n new tokens, context L) -> seconds of one row's target forward
         self.draft_cost = draft_cost  # (drafter, n new tokens, context L) -> seconds of one drafter forward
@@ -106,6 +118,10 @@ class TreePolicy:
         # host seconds per draft depth (a step's wall time minus its forwards, over its depths),
         # EMA: chain steps and tree steps (a tree's Python per depth is more); priors until seen
         self.host = {"chain": 3e-4, "tree": 6e-4}
+        # (expected, committed) tokens per cycle, decayed sums, chains and trees apart: the
+        # calibration of the expected tokens; the step in flight's (seq_id, kind, expected)
+        self.realized = {"chain": (0.0, 0.0), "tree": (0.0, 0.0)}
+        self._expected: tuple[int, str, float] | None = None
         self.refresh = refresh  # steps a decision is reused for (the same drafter, mode, k, context)
         self._cache: dict[tuple, tuple[int, tuple[int, int, int]]] = {}
         self._steps = 0
@@ -120,17 +136,28 @@ class TreePolicy:
     def shape(self, drafter: str, greedy: bool, k: int, context: int) -> tuple[int, int, int]:
         """(budget, width, depth) for a row the router gave `drafter` with draft length k;
         (0, 1, k) keeps the chain."""
+        return self._decide(drafter, greedy, k, context)[0]
+
+    def _calibration(self, kind: str) -> float:
+        """Tokens committed over tokens predicted by `expected_tokens`, for chains or trees
+        (decayed sums, a prior of 1 worth a few cycles): the iid model's bias, measured."""
+        predicted, committed = self.realized[kind]
+        return (committed + 10.0) / (predicted + 10.0)
+
+    def _decide(self, drafter: str, greedy: bool, k: int, context: int) -> tuple[tuple[int, int, int], float]:
+        """The shape and the tokens per cycle `expected_tokens` gives it (uncalibrated)."""
         if k < 1:
-            return 0, 1, k
-        ev = self._evidence(drafter, greedy)
-        rates = ev.rates
+            return (0, 1, k), 1.0
+        rates = self._evidence(drafter, greedy).rates
         t_target = [0.0] + [self.target_cost(n, context) for n in range(1, self.max_nodes + 2)]
         t_draft = {n: self.draft_cost(drafter, n, context) for n in {1, 2, *(w * d for w in self.widths
                                                                           for d in range(1, self.max_depth))}}
-
         chain_k = min(k, self.max_nodes)
-        chain = (chain_k * (t_draft[1] + self.host["chain"]) + t_target[chain_k + 1]) / expected_tokens(rates, chain_k, chain_k, 1)
-        best, best_t = (0, 1, k), chain * (1 - self.margin)
+        chain_e = expected_tokens(rates, chain_k, chain_k, 1)
+        chain_t = ((chain_k * (t_draft[1] + self.host["chain"]) + t_target[chain_k + 1])
+                   / (chain_e * self._calibration("chain")))
+        best, best_e, best_t = (0, 1, k), chain_e, chain_t * (1 - self.margin)
+        c_tree = self._calibration("tree")
         for width in self.widths:
             for depth in range(2, self.max_depth + 1):
                 draft = t_draft[2] + sum(t_draft[width * d] for d in range(1, depth)) + depth * self.host["tree"]
@@ -140,10 +167,10 @@ class TreePolicy:
                     gain += values[nodes - 1]
                     if nodes <= depth:
                         continue
-                    t = (draft + t_target[nodes + 1]) / gain
+                    t = (draft + t_target[nodes + 1]) / (gain * c_tree)
                     if t < best_t:
-                        best, best_t = (nodes, width, depth), t
-        return best
+                        best, best_e, best_t = (nodes, width, depth), gain, t
+        return best, best_e
 
     def shapes(self, rows: list, plans: list[tuple[tuple[str, ...], int]]) -> list[tuple[int, int, int]] | None:
         """Per row (budget, width, depth), or None: no row gets a tree (several rows: see the
@@ -158,23 +185,40 @@ class TreePolicy:
         key = (chain[0], seq.params.greedy, k, len(seq.tokens) // 64)
         hit = self._cache.get(key)
         if hit is None or self._steps - hit[0] >= self.refresh:
-            hit = (self._steps, self.shape(chain[0], seq.params.greedy, k, len(seq.tokens)))
+            hit = (self._steps, *self._decide(chain[0], seq.params.greedy, k, len(seq.tokens)))
             self._cache[key] = hit
-        shape = hit[1]
+        _, shape, expected = hit
+        self._expected = (seq.seq_id, "tree" if shape[0] else "chain", expected)
         if shape[0]:
             self.chosen.append((k, *shape))
         return [shape]
 
     def observe(self, result: StepResult, rows: list) -> None:
+        """Learn from a step: rank evidence of its trees, and of its chains of a model drafter
+        (accepted drafts: rank 0; the first rejected: UNKNOWN); in a single stream, the host
+        time per depth and the committed tokens against the expected ones (calibration)."""
         greedy = {s.seq_id: s.params.greedy for s in rows}
-        chains = {o.seq_id: o.chain for o in result.outcomes}
-        for t in result.trees:
-            if chains[t.seq_id][0] in self.drafters:
-                self._evidence(chains[t.seq_id][0], greedy[t.seq_id]).observe(t.ranks)
-        if len(result.outcomes) == 1 and result.outcomes[0].k > 0:  # a single stream's host time per depth
-            kind = "tree" if result.trees else "chain"
-            host = max(0.0, result.wall_time - sum(result.forward_time.values()))
-            self.host[kind] = 0.9 * self.host[kind] + 0.1 * host / result.outcomes[0].k
+        trees = {t.seq_id: t for t in result.trees}
+        for o in result.outcomes:
+            if len(o.chain) != 2 or o.chain[0] not in self.drafters or o.k < 1:
+                continue
+            t = trees.get(o.seq_id)
+            if t is not None:
+                ranks = t.ranks
+            else:
+                ranks = (0,) * o.accepted[1] + ((UNKNOWN,) if o.accepted[1] < o.drafted[1] else ())
+            self._evidence(o.chain[0], greedy[o.seq_id]).observe(ranks)
+        expected, self._expected = self._expected, None
+        if len(result.outcomes) != 1 or result.outcomes[0].k < 1:
+            return
+        o = result.outcomes[0]
+        kind = "tree" if result.trees else "chain"
+        host = max(0.0, result.wall_time - sum(result.forward_time.values()))
+        self.host[kind] = 0.9 * self.host[kind] + 0.1 * host / o.k
+        if expected is not None and expected[0] == o.seq_id and expected[1] == kind and len(o.chain) == 2:
+            committed = (result.trees[0].accepted if result.trees else o.accepted[1]) + 1
+            p, c = self.realized[kind]
+            self.realized[kind] = (0.98 * p + expected[2], 0.98 * c + committed)
 
 
 class FixedTreeShape:
