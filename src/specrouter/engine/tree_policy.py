@@ -108,8 +108,8 @@ class TreePolicy:
     """Chooses (budget, width, depth) per row each step; learns from the steps it sees."""
 
     def __init__(self, target_cost: Callable[[int, int], float], draft_cost: Callable[[str, int, int], float],
-                 drafters: frozenset[str], *, widths: tuple[int, ...] = (2, 3, 4), margin: float = 0.05,
-                 max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH, refresh: int = 8):
+                 drafters: frozenset[str], *, widths: tuple[int, ...] = (2, 3, 4), margin: float = 0.10,
+                 max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH, refresh: int = 16):
         self.target_cost = target_cost  # (n new tokens, context L) -> seconds of one row's target forward
         self.draft_cost = draft_cost  # (drafter, n new tokens, context L) -> seconds of one drafter forward
         self.drafters = drafters  # the model drafters that grow trees (not heads, not model-free)
