@@ -52,6 +52,19 @@ def test_tree_rows_generate_plain_decodings_tokens(pool, dtype, temperature):
     assert mixed == plain[:2]
 
 
+def test_a_tree_depth_other_than_k(pool):
+    """The policy may grow a tree deeper or shallower than the router's k: the drafter runs that
+    many depths, the output is unchanged."""
+    prompts = repeating_prompts(PROMPT_LENS[:3])
+    sr = named_router(pool, ("target", "draft"), "float32", ngram=False, suffix=False, adaptive=False)
+    plain = _gen(sr, prompts, chain=["target"])
+    for depth, k in ((2, 5), (6, 2)):
+        sr.engine.tree_policy = fixed = FixedTreeShape(9, 3, depth=depth)
+        assert _gen(sr, prompts, chain=["draft", "target"], k=k) == plain
+        assert fixed.outcomes and max(len(o.ranks) for o in fixed.outcomes) <= depth
+        assert max(o.main for o in fixed.outcomes) <= depth and max(o.accepted for o in fixed.outcomes) <= depth
+
+
 def test_a_pruning_level_keeps_the_chain(pool):
     """Trees are verified by the target straight above a model draft; a chain with a middle
     level (which would prune the tree) keeps its chain: no tree is verified, output unchanged."""

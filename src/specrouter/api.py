@@ -71,7 +71,7 @@ class SpecRouter:
             profile, target = router.profile, pool.target
             drafters = frozenset(m for m in pool.runners if m != target and m not in pool.heads)
             self.engine.tree_policy = TreePolicy(lambda n, L: profile.predict(target, 1, n, L),
-                                                 lambda d, L: profile.predict(d, 1, 1, L), drafters)
+                                                 lambda d, n, L: profile.predict(d, 1, n, L), drafters)
 
     @classmethod
     def from_config(cls, config: SpecRouterConfig, *, progress: bool = False) -> "SpecRouter":

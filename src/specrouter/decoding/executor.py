@@ -180,9 +180,10 @@ class ChainExecutor:
         """One cycle for every row, row b running `plans[b] = (chain, k)`; commits >= 1 token
         per row. Rows' random numbers come from `seq.seed_key` and positions only.
         `min_confidence[b]`: where a confidence-sized drafter drafting for row b stops.
-        `trees[b] = (budget, width)`: row b verifies a token tree of up to `budget` nodes, its
-        model drafter's main path and up to `width - 1` alternatives per depth (a budget <= k:
-        its chain); only where the tree can run (`_tree_ok`)."""
+        `trees[b] = (budget, width[, depth])`: row b's model drafter grows a token tree `depth`
+        deep (default: its k), `width` nodes expanded per depth into `width` children each,
+        and the target verifies its best `budget` nodes (a budget <= depth: the chain); only
+        where the tree can run (`_tree_ok`)."""
         t_start = self.clock()
         self._forwards: list[ForwardRecord] = []
         self._ftime: dict[str, float] = {}
@@ -195,9 +196,11 @@ class ChainExecutor:
         for w, floor in zip(work, min_confidence or ()):
             w.min_confidence = floor
         heads_draft = any(w.chain[0] in self.heads and w.k > 0 for w in work)
-        for w, (budget, width) in zip(work, trees or ()):
-            if budget > w.k and width > 1 and not heads_draft and self._tree_ok(w, budget, width):
-                w.tree_budget, w.tree_width = budget, width
+        for w, shape in zip(work, trees or ()):
+            budget, width = shape[0], shape[1]
+            depth = min(shape[2], w.cap) if len(shape) > 2 and w.k > 0 else w.k
+            if budget > depth > 0 and width > 1 and not heads_draft and self._tree_ok(w, budget, width, depth):
+                w.k, w.tree_budget, w.tree_width = depth, budget, width
         for name in self._models_in_use(work):
             if name in self.drafters:
                 self._propose(name, [w for w in work if w.chain[0] == name and w.k > 0])
@@ -244,17 +247,17 @@ class ChainExecutor:
         self._steps_drafted += 1
         self._draft_host += max(self.clock() - t0 - (self._fsum + self._proc_seconds - f0), 0.0)
 
-    def _tree_ok(self, w: RowWork, budget: int, width: int) -> bool:
+    def _tree_ok(self, w: RowWork, budget: int, width: int, depth: int) -> bool:
         """A row may verify a tree: a model drafter straight below the target (no pruning
         level), both running trees, room in both caches for the nodes side by side (the
-        drafter's forwards feed up to width * (k - 1), the target's budget + 1), no
+        drafter's forwards feed up to width * (depth - 1), the target's budget + 1), no
         history-dependent processor or grammar (their history is the path: one per branch), no
         logprobs asked (they read chain positions)."""
-        if not (len(w.chain) == 2 and w.k > 0 and w.chain[0] in self.runners and w.chain[0] not in self.heads
+        if not (len(w.chain) == 2 and w.chain[0] in self.runners and w.chain[0] not in self.heads
                 and all(self.runners[m].supports_trees for m in w.chain)):
             return False
         room = min(self.runners[m].max_len for m in w.chain) - w.start
-        return (room > max(budget, width * w.k) and not w.seq.params.has_processors
+        return (room > max(budget, width * depth) and not w.seq.params.has_processors
                 and w.seq.grammar is None and w.seq.params.logprobs is None)
 
     def _models_in_use(self, work: list[RowWork]) -> list[str]:

@@ -1,20 +1,26 @@
 """The token-tree shape of each row, every step (docs/trees.md, issue 28 item 4).
 
 The router picks a row's chain and draft length k; where that chain is a model drafter
-straight below the target, this policy picks the tree the target verifies instead of the
-chain: a node budget N (N = k: the chain itself) and a width (candidates per depth), from
-- the target's measured cost of a forward of n new tokens, T(n) (the router's cost profile:
-  the start-up sweep refreshed by every timed forward; interpolated between measured n, never
-  extrapolated past the largest), and
-- per-rank acceptance evidence: at each depth the main path reached, whether the target's token
-  was the drafter's own (rank 0), its r-th alternative, or none (`TreeOutcome.ranks`).
+straight below the target, this policy picks the tree the drafter grows and the target
+verifies instead of the chain (decoding/tree_drafting.py): its depth D, width W (nodes expanded
+per depth, children per node) and node budget N, from
+- measured costs: the target's forward of n new tokens T(n) and the drafter's forward of n
+  tokens (the router's cost profile: the start-up sweep refreshed by every timed forward;
+  interpolated between measured n, never extrapolated past the largest), and the engine's host
+  time per draft depth, measured here from the steps' wall time minus their forwards (a tree's
+  drafting does more Python per depth than a chain's step);
+- per-depth, per-rank acceptance evidence: at the root and each accepted node the drafter
+  expanded, the rank of the target's token among its children (`TreeOutcome.ranks`).
 
-Expected tokens per cycle of a tree (iid per depth, Sequoia's greedy over additive values): a
-main-path node at depth d adds p0^(d+1), an alternative of rank r at depth d adds p0^d * p_r;
-the best N of these plus the target's own token. A tree is chosen only when its predicted time
-per token, (T_draft(k) + T(N + 1)) / E(N), beats the chain's by `margin`; "no speculation" stays
-the router's choice. Trees are used for a step of ONE row (single stream): under load the extra
-nodes cost every row of the batch, which this policy does not model (the batch keeps chains).
+Expected tokens per cycle of a shape (iid given depth, EAGLE-2's growth replayed on expected
+values): the root's children at depth 0 are worth p_r(0); at each depth the W best nodes are
+expanded, a child of rank r of a node worth v is worth v * p_r(d); the N best nodes plus the
+target's own token. W = 1, N = D is the chain. Time per cycle: the drafter's D forwards (the
+first over its pending tokens, the others over the frontier and its ancestors, at most W * d
+tokens), D host steps, and T(N + 1). A tree is chosen only when its time per token beats the
+chain's (the router's k) by `margin`; "no speculation" stays the router's choice. Trees are used
+for a step of ONE row (single stream): under load the extra nodes cost every row of the batch,
+which this policy does not model (the batch keeps chains).
 """
 
 from __future__ import annotations
@@ -25,62 +31,101 @@ from dataclasses import dataclass, field
 from specrouter.decoding.executor import StepResult
 
 MAX_NODES = 15  # a verification of n <= 16 new tokens (the profile's largest swept n)
+MAX_DEPTH = 8
+DEPTH_BUCKETS = 4  # evidence per depth 0, 1, 2, 3 and deeper
+UNKNOWN = -2  # a rank evidence entry: not the drafter's first child, which one unknown
 
 
 @dataclass
 class RankEvidence:
-    """Counts of the rank of the target's token at the depths a main path reached (EMA-decayed
-    so a change of regime shows), with a prior worth `prior_weight` observations."""
+    """Counts of the rank of the target's token among a drafter's children, per depth bucket
+    (EMA-decayed so a change of regime shows), each depth shrunk towards all depths' rates, and
+    those towards a prior worth `prior_weight` observations."""
 
     width: int = 4
     decay: float = 0.995
     prior_weight: float = 8.0
-    prior: tuple[float, ...] = (0.5, 0.12, 0.06, 0.04)
-    counts: list[float] = field(default_factory=list)  # per rank, and the "none" count last
-    total: float = 0.0
+    prior: tuple[float, ...] = (0.45, 0.1, 0.05, 0.04)
+    counts: list[list[float]] = field(default_factory=list)  # [depth bucket][rank], "none" last
+    totals: list[float] = field(default_factory=list)  # per depth bucket
 
     def __post_init__(self) -> None:
         if not self.counts:
-            self.counts = [0.0] * (self.width + 1)
+            self.counts = [[0.0] * (self.width + 1) for _ in range(DEPTH_BUCKETS)]
+            self.totals = [0.0] * DEPTH_BUCKETS
 
     def observe(self, ranks: tuple[int, ...]) -> None:
-        for r in ranks:
-            self.counts = [c * self.decay for c in self.counts]
-            self.total = self.total * self.decay + 1
-            self.counts[r if 0 <= r < self.width else self.width] += 1
+        """`ranks[d]`: the rank of the target's token among the children at depth d (-1: none;
+        UNKNOWN: not rank 0, which one unknown (a chain's rejection): shared among the other
+        ranks and none as the current rates at that depth share them)."""
+        for d, r in enumerate(ranks):
+            b = min(d, DEPTH_BUCKETS - 1)
+            share = None
+            if r == UNKNOWN:
+                p = self.rates(d)
+                rest = [*p[1:], max(0.0, 1.0 - sum(p))]
+                share = [x / sum(rest) for x in rest] if sum(rest) > 0 else [0.0] * (self.width - 1) + [1.0]
+            self.counts = [[c * self.decay for c in row] for row in self.counts]
+            self.totals = [t * self.decay for t in self.totals]
+            self.totals[b] += 1
+            if share is not None:
+                for i, x in enumerate(share, start=1):
+                    self.counts[b][i] += x
+            else:
+                self.counts[b][r if 0 <= r < self.width else self.width] += 1
 
-    def rates(self) -> list[float]:
-        """p_r, r = 0..width-1: the probability the target's token is the drafter's rank r."""
+    def rates(self, depth: int | None = None) -> list[float]:
+        """p_r, r = 0..width-1: the probability the target's token is the drafter's rank-r child
+        at `depth` (None: over all depths)."""
         w = self.prior_weight
-        return [(self.counts[r] + w * (self.prior[r] if r < len(self.prior) else 0.0)) / (self.total + w)
-                for r in range(self.width)]
+        every = [(sum(row[r] for row in self.counts) + w * (self.prior[r] if r < len(self.prior) else 0.0))
+                 / (sum(self.totals) + w) for r in range(self.width)]
+        if depth is None:
+            return every
+        b = min(depth, DEPTH_BUCKETS - 1)
+        return [(self.counts[b][r] + w * every[r]) / (self.totals[b] + w) for r in range(self.width)]
 
 
-def expected_tokens(rates: list[float], k: int, nodes: int, width: int) -> float:
-    """Tokens a cycle commits with the best `nodes` nodes of a main path of k and up to width - 1
-    alternatives per depth (module docstring); nodes = k: the chain's."""
-    p0 = rates[0]
-    values = []
-    for d in range(k):
-        reach = p0 ** d
-        values.append(reach * p0)
-        values += [reach * rates[r] for r in range(1, min(width, len(rates)))]
-    values.sort(reverse=True)
-    return 1.0 + sum(values[:nodes])
+def node_values(rates: Callable[[int], list[float]], depth: int, width: int) -> list[float]:
+    """Expected acceptance of every node a tree of this depth and width drafts (module
+    docstring), best first."""
+    frontier, values = [1.0], []
+    for d in range(depth):
+        p = rates(d)[:width]
+        kids = sorted((v * q for v in frontier for q in p), reverse=True)
+        values += kids
+        frontier = kids[:width]
+    return sorted(values, reverse=True)
+
+
+def expected_tokens(rates: Callable[[int], list[float]], depth: int, nodes: int, width: int) -> float:
+    """Tokens a cycle commits verifying the best `nodes` nodes of a tree of this depth and
+    width (width 1, nodes = depth: the chain)."""
+    return 1.0 + sum(node_values(rates, depth, width)[:nodes])
 
 
 class TreePolicy:
-    """Chooses (budget, width) per row each step; learns from the step's TreeOutcomes."""
+    """Chooses (budget, width, depth) per row each step; learns from the steps it sees."""
 
-    def __init__(self, target_cost: Callable[[int, int], float], draft_cost: Callable[[str, int], float],
-                 drafters: frozenset[str], *, widths: tuple[int, ...] = (2, 3, 4), margin: float = 0.03,
-                 max_nodes: int = MAX_NODES):
+    def __init__(self, target_cost: Callable[[int, int], float], draft_cost: Callable[[str, int, int], float],
+                 drafters: frozenset[str], *, widths: tuple[int, ...] = (2, 3, 4), margin: float = 0.10,
+                 max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH, refresh: int = 16):
         self.target_cost = target_cost  # (n new tokens, context L) -> seconds of one row's target forward
-        self.draft_cost = draft_cost  # (drafter, context L) -> seconds of one draft step
-        self.drafters = drafters  # the model drafters that offer alternatives (not heads, not model-free)
-        self.widths, self.margin, self.max_nodes = widths, margin, max_nodes
+        self.draft_cost = draft_cost  # (drafter, n new tokens, context L) -> seconds of one drafter forward
+        self.drafters = drafters  # the model drafters that grow trees (not heads, not model-free)
+        self.widths, self.margin, self.max_nodes, self.max_depth = widths, margin, max_nodes, max_depth
         self.evidence: dict[tuple[str, bool], RankEvidence] = {}  # (drafter, greedy)
-        self.chosen: list[tuple[int, int, int]] = []  # (k, budget, width) of the trees chosen (metrics)
+        # host seconds per draft depth (a step's wall time minus its forwards, over its depths),
+        # EMA: chain steps and tree steps (a tree's Python per depth is more); priors until seen
+        self.host = {"chain": 3e-4, "tree": 6e-4}
+        # (expected, committed) tokens per cycle, decayed sums, chains and trees apart: the
+        # calibration of the expected tokens; the step in flight's (seq_id, kind, expected)
+        self.realized = {"chain": (0.0, 0.0), "tree": (0.0, 0.0)}
+        self._expected: tuple[int, str, float] | None = None
+        self.refresh = refresh  # steps a decision is reused for (the same drafter, mode, k, context)
+        self._cache: dict[tuple, tuple[int, tuple[int, int, int]]] = {}
+        self._steps = 0
+        self.chosen: list[tuple[int, int, int, int]] = []  # (k, budget, width, depth) of the trees chosen (metrics)
 
     def _evidence(self, drafter: str, greedy: bool) -> RankEvidence:
         key = (drafter, greedy)
@@ -88,56 +133,107 @@ class TreePolicy:
             self.evidence[key] = RankEvidence(width=max(self.widths))
         return self.evidence[key]
 
-    def shape(self, drafter: str, greedy: bool, k: int, context: int) -> tuple[int, int]:
-        """(budget, width) for a row drafting k tokens with `drafter`: (0, 1) keeps the chain."""
+    def shape(self, drafter: str, greedy: bool, k: int, context: int) -> tuple[int, int, int]:
+        """(budget, width, depth) for a row the router gave `drafter` with draft length k;
+        (0, 1, k) keeps the chain."""
+        return self._decide(drafter, greedy, k, context)[0]
+
+    def _calibration(self, kind: str) -> float:
+        """Tokens committed over tokens predicted by `expected_tokens`, for chains or trees
+        (decayed sums, a prior of 1 worth a few cycles): the iid model's bias, measured."""
+        predicted, committed = self.realized[kind]
+        return (committed + 10.0) / (predicted + 10.0)
+
+    def _decide(self, drafter: str, greedy: bool, k: int, context: int) -> tuple[tuple[int, int, int], float]:
+        """The shape and the tokens per cycle `expected_tokens` gives it (uncalibrated)."""
         if k < 1:
-            return 0, 1
-        rates = self._evidence(drafter, greedy).rates()
-        draft = k * self.draft_cost(drafter, context)
-
-        def t_eff(nodes: int, width: int) -> float:
-            return (draft + self.target_cost(nodes + 1, context)) / expected_tokens(rates, k, nodes, width)
-
-        best, best_t = (0, 1), t_eff(k, 1) * (1 - self.margin)
+            return (0, 1, k), 1.0
+        rates = self._evidence(drafter, greedy).rates
+        t_target = [0.0] + [self.target_cost(n, context) for n in range(1, self.max_nodes + 2)]
+        t_draft = {n: self.draft_cost(drafter, n, context) for n in {1, 2, *(w * d for w in self.widths
+                                                                          for d in range(1, self.max_depth))}}
+        chain_k = min(k, self.max_nodes)
+        chain_e = expected_tokens(rates, chain_k, chain_k, 1)
+        chain_t = ((chain_k * (t_draft[1] + self.host["chain"]) + t_target[chain_k + 1])
+                   / (chain_e * self._calibration("chain")))
+        best, best_e, best_t = (0, 1, k), chain_e, chain_t * (1 - self.margin)
+        c_tree = self._calibration("tree")
         for width in self.widths:
-            for nodes in range(k + 1, min(k * width, self.max_nodes) + 1):
-                t = t_eff(nodes, width)
-                if t < best_t:
-                    best, best_t = (nodes, width), t
-        return best
+            for depth in range(2, self.max_depth + 1):
+                draft = t_draft[2] + sum(t_draft[width * d] for d in range(1, depth)) + depth * self.host["tree"]
+                values = node_values(rates, depth, width)
+                gain = 1.0
+                for nodes in range(1, min(len(values), self.max_nodes) + 1):
+                    gain += values[nodes - 1]
+                    if nodes <= depth:
+                        continue
+                    t = (draft + t_target[nodes + 1]) / (gain * c_tree)
+                    if t < best_t:
+                        best, best_e, best_t = (nodes, width, depth), gain, t
+        return best, best_e
 
-    def shapes(self, rows: list, plans: list[tuple[tuple[str, ...], int]]) -> list[tuple[int, int]] | None:
-        """Per row (budget, width), or None: no row gets a tree (several rows: see the docstring)."""
+    def shapes(self, rows: list, plans: list[tuple[tuple[str, ...], int]]) -> list[tuple[int, int, int]] | None:
+        """Per row (budget, width, depth), or None: no row gets a tree (several rows: see the
+        module docstring)."""
+        self._steps += 1
         if len(rows) != 1:
             return None
         (chain, k), seq = plans[0], rows[0]
         if len(chain) != 2 or chain[0] not in self.drafters:
             return None
         k = int(k)
-        shape = self.shape(chain[0], seq.params.greedy, k, len(seq.tokens))
+        key = (chain[0], seq.params.greedy, k, len(seq.tokens) // 64)
+        hit = self._cache.get(key)
+        if hit is None or self._steps - hit[0] >= self.refresh:
+            hit = (self._steps, *self._decide(chain[0], seq.params.greedy, k, len(seq.tokens)))
+            self._cache[key] = hit
+        _, shape, expected = hit
+        self._expected = (seq.seq_id, "tree" if shape[0] else "chain", expected)
         if shape[0]:
             self.chosen.append((k, *shape))
         return [shape]
 
     def observe(self, result: StepResult, rows: list) -> None:
+        """Learn from a step: rank evidence of its trees, and of its chains of a model drafter
+        (accepted drafts: rank 0; the first rejected: UNKNOWN); in a single stream, the host
+        time per depth and the committed tokens against the expected ones (calibration)."""
         greedy = {s.seq_id: s.params.greedy for s in rows}
-        chains = {o.seq_id: o.chain for o in result.outcomes}
-        for t in result.trees:
-            if chains[t.seq_id][0] in self.drafters:
-                self._evidence(chains[t.seq_id][0], greedy[t.seq_id]).observe(t.ranks)
+        trees = {t.seq_id: t for t in result.trees}
+        for o in result.outcomes:
+            if len(o.chain) != 2 or o.chain[0] not in self.drafters or o.k < 1:
+                continue
+            t = trees.get(o.seq_id)
+            if t is not None:
+                ranks = t.ranks
+            else:
+                ranks = (0,) * o.accepted[1] + ((UNKNOWN,) if o.accepted[1] < o.drafted[1] else ())
+            self._evidence(o.chain[0], greedy[o.seq_id]).observe(ranks)
+        expected, self._expected = self._expected, None
+        if len(result.outcomes) != 1 or result.outcomes[0].k < 1:
+            return
+        o = result.outcomes[0]
+        kind = "tree" if result.trees else "chain"
+        host = max(0.0, result.wall_time - sum(result.forward_time.values()))
+        self.host[kind] = 0.9 * self.host[kind] + 0.1 * host / o.k
+        if expected is not None and expected[0] == o.seq_id and expected[1] == kind and len(o.chain) == 2:
+            committed = (result.trees[0].accepted if result.trees else o.accepted[1]) + 1
+            p, c = self.realized[kind]
+            self.realized[kind] = (0.98 * p + expected[2], 0.98 * c + committed)
 
 
 class FixedTreeShape:
-    """The same (budget, width) for every row a tree can serve, any batch (tests and the
-    acceptance benchmark: trees at a pinned shape beside chains)."""
+    """The same (budget, width[, depth]) for every row a tree can serve, any batch (depth None:
+    the row's k; tests and the acceptance benchmark: trees at a pinned shape beside chains)."""
 
-    def __init__(self, budget: int, width: int, rows: Callable[[object], bool] | None = None):
-        self.budget, self.width = budget, width
+    def __init__(self, budget: int, width: int, rows: Callable[[object], bool] | None = None,
+                 depth: int | None = None):
+        self.budget, self.width, self.depth = budget, width, depth
         self.rows = rows  # which rows (Sequence -> bool) get the tree; None: all
         self.outcomes: list = []  # every TreeOutcome seen
 
-    def shapes(self, rows: list, plans: list[tuple[tuple[str, ...], int]]) -> list[tuple[int, int]]:
-        return [(self.budget, self.width) if self.rows is None or self.rows(s) else (0, 1) for s in rows]
+    def shapes(self, rows: list, plans: list[tuple[tuple[str, ...], int]]) -> list[tuple[int, ...]]:
+        shape = (self.budget, self.width) if self.depth is None else (self.budget, self.width, self.depth)
+        return [shape if self.rows is None or self.rows(s) else (0, 1) for s in rows]
 
     def observe(self, result: StepResult, rows: list) -> None:
         self.outcomes += result.trees
