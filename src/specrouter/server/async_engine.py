@@ -9,9 +9,10 @@ After each step, the new tokens of every row go to the requests' asyncio queues 
 `loop.call_soon_threadsafe` call, and the engine thread waits (at most `handoff_wait`, 2 ms)
 until the event loop has taken them and run what they woke (SSE chunks written): the loop's
 per-step work then runs while no forward does, instead of preempting one of the forward's
-OpenMP threads and taking the GIL from the engine thread mid-forward (docs/serving-performance.md:
-+3-6% at c=8 with `sys.setswitchinterval(0.0005)`, cli/serve.py). The waiting queue is bounded: `submit` raises `QueueFull`
-(the server answers 429 with Retry-After) when it holds `max_queue` requests.
+OpenMP threads and taking the GIL from the engine thread mid-forward (with the 0.5 ms GIL
+switch interval of cli/serve.py: +3-8% paired, docs/serving-performance.md). The waiting
+queue is bounded: `submit` raises `QueueFull` (the server answers 429 with Retry-After) when
+it holds `max_queue` requests.
 
 torch work never runs on the event loop; the event loop never blocks on the engine. The engine
 thread runs the forwards itself, with torch's threads: the process's only OpenMP team
