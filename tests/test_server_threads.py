@@ -133,3 +133,47 @@ def test_the_engine_thread_runs_every_forward_with_torchs_threads(tiny_pool_dirs
     assert set(forwards) == set(names)
     assert set().union(*forwards.values()) == {("specrouter-engine", torch.get_num_threads())}
     assert watch is None or watch._thread is None  # stopped with the server
+
+
+def test_the_engine_thread_hands_each_steps_tokens_over_before_the_next_step(tiny_pool_dirs):
+    """`AsyncEngine._deliver` waits until the event loop has taken a step's tokens and run the
+    task they woke: the loop's per-step work never overlaps a forward (a long `handoff_wait`
+    here, so that a slow machine cannot make the test flaky). The control: with no wait, the
+    next step starts before the task took the tokens at least once in 12 steps."""
+    import asyncio
+
+    from specrouter.config import SamplingParams
+    from specrouter.engine.engine import Engine
+    from specrouter.server.async_engine import AsyncEngine
+
+    pool = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float64")
+    eng = Engine(pool, max_num_seqs=2, max_model_len=64)
+    log: list[tuple[str, int]] = []
+    step = eng.step
+
+    def logged_step():
+        log.append(("step", 0))
+        return step()
+
+    eng.step = logged_step
+
+    async def run(wait: float) -> None:
+        ae = AsyncEngine(eng, seed=0, handoff_wait=wait)
+        ae.start()
+        try:
+            h = ae.submit([5, 6, 7], SamplingParams(max_new_tokens=12, ignore_eos=True), chain=("target",), k=1)
+            done = False
+            while not done:
+                ev = await h.events.get()  # directly, as the server's handlers (no task between)
+                log.append(("took", len(ev.token_ids)))
+                done = ev.done
+        finally:
+            await asyncio.to_thread(ae.stop)
+
+    asyncio.run(run(30.0))
+    kinds = [k for k, _ in log]
+    assert kinds.count("step") == 12 and kinds == ["step", "took"] * 12, log
+    log.clear()
+    asyncio.run(run(0.0))
+    kinds = [k for k, _ in log]
+    assert kinds.count("step") == 12 and kinds != ["step", "took"] * 12, log

@@ -367,6 +367,7 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
     reqs_all = prompts(max(cfg.requests, *cfg.concurrency))
     ids_all = [sr.encode(p, chat=chat) for p, chat in reqs_all]
     params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
     loop = asyncio.new_event_loop()
     out = []
 
@@ -425,7 +426,9 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
                     view = pool.with_fresh_drafters()
                     engine = Engine(view, max_num_seqs=c,
                                     max_model_len=max(len(x) for x in ids) + cfg.max_new_tokens + 16)
-                    engine.generate_ids([ids[0][:8]], [params], chain=(view.target,), k=1)  # warm-up
+                    # warm-up at the batch size it runs (the server's levels warmed the server's)
+                    engine.generate_ids([x[:8] for x in ids[:c]], [warm] * min(c, len(ids)),
+                                        chain=(view.target,), k=1)
                     t0 = time.perf_counter()
                     seqs = continuous_batching(engine, ids, params, c, (view.target,))
                     lib[1] += time.perf_counter() - t0

@@ -6,8 +6,13 @@ Continuous batching: the thread loops `engine.step()` while rows exist. Between 
    `CapacityError` (all `max_num_seqs` slots taken): the head of the queue waits for a row to
    finish; nothing overtakes it.
 After each step, the new tokens of every row go to the requests' asyncio queues in one
-`loop.call_soon_threadsafe` call. The waiting queue is bounded: `submit` raises `QueueFull`
-(the server answers 429 with Retry-After) when it holds `max_queue` requests.
+`loop.call_soon_threadsafe` call, and the engine thread waits (at most `handoff_wait`, 2 ms)
+until the event loop has taken them and run what they woke (SSE chunks written): the loop's
+per-step work then runs while no forward does, instead of preempting one of the forward's
+OpenMP threads and taking the GIL from the engine thread mid-forward (with the 0.5 ms GIL
+switch interval of cli/serve.py: +3-8% paired, docs/serving-performance.md). The waiting
+queue is bounded: `submit` raises `QueueFull` (the server answers 429 with Retry-After) when
+it holds `max_queue` requests.
 
 torch work never runs on the event loop; the event loop never blocks on the engine. The engine
 thread runs the forwards itself, with torch's threads: the process's only OpenMP team
@@ -37,6 +42,9 @@ from specrouter.engine.faults import ForwardWatch, ModelFailure, Retired
 from specrouter.state.sequence import Sequence
 
 logger = logging.getLogger("specrouter.server")
+
+
+HANDOFF_WAIT_S = 0.002  # the most the engine thread waits for the event loop to take a step's tokens
 
 
 class QueueFull(Exception):
@@ -81,8 +89,9 @@ class AsyncEngine:
     """Runs `engine` in a background thread; see the module docstring."""
 
     def __init__(self, engine: Engine, *, max_queue: int = 64, metrics=None, seed: int | None = None,
-                 watch: ForwardWatch | None = None):
+                 watch: ForwardWatch | None = None, handoff_wait: float = HANDOFF_WAIT_S):
         self.engine = engine
+        self.handoff_wait = handoff_wait  # seconds (0: hand tokens over without waiting)
         self.watch = watch  # the guarded runners' deadlines (None: no model timeout)
         self.max_queue = max_queue
         self.metrics = metrics
@@ -295,16 +304,23 @@ class AsyncEngine:
                                           prompt_logprobs=o.seq.prompt_logprobs)))
         return out
 
-    @staticmethod
-    def _deliver(deliveries: list[tuple[RequestHandle, TokenEvent]]) -> None:
+    def _deliver(self, deliveries: list[tuple[RequestHandle, TokenEvent]]) -> None:
+        """Hand the events to their loops; wait until the loops took them (`handoff_wait`)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for h, ev in deliveries:
             by_loop.setdefault(h.loop, []).append((h.events, ev))
+        taken = []
         for loop, items in by_loop.items():
+            done = threading.Event() if self.handoff_wait > 0 else None
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(_put_all, items, loop, done)
             except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+                continue
+            if done is not None:
+                taken.append(done)
+        deadline = time.perf_counter() + self.handoff_wait
+        for done in taken:
+            done.wait(max(deadline - time.perf_counter(), 0.0))
 
     def _shutdown(self) -> None:
         with self._cv:
@@ -321,6 +337,10 @@ class AsyncEngine:
                        for h in handles])
 
 
-def _put_all(items) -> None:
+def _put_all(items, loop: asyncio.AbstractEventLoop, done: threading.Event | None) -> None:
+    """On the event loop: the events into their queues; `done` set once the tasks they woke ran
+    (a callback queued after their wake-ups)."""
     for q, ev in items:
         q.put_nowait(ev)
+    if done is not None:
+        loop.call_soon(done.set)
