@@ -91,6 +91,11 @@ def main() -> None:
               f"({sr_speed / speeds[best]:.2f}x), target-only {speeds[label((pool.target,), 0)]:.0f}", flush=True)
         oracle[0] += len(out.token_ids)
         oracle[1] += len(out.token_ids) / speeds[best]
+        if events:  # the acceptance estimates of the request's last decision, and the global ones
+            mode = events[-1].mode
+            print("    alphas (request / global): " + ", ".join(
+                f"{'>'.join(p)} {a:.2f}/{router.alpha(p, mode):.2f}" for p, a in events[-1].alphas.items()
+                if p[1] == pool.target or p[0] == names["draft"]), flush=True)
         by_plan = defaultdict(lambda: [0, 0.0, 0.0, 0])  # cycles, predicted s, realized s, tokens
         if len(events) != len(cycles):
             print(f"    ({len(events)} decisions, {len(cycles)} steps: not matched)")

@@ -8,7 +8,8 @@ tokens). Prints tokens/s per request and summed.
 Variants (RouterConfig changes against the default): no-tv (measure_tv=False), greedy-tv
 (greedy rows' D_TV fed to the estimator), no-check (realized_check=False), tv-cap-8
 (request_tv_cap=8, request_tv_weight=1), no-step-host (draft_step_overhead=False: the draft steps'
-host seconds folded into the cycle's overhead, as before issue 33).
+host seconds folded into the cycle's overhead, as before issue 33), any-probe (probe_first_pair=False:
+a pair probed by any chain measuring it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "no-check": dataclasses.replace(base, realized_check=False),
         "tv-cap-8": dataclasses.replace(base, request_tv_cap=8.0, request_tv_weight=1.0),
         "no-step-host": dataclasses.replace(base, draft_step_overhead=False),
+        "any-probe": dataclasses.replace(base, probe_first_pair=False),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -728,6 +728,30 @@ def test_per_request_chains_differ_by_request_type():
     assert 0 not in router.requests
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_a_pair_with_a_bad_start_is_probed_by_a_chain_it_starts(first):
+    """An early unlucky streak (16 of 16 rejected) leaves d1 > T at a low alpha. Probes of the
+    pair run a chain that starts with it (d1 drafts, T verifies every candidate), never
+    ngram > d1 > T, whose n-gram misses teach the pair nothing; the negative control
+    (`probe_first_pair=False`) probes it behind the n-gram, the optimistic best here."""
+    order = ["ngram", "d1", "T"]
+    alphas = {("d1", "T"): 0.8, ("ngram", "T"): 0.6, ("ngram", "d1"): 0.9}
+    sim = Sim(alphas, hit=0.6, seed=6, overhead_spec=0.0, overhead_plain=0.0)
+    router = make_router(order, timer=lambda: 0.0, config=RouterConfig(probe_first_pair=first))
+    router.similarity.observe_acceptance(("d1", "T"), GREEDY, 0, 16)  # the unlucky start
+    router.similarity.observe_acceptance(("ngram", "d1"), GREEDY, 900, 100)  # known: probes are d1 > T's
+    trace = []
+    drive(router, sim, 150, trace=trace)
+    probes = [t[0].chain for t in trace if t[0].reason == "probe"]
+    measuring = [c for c in probes if ("d1", "T") in zip(c[:-1], c[1:])]
+    assert measuring
+    if first:
+        assert all(c[:2] == ("d1", "T") for c in measuring), measuring
+    else:
+        assert ("ngram", "d1", "T") in measuring
+    print(f"\nprobes of d1>T: {sorted(set(measuring))}")
+
+
 def test_new_requests_start_from_an_upper_quantile_of_finished_requests():
     """A stream mixing a type that accepts the draft well (0.7) with one that does not (0.1):
     the global alpha is the mean of neither; a new request's prior is the 0.75 quantile of what

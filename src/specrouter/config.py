@@ -278,6 +278,9 @@ class RouterConfig:
     request_tv_cap: float = 32.0
     shadow_k: int = MAX_DRAFT_LENGTH  # tokens asked of model-free drafters when shadow-scoring rows not running them
     probe_k: int = 8  # longest draft of a probe cycle
+    # probe a pair with a chain it starts (router/probing.py; False: the optimistic best of
+    # every chain measuring it, e.g. behind an n-gram whose misses teach nothing)
+    probe_first_pair: bool = True
     probe_optimism: float = 1.5  # z of the Wilson upper bound that makes a stale pair worth a probe
     probe_recheck: int = 8  # row-cycles before looking again when no pair was worth a probe
     probe_max_wait: float = 4.0  # longest back-off between fruitless probes of a pair, in stale_after periods

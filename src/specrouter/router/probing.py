@@ -5,7 +5,12 @@ alpha (a Wilson upper bound), and models believed slow (speed > `probe_slow_spee
 is stale their swept speed; when the `ProbeBudget` allows (5% of row-cycles, 2% of wall time) and
 a chain measuring one of them could beat the plan in that optimistic world, one cycle runs it
 (the most promising first), at its best k up to `probe_k`; its expected extra cost over the plan
-is charged to the budget. A probe that taught nothing about its pair (a model-free miss) doubles
+is charged to the budget. A pair is probed by a chain it starts (`first_pair_chains`: its
+drafter drafts, its verifier verifies every candidate): behind a model-free drafter a miss
+teaches nothing, and behind another model it sees only what that level passed up, so a pair
+whose early trials went badly was "probed" for a whole stream without a trial (measured: at
+t=0.7 the draft>target pair stuck at alpha 0.17 after 4 early rejections, probed only through
+ngram>draft>target, where draft>target k=2 ran 1.15x target-only). A probe that taught nothing about its pair (a model-free miss) doubles
 the wait before that pair's next one, so refuted pairs stop being probed until their evidence
 fades.
 """
@@ -81,7 +86,7 @@ class Prober:
         t = router.table(hopeful_costs, hopeful, overhead, k_cap).t_eff
         best = None  # (optimistic T_eff, pair, chain index, k index)
         for p in candidates:
-            for i in router.pair_chains[p]:
+            for i in self.first_pair_chains(p):
                 j = int(np.argmin(t[i]))
                 if t[i, j] < t_plan and (best is None or t[i, j] < best[0]):
                     best = (float(t[i, j]), p, i, j)
@@ -93,6 +98,14 @@ class Prober:
         longest = int(cfg.probe_max_wait * sim.config.stale_after)
         self.probes[p] = (now, sim.stats(p, mode).trials, min(wait, longest))
         return i, min(j + 1, cfg.probe_k)
+
+    def first_pair_chains(self, pair: Pair) -> list[int]:
+        """Indices of the chains that start with `pair` (module docstring); every chain that
+        measures it when none does."""
+        chains, measuring = self.router.chains, self.router.pair_chains[pair]
+        if not self.router.config.probe_first_pair:
+            return measuring
+        return [i for i in measuring if chains[i][:2] == pair] or measuring
 
     def _taught(self, pair: Pair, mode: str, last: tuple[int, float, int]) -> bool:
         return self.router.similarity.stats(pair, mode).trials > last[1] + 0.5
