@@ -263,6 +263,9 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES),
                     help="precisions of the steps section and the llama.cpp comparison")
     ap.add_argument("--no-drafts", action="store_true", help="llama.cpp comparison on the 135M shape only")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="llama.cpp comparison: rounds of turns per cell (more, shorter turns track a drifting"
+                         " memory bandwidth better)")
     args = ap.parse_args()
     from specrouter.bench.peers import llama_cpp_missing
     from specrouter.models.runners.linear import kernels
@@ -311,8 +314,8 @@ def main() -> None:
                 # the shipped draft: the native runner computes only its draft vocabulary's
                 # head rows, llama.cpp the whole head (it has no such option)
                 drafts = {} if args.no_drafts else {"draft " + d.name[-4:]: d for d in shipped_drafts()}
-                peers = compare_with_llama_cpp({"135M shape": path, **drafts}, args.threads, max(8, args.iters // 3),
-                                               dtypes=tuple(args.dtypes))
+                peers = compare_with_llama_cpp({"135M shape": path, **drafts}, args.threads, max(4, args.iters // 3),
+                                               rounds=args.rounds, dtypes=tuple(args.dtypes))
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"\nms per step, context {CONTEXT}, {args.threads} threads, torch {torch.__version__}, kernels {kernels()}")
     print(f"(load average at the end: {load}; other processes on the cores inflate every number)")

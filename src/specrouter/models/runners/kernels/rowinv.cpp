@@ -140,6 +140,72 @@ inline void weighted_values(const float* p, const T* values, int64_t L, int64_t 
   }
 }
 
+// The query heads of one token that share a KV head (GQA) attend the same keys: up to GQ of them
+// run side by side, so each key and value row is loaded once for all of them. Every query's
+// chains are those of dot_q4 / pv_blocks, so its bits are those of running it alone.
+constexpr int GQ = 3;
+
+// dot_q4 of G queries (D % 8 == 0) against 4 consecutive float32 keys: out[g][0..3]
+template <int G>
+inline void dot_g4(const float* const* q, const float* k, int64_t D, float* const* out, int64_t j) {
+  __m256 a[G][4];
+#pragma GCC unroll 3
+  for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 k0 = _mm256_loadu_ps(k + i), k1 = _mm256_loadu_ps(k + D + i);
+    const __m256 k2 = _mm256_loadu_ps(k + 2 * D + i), k3 = _mm256_loadu_ps(k + 3 * D + i);
+#pragma GCC unroll 3
+    for (int g = 0; g < G; ++g) {
+      const __m256 qi = _mm256_loadu_ps(q[g] + i);
+      a[g][0] = _mm256_fmadd_ps(qi, k0, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(qi, k1, a[g][1]);
+      a[g][2] = _mm256_fmadd_ps(qi, k2, a[g][2]);
+      a[g][3] = _mm256_fmadd_ps(qi, k3, a[g][3]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int g = 0; g < G; ++g)
+    out[g][j] = hsum(a[g][0]), out[g][j + 1] = hsum(a[g][1]), out[g][j + 2] = hsum(a[g][2]), out[g][j + 3] = hsum(a[g][3]);
+}
+
+// pv_blocks of G queries over the same float32 value rows: acc[g][d0 ..] of NB blocks of 8
+template <int G, int NB>
+inline void pv_g(const float* const* p, const float* values, int64_t L, int64_t D, int64_t d0, float* const* acc) {
+  __m256 a[G][NB];
+#pragma GCC unroll 3
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) a[g][b] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    const float* vj = values + j * D + d0;
+#pragma GCC unroll 3
+    for (int g = 0; g < G; ++g) {
+      const __m256 pj = _mm256_set1_ps(p[g][j]);
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) a[g][b] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * b), a[g][b]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) _mm256_storeu_ps(acc[g] + d0 + 8 * b, a[g][b]);
+}
+
+// weighted_values of G queries over the same float32 value rows (the same bits per query)
+template <int G>
+inline void weighted_values_g(const float* const* p, const float* values, int64_t L, int64_t D, float* const* acc) {
+  const int64_t d8 = D / 8 * 8;
+  int64_t d0 = 0;
+  for (; d0 + 32 <= d8; d0 += 32) pv_g<G, 4>(p, values, L, D, d0, acc);
+  for (; d0 < d8; d0 += 8) pv_g<G, 1>(p, values, L, D, d0, acc);
+  for (int g = 0; g < G; ++g)
+    for (int64_t d = d8; d < D; ++d) {  // the D % 8 tail
+      float s = 0.f;
+      for (int64_t j = 0; j < L; ++j) s = std::fma(p[g][j], values[j * D + d], s);
+      acc[g][d] = s;
+    }
+}
+
 // weighted_values over value rows given by pointer (a token tree's keys: the prefix, then the
 // query's ancestors): the same instructions in the same order as weighted_values on rows laid
 // side by side, so the same bits
@@ -203,7 +269,7 @@ inline void widen(const T* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = to_f(src[i]);
 }
 
-constexpr int64_t QCHUNK = 8;  // attention: query rows per work item (they share widened keys)
+constexpr int64_t QCHUNK = 8;  // attention: about this many query rows per work item (they share widened keys)
 
 // RoPE of one head in float32: out = x * cos + [x2, x1] * sin_signed
 inline void rope_head(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
@@ -242,18 +308,21 @@ void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_
   });
   int64_t max_len = 1;
   for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, starts[b] + nums[b]);
-  // work items: (row b, KV head, a chunk of up to QCHUNK of its groups * Tq query rows (g, t));
-  // an item widens its keys and values to float32 once (exact) for all its queries
-  const int64_t rows_per_kv = groups * Tq, chunks = (rows_per_kv + QCHUNK - 1) / QCHUNK;
+  // work items: (row b, KV head, a chunk of up to TCHUNK of its tokens); an item widens its keys
+  // and values to float32 once (exact) for all its queries: per token, the `groups` query heads
+  // of the KV head, GQ at a time
+  const int64_t TCHUNK = std::max<int64_t>(1, QCHUNK / groups), chunks = (Tq + TCHUNK - 1) / TCHUNK;
   at::parallel_for(0, B * nkv * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(max_len), x(D), q(D), acc(D), kf, vf;
+    std::vector<float> pbuf(GQ * max_len), x(D), qbuf(GQ * D), abuf(GQ * D), kf, vf;
     std::vector<const float*> vrows(depth ? max_len : 0);
+    float* p[GQ];
+    float* q[GQ];
+    float* acc[GQ];
+    for (int g = 0; g < GQ; ++g) p[g] = &pbuf[g * max_len], q[g] = &qbuf[g * D], acc[g] = &abuf[g * D];
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t c = item % chunks, kv = (item / chunks) % nkv, b = item / (chunks * nkv);
-      const int64_t r0 = c * QCHUNK, r1 = std::min(rows_per_kv, r0 + QCHUNK);
-      int64_t Lc = 0;  // keys the chunk's valid queries attend: [0, Lc)
-      for (int64_t r = r0; r < r1; ++r)
-        if (r % Tq < nums[b]) Lc = std::max(Lc, starts[b] + r % Tq + 1);
+      const int64_t t0 = c * TCHUNK, t1 = std::min(Tq, t0 + TCHUNK);
+      const int64_t Lc = std::min(t1, nums[b]) > t0 ? starts[b] + std::min(t1, nums[b]) : 0;  // keys [0, Lc)
       const int64_t base = (slots[b] * nkv + kv) * P * D;
       const float* keys;
       const float* values;
@@ -264,38 +333,60 @@ void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_
         widen(kc + base, kf.data(), Lc * D), widen(vc + base, vf.data(), Lc * D);
         keys = kf.data(), values = vf.data();
       }
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t t = r % Tq, h = kv * groups + r / Tq;
-        T* o = out + ((b * Tq + t) * nh + h) * D;
+      for (int64_t t = t0; t < t1; ++t) {
         if (t >= nums[b]) {
-          for (int64_t d = 0; d < D; ++d) store(&o[d], 0.f);
+          for (int64_t g = 0; g < groups; ++g) {
+            T* o = out + ((b * Tq + t) * nh + kv * groups + g) * D;
+            for (int64_t d = 0; d < D; ++d) store(&o[d], 0.f);
+          }
           continue;
         }
         const int64_t pos = starts[b] + (depth ? depth[b * Tq + t] : t), L = pos + 1;
         // keys in position order: [0, start) of the cache, then (a tree) the query's ancestors
         // and itself, stored at start + their node index; a chain: start + t for depth t
         const int64_t Lk = depth ? starts[b] : L;  // keys read side by side
-        load_f(qkv + ((b * Tq + t) * heads + h) * D, x.data(), D);
-        rope_head(x.data(), cos + pos * D, sin + pos * D, D, q.data());
-        int64_t j = 0;
-        if (D % 8 == 0)
-          for (; j + 4 <= Lk; j += 4) dot_q4(q.data(), keys + j * D, D, &p[j]);
-        for (; j < Lk; ++j) p[j] = dot_q(q.data(), keys + j * D, D);
         const int64_t* anc = depth ? path + (b * Tq + t) * Tq : nullptr;  // node indices, root first
-        for (; j < L; ++j) p[j] = dot_q(q.data(), keys + (starts[b] + anc[j - Lk]) * D, D);
-        const float m = max_n(p.data(), L);
-        for (j = 0; j < L; ++j) p[j] -= m;
-        exp_n(p.data(), L);
-        const float sum = sum_n(p.data(), L);
-        if (depth) {
-          for (j = 0; j < Lk; ++j) vrows[j] = values + j * D;
-          for (; j < L; ++j) vrows[j] = values + (starts[b] + anc[j - Lk]) * D;
-          weighted_values_rows(p.data(), vrows.data(), L, D, acc.data());
-        } else {
-          weighted_values(p.data(), values, L, D, acc.data());
+        for (int64_t g0 = 0; g0 < groups; g0 += GQ) {
+          const int G = static_cast<int>(std::min<int64_t>(GQ, groups - g0));
+          for (int g = 0; g < G; ++g) {
+            load_f(qkv + ((b * Tq + t) * heads + kv * groups + g0 + g) * D, x.data(), D);
+            rope_head(x.data(), cos + pos * D, sin + pos * D, D, q[g]);
+          }
+          int64_t j = 0;
+          if (D % 8 == 0)
+            for (; j + 4 <= Lk; j += 4) {
+              if (G == 3) dot_g4<3>(q, keys + j * D, D, p, j);
+              else if (G == 2) dot_g4<2>(q, keys + j * D, D, p, j);
+              else dot_g4<1>(q, keys + j * D, D, p, j);
+            }
+          for (int g = 0; g < G; ++g) {
+            int64_t i = j;
+            for (; i < Lk; ++i) p[g][i] = dot_q(q[g], keys + i * D, D);
+            for (; i < L; ++i) p[g][i] = dot_q(q[g], keys + (starts[b] + anc[i - Lk]) * D, D);
+          }
+          float inv[GQ];
+          for (int g = 0; g < G; ++g) {
+            const float m = max_n(p[g], L);
+            for (int64_t i = 0; i < L; ++i) p[g][i] -= m;
+            exp_n(p[g], L);
+            inv[g] = 1.f / sum_n(p[g], L);
+          }
+          if (depth) {
+            for (j = 0; j < Lk; ++j) vrows[j] = values + j * D;
+            for (; j < L; ++j) vrows[j] = values + (starts[b] + anc[j - Lk]) * D;
+            for (int g = 0; g < G; ++g) weighted_values_rows(p[g], vrows.data(), L, D, acc[g]);
+          } else if (G == 3) {
+            weighted_values_g<3>(p, values, L, D, acc);
+          } else if (G == 2) {
+            weighted_values_g<2>(p, values, L, D, acc);
+          } else {
+            weighted_values_g<1>(p, values, L, D, acc);
+          }
+          for (int g = 0; g < G; ++g) {
+            T* o = out + ((b * Tq + t) * nh + kv * groups + g0 + g) * D;
+            for (int64_t d = 0; d < D; ++d) store(&o[d], acc[g][d] * inv[g]);
+          }
         }
-        const float inv = 1.f / sum;
-        for (int64_t d = 0; d < D; ++d) store(&o[d], acc[d] * inv);
       }
     }
   });
