@@ -270,6 +270,7 @@ _REFUSED = [  # (endpoint, field, value)
     (C, "skip_special_tokens", False), (C, "spaces_between_special_tokens", False),
     (C, "guided_json", 5), (C, "guided_regex", 5), (C, "guided_choice", "a"),
     (C, "guided_grammar", 5), (C, "guided_decoding_backend", "outlines"),
+    (C, "json_schema", 5), (C, "grammar", 5),  # llama-server's structured-output fields
     (C, "guided_whitespace_pattern", " "), (C, "priority", 1), (C, "logits_processors", ["m.f"]),
     (C, "return_tokens_as_token_ids", "yes"), (C, "kv_transfer_params", {"a": 1}),
     (C, "vllm_xargs", {"a": 1}), (C, "add_special_tokens", "yes"), (C, "prompt_embeds", "AAAA"),
