@@ -138,8 +138,9 @@ def test_the_engine_thread_runs_every_forward_with_torchs_threads(tiny_pool_dirs
 def test_the_engine_thread_hands_each_steps_tokens_over_before_the_next_step(tiny_pool_dirs):
     """`AsyncEngine._deliver` waits until the event loop has taken a step's tokens and run the
     task they woke: the loop's per-step work never overlaps a forward (a long `handoff_wait`
-    here, so that a slow machine cannot make the test flaky). The control: with no wait, the
-    next step starts before the task took the tokens at least once in 12 steps."""
+    here, so that a slow machine cannot make the test flaky). The control: with no wait and a
+    task that takes its tokens 50 ms late, the engine steps on without it (nothing else orders
+    the two threads; without the lag the race is decided by timing, and the control was flaky)."""
     import asyncio
 
     from specrouter.config import SamplingParams
@@ -157,7 +158,7 @@ def test_the_engine_thread_hands_each_steps_tokens_over_before_the_next_step(tin
 
     eng.step = logged_step
 
-    async def run(wait: float) -> None:
+    async def run(wait: float, lag: float = 0.0) -> None:
         ae = AsyncEngine(eng, seed=0, handoff_wait=wait)
         ae.start()
         try:
@@ -165,6 +166,8 @@ def test_the_engine_thread_hands_each_steps_tokens_over_before_the_next_step(tin
             done = False
             while not done:
                 ev = await h.events.get()  # directly, as the server's handlers (no task between)
+                if lag:
+                    await asyncio.sleep(lag)
                 log.append(("took", len(ev.token_ids)))
                 done = ev.done
         finally:
@@ -174,6 +177,6 @@ def test_the_engine_thread_hands_each_steps_tokens_over_before_the_next_step(tin
     kinds = [k for k, _ in log]
     assert kinds.count("step") == 12 and kinds == ["step", "took"] * 12, log
     log.clear()
-    asyncio.run(run(0.0))
+    asyncio.run(run(0.0, lag=0.05))
     kinds = [k for k, _ in log]
     assert kinds.count("step") == 12 and kinds != ["step", "took"] * 12, log
