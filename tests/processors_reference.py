@@ -4,7 +4,8 @@ the row's whole history (torch.unique over prompt + generated + path) and penali
 position by position via a cumulative count. decoding/processors.py must equal this bit for
 bit (tests/test_processors_fast.py).
 
-Definitions and order: decoding/processors.py's module docstring.
+Definitions and order: decoding/processors.py's module docstring. The steps issue 31 did not
+change (allowed_token_ids / logit_bias, the min_tokens guard) are imported from there.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from specrouter.config import SamplingParams
+# the allowed_token_ids / logit_bias term and the min_tokens guard: the fast path did not change them
+from specrouter.decoding.processors import never_empty, token_mask_and_bias
 
 
 @dataclass(frozen=True)
@@ -65,27 +68,6 @@ def penalize(logits: torch.Tensor, prompt_ids: torch.Tensor, output_ids: torch.T
     out = logits.clone()
     out[:, uniq] = x
     return out
-
-
-def token_mask_and_bias(params: SamplingParams, vocab: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """The (V,) additive term of allowed_token_ids (-inf outside) and logit_bias, or None."""
-    if params.allowed_token_ids is None and not params.logit_bias:
-        return None
-    add = torch.zeros(vocab, dtype=dtype)
-    if params.allowed_token_ids is not None:
-        add.fill_(float("-inf"))
-        add[torch.tensor(params.allowed_token_ids, dtype=torch.long)] = 0.0
-    for t, b in params.logit_bias:
-        add[t] += b
-    return add
-
-
-def never_empty(masked: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """`masked` (G, V), except at positions where it allows nothing: there `logits` (min_tokens
-    never masks the only tokens left: a complete grammar, allowed_token_ids of stop tokens;
-    the stop tokens go through and end the row)."""
-    empty = torch.isneginf(masked).all(dim=-1)  # (G,)
-    return torch.where(empty[:, None], logits, masked)
 
 
 def process_row(logits: torch.Tensor, h: RowHistory) -> torch.Tensor:
