@@ -16,8 +16,9 @@ SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "av
 
 
 def git_revision(root: str | Path | None = None) -> dict[str, object]:
-    """{"commit": sha or None, "dirty": bool or None} of the checkout holding this package (None
-    where it is not a git checkout, e.g. an installed wheel)."""
+    """{"commit": sha or None, "dirty": bool or None} of the checkout holding this package; where
+    it is not a git checkout, the commit a `git archive` copy of it was made from, else None."""
+    package = root is None
     root = Path(root) if root is not None else Path(__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -25,8 +26,18 @@ def git_revision(root: str | Path | None = None) -> dict[str, object]:
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                 capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
+        return {"commit": archived_commit() if package else None, "dirty": None}
     return {"commit": sha, "dirty": bool(status.strip())}
+
+
+def archived_commit(stamp: Path = Path(__file__).resolve().parent / "commit.txt") -> str | None:
+    """The commit a `git archive` copy was made from: git writes it into commit.txt (marked
+    `export-subst` in .gitattributes); in a checkout the file holds the unexpanded placeholder."""
+    try:
+        text = stamp.read_text().strip()
+    except OSError:
+        return None
+    return text if len(text) == 40 and all(c in "0123456789abcdef" for c in text) else None
 
 
 def cpu_description() -> dict[str, object]:
