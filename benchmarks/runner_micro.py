@@ -76,11 +76,18 @@ def _time_ms(fn, iters: int, warmup: int = 3) -> tuple[float, float]:
 
 
 def native_steps(path: Path, dtype: torch.dtype, kernels: str = "native",
-                 tokens: tuple[int, ...] = STEP_TOKENS) -> dict[int, Callable[[], object]]:
+                 tokens: tuple[int, ...] = STEP_TOKENS, huge: bool = True) -> dict[int, Callable[[], object]]:
     """{new tokens: a step} of each of `tokens` after a CONTEXT-token prefill, each rolled back
     (the same start every time), on the native kernels (the process's path, or the path
-    `kernels` names) or on torch's (`kernels="torch"`)."""
-    runner = load_llama_runner(path, dtype=dtype, num_slots=1, max_len=CONTEXT + 32, kernels=kernels)
+    `kernels` names) or on torch's (`kernels="torch"`); huge=False: the weights left on torch's
+    4 KiB pages (runners/huge_pages.py)."""
+    from specrouter.models.runners import huge_pages
+
+    huge_pages.HUGE_PAGES = huge
+    try:
+        runner = load_llama_runner(path, dtype=dtype, num_slots=1, max_len=CONTEXT + 32, kernels=kernels)
+    finally:
+        huge_pages.HUGE_PAGES = True
     prompt = torch.randint(0, runner.vocab_size, (CONTEXT,)).tolist()
     runner.forward(ForwardBatch.build([0], [0], [prompt], [[CONTEXT - 1]]))
     steps = {}
@@ -143,9 +150,10 @@ DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16")}  # n
 
 
 def compare_with_llama_cpp(models: dict[str, Path], threads: int, iters: int, rounds: int = 3,
-                           dtypes: tuple[str, ...] = tuple(DTYPES)) -> dict:
+                           dtypes: tuple[str, ...] = tuple(DTYPES), small_pages: bool = False) -> dict:
     """{(model, dtype, tokens): {system: min ms}} for the native runner on its own kernels,
-    on torch's kernels (what it ran before them) and llama.cpp on the same weights as a GGUF.
+    on torch's kernels (what it ran before them) and llama.cpp on the same weights as a GGUF;
+    small_pages: also the native runner with its weights on 4 KiB pages.
     The systems take turns, `rounds` times `iters` steps each, so drift on shared cores hits
     them alike; the min over all rounds is reported."""
     out: dict[tuple[str, str, int], dict[str, float]] = {}
@@ -157,6 +165,8 @@ def compare_with_llama_cpp(models: dict[str, Path], threads: int, iters: int, ro
                 "torch kernels": native_steps(path, dt, kernels="torch", tokens=PEER_TOKENS),
                 "llama.cpp": llama_cpp_steps(path, gguf, threads, PEER_TOKENS),
             }
+            if small_pages:
+                systems["native 4K"] = native_steps(path, dt, tokens=PEER_TOKENS, huge=False)
             for t in PEER_TOKENS:
                 best = {name: float("inf") for name in systems}
                 for _ in range(rounds):
@@ -262,6 +272,8 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", default=None, help="kernel paths for scaling/gemm (default: all this CPU has)")
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES),
                     help="precisions of the steps section and the llama.cpp comparison")
+    ap.add_argument("--small-pages", action="store_true",
+                    help="llama.cpp comparison: also the native runner with its weights on 4 KiB pages")
     ap.add_argument("--no-drafts", action="store_true", help="llama.cpp comparison on the 135M shape only")
     ap.add_argument("--rounds", type=int, default=3,
                     help="llama.cpp comparison: rounds of turns per cell (more, shorter turns track a drifting"
@@ -315,7 +327,8 @@ def main() -> None:
                 # head rows, llama.cpp the whole head (it has no such option)
                 drafts = {} if args.no_drafts else {"draft " + d.name[-4:]: d for d in shipped_drafts()}
                 peers = compare_with_llama_cpp({"135M shape": path, **drafts}, args.threads, max(4, args.iters // 3),
-                                               rounds=args.rounds, dtypes=tuple(args.dtypes))
+                                               rounds=args.rounds, dtypes=tuple(args.dtypes),
+                                               small_pages=args.small_pages)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"\nms per step, context {CONTEXT}, {args.threads} threads, torch {torch.__version__}, kernels {kernels()}")
     print(f"(load average at the end: {load}; other processes on the cores inflate every number)")
@@ -337,9 +350,10 @@ def main() -> None:
         for (model, dt_name, t), best in peers.items():
             nat, old, lc = best["native"], best["torch kernels"], best["llama.cpp"]
             one = peers[(model, dt_name, 1)]
+            small = f" | 4 KiB pages {best['native 4K']:.2f} ms" if "native 4K" in best else ""
             print(f"{model:>14} {dt_name:>5} {t:>6} | {nat:8.2f} {old:11.2f} {lc:9.2f} | {nat / lc:5.2f}x"
                   f" {'met' if nat <= 1.25 * lc else 'NOT met':>7} | {nat / one['native']:16.2f}"
-                  f" {lc / one['llama.cpp']:9.2f}")
+                  f" {lc / one['llama.cpp']:9.2f}{small}")
     for dt_name in ("fp32", "bf16"):
         if ("5M", dt_name, 1) not in results or ("135M", dt_name, 1) not in results:
             continue

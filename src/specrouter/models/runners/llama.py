@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,12 @@ import torch.nn.functional as F
 from specrouter.errors import CheckpointError, ContextLengthError, DeviceError
 from specrouter.models.runners.attention import attention, blocked_keys, padded_length
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
+from specrouter.models.runners.huge_pages import huge_page_copies
 from specrouter.models.runners.kernels import PATHS, rowinv, why_not
 from specrouter.models.runners.linear import (
     ATEN_LINEAR,
     MM,
+    NATIVE_KERNELS,
     ONEDNN_BLOCKED,
     ROWINV,
     ROWINV512,
@@ -326,6 +328,8 @@ class LlamaRunner(ModelRunner):
         if self._ops is not None and off:  # per op: the rest stays on the native kernels
             log.warning("model %r: %d of its %d linears run on torch's kernels (an input width the native "
                         "kernel's blocks do not divide)", name, len(off), 4 * arch.num_layers)
+        if self._ops is not None:
+            self._weights_on_huge_pages()
         self._fused = self._fused_layers()
         self._inv_freq, self._rope_scaling = rope_inv_freq(
             arch.rope, arch.head_dim, arch.max_position_embeddings
@@ -334,6 +338,21 @@ class LlamaRunner(ModelRunner):
         if max_len is None:
             max_len = min(self.max_context, 2048)
         self.reserve(num_slots, max_len)
+
+    def _weights_on_huge_pages(self) -> None:
+        """The native linears' packed weights, copied in the order a forward reads them (per
+        layer qkv, o, gate|up, down, then the head) onto huge pages (runners/huge_pages.py): a
+        1-token step streams them all, and a stream over 4 KiB pages runs well below the
+        memory's bandwidth. The same bytes: every result bit stays."""
+        native = [lin for layer in self._layers for lin in layer if isinstance(lin, Linear)
+                  and lin.kernel in NATIVE_KERNELS] + ([self._head] if self._head.kernel in NATIVE_KERNELS else [])
+        moved = dict(zip(map(id, native), huge_page_copies([lin.weight for lin in native])))
+
+        def move(lin):
+            return replace(lin, weight=moved[id(lin)]) if id(lin) in moved else lin
+
+        self._layers = [tuple(move(p) for p in layer) for layer in self._layers]
+        self._head = move(self._head)
 
     def _fused_layers(self) -> tuple[list[torch.Tensor], list[int], int] | None:
         """(params, outs, kernel) of the native `decoder_layers` op, which runs the whole decoder
@@ -435,11 +454,11 @@ class LlamaRunner(ModelRunner):
             if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= V:
                 raise CheckpointError(f"model {self.name!r}: draft vocabulary ids must lie in [0, {V})")
             head = head.index_select(0, ids)  # (V', H)
-        packed = Linear.pack(head, None, self._kernel)
+        self._head = Linear.pack(head, None, self._kernel)  # (huge_page_copies may move its weight)
 
         def logits_fn(h: torch.Tensor) -> torch.Tensor:
             B, G, H = h.shape
-            out = linear(h.reshape(B * G, H), packed)  # (N, V) or (N, V')
+            out = linear(h.reshape(B * G, H), self._head)  # (N, V) or (N, V')
             if ids is not None:  # the draft's subset: -inf elsewhere
                 full = torch.full((B * G, V), float("-inf"), dtype=out.dtype, device=out.device)
                 out = full.index_copy_(1, ids, out)
