@@ -271,11 +271,40 @@ def test_plain_hold_skips_replanning_until_rows_change():
     assert no_hold.planner.held_decisions == 0 and no_hold.planner.hold is None
 
 
-def test_single_row_is_never_held():
+def test_single_row_is_never_held_while_it_speculates():
     router = scripted_router(lambda b, t, L: 0.040 if b == 1 else 0.1 * b * t)
     for _ in range(3):
         assert router.plan_batch(rows_of(1)).decisions[0].k > 0
     assert router.planner.held_decisions == 0
+
+
+def test_a_settled_plain_single_stream_is_held_until_another_request_runs():
+    """A single stream whose plain plan is settled (decided "same") is held plain without
+    deciding (2, 4, ... steps), its shadow proposals every SHADOW_EVERY_HELD-th step; its first
+    plain decision ("initial") holds nothing; another request, alone or joining, is planned at
+    once."""
+    router = scripted_router(lambda b, t, L: 0.040 * t)  # verifying costs t forwards: plain wins
+    decides = Counter()
+    decide = router.decide
+    router.decide = lambda row: decides.update([row.seq_id]) or decide(row)
+    one = rows_of(1)
+    first = router.plan_batch(one)
+    assert first.decisions[0].chain == ("target",) and first.decisions[0].reason == "initial"
+    assert router.planner.hold is None  # not settled yet
+    second = router.plan_batch(one)
+    assert second.decisions[0].reason == "same" and second.held and router.planner.hold.span == 2
+    held = router.plan_batch(one)
+    assert held.held and decides[0] == 2 and router.planner.held_decisions == 1
+    assert held.shadow_k == 0 or router.observed_steps % router.planner.SHADOW_EVERY_HELD == 0
+    other = [dataclasses.replace(one[0], seq_id=7)]  # another request alone: planned at once
+    assert not router.plan_batch(other).held and decides[7] == 1
+    router.plan_batch(other)  # settled: held
+    two = [other[0], dataclasses.replace(one[0], seq_id=8, batch_size=2)]
+    router.plan_batch(two)  # a request joins: planned at once
+    assert decides[8] == 1
+    router.observed_steps += 2  # single stream again, after the hold
+    router.plan_batch(one)
+    assert decides[0] == 3
 
 
 def test_no_speculation_planned_beyond_the_swept_batch_sizes():

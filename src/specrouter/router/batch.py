@@ -27,6 +27,13 @@ class PlainHold:
     rows: int  # rows + pinned rows of the batch it was found for (it holds for as many or more)
     until: int  # observed step at which the batch is planned again
     span: int  # steps of this hold (doubles while the verdict repeats)
+    seq_id: int | None = None  # a single stream's hold: only while that request runs alone
+
+    def holds(self, rows: Sequence[RowContext], n: int, now: int) -> bool:
+        """Does it hold for a step of `rows` (n with the pinned ones) at observed step `now`?"""
+        if now >= self.until or n < hold_floor(self.rows):
+            return False
+        return self.seq_id is None or (n == 1 and rows[0].seq_id == self.seq_id)
 
 
 @dataclass
@@ -116,7 +123,9 @@ class BatchPlanner:
         a few ms of every ~70 ms step for the same answer. The hold ends when the batch shrinks
         below `hold_floor` (fewer rows make speculation cheaper; more rows only make plain
         batching stronger, so joins keep it), and grows 2, 4, ... up to
-        `RouterConfig.plain_hold_max` steps while the verdict repeats. Shadow proposals (free
+        `RouterConfig.plain_hold_max` steps while the verdict repeats. A single stream is held
+        too once its row's plain plan is settled (decided "same"), while it runs alone (a
+        request joining or replacing it is planned at once). Shadow proposals (free
         evidence for model-free drafters not running) every step, or every
         SHADOW_EVERY_HELD-th while a hold lasts: under load their ~0.3 ms per row is a few % of
         plain batching's step for evidence nobody reads until the hold ends."""
@@ -125,15 +134,20 @@ class BatchPlanner:
         n = len(rows) + len(pinned)
         if not rows:
             decisions = []
-        elif hold is not None and n >= hold_floor(hold.rows) and now < hold.until:
+        elif hold is not None and hold.holds(rows, n, now):
             self.held_decisions += len(rows)  # decided by the hold (no DecisionEvent each)
             decisions = self.all_plain(rows)
         else:
             decisions = self.plan_afresh(rows, pinned)
             limit = router.config.plain_hold_max
-            if n > 1 and limit > 0 and all(d.k == 0 or len(d.chain) == 1 for d in decisions):
+            plain = all(d.k == 0 or len(d.chain) == 1 for d in decisions)
+            # a single stream is held once its plain plan is settled (kept as the best: "same"):
+            # deciding it again every step, its shadow proposals and confident-draft checks cost
+            # ~0.8 ms of a ~9 ms plain step (chat at t=0.7), which target-only does not pay
+            settled = n > 1 or (len(rows) == 1 and decisions[0].reason == "same")
+            if limit > 0 and plain and settled:
                 span = min(limit, 2 * hold.span if hold is not None else 2)
-                self.hold = PlainHold(n, now + span, span)
+                self.hold = PlainHold(n, now + span, span, None if n > 1 else rows[0].seq_id)
             else:
                 self.hold = None
         held = self.hold is not None
@@ -162,6 +176,11 @@ class BatchPlanner:
             return self.all_plain(rows)
         plain = (router.target,)
         decisions = [router.decide(r) for r in rows]
+        if n == 1:
+            # a single stream: the row's own decision already is the argmin of the same cost
+            # model (its own overheads, no other row to slow down); weighing the joint
+            # alternatives cost ~0.2 ms per step and could only undo its hysteresis
+            return decisions
         if n > cfg.sampling_spec_max_batch:
             # a sampled row's acceptance is estimated from similarity (1 - D_TV), above what its
             # coupled drafts get: in the serving bench at t=0.7 and 8 rows the router lost ~3% to

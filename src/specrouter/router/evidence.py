@@ -25,10 +25,12 @@ while both are unchanged.
   The cost rows T_M(b, ., L) are cached per published version too. A tolerance of 0 republishes
   on every change: the published evidence is then the live one.
 - **The key.** `decision_key`: the row's batch size b, its context bucket (L // context_bucket,
-  the cost rows' resolution), the mode, its k cap (remaining tokens), the request's current
-  chain (always evaluated, never pruned), and the router's and the request's evidence versions.
-  The same key means the same inputs, so the cached PlanTable and its argmin (step 1, the
-  expensive part) are exactly those decide() would compute afresh (`decision_cache=False`).
+  the cost rows' resolution), the mode, the request's current chain (always evaluated, never
+  pruned), and the router's and the request's evidence versions. The same key means the same
+  inputs, so the cached PlanTable and its argmin (step 1, the expensive part) are exactly those
+  decide() would compute afresh (`decision_cache=False`). The table always spans k = 1..k_max
+  and a row's k cap (its remaining tokens) only limits the argmin (`CachedPlans.best`): the cap
+  shrinking near a request's end was a quarter of the misses on the mixed stream.
   Hysteresis (step 2) is a few comparisons on that table and runs at every call, so its
   counters and switches are exactly those of an uncached router.
 - **Exploration is not cached.** Probing (step 3) runs after the lookup on its own schedule,
@@ -74,23 +76,45 @@ class RequestEvidence:
 
 @dataclass(frozen=True)
 class CachedPlans:
-    """Step 1 of a decision (policy.py `Router._plans`): the row's PlanTable and its argmin."""
+    """Step 1 of a decision (policy.py `Router._plans`): the row's PlanTable over every k up to
+    `RouterConfig.k_max`, and its argmin per k cap (`best`)."""
 
     key: tuple  # decision_key
     table: PlanTable  # every chain x k, all overheads (plan_batch weighs alternatives with it too)
     costs: Mapping[str, object]  # the cost rows it was computed from
-    best: tuple[Chain, int]  # its argmin
-    t_best: float
     t_plain: float
     floors: dict = field(default_factory=dict, compare=False)  # plan -> its confidence floor (memo)
+    bests: dict = field(default_factory=dict, compare=False)  # k cap -> (plan, T_eff): argmin (memo)
+
+    def best(self, k_cap: int) -> tuple[tuple[Chain, int], float]:
+        """(plan, T_eff) of least T_eff with k <= k_cap: first minimum, earlier chain, smaller k
+        (column j of the table is k = j + 1 whatever the cap, so one table serves every cap)."""
+        hit = self.bests.get(k_cap)
+        if hit is None:
+            t = self.table.t_eff[:, :k_cap]  # (C, k_cap)
+            i, j = np.unravel_index(int(np.argmin(t)), t.shape)
+            chain = self.table.chains[i]
+            hit = self.bests[k_cap] = ((chain, 0 if len(chain) == 1 else j + 1), float(t[i, j]))
+        return hit
+
+
+KEY_FIELDS = ("batch", "context", "mode", "chain", "version", "request_version", "certain")  # decision_key's
 
 
 @dataclass
 class CacheStats:
-    """Decision cache lookups (decisions that could be cached: k cap >= 1, more than one chain)."""
+    """Decision cache lookups (decisions that could be cached: k cap >= 1, more than one chain),
+    and per key field, the misses where it changed (a request's first decision: "first")."""
 
     hits: int = 0
     misses: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def miss(self, old_key: tuple | None, key: tuple) -> None:
+        self.misses += 1
+        changed = ["first"] if old_key is None else [f for f, a, b in zip(KEY_FIELDS, old_key, key) if a != b]
+        for f in changed or ["off"]:
+            self.reasons[f] = self.reasons.get(f, 0) + 1
 
     @property
     def hit_rate(self) -> float:
@@ -114,20 +138,26 @@ def moved(live: Mapping, published: Mapping, tolerance: float, threshold: float 
     return any(crossed(v, published[k], tolerance, threshold) for k, v in live.items())
 
 
-def material_change(live: Published, published: Published, config: RouterConfig) -> bool:
-    """Does `live` differ from `published` enough to republish (module docstring)?"""
+def material_change(live: Published, published: Published, config: RouterConfig) -> str:
+    """What in `live` differs from `published` enough to republish (module docstring): the
+    first such part's name, "" when nothing did."""
     seconds = config.decision_time_tolerance * published.scale
-    return (live.failed != published.failed or live.jumps != published.jumps
-            or live.observed - published.observed >= config.decision_refresh
-            or moved(live.priors, published.priors, config.decision_tolerance, config.prune_below)
-            or moved(live.hits, published.hits, config.decision_hit_tolerance, config.prune_below)
-            or moved(live.steps, published.steps, seconds) or moved(live.times, published.times, seconds))
+    checks = (
+        ("failed", lambda: live.failed != published.failed),
+        ("jumps", lambda: live.jumps != published.jumps),
+        ("refresh", lambda: live.observed - published.observed >= config.decision_refresh),
+        ("priors", lambda: moved(live.priors, published.priors, config.decision_tolerance, config.prune_below)),
+        ("hits", lambda: moved(live.hits, published.hits, config.decision_hit_tolerance, config.prune_below)),
+        ("steps", lambda: moved(live.steps, published.steps, seconds)),
+        ("times", lambda: moved(live.times, published.times, seconds)),
+    )
+    return next((name for name, check in checks if check()), "")
 
 
-def decision_key(batch_size: int, context_bucket: int, mode: str, k_cap: int, chain: Chain | None,
+def decision_key(batch_size: int, context_bucket: int, mode: str, chain: Chain | None,
                  version: int, request_version: int, certain: float = 0.0) -> tuple:
     """What step 1 depends on (module docstring): equal keys, equal PlanTables."""
-    return (batch_size, context_bucket, mode, k_cap, chain, version, request_version, certain)
+    return (batch_size, context_bucket, mode, chain, version, request_version, certain)
 
 
 def certain_bucket(rate: float) -> float:
@@ -151,6 +181,7 @@ class EvidenceBoard:
         self._cost_version = -1  # the published version the cost rows are of
         self._predict_cache: dict[tuple[str, int, float, int], float] = {}
         self._predict_version = -1
+        self.publications: dict[str, int] = {}  # why the evidence was republished: count per reason
 
     def changed(self) -> None:
         """Router-side evidence changed (an overhead, a release, a failure, a new mode, the
@@ -164,7 +195,9 @@ class EvidenceBoard:
         if self.published is None or seen != self._seen:
             self._seen = seen
             live = self._snapshot()
-            if self.published is None or material_change(live, self.published, r.config):
+            reason = "first" if self.published is None else material_change(live, self.published, r.config)
+            if reason:
+                self.publications[reason] = self.publications.get(reason, 0) + 1
                 version = 0 if self.published is None else self.published.version + 1
                 self.published = dataclasses.replace(live, version=version)
         return self.published

@@ -33,8 +33,8 @@ pool order (cheapest first, target last) and the names of model-free drafters.
 5. The decision cache (router/evidence.py, `EvidenceBoard`): decide() reads the evidence as
    published, which changes only when the live estimates move materially (or a model fails or
    slows down), and step 1 (the PlanTable, the expensive part) is reused per row while its key
-   holds: the same batch size, context bucket, k cap, chain and evidence versions. Steps 2-3
-   run every call.
+   holds: the same batch size, context bucket, chain and evidence versions (the table spans
+   every k; a row's k cap only limits its argmin). Steps 2-3 run every call.
 
 The engine sees the router through `RouterProtocol` (router/protocol.py): `plan_batch` (the
 step's batch, router/batch.py `BatchPlanner`, which owns the plain hold, the batch calibration
@@ -329,16 +329,18 @@ class Router:
         idx = [i for i, c in enumerate(self.chains) if i == 0 or (
             published.failed.isdisjoint(c)
             and (not prune or i == keep or viable(c, costs, alphas, self.model_free, cfg.prune_below)))]
-        plan = best_plan([self.chains[i] for i in idx], k_cap, costs=costs, alphas=alphas,
+        # always k = 1..k_max, cut to k_cap: a column's values do not depend on the cap
+        # (CachedPlans.best), and computed alike whatever the cap they are equal bit for bit
+        plan = best_plan([self.chains[i] for i in idx], cfg.k_max, costs=costs, alphas=alphas,
                          overhead=published.times["spec"] + router,
                          draft_step_overhead=published.times["draft_step"])
-        shape = (len(self.chains), k_cap)
+        shape = (len(self.chains), cfg.k_max)
         t, latency, tokens = np.full(shape, np.inf), np.full(shape, np.nan), np.full(shape, np.nan)
         t[idx], latency[idx], tokens[idx] = plan.table.t_eff, plan.table.expected_latency, plan.table.expected_tokens
         t[0] += published.times["plain"] + router  # chains[0] is (target,): one token per cycle
         latency[0] += published.times["plain"] + router
-        return PlanTable(chains=tuple(self.chains), ks=plan.table.ks, t_eff=t, expected_tokens=tokens,
-                         expected_latency=latency)
+        return PlanTable(chains=tuple(self.chains), ks=plan.table.ks[:k_cap], t_eff=t[:, :k_cap],
+                         expected_tokens=tokens[:, :k_cap], expected_latency=latency[:, :k_cap])
 
     def evaluate(self, row: RowContext, req: RequestState | None = None, k_cap: int | None = None,
                  prune: bool = False) -> tuple[PlanTable, dict[Pair, float]]:
@@ -375,14 +377,14 @@ class Router:
         version = self.board.current().version
         self.board.request_evidence(req, mode)  # published for this key (the log and note_alpha read it)
         key = decision_key(max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
-                           mode, k_cap, req.plan[0] if req.plan is not None else None, version, req.version,
+                           mode, req.plan[0] if req.plan is not None else None, version, req.version,
                            certain_bucket(row.certain_rate))
         plans = req.cached
         if cfg.decision_cache and plans is not None and plans.key == key:
             self.cache_stats.hits += 1
         else:
-            self.cache_stats.misses += 1
-            plans = req.cached = self._plans(row, req, k_cap, key)
+            self.cache_stats.miss(plans.key if plans is not None else None, key)
+            plans = req.cached = self._plans(row, req, key)
         decision = self._hysteresis(req, plans, k_cap)
         if self.prober.due():
             decision = self.prober.decide(row, req, mode, k_cap, decision)
@@ -390,24 +392,23 @@ class Router:
         # predicted without the correction, planned cycles with it)
         applied = 1.0 if decision.reason == "probe" else req.corrections.get(decision.chain, 1.0)
         req.pending = (decision.chain, decision.t_eff / applied)
-        return self._log(row, req, mode, decision, prev, plans.best, plans.t_best, plans.t_plain,
-                         req.evidence.alphas, t0)
+        best, t_best = plans.best(k_cap)
+        return self._log(row, req, mode, decision, prev, best, t_best, plans.t_plain, req.evidence.alphas, t0)
 
-    def _plans(self, row: RowContext, req: RequestState, k_cap: int, key: tuple) -> CachedPlans:
-        """Step 1: the row's PlanTable (keeping the request's chain) and its argmin."""
+    def _plans(self, row: RowContext, req: RequestState, key: tuple) -> CachedPlans:
+        """Step 1: the row's PlanTable over k = 1..k_max (keeping the request's chain)."""
         prev = req.plan
         costs, alphas, router = self.inputs(row, req)
         keep = self.chain_index.get(prev[0]) if prev is not None else None
-        table = corrected(self.table(costs, alphas, router, k_cap, keep=keep), self.chain_index, req.corrections)
-        t = table.t_eff
-        bi, bj = np.unravel_index(int(np.argmin(t)), t.shape)
-        return CachedPlans(key, table, costs, plan_at(self.chains, bi, bj), float(t[bi, bj]), float(t[0, 0]))
+        table = corrected(self.table(costs, alphas, router, self.config.k_max, keep=keep),
+                          self.chain_index, req.corrections)
+        return CachedPlans(key, table, costs, float(table.t_eff[0, 0]))
 
     def _hysteresis(self, req: RequestState, plans: CachedPlans, k_cap: int) -> Decision:
         """Step 2: keep the request's plan unless the best is enough faster (module docstring);
         updates the request's plan, hysteresis counter and epoch."""
         cfg = self.config
-        prev, t, best, t_best = req.plan, plans.table.t_eff, plans.best, plans.t_best
+        (best, t_best), prev, t = plans.best(k_cap), req.plan, plans.table.t_eff
         plain = (self.target,)
         jumps = self.profile.jumps
         ci = self.chain_index.get(prev[0]) if prev is not None else None

@@ -1,0 +1,140 @@
+"""Where an engine step's host time goes around the executor (docs/router.md, "The router's own
+time"): SpecRouter and target-only, request by request in turn on the same prompts (the bench's
+mixed stream, or one workload), each engine part timed per step. Per system: ms per step of the
+whole step, the executor, and each part outside it (the router's plan_batch and observe_step,
+the tree policy, shadow proposals and their judging, confident-draft checks); SpecRouter's plain
+steps apart, against target-only's steps (what a settled-plain cycle costs over target-only).
+
+    python benchmarks/router_overhead.py [--workload mixed|chat|...] [--temperature 0] [--prompts-per-type 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+from specrouter.api import SpecRouter
+from specrouter.bench.run import BenchConfig, build_scenarios
+from specrouter.bench.systems import AdaptiveSystem, Decoding, NativeSystem
+from specrouter.engine import engine as engine_module
+from specrouter.models.default_pool import default_pool_paths
+from specrouter.router.setup import load_or_sweep_profile
+
+PARTS = ("plan_batch", "observe_step", "tree_shapes", "tree_observe", "shadow_proposals", "judge_shadows",
+         "confident_offers", "executor")
+INSIDE = ("decide", "plans", "board")  # inside plan_batch: decide(), its PlanTables (cache misses), board.current()
+
+
+class Timers:
+    """Seconds per named part, summed; `kind` labels the engine step being timed."""
+
+    def __init__(self):
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self.steps: dict[str, int] = defaultdict(int)
+        self.system = ""
+        self.current: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[name] += time.perf_counter() - t0
+        return timed
+
+
+def instrument(system, timers: Timers) -> None:
+    engine = system.sr.engine
+    if engine.router is not None:
+        engine.router.plan_batch = timers.wrap("plan_batch", engine.router.plan_batch)
+        engine.router.observe_step = timers.wrap("observe_step", engine.router.observe_step)
+        engine.router.decide = timers.wrap("decide", engine.router.decide)
+        engine.router._plans = timers.wrap("plans", engine.router._plans)
+        engine.router.board.current = timers.wrap("board", engine.router.board.current)
+    if engine.tree_policy is not None:
+        engine.tree_policy.shapes = timers.wrap("tree_shapes", engine.tree_policy.shapes)
+        engine.tree_policy.observe = timers.wrap("tree_observe", engine.tree_policy.observe)
+    executor_step = engine.executor.step
+
+    def step(rows, plans, *args, **kwargs):
+        timers.current["plain" if all(len(c) == 1 or k == 0 for c, k in plans) else "spec"] += 1
+        return timers.wrap("executor", executor_step)(rows, plans, *args, **kwargs)
+
+    engine.executor.step = step
+    engine_step = engine.step
+
+    def whole():
+        timers.current.clear()
+        t0 = time.perf_counter()
+        out = engine_step()
+        wall = time.perf_counter() - t0
+        kind = "plain" if timers.current.get("plain") else "spec" if timers.current.get("spec") else "none"
+        key = f"{system.name} {kind}"
+        timers.steps[key] += 1
+        timers.seconds[(key, "step")] += wall
+        for part in PARTS + INSIDE:
+            timers.seconds[(key, part)] += timers.current.get(part, 0.0)
+        return out
+
+    engine.step = whole
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="mixed")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--prompts-per-type", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    for name in ("shadow_proposals", "judge_shadows", "confident_offers"):
+        setattr(engine_module, name, TIMERS.wrap(name, getattr(engine_module, name)))
+    sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
+    pool = sr.pool
+    profile = load_or_sweep_profile(pool, progress=False)
+    systems = [NativeSystem(pool, "target-only", (pool.target,), None),
+               AdaptiveSystem(pool, "SpecRouter", profile=profile, progress=False)]
+    for s in systems:
+        s.reset()
+        s.run(sr.encode("hello"), Decoding(0.0, 8, 0))  # first forwards allocate
+        instrument(s, TIMERS)
+    cfg = BenchConfig(workloads=(args.workload,), prompts_per_type=args.prompts_per_type,
+                      temperatures=(args.temperature,), slowdown=False, hf="none", peers=False)
+    scenario = build_scenarios(cfg)[0]
+    totals = defaultdict(lambda: [0, 0.0])
+    for i, req in enumerate(scenario.workload.requests):
+        ids = sr.encode(req.prompt, chat=req.chat)
+        dec = Decoding(args.temperature, cfg.max_new_tokens, cfg.seed + i)
+        for s in systems[i % 2:] + systems[:i % 2]:
+            out = s.run(ids, dec)
+            totals[s.name][0] += len(out.token_ids)
+            totals[s.name][1] += out.seconds
+    print(f"{scenario.name}, t={args.temperature:g}: tokens/s " + ", ".join(
+        f"{n} {t / s:.1f}" for n, (t, s) in totals.items()))
+    print(f"{'ms per step':24s} {'steps':>6s} {'step':>6s} " + " ".join(f"{p[:12]:>12s}" for p in PARTS)
+          + f" {'other':>7s}")
+    for key, n in sorted(TIMERS.steps.items()):
+        ms = {p: 1e3 * TIMERS.seconds[(key, p)] / n for p in ("step", *PARTS)}
+        other = ms["step"] - sum(ms[p] for p in PARTS)
+        print(f"{key:24s} {n:6d} {ms['step']:6.2f} " + " ".join(f"{ms[p]:12.3f}" for p in PARTS) + f" {other:7.3f}")
+    for key, n in sorted(TIMERS.steps.items()):
+        if key.startswith("SpecRouter"):
+            print(f"{key:24s} inside plan_batch, ms per step: " + " ".join(
+                f"{p} {1e3 * TIMERS.seconds[(key, p)] / n:.3f}" for p in INSIDE))
+    router = systems[1].sr.engine.router
+    stats = router.cache_stats
+    print(f"decision cache: hits {stats.hits}, misses {stats.misses} by changed key field {stats.reasons}; "
+          f"evidence republished {router.board.publications}")
+    print(f"router: decisions cached {router.cache_stats.hits} / {router.cache_stats.hits + router.cache_stats.misses}; "
+          "overheads (ms): " + " ".join(f"{k} {1e3 * v:.3f}" for k, v in router.overhead.items())
+          + f" decide {1e3 * router.decide_seconds:.3f}")
+
+
+TIMERS = Timers()
+
+if __name__ == "__main__":
+    main()
