@@ -166,6 +166,9 @@ class ChainExecutor:
         self.tv_positions = 2  # ... at each row's first this many candidates per level
         self.tv_greedy_rows = True  # ... in greedy rows too (False: in sampled rows only)
         self.certain_drafts = True  # grammar-forced tokens join the drafts (certain_drafts.py)
+        # how many of a model-free tree proposal's nodes a row verifies: (RowWork, TreeProposal)
+        # -> n (0, or a chain of nodes: the main path as a chain); None: all (engine/tree_policy.py)
+        self.prune_tree = None
         self.certain_counts = certain.CertainCounts()  # what the levels did with them
 
     # -- one step ---------------------------------------------------------------------------
@@ -199,7 +202,9 @@ class ChainExecutor:
         for w, shape in zip(work, trees or ()):
             budget, width = shape[0], shape[1]
             depth = min(shape[2], w.cap) if len(shape) > 2 and w.k > 0 else w.k
-            if budget > depth > 0 and width > 1 and not heads_draft and self._tree_ok(w, budget, width, depth):
+            if self._free_tree_ok(w, budget, depth):  # a model-free drafter's tree: its own shape
+                w.k, w.tree_budget = depth, budget
+            elif budget > depth > 0 and width > 1 and not heads_draft and self._tree_ok(w, budget, width, depth):
                 w.k, w.tree_budget, w.tree_width = depth, budget, width
         for name in self._models_in_use(work):
             if name in self.drafters:
@@ -260,6 +265,16 @@ class ChainExecutor:
         return (room > max(budget, width * depth) and not w.seq.params.has_processors
                 and w.seq.grammar is None and w.seq.params.logprobs is None)
 
+    def _free_tree_ok(self, w: RowWork, budget: int, depth: int) -> bool:
+        """A row may verify a model-free drafter's tree (drafters/trees.py): the drafter offers
+        trees, straight below the target, which runs them, with room for the nodes side by side;
+        no history-dependent processor, grammar or logprobs (as `_tree_ok`)."""
+        if not (budget > 0 and depth > 0 and len(w.chain) == 2 and w.chain[0] in self.drafters
+                and self.drafters[w.chain[0]].proposes_trees and self.runners[w.chain[1]].supports_trees):
+            return False
+        return (self.runners[w.chain[1]].max_len - w.start > budget and not w.seq.params.has_processors
+                and w.seq.grammar is None and w.seq.params.logprobs is None)
+
     def _models_in_use(self, work: list[RowWork]) -> list[str]:
         used = {m for w in work for m in w.chain}
         return [m for m in self.order if m in used]
@@ -270,11 +285,19 @@ class ChainExecutor:
         if not work:
             return
         drafter = self.drafters[name]
+        t0 = self.clock()
+        grow = [w for w in work if w.tree_budget]
+        if grow:  # rows verifying a token tree of the drafter's continuations
+            props = drafter.propose_trees([w.seq.tokens for w in grow], [w.tree_budget for w in grow],
+                                          [w.k for w in grow], [w.seq.tenant for w in grow],
+                                          [w.min_confidence for w in grow])
+            for w, prop in zip(grow, props):
+                self._free_tree(w, prop)
+            work = [w for w in work if not w.tree_budget]
         floors = [w.min_confidence for w in work]
         sized = {"min_confidence": floors} if any(floors) and drafter.sized_by_confidence else {}
-        t0 = self.clock()
-        tokens, lengths = drafter.propose([w.seq.tokens for w in work], [w.k for w in work],
-                                          [w.seq.tenant for w in work], **sized)
+        tokens, lengths = (drafter.propose([w.seq.tokens for w in work], [w.k for w in work],
+                                           [w.seq.tenant for w in work], **sized) if work else (torch.zeros(0, 0), torch.zeros(0)))
         for w, toks, m in zip(work, tokens.tolist(), lengths.tolist()):
             w.cand = toks[: min(m, w.cap)]
             if w.seq.grammar is not None:  # only what the grammar allows goes up the chain
@@ -282,11 +305,27 @@ class ChainExecutor:
             if w.forcing and w.cand:  # (before any proposal, jump forward took the forced tokens)
                 certain.propose_after_forced(drafter, w)
             w.drafted[0] = certain.own_count(w, len(w.cand))
+        work = work + grow
         dt = self.clock() - t0
         self._ftime[name] = self._ftime.get(name, 0.0) + dt
         self._fsum += dt
         self._forwards.append(ForwardRecord(model=name, rows=len(work), new_tokens=max(w.k for w in work),
                                             context_len=sum(w.start for w in work) // len(work), seconds=dt))
+
+    def _free_tree(self, w: RowWork, prop) -> None:
+        """Row w's model-free tree proposal (drafters/trees.py `TreeProposal`), pruned to the
+        nodes worth verifying (`prune_tree`: the engine's tree policy; None keeps them all): a
+        tree, or its main path as the row's chain (w.tree None, `tree_budget` 0)."""
+        main = prop.main_path()
+        keep = len(prop) if self.prune_tree is None else self.prune_tree(w, prop)
+        tree = TokenTree(tuple(prop.tokens[:keep].tolist()), tuple(prop.parents[:keep].tolist()))
+        if keep == 0 or tree.is_chain:  # the chain: the main path, as the drafter would propose it
+            w.cand, w.tree_budget = [int(prop.tokens[i]) for i in main], 0
+            w.drafted[0] = len(w.cand)
+            return
+        w.tree, w.tree_ids = tree, list(range(keep))
+        w.cand = [tree.tokens[i] for i in main if i < keep]
+        w.drafted[0] = len(w.cand)
 
     def _draft_steps(self, name: str, work: list[RowWork], first: list[int], first_logits: torch.Tensor,
                      sampling: SamplingTensors) -> None:
@@ -437,9 +476,10 @@ class ChainExecutor:
             runner.move_kv(self.state.state(w.seq.seq_id, name).slot, w.start, nodes)
             self.state.state(w.seq.seq_id, name).speculative = [tree.tokens[i] for i in nodes]
             path = [w.tree_ids[i] for i in nodes]
-            w.ranks = dt.evidence(path, [target[0]] + [target[1 + i] for i in nodes])
+            if dt is not None:  # a model drafter's tree: rank evidence for the shape policy
+                w.ranks = dt.evidence(path, [target[0]] + [target[1 + i] for i in nodes])
             # the router's evidence stays the chain's: its main path, what of it was accepted
-            main = set(dt.main_path())
+            main = set(dt.main_path() if dt is not None else tree.main_path())
             main_acc = 0
             while main_acc < len(path) and path[main_acc] in main:
                 main_acc += 1
