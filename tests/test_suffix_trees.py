@@ -189,10 +189,13 @@ def test_the_router_prunes_suffix_trees_and_stays_exact(pool):
     """With the router on (its TreePolicy prunes each proposal by the measured T(n)), a single
     stream on a suffix chain generates plain decoding's tokens."""
     prompts = repeating_prompts(PROMPT_LENS[:2])
-    sr = named_router(pool, ("target",), "float32", ngram=False, suffix=True)
+    sr = named_router(pool, ("target",), "float32", ngram=False, suffix=True, trees=True)
     plain = _gen(sr, prompts, chain=["target"])
     sr.pool.drafters["suffix"].clear()
     _teach_wrong_turns(sr.pool.drafters["suffix"], prompts, plain)
     assert sr.engine.tree_policy is not None and "suffix" in sr.engine.tree_policy.free
     for p, o in zip(prompts, plain):
         assert _gen(sr, [p]) == [o]
+    assert sr.engine.tree_policy.chosen, "the policy must have verified some suffix trees"
+    # trees are off by default: no tree policy
+    assert named_router(pool, ("target",), "float32", ngram=False, suffix=True).engine.tree_policy is None

@@ -52,6 +52,7 @@ from specrouter.decoding.tv import level_tv
 from specrouter.models.device import synchronize
 from specrouter.decoding.verification import verify_tokens
 from specrouter.decoding.tree import TokenTree, feed_parents, token_offsets, walk
+from specrouter.decoding.free_tree import free_tree_ok, take_free_tree
 from specrouter.decoding.tree_drafting import DraftTree, draft_tree
 from specrouter.records.stats import CycleStats
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
@@ -202,7 +203,7 @@ class ChainExecutor:
         for w, shape in zip(work, trees or ()):
             budget, width = shape[0], shape[1]
             depth = min(shape[2], w.cap) if len(shape) > 2 and w.k > 0 else w.k
-            if self._free_tree_ok(w, budget, depth):  # a model-free drafter's tree: its own shape
+            if free_tree_ok(self, w, budget, depth):  # a model-free drafter's tree: its own shape
                 w.k, w.tree_budget = depth, budget
             elif budget > depth > 0 and width > 1 and not heads_draft and self._tree_ok(w, budget, width, depth):
                 w.k, w.tree_budget, w.tree_width = depth, budget, width
@@ -265,16 +266,6 @@ class ChainExecutor:
         return (room > max(budget, width * depth) and not w.seq.params.has_processors
                 and w.seq.grammar is None and w.seq.params.logprobs is None)
 
-    def _free_tree_ok(self, w: RowWork, budget: int, depth: int) -> bool:
-        """A row may verify a model-free drafter's tree (drafters/trees.py): the drafter offers
-        trees, straight below the target, which runs them, with room for the nodes side by side;
-        no history-dependent processor, grammar or logprobs (as `_tree_ok`)."""
-        if not (budget > 0 and depth > 0 and len(w.chain) == 2 and w.chain[0] in self.drafters
-                and self.drafters[w.chain[0]].proposes_trees and self.runners[w.chain[1]].supports_trees):
-            return False
-        return (self.runners[w.chain[1]].max_len - w.start > budget and not w.seq.params.has_processors
-                and w.seq.grammar is None and w.seq.params.logprobs is None)
-
     def _models_in_use(self, work: list[RowWork]) -> list[str]:
         used = {m for w in work for m in w.chain}
         return [m for m in self.order if m in used]
@@ -292,7 +283,7 @@ class ChainExecutor:
                                           [w.k for w in grow], [w.seq.tenant for w in grow],
                                           [w.min_confidence for w in grow])
             for w, prop in zip(grow, props):
-                self._free_tree(w, prop)
+                take_free_tree(w, prop, self.prune_tree)
             work = [w for w in work if not w.tree_budget]
         floors = [w.min_confidence for w in work]
         sized = {"min_confidence": floors} if any(floors) and drafter.sized_by_confidence else {}
@@ -311,21 +302,6 @@ class ChainExecutor:
         self._fsum += dt
         self._forwards.append(ForwardRecord(model=name, rows=len(work), new_tokens=max(w.k for w in work),
                                             context_len=sum(w.start for w in work) // len(work), seconds=dt))
-
-    def _free_tree(self, w: RowWork, prop) -> None:
-        """Row w's model-free tree proposal (drafters/trees.py `TreeProposal`), pruned to the
-        nodes worth verifying (`prune_tree`: the engine's tree policy; None keeps them all): a
-        tree, or its main path as the row's chain (w.tree None, `tree_budget` 0)."""
-        main = prop.main_path()
-        keep = len(prop) if self.prune_tree is None else self.prune_tree(w, prop)
-        tree = TokenTree(tuple(prop.tokens[:keep].tolist()), tuple(prop.parents[:keep].tolist()))
-        if keep == 0 or tree.is_chain:  # the chain: the main path, as the drafter would propose it
-            w.cand, w.tree_budget = [int(prop.tokens[i]) for i in main], 0
-            w.drafted[0] = len(w.cand)
-            return
-        w.tree, w.tree_ids = tree, list(range(keep))
-        w.cand = [tree.tokens[i] for i in main if i < keep]
-        w.drafted[0] = len(w.cand)
 
     def _draft_steps(self, name: str, work: list[RowWork], first: list[int], first_logits: torch.Tensor,
                      sampling: SamplingTensors) -> None:
