@@ -5,12 +5,17 @@ system on the same prompts (issue 28's first goal: a tree's tokens per verificat
 best chain's at the same number of verified tokens).
 
 A chain of k drafts verifies k + 1 tokens; a tree of N nodes verifies N + 1 (its root is the
-chain's first token). `tree:K:N:W`: a tree the draft grows K deep (K draft forwards, like a chain
+chain's first token); `verified` is the mean measured per target forward (a suffix chain or tree
+is often shorter than asked: the drafter proposes what its match offers). `tree:K:N:W`: a tree the draft grows K deep (K draft forwards, like a chain
 of K), expanding the W best nodes of each depth into their W best children each, of which the
 target verifies the N best by cumulative draft probability (decoding/tree_drafting.py).
+`suffix:K`: the suffix drafter's chain of at most K; `suffix-tree:K:N`: its tree of every
+continuation of its match weighted by frequency, at most N nodes, K deep (drafters/trees.py).
+Learning drafters start every system with nothing learned (they learn across its prompts).
 
     python benchmarks/tree_acceptance.py [--kinds code prose chat] [--prompts 3] [--tokens 48]
         [--temperature 0] [--threads 2]
+        [--configs plain chain:4 tree:3:4:2 suffix:8 suffix-tree:8:15]
 """
 
 from __future__ import annotations
@@ -22,26 +27,33 @@ import torch
 
 from specrouter import SpecRouter
 from specrouter.bench.workloads import requests_of
+from specrouter.drafters.suffix import SuffixDrafter
 from specrouter.engine.tree_policy import FixedTreeShape
 
 
 class Count(FixedTreeShape):
-    """A fixed tree shape (budget 0: the chain) that also counts target verifications."""
+    """A fixed tree shape (budget 0: the chain) that also counts target verifications and the
+    tokens they verified (a tree's nodes + 1, a chain's candidates + 1)."""
 
     def __init__(self, budget: int, width: int, target: str):
         super().__init__(budget, width)
-        self.target, self.forwards, self.tokens = target, 0, 0
+        self.target, self.forwards, self.verified = target, 0, 0
 
     def observe(self, result, rows) -> None:
         super().observe(result, rows)
         self.forwards += sum(f.count for f in result.forwards if f.model == self.target)
-        self.tokens += sum(len(s.tokens) for s in rows)  # minus the lengths before: below
+        trees = {t.seq_id: t for t in result.trees}
+        self.verified += sum(trees[o.seq_id].nodes + 1 if o.seq_id in trees else (o.drafted[-1] if len(o.chain) > 1 else 0) + 1
+                             for o in result.outcomes)
 
 
 def run(sr: SpecRouter, prompts, chain, k, shape, tokens: int, temperature: float):
     target = sr.pool.target
     counter = Count(*shape, target=target)
     sr.engine.tree_policy = counter
+    for d in sr.pool.drafters.values():  # a learning drafter starts each system with nothing learned
+        if isinstance(d, SuffixDrafter):
+            d.clear()
     committed, wall = 0, 0.0
     for p, chat in prompts:
         t0 = time.perf_counter()
@@ -49,7 +61,7 @@ def run(sr: SpecRouter, prompts, chain, k, shape, tokens: int, temperature: floa
                         temperature=temperature, seed=1)[0]
         wall += time.perf_counter() - t0
         committed += len(r.token_ids)
-    return committed, counter.forwards, wall, counter.outcomes
+    return committed, counter.forwards, wall, counter.outcomes, counter.verified
 
 
 def main() -> None:
@@ -75,22 +87,27 @@ def main() -> None:
     print(f"pool: {sr.pool.order}, draft {draft}; {len(prompts)} prompts x {args.tokens} tokens, "
           f"temperature {args.temperature}")
     print(describe(provenance()))
-    print(f"{'system':<16} {'verified':>8} {'tok/verif':>9} {'tok/s':>7} {'alt-acc':>7}")
+    print(f"{'system':<18} {'verified':>8} {'tok/verif':>9} {'tok/s':>7} {'alt-acc':>7} {'trees':>5}")
     base = None
     for c in configs:
         parts = c.split(":")
         if parts[0] == "plain":
-            chain, k, shape, verified = [sr.pool.target], None, (0, 1), 1
+            chain, k, shape = [sr.pool.target], None, (0, 1)
         elif parts[0] == "chain":
-            chain, k, shape, verified = [draft, sr.pool.target], int(parts[1]), (0, 1), int(parts[1]) + 1
-        else:
+            chain, k, shape = [draft, sr.pool.target], int(parts[1]), (0, 1)
+        elif parts[0] == "tree":
             chain, k = [draft, sr.pool.target], int(parts[1])
-            shape, verified = (int(parts[2]), int(parts[3])), int(parts[2]) + 1
-        committed, forwards, wall, outcomes = run(sr, prompts, chain, k, shape, args.tokens, args.temperature)
+            shape = (int(parts[2]), int(parts[3]))
+        elif parts[0] == "suffix":  # the suffix drafter's chain of at most k
+            chain, k, shape = ["suffix", sr.pool.target], int(parts[1]), (0, 1)
+        else:  # suffix-tree:K:N: its tree of at most N nodes, K deep, verified whole
+            chain, k, shape = ["suffix", sr.pool.target], int(parts[1]), (int(parts[2]), 1)
+        committed, forwards, wall, outcomes, verified = run(sr, prompts, chain, k, shape, args.tokens, args.temperature)
         alt = sum(o.accepted > o.main_accepted for o in outcomes)
         tps = committed / wall
         base = base or tps
-        print(f"{c:<16} {verified:>8} {committed / forwards:>9.3f} {tps:>7.1f} {alt:>7}  ({tps / base:.2f}x plain)")
+        print(f"{c:<18} {verified / forwards:>8.2f} {committed / forwards:>9.3f} {tps:>7.1f} {alt:>7} {len(outcomes):>5}"
+              f"  ({tps / base:.2f}x plain)")
     print(describe(provenance()))
 
 

@@ -70,8 +70,9 @@ class SpecRouter:
 
             profile, target = router.profile, pool.target
             drafters = frozenset(m for m in pool.runners if m != target and m not in pool.heads)
+            free = frozenset(n for n, d in pool.drafters.items() if d.proposes_trees)
             self.engine.tree_policy = TreePolicy(lambda n, L: profile.predict(target, 1, n, L),
-                                                 lambda d, n, L: profile.predict(d, 1, n, L), drafters)
+                                                 lambda d, n, L: profile.predict(d, 1, n, L), drafters, free=free)
 
     @classmethod
     def from_config(cls, config: SpecRouterConfig, *, progress: bool = False) -> "SpecRouter":
@@ -110,6 +111,7 @@ class SpecRouter:
         threads: int | None = None,
         router_config: RouterConfig | None = None,
         device: str = "auto",
+        trees: bool = False,
     ) -> "SpecRouter":
         """Load a pool: "default" (the embedded pool: n-gram, the shipped draft,
         SmolLM2-135M-Instruct), or HF checkpoint directories / .gguf files, plus the
@@ -124,7 +126,10 @@ class SpecRouter:
 
         `device`: "auto" (the first CUDA GPU when torch sees one, else the CPU), "cpu", "cuda"
         or "cuda:N"; a CUDA device torch cannot use here raises DeviceError before any weights
-        load (docs/gpu.md)."""
+        load (docs/gpu.md).
+
+        `trees`: the router may verify token trees instead of chains where they pay
+        (`EngineConfig.trees`, docs/trees.md; off by default)."""
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         models = [paths] if isinstance(paths, (str, Path)) else list(paths)
@@ -133,7 +138,7 @@ class SpecRouter:
                           ngram=ngram, suffix=suffix, threads=threads, device=str(device),
                           trust_remote_code=trust_remote_code,
                           profile_path=str(profile_path) if profile_path is not None else None)
-        config = SpecRouterConfig(pool=pool, engine=EngineConfig(adaptive=adaptive),
+        config = SpecRouterConfig(pool=pool, engine=EngineConfig(adaptive=adaptive, trees=trees),
                                   router=router_config or RouterConfig())
         return cls.from_config(config, progress=progress)
 

@@ -508,7 +508,9 @@ class EngineConfig:
     adaptive: bool = True  # the router picks chain and k per request every cycle; False: the pool's default chain
     prefix_cache: bool = True  # reuse the KV of earlier requests' shared prefixes (state/prefix_cache.py)
     kv_cache_gb: float | None = None  # parked-KV budget of the prefix cache; None: a tenth of RAM, at most 4 GiB
-    trees: bool = True  # the router may verify token trees instead of chains where they pay (docs/trees.md)
+    # the router may verify token trees instead of chains where its tree policy predicts a gain;
+    # off by default: measured, trees gained nothing on any workload (docs/trees.md "Trees by default")
+    trees: bool = False
 
     def __post_init__(self) -> None:
         check_kv_cache_gb(self.kv_cache_gb)

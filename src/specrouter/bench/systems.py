@@ -72,7 +72,7 @@ class System:
         pass
 
 
-def _config(prefix_cache: bool, trees: bool = True) -> SpecRouterConfig:
+def _config(prefix_cache: bool, trees: bool = False) -> SpecRouterConfig:
     return SpecRouterConfig(engine=EngineConfig(prefix_cache=prefix_cache, trees=trees))
 
 
@@ -120,7 +120,7 @@ class AdaptiveSystem(System):
 
     def __init__(self, pool, name: str = "SpecRouter", *, profile_path: str | Path | None = None,
                  progress: bool = True, profile=None, router_config: RouterConfig | None = None,
-                 prefix_cache: bool = False, trees: bool = True):
+                 prefix_cache: bool = False, trees: bool = False):
         self.pool, self.name = pool, name
         self.trees = trees  # the router may verify token trees (EngineConfig.trees)
         self.prefix_cache = prefix_cache

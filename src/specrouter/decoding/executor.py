@@ -52,6 +52,7 @@ from specrouter.decoding.tv import level_tv
 from specrouter.models.device import synchronize
 from specrouter.decoding.verification import verify_tokens
 from specrouter.decoding.tree import TokenTree, feed_parents, token_offsets, walk
+from specrouter.decoding.free_tree import free_tree_ok, take_free_tree
 from specrouter.decoding.tree_drafting import DraftTree, draft_tree
 from specrouter.records.stats import CycleStats
 from specrouter.models.runners.base import ForwardBatch, ModelRunner
@@ -166,6 +167,9 @@ class ChainExecutor:
         self.tv_positions = 2  # ... at each row's first this many candidates per level
         self.tv_greedy_rows = True  # ... in greedy rows too (False: in sampled rows only)
         self.certain_drafts = True  # grammar-forced tokens join the drafts (certain_drafts.py)
+        # how many of a model-free tree proposal's nodes a row verifies: (RowWork, TreeProposal)
+        # -> n (0, or a chain of nodes: the main path as a chain); None: all (engine/tree_policy.py)
+        self.prune_tree = None
         self.certain_counts = certain.CertainCounts()  # what the levels did with them
 
     # -- one step ---------------------------------------------------------------------------
@@ -199,7 +203,9 @@ class ChainExecutor:
         for w, shape in zip(work, trees or ()):
             budget, width = shape[0], shape[1]
             depth = min(shape[2], w.cap) if len(shape) > 2 and w.k > 0 else w.k
-            if budget > depth > 0 and width > 1 and not heads_draft and self._tree_ok(w, budget, width, depth):
+            if free_tree_ok(self, w, budget, depth):  # a model-free drafter's tree: its own shape
+                w.k, w.tree_budget = depth, budget
+            elif budget > depth > 0 and width > 1 and not heads_draft and self._tree_ok(w, budget, width, depth):
                 w.k, w.tree_budget, w.tree_width = depth, budget, width
         for name in self._models_in_use(work):
             if name in self.drafters:
@@ -270,11 +276,19 @@ class ChainExecutor:
         if not work:
             return
         drafter = self.drafters[name]
+        t0 = self.clock()
+        grow = [w for w in work if w.tree_budget]
+        if grow:  # rows verifying a token tree of the drafter's continuations
+            props = drafter.propose_trees([w.seq.tokens for w in grow], [w.tree_budget for w in grow],
+                                          [w.k for w in grow], [w.seq.tenant for w in grow],
+                                          [w.min_confidence for w in grow])
+            for w, prop in zip(grow, props):
+                take_free_tree(w, prop, self.prune_tree)
+            work = [w for w in work if not w.tree_budget]
         floors = [w.min_confidence for w in work]
         sized = {"min_confidence": floors} if any(floors) and drafter.sized_by_confidence else {}
-        t0 = self.clock()
-        tokens, lengths = drafter.propose([w.seq.tokens for w in work], [w.k for w in work],
-                                          [w.seq.tenant for w in work], **sized)
+        tokens, lengths = (drafter.propose([w.seq.tokens for w in work], [w.k for w in work],
+                                           [w.seq.tenant for w in work], **sized) if work else (torch.zeros(0, 0), torch.zeros(0)))
         for w, toks, m in zip(work, tokens.tolist(), lengths.tolist()):
             w.cand = toks[: min(m, w.cap)]
             if w.seq.grammar is not None:  # only what the grammar allows goes up the chain
@@ -282,6 +296,7 @@ class ChainExecutor:
             if w.forcing and w.cand:  # (before any proposal, jump forward took the forced tokens)
                 certain.propose_after_forced(drafter, w)
             w.drafted[0] = certain.own_count(w, len(w.cand))
+        work = work + grow
         dt = self.clock() - t0
         self._ftime[name] = self._ftime.get(name, 0.0) + dt
         self._fsum += dt
@@ -437,9 +452,10 @@ class ChainExecutor:
             runner.move_kv(self.state.state(w.seq.seq_id, name).slot, w.start, nodes)
             self.state.state(w.seq.seq_id, name).speculative = [tree.tokens[i] for i in nodes]
             path = [w.tree_ids[i] for i in nodes]
-            w.ranks = dt.evidence(path, [target[0]] + [target[1 + i] for i in nodes])
+            if dt is not None:  # a model drafter's tree: rank evidence for the shape policy
+                w.ranks = dt.evidence(path, [target[0]] + [target[1 + i] for i in nodes])
             # the router's evidence stays the chain's: its main path, what of it was accepted
-            main = set(dt.main_path())
+            main = set(dt.main_path() if dt is not None else tree.main_path())
             main_acc = 0
             while main_acc < len(path) and path[main_acc] in main:
                 main_acc += 1

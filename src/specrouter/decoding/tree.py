@@ -70,6 +70,16 @@ class TokenTree:
             node = self.parents[node]
         return out[::-1]
 
+    def main_path(self) -> list[int]:
+        """The first child of every node from the root down (a drafter that orders children
+        best first: the chain it would have proposed)."""
+        out, node = [], -1
+        for i, p in enumerate(self.parents):
+            if p == node:
+                out.append(i)
+                node = i
+        return out
+
     def truncated(self, n: int) -> "TokenTree":
         """Its first n nodes (still a tree: parents come first)."""
         return TokenTree(self.tokens[:n], self.parents[:n])

@@ -9,6 +9,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from specrouter.drafters.trees import TreeProposal
+
 
 @dataclass(frozen=True)
 class Proposal:
@@ -36,6 +38,7 @@ class DrafterProtocol(Protocol):
     name: str  # its name in a pool
     is_model_free: bool  # True (the cost profile times a proposal, not a forward)
     sized_by_confidence: bool  # propose() honours min_confidence (stops below the router's floor)
+    proposes_trees: bool  # propose_trees() offers several continuations (drafters/trees.py)
 
     def propose(self, contexts: Sequence[Sequence[int]], k: int | Sequence[int],
                 tenants: Sequence[str | None] | None = None,
@@ -50,6 +53,14 @@ class DrafterProtocol(Protocol):
                     min_confidence: float | None = None) -> Proposal:
         """One row's proposal with its confidences and match length (the engine's
         confident-draft check)."""
+        ...
+
+    def propose_trees(self, contexts: Sequence[Sequence[int]], budgets: Sequence[int], k: Sequence[int],
+                      tenants: Sequence[str | None] | None = None,
+                      min_confidence: Sequence[float] | None = None) -> list[TreeProposal]:
+        """Per row a token tree of at most `budgets[b]` nodes, `k[b]` deep, best-first
+        (drafters/trees.py; its main path is the chain `propose` would give). A drafter whose
+        `proposes_trees` is False returns its chain as the tree."""
         ...
 
     def observe_request(self, tokens: Sequence[int], tenant: str | None = None) -> None:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from specrouter.drafters.base import Proposal, as_int64, draft_lengths, pad_drafts
+from specrouter.drafters.trees import TreeProposal
 
 __all__ = ["NgramConfig", "NgramDrafter", "ngram_lookup"]
 
@@ -99,6 +100,7 @@ class NgramDrafter:
     name = "ngram"
     is_model_free = True
     sized_by_confidence = False  # min_confidence is ignored
+    proposes_trees = False  # one continuation (the most recent occurrence's); the suffix drafter's request tree has them all
 
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()
@@ -132,6 +134,17 @@ class NgramDrafter:
         tokens, match_len = ngram_lookup(as_int64(context), k, cfg.max_ngram, cfg.min_ngram, cfg.max_lookback)
         tokens = np.array(tokens, dtype=np.int64)  # a copy: not a view of the context
         return Proposal(tokens, np.zeros(tokens.shape[0]), match_len)
+
+    def propose_trees(self, contexts, budgets: Sequence[int], k: Sequence[int],
+                      tenants: Sequence[str | None] | None = None,
+                      min_confidence: Sequence[float] | None = None) -> list[TreeProposal]:
+        """Its chain as a tree (`proposes_trees` is False), at most `budgets[b]` nodes."""
+        out = []
+        for ctx, n, kb in zip(contexts, budgets, k):
+            tokens = self.propose_row(ctx, min(kb, n)).tokens
+            out.append(TreeProposal(tokens, np.arange(-1, tokens.shape[0] - 1, dtype=np.int64),
+                                    np.zeros(tokens.shape[0]), 0))
+        return out
 
     def observe_request(self, tokens: Sequence[int], tenant: str | None = None) -> None:
         """Nothing to learn: a lookup reads the row's own context only."""

@@ -75,10 +75,10 @@ import numpy as np
 import torch
 
 from specrouter.drafters.base import EMPTY, Proposal, as_int64, draft_lengths, pad_drafts
+from specrouter.drafters.trees import EMPTY_TREE, SEPARATOR, TreeProposal, grow, merge
 
 __all__ = ["SuffixConfig", "SuffixDrafter", "SuffixStore", "Proposal", "match", "walk"]
 
-SEPARATOR = -1  # between requests in a store's buffer; matches no token
 
 
 @dataclass(frozen=True)
@@ -171,20 +171,41 @@ def _proposal_cap(cfg: SuffixConfig, n: int, k: int) -> int:
     return min(k, math.ceil(cfg.max_spec_factor * n))
 
 
+def context_matches(context: np.ndarray, cfg: SuffixConfig) -> tuple[np.ndarray, int]:
+    """The request tree's match: (ends of the earlier occurrences of the context's longest
+    suffix in the context itself (at most `max_occurrences`, the most recent), its length n);
+    n = 0: none of at least `min_match` tokens."""
+    L = context.shape[0]
+    none = np.zeros(0, np.int64), 0
+    if L < cfg.min_match + 1:
+        return none
+    ends = np.flatnonzero(context[: L - 1] == context[L - 1])[-cfg.max_occurrences:]  # earlier occurrences
+    if ends.shape[0] == 0:
+        return none
+    ends, n = match(context, ends, context, cfg.max_depth, 1)
+    return (ends, n) if n >= cfg.min_match else none
+
+
 def propose_from_context(context: np.ndarray, k: int, cfg: SuffixConfig, min_prob: float | None = None) -> Proposal:
     """The request tree: the longest earlier match of the context's suffix in the context
     (`min_prob`: where the proposal stops, default `cfg.min_token_prob`)."""
-    L = context.shape[0]
-    if k <= 0 or L < cfg.min_match + 1:
+    if k <= 0:
         return EMPTY
-    ends = np.flatnonzero(context[: L - 1] == context[L - 1])[-cfg.max_occurrences:]  # earlier occurrences
-    if ends.shape[0] == 0:
+    ends, n = context_matches(context, cfg)
+    if n == 0:
         return EMPTY
-    ends, n = match(context, ends, context, cfg.max_depth, 1)
-    if n < cfg.min_match:
-        return EMPTY
-    p = walk(context, ends, L, _proposal_cap(cfg, n, k), cfg.min_token_prob if min_prob is None else min_prob)
+    p = walk(context, ends, context.shape[0], _proposal_cap(cfg, n, k),
+             cfg.min_token_prob if min_prob is None else min_prob)
     return Proposal(p.tokens, p.confidence, n)
+
+
+def tree_from_context(context: np.ndarray, budget: int, k: int, cfg: SuffixConfig, min_prob: float) -> TreeProposal:
+    """The request tree's continuations as a token tree (drafters/trees.py): every earlier
+    occurrence of the longest matched suffix, at most `budget` nodes, `_proposal_cap` deep."""
+    ends, n = context_matches(context, cfg)
+    if n == 0 or k <= 0:
+        return EMPTY_TREE
+    return grow(context, ends, context.shape[0], budget, _proposal_cap(cfg, n, k), min_prob, n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,21 +474,37 @@ class SuffixStore:
             ends = ends[ends.searchsorted(self.live):]
         return ends[-limit:]
 
-    def propose(self, context: np.ndarray, k: int, cfg: SuffixConfig, min_prob: float | None = None) -> Proposal:
+    def matches(self, context: np.ndarray, cfg: SuffixConfig) -> tuple[np.ndarray, int]:
+        """(ends in `buf` of the occurrences of the context's longest suffix (the most recent
+        `max_occurrences` of its last bigram), its length n); n = 0: no match of `min_match`."""
         L = context.shape[0]
-        if k <= 0 or L < cfg.min_match or not self.lengths:
-            return EMPTY
+        none = np.zeros(0, np.int64), 0
+        if L < cfg.min_match or not self.lengths:
+            return none
         a, b = int(context[L - 2]), int(context[L - 1])
         if a < 0 or b < 0:
-            return EMPTY
+            return none
         ends = self.occurrences((a << 32) | b, cfg.max_occurrences) - self.base  # (E,) most recent ones
         if ends.shape[0] == 0:
-            return EMPTY
+            return none
         ends, n = match(self.buf, ends, context, cfg.max_depth, 2)
-        if n < cfg.min_match:
+        return (ends, n) if n >= cfg.min_match else none
+
+    def propose(self, context: np.ndarray, k: int, cfg: SuffixConfig, min_prob: float | None = None) -> Proposal:
+        if k <= 0:
+            return EMPTY
+        ends, n = self.matches(context, cfg)
+        if n == 0:
             return EMPTY
         p = walk(self.buf, ends, self.n, _proposal_cap(cfg, n, k), cfg.min_token_prob if min_prob is None else min_prob)
         return Proposal(p.tokens, p.confidence, n)
+
+    def propose_tree(self, context: np.ndarray, budget: int, k: int, cfg: SuffixConfig, min_prob: float) -> TreeProposal:
+        """The global tree's continuations as a token tree (drafters/trees.py)."""
+        ends, n = self.matches(context, cfg) if k > 0 else (None, 0)
+        if n == 0:
+            return EMPTY_TREE
+        return grow(self.buf, ends, self.n, budget, _proposal_cap(cfg, n, k), min_prob, n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,6 +534,7 @@ class SuffixDrafter:
     name = "suffix"
     is_model_free = True
     sized_by_confidence = True  # propose() takes min_confidence (the router's break-even acceptance)
+    proposes_trees = True  # propose_trees(): several continuations weighted by frequency
 
     def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = config or SuffixConfig()
@@ -572,6 +610,34 @@ class SuffixDrafter:
             return own  # nothing to learn from, or a certain full proposal (a score of k)
         other = store.propose(context, k, cfg, min_prob)
         return other if other.score > own.score else own
+
+    def propose_tree_row(self, context: np.ndarray, budget: int, k: int, tenant: str | None = None,
+                         min_confidence: float | None = 0.0) -> TreeProposal:
+        """Row's token tree (drafters/trees.py): the union of the request tree's and the tenant's
+        global tree's continuations, at most `budget` nodes and `k` deep, none below
+        max(min_token_prob, min_confidence)."""
+        cfg = self.config
+        if k <= 0 or budget <= 0:
+            return EMPTY_TREE
+        min_prob = max(cfg.min_token_prob, min_confidence or 0.0)
+        own = tree_from_context(context, budget, k, cfg, min_prob)
+        store = self._stores.get(tenant) if cfg.global_tree else None  # one atomic read: a snapshot
+        if store is None:
+            return own
+        return merge([own, store.propose_tree(context, budget, k, cfg, min_prob)], budget)
+
+    def propose_trees(self, contexts, budgets: Sequence[int], k: Sequence[int],
+                      tenants: Sequence[str | None] | None = None,
+                      min_confidence: Sequence[float] | None = None) -> list[TreeProposal]:
+        """`DrafterProtocol.propose_trees`: one token tree per row."""
+        B = len(contexts)
+        floors = [0.0] * B if min_confidence is None else [float(x) for x in min_confidence]
+        t0 = time.perf_counter()
+        out = [self.propose_tree_row(as_int64(ctx), n, kb, None if tenants is None else tenants[b], floors[b])
+               for b, (ctx, n, kb) in enumerate(zip(contexts, budgets, k))]
+        self._proposals += B
+        self._propose_seconds += time.perf_counter() - t0
+        return out
 
     def propose_scored(
         self,

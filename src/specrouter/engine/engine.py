@@ -384,6 +384,7 @@ class Engine:
             plans = [(without_failed(c, self.failed_models, self.pool.target), k) for c, k in plans]
             try:
                 trees = self.tree_policy.shapes(rows, plans) if self.tree_policy is not None else None
+                self.executor.prune_tree = self.tree_policy.prune if self.tree_policy is not None else None
                 result = self.executor.step(rows, plans, sampling, [s.plan.min_confidence for s in rows], trees)
                 return result, shadow, shadow_k
             except ModelFailure as failure:

@@ -108,19 +108,22 @@ class TreePolicy:
     """Chooses (budget, width, depth) per row each step; learns from the steps it sees."""
 
     def __init__(self, target_cost: Callable[[int, int], float], draft_cost: Callable[[str, int, int], float],
-                 drafters: frozenset[str], *, widths: tuple[int, ...] = (2, 3, 4), margin: float = 0.10,
-                 max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH, refresh: int = 16):
+                 drafters: frozenset[str], *, free: frozenset[str] = frozenset(), widths: tuple[int, ...] = (2, 3, 4),
+                 margin: float = 0.10, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH, refresh: int = 16):
         self.target_cost = target_cost  # (n new tokens, context L) -> seconds of one row's target forward
         self.draft_cost = draft_cost  # (drafter, n new tokens, context L) -> seconds of one drafter forward
         self.drafters = drafters  # the model drafters that grow trees (not heads, not model-free)
+        self.free = free  # the model-free drafters that propose trees (`prune`)
         self.widths, self.margin, self.max_nodes, self.max_depth = widths, margin, max_nodes, max_depth
         self.evidence: dict[tuple[str, bool], RankEvidence] = {}  # (drafter, greedy)
         # host seconds per draft depth (a step's wall time minus its forwards, over its depths),
         # EMA: chain steps and tree steps (a tree's Python per depth is more); priors until seen
-        self.host = {"chain": 3e-4, "tree": 6e-4}
+        # (a model-free drafter's cycles: host seconds per cycle, its chains and trees apart)
+        self.host = {"chain": 3e-4, "tree": 6e-4, "free-chain": 3e-4, "free-tree": 6e-4}
         # (expected, committed) tokens per cycle, decayed sums, chains and trees apart: the
         # calibration of the expected tokens; the step in flight's (seq_id, kind, expected)
-        self.realized = {"chain": (0.0, 0.0), "tree": (0.0, 0.0)}
+        self.realized = {kind: (0.0, 0.0) for kind in self.host}
+        self._costs: dict[int, tuple[int, list[float]]] = {}  # context / 64 -> (step, T(n) for n = 0..max + 1)
         self._expected: tuple[int, str, float] | None = None
         self.refresh = refresh  # steps a decision is reused for (the same drafter, mode, k, context)
         self._cache: dict[tuple, tuple[int, tuple[int, int, int]]] = {}
@@ -174,11 +177,14 @@ class TreePolicy:
 
     def shapes(self, rows: list, plans: list[tuple[tuple[str, ...], int]]) -> list[tuple[int, int, int]] | None:
         """Per row (budget, width, depth), or None: no row gets a tree (several rows: see the
-        module docstring)."""
+        module docstring). A model-free drafter's row is offered `max_nodes` nodes k deep (its
+        proposal is pruned by `prune`)."""
         self._steps += 1
         if len(rows) != 1:
             return None
         (chain, k), seq = plans[0], rows[0]
+        if len(chain) == 2 and chain[0] in self.free and k >= 1:
+            return [(self.max_nodes, 1, int(k))]
         if len(chain) != 2 or chain[0] not in self.drafters:
             return None
         k = int(k)
@@ -192,6 +198,53 @@ class TreePolicy:
         if shape[0]:
             self.chosen.append((k, *shape))
         return [shape]
+
+    def _target_costs(self, context: int) -> list[float]:
+        """T(n) for n = 0..max_nodes + 1 at this context (reused for `refresh` steps per context / 64)."""
+        hit = self._costs.get(context // 64)
+        if hit is None or self._steps - hit[0] >= self.refresh:
+            hit = (self._steps, [0.0] + [self.target_cost(n, context) for n in range(1, self.max_nodes + 2)])
+            self._costs[context // 64] = hit
+        return hit[1]
+
+    def prune(self, row, proposal) -> int:
+        """How many of a model-free drafter's tree nodes (drafters/trees.py `TreeProposal`,
+        best-first) row `row` (the executor's RowWork) verifies: the n most confident nodes,
+        for the n with the least time per token, (T(n + 1) + host) / (1 + sum of their
+        confidences), both calibrated by what such cycles committed, if that beats the chain (its
+        main path, priced the same way) by `margin`; else 0: the chain."""
+        conf = proposal.confidence.tolist()
+        main = proposal.main_path()
+        T = self._target_costs(row.start)
+        chain_e = 1.0 + sum(conf[i] for i in main)
+        chain_t = (T[len(main) + 1] + self.host["free-chain"]) / (chain_e * self._calibration("free-chain"))
+        best, best_e, best_t = 0, chain_e, chain_t * (1 - self.margin)
+        c_tree, gain, on_main, chain_so_far = self._calibration("free-tree"), 1.0, set(main), True
+        for n in range(1, min(len(conf), self.max_nodes) + 1):
+            gain += conf[n - 1]
+            chain_so_far = chain_so_far and n - 1 in on_main
+            if chain_so_far:
+                continue  # main-path nodes only: a chain
+            t = (T[n + 1] + self.host["free-tree"]) / (gain * c_tree)
+            if t < best_t:
+                best, best_e, best_t = n, gain, t
+        self._expected = (row.seq.seq_id, "free-tree" if best else "free-chain", best_e)
+        if best:
+            self.chosen.append((row.k, best, 1, max(1, len(main))))
+        return best
+
+    def _observe_free(self, result: StepResult) -> None:
+        """A single stream's model-free cycle: its host seconds and committed tokens against
+        those `prune` expected."""
+        expected, self._expected = self._expected, None
+        o = result.outcomes[0]
+        kind = "free-tree" if result.trees else "free-chain"
+        host = max(0.0, result.wall_time - sum(result.forward_time.values()))
+        self.host[kind] = 0.9 * self.host[kind] + 0.1 * host
+        if expected is not None and expected[0] == o.seq_id and expected[1] == kind:
+            committed = (result.trees[0].accepted if result.trees else o.accepted[1]) + 1
+            p, c = self.realized[kind]
+            self.realized[kind] = (0.98 * p + expected[2], 0.98 * c + committed)
 
     def observe(self, result: StepResult, rows: list) -> None:
         """Learn from a step: rank evidence of its trees, and of its chains of a model drafter
@@ -208,8 +261,11 @@ class TreePolicy:
             else:
                 ranks = (0,) * o.accepted[1] + ((UNKNOWN,) if o.accepted[1] < o.drafted[1] else ())
             self._evidence(o.chain[0], greedy[o.seq_id]).observe(ranks)
+        if len(result.outcomes) == 1 and result.outcomes[0].k >= 1 and len(result.outcomes[0].chain) == 2 \
+                and result.outcomes[0].chain[0] in self.free:
+            return self._observe_free(result)
         expected, self._expected = self._expected, None
-        if len(result.outcomes) != 1 or result.outcomes[0].k < 1:
+        if len(result.outcomes) != 1 or result.outcomes[0].k < 1 or result.outcomes[0].chain[0] not in self.drafters:
             return
         o = result.outcomes[0]
         kind = "tree" if result.trees else "chain"
@@ -234,6 +290,57 @@ class FixedTreeShape:
     def shapes(self, rows: list, plans: list[tuple[tuple[str, ...], int]]) -> list[tuple[int, ...]]:
         shape = (self.budget, self.width) if self.depth is None else (self.budget, self.width, self.depth)
         return [shape if self.rows is None or self.rows(s) else (0, 1) for s in rows]
+
+    def _target_costs(self, context: int) -> list[float]:
+        """T(n) for n = 0..max_nodes + 1 at this context (reused for `refresh` steps per context / 64)."""
+        hit = self._costs.get(context // 64)
+        if hit is None or self._steps - hit[0] >= self.refresh:
+            hit = (self._steps, [0.0] + [self.target_cost(n, context) for n in range(1, self.max_nodes + 2)])
+            self._costs[context // 64] = hit
+        return hit[1]
+
+    def prune(self, row, proposal) -> int:
+        """How many of a model-free drafter's tree nodes (drafters/trees.py `TreeProposal`,
+        best-first) row `row` (the executor's RowWork) verifies: the n most confident nodes,
+        for the n with the least time per token, (T(n + 1) + host) / (1 + sum of their
+        confidences), both calibrated by what such cycles committed, if that beats the chain (its
+        main path, priced the same way) by `margin`; else 0: the chain."""
+        conf = proposal.confidence.tolist()
+        main = proposal.main_path()
+        T = self._target_costs(row.start)
+        chain_e = 1.0 + sum(conf[i] for i in main)
+        chain_t = (T[len(main) + 1] + self.host["free-chain"]) / (chain_e * self._calibration("free-chain"))
+        best, best_e, best_t = 0, chain_e, chain_t * (1 - self.margin)
+        c_tree, gain, on_main, chain_so_far = self._calibration("free-tree"), 1.0, set(main), True
+        for n in range(1, min(len(conf), self.max_nodes) + 1):
+            gain += conf[n - 1]
+            chain_so_far = chain_so_far and n - 1 in on_main
+            if chain_so_far:
+                continue  # main-path nodes only: a chain
+            t = (T[n + 1] + self.host["free-tree"]) / (gain * c_tree)
+            if t < best_t:
+                best, best_e, best_t = n, gain, t
+        self._expected = (row.seq.seq_id, "free-tree" if best else "free-chain", best_e)
+        if best:
+            self.chosen.append((row.k, best, 1, max(1, len(main))))
+        return best
+
+    def _observe_free(self, result: StepResult) -> None:
+        """A single stream's model-free cycle: its host seconds and committed tokens against
+        those `prune` expected."""
+        expected, self._expected = self._expected, None
+        o = result.outcomes[0]
+        kind = "free-tree" if result.trees else "free-chain"
+        host = max(0.0, result.wall_time - sum(result.forward_time.values()))
+        self.host[kind] = 0.9 * self.host[kind] + 0.1 * host
+        if expected is not None and expected[0] == o.seq_id and expected[1] == kind:
+            committed = (result.trees[0].accepted if result.trees else o.accepted[1]) + 1
+            p, c = self.realized[kind]
+            self.realized[kind] = (0.98 * p + expected[2], 0.98 * c + committed)
+
+    def prune(self, row, proposal) -> int:
+        """A model-free drafter's tree is verified whole (all its `budget` nodes)."""
+        return len(proposal)
 
     def observe(self, result: StepResult, rows: list) -> None:
         self.outcomes += result.trees
