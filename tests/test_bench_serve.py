@@ -28,7 +28,11 @@ def test_serve_bench_quick_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
     lib = {r["library"]: r for r in result["library"]}
     assert set(lib) == {"API plain", "API router"}
     assert all(r["library_tps"] > 0 and r["server_tps"] > 0 and r["concurrency"] == 1 for r in lib.values())
-    assert any(g["goal"].startswith("server >= 0.95x the Python API") for g in result["goals"])
+    # and through the bare HTTP client (its greedy texts are in the mismatch check above)
+    assert all(r["raw_server_tps"] > 0 and r["raw_vs_library"] > 0 for r in lib.values())
+    goals = [g["goal"] for g in result["goals"]]
+    assert any(g.startswith("server >= 0.95x the Python API") and "openai client" in g for g in goals)
+    assert any(g.startswith("server >= 0.95x the Python API") and "raw HTTP client" in g for g in goals)
     paths = write(result, tmp_path, plots=True)
     assert json.loads(paths[0].read_text())["goals"] and "router / plain" in markdown(result)
     assert "| API plain | 1 |" in markdown(result)
@@ -100,3 +104,20 @@ def test_serve_workloads_are_checked():
     from specrouter.cli.main import main
 
     assert main(["bench", "--serve", "--workloads", "templated"]) == 2
+
+
+def test_raw_client_dechunks_and_parses_the_stream():
+    """bench/raw_client.py: an HTTP/1.1 chunked body (a chunk may end inside an event) and the SSE
+    events of a chat stream: choice 0's text, the usage's tokens; [DONE] and role chunks skipped."""
+    from specrouter.bench.raw_client import dechunk, parse_sse
+
+    events = (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+              b'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+              b'data: {"choices":[{"index":0,"delta":{"content":"lo \\u00e9"}}]}\n\n'
+              b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\ndata: [DONE]\n\n')
+    cut = 70
+    body = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(part), part) for part in (events[:cut], events[cut:])) + b"0\r\n\r\n"
+    assert dechunk(body) == events
+    assert parse_sse(events, chat=True) == ("Hello \u00e9", 3)
+    completion = b'data: {"choices":[{"index":0,"text":"ab"}]}\n\ndata: {"choices":[{"index":0,"text":"c"}]}\n\n'
+    assert parse_sse(completion, chat=False) == ("abc", 0)

@@ -18,8 +18,11 @@ The server beside the library (issue 34): on the same prompts, greedy, the bench
 the Python API itself (`SpecRouter.generate`, one request at a time, each system on its own pool
 view) for the plain chain and the router, and the engine's own continuous batching of the same
 requests at concurrency 4 (and 8), PAIRED with the live servers: at concurrency 1 request i goes
-to the library and to the server back to back (which goes first alternates), at c >= 4 a batch
-of the engine and a level of the server alternate `rounds` times. Library and server figures are
+to the library, to the server through the `openai` client and to the server through a bare HTTP
+client (bench/raw_client.py) back to back, in rotating order; at c >= 4 a batch of the engine and
+a level of the server through each client rotate `rounds` times. The bare client's row is the
+server's own speed: on 2 cores the `openai` client's CPU (~0.6 ms a chunk) comes out of the
+server's share. Library and server figures are
 then taken in the same minutes, so the drift of a shared machine (its speed varies by +-20%
 between minutes) cancels; a library run minutes after the servers stopped gave ratios of 0.84x
 and 1.10x for the same code. The `library` table puts each library figure beside its paired
@@ -326,7 +329,8 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
         served = {(lv.system, lv.concurrency): lv for lv in levels if lv.temperature == 0.0}
         for run in library:
             lv = served.get((run["system"], run["server_concurrency"]))
-            others = [run["server_texts"]] + ([[x.text for x in lv.results]] if lv is not None else [])
+            others = [run["server_texts"], run["raw_server_texts"]] + \
+                ([[x.text for x in lv.results]] if lv is not None else [])
             for texts in others:
                 for i, (a, b) in enumerate(zip(run["texts"], texts)):
                     if a != b:
@@ -343,11 +347,13 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
                  model: str) -> list[dict]:
     """The Python API on the same greedy requests in this process, PAIRED with the running
     servers (`servers`: system -> base URL): `SpecRouter.generate` one request at a time (plain
-    chain, router), request i to the library and to the server back to back, alternating which
-    goes first; and the engine's own continuous batching of the requests at each concurrency
-    level >= 4 (plain chain), alternating with a level of the plain server, `rounds` times. Each
-    library run on its own view of the pool, each server run with its own API key (nothing
-    learned from another run's outputs)."""
+    chain, router), request i to the library, to the server with the `openai` client and to the
+    server with a bare HTTP client (bench/raw_client.py: the server's own speed, without the
+    `openai` client's CPU on the same cores) back to back, in rotating order; and the engine's
+    own continuous batching of the requests at each concurrency level >= 4 (plain chain),
+    rotating with a level of the plain server through each client, `rounds` times. Each library
+    run on its own view of the pool, each server run with its own API key (nothing learned from
+    another run's outputs)."""
     import torch
     from openai import AsyncOpenAI
 
@@ -387,6 +393,29 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
                 for i, (p, chat) in enumerate(reqs)]
         return time.perf_counter() - t0, done
 
+    def served_raw(system: str, key: str, reqs: list[tuple[str, bool]], c: int) -> tuple[float, list[RequestResult]]:
+        """`served` through the bare HTTP client (bench/raw_client.py), at most `c` at once."""
+        from specrouter.bench.raw_client import stream_request
+
+        results: list[RequestResult | None] = [None] * len(reqs)
+        todo = list(range(len(reqs)))
+
+        async def worker():
+            while todo:
+                i = todo.pop(0)
+                p, chat = reqs[i]
+                body = dict(model=model, max_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed + i,
+                            ignore_eos=True, **({"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p}))
+                text, tokens, first, seconds = await stream_request(servers[system], body, chat, api_key=key)
+                results[i] = RequestResult(text, tokens, first, None, seconds)
+
+        async def level():
+            await asyncio.gather(*(worker() for _ in range(c)))
+
+        t0 = time.perf_counter()
+        loop.run_until_complete(level())
+        return time.perf_counter() - t0, results
+
     def one_by_one(name: str, system: str, chain):
         view = pool.with_fresh_drafters()
         router = None if chain else build_router(view, progress=False, config=RouterConfig())
@@ -395,9 +424,10 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
         release_omp_team_here()  # this thread stays idle while the server runs: no second team
         lib = [0, 0.0, []]
         srv = [0, 0.0, []]
+        raw = [0, 0.0, []]
         key = f"bench|paired|{name}"
         for i, (x, req) in enumerate(zip(ids_all[:cfg.requests], reqs_all)):
-            for who in (("library", "server") if i % 2 == 0 else ("server", "library")):
+            for who in ROTATION[i % 3]:
                 if who == "library":
                     t0 = time.perf_counter()
                     r = api.generate(x, max_new_tokens=cfg.max_new_tokens, chain=chain, ignore_eos=True)[0]
@@ -406,22 +436,25 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
                     lib[2].append(r.text)
                     release_omp_team_here()
                 else:
-                    wall, (res,) = served(system, key, [req], 1)
-                    srv[0] += res.tokens
-                    srv[1] += wall
-                    srv[2].append(res.text)
+                    into, fn = (srv, served) if who == "server" else (raw, served_raw)
+                    wall, (res,) = fn(system, key + ("|raw" if who == "raw" else ""), [req], 1)
+                    into[0] += res.tokens
+                    into[1] += wall
+                    into[2].append(res.text)
         out.append({"name": name, "system": system, "concurrency": 1, "server_concurrency": 1,
                     "tokens_per_s": lib[0] / lib[1], "tokens": lib[0], "wall": lib[1], "texts": lib[2],
-                    "server_tokens_per_s": srv[0] / srv[1], "server_wall": srv[1], "server_texts": srv[2]})
-        log(f"library {name}: {lib[0] / lib[1]:.1f} tok/s; paired server {srv[0] / srv[1]:.1f} tok/s")
+                    "server_tokens_per_s": srv[0] / srv[1], "server_wall": srv[1], "server_texts": srv[2],
+                    "raw_server_tokens_per_s": raw[0] / raw[1], "raw_server_wall": raw[1], "raw_server_texts": raw[2]})
+        log(f"library {name}: {lib[0] / lib[1]:.1f} tok/s; paired server {srv[0] / srv[1]:.1f} tok/s "
+            f"(openai client), {raw[0] / raw[1]:.1f} tok/s (raw HTTP client)")
 
     def batched(c: int):
         n_req = max(cfg.requests, c)
         ids = ids_all[:n_req]
-        lib, srv = [0, 0.0], [0, 0.0]
-        texts, server_texts = [], []
+        lib, srv, raw = [0, 0.0], [0, 0.0], [0, 0.0]
+        texts, server_texts, raw_texts = [], [], []
         for r in range(max(1, cfg.rounds)):
-            for who in (("library", "server") if r % 2 == 0 else ("server", "library")):
+            for who in ROTATION[r % 3]:
                 if who == "library":
                     view = pool.with_fresh_drafters()
                     engine = Engine(view, max_num_seqs=c,
@@ -435,16 +468,23 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
                     lib[0] += sum(len(s.output_ids) for s in seqs)
                     texts = [sr.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
                     release_omp_team_here()
-                else:
+                elif who == "server":
                     wall, res = served("plain", f"bench|paired|engine c={c}|{r}", reqs_all[:n_req], c)
                     srv[0] += sum(x.tokens for x in res)
                     srv[1] += wall
                     server_texts = [x.text for x in res]
+                else:
+                    wall, res = served_raw("plain", f"bench|paired|engine c={c}|{r}|raw", reqs_all[:n_req], c)
+                    raw[0] += sum(x.tokens for x in res)
+                    raw[1] += wall
+                    raw_texts = [x.text for x in res]
         out.append({"name": f"engine plain c={c}", "system": "plain", "concurrency": c,
                     "server_concurrency": c, "tokens_per_s": lib[0] / lib[1], "tokens": lib[0], "wall": lib[1],
                     "texts": texts, "server_tokens_per_s": srv[0] / srv[1], "server_wall": srv[1],
-                    "server_texts": server_texts})
-        log(f"library engine plain c={c}: {lib[0] / lib[1]:.1f} tok/s; paired server {srv[0] / srv[1]:.1f} tok/s")
+                    "server_texts": server_texts, "raw_server_tokens_per_s": raw[0] / raw[1], "raw_server_wall": raw[1],
+                    "raw_server_texts": raw_texts})
+        log(f"library engine plain c={c}: {lib[0] / lib[1]:.1f} tok/s; paired server {srv[0] / srv[1]:.1f} tok/s "
+            f"(openai client), {raw[0] / raw[1]:.1f} tok/s (raw HTTP client)")
 
     try:
         if 1 in cfg.concurrency:
@@ -459,6 +499,10 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
             loop.run_until_complete(client.close())
         loop.close()
     return out
+
+
+# the order of the paired runs: request i (c = 1) or round r (c >= 4) uses ROTATION[i % 3]
+ROTATION = (("library", "server", "raw"), ("server", "raw", "library"), ("raw", "library", "server"))
 
 
 def continuous_batching(engine, ids: list[list[int]], params, concurrency: int, chain) -> list:
@@ -483,9 +527,11 @@ def library_rows(levels: list[LevelResult], library: list[dict]) -> list[dict]:
     for run in library:
         lv = served.get((run["system"], run["server_concurrency"]))
         server = run.get("server_tokens_per_s") or (lv.tokens_per_s if lv is not None else None)
+        raw = run.get("raw_server_tokens_per_s")
         rows.append({"library": run["name"], "system": run["system"], "concurrency": run["concurrency"],
                      "library_tps": run["tokens_per_s"], "server_tps": server,
-                     "server_vs_library": server / run["tokens_per_s"] if server else None})
+                     "server_vs_library": server / run["tokens_per_s"] if server else None,
+                     "raw_server_tps": raw, "raw_vs_library": raw / run["tokens_per_s"] if raw else None})
     return rows
 
 
@@ -524,12 +570,20 @@ def summarize(cfg: ServeBenchConfig, levels: list[LevelResult], mismatches: list
     lib = library_rows(levels, library or [])
     at1 = [r["server_vs_library"] for r in lib if r["concurrency"] == 1 and r["server_vs_library"]]
     batched = [r["server_vs_library"] for r in lib if r["concurrency"] > 1 and r["server_vs_library"]]
+    raw1 = [r["raw_vs_library"] for r in lib if r["concurrency"] == 1 and r.get("raw_vs_library")]
+    raw_b = [r["raw_vs_library"] for r in lib if r["concurrency"] > 1 and r.get("raw_vs_library")]
     if at1:
-        goals.append({"goal": "server >= 0.95x the Python API at concurrency 1 (greedy)",
+        goals.append({"goal": "server >= 0.95x the Python API at concurrency 1 (greedy; openai client)",
                       "value": min(at1), "met": min(at1) >= 0.95})
+    if raw1:
+        goals.append({"goal": "server >= 0.95x the Python API at concurrency 1 (greedy; raw HTTP client)",
+                      "value": min(raw1), "met": min(raw1) >= 0.95})
     if batched:
-        goals.append({"goal": "server >= 0.95x the engine's own batching at concurrency >= 4",
+        goals.append({"goal": "server >= 0.95x the engine's own batching at concurrency >= 4 (openai client)",
                       "value": min(batched), "met": min(batched) >= 0.95})
+    if raw_b:
+        goals.append({"goal": "server >= 0.95x the engine's own batching at concurrency >= 4 (raw HTTP client)",
+                      "value": min(raw_b), "met": min(raw_b) >= 0.95})
     from specrouter.bench.provenance import provenance
 
     return {"provenance": provenance(), "config": asdict(cfg), "models": models, "load_average": os.getloadavg()[0],
@@ -557,13 +611,16 @@ def markdown(result: dict) -> str:
                      f"{f(r['router_tpot_p99'], 1e3, 0)} / {f(r['plain_tpot_p99'], 1e3, 0)} |")
     if result.get("library"):
         lines += ["", "The server beside the library (greedy, same prompts, paired: each library run interleaved with "
-                      "the server's; plain = the router-off server):", "",
-                  "| library run | concurrency | library tok/s | server tok/s | server / library |",
-                  "| --- | --- | --- | --- | --- |"]
+                      "the server's through the openai client and through a bare HTTP client, bench/raw_client.py; "
+                      "plain = the router-off server):", "",
+                  "| library run | concurrency | library tok/s | server tok/s (openai client) | server / library | "
+                  "server tok/s (raw HTTP client) | raw / library |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in result["library"]:
             ratio = "-" if r["server_vs_library"] is None else f"{r['server_vs_library']:.2f}x"
+            raw = "-" if r.get("raw_vs_library") is None else f"{r['raw_vs_library']:.2f}x"
             lines.append(f"| {r['library']} | {r['concurrency']} | {f(r['library_tps'])} | "
-                         f"{f(r['server_tps'])} | {ratio} |")
+                         f"{f(r['server_tps'])} | {ratio} | {f(r.get('raw_server_tps'))} | {raw} |")
     lines += ["", "| goal | value | met |", "| --- | --- | --- |"]
     for g in result["goals"]:
         v = "-" if g["value"] is None else (f"{g['value']:.2f}" if isinstance(g["value"], float) else str(g["value"]))

@@ -51,6 +51,7 @@ from specrouter.config import ServerConfig
 from specrouter.models.pool import Pool
 from specrouter.server.choices import respond_whole, start_rows
 from specrouter.server.edge import EdgeGuard
+from specrouter.server.generation import Generation
 from specrouter.server.metrics import ServerMetrics
 from specrouter.server.protocol import (
     ChatCompletionRequest,
@@ -66,7 +67,6 @@ from specrouter.server.streaming import stream
 from specrouter.server.tokenize import tokenize_routes
 from specrouter.server.tools import ToolRequest, chat_messages, tool_request
 from specrouter.server.validate import (
-    Prepared,
     parse,
     prepare,
     read_json,
@@ -170,37 +170,43 @@ def _v1_routes(srv: Service) -> APIRouter:
                  for name in srv.served_names]  # the served name first, then its aliases
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
+    # each handler holds `arriving()` until its rows are submitted: an idle engine waits for
+    # requests on their way before it starts a batch (server/async_engine.py)
     @router.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await read_json(request, config.max_body_bytes))
-        text = prompt = req.prompt_value()
-        if isinstance(prompt, str):
-            prompt = await tokenize_prompt(srv, prompt, req.add_special_tokens)
-        p = prepare(srv, req, prompt, chat=False)
-        echo = None
-        if req.echo:  # the prompt as sent (decoded when sent as ids or truncated)
-            echo = text if isinstance(text, str) and p.prompt == prompt else \
-                srv.pool.tokenizer.decode(p.prompt, skip_special_tokens=False)
-        return await _respond(srv, request, req, p, chat=False, echo=echo)
+        with srv.loop_engine.arriving():
+            req = parse(CompletionRequest, await read_json(request, config.max_body_bytes))
+            text = prompt = req.prompt_value()
+            if isinstance(prompt, str):
+                prompt = await tokenize_prompt(srv, prompt, req.add_special_tokens)
+            p = prepare(srv, req, prompt, chat=False)
+            echo = None
+            if req.echo:  # the prompt as sent (decoded when sent as ids or truncated)
+                echo = text if isinstance(text, str) and p.prompt == prompt else \
+                    srv.pool.tokenizer.decode(p.prompt, skip_special_tokens=False)
+            gens = start_rows(srv, request, req, p)
+        return await _respond(srv, request, req, gens, chat=False, echo=echo)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
-        tools = tool_request(req)
-        prompt = await render_chat(srv, chat_messages(req.messages, tools),
-                                   add_generation_prompt=req.add_generation_prompt,
-                                   template_kwargs=req.chat_template_kwargs,
-                                   add_special_tokens=req.add_special_tokens)
-        p = prepare(srv, req, prompt, chat=True)
-        return await _respond(srv, request, req, p, chat=True, tools=tools)
+        with srv.loop_engine.arriving():
+            req = parse(ChatCompletionRequest, await read_json(request, config.max_body_bytes))
+            tools = tool_request(req)
+            prompt = await render_chat(srv, chat_messages(req.messages, tools),
+                                       add_generation_prompt=req.add_generation_prompt,
+                                       template_kwargs=req.chat_template_kwargs,
+                                       add_special_tokens=req.add_special_tokens)
+            p = prepare(srv, req, prompt, chat=True)
+            gens = start_rows(srv, request, req, p)
+        return await _respond(srv, request, req, gens, chat=True, tools=tools)
 
     return router
 
 
-async def _respond(srv: Service, request: Request, req, p: Prepared, *, chat: bool,
+async def _respond(srv: Service, request: Request, req, gens: list[Generation], *, chat: bool,
                    tools: ToolRequest | None = None, echo: str | None = None):
-    """The request's rows (n, best_of: choices.py), streamed (streaming.py) or whole."""
-    gens = start_rows(srv, request, req, p)
+    """The response of a request's submitted rows (n, best_of: choices.py), streamed
+    (streaming.py) or whole."""
     if not req.stream:
         return await respond_whole(srv, request, req, gens, chat=chat, tools=tools, echo=echo)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

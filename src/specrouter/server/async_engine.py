@@ -4,7 +4,14 @@ Continuous batching: the thread loops `engine.step()` while rows exist. Between 
 1. applies aborts (client gone, stop string found) with `engine.abort`, which frees the state;
 2. admits waiting requests in FIFO order with `engine.add_request` until it raises
    `CapacityError` (all `max_num_seqs` slots taken): the head of the queue waits for a row to
-   finish; nothing overtakes it.
+   finish; nothing overtakes it. A batch that starts on an idle engine first waits (at most
+   `admission_wait`, 20 ms) while other requests are still ARRIVING (received, not yet
+   submitted: the handlers hold `arriving()` from reading the body to submitting the rows), so
+   requests sent together start together, in one step, as the in-process engine's batch does:
+   admitted one by one, the first ran a lone prefill step (40 ms at c=8, while the loop parsed
+   the others) and its row ran one step ahead of the rest to the end
+   (docs/serving-performance.md). Nothing waits at c=1 (no other request is arriving) or while
+   rows run (a newcomer joins at the next step).
 After each step, the new tokens of every row go to the requests' asyncio queues in one
 `loop.call_soon_threadsafe` call, and the engine thread waits (at most `handoff_wait`, 2 ms)
 until the event loop has taken them and run what they woke (SSE chunks written): the loop's
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -45,6 +53,7 @@ logger = logging.getLogger("specrouter.server")
 
 
 HANDOFF_WAIT_S = 0.002  # the most the engine thread waits for the event loop to take a step's tokens
+ADMISSION_WAIT_S = 0.02  # the most an idle engine waits for requests still arriving before it starts
 
 
 class QueueFull(Exception):
@@ -89,9 +98,11 @@ class AsyncEngine:
     """Runs `engine` in a background thread; see the module docstring."""
 
     def __init__(self, engine: Engine, *, max_queue: int = 64, metrics=None, seed: int | None = None,
-                 watch: ForwardWatch | None = None, handoff_wait: float = HANDOFF_WAIT_S):
+                 watch: ForwardWatch | None = None, handoff_wait: float = HANDOFF_WAIT_S,
+                 admission_wait: float = ADMISSION_WAIT_S):
         self.engine = engine
         self.handoff_wait = handoff_wait  # seconds (0: hand tokens over without waiting)
+        self.admission_wait = admission_wait  # seconds (0: an idle engine starts at once)
         self.watch = watch  # the guarded runners' deadlines (None: no model timeout)
         self.max_queue = max_queue
         self.metrics = metrics
@@ -101,6 +112,7 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._aborts: list[RequestHandle] = []
+        self._arriving = 0  # requests received and not yet submitted (`arriving`)
         self._by_seq: dict[int, RequestHandle] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -126,6 +138,19 @@ class AsyncEngine:
     @property
     def queue_depth(self) -> int:
         return len(self._waiting)
+
+    @contextlib.contextmanager
+    def arriving(self):
+        """Held by a request's handler from reading its body until its rows are submitted (or
+        it failed): an idle engine about to start a batch waits for it (`admission_wait`)."""
+        with self._cv:
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._arriving -= 1
+                self._cv.notify_all()
 
     def submit(self, prompt: list[int], params: SamplingParams, *, chain: tuple[str, ...] | None,
                k: int, generator: torch.Generator | None = None, tenant: str | None = None) -> RequestHandle:
@@ -203,6 +228,8 @@ class AsyncEngine:
                         return  # retired (belt and braces: a retired forward raises Retired)
                     if self._stop:
                         break
+                    if self._waiting and not engine.running and self._arriving:
+                        self._gather(me)  # 0. a batch starting: wait for requests on their way
                     aborts, self._aborts = self._aborts, []
                     for h in aborts:  # 1. aborts
                         if h.seq_id is not None and self._by_seq.pop(h.seq_id, None) is not None:
@@ -220,6 +247,18 @@ class AsyncEngine:
             self.error = e
             logger.exception("the engine loop died")
         self._shutdown()
+
+    def _gather(self, me: threading.Thread) -> None:
+        """An idle engine with requests waiting: wait (lock held, at most `admission_wait`)
+        while others are still arriving and the batch has room, so that they start together."""
+        deadline = time.perf_counter() + self.admission_wait
+        room = self.engine.max_num_seqs or float("inf")
+        while (self._arriving and len(self._waiting) < room and not self._stop and not self._aborts
+               and self._thread is me):
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._cv.wait(left)
 
     def _recover(self, failure: ModelFailure) -> None:
         """Take over from a thread retired in a hung forward (see the module docstring)."""
