@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from collections import defaultdict
 
 import torch
@@ -57,14 +58,29 @@ def main() -> None:
     for s in [*statics.values(), adaptive]:  # first forwards allocate
         s.run(sr.encode("hello"), Decoding(0.0, 8, 0))
     router = adaptive.sr.engine.router
-    cycles: list = []  # every StepReport the router observes (one row: one per decision)
-    observe = router.observe_step
+    cycles: list = []  # (decision, predicted tokens, predicted seconds, StepReport, step seconds) per one-row step
+    pending: list = []
+    plan_batch, observe = router.plan_batch, router.observe_step
+
+    def planned(rows, pinned=()):
+        t0 = time.perf_counter()
+        batch = plan_batch(rows, pinned)
+        d, req = batch.decisions[0], router.requests.get(rows[0].seq_id)
+        tokens, seconds = 1.0, float("nan")
+        if req is not None and req.table is not None:
+            i, j = router.chain_index[d.chain], max(d.k, 1) - 1
+            tokens = float(req.table.expected_tokens[i, j]) if d.k else 1.0
+            seconds = float(req.table.expected_latency[i, j])
+        pending[:] = [(d, tokens, seconds, t0)]
+        return batch
 
     def observe_step(report):
-        cycles.append(report)
+        if pending and len(report.outcomes) == 1:  # + the seconds from planning to observing
+            cycles.append((*pending[0][:3], report, time.perf_counter() - pending[0][3]))
+        pending.clear()
         observe(report)
 
-    router.observe_step = observe_step
+    router.plan_batch, router.observe_step = planned, observe_step
     events.clear()
     cfg = BenchConfig(workloads=("mixed",), prompts_per_type=3, temperatures=(args.temperature,),
                       slowdown=False, hf="none", peers=False)
@@ -96,21 +112,25 @@ def main() -> None:
             print("    alphas (request / global): " + ", ".join(
                 f"{'>'.join(p)} {a:.2f}/{router.alpha(p, mode):.2f}" for p, a in events[-1].alphas.items()
                 if p[1] == pool.target or p[0] == names["draft"]), flush=True)
-        by_plan = defaultdict(lambda: [0, 0.0, 0.0, 0])  # cycles, predicted s, realized s, tokens
-        if len(events) != len(cycles):
-            print(f"    ({len(events)} decisions, {len(cycles)} steps: not matched)")
-            continue
-        for e, c in zip(events[1:], cycles[1:]):  # the first step prefills
+        # per decided plan: cycles, predicted tokens, predicted s, realized s, tokens committed
+        by_plan = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0, 0.0])
+        for d, p_tokens, p_seconds, c, step in cycles[1:]:  # the first step prefills
             o = c.outcomes[0]
             committed = o.accepted[-1] + 1 if len(o.chain) > 1 else 1
-            key = (label(e.chain, e.k), e.reason if e.reason in ("probe", "initial") else "plan")
-            by_plan[key][0] += 1
-            by_plan[key][1] += e.t_eff * committed
-            by_plan[key][2] += c.wall_time
-            by_plan[key][3] += committed
-        for (plan, why), (n, pred, real, toks) in sorted(by_plan.items(), key=lambda kv: -kv[1][0]):
-            print(f"    {plan:28s} {why:8s} cycles {n:3d} tok/cycle {toks / n:4.2f} "
-                  f"predicted {1e3 * pred / toks:5.2f} ms/tok realized {1e3 * real / toks:5.2f}", flush=True)
+            why = d.reason if d.reason in ("probe", "initial", "batch-plain") else "plan"
+            key = (label(d.chain, d.k), "held" if why == "batch-plain" else why)
+            b = by_plan[key]
+            b[0] += 1
+            b[1] += p_tokens
+            b[2] += p_seconds
+            b[3] += c.wall_time
+            b[4] += committed
+            b[5] += step
+        for (plan, why), (n, p_tok, p_s, real, toks, steps) in sorted(by_plan.items(), key=lambda kv: -kv[1][0]):
+            print(f"    {plan:28s} {why:8s} cycles {n:3d} tok/cycle {toks / n:4.2f} (predicted {p_tok / n:4.2f}) "
+                  f"ms/cycle {1e3 * real / n:5.2f}, with planning {1e3 * steps / n:5.2f} (predicted {1e3 * p_s / n:5.2f}) "
+                  f"ms/tok {1e3 * real / toks:5.2f} (predicted {1e3 * p_s / p_tok:5.2f})", flush=True)
+        cycles.clear()
     print(f"oracle (fastest static per request) {oracle[0] / oracle[1]:.1f} tok/s")
     print("overheads (ms): " + " ".join(f"{k} {1e3 * v:.3f}" for k, v in router.overhead.items())
           + f" decide {1e3 * router.decide_seconds:.3f}")

@@ -24,6 +24,7 @@ from specrouter.config import RouterConfig
 from specrouter.records.stats import CycleStats
 from specrouter.models.runners.base import ModelRunner
 from specrouter.router.cost_model import ModelFreeDraft, best_plan, enumerate_chains
+from specrouter.router.host_time import OutsideClock
 from specrouter.router.policy import (
     Decision,
     ForwardRecord,
@@ -814,11 +815,12 @@ def test_decision_events_and_callback():
 
 
 def test_decide_time_is_measured_and_charged_per_row():
-    """The router's own time is part of what it predicts: decide() measures itself (its timer),
-    and every plan's T_eff carries that time once per batch row per cycle, so a slow router
-    never makes plain decoding look free. (How fast decide() is: benchmarks/router_decide.py.)"""
+    """With `charge_outside=False` the router's own time is decide()'s: decide() measures itself
+    (its timer), and every plan's T_eff carries that time once per batch row per cycle, so a
+    slow router never makes plain decoding look free. (How fast decide() is:
+    benchmarks/router_decide.py.)"""
     rows = [RowContext(s, L0 + 7 * s, batch_size=4) for s in range(4)]
-    trained = make_router()
+    trained = make_router(config=RouterConfig(charge_outside=False))
     drive(trained, Sim(ALPHAS, seed=12), 30, sids=range(4), timed=False)
     events = {}
     for step in (1e-4, 3e-3):
@@ -840,6 +842,61 @@ def test_decide_time_is_measured_and_charged_per_row():
     i = t_slow.chains.index(("d1", "d2", "T"))
     gap = t_slow.t_eff[i, 3] - t_fast.t_eff[i, 3]
     assert gap == pytest.approx(4 * (3e-3 - 1e-4) / t_slow.expected_tokens[i, 3], rel=1e-3)
+
+
+def test_outside_clock_pairs_each_step_with_its_planning():
+    """A step's host seconds outside the executor: from one planning to the next, minus the
+    executor's wall of the step planned; only between consecutive steps of the same rows, at
+    most the executor's wall."""
+    rows = [RowContext(0, L0)]
+    clock = OutsideClock()
+    assert clock.planning(0.0, 0, rows) is None  # nothing planned before
+    clock.observed(0, 0.010, True)
+    assert clock.planning(0.012, 1, rows) == pytest.approx((0.002, True))
+    clock.observed(1, 0.008, False)
+    assert clock.planning(0.021, 2, rows) == pytest.approx((0.001, False))
+    clock.observed(2, 0.008, False)
+    assert clock.planning(0.030, 2, rows) is None  # the step was not observed: no pairing
+    clock.observed(2, 0.008, False)
+    assert clock.planning(0.040, 3, [RowContext(1, L0)]) is None  # another request: not a step's
+    clock.observed(3, 0.005, True)
+    assert clock.planning(0.100, 4, [RowContext(1, L0)]) == pytest.approx((0.005, True))  # a stall: clipped
+    clock.observed(4, 0.005, True)
+    assert clock.planning(0.200, 6, [RowContext(1, L0)]) is None  # a step skipped
+
+
+def test_host_time_outside_the_executor_is_measured_and_charged():
+    """plan_batch measures each step's host seconds outside the executor with the step clock
+    (plain and speculative steps apart) and every plan pays its kind's per cycle: plain one
+    token's worth, a speculative plan spread over its expected tokens; without a step clock
+    (simulated pools) nothing is measured, and `charge_outside=False` charges decide() alone."""
+    now = [0.0]
+    router = make_router(step_clock=lambda: now[0], timer=lambda: 0.0, config=RouterConfig(overhead_alpha=1.0))
+    sim = Sim(ALPHAS, seed=3)
+    row = RowContext(0, L0)
+    for _ in range(40):
+        d = router.plan_batch([row]).decisions[0]
+        stats, outcomes, fwd, _ = sim.run(d.chain, d.k, [0], L0, True)
+        observe_cycle(router, stats, outcomes, fwd)
+        now[0] += stats.wall_time + (0.003 if d.k > 0 else 0.001)  # outside: 3 ms speculative, 1 ms plain
+    assert router.overhead["outside_spec"] == pytest.approx(0.003)  # the last measured (EMA weight 1)
+    assert router.overhead["outside_plain"] in (0.0, pytest.approx(0.001))  # 0: no plain step measured
+    unmeasured = make_router(timer=lambda: 0.0)  # no step clock
+    unmeasured.plan_batch([row])
+    assert unmeasured.overhead["outside_spec"] == unmeasured.overhead["outside_plain"] == 0.0
+
+    def table(outside_plain, outside_spec, **config):
+        r = make_router(timer=lambda: 0.0, config=RouterConfig(**config))
+        r.overhead.update(outside_plain=outside_plain, outside_spec=outside_spec)
+        r.board.changed()
+        return r.evaluate(row)[0]
+
+    base, charged = table(0.0, 0.0), table(1e-3, 3e-3)
+    assert charged.t_eff[0, 0] - base.t_eff[0, 0] == pytest.approx(1e-3)
+    i = charged.chains.index(("d1", "d2", "T"))
+    assert charged.t_eff[i, 3] - base.t_eff[i, 3] == pytest.approx(3e-3 / charged.expected_tokens[i, 3], rel=1e-6)
+    off = table(1e-3, 3e-3, charge_outside=False)  # negative control: not charged
+    assert off.t_eff[0, 0] == pytest.approx(base.t_eff[0, 0]) and off.t_eff[i, 3] == pytest.approx(base.t_eff[i, 3])
 
 
 def test_sampling_rows_feed_similarity_from_tv():

@@ -291,6 +291,10 @@ class RouterConfig:
     # charge a model draft's host seconds per step (measured: its steps' wall outside forwards),
     # k - 1 per draft of k; False: they are part of the cycle's overhead, whatever k (before issue 33)
     draft_step_overhead: bool = True
+    # charge the host seconds of an engine step outside the executor (measured per step: the
+    # router's planning and observing, tree shapes, shadow proposals, bookkeeping), speculative
+    # and plain steps apart; False: only decide()'s own seconds (before issue 27's speed work)
+    charge_outside: bool = True
     context_bucket: int = 32  # cost rows are cached per (b, L // context_bucket)
     prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
     alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)

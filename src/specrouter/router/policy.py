@@ -7,9 +7,11 @@ pool order (cheapest first, target last) and the names of model-free drafters.
 1. `decide(RowContext)`: build each model's cost row T_M(b, ., L) for the row's batch size b and
    context length L, each pair's alpha for this request, the model-free drafters' hit rates, and
    evaluate every sub-chain ending at the target (2^(p-1), (target,) included) for k = 1..k_max
-   with `cost_model.best_plan`. The per-cycle overheads are charged on top: the engine's own
-   (cycle wall time minus forward time, learned separately for plain and speculative cycles) and
-   the router's (its measured decide() time times the batch rows). A row with logits
+   with `cost_model.best_plan`. The per-cycle overheads are charged on top: the executor's own
+   (cycle wall time minus forward time) and the step's outside the executor (the router's
+   planning and observing, tree shapes, shadow proposals: router/host_time.py, measured between
+   consecutive plan_batch calls), each learned separately for plain and speculative cycles.
+   A row with logits
    processors pays their measured seconds per row-forward on every forward it takes part in
    (`cost_model.processor_costs`, learned from the executor's `processor_seconds`).
    A plan whose first level is a model-free drafter also carries `Decision.min_confidence`, its
@@ -79,6 +81,7 @@ from specrouter.router.cost_model import (
     with_certain,
 )
 from specrouter.router.evidence import CachedPlans, CacheStats, EvidenceBoard, certain_bucket, decision_key
+from specrouter.router.host_time import OutsideClock
 from specrouter.router.probing import Prober
 from specrouter.router.profile import CostProfile
 from specrouter.records.routing import (  # noqa: F401  (re-exported: the router's public boundary)
@@ -159,6 +162,7 @@ class Router:
         config: RouterConfig | None = None,
         on_decision: Callable[[DecisionEvent], None] | None = None,
         timer: Callable[[], float] = time.perf_counter,
+        step_clock: Callable[[], float] | None = None,
     ):
         self.config = cfg = config or RouterConfig()
         if target not in order:
@@ -179,6 +183,10 @@ class Router:
         self.tv_greedy_rows = self.similarity.config.greedy_tv  # ... in greedy rows only when it reads them
         self.on_decision = on_decision
         self.timer = timer  # measures decide() (real time, also under a virtual clock)
+        # the clock of the steps' wall times (the engine's: perf_counter, as `from_pool` sets
+        # it): measures a step's host seconds outside the executor; None: not measured (a
+        # simulated pool reports virtual seconds)
+        self.step_clock = step_clock
         self.chains: list[Chain] = [
             c for c in enumerate_chains(self.order, target, cfg.max_levels)
             if not any(m in self.first_only for m in c[1:])
@@ -193,7 +201,11 @@ class Router:
         # host seconds outside forwards: per plain step, per speculative cycle (its draft steps'
         # share apart), per model draft step after a drafter's first forward; "processor": per
         # row-forward of a row with logits processors (charged to such rows' forwards, `inputs`)
-        self.overhead = {"plain": 0.0, "spec": 0.0, "draft_step": 0.0, "processor": 0.0}
+        # "outside_plain", "outside_spec": per engine step, its host seconds outside the
+        # executor (router/host_time.py: measured from one plan_batch to the next)
+        self.overhead = {"plain": 0.0, "spec": 0.0, "draft_step": 0.0, "processor": 0.0,
+                         "outside_plain": 0.0, "outside_spec": 0.0}
+        self.outside = OutsideClock()  # measures "outside_plain" / "outside_spec"
         self.decide_seconds = 0.0  # EMA of decide() wall time
         self.t_width = cfg.k_max + cfg.max_levels + 2  # cost rows' widths (tokens per forward)
         # the alphas finished requests reached on their own, and their quantile (request_prior)
@@ -211,6 +223,7 @@ class Router:
         """A router over a `Pool` (its order, target, model sizes and model-free drafters)."""
         sizes = {n: int(r.num_params) for n, r in pool.runners.items()}
         packed = {n for n, r in pool.runners.items() if r.packs_ragged}
+        kwargs.setdefault("step_clock", time.perf_counter)  # the executor's clock
         return cls(pool.order, pool.target, profile, model_free=set(pool.drafters),
                    first_only=set(pool.heads), packed=packed, sizes=sizes, **kwargs)
 
@@ -218,6 +231,11 @@ class Router:
     def plan_batch(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> BatchPlan:
         """The plans of a step's rows, chosen for the batch the step really runs
         (`BatchPlanner.plan`)."""
+        measured = None if self.step_clock is None else self.outside.planning(
+            self.step_clock(), self.observed_steps, rows, pinned)
+        if measured is not None:  # the last step's host seconds outside the executor
+            key = "outside_spec" if measured[1] else "outside_plain"
+            self.overhead[key] += self.config.overhead_alpha * (measured[0] - self.overhead[key])
         return self.planner.plan(rows, pinned)
 
     def take_confident_drafts(self, rows: Sequence[RowContext], plans: list[Plan],
@@ -230,6 +248,7 @@ class Router:
     def observe_step(self, report: StepReport) -> None:
         """Learn from one engine step: every row's outcome, every forward's timing, the step's
         overhead, the batch calibration, the shadow proposals."""
+        self.outside.observed(self.observed_steps, report.wall_time, report.speculative)
         self.planner.observe(report.outcomes, report.forwards, report.wall_time - report.processor_seconds)
         self._observe_rows(report.outcomes, report.wall_time)
         now = self.similarity.now
@@ -317,13 +336,18 @@ class Router:
             costs.update(with_certain({m: costs[m] for m in rows if m not in self.model_free}, rate))
         for d in self.model_free:
             costs[d] = ModelFreeDraft(cost=rows[d], hit_rate=evidence.hits[d])
-        return costs, dict(evidence.alphas), published.times["router"] * max(row.batch_size, 1)
+        # a speculative cycle's host seconds outside the executor (table() charges a plain
+        # one's): measured per step, or (charge_outside=False) decide()'s per row
+        times = published.times
+        outside = times["outside_spec"] if self.config.charge_outside else times["router"] * max(row.batch_size, 1)
+        return costs, dict(evidence.alphas), outside
 
     def table(self, costs, alphas, router: float, k_cap: int, keep: int | None = None,
               prune: bool = True) -> PlanTable:
         """best_plan over the viable chains (and `keep`), with every overhead, as a PlanTable over
         all chains: t_eff (C, K) is +inf and the expectations NaN for pruned ones and for those
-        with a failed model."""
+        with a failed model. `router`: a speculative cycle's host seconds outside the executor
+        (`inputs`); a plain cycle's are the published ones."""
         published = self.board.current()
         cfg = self.config
         idx = [i for i, c in enumerate(self.chains) if i == 0 or (
@@ -337,8 +361,9 @@ class Router:
         shape = (len(self.chains), cfg.k_max)
         t, latency, tokens = np.full(shape, np.inf), np.full(shape, np.nan), np.full(shape, np.nan)
         t[idx], latency[idx], tokens[idx] = plan.table.t_eff, plan.table.expected_latency, plan.table.expected_tokens
-        t[0] += published.times["plain"] + router  # chains[0] is (target,): one token per cycle
-        latency[0] += published.times["plain"] + router
+        plain = published.times["plain"] + (published.times["outside_plain"] if cfg.charge_outside else router)
+        t[0] += plain  # chains[0] is (target,): one token per cycle
+        latency[0] += plain
         return PlanTable(chains=tuple(self.chains), ks=plan.table.ks[:k_cap], t_eff=t[:, :k_cap],
                          expected_tokens=tokens[:, :k_cap], expected_latency=latency[:, :k_cap])
 
