@@ -271,6 +271,52 @@ def test_plain_hold_skips_replanning_until_rows_change():
     assert no_hold.planner.held_decisions == 0 and no_hold.planner.hold is None
 
 
+def test_plain_hold_of_a_small_batch_ends_when_a_row_joins():
+    """Below JOINS_KEEP_HOLD rows, a request replacing a finished one (the batch size unchanged:
+    a server under steady load) ends the hold: its own plan was never weighed. The same rows
+    stay held (negative control); from JOINS_KEEP_HOLD rows on a joining row keeps it."""
+    from specrouter.router.batch import JOINS_KEEP_HOLD
+
+    def target(b, t, L):  # two rows: plain batching wins
+        return 0.040 if b == 1 else 0.040 + 0.2 * (t - 1) * b / 4
+
+    router = scripted_router(target)
+    decides = Counter()
+    inner = router.decide
+    router.decide = lambda row: (decides.update([row.seq_id]), inner(row))[1]
+    two = rows_of(2)
+    assert all(d.k == 0 for d in router.plan_batch(two).decisions) and router.planner.hold is not None
+    router.plan_batch(two)  # the same rows: held
+    assert sum(decides.values()) == 2 and router.planner.held_decisions == 2
+    replaced = [two[0], dataclasses.replace(two[1], seq_id=7)]  # row 1 finished, request 7 joined
+    router.plan_batch(replaced)
+    assert decides[7] == 1 and sum(decides.values()) == 4  # planned afresh
+    big = rows_of(JOINS_KEEP_HOLD)
+    router.plan_batch(big)
+    planned = sum(decides.values())
+    assert router.planner.hold is not None
+    router.plan_batch(big[1:] + [dataclasses.replace(big[0], seq_id=99)])  # a join at 8 rows: held
+    assert sum(decides.values()) == planned
+
+
+def test_a_batch_that_cannot_speculate_is_planned_without_per_row_work():
+    """Sampled rows beyond `sampling_spec_max_batch` decode plainly (their acceptance is a
+    similarity estimate): such a batch gets plain plans at once, held (no confident drafts), no
+    shadow proposals and no per-row decide, even where greedy rows would speculate; one greedy
+    row among them is planned as before."""
+    router = scripted_router(lambda b, t, L: 0.040)  # flat: greedy rows speculate
+    decides = Counter()
+    inner = router.decide
+    router.decide = lambda row: (decides.update([row.seq_id]), inner(row))[1]
+    sampled = [dataclasses.replace(r, greedy=False) for r in rows_of(router.config.sampling_spec_max_batch + 1)]
+    plan = router.plan_batch(sampled)
+    assert all(d.chain == ("target",) and d.k == 0 for d in plan.decisions)
+    assert plan.held and plan.shadow_k == 0 and not decides
+    mixed = [dataclasses.replace(sampled[0], greedy=True)] + sampled[1:]
+    plan = router.plan_batch(mixed)
+    assert plan.decisions[0].k > 0 and all(d.k == 0 for d in plan.decisions[1:]) and len(decides) == len(mixed)
+
+
 def test_single_row_is_never_held_while_it_speculates():
     router = scripted_router(lambda b, t, L: 0.040 if b == 1 else 0.1 * b * t)
     for _ in range(3):

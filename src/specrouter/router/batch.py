@@ -27,13 +27,24 @@ class PlainHold:
     rows: int  # rows + pinned rows of the batch it was found for (it holds for as many or more)
     until: int  # observed step at which the batch is planned again
     span: int  # steps of this hold (doubles while the verdict repeats)
-    seq_id: int | None = None  # a single stream's hold: only while that request runs alone
+    members: frozenset[int] = frozenset()  # seq_ids of the rows it was found for
 
     def holds(self, rows: Sequence[RowContext], n: int, now: int) -> bool:
-        """Does it hold for a step of `rows` (n with the pinned ones) at observed step `now`?"""
+        """Does it hold for a step of `rows` (n with the pinned ones) at observed step `now`?
+        Not once expired, nor when the batch shrank below `hold_floor`, nor, below
+        JOINS_KEEP_HOLD rows, when a row joined that the verdict was not found for (a single
+        stream's hold: only while that request runs alone). A joining request's own plan was
+        never weighed: in a small batch one speculable row (code, a retry) turns the verdict,
+        and with requests replacing each other (a server under steady load) a hold through
+        joins kept 2-row batches plain for 16 steps at a time where speculation realised 1.3x
+        plain (measured, benchmarks/serve_engine.py). In a large batch a joining row changes
+        the verdict rarely and re-planning costs every row."""
         if now >= self.until or n < hold_floor(self.rows):
             return False
-        return self.seq_id is None or (n == 1 and rows[0].seq_id == self.seq_id)
+        return n >= JOINS_KEEP_HOLD or all(r.seq_id in self.members for r in rows)
+
+
+JOINS_KEEP_HOLD = 8  # from this many rows on, rows joining a held batch do not end its hold
 
 
 @dataclass
@@ -121,8 +132,8 @@ class BatchPlanner:
         """`plan_afresh`, or plain decoding for every row while a plain hold lasts: under
         load, where plain continuous batching wins, re-planning every step would cost the router
         a few ms of every ~70 ms step for the same answer. The hold ends when the batch shrinks
-        below `hold_floor` (fewer rows make speculation cheaper; more rows only make plain
-        batching stronger, so joins keep it), and grows 2, 4, ... up to
+        below `hold_floor` (fewer rows make speculation cheaper) or, below JOINS_KEEP_HOLD
+        rows, when a row joins (`PlainHold.holds`), and grows 2, 4, ... up to
         `RouterConfig.plain_hold_max` steps while the verdict repeats. A single stream is held
         too once its row's plain plan is settled (decided "same"), while it runs alone (a
         request joining or replacing it is planned at once). Shadow proposals (free
@@ -134,6 +145,12 @@ class BatchPlanner:
         n = len(rows) + len(pinned)
         if not rows:
             decisions = []
+        elif n > router.config.sampling_spec_max_batch and not any(r.greedy for r in rows):
+            # no row may speculate (plan_afresh's rule for sampled rows): plain at once, no
+            # decide, no shadow proposals, no confident drafts (held): all-plain steps cost what
+            # plain batching's do (per-row planning and shadows after every ~11 ms forward cost
+            # the router 4-5% at 4 sampled rows, measured)
+            return BatchPlan(self.all_plain(rows), True, 0)
         elif hold is not None and hold.holds(rows, n, now):
             self.held_decisions += len(rows)  # decided by the hold (no DecisionEvent each)
             decisions = self.all_plain(rows)
@@ -147,7 +164,7 @@ class BatchPlanner:
             settled = n > 1 or (len(rows) == 1 and decisions[0].reason == "same")
             if limit > 0 and plain and settled:
                 span = min(limit, 2 * hold.span if hold is not None else 2)
-                self.hold = PlainHold(n, now + span, span, None if n > 1 else rows[0].seq_id)
+                self.hold = PlainHold(n, now + span, span, frozenset(r.seq_id for r in rows))
             else:
                 self.hold = None
         held = self.hold is not None

@@ -1,0 +1,225 @@
+"""The router under load without the server (issue 26's serving goal, separated from HTTP):
+the serving bench's mixed request stream through the engine's own continuous batching at
+concurrency c, the router against plain batching of the target, side by side in one process,
+each round on its own view of the pool (`Pool.with_fresh_drafters()`), alternating which goes
+first. One router learns along the whole run (as a server's does).
+
+Per level: tokens/s of both and the ratio; with `--trace`, the router's steps by kind (held
+plain, planned plain, speculative): their count, mean rows, predicted and realised seconds per
+step (the planner's `step_seconds` at the plans that ran, against the executor's wall time
+plus the planning), tokens per step, target forwards per step and host seconds per step (wall
+minus forwards); the plain engine's steps beside them.
+
+    python benchmarks/serve_engine.py [--concurrency 2 4 8] [--temperature 0] [--requests 16]
+        [--max-new-tokens 64] [--rounds 2] [--trace]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from specrouter.api import SpecRouter
+from specrouter.bench.serve import continuous_batching, prompts
+from specrouter.config import PoolConfig, RouterConfig, SamplingParams
+from specrouter.engine import engine as engine_module
+from specrouter.engine.engine import Engine
+from specrouter.models.default_pool import default_pool_paths
+from specrouter.models.pool import Pool, preview_pool
+from specrouter.router.batch import speculates
+from specrouter.router.setup import build_router
+
+
+class StepLog:
+    """Every step of one engine: (kind, rows, predicted s, realised s, tokens, target forwards, host s)."""
+
+    def __init__(self, engine: Engine, planner=None):
+        self.steps: list[tuple] = []
+        self.engine, self.planner = engine, planner
+        report = engine._report
+
+        def logged(rows, ran):
+            result = ran[0]
+            if result is not None:
+                self.record(rows, result)
+            report(rows, ran)
+
+        engine._report = logged
+        step, execute = engine.step, engine.executor.step
+        self.engine_seconds = self.executor_seconds = 0.0
+
+        def timed_step():
+            t0 = time.perf_counter()
+            out = step()
+            self.engine_seconds += time.perf_counter() - t0
+            return out
+
+        def timed_execute(*a, **kw):
+            t0 = time.perf_counter()
+            out = execute(*a, **kw)
+            self.executor_seconds += time.perf_counter() - t0
+            return out
+
+        engine.step, engine.executor.step = timed_step, timed_execute
+        self.parts: dict[str, float] = defaultdict(float)  # router-side work outside the executor
+        if engine.router is not None:
+            for obj, attr in ((engine.router, "plan_batch"), (engine.router, "observe_step"),
+                              (engine.router, "take_confident_drafts"), (engine_module, "shadow_proposals"),
+                              (engine_module, "confident_offers"), (engine_module, "judge_shadows")):
+                setattr(obj, attr, self.timer(attr, getattr(obj, attr)))
+        self.held = False
+        if planner is not None:
+            plan = planner.plan
+
+            def plan_logged(rows, pinned=()):
+                out = plan(rows, pinned)
+                self.held = out.held
+                return out
+
+            plan_logged.original = plan
+            planner.plan = plan_logged
+
+    def timer(self, name, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.parts[name] += time.perf_counter() - t0
+        timed.original = fn
+        return timed
+
+    def close(self) -> None:
+        """Undo the wrappers (one router serves every round)."""
+        for attr in ("shadow_proposals", "confident_offers", "judge_shadows"):
+            f = getattr(engine_module, attr)
+            setattr(engine_module, attr, getattr(f, "original", f))
+        if self.engine.router is not None:
+            for attr in ("plan_batch", "observe_step", "take_confident_drafts"):
+                f = getattr(self.engine.router, attr)
+                setattr(self.engine.router, attr, getattr(f, "original", f))
+        if self.planner is not None:
+            self.planner.plan = self.planner.plan.original
+
+    def record(self, rows, result) -> None:
+        plans = [(tuple(o.chain), o.k) for o in result.outcomes]
+        tokens = sum(int(o.accepted[len(o.chain) - 1]) + 1 if len(o.chain) > 1 and o.k > 0 else 1
+                     for o in result.outcomes)
+        target = self.engine.pool.target
+        fwd = sum(1 for f in result.forwards if f.model == target)
+        host = result.wall_time - sum(result.forward_time.values())
+        predicted = realised = float("nan")
+        if self.planner is not None:
+            L = max(1, sum(o.context_len for o in result.outcomes) // len(plans))
+            predicted = self.planner.step_seconds(plans, L, publish=False)
+            realised = result.wall_time + self.planner.plan_seconds  # observe() resets it after us
+        kind = "spec" if speculates(plans) else ("held" if self.held else "plain")
+        self.steps.append((kind, len(plans), predicted, realised if self.planner else result.wall_time,
+                           tokens, fwd, host))
+
+
+def summary(log: StepLog, label: str) -> list[str]:
+    by = defaultdict(list)
+    for s in log.steps:
+        by[(s[0], s[1])].append(s)
+    out = []
+    for (kind, n), ss in sorted(by.items()):
+        mean = lambda i: statistics.fmean(x[i] for x in ss)  # noqa: E731
+        out.append(f"  {label:6s} {kind:5s} rows={n} steps={len(ss):4d} pred={mean(2) * 1e3:6.1f} ms "
+                   f"real={mean(3) * 1e3:6.1f} ms tok/step={mean(4):.2f} tfwd/step={mean(5):.2f} "
+                   f"host={mean(6) * 1e3:5.1f} ms  tok/s={sum(x[4] for x in ss) / sum(x[3] for x in ss):.1f}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="RouterConfig overrides, e.g. plain_hold_max=0 batch_plain_margin=0.05")
+    args = ap.parse_args()
+
+    pcfg = PoolConfig(models=tuple(str(p) for p in default_pool_paths()))
+    pool = Pool.from_config(pcfg, paths=list(preview_pool(pcfg).paths))
+    sr = SpecRouter(pool)
+    n_req = max(args.requests, *args.concurrency)
+    ids = [sr.encode(p, chat=chat) for p, chat in prompts(n_req)]
+    max_len = max(len(x) for x in ids) + args.max_new_tokens + 16
+    over = {k: type(getattr(RouterConfig(), k))(v) for k, v in (a.split("=", 1) for a in args.set)}
+    router = build_router(pool, progress=False, config=RouterConfig(**over))
+    print(f"cpu: {os.cpu_count()} cores, load {os.getloadavg()}, t={args.temperature}, "
+          f"{n_req} requests x {args.max_new_tokens} tokens, router config {over}")
+    for c in args.concurrency:
+        tps = {"router": [0, 0.0], "plain": [0, 0.0]}
+        logs = {"router": [], "plain": []}
+        for r in range(args.rounds):
+            for name in (("router", "plain") if r % 2 == 0 else ("plain", "router")):
+                view = pool.with_fresh_drafters()
+                engine = Engine(view, max_num_seqs=c, max_model_len=max_len,
+                                router=router if name == "router" else None)
+                chain = None if name == "router" else (view.target,)
+                warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+                continuous_batching(engine, [x[:8] for x in ids[:c]], warm, c, chain)
+                log = StepLog(engine, router.planner if name == "router" else None)
+                params = [SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                                         ignore_eos=True, seed=i) for i in range(n_req)]
+                t0 = time.perf_counter()
+                seqs = run(engine, ids, params, c, chain)
+                wall = time.perf_counter() - t0
+                log.close()
+                tps[name][0] += sum(len(s.output_ids) for s in seqs)
+                tps[name][1] += wall
+                logs[name].append(log)
+                print(f"c={c} round {r + 1} {name}: {len(log.steps)} steps, "
+                      f"{sum(len(s.output_ids) for s in seqs) / wall:.1f} tok/s", flush=True)
+        rate = {k: v[0] / v[1] for k, v in tps.items()}
+        print(f"c={c} t={args.temperature}: router {rate['router']:.1f} tok/s, plain {rate['plain']:.1f} tok/s, "
+              f"ratio {rate['router'] / rate['plain']:.3f}  (load {os.getloadavg()[0]:.2f})", flush=True)
+        if args.trace:
+            for name, ls in logs.items():
+                merged = StepLog.__new__(StepLog)
+                merged.steps = [s for lg in ls for s in lg.steps]
+                outside = sum(lg.engine_seconds - lg.executor_seconds for lg in ls) / len(merged.steps)
+                parts = defaultdict(float)
+                for lg in ls:
+                    for k, v in lg.parts.items():
+                        parts[k] += v / len(merged.steps)
+                print(f"  {name:6s} engine step outside the executor: {outside * 1e3:.2f} ms/step" +
+                      "".join(f"; {k} {v * 1e3:.2f}" for k, v in parts.items()))
+                print("\n".join(summary(merged, name)))
+            events = list(router.planner.events)[-2000:]
+            reasons = defaultdict(int)
+            for e in events:
+                reasons[(e[1], e[2])] += 1
+            print("  planner events (rows, reason): " + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())))
+            cal = {k: (v.factor(router.config.batch_calibration_prior), round(v.weight, 1))
+                   for k, v in router.planner.calibrations.items()}
+            print(f"  calibrations (rows, spec): {cal}")
+
+
+def run(engine, ids, params, concurrency, chain):
+    """`continuous_batching` with one SamplingParams per request."""
+    waiting, running, done = list(range(len(ids))), {}, {}
+    while waiting or running:
+        while waiting and len(running) < concurrency:
+            i = waiting.pop(0)
+            running[i] = engine.add_request(ids[i], params[i], chain=chain, k=1)
+        engine.step()
+        for i, seq in list(running.items()):
+            if seq.done:
+                done[i] = running.pop(i)
+    return [done[i] for i in range(len(ids))]
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
