@@ -24,7 +24,7 @@ def reference_request_tree(ctx: list[int], k: int, cfg: SuffixConfig) -> list[in
     """The request tree written plainly: occurrences of the longest earlier suffix match, then
     the most frequent next token while the cumulative frequency stays >= min_token_prob."""
     L = len(ctx)
-    for n in range(min(cfg.max_depth, L - 1), cfg.min_match - 1, -1):
+    for n in range(min(cfg.max_depth, L - 1), cfg.min_context_match - 1, -1):
         ends = [e for e in range(n - 1, L - 1) if ctx[e - n + 1:e + 1] == ctx[L - n:]]
         if ends:
             break

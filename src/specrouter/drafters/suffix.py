@@ -12,7 +12,8 @@ ends; its children are the tokens that follow them, counted):
 
 One proposal (pure functions `match` and `walk`):
 1. match: the occurrences of the longest suffix of the context (at most `max_depth` tokens, at
-   least `min_match`) found in the corpus (the most recent `max_occurrences` of its last
+   least `min_match` in the global tree, `min_context_match` in the request tree) found in the
+   corpus (the most recent `max_occurrences` of its last
    tokens are considered); `n` = that match length.
 2. walk: from those occurrences, repeatedly take the most frequent next token; its confidence
    is count(token) / count(occurrences still alive) (an occurrence ending at a separator or at
@@ -86,7 +87,11 @@ class SuffixConfig:
     """Settings of the suffix drafter."""
 
     max_depth: int = 32  # longest context suffix matched (the tree's depth)
-    min_match: int = 2  # shortest suffix match that may propose (>= 2: the index is of bigrams)
+    min_match: int = 2  # shortest suffix match in the global tree that may propose (>= 2: its index is of bigrams)
+    # shortest match in the request's own context (1: prompt lookup's shortest n-gram; one-token
+    # matches are spread over many continuations, so their confidence is low and the router's
+    # floor cuts what does not pay: docs/trees.md "Suffix trees")
+    min_context_match: int = 1
     min_token_prob: float = 0.1  # stop before the proposal's cumulative probability drops below this
     max_spec_factor: float = 2.0  # a match of n tokens proposes at most ceil(factor * n) tokens
     max_occurrences: int = 4096  # most recent occurrences of a match considered (bounds the cost)
@@ -97,6 +102,8 @@ class SuffixConfig:
     def __post_init__(self) -> None:
         if not 2 <= self.min_match <= self.max_depth:
             raise ValueError(f"SuffixConfig needs 2 <= min_match <= max_depth, got {self.min_match}, {self.max_depth}")
+        if not 1 <= self.min_context_match <= self.max_depth:
+            raise ValueError(f"SuffixConfig needs 1 <= min_context_match <= max_depth, got {self.min_context_match}")
         if not 0.0 <= self.min_token_prob <= 1.0:
             raise ValueError(f"SuffixConfig.min_token_prob must be in [0, 1], got {self.min_token_prob}")
         if self.max_spec_factor <= 0 or self.max_occurrences < 1 or self.max_tokens < 1 or self.max_request_tokens < 2:
@@ -174,16 +181,16 @@ def _proposal_cap(cfg: SuffixConfig, n: int, k: int) -> int:
 def context_matches(context: np.ndarray, cfg: SuffixConfig) -> tuple[np.ndarray, int]:
     """The request tree's match: (ends of the earlier occurrences of the context's longest
     suffix in the context itself (at most `max_occurrences`, the most recent), its length n);
-    n = 0: none of at least `min_match` tokens."""
+    n = 0: none of at least `min_context_match` tokens."""
     L = context.shape[0]
     none = np.zeros(0, np.int64), 0
-    if L < cfg.min_match + 1:
+    if L < cfg.min_context_match + 1:
         return none
     ends = np.flatnonzero(context[: L - 1] == context[L - 1])[-cfg.max_occurrences:]  # earlier occurrences
     if ends.shape[0] == 0:
         return none
     ends, n = match(context, ends, context, cfg.max_depth, 1)
-    return (ends, n) if n >= cfg.min_match else none
+    return (ends, n) if n >= cfg.min_context_match else none
 
 
 def propose_from_context(context: np.ndarray, k: int, cfg: SuffixConfig, min_prob: float | None = None) -> Proposal:
