@@ -9,8 +9,8 @@ each proposal, independent of timing noise). docs/trees.md "Suffix trees".
    tokens (a chain: its accepted prefix; a tree: the branch equal to them), the cycle commits
    those plus the target's own token.
 Proposals: `chain` (`SuffixDrafter.propose_row`, k), `tree` (`propose_tree_row`, at most N nodes,
-k deep), and both with the request tree matching from a single token (`chain1`, `tree1`: prompt
-lookup's shortest n-gram; the drafter's own request tree needs two).
+k deep), each with the request tree matching from two tokens (as before 85f0394) and from one
+(`SuffixConfig.min_context_match`, the default since: prompt lookup's shortest n-gram).
 
     python benchmarks/suffix_tree_replay.py [--prompts 3] [--workloads mixed templated structured]
         [--k 8] [--nodes 15] [--max-new-tokens 64]
@@ -19,16 +19,13 @@ lookup's shortest n-gram; the drafter's own request tree needs two).
 from __future__ import annotations
 
 import argparse
-import math
-
 import numpy as np
 import torch
 
 from specrouter import SpecRouter
 from specrouter.bench.workloads import build_workloads
-from specrouter.drafters.base import EMPTY
-from specrouter.drafters.suffix import SuffixDrafter, match, walk
-from specrouter.drafters.trees import TreeProposal, grow, merge
+from specrouter.drafters.suffix import SuffixConfig, SuffixDrafter
+from specrouter.drafters.trees import TreeProposal
 
 
 def accepted_in_tree(tree: TreeProposal, target: list[int]) -> int:
@@ -39,34 +36,13 @@ def accepted_in_tree(tree: TreeProposal, target: list[int]) -> int:
     return n
 
 
-def one_token_match(ctx: np.ndarray, cfg) -> tuple[np.ndarray, int]:
-    """The request tree's match from a single token: (ends, n)."""
-    L = ctx.shape[0]
-    ends = np.flatnonzero(ctx[: L - 1] == ctx[L - 1])[-cfg.max_occurrences:]
-    return match(ctx, ends, ctx, cfg.max_depth, 1) if ends.shape[0] else (ends, 0)
-
-
 def propose(d: SuffixDrafter, mode: str, ctx: np.ndarray, k: int, nodes: int):
-    cfg = d.config
-    if mode == "chain":
-        return d.propose_row(ctx, k)
-    if mode == "tree":
-        return d.propose_tree_row(ctx, nodes, k)
-    store = d._stores.get(None)
-    ends, n = one_token_match(ctx, cfg)
-    cap = min(k, math.ceil(cfg.max_spec_factor * n))
-    if mode == "chain1":
-        own = walk(ctx, ends, ctx.shape[0], cap, cfg.min_token_prob) if n else EMPTY
-        other = store.propose(ctx, k, cfg, cfg.min_token_prob) if store is not None else EMPTY
-        return other if other.score > own.score else own
-    own = grow(ctx, ends, ctx.shape[0], nodes, cap, cfg.min_token_prob, n) if n else None
-    trees = [t for t in (own, store.propose_tree(ctx, nodes, k, cfg, cfg.min_token_prob) if store else None) if t]
-    return merge(trees, nodes)
+    return d.propose_row(ctx, k) if mode == "chain" else d.propose_tree_row(ctx, nodes, k)
 
 
-def replay(rows, mode: str, k: int, nodes: int) -> tuple[float, float]:
+def replay(rows, mode: str, k: int, nodes: int, min_context_match: int) -> tuple[float, float]:
     """(committed tokens per verification, tokens verified per verification)."""
-    d = SuffixDrafter()
+    d = SuffixDrafter(SuffixConfig(min_context_match=min_context_match))
     cycles = tokens = verified = 0
     for prompt, out in rows:
         i = 0
@@ -106,9 +82,9 @@ def main() -> None:
             res = sr.generate(ids, max_new_tokens=args.max_new_tokens, chain=[target], **kw)[0]
             rows.append((ids, res.token_ids))
         line = []
-        for mode in ("chain", "tree", "chain1", "tree1"):
-            per, ver = replay(rows, mode, args.k, args.nodes)
-            line.append(f"{mode} {per:.3f} ({ver:.2f} verified)")
+        for mode, m in (("chain", 2), ("tree", 2), ("chain", 1), ("tree", 1)):
+            per, ver = replay(rows, mode, args.k, args.nodes, m)
+            line.append(f"{mode} (match >= {m}) {per:.3f} ({ver:.2f} verified)")
         print(f"{wl.name} ({len(rows)} requests): " + "  ".join(line))
 
 
