@@ -26,17 +26,30 @@ STREAM = {"prompt": "The quick brown fox", "max_tokens": 32, "temperature": 0, "
           "specrouter_chain": ["target"]}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_pool_dirs):
+def hostile_server(tiny_pool_dirs, **live):
     names = ["mid", "target"]
     pool = Pool.load([tiny_pool_dirs[n] for n in names], names=names, target="target", dtype="float64")
     app = create_app(pool, ServerConfig(api_key=KEY, chain=("ngram", "mid", "target"), k=3,
                                         max_num_seqs=3, max_model_len=CONTEXT, max_body_bytes=LIMIT))
-    with LiveServer(app) as srv:
+    with LiveServer(app, **live) as srv:
         status, _, raw = send(srv, "POST", C, j(STREAM))
         assert status == 200, raw
         srv.reference = json.loads(raw)["choices"][0]["text"]  # the stream's text, run alone
         yield srv
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pool_dirs):
+    """The protocol and loop `specrouter serve` runs (httptools and uvloop: the dev extra)."""
+    yield from hostile_server(tiny_pool_dirs)
+
+
+@pytest.fixture(scope="module")
+def h11_server(tiny_pool_dirs):
+    """The fallback without httptools: h11 on asyncio's loop."""
+    from specrouter.server.http11 import JSONErrorH11Protocol
+
+    yield from hostile_server(tiny_pool_dirs, http=JSONErrorH11Protocol, loop="asyncio")
 
 
 def send(server, method, path, body=b"", headers=None, chunked=False):
@@ -292,7 +305,7 @@ CORPUS += [
     for ep, field, value in _REFUSED
 ]
 
-# requests h11 itself refuses: the same JSON shape (server/http11.py)
+# requests the HTTP parser itself refuses (httptools or h11): the same JSON shape (server/http11.py)
 RAW = [
     ("content-length-minus-one", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
      b"Content-Type: application/json\r\nContent-Length: -1\r\n\r\n", 400, "malformed HTTP request"),
@@ -318,8 +331,22 @@ def test_hostile_request(server, case):
         assert hdrs.get("www-authenticate") == "Bearer"
 
 
+def test_server_runs_httptools_on_uvloop(server):
+    """The dev extra installs httptools and uvloop; the server runs them (the C parser and loop:
+    about half the event loop's CPU per streamed request, docs/serving-performance.md)."""
+    import uvloop
+
+    from specrouter.server.http11 import JSONErrorHttpToolsProtocol, http_protocol
+
+    assert http_protocol() is JSONErrorHttpToolsProtocol is not None
+    assert server.server.config.http is JSONErrorHttpToolsProtocol
+    assert isinstance(server.server.servers[0].get_loop(), uvloop.Loop)
+
+
+@pytest.mark.parametrize("protocol", ["httptools", "h11"])
 @pytest.mark.parametrize("case", RAW, ids=[c[0] for c in RAW])
-def test_http_layer_errors_are_json(server, case):
+def test_http_layer_errors_are_json(request, protocol, case):
+    server = request.getfixturevalue("server" if protocol == "httptools" else "h11_server")
     name, data, status, words = case
     with concurrent_stream(server):
         got, hdrs, raw = send_raw(server, data)

@@ -61,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from specrouter.server import create_app
-        from specrouter.server.http11 import JSONErrorH11Protocol
+        from specrouter.server.http11 import http_protocol
         from specrouter.server.threads import on_passing_thread
     except ImportError as e:
         print(f"specrouter serve needs the serve extra: pip install 'specrouter[serve]' ({e})",
@@ -100,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # it over within 0.5 ms instead of 5 (docs/serving-performance.md)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=10, http=JSONErrorH11Protocol)
+                timeout_graceful_shutdown=10, http=http_protocol(), loop="auto")
     return 0
 
 

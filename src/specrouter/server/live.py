@@ -6,7 +6,9 @@
 The socket is bound before uvicorn starts (port 0: a free port, no race); leaving the block
 shuts the server down (the app's lifespan stops the engine thread) and joins the thread.
 Starting it ends the caller's OpenMP team, as `create_app` does (server/threads.py): the pool
-may be loaded on the caller's thread and the server still decodes at full speed.
+may be loaded on the caller's thread and the server still decodes at full speed. It runs the
+protocol and loop `specrouter serve` runs (httptools and uvloop when installed, server/http11.py);
+`http=` and `loop=` pick others (tests of both protocols).
 """
 
 from __future__ import annotations
@@ -17,17 +19,18 @@ import time
 
 
 class LiveServer:
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 http=None, loop: str = "auto"):
         import uvicorn
 
-        from specrouter.server.http11 import JSONErrorH11Protocol
+        from specrouter.server.http11 import http_protocol
 
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level=log_level, loop="asyncio", http=JSONErrorH11Protocol,
+        config = uvicorn.Config(app, log_level=log_level, loop=loop, http=http or http_protocol(),
                                 lifespan="on", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
