@@ -6,6 +6,8 @@ SpecRouter's cycles by decided (chain, k, reason) with their predicted and reali
 token; at the end the router's host-time estimates.
 
     python benchmarks/router_diagnose.py [--temperature 0] [--variant default|no-step-host]
+        [--workload mixed|chat|...] [--prompts-per-type 3] [--presence-penalty P] [--frequency-penalty F]
+        [--repetition-penalty R]
 """
 
 from __future__ import annotations
@@ -40,7 +42,15 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--variant", default="default", choices=["default", "no-step-host"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workload", default="mixed", help="mixed or one request type (chat, prose, code, extraction)")
+    ap.add_argument("--prompts-per-type", type=int, default=3)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
     args = ap.parse_args()
+    controls = tuple((name, value) for name, value, off in (
+        ("presence_penalty", args.presence_penalty, 0.0), ("frequency_penalty", args.frequency_penalty, 0.0),
+        ("repetition_penalty", args.repetition_penalty, 1.0)) if value != off)
     torch.set_num_threads(args.threads)
     sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
     pool = sr.pool
@@ -81,16 +91,28 @@ def main() -> None:
         observe(report)
 
     router.plan_batch, router.observe_step = planned, observe_step
+    plain_steps: list = []  # target-only's engine steps of the request (seconds)
+    plain_engine = statics[label((pool.target,), 0)].sr.engine
+    plain_step = plain_engine.step
+
+    def timed_step():
+        t0 = time.perf_counter()
+        out = plain_step()
+        plain_steps.append(time.perf_counter() - t0)
+        return out
+
+    plain_engine.step = timed_step
     events.clear()
-    cfg = BenchConfig(workloads=("mixed",), prompts_per_type=3, temperatures=(args.temperature,),
-                      slowdown=False, hf="none", peers=False)
+    cfg = BenchConfig(workloads=(args.workload,), prompts_per_type=args.prompts_per_type,
+                      temperatures=(args.temperature,), slowdown=False, hf="none", peers=False, controls=controls)
     scenario = build_scenarios(cfg)[0]
     totals = defaultdict(lambda: [0, 0.0])
     oracle = [0, 0.0]  # tokens, seconds of the fastest static per request
     for i, req in enumerate(scenario.workload.requests):
         ids = sr.encode(req.prompt, chat=req.chat)
-        dec = Decoding(args.temperature, cfg.max_new_tokens, cfg.seed + i)
+        dec = Decoding(args.temperature, cfg.max_new_tokens, cfg.seed + i, controls)
         speeds = {}
+        plain_steps.clear()
         for name, s in statics.items():
             out = s.run(ids, dec)
             speeds[name] = len(out.token_ids) / out.seconds
@@ -105,6 +127,12 @@ def main() -> None:
         best = max(speeds, key=speeds.get)
         print(f"#{i} {req.kind:10s} SR {sr_speed:.0f} tok/s, best static {best} {speeds[best]:.0f} "
               f"({sr_speed / speeds[best]:.2f}x), target-only {speeds[label((pool.target,), 0)]:.0f}", flush=True)
+        if cycles:
+            steps = sum(c[4] for c in cycles)
+            print(f"    request {1e3 * out.seconds:.1f} ms: first step {1e3 * cycles[0][4]:.1f} ms, the others "
+                  f"{1e3 * (steps - cycles[0][4]):.1f} ms, outside steps {1e3 * (out.seconds - steps):.1f} ms; "
+                  f"target-only: first step {1e3 * plain_steps[0]:.1f} ms, the others {1e3 * sum(plain_steps[1:]):.1f} ms",
+                  flush=True)
         oracle[0] += len(out.token_ids)
         oracle[1] += len(out.token_ids) / speeds[best]
         if events:  # the acceptance estimates of the request's last decision, and the global ones
