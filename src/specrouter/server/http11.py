@@ -5,8 +5,8 @@ block over the limit) never reaches the app: uvicorn answers it with a plain-tex
 These subclasses answer those in the JSON error shape the app uses: 431 Request Header Fields
 Too Large for a request head over the limit (16 KiB, uvicorn's `h11_max_incomplete_event_size`),
 400 otherwise. `http_protocol()` is the one `specrouter serve` and `LiveServer` run: the
-httptools one (llhttp, C) when httptools is importable, else the h11 one (pure Python; about
-twice the event loop's CPU per request, docs/serving-performance.md).
+httptools one (llhttp, C) when httptools is importable, else the h11 one (pure Python;
+docs/serving-performance.md has the A/B).
 """
 
 from __future__ import annotations
