@@ -9,8 +9,8 @@ Variants (RouterConfig changes against the default): no-tv (measure_tv=False), g
 (greedy rows' D_TV fed to the estimator), no-check (realized_check=False), tv-cap-8
 (request_tv_cap=8, request_tv_weight=1), no-step-host (draft_step_overhead=False: the draft steps'
 host seconds folded into the cycle's overhead, as before issue 33), any-probe (probe_first_pair=False:
-a pair probed by any chain measuring it), no-outside (charge_outside=False: decide()'s seconds charged
-instead of the step's host seconds outside the executor), no-hold (plain_hold_max=0: no plain hold, a
+a pair probed by any chain measuring it), outside (charge_outside=True: the step's host seconds outside the
+executor charged instead of decide()'s), no-hold (plain_hold_max=0: no plain hold, a
 settled plain single stream decided every step).
 """
 
@@ -39,7 +39,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "tv-cap-8": dataclasses.replace(base, request_tv_cap=8.0, request_tv_weight=1.0),
         "no-step-host": dataclasses.replace(base, draft_step_overhead=False),
         "any-probe": dataclasses.replace(base, probe_first_pair=False),
-        "no-outside": dataclasses.replace(base, charge_outside=False),
+        "outside": dataclasses.replace(base, charge_outside=True),
         "no-hold": dataclasses.replace(base, plain_hold_max=0),
     }
     unknown = [n for n in names if n not in known]

@@ -891,11 +891,11 @@ def test_host_time_outside_the_executor_is_measured_and_charged():
         r.board.changed()
         return r.evaluate(row)[0]
 
-    base, charged = table(0.0, 0.0), table(1e-3, 3e-3)
+    base, charged = table(0.0, 0.0, charge_outside=True), table(1e-3, 3e-3, charge_outside=True)
     assert charged.t_eff[0, 0] - base.t_eff[0, 0] == pytest.approx(1e-3)
     i = charged.chains.index(("d1", "d2", "T"))
     assert charged.t_eff[i, 3] - base.t_eff[i, 3] == pytest.approx(3e-3 / charged.expected_tokens[i, 3], rel=1e-6)
-    off = table(1e-3, 3e-3, charge_outside=False)  # negative control: not charged
+    off = table(1e-3, 3e-3)  # negative control: the default charges decide() alone
     assert off.t_eff[0, 0] == pytest.approx(base.t_eff[0, 0]) and off.t_eff[i, 3] == pytest.approx(base.t_eff[i, 3])
 
 

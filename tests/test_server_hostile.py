@@ -382,6 +382,8 @@ def test_corpus_covers_every_request_field():
 def test_server_still_serves_after_hostile_requests(server):
     for _ in range(3):  # a few more bad ones, then good ones
         send(server, "POST", C, b"{{{{")
+    status, _, _ = send(server, "GET", "/no-such-route")  # its own 404, so the test stands alone
+    assert status == 404
     # unicode edge cases that ARE valid: escaped NUL, emoji (surrogate pair), combining, RTL
     for prompt in ["a\u0000b", "smile \U0001F600 ok", "e\u0301\u0301 \u05e9\u05dc\u05d5\u05dd"]:
         status, _, raw = send(server, "POST", C, j({"prompt": prompt, "max_tokens": 4, "temperature": 0}))

@@ -293,8 +293,10 @@ class RouterConfig:
     draft_step_overhead: bool = True
     # charge the host seconds of an engine step outside the executor (measured per step: the
     # router's planning and observing, tree shapes, shadow proposals, bookkeeping), speculative
-    # and plain steps apart; False: only decide()'s own seconds (before issue 27's speed work)
-    charge_outside: bool = True
+    # and plain steps apart; False (the default): only decide()'s own seconds. Off by default:
+    # side by side on the mixed stream charging it was 2-5% slower greedy in 3 of 3 runs and
+    # 0.4-5% slower at t=0.7 (docs/router.md, "Side by side")
+    charge_outside: bool = False
     context_bucket: int = 32  # cost rows are cached per (b, L // context_bucket)
     prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
     alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)
