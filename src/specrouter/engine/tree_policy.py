@@ -311,53 +311,6 @@ class FixedTreeShape:
         shape = (self.budget, self.width) if self.depth is None else (self.budget, self.width, self.depth)
         return [shape if self.rows is None or self.rows(s) else (0, 1) for s in rows]
 
-    def _target_costs(self, context: int) -> list[float]:
-        """T(n) for n = 0..max_nodes + 1 at this context (reused for `refresh` steps per context / 64)."""
-        hit = self._costs.get(context // 64)
-        if hit is None or self._steps - hit[0] >= self.refresh:
-            hit = (self._steps, [0.0] + [self.target_cost(n, context) for n in range(1, self.max_nodes + 2)])
-            self._costs[context // 64] = hit
-        return hit[1]
-
-    def prune(self, row, proposal) -> int:
-        """How many of a model-free drafter's tree nodes (drafters/trees.py `TreeProposal`,
-        best-first) row `row` (the executor's RowWork) verifies: the n most confident nodes,
-        for the n with the least time per token, (T(n + 1) + host) / (1 + sum of their
-        confidences), both calibrated by what such cycles committed, if that beats the chain (its
-        main path, priced the same way) by `margin`; else 0: the chain."""
-        conf = proposal.confidence.tolist()
-        main = proposal.main_path()
-        T = self._target_costs(row.start)
-        chain_e = 1.0 + sum(conf[i] for i in main)
-        chain_t = (T[len(main) + 1] + self.host["free-chain"]) / (chain_e * self._calibration("free-chain"))
-        best, best_e, best_t = 0, chain_e, chain_t * (1 - self.margin)
-        c_tree, gain, on_main, chain_so_far = self._calibration("free-tree"), 1.0, set(main), True
-        for n in range(1, min(len(conf), self.max_nodes) + 1):
-            gain += conf[n - 1]
-            chain_so_far = chain_so_far and n - 1 in on_main
-            if chain_so_far:
-                continue  # main-path nodes only: a chain
-            t = (T[n + 1] + self.host["free-tree"]) / (gain * c_tree)
-            if t < best_t:
-                best, best_e, best_t = n, gain, t
-        self._expected = (row.seq.seq_id, "free-tree" if best else "free-chain", best_e)
-        if best:
-            self.chosen.append((row.k, best, 1, max(1, len(main))))
-        return best
-
-    def _observe_free(self, result: StepResult) -> None:
-        """A single stream's model-free cycle: its host seconds and committed tokens against
-        those `prune` expected."""
-        expected, self._expected = self._expected, None
-        o = result.outcomes[0]
-        kind = "free-tree" if result.trees else "free-chain"
-        host = max(0.0, result.wall_time - sum(result.forward_time.values()))
-        self.host[kind] = 0.9 * self.host[kind] + 0.1 * host
-        if expected is not None and expected[0] == o.seq_id and expected[1] == kind:
-            committed = (result.trees[0].accepted if result.trees else o.accepted[1]) + 1
-            p, c = self.realized[kind]
-            self.realized[kind] = (0.98 * p + expected[2], 0.98 * c + committed)
-
     def prune(self, row, proposal) -> int:
         """A model-free drafter's tree is verified whole (all its `budget` nodes)."""
         return len(proposal)
