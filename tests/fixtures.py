@@ -145,6 +145,26 @@ def named_router(dirs: dict, names, dtype: str = "float64", **kwargs):
                                       dtype=dtype, **kwargs)
 
 
+FOUR_LEVELS = ("target", "mid", "draft", "same")  # the tiny pool's levels the chain tests run
+
+
+def four_level_fixtures(prompt_lengths=(6, 11, 17)):
+    """Module-scoped `pool` (FOUR_LEVELS of the session's tiny checkpoints, float64) and
+    `prompts` (repeating prompts of `prompt_lengths`) fixtures, for a test module to bind:
+    `pool, prompts = four_level_fixtures()`."""
+    import pytest
+
+    @pytest.fixture(scope="module", name="pool")
+    def pool(tiny_pool_dirs):
+        return load_named_pool(tiny_pool_dirs, FOUR_LEVELS)
+
+    @pytest.fixture(scope="module", name="prompts")
+    def prompts():
+        return repeating_prompts(prompt_lengths)
+
+    return pool, prompts
+
+
 def repeating_prompts(lengths, seed: int = 0) -> list[list[int]]:
     """Token prompts of these lengths, each a random fragment repeated (so the n-gram drafter
     has something to find)."""

@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from fixtures import load_named_pool, repeating_prompts
+from fixtures import FOUR_LEVELS, four_level_fixtures, load_named_pool
 
 from specrouter.config import SamplingParams
 from specrouter.decoding import executor as executor_mod
@@ -27,7 +27,7 @@ from specrouter.decoding.processors import RowHistory, process_rows
 from specrouter.decoding.sampling import SamplingTensors, process_logits, scaled_logits
 from specrouter.engine.engine import Engine
 
-NAMES = ("target", "mid", "draft", "same")
+NAMES = FOUR_LEVELS
 MAX_NEW = 16
 # "same" (an exact copy of the target) accepts whole drafts: every position of the path is
 # committed, so a wrong history anywhere along it shows in the output
@@ -124,14 +124,7 @@ def test_min_p_keeps_tokens_above_min_p_times_the_top():
 
 
 # -- 2. greedy: equal to a reference plain decoding --------------------------------------------
-@pytest.fixture(scope="module")
-def pool(tiny_pool_dirs):
-    return load_named_pool(tiny_pool_dirs, NAMES)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return repeating_prompts((6, 11, 17))
+pool, prompts = four_level_fixtures()
 
 
 @pytest.fixture(scope="module")

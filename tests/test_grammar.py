@@ -23,7 +23,7 @@ import llguidance.hf
 import llguidance.torch as lt
 import pytest
 import torch
-from fixtures import load_named_pool, repeating_prompts
+from fixtures import FOUR_LEVELS, four_level_fixtures, load_named_pool
 
 from specrouter.config import SamplingParams
 from specrouter.decoding import grammar as grammar_mod
@@ -31,7 +31,7 @@ from specrouter.decoding.grammar import GrammarError, GrammarSpec, RowGrammar, u
 from specrouter.engine import constrained
 from specrouter.engine.engine import Engine
 
-NAMES = ("target", "mid", "draft", "same")
+NAMES = FOUR_LEVELS
 MAX_NEW = 40
 CHAINS = [("same", "target"), ("draft", "target"), ("ngram", "target"), ("draft", "mid", "target"),
           ("ngram", "draft", "mid", "target")]
@@ -54,14 +54,7 @@ SPECS = {
 }
 
 
-@pytest.fixture(scope="module")
-def pool(tiny_pool_dirs):
-    return load_named_pool(tiny_pool_dirs, NAMES)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return repeating_prompts((6, 11, 17))
+pool, prompts = four_level_fixtures()
 
 
 def fresh_allowed(pool, spec, tokens):

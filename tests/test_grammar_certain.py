@@ -16,13 +16,13 @@
 
 import pytest
 import torch
-from fixtures import load_named_pool, repeating_prompts
+from fixtures import FOUR_LEVELS, four_level_fixtures, load_named_pool
 
 from specrouter.config import SamplingParams
 from specrouter.decoding.grammar import GrammarSpec, RowGrammar
 from specrouter.engine.engine import Engine
 
-NAMES = ("target", "mid", "draft", "same")
+NAMES = FOUR_LEVELS
 MAX_NEW = 40
 CHAINS = [("same", "target"), ("draft", "target"), ("ngram", "target"), ("ngram", "same", "target"),
           ("draft", "mid", "target"), ("ngram", "draft", "mid", "target")]
@@ -41,14 +41,7 @@ SPECS = [GrammarSpec.json_schema(SCHEMA),
          GrammarSpec("lark", 'start: "The " ("fox" | "dog") " is " NUM " years old."\nNUM: /[0-9]{1,3}/')]
 
 
-@pytest.fixture(scope="module")
-def pool(tiny_pool_dirs):
-    return load_named_pool(tiny_pool_dirs, NAMES)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return repeating_prompts((6, 11, 17))
+pool, prompts = four_level_fixtures()
 
 
 def run(pool, prompts, params, chain, k=4, jump_forward=True, certain=None):
