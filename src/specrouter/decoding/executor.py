@@ -51,7 +51,7 @@ from specrouter.decoding.sampling import SamplingTensors, choose_tokens
 from specrouter.decoding.tv import level_tv
 from specrouter.models.device import synchronize
 from specrouter.decoding.verification import verify_tokens
-from specrouter.decoding.tree import TokenTree, feed_parents, token_offsets, walk
+from specrouter.decoding.tree import TokenTree, feed_parents, path_independent, token_offsets, walk
 from specrouter.decoding.free_tree import free_tree_ok, take_free_tree
 from specrouter.decoding.tree_drafting import DraftTree, draft_tree
 from specrouter.records.stats import CycleStats
@@ -256,15 +256,13 @@ class ChainExecutor:
     def _tree_ok(self, w: RowWork, budget: int, width: int, depth: int) -> bool:
         """A row may verify a tree: a model drafter straight below the target (no pruning
         level), both running trees, room in both caches for the nodes side by side (the
-        drafter's forwards feed up to width * (depth - 1), the target's budget + 1), no
-        history-dependent processor or grammar (their history is the path: one per branch), no
-        logprobs asked (they read chain positions)."""
+        drafter's forwards feed up to width * (depth - 1), the target's budget + 1), and the
+        row's sampling independent of the path (decoding/tree.py `path_independent`)."""
         if not (len(w.chain) == 2 and w.chain[0] in self.runners and w.chain[0] not in self.heads
                 and all(self.runners[m].supports_trees for m in w.chain)):
             return False
         room = min(self.runners[m].max_len for m in w.chain) - w.start
-        return (room > max(budget, width * depth) and not w.seq.params.has_processors
-                and w.seq.grammar is None and w.seq.params.logprobs is None)
+        return room > max(budget, width * depth) and path_independent(w.seq)
 
     def _models_in_use(self, work: list[RowWork]) -> list[str]:
         used = {m for w in work for m in w.chain}

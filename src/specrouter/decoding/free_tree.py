@@ -10,7 +10,7 @@ the target's T(n) only.
 
 from __future__ import annotations
 
-from specrouter.decoding.tree import TokenTree
+from specrouter.decoding.tree import TokenTree, path_independent
 
 
 def free_tree_ok(ex, w, budget: int, depth: int) -> bool:
@@ -21,8 +21,7 @@ def free_tree_ok(ex, w, budget: int, depth: int) -> bool:
     if not (budget > 0 and depth > 0 and len(w.chain) == 2 and w.chain[0] in ex.drafters
             and ex.drafters[w.chain[0]].proposes_trees and ex.runners[w.chain[1]].supports_trees):
         return False
-    return (ex.runners[w.chain[1]].max_len - w.start > budget and not w.seq.params.has_processors
-            and w.seq.grammar is None and w.seq.params.logprobs is None)
+    return ex.runners[w.chain[1]].max_len - w.start > budget and path_independent(w.seq)
 
 
 def take_free_tree(w, prop, prune) -> None:

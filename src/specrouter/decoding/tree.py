@@ -85,6 +85,13 @@ class TokenTree:
         return TokenTree(self.tokens[:n], self.parents[:n])
 
 
+def path_independent(seq) -> bool:
+    """Sequence `seq` may verify a token tree: nothing of its sampling reads the draft path
+    beyond the model's own prefix (no history-dependent logits processor, no grammar: one
+    history per branch), and no logprobs asked (they read chain positions)."""
+    return not seq.params.has_processors and seq.grammar is None and seq.params.logprobs is None
+
+
 def feed_parents(num_pending: int, tree: TokenTree) -> list[int]:
     """Parents among the new tokens of a forward feeding `num_pending` pending tokens (a chain,
     the last one the root) then the tree's nodes: what `ForwardBatch.build(parents=...)` takes."""
