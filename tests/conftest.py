@@ -30,6 +30,15 @@ def _sigint_as_in_a_terminal():
 
 
 @pytest.fixture(scope="session")
+def near_tie_pool_dirs(tmp_path_factory):
+    """fixtures.make_near_tie_pool's float32 target/mid/draft (256 positions), built once for the
+    tree tests that share it."""
+    from fixtures import make_near_tie_pool
+
+    return make_near_tie_pool(tmp_path_factory.mktemp("neartie"), max_position_embeddings=256)
+
+
+@pytest.fixture(scope="session")
 def tiny_pool_dirs(tmp_path_factory):
     """Tiny float64 Llama-family checkpoints sharing one tokenizer:
     target, a mid verifier (target + 10% noise), a draft (target + 40% noise), a "same" draft

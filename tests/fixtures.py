@@ -165,6 +165,11 @@ def four_level_fixtures(prompt_lengths=(6, 11, 17)):
     return pool, prompts
 
 
+def generated_ids(sr, prompts, max_new_tokens: int, **kw) -> list[list[int]]:
+    """Each prompt's generated token ids (EOS ignored, so every row runs max_new_tokens)."""
+    return [r.token_ids for r in sr.generate(prompts, max_new_tokens=max_new_tokens, ignore_eos=True, **kw)]
+
+
 def repeating_prompts(lengths, seed: int = 0) -> list[list[int]]:
     """Token prompts of these lengths, each a random fragment repeated (so the n-gram drafter
     has something to find)."""

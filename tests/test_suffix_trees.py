@@ -11,7 +11,7 @@ node index) breaks the output."""
 
 import numpy as np
 import pytest
-from fixtures import named_router, repeating_prompts
+from fixtures import generated_ids, named_router, repeating_prompts
 
 from specrouter.drafters.suffix import SuffixConfig, SuffixDrafter, walk
 from specrouter.drafters.trees import EMPTY_TREE, TreeProposal, grow, merge
@@ -127,14 +127,12 @@ MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    from fixtures import make_near_tie_pool
-
-    return make_near_tie_pool(tmp_path_factory.mktemp("suffixtreepool"), max_position_embeddings=256)
+def pool(near_tie_pool_dirs):
+    return near_tie_pool_dirs
 
 
 def _gen(sr, prompts, **kw):
-    return [r.token_ids for r in sr.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, **kw)]
+    return generated_ids(sr, prompts, MAX_NEW, **kw)
 
 
 def _teach_wrong_turns(drafter, prompts, outputs, vocab: int = 300) -> None:

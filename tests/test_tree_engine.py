@@ -8,7 +8,7 @@ a draft identical to the target drafts its trees right (its tree forwards see ea
 branch), so every tree is accepted to its full depth."""
 
 import pytest
-from fixtures import named_router, repeating_prompts
+from fixtures import generated_ids, named_router, repeating_prompts
 
 from specrouter.engine.tree_policy import FixedTreeShape
 
@@ -17,14 +17,12 @@ MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    from fixtures import make_near_tie_pool
-
-    return make_near_tie_pool(tmp_path_factory.mktemp("treepool"), max_position_embeddings=256)
+def pool(near_tie_pool_dirs):
+    return near_tie_pool_dirs
 
 
 def _gen(sr, prompts, **kw):
-    return [r.token_ids for r in sr.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, **kw)]
+    return generated_ids(sr, prompts, MAX_NEW, **kw)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
