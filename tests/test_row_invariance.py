@@ -131,3 +131,40 @@ def test_the_fused_decoder_stack_computes_the_python_loops_bits(runner):
     fused, loop = forward(True), forward(False)
     for x, y in zip(fused, loop):
         assert torch.equal(x, y)
+
+
+def test_the_fused_stacks_bits_do_not_depend_on_how_its_threads_share_the_work(runner):
+    """`decoder_layers` runs in one parallel region whose threads share tiles and attention items
+    statically (the default), dynamically or guided, or as one fork and join per op ("ops"):
+    bitwise the same logits and cache under every schedule, on a ragged batch and a full one.
+    The per-thread phase timers (`stack_profile`) count cycles only while switched on."""
+    if runner._ops is None:
+        return
+    ops = runner._ops
+    V = runner.vocab_size
+    g = torch.Generator().manual_seed(7)
+    a, b = (torch.randint(0, V, (n,), generator=g).tolist() for n in (40, 30))
+
+    def forward():
+        first = _run(runner, [(0, 0, a[:21]), (2, 0, b[:9]), (3, 0, a[:1])])  # ragged: packed rows
+        full = _run(runner, [(0, 21, a[21:38]), (2, 9, b[9:26])])  # 17 tokens a row
+        return first + full + [runner._k[-1][:4, :, :40].clone(), runner._v[0][:4, :, :40].clone()]
+
+    try:
+        ops.set_stack_schedule("static", 1)
+        ops.stack_profile(True)
+        ref = forward()
+        prof = ops.stack_profile(False)
+        assert prof[0].sum() > 0 and prof[:, :, 0].sum() > 0  # thread 0 worked, timed
+        assert ops.stack_profile(False).sum() == 0  # read and reset; off: nothing counted
+        forward()
+        assert ops.stack_profile(False).sum() == 0
+        for kind, chunk in (("dynamic", 1), ("dynamic", 3), ("guided", 1), ("ops", 1)):
+            ops.set_stack_schedule(kind, chunk)
+            for x, y in zip(forward(), ref):
+                assert torch.equal(x, y), (kind, chunk)
+        with pytest.raises(RuntimeError, match="static, dynamic, guided or ops"):
+            ops.set_stack_schedule("fastest", 1)
+    finally:
+        ops.set_stack_schedule("static", 1)
+        ops.stack_profile(False)

@@ -1,5 +1,6 @@
 """The native CPU kernels, compiled on first use and cached: the runner's row-invariant ops
-(rowinv.cpp: `rope_attention`, `rms_norm`, `silu_mul`, `decoder_layers`; linear256.cpp:
+(rowinv.cpp: `rope_attention`, `rms_norm`, `silu_mul`, `decoder_layers` (the stack in one OpenMP
+region; `set_stack_schedule` and `stack_profile` steer and time it); linear256.cpp:
 `linear`, the AVX2 linear; linear512.cpp: `linear512`, the AVX-512 and AVX-512-BF16 linears) and the sampling noise
 (noise.cpp: `coupled_argmax`, decoding/noise.py's lazy Gumbel-max in one call); bf16.h holds
 the bfloat16 widening and rounding both linears and the other ops share.

@@ -149,25 +149,32 @@ inline void rows(const float* x, int64_t n0, int64_t K, const W* w, int64_t t0, 
   for (; t < t1; ++t) block<R, 1, T, W>(x, n0, K, w, t, O, bias, residual, y);
 }
 
+// tiles [t0, t1) of outputs, every row: in groups of 8 tiles (a group's weights stay in cache for
+// all its rows)
+template <typename T, typename W>
+void tiles_range(const float* x, int64_t N, int64_t K, const W* w, int64_t O, const T* bias, const T* residual,
+                 T* y, int64_t t0, int64_t t1) {
+  for (int64_t g0 = t0; g0 < t1; g0 += 8) {
+    const int64_t g1 = g0 + 8 < t1 ? g0 + 8 : t1;
+    for (int64_t n = 0; n < N; n += ROWS) {
+      switch (N - n < ROWS ? N - n : ROWS) {
+        case 1: rows<1, T, W>(x, n, K, w, g0, g1, O, bias, residual, y); break;
+        case 2: rows<2, T, W>(x, n, K, w, g0, g1, O, bias, residual, y); break;
+        case 3: rows<3, T, W>(x, n, K, w, g0, g1, O, bias, residual, y); break;
+        case 4: rows<4, T, W>(x, n, K, w, g0, g1, O, bias, residual, y); break;
+        case 5: rows<5, T, W>(x, n, K, w, g0, g1, O, bias, residual, y); break;
+        default: rows<6, T, W>(x, n, K, w, g0, g1, O, bias, residual, y); break;
+      }
+    }
+  }
+}
+
 template <typename T, typename W>
 void linear_impl(const float* x, int64_t N, int64_t K, const W* w, int64_t O, const T* bias,
                  const T* residual, T* y) {
   const int64_t tiles = (O + TILE - 1) / TILE;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    // a thread's tiles in groups of 8 (a group's weights stay in cache for all its rows)
-    for (int64_t g0 = t0; g0 < t1; g0 += 8) {
-      const int64_t g1 = g0 + 8 < t1 ? g0 + 8 : t1;
-      for (int64_t n = 0; n < N; n += ROWS) {
-        switch (N - n < ROWS ? N - n : ROWS) {
-          case 1: rows<1, T, W>(x, n, K, w, g0, g1, O, bias, residual, y); break;
-          case 2: rows<2, T, W>(x, n, K, w, g0, g1, O, bias, residual, y); break;
-          case 3: rows<3, T, W>(x, n, K, w, g0, g1, O, bias, residual, y); break;
-          case 4: rows<4, T, W>(x, n, K, w, g0, g1, O, bias, residual, y); break;
-          case 5: rows<5, T, W>(x, n, K, w, g0, g1, O, bias, residual, y); break;
-          default: rows<6, T, W>(x, n, K, w, g0, g1, O, bias, residual, y); break;
-        }
-      }
-    }
+    tiles_range<T, W>(x, N, K, w, O, bias, residual, y, t0, t1);
   });
 }
 
@@ -209,6 +216,19 @@ at::Tensor linear256(const at::Tensor& x, const at::Tensor& weight, int64_t O, c
   auto p = [](const at::Tensor& t) { return t.defined() ? reinterpret_cast<const bf16*>(t.data_ptr()) : nullptr; };
   linear_impl<bf16, bf16>(xp, N, K, p(weight), O, p(b), p(r), reinterpret_cast<bf16*>(y.data_ptr()));
   return y;
+}
+
+// tiles [t0, t1) of linear256 for `decoder_layers`' own threads (the caller checked the shapes):
+// x (N, K) float32 (bfloat16 activations widened, exactly); w, bias, residual, y float32 or,
+// with bf, bfloat16; y may be the residual (each output reads its own residual element first)
+void linear256_tiles(bool bf, const float* x, int64_t N, int64_t K, const void* w, int64_t O, const void* bias,
+                     const void* residual, void* y, int64_t t0, int64_t t1) {
+  if (bf)
+    tiles_range<bf16, bf16>(x, N, K, static_cast<const bf16*>(w), O, static_cast<const bf16*>(bias),
+                            static_cast<const bf16*>(residual), static_cast<bf16*>(y), t0, t1);
+  else
+    tiles_range<float, float>(x, N, K, static_cast<const float*>(w), O, static_cast<const float*>(bias),
+                              static_cast<const float*>(residual), static_cast<float*>(y), t0, t1);
 }
 
 }  // namespace specrouter

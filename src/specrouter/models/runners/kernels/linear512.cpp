@@ -237,6 +237,24 @@ at::Tensor linear512(const at::Tensor& x, const at::Tensor& weight, int64_t O, c
   return y;
 }
 
+// tiles [t0, t1) of linear512 for `decoder_layers`' own threads (the caller checked the shapes):
+// mode 0 float32 (x float32), 1 bfloat16 widened (x float32: the activations widened, exactly),
+// 2 bfloat16 on vdpbf16ps (x bfloat16); y may be the residual (each output reads its own
+// residual element first)
+void linear512_tiles(int mode, const void* x, int64_t N, int64_t K, const void* w, int64_t O, const void* bias,
+                     const void* residual, void* y, int64_t t0, int64_t t1) {
+  auto b = [](const void* p) { return static_cast<const bf16*>(p); };
+  if (mode == 0)
+    run_tiles_fma<float, float>(static_cast<const float*>(x), N, K, static_cast<const float*>(w), O,
+                                static_cast<const float*>(bias), static_cast<const float*>(residual),
+                                static_cast<float*>(y), t0, t1);
+  else if (mode == 1)
+    run_tiles_fma<bf16, bf16>(static_cast<const float*>(x), N, K, b(w), O, b(bias), b(residual),
+                              static_cast<bf16*>(y), t0, t1);
+  else
+    run_tiles_dp<bf16>(b(x), N, K, b(w), O, b(bias), b(residual), static_cast<bf16*>(y), t0, t1);
+}
+
 }  // namespace specrouter
 
 TORCH_LIBRARY_FRAGMENT(specrouter_rowinv, m) {

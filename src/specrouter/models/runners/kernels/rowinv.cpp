@@ -17,11 +17,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <omp.h>
+#include <x86intrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -32,6 +35,10 @@ at::Tensor linear256(const at::Tensor& x, const at::Tensor& weight, int64_t O, c
                      const std::optional<at::Tensor>& residual);
 at::Tensor linear512(const at::Tensor& x, const at::Tensor& weight, int64_t O, const std::optional<at::Tensor>& bias,
                      const std::optional<at::Tensor>& residual, bool dp);
+void linear256_tiles(bool bf, const float* x, int64_t N, int64_t K, const void* w, int64_t O, const void* bias,
+                     const void* residual, void* y, int64_t t0, int64_t t1);
+void linear512_tiles(int mode, const void* x, int64_t N, int64_t K, const void* w, int64_t O, const void* bias,
+                     const void* residual, void* y, int64_t t0, int64_t t1);
 }
 
 namespace {
@@ -145,15 +152,16 @@ inline void weighted_values(const float* p, const T* values, int64_t L, int64_t 
 // chains are those of dot_q4 / pv_blocks, so its bits are those of running it alone.
 constexpr int GQ = 3;
 
-// dot_q4 of G queries (D % 8 == 0) against 4 consecutive float32 keys: out[g][0..3]
-template <int G>
-inline void dot_g4(const float* const* q, const float* k, int64_t D, float* const* out, int64_t j) {
+// dot_q4 of G queries (D % 8 == 0) against 4 consecutive keys (float32, or bfloat16 widened in
+// registers, exactly): out[g][0..3]
+template <int G, typename T>
+inline void dot_g4(const float* const* q, const T* k, int64_t D, float* const* out, int64_t j) {
   __m256 a[G][4];
 #pragma GCC unroll 3
   for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm256_setzero_ps();
   for (int64_t i = 0; i < D; i += 8) {
-    const __m256 k0 = _mm256_loadu_ps(k + i), k1 = _mm256_loadu_ps(k + D + i);
-    const __m256 k2 = _mm256_loadu_ps(k + 2 * D + i), k3 = _mm256_loadu_ps(k + 3 * D + i);
+    const __m256 k0 = load8(k + i), k1 = load8(k + D + i);
+    const __m256 k2 = load8(k + 2 * D + i), k3 = load8(k + 3 * D + i);
 #pragma GCC unroll 3
     for (int g = 0; g < G; ++g) {
       const __m256 qi = _mm256_loadu_ps(q[g] + i);
@@ -168,21 +176,25 @@ inline void dot_g4(const float* const* q, const float* k, int64_t D, float* cons
     out[g][j] = hsum(a[g][0]), out[g][j + 1] = hsum(a[g][1]), out[g][j + 2] = hsum(a[g][2]), out[g][j + 3] = hsum(a[g][3]);
 }
 
-// pv_blocks of G queries over the same float32 value rows: acc[g][d0 ..] of NB blocks of 8
-template <int G, int NB>
-inline void pv_g(const float* const* p, const float* values, int64_t L, int64_t D, int64_t d0, float* const* acc) {
+// pv_blocks of G queries over the same value rows (float32, or bfloat16 widened in registers):
+// acc[g][d0 ..] of NB blocks of 8
+template <int G, int NB, typename T>
+inline void pv_g(const float* const* p, const T* values, int64_t L, int64_t D, int64_t d0, float* const* acc) {
   __m256 a[G][NB];
 #pragma GCC unroll 3
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) a[g][b] = _mm256_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
-    const float* vj = values + j * D + d0;
+    const T* vj = values + j * D + d0;
+    __m256 v[NB];
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) v[b] = load8(vj + 8 * b);
 #pragma GCC unroll 3
     for (int g = 0; g < G; ++g) {
       const __m256 pj = _mm256_set1_ps(p[g][j]);
 #pragma GCC unroll 4
-      for (int b = 0; b < NB; ++b) a[g][b] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * b), a[g][b]);
+      for (int b = 0; b < NB; ++b) a[g][b] = _mm256_fmadd_ps(pj, v[b], a[g][b]);
     }
   }
 #pragma GCC unroll 3
@@ -191,17 +203,17 @@ inline void pv_g(const float* const* p, const float* values, int64_t L, int64_t 
     for (int b = 0; b < NB; ++b) _mm256_storeu_ps(acc[g] + d0 + 8 * b, a[g][b]);
 }
 
-// weighted_values of G queries over the same float32 value rows (the same bits per query)
-template <int G>
-inline void weighted_values_g(const float* const* p, const float* values, int64_t L, int64_t D, float* const* acc) {
+// weighted_values of G queries over the same value rows (the same bits per query)
+template <int G, typename T>
+inline void weighted_values_g(const float* const* p, const T* values, int64_t L, int64_t D, float* const* acc) {
   const int64_t d8 = D / 8 * 8;
   int64_t d0 = 0;
-  for (; d0 + 32 <= d8; d0 += 32) pv_g<G, 4>(p, values, L, D, d0, acc);
-  for (; d0 < d8; d0 += 8) pv_g<G, 1>(p, values, L, D, d0, acc);
+  for (; d0 + 32 <= d8; d0 += 32) pv_g<G, 4, T>(p, values, L, D, d0, acc);
+  for (; d0 < d8; d0 += 8) pv_g<G, 1, T>(p, values, L, D, d0, acc);
   for (int g = 0; g < G; ++g)
     for (int64_t d = d8; d < D; ++d) {  // the D % 8 tail
       float s = 0.f;
-      for (int64_t j = 0; j < L; ++j) s = std::fma(p[g][j], values[j * D + d], s);
+      for (int64_t j = 0; j < L; ++j) s = std::fma(p[g][j], to_f(values[j * D + d]), s);
       acc[g][d] = s;
     }
 }
@@ -280,23 +292,52 @@ inline void rope_head(const float* x, const float* cos, const float* sin, int64_
   }
 }
 
-// Phase 1 (per valid token): rotate k, write k and v at the token's position of its slot.
-// Phase 2 (per valid (row, head, query)): rotate q, softmax over keys [0, pos] in order,
-// weighted sum of values in order, all float32; padding queries get zeros. A query's sequence
-// of operations depends only on its position, never on the other queries of its work item.
+// Phase 1 (`write`, per valid token): rotate k, write k and v at the token's position of its slot.
+// Phase 2 (`attend`, per work item (row, KV head, a chunk of tokens)): per valid query rotate q,
+// softmax over keys [0, pos] in order, weighted sum of values in order, all float32; padding
+// queries get zeros. A query's sequence of operations depends only on its position, never on
+// the other queries of its work item nor on which thread runs the item. `rope_attention` runs
+// the phases on at::parallel_for; `decoder_layers` on its own threads, one barrier between them.
 template <typename T>
-void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_t nkv, int64_t D,
-                         const float* cos, const float* sin, T* kc, T* vc, int64_t P,
-                         const int64_t* slots, const int64_t* starts, const int64_t* nums, T* out,
-                         const int64_t* depth = nullptr, const int64_t* path = nullptr) {
-  const int64_t heads = nh + 2 * nkv, groups = nh / nkv;
-  at::parallel_for(0, B * Tq, 16, [&](int64_t i0, int64_t i1) {
+struct Attention {
+  const T* qkv;  // (rows, nh + 2 nkv, D): token (b, t) at row rows[b * Tq + t] (rows null: b * Tq + t)
+  int64_t B, Tq, nh, nkv, D;
+  const float* cos;
+  const float* sin;
+  T* kc;  // (S, nkv, P, D)
+  T* vc;
+  int64_t P;
+  const int64_t* slots;
+  const int64_t* starts;
+  const int64_t* nums;
+  T* out;  // (rows, nh, D)
+  const int64_t* depth = nullptr;  // a token tree (B * Tq): RoPE depth; path (B * Tq, Tq): node indices, root first
+  const int64_t* path = nullptr;
+  const int64_t* rows = nullptr;  // (B * Tq) packed row of each valid token, or null: the padded layout
+
+  int64_t heads() const { return nh + 2 * nkv; }
+  int64_t groups() const { return nh / nkv; }
+  // work items: (row b, KV head, a chunk of up to tchunk() of its tokens); an item widens its keys
+  // and values to float32 once (exact) for all its queries: per token, the `groups` query heads
+  // of the KV head, GQ at a time
+  int64_t tchunk() const { return std::max<int64_t>(1, QCHUNK / groups()); }
+  int64_t chunks() const { return (Tq + tchunk() - 1) / tchunk(); }
+  int64_t items() const { return B * nkv * chunks(); }
+  int64_t row(int64_t i) const { return rows ? rows[i] : i; }
+  int64_t max_len() const {
+    int64_t m = 1;
+    for (int64_t b = 0; b < B; ++b) m = std::max(m, starts[b] + nums[b]);
+    return m;
+  }
+
+  // phase 1 over tokens [i0, i1) of B * Tq
+  void write(int64_t i0, int64_t i1) const {
     std::vector<float> x(D), r(D);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / Tq, t = i % Tq;
       if (t >= nums[b]) continue;
       const int64_t pos = starts[b] + (depth ? depth[i] : t);  // a tree node: RoPE at its depth
-      const T* tok = qkv + i * heads * D;
+      const T* tok = qkv + row(i) * heads() * D;
       for (int64_t h = 0; h < nkv; ++h) {
         const int64_t at = ((slots[b] * nkv + h) * P + starts[b] + t) * D;  // stored at its index
         load_f(tok + (nh + h) * D, x.data(), D);
@@ -305,91 +346,134 @@ void rope_attention_impl(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_
         std::memcpy(&vc[at], tok + (nh + nkv + h) * D, D * sizeof(T));
       }
     }
-  });
-  int64_t max_len = 1;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, starts[b] + nums[b]);
-  // work items: (row b, KV head, a chunk of up to TCHUNK of its tokens); an item widens its keys
-  // and values to float32 once (exact) for all its queries: per token, the `groups` query heads
-  // of the KV head, GQ at a time
-  const int64_t TCHUNK = std::max<int64_t>(1, QCHUNK / groups), chunks = (Tq + TCHUNK - 1) / TCHUNK;
-  at::parallel_for(0, B * nkv * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> pbuf(GQ * max_len), x(D), qbuf(GQ * D), abuf(GQ * D), kf, vf;
-    std::vector<const float*> vrows(depth ? max_len : 0);
+  }
+
+  // a thread's buffers for phase 2 (sized for the longest row)
+  struct Scratch {
+    std::vector<float> pbuf, x, qbuf, abuf, vf;
+    std::vector<const float*> vrows;
     float* p[GQ];
     float* q[GQ];
     float* acc[GQ];
-    for (int g = 0; g < GQ; ++g) p[g] = &pbuf[g * max_len], q[g] = &qbuf[g * D], acc[g] = &abuf[g * D];
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t c = item % chunks, kv = (item / chunks) % nkv, b = item / (chunks * nkv);
-      const int64_t t0 = c * TCHUNK, t1 = std::min(Tq, t0 + TCHUNK);
-      const int64_t Lc = std::min(t1, nums[b]) > t0 ? starts[b] + std::min(t1, nums[b]) : 0;  // keys [0, Lc)
-      const int64_t base = (slots[b] * nkv + kv) * P * D;
-      const float* keys;
-      const float* values;
+    explicit Scratch(const Attention& a) {
+      const int64_t L = a.max_len(), D = a.D;
+      pbuf.resize(GQ * L), x.resize(D), qbuf.resize(GQ * D), abuf.resize(GQ * D);
+      vrows.resize(a.depth ? L : 0);
+      for (int g = 0; g < GQ; ++g) p[g] = &pbuf[g * L], q[g] = &qbuf[g * D], acc[g] = &abuf[g * D];
+    }
+  };
+
+  // phase 2: work item `item` of items()
+  void attend(int64_t item, Scratch& s) const {
+    const int64_t H = heads(), groups = this->groups(), TCHUNK = tchunk(), chunks = this->chunks();
+    float* const* p = s.p;
+    float* const* q = s.q;
+    float* const* acc = s.acc;
+    const int64_t c = item % chunks, kv = (item / chunks) % nkv, b = item / (chunks * nkv);
+    const int64_t t0 = c * TCHUNK, t1 = std::min(Tq, t0 + TCHUNK);
+    const int64_t Lc = std::min(t1, nums[b]) > t0 ? starts[b] + std::min(t1, nums[b]) : 0;  // keys [0, Lc)
+    const int64_t base = (slots[b] * nkv + kv) * P * D;
+    // keys and values as stored (bfloat16 widened in registers, exactly); a tree's value rows go
+    // by pointer (weighted_values_rows, float32): bfloat16 ones widened first, once per item
+    const T* keys = kc + base;
+    const T* values = vc + base;
+    const float* fvalues = nullptr;
+    if (depth) {
       if constexpr (sizeof(T) == 4) {
-        keys = reinterpret_cast<const float*>(kc + base), values = reinterpret_cast<const float*>(vc + base);
+        fvalues = reinterpret_cast<const float*>(values);
       } else {
-        kf.resize(Lc * D), vf.resize(Lc * D);
-        widen(kc + base, kf.data(), Lc * D), widen(vc + base, vf.data(), Lc * D);
-        keys = kf.data(), values = vf.data();
+        if (static_cast<int64_t>(s.vf.size()) < Lc * D) s.vf.resize(Lc * D);
+        widen(values, s.vf.data(), Lc * D);
+        fvalues = s.vf.data();
       }
-      for (int64_t t = t0; t < t1; ++t) {
-        if (t >= nums[b]) {
-          for (int64_t g = 0; g < groups; ++g) {
-            T* o = out + ((b * Tq + t) * nh + kv * groups + g) * D;
-            for (int64_t d = 0; d < D; ++d) store(&o[d], 0.f);
-          }
-          continue;
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = b * Tq + t;
+      if (t >= nums[b]) {
+        if (rows) continue;  // packed: a padding token has no output row
+        for (int64_t g = 0; g < groups; ++g) {
+          T* o = out + (i * nh + kv * groups + g) * D;
+          for (int64_t d = 0; d < D; ++d) store(&o[d], 0.f);
         }
-        const int64_t pos = starts[b] + (depth ? depth[b * Tq + t] : t), L = pos + 1;
-        // keys in position order: [0, start) of the cache, then (a tree) the query's ancestors
-        // and itself, stored at start + their node index; a chain: start + t for depth t
-        const int64_t Lk = depth ? starts[b] : L;  // keys read side by side
-        const int64_t* anc = depth ? path + (b * Tq + t) * Tq : nullptr;  // node indices, root first
-        for (int64_t g0 = 0; g0 < groups; g0 += GQ) {
-          const int G = static_cast<int>(std::min<int64_t>(GQ, groups - g0));
-          for (int g = 0; g < G; ++g) {
-            load_f(qkv + ((b * Tq + t) * heads + kv * groups + g0 + g) * D, x.data(), D);
-            rope_head(x.data(), cos + pos * D, sin + pos * D, D, q[g]);
+        continue;
+      }
+      const int64_t pos = starts[b] + (depth ? depth[i] : t), L = pos + 1;
+      // keys in position order: [0, start) of the cache, then (a tree) the query's ancestors
+      // and itself, stored at start + their node index; a chain: start + t for depth t
+      const int64_t Lk = depth ? starts[b] : L;  // keys read side by side
+      const int64_t* anc = depth ? path + i * Tq : nullptr;  // node indices, root first
+      for (int64_t g0 = 0; g0 < groups; g0 += GQ) {
+        const int G = static_cast<int>(std::min<int64_t>(GQ, groups - g0));
+        for (int g = 0; g < G; ++g) {
+          load_f(qkv + (row(i) * H + kv * groups + g0 + g) * D, s.x.data(), D);
+          rope_head(s.x.data(), cos + pos * D, sin + pos * D, D, q[g]);
+        }
+        int64_t j = 0;
+        if (D % 8 == 0)
+          for (; j + 4 <= Lk; j += 4) {
+            if (G == 3) dot_g4<3>(q, keys + j * D, D, p, j);
+            else if (G == 2) dot_g4<2>(q, keys + j * D, D, p, j);
+            else dot_g4<1>(q, keys + j * D, D, p, j);
           }
-          int64_t j = 0;
-          if (D % 8 == 0)
-            for (; j + 4 <= Lk; j += 4) {
-              if (G == 3) dot_g4<3>(q, keys + j * D, D, p, j);
-              else if (G == 2) dot_g4<2>(q, keys + j * D, D, p, j);
-              else dot_g4<1>(q, keys + j * D, D, p, j);
-            }
-          for (int g = 0; g < G; ++g) {
-            int64_t i = j;
-            for (; i < Lk; ++i) p[g][i] = dot_q(q[g], keys + i * D, D);
-            for (; i < L; ++i) p[g][i] = dot_q(q[g], keys + (starts[b] + anc[i - Lk]) * D, D);
-          }
-          float inv[GQ];
-          for (int g = 0; g < G; ++g) {
-            const float m = max_n(p[g], L);
-            for (int64_t i = 0; i < L; ++i) p[g][i] -= m;
-            exp_n(p[g], L);
-            inv[g] = 1.f / sum_n(p[g], L);
-          }
-          if (depth) {
-            for (j = 0; j < Lk; ++j) vrows[j] = values + j * D;
-            for (; j < L; ++j) vrows[j] = values + (starts[b] + anc[j - Lk]) * D;
-            for (int g = 0; g < G; ++g) weighted_values_rows(p[g], vrows.data(), L, D, acc[g]);
-          } else if (G == 3) {
-            weighted_values_g<3>(p, values, L, D, acc);
-          } else if (G == 2) {
-            weighted_values_g<2>(p, values, L, D, acc);
-          } else {
-            weighted_values_g<1>(p, values, L, D, acc);
-          }
-          for (int g = 0; g < G; ++g) {
-            T* o = out + ((b * Tq + t) * nh + kv * groups + g0 + g) * D;
-            for (int64_t d = 0; d < D; ++d) store(&o[d], acc[g][d] * inv[g]);
-          }
+        for (int g = 0; g < G; ++g) {
+          int64_t k = j;
+          for (; k < Lk; ++k) p[g][k] = dot_q(q[g], keys + k * D, D);
+          for (; k < L; ++k) p[g][k] = dot_q(q[g], keys + (starts[b] + anc[k - Lk]) * D, D);
+        }
+        float inv[GQ];
+        for (int g = 0; g < G; ++g) {
+          const float m = max_n(p[g], L);
+          for (int64_t k = 0; k < L; ++k) p[g][k] -= m;
+          exp_n(p[g], L);
+          inv[g] = 1.f / sum_n(p[g], L);
+        }
+        if (depth) {
+          for (j = 0; j < Lk; ++j) s.vrows[j] = fvalues + j * D;
+          for (; j < L; ++j) s.vrows[j] = fvalues + (starts[b] + anc[j - Lk]) * D;
+          for (int g = 0; g < G; ++g) weighted_values_rows(p[g], s.vrows.data(), L, D, acc[g]);
+        } else if (G == 3) {
+          weighted_values_g<3>(p, values, L, D, acc);
+        } else if (G == 2) {
+          weighted_values_g<2>(p, values, L, D, acc);
+        } else {
+          weighted_values_g<1>(p, values, L, D, acc);
+        }
+        for (int g = 0; g < G; ++g) {
+          T* o = out + (row(i) * nh + kv * groups + g0 + g) * D;
+          for (int64_t d = 0; d < D; ++d) store(&o[d], acc[g][d] * inv[g]);
         }
       }
     }
-  });
+  }
+
+  void run() const {  // both phases on at::parallel_for
+    at::parallel_for(0, B * Tq, 16, [&](int64_t i0, int64_t i1) { write(i0, i1); });
+    at::parallel_for(0, items(), 1, [&](int64_t i0, int64_t i1) {
+      Scratch s(*this);
+      for (int64_t item = i0; item < i1; ++item) attend(item, s);
+    });
+  }
+};
+
+// a token tree: parents (B, T) int64, each valid token's parent among the row's new tokens
+// (< its own index), -1 for a child of the cached prefix -> depth (B * T) and path (B * T, T).
+// Node t sits at RoPE position start + depth(t) and attends [0, start) plus its ancestors and
+// itself in depth order: the keys, positions and order of sequential decoding of its path (a
+// chain: parents t - 1)
+void tree_paths(const at::Tensor& parents, int64_t B, int64_t Tq, const int64_t* nums, std::vector<int64_t>& depth,
+                std::vector<int64_t>& path) {
+  auto pa = parents.to(at::kLong).contiguous();
+  TORCH_CHECK(pa.dim() == 2 && pa.size(0) == B && pa.size(1) == Tq, "parents: (B, T)");
+  const int64_t* pp = pa.data_ptr<int64_t>();
+  depth.assign(B * Tq, 0), path.assign(B * Tq * Tq, 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < nums[b]; ++t) {
+      const int64_t i = b * Tq + t, par = pp[i];
+      TORCH_CHECK(par >= -1 && par < t, "row ", b, " token ", t, ": parent ", par, " is not an earlier token");
+      depth[i] = par < 0 ? 0 : depth[b * Tq + par] + 1;
+      if (par >= 0) std::memcpy(&path[i * Tq], &path[(b * Tq + par) * Tq], depth[i] * sizeof(int64_t));
+      path[i * Tq + depth[i]] = t;
+    }
 }
 
 template <typename T>
@@ -400,75 +484,79 @@ T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 // valid token's position; slots / starts / nums (B,) int64 -> attention output (B, T, nh, D).
 // Query t of row b sits at position starts[b] + t and attends keys [0, starts[b] + t] of slot
 // slots[b]; tokens t >= nums[b] are padding: not written, zero output.
-at::Tensor rope_attention(const at::Tensor& qkv, int64_t num_heads, const at::Tensor& cos,
-                          const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& nums,
-                          const std::optional<at::Tensor>& parents) {
-  TORCH_CHECK(qkv.dim() == 4 && k_cache.dim() == 4, "qkv is (B, T, heads, D), the caches (S, nkv, P, D)");
-  const auto dt = qkv.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rope_attention: float32 or bfloat16, got ", dt);
+// the checked inputs of attention beside qkv: slots / starts / nums as int64, a tree's depth and path
+struct AttentionInputs {
+  at::Tensor sl, st, nu;
+  std::vector<int64_t> depth, path;
+  const int64_t* slots() const { return sl.data_ptr<int64_t>(); }
+  const int64_t* starts() const { return st.data_ptr<int64_t>(); }
+  const int64_t* nums() const { return nu.data_ptr<int64_t>(); }
+  template <typename T>
+  Attention<T> bind(const T* qkv, int64_t B, int64_t Tq, int64_t nh, int64_t D, const at::Tensor& cos,
+                    const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, T* out) const {
+    return Attention<T>{qkv, B, Tq, nh, k_cache.size(1), D, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                        ptr<T>(k_cache), ptr<T>(v_cache), k_cache.size(2), slots(), starts(), nums(), out,
+                        depth.empty() ? nullptr : depth.data(), path.empty() ? nullptr : path.data()};
+  }
+};
+
+// checks the caches, tables and rows of an attention of (B, Tq) tokens, nh query heads of size D
+AttentionInputs attention_inputs(at::ScalarType dt, int64_t B, int64_t Tq, int64_t nh, int64_t heads, int64_t D,
+                                 const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& starts,
+                                 const at::Tensor& nums, const std::optional<at::Tensor>& parents) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "the caches are (S, nkv, P, D)");
   TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt, "caches: dtype of qkv");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous(), "cos / sin: contiguous float32 tables");
-  const int64_t B = qkv.size(0), Tq = qkv.size(1), D = qkv.size(3);
-  const int64_t nkv = k_cache.size(1), P = k_cache.size(2), nh = num_heads;
-  TORCH_CHECK(qkv.size(2) == nh + 2 * nkv && k_cache.size(3) == D && nh % nkv == 0 && D % 2 == 0,
-              "head counts / sizes do not match (qkv ", qkv.sizes(), ", ", nh, " query heads, cache ",
+  const int64_t nkv = k_cache.size(1), P = k_cache.size(2);
+  TORCH_CHECK(heads == nh + 2 * nkv && k_cache.size(3) == D && nh % nkv == 0 && D % 2 == 0,
+              "head counts / sizes do not match (", heads, " heads of qkv, ", nh, " query heads, cache ",
               k_cache.sizes(), ")");
-  TORCH_CHECK(cos.size(1) == D, "cos / sin: (positions, D)");
-  auto sl = slots.to(at::kLong).contiguous(), st = starts.to(at::kLong).contiguous(),
-       nu = nums.to(at::kLong).contiguous();
-  TORCH_CHECK(sl.numel() == B && st.numel() == B && nu.numel() == B, "slots/starts/nums: (B,)");
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  const int64_t* tp = st.data_ptr<int64_t>();
-  const int64_t* np = nu.data_ptr<int64_t>();
+  TORCH_CHECK(cos.size(1) == D && sin.sizes() == cos.sizes(), "cos / sin: (positions, D)");
+  AttentionInputs in{slots.to(at::kLong).contiguous(), starts.to(at::kLong).contiguous(),
+                     nums.to(at::kLong).contiguous(), {}, {}};
+  TORCH_CHECK(in.sl.numel() == B && in.st.numel() == B && in.nu.numel() == B, "slots/starts/nums: (B,)");
+  const int64_t* sp = in.slots();
+  const int64_t* tp = in.starts();
+  const int64_t* np = in.nums();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(sp[b] >= 0 && sp[b] < k_cache.size(0), "slot ", sp[b], " out of range");
-    TORCH_CHECK(np[b] <= Tq && tp[b] >= 0 && tp[b] + np[b] <= std::min(P, cos.size(0)),
+    TORCH_CHECK(np[b] >= 0 && np[b] <= Tq && tp[b] >= 0 && tp[b] + np[b] <= std::min(P, cos.size(0)),
                 "row ", b, " reaches past the cache");
   }
-  // a token tree: parents (B, T) int64, each valid token's parent among the row's new tokens
-  // (< its own index), -1 for a child of the cached prefix. Node t sits at RoPE position
-  // start + depth(t) and attends [0, start) plus its ancestors and itself in depth order: the
-  // keys, positions and order of sequential decoding of its path (a chain: parents t - 1)
-  std::vector<int64_t> depth, path;
-  if (parents.has_value() && parents->defined()) {
-    auto pa = parents->to(at::kLong).contiguous();
-    TORCH_CHECK(pa.dim() == 2 && pa.size(0) == B && pa.size(1) == Tq, "parents: (B, T)");
-    const int64_t* pp = pa.data_ptr<int64_t>();
-    depth.assign(B * Tq, 0), path.assign(B * Tq * Tq, 0);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < np[b]; ++t) {
-        const int64_t i = b * Tq + t, par = pp[i];
-        TORCH_CHECK(par >= -1 && par < t, "row ", b, " token ", t, ": parent ", par, " is not an earlier token");
-        depth[i] = par < 0 ? 0 : depth[b * Tq + par] + 1;
-        if (par >= 0) std::memcpy(&path[i * Tq], &path[(b * Tq + par) * Tq], depth[i] * sizeof(int64_t));
-        path[i * Tq + depth[i]] = t;
-      }
-  }
-  const int64_t* dp = depth.empty() ? nullptr : depth.data();
-  const int64_t* ap = path.empty() ? nullptr : path.data();
+  if (parents.has_value() && parents->defined()) tree_paths(*parents, B, Tq, np, in.depth, in.path);
+  return in;
+}
+
+at::Tensor rope_attention(const at::Tensor& qkv, int64_t num_heads, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& nums,
+                          const std::optional<at::Tensor>& parents) {
+  TORCH_CHECK(qkv.dim() == 4, "qkv is (B, T, heads, D)");
+  const auto dt = qkv.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rope_attention: float32 or bfloat16, got ", dt);
+  const int64_t B = qkv.size(0), Tq = qkv.size(1), D = qkv.size(3), nh = num_heads;
+  const AttentionInputs in = attention_inputs(dt, B, Tq, nh, qkv.size(2), D, cos, sin, k_cache, v_cache, slots,
+                                              starts, nums, parents);
   at::Tensor x = qkv.contiguous();
   at::Tensor out = at::empty({B, Tq, nh, D}, qkv.options());
   if (dt == at::kFloat)
-    rope_attention_impl<float>(ptr<float>(x), B, Tq, nh, nkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(),
-                               ptr<float>(k_cache), ptr<float>(v_cache), P, sp, tp, np, ptr<float>(out), dp, ap);
+    in.bind<float>(ptr<float>(x), B, Tq, nh, D, cos, sin, k_cache, v_cache, ptr<float>(out)).run();
   else
-    rope_attention_impl<bf16>(ptr<bf16>(x), B, Tq, nh, nkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(),
-                              ptr<bf16>(k_cache), ptr<bf16>(v_cache), P, sp, tp, np, ptr<bf16>(out), dp, ap);
+    in.bind<bf16>(ptr<bf16>(x), B, Tq, nh, D, cos, sin, k_cache, v_cache, ptr<bf16>(out)).run();
   return out;
 }
 
 // RMSNorm of each row: x * (1 / sqrt(mean(x^2) + eps)) * w, the sum of squares in float32 in a
 // fixed order. float32: (x * inv) * w. bfloat16 follows transformers: x * inv rounded to
 // bfloat16, then times the bfloat16 weight, rounded again.
+// rows [n0, n1); xf: H floats of scratch
 template <typename T>
-void rms_norm_impl(const T* x, const T* w, int64_t N, int64_t H, float eps, T* y) {
-  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-    std::vector<float> xf(H);
+void rms_norm_rows(const T* x, const T* w, int64_t n0, int64_t n1, int64_t H, float eps, T* y, float* xf) {
     for (int64_t n = n0; n < n1; ++n) {
-      load_f(x + n * H, xf.data(), H);
+      widen(x + n * H, xf, H);
       __m256 acc = _mm256_setzero_ps();
       const int64_t h8 = H / 8 * 8;
       for (int64_t i = 0; i < h8; i += 8) {
@@ -495,6 +583,13 @@ void rms_norm_impl(const T* x, const T* w, int64_t N, int64_t H, float eps, T* y
         store(&y[n * H + i], t * to_f(w[i]));
       }
     }
+}
+
+template <typename T>
+void rms_norm_impl(const T* x, const T* w, int64_t N, int64_t H, float eps, T* y) {
+  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    std::vector<float> xf(H);
+    rms_norm_rows<T>(x, w, n0, n1, H, eps, y, xf.data());
   });
 }
 
@@ -513,25 +608,30 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 // gu (N, 2I) = [gate | up] -> silu(gate) * up (N, I), float32 inside, one rounding
+// rows [n0, n1), columns [c0, c1) of I: 8 at a time, then the tail through the same ops (exp8 is
+// lane-independent): an element's bits do not depend on the columns computed beside it
+template <typename T>
+void silu_cols(const T* gu, int64_t n0, int64_t n1, int64_t I, int64_t c0, int64_t c1, T* y) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* row = gu + n * 2 * I;
+    int64_t i = c0;
+    for (; i + 8 <= c1; i += 8) {  // 8 at a time, the ops of the tail below
+      const __m256 gate = load8(row + i);
+      const __m256 e = exp8(_mm256_xor_ps(gate, sign));  // exp(-gate)
+      store8(&y[n * I + i], _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(one, e)), load8(row + I + i)));
+    }
+    float g[8];
+    const int64_t i8 = i;
+    for (; i < c1; ++i) g[i - i8] = -to_f(row[i]);
+    exp_n(g, c1 - i8);  // exp(-gate) of the tail
+    for (i = i8; i < c1; ++i) store(&y[n * I + i], to_f(row[i]) / (1.f + g[i - i8]) * to_f(row[I + i]));
+  }
+}
+
 template <typename T>
 void silu_mul_impl(const T* gu, int64_t N, int64_t I, T* y) {
-  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-    std::vector<float> g(I);
-    for (int64_t n = n0; n < n1; ++n) {
-      const T* row = gu + n * 2 * I;
-      const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-      int64_t i = 0;
-      for (; i + 8 <= I; i += 8) {  // 8 at a time, the ops of the tail below
-        const __m256 gate = load8(row + i);
-        const __m256 e = exp8(_mm256_xor_ps(gate, sign));  // exp(-gate)
-        store8(&y[n * I + i], _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(one, e)), load8(row + I + i)));
-      }
-      const int64_t i8 = i;
-      for (; i < I; ++i) g[i - i8] = -to_f(row[i]);
-      exp_n(g.data(), I - i8);  // exp(-gate) of the tail (lane-independent: the same bits)
-      for (i = i8; i < I; ++i) store(&y[n * I + i], to_f(row[i]) / (1.f + g[i - i8]) * to_f(row[I + i]));
-    }
-  });
+  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) { silu_cols<T>(gu, n0, n1, I, 0, I, y); });
 }
 
 at::Tensor silu_mul(const at::Tensor& gu) {
@@ -549,22 +649,44 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
-// The whole decoder stack in one call (runners/llama.py `_hidden_native` without the Python
-// between the ops): per layer the ops above in the order the Python loop runs them, the same
-// kernels on the same inputs, so the same bits. x (N, H): the valid tokens (all B*T of them, or
-// packed: `valid` (N,) their flat indices into B*T). `params`: per layer ln1, w_qkv, b_qkv, w_o,
-// b_o, ln2, w_gu, b_gu, w_down, b_down (a bias of 0 elements: none); `outs`: per layer the 4
-// linears' output widths; `kernel`: 0 the AVX2 linear, 1 linear512 on FMAs, 2 on vdpbf16ps.
-at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntArrayRef outs, int64_t kernel,
-                          at::TensorList k_caches, at::TensorList v_caches, int64_t B, int64_t T, int64_t nh,
-                          int64_t D, double eps, const at::Tensor& cos, const at::Tensor& sin,
-                          const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& nums,
-                          const std::optional<at::Tensor>& valid, const std::optional<at::Tensor>& parents) {
+// How `decoder_layers` shares its work items (tiles of outputs, attention items) among its
+// threads: 0 static (contiguous ranges, as at::parallel_for splits), 1 dynamic (a thread takes
+// the next `chunk` items when done: a thread the OS preempts stalls the others less), 2 guided;
+// -1 runs each op in its own at::parallel_for (the per-op form, for comparison). Bits never
+// depend on it: each output's sequence of instructions is fixed whichever thread runs it.
+int g_schedule = 0, g_chunk = 1;
+
+// stack_profile: per thread and phase (0 norm, 1 qkv, 2 RoPE + cache writes, 3 attention, 4 o,
+// 5 norm, 6 gate|up + silu, 7 down) the TSC cycles of work and of waiting at the phase's barrier
+constexpr int PHASES = 8, MAX_PROF_THREADS = 64;
+bool g_profile = false;
+std::vector<double> g_prof(MAX_PROF_THREADS * PHASES * 2, 0.0);
+
+at::Tensor stack_profile(bool on) {
+  at::Tensor t = at::tensor(g_prof, at::kDouble).view({MAX_PROF_THREADS, PHASES, 2});
+  std::fill(g_prof.begin(), g_prof.end(), 0.0);
+  g_profile = on;
+  return t;
+}
+
+void set_stack_schedule(const std::string& kind, int64_t chunk) {
+  TORCH_CHECK(chunk >= 1, "set_stack_schedule: chunk >= 1");
+  if (kind == "static") g_schedule = 0;
+  else if (kind == "dynamic") g_schedule = 1;
+  else if (kind == "guided") g_schedule = 2;
+  else if (kind == "ops") g_schedule = -1;
+  else TORCH_CHECK(false, "set_stack_schedule: static, dynamic, guided or ops, got ", kind);
+  g_chunk = static_cast<int>(chunk);
+}
+
+// The per-op form of decoder_layers: each op its own at::parallel_for (its own fork and join).
+at::Tensor decoder_layers_ops(const at::Tensor& x0, at::TensorList params, at::IntArrayRef outs, int64_t kernel,
+                              at::TensorList k_caches, at::TensorList v_caches, int64_t B, int64_t T, int64_t nh,
+                              int64_t D, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& nums,
+                              const std::optional<at::Tensor>& valid, const std::optional<at::Tensor>& parents) {
   constexpr int64_t P = 10;
   const int64_t layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(params.size()) == P * layers && static_cast<int64_t>(outs.size()) == 4 * layers &&
-                  static_cast<int64_t>(v_caches.size()) == layers && kernel >= 0 && kernel <= 2,
-              "decoder_layers: ", P, " params and 4 widths per layer, one K and one V cache per layer");
   const bool packed = valid.has_value() && valid->defined();
   auto lin = [&](const at::Tensor& in, int64_t l, int64_t i, const std::optional<at::Tensor>& res) {
     const at::Tensor& b = params[l * P + (i == 0 ? 2 : i == 1 ? 4 : i == 2 ? 7 : 9)];
@@ -587,11 +709,269 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
   return x;
 }
 
+// one linear of decoder_layers: raw pointers, checked once before the threads start
+struct StackLinear {
+  const void* w;
+  const void* bias;  // or null
+  int64_t K, O;
+};
+
+// The whole decoder stack in one call (runners/llama.py `_hidden_native` without the Python
+// between the ops): per layer the ops above in the order the Python loop runs them, the same
+// kernels on the same inputs, so the same bits. x (N, H): the valid tokens (all B*T of them, or
+// packed: `valid` (N,) their flat indices into B*T). `params`: per layer ln1, w_qkv, b_qkv, w_o,
+// b_o, ln2, w_gu, b_gu, w_down, b_down (a bias of 0 elements: none); `outs`: per layer the 4
+// linears' output widths; `kernel`: 0 the AVX2 linear, 1 linear512 on FMAs, 2 on vdpbf16ps.
+//
+// One OpenMP parallel region runs the whole stack (the per-op form forked and joined ~8 times a
+// layer, and the threads waited while one of them did the host work between ops). Per layer:
+// every thread computes the RMSNorm of every row itself (a few microseconds; no barrier before
+// the linear), the qkv tiles shared out | RoPE + cache writes | attention items | the o tiles,
+// adding the residual in place | the norm again, then gate and up tiles paired (gate tile j and
+// up tile j, then silu * up of their columns: no pass of its own) | the down tiles, adding the
+// residual in place; "|" is a barrier. Packed rows reach attention through a row map instead of
+// a scatter into (B * T) and a gather back.
+at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntArrayRef outs, int64_t kernel,
+                          at::TensorList k_caches, at::TensorList v_caches, int64_t B, int64_t T, int64_t nh,
+                          int64_t D, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& slots, const at::Tensor& starts, const at::Tensor& nums,
+                          const std::optional<at::Tensor>& valid, const std::optional<at::Tensor>& parents) {
+  constexpr int64_t P = 10;
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == P * layers && static_cast<int64_t>(outs.size()) == 4 * layers &&
+                  static_cast<int64_t>(v_caches.size()) == layers && kernel >= 0 && kernel <= 2,
+              "decoder_layers: ", P, " params and 4 widths per layer, one K and one V cache per layer");
+  if (g_schedule < 0 || layers == 0)
+    return decoder_layers_ops(x0, params, outs, kernel, k_caches, v_caches, B, T, nh, D, eps, cos, sin, slots,
+                              starts, nums, valid, parents);
+  check_2d(x0, "x");
+  const auto dt = x0.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "decoder_layers: float32 or bfloat16, got ", dt);
+  TORCH_CHECK(kernel != 2 || dt == at::kBFloat16, "decoder_layers: vdpbf16ps takes bfloat16");
+  const int64_t N = x0.size(0), H = x0.size(1), nkv = k_caches[0].size(1), heads = nh + 2 * nkv;
+  const int64_t TILE = kernel == 0 ? 16 : 32;               // linear256 / linear512 tiles of outputs
+  const int64_t UNIT = kernel == 0 ? 8 : 1;                 // tiles a work item (linear256 groups 8)
+  const int64_t O_qkv = heads * D, I = outs[2] / 2;
+  TORCH_CHECK(nh > 0 && nkv > 0 && outs[2] % 2 == 0, "decoder_layers: head counts / gate|up width");
+  // the linears: (l, i) -> weights; every layer has the widths of layer 0
+  std::vector<StackLinear> lins(4 * layers);
+  const int64_t Ks[4] = {H, nh * D, H, I}, Os[4] = {O_qkv, H, 2 * I, H};
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t i = 0; i < 4; ++i) {
+      const at::Tensor& w = params[l * P + (i == 0 ? 1 : i == 1 ? 3 : i == 2 ? 6 : 8)];
+      const at::Tensor& b = params[l * P + (i == 0 ? 2 : i == 1 ? 4 : i == 2 ? 7 : 9)];
+      const int64_t O = outs[4 * l + i], K = Ks[i], tiles = (O + TILE - 1) / TILE;
+      TORCH_CHECK(O == Os[i], "decoder_layers: layer ", l, " linear ", i, " has ", O, " outputs, expected ", Os[i]);
+      TORCH_CHECK(w.scalar_type() == dt && w.is_contiguous() && w.numel() == tiles * K * TILE && w.size(0) == tiles &&
+                      (dt == at::kFloat || K % 2 == 0),
+                  "decoder_layers: layer ", l, " linear ", i, ": weight not packed (tile ", TILE, ") for K=", K,
+                  " and O=", O);
+      TORCH_CHECK(b.numel() == 0 || (b.scalar_type() == dt && b.is_contiguous() && b.numel() == O),
+                  "decoder_layers: layer ", l, " linear ", i, ": bias (", O, ",) of the dtype of x");
+      lins[4 * l + i] = {w.data_ptr(), b.numel() ? b.data_ptr() : nullptr, K, O};
+    }
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t i : {0, 5}) {
+      const at::Tensor& ln = params[l * P + i];
+      TORCH_CHECK(ln.scalar_type() == dt && ln.is_contiguous() && ln.numel() == H, "decoder_layers: norm weight (H,)");
+    }
+  std::vector<AttentionInputs> ins;  // layer 0's rows, trees; then every layer's caches checked
+  ins.push_back(attention_inputs(dt, B, T, nh, heads, D, cos, sin, k_caches[0], v_caches[0], slots, starts, nums,
+                                 parents));
+  for (int64_t l = 1; l < layers; ++l)
+    TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes() && v_caches[l].sizes() == k_caches[0].sizes() &&
+                    k_caches[l].scalar_type() == dt && v_caches[l].scalar_type() == dt &&
+                    k_caches[l].is_contiguous() && v_caches[l].is_contiguous(),
+                "decoder_layers: every layer's caches like layer 0's");
+  const AttentionInputs& in = ins[0];
+  // packed rows: valid must be the flat indices of the tokens t < nums[b], in order
+  std::vector<int64_t> rowmap;
+  if (valid.has_value() && valid->defined()) {
+    auto v = valid->to(at::kLong).contiguous();
+    const int64_t* vp = v.data_ptr<int64_t>();
+    int64_t count = 0;
+    for (int64_t b = 0; b < B; ++b) count += in.nums()[b];
+    TORCH_CHECK(v.numel() == N && count == N, "decoder_layers: valid (N,) indexes the N valid tokens");
+    rowmap.assign(B * T, -1);
+    for (int64_t j = 0; j < N; ++j) {
+      TORCH_CHECK(vp[j] >= 0 && vp[j] < B * T && (j == 0 || vp[j] > vp[j - 1]) && vp[j] % T < in.nums()[vp[j] / T],
+                  "decoder_layers: valid holds the flat indices of the valid tokens, in order");
+      rowmap[vp[j]] = j;
+    }
+  } else {
+    TORCH_CHECK(N == B * T, "decoder_layers: x has ", N, " rows, B * T = ", B * T);
+  }
+  at::Tensor x = x0.contiguous().clone();  // updated in place: the o and down linears add their residual
+  const auto opt = x.options();
+  at::Tensor qkv = at::empty({N, O_qkv}, opt), att = at::empty({N, nh * D}, opt), gu = at::empty({N, 2 * I}, opt),
+             act = at::empty({N, I}, opt);
+  const int nt = std::max(1, std::min(MAX_PROF_THREADS, at::get_num_threads()));
+  const bool widen_in = kernel != 2 && dt == at::kBFloat16;  // float32 activations for the FMA kernels
+  const int64_t Kmax = std::max({H, nh * D, I});
+  at::Tensor normed = at::empty({nt, N, H}, opt);
+  at::Tensor wide = at::empty({widen_in ? nt : 0, N, Kmax}, opt.dtype(at::kFloat));
+  const bool fused_silu = I % TILE == 0;  // gate tile j and up tile j side by side
+  const int64_t esize = x.element_size();
+  char* xp = static_cast<char*>(x.data_ptr());
+  char* qkvp = static_cast<char*>(qkv.data_ptr());
+  char* attp = static_cast<char*>(att.data_ptr());
+  char* gup = static_cast<char*>(gu.data_ptr());
+  char* actp = static_cast<char*>(act.data_ptr());
+  const float feps = static_cast<float>(eps);
+
+  omp_sched_t saved_kind;
+  int saved_chunk;
+  omp_get_schedule(&saved_kind, &saved_chunk);
+  omp_set_schedule(g_schedule == 0 ? omp_sched_static : g_schedule == 1 ? omp_sched_dynamic : omp_sched_guided,
+                   g_schedule == 0 ? 0 : g_chunk);
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num();
+    const int nth = omp_get_num_threads();
+    std::vector<float> xf(H);
+    char* nb = static_cast<char*>(normed.data_ptr()) + tid * N * H * esize;
+    float* wb = widen_in ? wide.data_ptr<float>() + tid * N * Kmax : nullptr;
+    // the input of a linear as its kernel takes it: bfloat16 widened (exactly) for the FMA kernels
+    auto input = [&](const char* src, int64_t K) -> const void* {
+      if (!widen_in) return src;
+      widen(reinterpret_cast<const bf16*>(src), wb, N * K);
+      return wb;
+    };
+    // tiles [t0, t1) of linear (l, i): input xin (N, K), residual and output y (N, O)
+    auto tiles = [&](int64_t l, int64_t i, const void* xin, const void* res, char* y, int64_t t0, int64_t t1) {
+      const StackLinear& s = lins[4 * l + i];
+      if (kernel == 0)
+        specrouter::linear256_tiles(dt == at::kBFloat16, static_cast<const float*>(xin), N, s.K, s.w, s.O, s.bias, res,
+                                    y, t0, t1);
+      else
+        specrouter::linear512_tiles(kernel == 2 ? 2 : dt == at::kBFloat16 ? 1 : 0, xin, N, s.K, s.w, s.O, s.bias, res,
+                                    y, t0, t1);
+    };
+    auto units = [&](int64_t O) { return ((O + TILE - 1) / TILE + UNIT - 1) / UNIT; };
+    auto unit_tiles = [&](int64_t O, int64_t u, int64_t& t0, int64_t& t1) {
+      t0 = u * UNIT, t1 = std::min((O + TILE - 1) / TILE, t0 + UNIT);
+    };
+    auto norm = [&](int64_t l, int64_t i) {
+      if (dt == at::kFloat)
+        rms_norm_rows<float>(reinterpret_cast<const float*>(xp), params[l * P + i].data_ptr<float>(), 0, N, H, feps,
+                             reinterpret_cast<float*>(nb), xf.data());
+      else
+        rms_norm_rows<bf16>(reinterpret_cast<const bf16*>(xp), ptr<bf16>(params[l * P + i]), 0, N, H, feps,
+                            reinterpret_cast<bf16*>(nb), xf.data());
+    };
+    // per-thread timers (stack_profile): cycles of work and of waiting at the barrier per phase
+    uint64_t last = g_profile ? __rdtsc() : 0;
+    auto mark = [&](int phase) {
+      if (!g_profile) return;
+      const uint64_t now = __rdtsc();
+      g_prof[(tid * PHASES + phase) * 2] += static_cast<double>(now - last);
+      last = now;
+    };
+    auto sync = [&](int phase) {
+      mark(phase);
+#pragma omp barrier
+      if (!g_profile) return;
+      const uint64_t now = __rdtsc();
+      g_prof[(tid * PHASES + phase) * 2 + 1] += static_cast<double>(now - last);
+      last = now;
+    };
+    typename Attention<float>::Scratch* sf = nullptr;
+    typename Attention<bf16>::Scratch* sb = nullptr;
+    for (int64_t l = 0; l < layers; ++l) {
+      int64_t t0, t1;
+      // RMSNorm (every row, every thread), the qkv tiles
+      norm(l, 0);
+      const void* xin = input(nb, H);
+      mark(0);
+#pragma omp for schedule(runtime) nowait
+      for (int64_t u = 0; u < units(O_qkv); ++u) {
+        unit_tiles(O_qkv, u, t0, t1);
+        tiles(l, 0, xin, nullptr, qkvp, t0, t1);
+      }
+      sync(1);
+      // RoPE and the cache writes, then attention
+      if (dt == at::kFloat) {
+        Attention<float> a = in.bind<float>(reinterpret_cast<const float*>(qkvp), B, T, nh, D, cos, sin, k_caches[l],
+                                            v_caches[l], reinterpret_cast<float*>(attp));
+        a.rows = rowmap.empty() ? nullptr : rowmap.data();
+        a.write(B * T * tid / nth, B * T * (tid + 1) / nth);
+        sync(2);
+        if (!sf) sf = new typename Attention<float>::Scratch(a);
+#pragma omp for schedule(runtime) nowait
+        for (int64_t item = 0; item < a.items(); ++item) a.attend(item, *sf);
+        sync(3);
+      } else {
+        Attention<bf16> a = in.bind<bf16>(reinterpret_cast<const bf16*>(qkvp), B, T, nh, D, cos, sin, k_caches[l],
+                                          v_caches[l], reinterpret_cast<bf16*>(attp));
+        a.rows = rowmap.empty() ? nullptr : rowmap.data();
+        a.write(B * T * tid / nth, B * T * (tid + 1) / nth);
+        sync(2);
+        if (!sb) sb = new typename Attention<bf16>::Scratch(a);
+#pragma omp for schedule(runtime) nowait
+        for (int64_t item = 0; item < a.items(); ++item) a.attend(item, *sb);
+        sync(3);
+      }
+      // the o tiles, + the residual in place
+      xin = input(attp, nh * D);
+#pragma omp for schedule(runtime) nowait
+      for (int64_t u = 0; u < units(H); ++u) {
+        unit_tiles(H, u, t0, t1);
+        tiles(l, 1, xin, xp, xp, t0, t1);
+      }
+      sync(4);
+      // RMSNorm, gate | up, silu * up
+      norm(l, 5);
+      xin = input(nb, H);
+      mark(5);
+      if (fused_silu) {
+#pragma omp for schedule(runtime) nowait
+        for (int64_t u = 0; u < units(I); ++u) {
+          unit_tiles(I, u, t0, t1);
+          tiles(l, 2, xin, nullptr, gup, t0, t1);                          // gate
+          tiles(l, 2, xin, nullptr, gup, t0 + I / TILE, t1 + I / TILE);    // up
+          const int64_t c0 = t0 * TILE, c1 = std::min(I, t1 * TILE);
+          if (dt == at::kFloat)
+            silu_cols<float>(reinterpret_cast<const float*>(gup), 0, N, I, c0, c1, reinterpret_cast<float*>(actp));
+          else
+            silu_cols<bf16>(reinterpret_cast<const bf16*>(gup), 0, N, I, c0, c1, reinterpret_cast<bf16*>(actp));
+        }
+        sync(6);
+      } else {
+#pragma omp for schedule(runtime) nowait
+        for (int64_t u = 0; u < units(2 * I); ++u) {
+          unit_tiles(2 * I, u, t0, t1);
+          tiles(l, 2, xin, nullptr, gup, t0, t1);
+        }
+        const int64_t n0 = N * tid / nth, n1 = N * (tid + 1) / nth;
+        if (dt == at::kFloat)
+          silu_cols<float>(reinterpret_cast<const float*>(gup), n0, n1, I, 0, I, reinterpret_cast<float*>(actp));
+        else
+          silu_cols<bf16>(reinterpret_cast<const bf16*>(gup), n0, n1, I, 0, I, reinterpret_cast<bf16*>(actp));
+        sync(6);
+      }
+      // the down tiles, + the residual in place
+      xin = input(actp, I);
+#pragma omp for schedule(runtime) nowait
+      for (int64_t u = 0; u < units(H); ++u) {
+        unit_tiles(H, u, t0, t1);
+        tiles(l, 3, xin, xp, xp, t0, t1);
+      }
+      sync(7);
+    }
+    delete sf;
+    delete sb;
+  }
+  omp_set_schedule(saved_kind, saved_chunk);
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specrouter_rowinv, m) {
   m.def("rope_attention(Tensor qkv, int num_heads, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor starts, Tensor nums, Tensor? parents=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("set_stack_schedule(str kind, int chunk=1) -> ()", &set_stack_schedule);
+  m.def("stack_profile(bool on) -> Tensor", &stack_profile);
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("decoder_layers(Tensor x, Tensor[] params, int[] outs, int kernel, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int B, int T, int num_heads, int head_dim, float eps, Tensor cos, Tensor sin, Tensor slots, Tensor starts, Tensor nums, Tensor? valid=None, Tensor? parents=None) -> Tensor");
 }
