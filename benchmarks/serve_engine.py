@@ -28,6 +28,7 @@ from specrouter.api import SpecRouter
 from specrouter.bench.serve import continuous_batching, prompts
 from specrouter.config import PoolConfig, RouterConfig, SamplingParams
 from specrouter.engine import engine as engine_module
+from specrouter.engine import isolation as isolation_module
 from specrouter.engine.engine import Engine
 from specrouter.models.default_pool import default_pool_paths
 from specrouter.models.pool import Pool, preview_pool
@@ -53,10 +54,24 @@ class StepLog:
         step, execute = engine.step, engine.executor.step
         self.engine_seconds = self.executor_seconds = 0.0
 
+        self.kind = None  # the kind of the step being run (set by record)
+        self.step_parts: dict[str, float] = defaultdict(float)  # this step's parts
+        # kind -> [steps, seconds outside the executor, {part: seconds}]
+        self.by_kind: dict[str, list] = defaultdict(lambda: [0, 0.0, defaultdict(float)])
+
         def timed_step():
             t0 = time.perf_counter()
+            executor_before = self.executor_seconds
+            self.kind, self.step_parts = None, defaultdict(float)
             out = step()
-            self.engine_seconds += time.perf_counter() - t0
+            wall = time.perf_counter() - t0
+            self.engine_seconds += wall
+            if self.kind is not None:
+                k = self.by_kind[self.kind]
+                k[0] += 1
+                k[1] += wall - (self.executor_seconds - executor_before)
+                for part, v in self.step_parts.items():
+                    k[2][part] += v
             return out
 
         def timed_execute(*a, **kw):
@@ -72,13 +87,15 @@ class StepLog:
                               (engine.router, "take_confident_drafts"), (engine_module, "shadow_proposals"),
                               (engine_module, "confident_offers"), (engine_module, "judge_shadows")):
                 setattr(obj, attr, self.timer(attr, getattr(obj, attr)))
+        isolation_module.snapshot = self.timer("snapshot", isolation_module.snapshot)
         self.held = False
         if planner is not None:
             plan = planner.plan
 
             def plan_logged(rows, pinned=()):
+                before = planner.held_decisions
                 out = plan(rows, pinned)
-                self.held = out.held
+                self.held = planner.held_decisions > before  # decided by a standing hold
                 return out
 
             plan_logged.original = plan
@@ -90,7 +107,9 @@ class StepLog:
             try:
                 return fn(*a, **kw)
             finally:
-                self.parts[name] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.parts[name] += dt
+                self.step_parts[name] += dt
         timed.original = fn
         return timed
 
@@ -99,6 +118,8 @@ class StepLog:
         for attr in ("shadow_proposals", "confident_offers", "judge_shadows"):
             f = getattr(engine_module, attr)
             setattr(engine_module, attr, getattr(f, "original", f))
+        f = isolation_module.snapshot
+        isolation_module.snapshot = getattr(f, "original", f)
         if self.engine.router is not None:
             for attr in ("plan_batch", "observe_step", "take_confident_drafts"):
                 f = getattr(self.engine.router, attr)
@@ -119,6 +140,7 @@ class StepLog:
             predicted = self.planner.step_seconds(plans, L, publish=False)
             realised = result.wall_time + self.planner.plan_seconds  # observe() resets it after us
         kind = "spec" if speculates(plans) else ("held" if self.held else "plain")
+        self.kind = kind
         self.steps.append((kind, len(plans), predicted, realised if self.planner else result.wall_time,
                            tokens, fwd, host))
 
@@ -196,6 +218,16 @@ def main() -> None:
                 print(f"  {name:6s} engine step outside the executor: {outside * 1e3:.2f} ms/step" +
                       "".join(f"; {k} {v * 1e3:.2f}" for k, v in parts.items()))
                 print("\n".join(summary(merged, name)))
+                kinds = defaultdict(lambda: [0, 0.0, defaultdict(float)])
+                for lg in ls:
+                    for kind, (n, sec, parts) in lg.by_kind.items():
+                        kinds[kind][0] += n
+                        kinds[kind][1] += sec
+                        for part, v in parts.items():
+                            kinds[kind][2][part] += v
+                for kind, (n, sec, parts) in sorted(kinds.items()):
+                    print(f"  {name:6s} {kind:5s} steps={n:4d} outside the executor {sec / n * 1e3:.3f} ms/step" +
+                          "".join(f"; {k} {v / n * 1e3:.3f}" for k, v in sorted(parts.items())))
             events = list(router.planner.events)[-2000:]
             reasons = defaultdict(int)
             for e in events:
@@ -204,6 +236,9 @@ def main() -> None:
             cal = {k: (v.factor(router.config.batch_calibration_prior), round(v.weight, 1))
                    for k, v in router.planner.calibrations.items()}
             print(f"  calibrations (rows, spec): {cal}")
+            cs = router.cache_stats
+            print(f"  decision cache: {cs.hits} hits, {cs.misses} misses, by reason {dict(cs.reasons)}; "
+                  f"publications {dict(router.board.publications)}")
 
 
 def run(engine, ids, params, concurrency, chain):

@@ -271,16 +271,22 @@ def test_plain_hold_skips_replanning_until_rows_change():
     assert no_hold.planner.held_decisions == 0 and no_hold.planner.hold is None
 
 
-def test_plain_hold_of_a_small_batch_ends_when_a_row_joins():
+def test_plain_hold_of_a_small_batch_weighs_a_joining_row_alone():
     """Below JOINS_KEEP_HOLD rows, a request replacing a finished one (the batch size unchanged:
-    a server under steady load) ends the hold: its own plan was never weighed. The same rows
-    stay held (negative control); from JOINS_KEEP_HOLD rows on a joining row keeps it."""
+    a server under steady load) is decided on its own: one that would decode plainly joins the
+    hold (one decide, the other rows undecided); one that would speculate ends it (the batch is
+    planned afresh, the joiner decided once). From JOINS_KEEP_HOLD rows on a joining row keeps
+    the hold undecided."""
     from specrouter.router.batch import JOINS_KEEP_HOLD
 
-    def target(b, t, L):  # two rows: plain batching wins
-        return 0.040 if b == 1 else 0.040 + 0.2 * (t - 1) * b / 4
+    def target(b, t, L):  # verification cheap enough that an 80%-accepting row speculates
+        return 0.040 + 0.004 * (t - 1) * b
 
     router = scripted_router(target)
+    for seq_id in (0, 1, 5):  # these requests' own drafts are mostly rejected: they decode plainly
+        req = router.request(seq_id, True)
+        for _ in range(40):
+            req.observe(("draft", "target"), 0, 1, router.config.request_decay)
     decides = Counter()
     inner = router.decide
     router.decide = lambda row: (decides.update([row.seq_id]), inner(row))[1]
@@ -288,9 +294,17 @@ def test_plain_hold_of_a_small_batch_ends_when_a_row_joins():
     assert all(d.k == 0 for d in router.plan_batch(two).decisions) and router.planner.hold is not None
     router.plan_batch(two)  # the same rows: held
     assert sum(decides.values()) == 2 and router.planner.held_decisions == 2
-    replaced = [two[0], dataclasses.replace(two[1], seq_id=7)]  # row 1 finished, request 7 joined
-    router.plan_batch(replaced)
-    assert decides[7] == 1 and sum(decides.values()) == 4  # planned afresh
+    plain_joiner = [two[0], dataclasses.replace(two[1], seq_id=5)]  # row 1 finished, request 5 joined
+    plan = router.plan_batch(plain_joiner)
+    assert plan.held and all(d.k == 0 for d in plan.decisions)
+    assert decides[5] == 1 and sum(decides.values()) == 3  # the joiner alone was decided
+    assert router.planner.hold.members == {0, 1, 5}
+    router.plan_batch(plain_joiner)  # held, nobody decided
+    assert sum(decides.values()) == 3
+    spec_joiner = [two[0], dataclasses.replace(two[1], seq_id=7)]  # request 7 (prior: 80%) joined
+    plan = router.plan_batch(spec_joiner)
+    assert not plan.held and router.planner.hold is None and plan.decisions[1].k > 0
+    assert decides[7] == 1 and decides[0] == 2  # planned afresh, the joiner decided once
     big = rows_of(JOINS_KEEP_HOLD)
     router.plan_batch(big)
     planned = sum(decides.values())
@@ -394,3 +408,39 @@ def test_batch_calibration_turns_a_slower_than_predicted_batch_plain():
     assert 0.45 < spec_factor < 0.65  # realised half the predicted rate, shrunk toward 1
     assert run(slow, 2.0, 1, n=1) == [True]
     assert not all(run(slow, 1.0, 10)) and run(slow, 1.0, 40)[-1]  # aged: speculating again
+
+
+def test_a_held_step_costs_no_per_row_planning():
+    """Host work of a held batch, counted (not timed): over 64 steps of 4 rows where plain
+    batching wins, the router decides rows only when a hold ends (spans 2, 4, 8, 16, 16, ...),
+    predicts a plain step's seconds at most once per PLAIN_PREDICTION_STEPS steps, and asks
+    for shadow proposals once per hold (its last step). Negative control: without the hold
+    (plain_hold_max=0, predictions not reused) every row is decided, shadowed and the step
+    predicted at every step."""
+    def target(b, t, L):
+        return 0.040 if b == 1 else 0.040 + 0.2 * (t - 1) * b / 4
+
+    def run(router, steps=64, n=4):
+        counts = Counter()
+        decide, step_seconds = router.decide, router.planner.step_seconds
+        router.decide = lambda row: counts.update(["decide"]) or decide(row)
+        router.planner.step_seconds = lambda *a, **kw: counts.update(["predict"]) or step_seconds(*a, **kw)
+        for i in range(steps):
+            rows = [dataclasses.replace(r, context_len=200 + i) for r in rows_of(n)]
+            plan = router.plan_batch(rows)
+            assert all(d.k == 0 for d in plan.decisions)
+            counts["shadow"] += plan.shadow_k > 0
+            outcomes = [RowOutcome(r.seq_id, ("target",), 0, [0], [0], True, r.context_len) for r in rows]
+            router.planner.observe(outcomes, [], 0.040)
+            router.observed_steps += 1  # the engine's step clock (observe_step's tick)
+        return counts
+
+    held = run(scripted_router(target))
+    # planned at steps 0, 2, 6, 14, 30, 46, 62; shadows on each hold's last step (1, 5, ..., 61)
+    assert held["decide"] == 4 * 7 and held["shadow"] == 6, held
+    assert held["predict"] <= 64 // 16 + 1, held
+    off = scripted_router(target)
+    off.config = dataclasses.replace(off.config, plain_hold_max=0)
+    off.planner.PLAIN_PREDICTION_STEPS = 1  # and a plain step's seconds predicted afresh
+    unheld = run(off)
+    assert unheld["decide"] == 4 * 64 and unheld["shadow"] == 64 and unheld["predict"] >= 64

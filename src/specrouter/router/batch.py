@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specrouter.records.routing import BatchPlan, Chain, Decision, ForwardRecord, Plan, RowContext, RowOutcome
@@ -29,19 +29,36 @@ class PlainHold:
     span: int  # steps of this hold (doubles while the verdict repeats)
     members: frozenset[int] = frozenset()  # seq_ids of the rows it was found for
 
+    def valid(self, n: int, now: int) -> bool:
+        """Does it still hold for a step of n rows (pinned ones included) at observed step
+        `now`? Not once expired, nor when the batch shrank below `hold_floor`."""
+        return now < self.until and n >= hold_floor(self.rows)
+
+    def joined(self, rows: Sequence[RowContext], n: int) -> list[RowContext]:
+        """The rows of a step it was not found for, below JOINS_KEEP_HOLD rows (none from
+        there on). A joining request's own plan was never weighed: in a small batch one
+        speculable row (code, a retry) turns the verdict, and with requests replacing each
+        other (a server under steady load) a hold through joins kept 2-row batches plain for
+        16 steps at a time where speculation realised 1.3x plain (measured,
+        benchmarks/serve_engine.py); the planner weighs them (`BatchPlanner.plan`). In a
+        large batch a joining row changes the verdict rarely and weighing it costs every step
+        a row joins."""
+        if n >= JOINS_KEEP_HOLD:
+            return []
+        return [r for r in rows if r.seq_id not in self.members]
+
     def holds(self, rows: Sequence[RowContext], n: int, now: int) -> bool:
-        """Does it hold for a step of `rows` (n with the pinned ones) at observed step `now`?
-        Not once expired, nor when the batch shrank below `hold_floor`, nor, below
-        JOINS_KEEP_HOLD rows, when a row joined that the verdict was not found for (a single
-        stream's hold: only while that request runs alone). A joining request's own plan was
-        never weighed: in a small batch one speculable row (code, a retry) turns the verdict,
-        and with requests replacing each other (a server under steady load) a hold through
-        joins kept 2-row batches plain for 16 steps at a time where speculation realised 1.3x
-        plain (measured, benchmarks/serve_engine.py). In a large batch a joining row changes
-        the verdict rarely and re-planning costs every row."""
-        if now >= self.until or n < hold_floor(self.rows):
-            return False
-        return n >= JOINS_KEEP_HOLD or all(r.seq_id in self.members for r in rows)
+        """Valid, and no row joined that it was not found for (`valid`, `joined`)."""
+        return self.valid(n, now) and not self.joined(rows, n)
+
+    def shadow_due(self, now: int) -> bool:
+        """Shadow proposals at observed step `now` of the hold: a multi-row batch's on the last
+        step of the hold only (one per span: their evidence is read when the hold ends; every
+        4th step they were ~0.6 ms of a ~10 ms 4-row step, measured), a single stream's every
+        SHADOW_EVERY_HELD-th step."""
+        if self.rows > 1:
+            return now == self.until - 1
+        return now % BatchPlanner.SHADOW_EVERY_HELD == 0
 
 
 JOINS_KEEP_HOLD = 8  # from this many rows on, rows joining a held batch do not end its hold
@@ -124,6 +141,7 @@ class BatchPlanner:
         # (rows, speculative) -> StepCalibration: multi-row steps' realised / predicted rates
         self.calibrations: dict[tuple[int, bool], StepCalibration] = {}
         self.plan_seconds = 0.0  # the planning of the step being run (observe adds it to the step)
+        self._plain_seconds: dict[tuple[int, int], tuple[float, int]] = {}  # plain_step_seconds' memo
         self.events: deque = deque(maxlen=router.config.log_size)  # (row-cycle, rows, reason, rate, plain rate)
 
     # -- planning ---------------------------------------------------------------------------
@@ -133,13 +151,14 @@ class BatchPlanner:
         load, where plain continuous batching wins, re-planning every step would cost the router
         a few ms of every ~70 ms step for the same answer. The hold ends when the batch shrinks
         below `hold_floor` (fewer rows make speculation cheaper) or, below JOINS_KEEP_HOLD
-        rows, when a row joins (`PlainHold.holds`), and grows 2, 4, ... up to
-        `RouterConfig.plain_hold_max` steps while the verdict repeats. A single stream is held
-        too once its row's plain plan is settled (decided "same"), while it runs alone (a
-        request joining or replacing it is planned at once). Shadow proposals (free
-        evidence for model-free drafters not running) every step, or every
-        SHADOW_EVERY_HELD-th while a hold lasts: under load their ~0.3 ms per row is a few % of
-        plain batching's step for evidence nobody reads until the hold ends."""
+        rows, when a row joins that would speculate on its own (`_joiners`: a joining row that
+        decodes plainly joins the hold), and grows 2, 4, ... up to `RouterConfig.plain_hold_max`
+        steps while the verdict repeats. A single stream is held too once its row's plain plan
+        is settled (decided "same"), while it runs alone (a request replacing it is planned at
+        once). Shadow proposals (free evidence for model-free drafters not running) every step,
+        and while a hold lasts as `PlainHold.shadow_due` says (a batch's: on the hold's last
+        step): under load their ~0.3 ms per row is a few % of plain batching's step for
+        evidence nobody reads until the hold ends."""
         router = self.router
         hold, now = self.hold, router.observed_steps
         n = len(rows) + len(pinned)
@@ -151,11 +170,11 @@ class BatchPlanner:
             # plain batching's do (per-row planning and shadows after every ~11 ms forward cost
             # the router 4-5% at 4 sampled rows, measured)
             return BatchPlan(self.all_plain(rows), True, 0)
-        elif hold is not None and hold.holds(rows, n, now):
+        elif (decided := self._joiners(hold, rows, n) if hold is not None and hold.valid(n, now) else {}) is None:
             self.held_decisions += len(rows)  # decided by the hold (no DecisionEvent each)
             decisions = self.all_plain(rows)
         else:
-            decisions = self.plan_afresh(rows, pinned)
+            decisions = self.plan_afresh(rows, pinned, decided)
             limit = router.config.plain_hold_max
             plain = all(d.k == 0 or len(d.chain) == 1 for d in decisions)
             # a single stream is held once its plain plan is settled (kept as the best: "same"):
@@ -168,16 +187,36 @@ class BatchPlanner:
             else:
                 self.hold = None
         held = self.hold is not None
-        shadow = 0 if held and now % self.SHADOW_EVERY_HELD else router.config.shadow_k
+        shadow = 0 if held and not self.hold.shadow_due(now) else router.config.shadow_k
         return BatchPlan(decisions, held, shadow)
 
-    def plan_afresh(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> list[Decision]:
+    def _joiners(self, hold: PlainHold, rows: Sequence[RowContext], n: int) -> dict[int, Decision] | None:
+        """The rows that joined a valid hold (`PlainHold.joined`), decided on their own at this
+        step's batch size: when every one decodes plainly they join the hold (None: the batch
+        stays held, its other rows undecided); else their decisions (seq_id -> Decision), for
+        `plan_afresh` to weigh the batch with (one that would speculate ends the hold, and so
+        does another request running alone: {}). Re-planning every row at each join cost ~1.5
+        ms of a ~10 ms 4-row step (measured, benchmarks/serve_engine.py --trace)."""
+        joined = hold.joined(rows, n)
+        if not joined:
+            return None
+        if n < 2:  # another request alone: held only once its own plain plan is settled
+            return {}
+        decided = {r.seq_id: self.router.decide(r) for r in joined}
+        if any(len(d.chain) > 1 and d.k > 0 for d in decided.values()):
+            return decided
+        hold.members = hold.members | decided.keys()
+        return None
+
+    def plan_afresh(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = (),
+                    decided: Mapping[int, Decision] | None = None) -> list[Decision]:
         """The plans of a step's rows, chosen for the batch the step really runs.
 
         Every model runs one forward per step over all rows that need it, padded to the widest
         row, so a row's speculation costs what it adds to shared forwards: a batch of plain rows
         costs the target one 1-token forward of b rows, one speculating row makes it (b, k + 1).
-        1. each row's own best plan (`Router.decide`, with cost rows at the step's b);
+        1. each row's own best plan (`Router.decide`, with cost rows at the step's b; `decided`:
+           those already made this step, by seq_id);
         2. joint alternatives: every row plain; the speculating rows' k capped at K; only the m
            rows that gain most speculate;
         3. the predicted step throughput of each, sum of E[tokens] / predicted step seconds
@@ -192,7 +231,8 @@ class BatchPlanner:
             # speculation is planned on it (measured: 16 rows speculated where plain won by 10-17%)
             return self.all_plain(rows)
         plain = (router.target,)
-        decisions = [router.decide(r) for r in rows]
+        decided = decided or {}
+        decisions = [decided.get(r.seq_id) or router.decide(r) for r in rows]
         if n == 1:
             # a single stream: the row's own decision already is the argmin of the same cost
             # model (its own overheads, no other row to slow down); weighing the joint
@@ -341,6 +381,21 @@ class BatchPlanner:
                 total += predict(m, sum(1 for k in ks if k >= i), 1, context_len) + router.overhead["draft_step"]
         return max(total, 1e-9)
 
+    PLAIN_PREDICTION_STEPS = 16  # a plain step's predicted seconds are reused this many steps
+
+    def plain_step_seconds(self, n: int, context_len: int) -> float:
+        """`step_seconds` of n plain rows at a context of `context_len`, computed at most once
+        per PLAIN_PREDICTION_STEPS observed steps per (n, context bucket): the calibration of
+        plain steps reads it after every step (a held batch's steps are almost all plain), and
+        over that many steps the profile's EMA moves it by far less than the steps' own noise."""
+        key = (n, context_len // self.router.config.context_bucket)
+        now = self.router.observed_steps
+        hit = self._plain_seconds.get(key)
+        if hit is None or now - hit[1] >= self.PLAIN_PREDICTION_STEPS:
+            plans = [((self.router.target,), 0)] * n
+            hit = self._plain_seconds[key] = (self.step_seconds(plans, context_len, publish=False), now)
+        return hit[0]
+
     def calibration(self, n: int) -> tuple[float, float]:
         """(speculative, plain) factors on the predicted throughput of a step of n rows (1, 1
         for a single row, whose plans the per-row evidence already corrects)."""
@@ -376,12 +431,17 @@ class BatchPlanner:
             return
         spec = speculates(plans)
         L = max(1, sum(r.context_len for r in rows) // n)
-        predicted_tokens = sum(self.expected_tokens(router.requests.get(r.seq_id), c, k)
-                               for r, (c, k) in zip(rows, plans))
-        realised_tokens = sum(int(r.accepted[len(c) - 1]) + 1 if len(c) > 1 and k > 0 else 1
-                              for r, (c, k) in zip(rows, plans))
+        if spec:
+            predicted_tokens = sum(self.expected_tokens(router.requests.get(r.seq_id), c, k)
+                                   for r, (c, k) in zip(rows, plans))
+            realised_tokens = sum(int(r.accepted[len(c) - 1]) + 1 if len(c) > 1 and k > 0 else 1
+                                  for r, (c, k) in zip(rows, plans))
+            predicted_seconds = self.step_seconds(plans, L, publish=False)
+        else:  # every row commits its one token
+            predicted_tokens = realised_tokens = n
+            predicted_seconds = self.plain_step_seconds(n, L)
         cal = self.calibrations.setdefault((n, spec), StepCalibration())
-        cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, self.step_seconds(plans, L, publish=False),
+        cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, predicted_seconds,
                 cfg.batch_calibration_discount)
         other = self.calibrations.get((n, not spec))
         if other is not None:
