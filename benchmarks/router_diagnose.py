@@ -138,8 +138,8 @@ def main() -> None:
         if events:  # the acceptance estimates of the request's last decision, and the global ones
             mode = events[-1].mode
             print("    alphas (request / global): " + ", ".join(
-                f"{'>'.join(p)} {a:.2f}/{router.alpha(p, mode):.2f}" for p, a in events[-1].alphas.items()
-                if p[1] == pool.target or p[0] == names["draft"]), flush=True)
+                f"{'>'.join(p)} {a:.2f}/{router.alpha(p, mode):.2f}" for p, a in events[-1].alphas.items()),
+                flush=True)
         # per decided plan: cycles, predicted tokens, predicted s, realized s, tokens committed
         by_plan = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0, 0.0])
         for d, p_tokens, p_seconds, c, step in cycles[1:]:  # the first step prefills
@@ -162,6 +162,10 @@ def main() -> None:
     print(f"oracle (fastest static per request) {oracle[0] / oracle[1]:.1f} tok/s")
     print("overheads (ms): " + " ".join(f"{k} {1e3 * v:.3f}" for k, v in router.overhead.items())
           + f" decide {1e3 * router.decide_seconds:.3f}")
+    for mode in ("greedy", "sampling"):
+        print(f"global alphas ({mode}): " + ", ".join(
+            f"{'>'.join(p)} {a:.2f} ({src}, {router.similarity.stats(p, mode).trials:.0f} trials)"
+            for p in [*router.pairs, *router.triples] for a, src in [router.similarity.alpha_detail(p, mode)]))
     print("total tok/s: " + " ".join(f"{n} {t / s:.1f}" for n, (t, s) in totals.items()))
 
 

@@ -11,7 +11,9 @@ Variants (RouterConfig changes against the default): no-tv (measure_tv=False), g
 host seconds folded into the cycle's overhead, as before issue 33), any-probe (probe_first_pair=False:
 a pair probed by any chain measuring it), outside (charge_outside=True: the step's host seconds outside the
 executor charged instead of decide()'s), no-hold (plain_hold_max=0: no plain hold, a
-settled plain single stream decided every step).
+settled plain single stream decided every step), iid (confirmed_alpha=False: a three-level chain's
+top level accepts every token at the pair's rate), no-fade (realized_fade=1.0: the realized check's
+evidence fades only on cycles of model-free chains, as before).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "any-probe": dataclasses.replace(base, probe_first_pair=False),
         "outside": dataclasses.replace(base, charge_outside=True),
         "no-hold": dataclasses.replace(base, plain_hold_max=0),
+        "iid": dataclasses.replace(base, confirmed_alpha=False),
+        "no-fade": dataclasses.replace(base, realized_fade=1.0),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -302,3 +302,28 @@ def test_break_even_confidence_is_the_verifiers_extra_seconds_per_candidate_over
     assert break_even_confidence([linear], 4, 0.001) == 1.0  # clipped: never worth it
     assert break_even_confidence([linear], 0, 0.02) == 0.0
     assert break_even_confidence([linear], 4, float("inf")) == 0.0
+
+
+@pytest.mark.parametrize("beta,alpha", [(0.9, 0.3), (0.2, 0.7), (0.6, 0.6)])
+def test_confirmed_tokens_dp_equals_monte_carlo(beta, alpha):
+    """Point 4 of the cost model: level 3 accepts the tokens levels 1 and 2 agreed on with beta
+    and level 2's own token with alpha. best_plan with the triple's key equals a brute-force play
+    of exactly that; beta == alpha is the iid model; a lower or higher beta moves the tokens."""
+    costs = {"ngram": ModelFreeDraft(cost=0.0005, hit_rate=0.7), "d": linear(0.002, 0.0005), "T": linear(0.05, 0.004)}
+    chain, a_nd, k = ("ngram", "d", "T"), 0.6, 5
+    rng = np.random.default_rng(7)
+    n = np.where(rng.random(CYCLES) < 0.7, k, 0)  # ngram proposals
+    a2 = np.cumprod((rng.random((CYCLES, k)) < a_nd) & (np.arange(k)[None] < n[:, None]), axis=1).sum(axis=1)
+    width = k + 1  # level 3 receives a2 confirmed + 1 own
+    p = np.where(np.arange(width)[None] < a2[:, None], beta, alpha)  # (cycles, width)
+    accept = (rng.random((CYCLES, width)) < p) & (np.arange(width)[None] <= a2[:, None])
+    committed = np.cumprod(accept, axis=1).sum(axis=1) + 1
+    alphas = {("ngram", "d"): a_nd, ("d", "T"): alpha}
+    plan = best_plan([chain], 8, costs=costs, alphas={**alphas, chain: beta})
+    assert plan.table.expected_tokens[0, k - 1] == pytest.approx(committed.mean(), rel=0.01)
+    iid = best_plan([chain], 8, costs=costs, alphas=alphas).table.expected_tokens[0, k - 1]
+    if beta == alpha:
+        assert plan.table.expected_tokens[0, k - 1] == pytest.approx(iid, rel=1e-12)
+    else:  # the negative control: the iid model misses the confirmed tokens' own rate
+        assert abs(iid - committed.mean()) > 0.05 * committed.mean()
+        assert (plan.table.expected_tokens[0, k - 1] > iid) == (beta > alpha)

@@ -140,6 +140,17 @@ class Sim:
         self.overhead = {"spec": overhead_spec, "plain": overhead_plain}
         self.draft_step_host = draft_step_host  # host seconds per model draft step after the first
         self.draft = (0, 0.0)  # the last cycle's (draft steps, their host seconds)
+        # (ngram, d, T) -> beta: T accepts the tokens the n-gram and d agree on with beta (and d's
+        # own with its alpha), in ngram > d > T and, where the n-gram would have agreed, in d > T
+        self.confirmed: dict[tuple[str, str, str], float] = {}
+        self.hidden: dict[int, tuple] = {}  # seq_id -> (n-gram proposal, d's draft, T's (candidates, accepted)) of a d > T row
+
+    def accept_confirmed(self, beta, alpha, n, confirmed):
+        """Accepted of n candidates: the first `confirmed` with beta, the others with alpha."""
+        a = 0
+        while a < n and self.rng.random() < (beta if a < confirmed else alpha):
+            a += 1
+        return a
 
     def cost(self, m, b, t, L):
         return self.costs[m](b, t, L) * self.slow[m]
@@ -184,7 +195,18 @@ class Sim:
             for j in range(1, N):
                 forward(chain[j], max(n) + 1)
                 for r, s in enumerate(sids):
-                    a = self.accept(self.alpha(s, (chain[j - 1], chain[j])), n[r])
+                    alpha = self.alpha(s, (chain[j - 1], chain[j]))
+                    beta = self.confirmed.get(chain[:3]) if j == 2 else None
+                    hidden = ("ngram", *chain) if N == 2 and j == 1 and ("ngram", *chain) in self.confirmed else None
+                    if beta is not None:  # the first accepted[1] are confirmed
+                        a = self.accept_confirmed(beta, alpha, n[r], accepted[r][1])
+                    elif hidden is not None:  # where the n-gram would have agreed with d
+                        agree = self.accept(self.alpha(s, ("ngram", chain[0])), k) if self.rng.random() < self.hit_rate(s) else -1
+                        a = self.accept_confirmed(self.confirmed[hidden], alpha, n[r], max(agree, 0))
+                        proposal = [] if agree < 0 else list(range(agree)) + [-1] * (k - agree)
+                        self.hidden[s] = (proposal, list(range(k)), (n[r], a))
+                    else:
+                        a = self.accept(alpha, n[r])
                     drafted[r][j], accepted[r][j] = n[r], a
                     n[r] = a + 1
             committed = n
@@ -235,6 +257,10 @@ def drive(router, sim, cycles, sids=(0,), L=L0, greedy=True, shadow=False, trace
                     if chain[0] != "ngram":
                         prop, com = sim.shadow(s, 16, c)
                         router.observe_shadow(s, "ngram", prop, com, 16, greedy)
+                    if s in sim.hidden:  # the n-gram against d's own draft, T's judgement of it
+                        prop, drafted, target = sim.hidden.pop(s)
+                        router.observe_shadow(s, "ngram", prop, drafted, len(drafted), greedy, verifier=chain[0],
+                                              count_hit=False, target=target)
         if trace is not None:
             trace.append(decisions)
     return tokens, clock
@@ -660,7 +686,8 @@ def test_the_realized_check_leaves_a_lookup_that_never_delivers(check):
     in this request every lookup cycle commits one token at plain decoding's price, and the
     estimators never see why (the executor reports a plain step, and no shadow score tells
     the miss). With the realized check the request leaves ngram -> T within a few cycles for
-    a model chain; without it (the negative control) it stays on the lookup to the end."""
+    a model chain, and tries it again only as the penalty fades (`realized_fade`, ~1 cycle in
+    20 here); without it (the negative control) it stays on the lookup to the end."""
     sim = Sim(ALPHAS, seed=4)
     router = make_router(config=RouterConfig(realized_check=check))
     _feed_truth(router, {**ALPHAS, ("ngram", "T"): 0.95}, 0.9)
@@ -678,7 +705,7 @@ def test_the_realized_check_leaves_a_lookup_that_never_delivers(check):
             observe_cycle(router, stats, outcomes, fwd)
     lookup = sum(c[0] == "ngram" for c in chains[-20:])
     if check:
-        assert chains[0][0] == "ngram" and lookup <= 2, chains
+        assert chains[0][0] == "ngram" and lookup <= 3, chains
         assert router.requests[0].corrections[chains[0]] > 1.5
     else:
         assert lookup == 20, chains
@@ -753,6 +780,32 @@ def test_a_pair_with_a_bad_start_is_probed_by_a_chain_it_starts(first):
     print(f"\nprobes of d1>T: {sorted(set(measuring))}")
 
 
+def test_confirmed_tokens_lead_to_the_three_level_chain():
+    """T accepts the tokens the n-gram and d1 agree on at 0.95, d1's own at 0.3 (cost_model.py,
+    point 4). Running d1 > T, the router shadow-scores the n-gram against d1's drafts, which
+    teaches it the triple (ngram, d1, T) for free: it moves to ngram > d1 > T within a few
+    cycles, runs it most of the time and decodes faster. The negative control, side by side on
+    the same world and seed (`confirmed_alpha=False`, the iid model: ngram > d1 > T predicted at
+    d1's rate), never runs it outside probes."""
+    order = ["ngram", "d1", "T"]
+    alphas = {("d1", "T"): 0.3, ("ngram", "T"): 0.5, ("ngram", "d1"): 0.6}
+    three = ("ngram", "d1", "T")
+    runs = {}
+    for on in (True, False):
+        sim = Sim(alphas, hit=0.7, seed=11, overhead_spec=0.0, overhead_plain=0.0)
+        sim.confirmed = {three: 0.95}
+        router = make_router(order, timer=lambda: 0.0, config=RouterConfig(confirmed_alpha=on))
+        trace = []
+        tokens, seconds = drive(router, sim, 300, trace=trace, shadow=True, timed=False)
+        runs[on] = ([t[0].chain for t in trace if t[0].reason != "probe"], tokens / seconds, router)
+    (chains, speed, router), (iid_chains, iid_speed, iid_router) = runs[True], runs[False]
+    assert chains.index(three) < 20 and chains[-100:].count(three) >= 60, chains[-100:]
+    assert router.alpha(three, GREEDY) > 0.85 and router.similarity.stats(three, GREEDY).trials > 100
+    assert speed > 1.05 * iid_speed
+    assert three not in iid_chains and not iid_router.triples
+    print(f"\nlast 100 cycles on {three}: {chains[-100:].count(three)}; {speed:.1f} vs {iid_speed:.1f} tok/s (iid)")
+
+
 def test_new_requests_start_from_an_upper_quantile_of_finished_requests():
     """A stream mixing a type that accepts the draft well (0.7) with one that does not (0.1):
     the global alpha is the mean of neither; a new request's prior is the 0.75 quantile of what
@@ -806,7 +859,7 @@ def test_decision_events_and_callback():
     assert len(seen) == 30 and list(router.events) == seen
     e = seen[-1]
     assert e.mode == GREEDY and e.batch_size == 1 and e.context_len == L0
-    assert set(e.alphas) == set(router.pairs) and e.plain_t_eff > 0 and e.decide_seconds >= 0
+    assert set(e.alphas) == {*router.pairs, *router.triples} and e.plain_t_eff > 0 and e.decide_seconds >= 0
     assert seen[0].reason == "initial"
     # the end of a request: no room for a draft
     d = router.decide(RowContext(0, L0, remaining=1))

@@ -107,23 +107,38 @@ def test_a_sweep_on_busy_cores_is_used_but_not_saved(tiny_pool_dirs, tmp_path, m
     assert not CostProfile.load(path, idents).missing(idents)
 
 
-def test_a_model_drafters_greedy_proposals_are_recorded_for_shadow_scoring(tiny_pool_dirs, prompts):
-    """CycleStats.row_proposal: the draft's own greedy proposals (an exact copy of the target
-    proposes what the target then commits); none in sampling or for model-free drafters."""
+def test_a_model_drafters_proposals_are_recorded_for_shadow_scoring(tiny_pool_dirs, prompts):
+    """CycleStats.row_proposal: the draft's own proposals (an exact copy of the target proposes
+    what the target then commits, greedy and sampled: every level samples with the same
+    position-keyed noise), and they teach the (ngram, draft) pair in both modes; none for a
+    model-free drafter verified by the target alone."""
     d = tiny_pool_dirs
     sr = SpecRouter.from_pretrained(["ngram", d["same"], d["target"]], names=["ngram", "same", "target"],
                                     target="target", dtype="float64")
-    cycles = []
-    seqs = sr.engine.generate_ids(prompts[:2], [SamplingParams(max_new_tokens=9)] * 2, chain=("same", "target"),
-                                  k=4, on_cycle=cycles.append)
-    first = cycles[0]
-    assert [len(p) for p in first.row_proposal] == [4, 4]
-    for b, s in enumerate(seqs):
-        assert first.row_proposal[b] == s.output_ids[:4]
-    assert sr.router.similarity.stats(("ngram", "same"), "greedy").trials > 0
+    for params in (SamplingParams(max_new_tokens=9), SamplingParams(max_new_tokens=9, temperature=0.8, seed=3)):
+        cycles = []
+        for _ in range(2):  # the second time the suffix drafter knows the continuations
+            seqs = sr.engine.generate_ids(prompts[:2], [params] * 2, chain=("same", "target"), k=4,
+                                          on_cycle=cycles.append)
+        first = cycles[0]
+        assert [len(p) for p in first.row_proposal] == [4, 4]
+        for b, s in enumerate(seqs):
+            assert first.row_proposal[b] == s.output_ids[:4]
+        mode = "greedy" if params.greedy else "sampling"
+        assert sr.router.similarity.stats(("ngram", "same"), mode).trials > 0
+        # confirmed tokens (cost_model.py, point 4): what the n-gram and suffix proposed and the
+        # copy drafted, the target accepted, every one (a miscounted level would reject some)
+        for drafter in ("ngram", "suffix"):
+            triple = sr.router.similarity.stats((drafter, "same", "target"), mode)
+            assert triple.rejections == 0 and (drafter == "ngram" or triple.accepted > 0)
+    # a three-level chain: the suffix drafter judged against the copy's own tokens as it
+    # verified the n-gram (what it passed up), sampled
+    before = sr.router.similarity.stats(("suffix", "same"), "sampling").trials
+    sr.engine.generate_ids(prompts[:2], [SamplingParams(max_new_tokens=9, temperature=0.8, seed=4)] * 2,
+                           chain=("ngram", "same", "target"), k=4)
+    assert sr.router.similarity.stats(("suffix", "same"), "sampling").trials > before
+    assert sr.router.similarity.stats(("ngram", "same", "target"), "sampling").rejections == 0
     cycles.clear()
-    sr.engine.generate_ids(prompts[:1], [SamplingParams(max_new_tokens=5, temperature=0.8)], chain=("same", "target"),
-                           k=4, on_cycle=cycles.append, generator=torch.Generator().manual_seed(0))
     sr.engine.generate_ids(prompts[:1], [SamplingParams(max_new_tokens=5)], chain=("ngram", "target"), k=4,
                            on_cycle=cycles.append)
     assert all(c.row_proposal == [] for c in cycles)

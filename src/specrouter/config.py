@@ -335,7 +335,15 @@ class RouterConfig:
     # realized_clip: by default it only slows a chain down, so noise never makes a chain look
     # faster than its estimates say); a move above realized_tolerance republishes it
     realized_check: bool = True
+    # confirmed tokens (router/cost_model.py, point 4): a three-level chain's top level accepts
+    # the tokens its first two levels agreed on with their own rate, learned per (first,
+    # middle, target) from those chains' cycles and from shadow proposals judged against the
+    # middle model's tokens; False: the iid model (every token the middle passes up at its rate)
+    confirmed_alpha: bool = True
     realized_decay: float = 0.9
+    # ... and by this per cycle of any other chain (a model draft, plain decoding): a chain
+    # penalized once is tried again some tens of cycles later, not never (it was never)
+    realized_fade: float = 0.97
     realized_prior_tokens: float = 4.0
     realized_tolerance: float = 0.05
     realized_clip: tuple[float, float] = (1.0, 10.0)
@@ -352,9 +360,9 @@ class RouterConfig:
         for name in ("request_decay", "request_hit_decay"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
-        if not 0.0 < self.realized_decay <= 1.0 or self.realized_prior_tokens < 0 or self.realized_tolerance < 0 \
+        if not 0.0 < self.realized_decay <= 1.0 or not 0.0 < self.realized_fade <= 1.0 or self.realized_prior_tokens < 0 or self.realized_tolerance < 0 \
                 or not 0.0 < self.realized_clip[0] <= 1.0 <= self.realized_clip[1]:
-            raise ValueError("realized_decay must be in (0, 1], realized_prior_tokens and realized_tolerance "
+            raise ValueError("realized_decay and realized_fade must be in (0, 1], realized_prior_tokens and realized_tolerance "
                              ">= 0, realized_clip a (low <= 1 <= high) pair above 0")
         if self.request_prior_strength < 0 or self.request_hit_prior_strength < 0:
             raise ValueError("request prior strengths must be >= 0")

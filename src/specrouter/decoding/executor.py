@@ -75,7 +75,12 @@ class RowWork:
     cand: list[int] = field(default_factory=list)  # candidates for the next level
     drafted: list[int] = field(default_factory=list)  # per level: 0 = proposed; j >= 1 = candidates reaching level j
     accepted: list[int] = field(default_factory=list)  # per level: candidates level j accepted (0 unused)
-    proposal: list[int] | None = None  # a model drafter's proposal (greedy rows), for shadow scoring
+    # the first model level's own tokens this cycle, for shadow scoring (engine/drafts.py): a model
+    # drafter's proposal, or (a model-free drafter first) what its verifier passed up: accepted
+    # candidates and its own token. Its own samples at those positions in both modes (greedy
+    # argmax; sampling with the position-keyed noise every level shares), so a model-free
+    # proposal matching them is exactly what that model would have accepted
+    proposal: list[int] | None = None
     min_confidence: float = 0.0  # a confidence-sized drafter stops below this (Decision.min_confidence)
     # per candidate, the logits (V,) the level below had at its position (copies: runners may
     # reuse their output buffers); None: a model-free drafter, nothing to compare
@@ -108,7 +113,7 @@ class StepResult:
     """What one step did: per-row outcomes for the router, per-chain summaries for metrics."""
 
     outcomes: list[RowOutcome]  # one per row, in the order of the rows passed in
-    proposals: list[list[int]]  # per row: a model drafter's greedy proposal ([] otherwise)
+    proposals: list[list[int]]  # per row: its first model level's own tokens (RowWork.proposal; [] none)
     forwards: list[ForwardRecord]  # every timed forward of the step
     cycles: list[CycleStats]  # per chain that ran: counters (forward times only in the first)
     forward_time: dict[str, float]  # seconds per model over the step
@@ -341,8 +346,7 @@ class ChainExecutor:
             self.draft_step_done(step)
         for w in work:
             w.drafted[0] = certain.own_count(w, len(w.cand))
-            if w.seq.params.greedy:
-                w.proposal = list(w.cand)
+            w.proposal = list(w.cand)
 
     # -- one model's forward ----------------------------------------------------------------
     def _run_model(self, name: str, work: list[RowWork], sampling: SamplingTensors) -> None:
@@ -432,6 +436,8 @@ class ChainExecutor:
                 w.certain = a - w.accepted[j]
             certain.keep_prefix(w, a)
             out = toks[:m]
+            if j == 1 and j < len(w.chain) - 1 and w.proposal is None and not w.forcing:
+                w.proposal = list(out)  # a model-free drafter's verifier: its own tokens (RowWork.proposal)
             w.cand = out if j == len(w.chain) - 1 else out[: w.cap]  # the target's output is committed
             if w.forcing and j < len(w.chain) - 1:  # the next level's bonus falls after the forced tokens
                 certain.extend(w)

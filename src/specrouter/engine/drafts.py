@@ -9,13 +9,15 @@
   (a check costs one proposal, ~0.1-0.3 ms).
 - **Shadow proposals.** What each model-free drafter would propose for the rows that do not run
   it (tens of microseconds per row), judged after the step against what the target committed
-  and (greedy) against a model drafter's own proposal: the router's evidence for drafters it is
-  not running.
+  and against the row's first model level's own tokens (a draft model's proposal, or what it
+  passed up verifying a model-free draft; exact in both modes: every level samples with the
+  same position-keyed noise): the router's evidence for drafters it is not running, also as
+  drafters of that model (three-level chains).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from specrouter.config import MAX_DRAFT_LENGTH
 from specrouter.drafters.base import DrafterProtocol, as_int64
@@ -68,10 +70,12 @@ def shadow_proposals(rows: Sequence[Row], plans: Sequence[Plan], drafters: Mappi
 
 
 def judge_shadows(rows: Sequence[Row], outcomes: Sequence[RowOutcome], drafted: Sequence[list[int]],
-                  shadow: Mapping[str, Mapping[int, list[int]]], k: int) -> list[ShadowProposal]:
+                  shadow: Mapping[str, Mapping[int, list[int]]], k: int,
+                  model_free: Collection[str] = ()) -> list[ShadowProposal]:
     """The shadow proposals made before a step, each against the tokens the row committed, and
-    (greedy, a model drafted: `drafted[b]`) against that model's proposal: how it would have
-    judged them (its hit already counted)."""
+    against its first model level's own tokens (`drafted[b]`: a model drafter's proposal, or
+    what the verifier of a model-free drafter passed up), in both modes: how that model would
+    have judged them (its hit already counted). `model_free`: the model-free drafters' names."""
     out = []
     for name, proposals in shadow.items():
         for b, proposal in proposals.items():
@@ -79,6 +83,7 @@ def judge_shadows(rows: Sequence[Row], outcomes: Sequence[RowOutcome], drafted: 
             out.append(ShadowProposal(seq.seq_id, name, proposal, seq.tokens[o.context_len:], k,
                                       seq.params.greedy))
             if drafted[b]:
-                out.append(ShadowProposal(seq.seq_id, name, proposal, drafted[b], len(drafted[b]), True,
-                                          verifier=o.chain[0], count_hit=False))
+                model = o.chain[1] if o.chain[0] in model_free else o.chain[0]
+                out.append(ShadowProposal(seq.seq_id, name, proposal, drafted[b], len(drafted[b]),
+                                          seq.params.greedy, verifier=model, count_hit=False))
     return out

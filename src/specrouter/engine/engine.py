@@ -402,7 +402,7 @@ class Engine:
             self.router.observe_step(StepReport(
                 outcomes=result.outcomes, forwards=result.forwards, wall_time=result.wall_time,
                 forward_time=sum(result.forward_time.values()), speculative=result.speculative,
-                shadow=judge_shadows(rows, result.outcomes, result.proposals, shadow, shadow_k),
+                shadow=judge_shadows(rows, result.outcomes, result.proposals, shadow, shadow_k, self.pool.drafters),
                 tv_seconds=result.tv_seconds, draft_steps=result.draft_steps,
                 draft_host_seconds=result.draft_host_seconds, processor_seconds=result.processor_seconds,
                 processor_rows=result.processor_rows))

@@ -102,8 +102,8 @@ class BatchPlan:
 @dataclass(frozen=True)
 class ShadowProposal:
     """What a model-free drafter the row did not run would have proposed, against what it is
-    judged by: the tokens the target committed, or (greedy) a model drafter's own proposal of
-    the cycle (`verifier` names that model; its hit was already counted: `count_hit` False)."""
+    judged by: the tokens the target committed, or the own tokens of the row's first model level
+    this cycle (`verifier` names that model; its hit was already counted: `count_hit` False)."""
 
     seq_id: int  # the request
     drafter: str  # the model-free drafter

@@ -55,7 +55,7 @@ class Published:
     """The router-wide evidence decide() reads, as of its last material change."""
 
     version: int  # increases with every publication
-    priors: Mapping[tuple[Pair, str], float]  # (pair, mode) -> a request's prior alpha (request_prior)
+    priors: Mapping[tuple[Pair, str], float]  # (pair, mode) -> a request's prior alpha (request_prior); (triple, mode) -> global confirmed alpha
     hits: Mapping[str, float]  # model-free drafter -> global hit rate
     times: Mapping[str, float]  # host seconds: "plain", "spec" (per cycle), "draft_step" (per draft step), "processor" (per row-forward of a row with processors), "router" (one decide)
     steps: Mapping[str, float]  # model -> seconds of its one-token step (b = 1), as the profile predicts
@@ -70,7 +70,7 @@ class RequestEvidence:
     """A request's own published estimates (its alphas shrunk toward the priors, its hit rates)."""
 
     stamp: tuple[int, int, str]  # (router version, request version, mode) it was computed at
-    alphas: Mapping[Pair, float]  # rounded to alpha_decimals
+    alphas: Mapping[Pair, float]  # rounded to alpha_decimals; pairs and triples (policy.Router.alpha)
     hits: Mapping[str, float]  # model-free drafter -> hit rate
 
 
@@ -209,7 +209,8 @@ class EvidenceBoard:
         steps = {m: r.profile.predict(m, 1, 1, L) for m in r.order if m in r.profile}
         return Published(
             version=-1,
-            priors={(p, mode): r.request_prior(p, mode) for mode in sorted(self.modes) for p in r.pairs},
+            priors={**{(p, mode): r.request_prior(p, mode) for mode in sorted(self.modes) for p in r.pairs},
+                    **{(t, mode): r.similarity.alpha(t, mode) for mode in sorted(self.modes) for t in r.triples}},
             hits={d: r.similarity.hit_rate(d) for d in sorted(r.model_free)},
             times={**r.overhead, "router": r.decide_seconds},
             steps=steps,
@@ -228,7 +229,7 @@ class EvidenceBoard:
         if req is not None and req.evidence is not None and req.evidence.stamp == stamp:
             return req.evidence
         digits = r.config.alpha_decimals  # rounding: plan cache hits
-        evidence = RequestEvidence(stamp, {p: round(r.alpha(p, mode, req), digits) for p in r.pairs},
+        evidence = RequestEvidence(stamp, {p: round(r.alpha(p, mode, req), digits) for p in [*r.pairs, *r.triples]},
                                    {d: r.hit_rate(d, req) for d in r.model_free})
         if req is not None:
             req.evidence = evidence

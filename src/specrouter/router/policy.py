@@ -140,6 +140,37 @@ def corrected(table: PlanTable, chain_index: Mapping[Chain, int], corrections: M
     return dataclasses.replace(table, t_eff=t, expected_tokens=tokens)
 
 
+def confirmed_trials(candidates: int, accepted: int, confirmed: int) -> tuple[int, int]:
+    """(accepted, rejections) of level 3's confirmed tokens (cost_model.py, point 4): of the
+    `candidates` that reached it, the first `confirmed` (the first level's candidates the middle
+    accepted), of which it accepted `accepted` in order."""
+    c = min(confirmed, candidates)
+    return min(accepted, c), int(accepted < c)
+
+
+def below_target(outcome: RowOutcome | None, model: str | None, target: str) -> tuple[int, int] | None:
+    """(candidates, accepted) of the target's level in a row whose chain has `model` directly
+    below the target; None otherwise."""
+    if outcome is None or model is None or model not in outcome.chain:
+        return None
+    i = tuple(outcome.chain).index(model)
+    if i + 2 != len(outcome.chain) or outcome.chain[-1] != target:
+        return None
+    return int(outcome.drafted[i + 1]), int(outcome.accepted[i + 1])
+
+
+def observe_trials(router: "Router", req: RequestState, key: tuple[str, ...], mode: str, accepted: int,
+                   rejections: int, sim: float | None = None) -> None:
+    """Acceptance trials of a pair (or a triple) for the global estimate and the request's, its
+    evidence version noted; a pair that ran without a trial is touched (not stale)."""
+    if accepted + rejections:
+        router.similarity.observe_acceptance(key, mode, accepted, rejections, sim)
+        req.observe(key, accepted, rejections, router.config.request_decay)
+        router.board.note_alpha(req, key, mode)
+    else:
+        router.similarity.touch(key, mode)
+
+
 # ---------------------------------------------------------------------------------------------
 # the router
 
@@ -196,6 +227,14 @@ class Router:
                                         key=lambda p: (self.order.index(p[0]), self.order.index(p[1])))
         self.pair_chains = {p: [i for i, c in enumerate(self.chains) if p in zip(c[:-1], c[1:])]
                             for p in self.pairs}  # chains that measure the pair
+        # (first, middle, verifier) of the chains of >= 3 levels drafted by a model-free drafter:
+        # level 3's acceptance of confirmed tokens (cost_model.py, point 4), estimated apart
+        # (besides the pair's, which counts every token) when `confirmed_alpha`
+        self.triples: list[tuple[str, str, str]] = sorted({c[:3] for c in self.chains
+                                                           if len(c) >= 3 and c[0] in self.model_free},
+                                                          key=lambda t: [self.order.index(m) for m in t])
+        if not cfg.confirmed_alpha:
+            self.triples = []
         self.requests: dict[int, RequestState] = {}
         self.events: deque[DecisionEvent] = deque(maxlen=cfg.log_size)
         # host seconds outside forwards: per plain step, per speculative cycle (its draft steps'
@@ -262,8 +301,10 @@ class Router:
         self.prober.budget.tick(len(report.outcomes), report.wall_time)
         self.observed_steps += 1
         self.board.changed()
+        rows = {o.seq_id: o for o in report.outcomes} if self.triples else {}
         for s in report.shadow:
-            self.observe_shadow(s.seq_id, s.drafter, s.proposal, s.judged_by, s.k, s.greedy, s.verifier, s.count_hit)
+            self.observe_shadow(s.seq_id, s.drafter, s.proposal, s.judged_by, s.k, s.greedy, s.verifier,
+                                s.count_hit, below_target(rows.get(s.seq_id), s.verifier, self.target))
 
     def finish_request(self, seq_id: int) -> None:
         """Forget a finished request, remembering the alphas it reached on its own evidence
@@ -289,10 +330,18 @@ class Router:
         return req
 
     def alpha(self, pair: Pair, mode: str, req: RequestState | None = None) -> float:
-        """The acceptance estimate of a pair for a request (global when req is None)."""
+        """The acceptance estimate of a pair for a request (global when req is None). A triple
+        (first, middle, verifier): the acceptance of confirmed tokens (cost_model.py, point 4),
+        for a request its own counts shrunk toward its own alpha of (middle, verifier) moved by
+        the global lift (global triple - global pair)."""
         glob = self.similarity.alpha(pair, mode)
         if req is None:
             return glob
+        if len(pair) == 3:
+            lift = glob - self.similarity.alpha(pair[1:], mode)
+            prior = min(1.0, max(0.0, self.alpha(pair[1:], mode, req) + lift))
+            c = req.counts.get(pair)
+            return prior if c is None else shrink(c[0], c[0] + c[1], prior, self.config.request_prior_strength)
         prior = self.request_prior(pair, mode, glob)
         own = req.sim_score(pair)
         if own is not None:  # its own similarity, through the mode's calibration
@@ -527,12 +576,9 @@ class Router:
                     sim.observe_tv(pair, mode, tv, measured)
                     req.observe_tv(pair, tv, measured, cfg.request_decay)
                 a, rej = acceptance_trials(cand, acc, proposal_len)
-                if a + rej:
-                    sim.observe_acceptance(pair, mode, a, rej, 1.0 - tv if math.isfinite(tv) else None)
-                    req.observe(pair, a, rej, cfg.request_decay)
-                    self.board.note_alpha(req, pair, mode)
-                else:
-                    sim.touch(pair, mode)
+                observe_trials(self, req, pair, mode, a, rej, 1.0 - tv if math.isfinite(tv) else None)
+                if j == 2 and chain[:3] in self.triples:  # and its confirmed tokens (cost_model.py, 4)
+                    observe_trials(self, req, chain[:3], mode, *confirmed_trials(cand, acc, int(r.accepted[1])))
 
     def _observe_realized(self, req: RequestState, r: RowOutcome, wall_time: float) -> None:
         """The realized check (step 1b) of chains drafted by a model-free drafter, whose cost
@@ -540,17 +586,23 @@ class Router:
         or nothing and a confidence-sized one stops at its floor): charge the cycle's seconds
         and committed tokens to the chain decided for it (a drafter that proposed nothing ran a
         plain step, on its account). Not the request's first cycle (its prefill) nor a plan
-        another part changed (the batch planner, a confident draft)."""
+        another part changed (the batch planner, a confident draft). Every other cycle fades
+        the chains' evidence all the same: a chain penalized once, then given up for a model
+        draft or plain decoding, is not penalized for the rest of the request (it was: the
+        corrections were refreshed only on cycles of such chains)."""
         pending, req.pending = req.pending, None
         chain = tuple(r.chain)
         if pending is None or req.cycles == 0 or not (wall_time > 0.0):
             return
         planned, predicted = pending
-        if planned[0] not in self.model_free or (chain != planned and len(chain) != 1):
-            return
         cfg = self.config
-        tokens = 1 if len(chain) == 1 else int(r.accepted[-1]) + 1
-        req.observe_realized(planned, wall_time, tokens, predicted, cfg.realized_decay)
+        if planned[0] in self.model_free and (chain == planned or len(chain) == 1):
+            tokens = 1 if len(chain) == 1 else int(r.accepted[-1]) + 1
+            req.observe_realized(planned, wall_time, tokens, predicted, cfg.realized_decay)
+        elif req.realized:
+            req.fade_realized(cfg.realized_fade)
+        else:
+            return
         lo, hi = cfg.realized_clip
         for c_chain in req.realized:  # every chain's evidence faded: republish what moved
             c = min(max(req.correction(c_chain, cfg.realized_prior_tokens), lo), hi)
@@ -583,12 +635,17 @@ class Router:
 
     def observe_shadow(self, seq_id: int, drafter: str, proposal: Sequence[int], committed: Sequence[int],
                        k: int, greedy: bool = True, verifier: str | None = None,
-                       count_hit: bool = True) -> None:
+                       count_hit: bool = True, target: tuple[int, int] | None = None) -> None:
         """Free evidence for a model-free drafter the row did not run: what it would have
         proposed (asked for k tokens before the cycle) against what the target committed, or
-        (greedy, `verifier` a model drafter of the cycle) against that model's own proposals,
-        which is exactly how it would have judged them. `count_hit=False` when the same
-        proposal was already counted as a hit or miss."""
+        (`verifier` the row's first model level) against that model's own tokens of the cycle,
+        which is exactly how it would have judged them, greedy or sampled (every level samples
+        with the same position-keyed noise): the (drafter, draft) pairs of three-level chains
+        learn on every cycle the draft runs, not only from probes. `count_hit=False` when the
+        same proposal was already counted as a hit or miss. `target`: (candidates, accepted) of
+        the target's level when `verifier` sits directly below it (`below_target`): the target's
+        judgement of the verifier's tokens the drafter also proposed (confirmed tokens,
+        cost_model.py point 4) for the triple (drafter, verifier, target)."""
         cfg = self.config
         req = self.request(seq_id, greedy)
         hit = len(proposal) > 0
@@ -601,9 +658,8 @@ class Router:
             return
         a, rej = shadow_match(proposal, committed, k)
         mode = GREEDY if greedy else SAMPLING
-        if a + rej:
-            self.similarity.observe_acceptance(pair, mode, a, rej)
-            req.observe(pair, a, rej, cfg.request_decay)
-            self.board.note_alpha(req, pair, mode)
-        else:
-            self.similarity.touch(pair, mode)
+        observe_trials(self, req, pair, mode, a, rej)
+        triple = (drafter, verifier, self.target)
+        if target is not None and a > 0 and triple in self.triples:
+            m = min(a, target[0])  # the confirmed tokens among those that reached the target
+            observe_trials(self, req, triple, mode, min(target[1], m), int(target[1] < m))

@@ -79,6 +79,9 @@ class Prober:
         for p in candidates:
             if sim.needs_probe(p, mode):
                 hopeful[p] = max(alphas[p], round(sim.upper(p, mode, cfg.probe_optimism), cfg.alpha_decimals))
+                for t in router.triples:  # confirmed tokens (cost_model.py, 4) are at least as hopeful
+                    if t[1:] == p:
+                        hopeful[t] = max(alphas[t], hopeful[p])
         hopeful_costs = dict(costs)
         for m in slow:  # it may have recovered while nobody looked
             if isinstance(costs[m], np.ndarray):

@@ -54,10 +54,15 @@ class RequestState:
     def observe_realized(self, chain: Chain, seconds: float, tokens: int, predicted: float, decay: float) -> None:
         """A cycle of `chain` took `seconds` for `tokens` committed tokens, predicted at
         `predicted` seconds per token."""
-        for other in self.realized.values():  # every chain's evidence fades, run or not (so a
-            other[:] = decayed_add(other, (0.0, 0.0, 0.0), decay, 1.0)  # chain given up is tried again)
+        self.fade_realized(decay)
         r = self.realized.setdefault(chain, [0.0, 0.0, 0.0])
         r[:] = [r[0] + seconds, r[1] + tokens * predicted, r[2] + tokens]
+
+    def fade_realized(self, decay: float) -> None:
+        """One cycle passed: every chain's realized evidence fades, run or not (so a chain given
+        up is tried again)."""
+        for r in self.realized.values():
+            r[:] = decayed_add(r, (0.0, 0.0, 0.0), decay, 1.0)
 
     def correction(self, chain: Chain, prior_tokens: float) -> float:
         """Realized / predicted seconds per token of `chain` in this request (1.0 untried),

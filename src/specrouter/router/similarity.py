@@ -284,7 +284,12 @@ class SimilarityEstimator:
         return size_prior(self.sizes.get(drafter, 0), self.sizes.get(verifier, 0), self.config)
 
     def fallback(self, pair: Pair, mode: str) -> tuple[float, str]:
-        """(alpha, source) without the observed acceptance: similarity, transitive, prior."""
+        """(alpha, source) without the observed acceptance: similarity, transitive, prior. A
+        triple (first, middle, verifier) (the verifier's acceptance of the middle level's
+        tokens that the first also proposed: cost_model's confirmed tokens) falls back on the
+        pair (middle, verifier): the iid model."""
+        if len(pair) == 3:
+            return self.alpha(pair[1:], mode), "pair"
         sim = self.sim_score(pair, mode)
         if sim is not None:
             return self.calibrate(sim, mode), "similarity"
