@@ -6,6 +6,7 @@ the tree policy, shadow proposals and their judging, confident-draft checks); Sp
 steps apart, against target-only's steps (what a settled-plain cycle costs over target-only).
 
     python benchmarks/router_overhead.py [--workload mixed|chat|...] [--temperature 0] [--prompts-per-type 3]
+        [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R]
 """
 
 from __future__ import annotations
@@ -89,7 +90,13 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--prompts-per-type", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
     args = ap.parse_args()
+    controls = tuple((name, value) for name, value, off in (
+        ("presence_penalty", args.presence_penalty, 0.0), ("frequency_penalty", args.frequency_penalty, 0.0),
+        ("repetition_penalty", args.repetition_penalty, 1.0)) if value != off)
     torch.set_num_threads(args.threads)
     for name in ("shadow_proposals", "judge_shadows", "confident_offers"):
         setattr(engine_module, name, TIMERS.wrap(name, getattr(engine_module, name)))
@@ -103,12 +110,12 @@ def main() -> None:
         s.run(sr.encode("hello"), Decoding(0.0, 8, 0))  # first forwards allocate
         instrument(s, TIMERS)
     cfg = BenchConfig(workloads=(args.workload,), prompts_per_type=args.prompts_per_type,
-                      temperatures=(args.temperature,), slowdown=False, hf="none", peers=False)
+                      temperatures=(args.temperature,), slowdown=False, hf="none", peers=False, controls=controls)
     scenario = build_scenarios(cfg)[0]
     totals = defaultdict(lambda: [0, 0.0])
     for i, req in enumerate(scenario.workload.requests):
         ids = sr.encode(req.prompt, chat=req.chat)
-        dec = Decoding(args.temperature, cfg.max_new_tokens, cfg.seed + i)
+        dec = Decoding(args.temperature, cfg.max_new_tokens, cfg.seed + i, controls)
         for s in systems[i % 2:] + systems[:i % 2]:
             out = s.run(ids, dec)
             totals[s.name][0] += len(out.token_ids)

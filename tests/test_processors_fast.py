@@ -130,3 +130,18 @@ def test_negative_controls_a_stale_memo_or_a_shifted_path_differ():
 
     assert any(not torch.equal(got, want) for got, want in generation(memo_update=once))
     assert any(not torch.equal(got, want) for got, want in generation(shift=1))
+
+
+def test_rows_sharing_one_memo_keep_their_own_path_columns():
+    """Draft-path tokens outside the history get scratch columns on the row's memo; two rows
+    handed the same memo object must not read each other's (the second gets a fresh memo)."""
+    g = torch.Generator().manual_seed(3)
+    V, G = 200, 4
+    params = SamplingParams(presence_penalty=0.9, frequency_penalty=0.4, repetition_penalty=1.2)
+    memo = fast.PenaltyMemo()
+    prompt, out = [1, 2, 3, 4], [5, 5, 6]
+    rows = [(params, prompt + out, len(prompt), STOPS, [150, 151, 152, 5], 1),
+            (params, prompt + out, len(prompt), STOPS, [160, 161, 6, 162], 0)]
+    logits = random_logits(g, 2, G, V, torch.float32)
+    got = fast.process_rows(logits, [fast.RowHistory(*a, memo=memo) for a in rows])
+    assert_bits_equal(got, ref.process_rows(logits, [ref.RowHistory(*a) for a in rows]), "shared memo")

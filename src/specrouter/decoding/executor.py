@@ -488,10 +488,13 @@ class ChainExecutor:
             if w.seq.params.has_processors and w.seq.penalty_memo is None:
                 w.seq.penalty_memo = PenaltyMemo()
         offsets = offset if isinstance(offset, list) else [offset] * len(work)
-        out = process_rows(logits.cpu(), [  # penalties etc. run on host tensors
+        on_host = logits.device.type == "cpu"  # penalties etc. run on host tensors
+        out = process_rows(logits if on_host else logits.cpu(), [
             RowHistory(w.seq.params, w.seq.tokens, w.seq.prompt_len, w.seq.stop_ids, w.cand, o,
                        w.seq.grammar, w.seq.penalty_memo)
-            for w, o in zip(work, offsets)]).to(logits.device)
+            for w, o in zip(work, offsets)])
+        if not on_host:
+            out = out.to(logits.device)
         self._proc_seconds += self.clock() - t0
         self._proc_rows += rows
         return out

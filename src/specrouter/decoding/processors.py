@@ -25,12 +25,17 @@ logits). Computation is float32 (float64 for float64 logits).
 
 Cost (issue 31): steps 4-5 touch only the columns of tokens in a row's history, and run for
 every position of every row in ONE pass (`penalize`: a flat (G, N) layout of all rows' history
-columns, N = their sum, numpy on the host tensor: a handful of array operations whatever the
-rows and positions). A row's committed history is kept on its Sequence as a `PenaltyMemo`,
-brought up to date incrementally (a cycle appends a few tokens); the draft path's tokens before
-each position are a cumulative count over positions. Steps 0-3 are per row (only rows that
-have them). tests/processors_reference.py keeps the per-position reference this equals bit for
-bit (tests/test_processors_fast.py).
+columns, N = their sum, numpy take/put on the host tensor's flat view: a handful of array
+operations whatever the rows and positions). A row's committed history is kept on its Sequence
+as a `PenaltyMemo`, brought up to date incrementally (a cycle appends a few tokens); the draft
+path's tokens get scratch columns on it (no array rebuilt); the path tokens before a row's
+first position (a drafter's own earlier tokens) are added to the counts, the later ones (a
+verifier's candidates) from their position on. A single row reads its memo's arrays as they
+are and every penalty as one number. In the engine these calls run between model forwards,
+with the caches cold: each numpy or torch call costs ~10-30 us there against ~1 us in a loop,
+so what counts is how FEW calls a step makes (benchmarks/processors_micro.py `--cold`). Steps
+0-3 are per row (only rows that have them). tests/processors_reference.py keeps the
+per-position reference this equals bit for bit (tests/test_processors_fast.py).
 """
 
 from __future__ import annotations
@@ -59,17 +64,43 @@ class PenaltyMemo:
         self.last: int | None = None  # tokens[counted - 1] when counted
         self.add_term: dict[tuple[int, torch.dtype], torch.Tensor | None] = {}  # (V, dtype) -> step 1-2 term
 
+    def _grow(self, need: int) -> None:
+        """Capacity for `need` columns (x2 steps; new slots: not in the prompt, count 0)."""
+        while need > len(self.cols):
+            self.cols = np.concatenate([self.cols, np.empty_like(self.cols)])
+            self.in_prompt = np.concatenate([self.in_prompt, np.zeros_like(self.in_prompt)])
+            self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
+
     def _column(self, t: int) -> int:
         j = self.index.get(t)
         if j is None:
             j = self.index[t] = self.size
-            if j == len(self.cols):  # grow x2
-                self.cols = np.concatenate([self.cols, np.empty_like(self.cols)])
-                self.in_prompt = np.concatenate([self.in_prompt, np.zeros_like(self.in_prompt)])
-                self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
+            self._grow(j + 1)  # (before indexing: it may grow the arrays)
             self.cols[j] = t
+            self.in_prompt[j] = False  # (a draft path's scratch column may have been here)
+            self.counts[j] = 0.0
             self.size += 1
         return j
+
+    def path_columns(self, path: list[int]) -> tuple[list[int], int]:
+        """The column of each draft-path token, and the number of columns to read: a committed
+        token's own column; another token gets a scratch column after `size` (not in the
+        prompt, count 0), valid until the next call (no array is rebuilt for them)."""
+        js, extra = [], {}
+        for t in path:
+            j = self.index.get(t)
+            if j is None:
+                j = extra.get(t)
+                if j is None:
+                    j = extra[t] = self.size + len(extra)
+            js.append(j)
+        n = self.size + len(extra)
+        if extra:
+            self._grow(n)
+            self.cols[self.size : n] = list(extra)
+            self.in_prompt[self.size : n] = False
+            self.counts[self.size : n] = 0.0
+        return js, n
 
     def update(self, tokens: list[int], prompt_len: int) -> None:
         """Account for tokens[self.counted:]. A sequence that no longer holds what was counted
@@ -161,86 +192,87 @@ def mask_row(logits: torch.Tensor, h: RowHistory, memo: PenaltyMemo | None = Non
 @dataclass(frozen=True)
 class PenaltyColumns:
     """The flat layout of the penalized rows' history columns for one call (N columns in all,
-    row by row): what `penalize` reads."""
+    row by row): what `penalize` reads. A penalty every row shares is one number (a single
+    stream's case: no per-column array to build)."""
 
-    batch_index: np.ndarray  # (N,) int64: the logits row of each column
-    token: np.ndarray  # (N,) int64: its token id
+    index: np.ndarray  # (N,) int64: the column's index in the flattened (B * G * V) logits at position 0 (+ g * V at g)
     in_prompt: np.ndarray  # (N,) bool
-    counts: np.ndarray  # (N,) float64: generated occurrences among the committed tokens
-    path_entry: np.ndarray  # (P,) int64: first * N + column of each draft-path token in use (it
-    #                         counts from logit position `first` on)
-    presence: np.ndarray | None  # (N,) float64: the column's row's presence penalty (None: all 0)
-    frequency: np.ndarray | None  # (N,) (None: all 0)
-    repetition: np.ndarray | None  # (N,) (None: all 1)
+    counts: np.ndarray  # (N,) float64: generated occurrences before position 0 (committed + the path before it)
+    path_entry: list[tuple[int, int]]  # (first, column) of each draft-path token that counts only from
+    #                                    logit position `first` >= 1 on (a verifier's candidates)
+    presence: np.ndarray | float  # (N,) float64 per column, or every row's value (0: off)
+    frequency: np.ndarray | float  # (0: off)
+    repetition: np.ndarray | float  # (1: off)
 
 
-def penalty_columns(rows: list[tuple[int, RowHistory, PenaltyMemo]], G: int) -> PenaltyColumns:
+def penalty_columns(rows: list[tuple[int, RowHistory, PenaltyMemo]], G: int, V: int) -> PenaltyColumns:
     """The columns of every (logits row b, history, up-to-date memo): a row's committed
     distinct tokens, then the path tokens (path[: offset + G - 1]) not among them. Path token i
-    counts from position i - offset + 1 on (clamped to 0)."""
-    parts, pcol, pfirst, sizes, pres, freq, rep = [], [], [], [], [], [], []
+    counts from position i - offset + 1 on: the ones before the row's first position
+    (i < offset: a drafter's own earlier tokens) are added to the counts; the others (a
+    verifier's candidates) are `path_entry`. One row: views of its memo's arrays."""
+    parts, path_entry, sizes = [], [], []
     base = 0
     for b, h, m in rows:
-        extra: dict[int, int] = {}
-        for i, t in enumerate(h.path[: h.offset + G - 1]):
-            j = m.index.get(t)
-            if j is None:
-                j = extra.get(t)
-                if j is None:
-                    j = extra[t] = m.size + len(extra)
-            pcol.append(base + j)
-            pfirst.append(max(i - h.offset + 1, 0))
-        parts.append((m.cols[: m.size], m.in_prompt[: m.size], m.counts[: m.size]))
-        if extra:
-            parts.append((np.fromiter(extra, dtype=np.int64, count=len(extra)), np.zeros(len(extra), dtype=bool),
-                          np.zeros(len(extra))))
-        n = m.size + len(extra)
+        used = h.path[: h.offset + G - 1]
+        js, n = m.path_columns(used) if used else ((), m.size)
+        counts = m.counts[:n]
+        fold = min(h.offset, len(js))  # path tokens before position 0: counted at every position
+        if fold:
+            counts = counts.copy()
+            for j in js[:fold]:
+                counts[j] += 1.0
+        path_entry += [(i - h.offset + 1, base + js[i]) for i in range(fold, len(js))]
+        parts.append((m.cols[:n] + b * G * V if b else m.cols[:n], m.in_prompt[:n], counts))
         sizes.append(n)
-        p = h.params
-        pres.append(p.presence_penalty)
-        freq.append(p.frequency_penalty)
-        rep.append(p.repetition_penalty)
         base += n
-    sizes = np.array(sizes, dtype=np.int64)
 
-    def per_column(values: list[float], neutral: float) -> np.ndarray | None:
-        if all(v == neutral for v in values):
-            return None
+    def per_column(name: str) -> np.ndarray | float:
+        values = [getattr(h.params, name) for _, h, _ in rows]
+        if all(v == values[0] for v in values):
+            return values[0]
         return np.repeat(np.array(values, dtype=np.float64), sizes)
 
-    token, in_prompt, counts = (np.concatenate(a) if len(a) > 1 else a[0] for a in zip(*parts))
+    index, in_prompt, counts = (np.concatenate(a) if len(a) > 1 else a[0] for a in zip(*parts))
     return PenaltyColumns(
-        batch_index=np.repeat(np.array([b for b, _, _ in rows], dtype=np.int64), sizes), token=token,
-        in_prompt=in_prompt, counts=counts,
-        path_entry=np.array(pfirst, dtype=np.int64) * base + np.array(pcol, dtype=np.int64),
-        presence=per_column(pres, 0.0), frequency=per_column(freq, 0.0), repetition=per_column(rep, 1.0))
+        index=index, in_prompt=in_prompt, counts=counts,
+        path_entry=path_entry,
+        presence=per_column("presence_penalty"), frequency=per_column("frequency_penalty"),
+        repetition=per_column("repetition_penalty"))
 
 
-def penalize(logits: np.ndarray, c: PenaltyColumns) -> None:
-    """Steps 4-5 for every column of `c` at every position, in place: logits (B, G, V) float32
-    or float64 (a host tensor's numpy view). The same operations, in the same dtype and order,
-    as the per-position definition on each row's history columns (others are untouched); a
-    row with r = 1 (f = 0, p = 0) among others that penalize gets x / 1 = x * 1 = x
-    (x - 0 * count = x, x - 0 = x): exactly its logits."""
-    G = logits.shape[1]
-    dt = logits.dtype
-    N = c.token.shape[0]
+def _is(value: np.ndarray | float, neutral: float) -> bool:
+    return not isinstance(value, np.ndarray) and value == neutral
+
+
+def penalize(flat: np.ndarray, G: int, V: int, c: PenaltyColumns) -> None:
+    """Steps 4-5 for every column of `c` at every position, in place: `flat` the (B * G * V)
+    float32 or float64 logits (a contiguous host tensor's numpy view). The same operations, in
+    the same dtype and order, as the per-position definition on each row's history columns
+    (others are untouched); a row with r = 1 (f = 0, p = 0) among others that penalize gets
+    x / 1 = x * 1 = x (x - 0 * count = x, x - 0 = x): exactly its logits."""
+    dt = flat.dtype.type
+    N = c.index.shape[0]
     if N == 0:
         return
-    at = (c.batch_index[None, :], np.arange(G)[:, None], c.token[None, :])  # (G, N) each, broadcast
-    x = logits[at]  # (G, N)
-    counts = c.counts.astype(dt)  # (N,): the committed history, the same at every position
-    if c.path_entry.shape[0]:  # + the path tokens before each position: (G, N)
-        counts = counts + np.cumsum(np.bincount(c.path_entry, minlength=G * N).reshape(G, N), axis=0, dtype=dt)
-    present = counts > 0  # (G, N) or (N,)
-    if c.repetition is not None:
-        rep = c.repetition.astype(dt)
+    at = c.index if G == 1 else c.index + np.arange(0, G * V, V, dtype=np.int64)[:, None]  # (N,) or (G, N)
+    x = flat.take(at)
+    if c.path_entry:  # the committed counts + the path tokens before each position: (G, N)
+        counts = np.empty((G, N), dtype=dt)
+        counts[:] = c.counts
+        for first, j in c.path_entry:
+            counts[first:, j] += 1
+    else:  # the same at every position: (N,)
+        counts = c.counts.astype(dt)
+    present = counts > 0  # (N,) or (G, N)
+    if not _is(c.repetition, 1.0):
+        rep = c.repetition.astype(dt) if isinstance(c.repetition, np.ndarray) else dt(c.repetition)
         x = np.where(c.in_prompt | present, np.where(x > 0, x / rep, x * rep), x)
-    if c.frequency is not None:
-        x = x - c.frequency.astype(dt) * counts
-    if c.presence is not None:
-        x = x - c.presence.astype(dt) * present.astype(dt)
-    logits[at] = x
+    if not _is(c.frequency, 0.0):
+        x = x - (c.frequency.astype(dt) if isinstance(c.frequency, np.ndarray) else dt(c.frequency)) * counts
+    if not _is(c.presence, 0.0):
+        x = x - (c.presence.astype(dt) if isinstance(c.presence, np.ndarray) else dt(c.presence)) * present.astype(dt)
+    flat.put(at, x)
 
 
 def process_rows(logits: torch.Tensor, rows: list[RowHistory]) -> torch.Tensor:
@@ -249,14 +281,13 @@ def process_rows(logits: torch.Tensor, rows: list[RowHistory]) -> torch.Tensor:
     B, G = logits.shape[:2]
     assert len(rows) == B, f"{len(rows)} histories for {B} logit rows"
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    out = logits.to(dtype)
-    if out is logits:
-        out = out.clone()
-    penalized = []
+    out = logits.clone() if logits.dtype == dtype else logits.to(dtype)
+    penalized, memos = [], set()
     for b, h in enumerate(rows):
         if not h.params.has_processors:
             continue
-        memo = h.memo if h.memo is not None else PenaltyMemo()
+        memo = h.memo if h.memo is not None and id(h.memo) not in memos else PenaltyMemo()
+        memos.add(id(memo))  # (one memo per row: its scratch columns are the row's)
         p = h.params
         if h.grammar is not None or p.allowed_token_ids is not None or p.logit_bias or p.min_tokens:
             out[b] = mask_row(out[b], h, memo)
@@ -264,7 +295,9 @@ def process_rows(logits: torch.Tensor, rows: list[RowHistory]) -> torch.Tensor:
             memo.update(h.tokens, h.prompt_len)
             penalized.append((b, h, memo))
     if penalized:
-        penalize(out.numpy(), penalty_columns(penalized, G))
+        if not out.is_contiguous():
+            out = out.contiguous()
+        penalize(out.numpy().reshape(-1), G, out.shape[2], penalty_columns(penalized, G, out.shape[2]))
     return out
 
 
