@@ -12,8 +12,11 @@ Continuous batching: the thread loops `engine.step()` while rows exist. Between 
    the others) and its row ran one step ahead of the rest to the end
    (docs/serving-performance.md). Nothing waits at c=1 (no other request is arriving) or while
    rows run (a newcomer joins at the next step).
-After each step, the new tokens of every row go to the requests' asyncio queues in one
-`loop.call_soon_threadsafe` call, and the engine thread waits (at most `handoff_wait`, 2 ms)
+After each step, the new tokens of every row that reads them step by step go to the requests'
+asyncio queues in one `loop.call_soon_threadsafe` call (a row submitted with `per_step=False`, a
+whole response with no stop string and no logprobs, reads nothing before its end: it gets one
+event when it finishes, and a step none of whose rows needs a hand-off makes none, as in-process
+generation), and the engine thread waits (at most `handoff_wait`, 2 ms)
 until the event loop has taken them and run what they woke (SSE chunks written): the loop's
 per-step work then runs while no forward does, instead of preempting one of the forward's
 OpenMP threads and taking the GIL from the engine thread mid-forward (with the 0.5 ms GIL
@@ -91,6 +94,8 @@ class RequestHandle:
     submitted: float = field(default_factory=time.perf_counter)
     admitted: float | None = None  # perf_counter time it started running
     tenant: str | None = None  # whose learned drafter statistics it uses (None: shared)
+    per_step: bool = True  # an event after every step with new tokens (False: one when done)
+    first_commit: float | None = None  # perf_counter time of the step that committed its first token
     finished: bool = False  # done event delivered, or aborted
 
 
@@ -153,11 +158,13 @@ class AsyncEngine:
                 self._cv.notify_all()
 
     def submit(self, prompt: list[int], params: SamplingParams, *, chain: tuple[str, ...] | None,
-               k: int, generator: torch.Generator | None = None, tenant: str | None = None) -> RequestHandle:
+               k: int, generator: torch.Generator | None = None, tenant: str | None = None,
+               per_step: bool = True) -> RequestHandle:
         """Queue a request (validated by the caller with `engine.check_request`); `tenant` keeps
-        learned drafter statistics apart (ServerConfig.suffix_scope)."""
+        learned drafter statistics apart (ServerConfig.suffix_scope); `per_step=False`: its events
+        are the tokens in one, when it finishes (a caller that reads nothing before the end)."""
         handle = RequestHandle(prompt=prompt, params=params, chain=chain, k=k, generator=generator,
-                               loop=asyncio.get_running_loop(), tenant=tenant)
+                               loop=asyncio.get_running_loop(), tenant=tenant, per_step=per_step)
         with self._cv:
             if self._stop or not self.alive:
                 raise RuntimeError("the engine is not running")
@@ -325,20 +332,26 @@ class AsyncEngine:
             h = self._by_seq.get(o.seq.seq_id)
             if h is None:  # aborted meanwhile
                 continue
+            if o.new_token_ids:
+                if h.first_commit is None:
+                    h.first_commit = now
+                if self.metrics is not None:
+                    self.metrics.generated_tokens.inc(len(o.new_token_ids))
+            if not (h.per_step or o.seq.done):
+                continue  # its tokens wait in seq.tokens[h.sent:] for its end
+            new = o.seq.tokens[h.sent:]  # this step's, or every token since the last event
             h.sent = len(o.seq.tokens)
-            if self.metrics is not None and o.new_token_ids:
-                self.metrics.generated_tokens.inc(len(o.new_token_ids))
             if o.seq.done:
                 del self._by_seq[o.seq.seq_id]
                 h.finished = True
                 err = (o.seq.error or "a model of the chain failed (see the server log)") \
                     if o.seq.finish_reason == "error" else None
-                out.append((h, TokenEvent(list(o.new_token_ids), True, o.seq.finish_reason,
+                out.append((h, TokenEvent(list(new), True, o.seq.finish_reason,
                                           stats=o.seq.stats.as_dict(), error=err,
                                           committed=now, logprobs=o.new_logprobs,
                                           prompt_logprobs=o.seq.prompt_logprobs)))
-            elif o.new_token_ids:
-                out.append((h, TokenEvent(list(o.new_token_ids), committed=now,
+            elif new:
+                out.append((h, TokenEvent(list(new), committed=now,
                                           logprobs=o.new_logprobs,
                                           prompt_logprobs=o.seq.prompt_logprobs)))
         return out

@@ -68,7 +68,7 @@ def start_rows(srv: Service, request: Request, req, p: Prepared) -> list[Generat
     gens = []
     try:
         for row in rows:
-            gens.append(Generation(srv, row, submit(srv, row, tenant)))
+            gens.append(Generation(srv, row, submit(srv, row, tenant, stream=bool(req.stream))))
     except RequestError:
         for g in gens:
             srv.loop_engine.abort(g.handle)

@@ -5,8 +5,9 @@ response is whole (choices.py) or streamed (streaming.py)."""
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 
@@ -22,11 +23,20 @@ class ClientGone(Exception):
     """The client went away: nobody reads the response."""
 
 
-def submit(srv: Service, p: Prepared, tenant: str | None = None) -> RequestHandle:
+def reads_each_step(p: Prepared, stream: bool) -> bool:
+    """Whether a row's handler reads its tokens step by step: a stream sends them, a stop
+    string is searched in the text so far (the row ends as soon as it appears), logprobs come
+    with their tokens. A whole response without these reads its tokens once, at the end, and the
+    engine thread hands it nothing before (server/async_engine.py: no hand-off per step)."""
+    return stream or bool(p.stops) or p.params.logprobs is not None or p.params.prompt_logprobs is not None
+
+
+def submit(srv: Service, p: Prepared, tenant: str | None = None, *, stream: bool = True) -> RequestHandle:
     """Queue a prepared row on the engine loop (429 queue full, 503 engine down)."""
     try:
         return srv.loop_engine.submit(p.prompt, p.params, chain=p.chain, k=p.k,
-                                      generator=p.generator, tenant=tenant)
+                                      generator=p.generator, tenant=tenant,
+                                      per_step=reads_each_step(p, stream))
     except QueueFull as e:
         raise RequestError(str(e), status=429, type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(srv.config.retry_after_s)}) from None
@@ -55,6 +65,26 @@ def usage_of_rows(gens: list["Generation"]) -> Usage:
 
 def sse(obj) -> str:
     return f"data: {obj.model_dump_json()}\n\n"
+
+
+_MARK = "\x00specrouter-text\x00"
+
+
+def sse_text_template(make: Callable[[str], object]) -> tuple[str, str]:
+    """The SSE event of `make(text)`, a chunk whose only varying field is `text`, split around
+    that JSON string: `before + json.dumps(text, ensure_ascii=False) + after` is
+    `sse(make(text))` byte for byte (pydantic writes strings as json.dumps does without ASCII
+    escaping; tests/test_server_text.py checks every code point), without building and
+    serializing a pydantic object per chunk."""
+    before, mark, after = sse(make(_MARK)).partition(json.dumps(_MARK, ensure_ascii=False))
+    assert mark and _MARK not in after, "the template's text appears once"
+    return before, after
+
+
+def asks_logprobs(req, chat: bool) -> bool:
+    """Whether the request's choices carry logprobs (a chat's `logprobs: true`, a completion's
+    `logprobs: n`)."""
+    return bool(req.logprobs) if chat else req.logprobs is not None
 
 
 class Generation:
@@ -90,8 +120,9 @@ class Generation:
             self.committed = ev.committed
             if ev.finish_reason == "abort":
                 raise ClientGone()
-            if ev.token_ids and self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
+            if ev.token_ids and self.first_token_at is None:  # when it reached the loop, or
+                # when the engine committed it (a row handed its tokens at its end)
+                self.first_token_at = time.perf_counter() if h.per_step else h.first_commit
                 self.srv.metrics.ttft_seconds.observe(self.first_token_at - h.submitted)
             if ev.finish_reason == "error":
                 raise RequestError(f"generation failed: {ev.error}", status=500,
@@ -137,9 +168,9 @@ def choice_logprobs(srv: Service, req, gen: Generation, chat: bool, echo: str | 
     out = {}
     entries = gen.logprobs if entries is None else entries
     text = token_namer(srv, req)
-    if chat and req.logprobs:
+    if chat and asks_logprobs(req, chat):
         out["logprobs"] = chat_logprobs(entries, text)
-    elif not chat and req.logprobs is not None:
+    elif not chat and asks_logprobs(req, chat):
         pairs = [(e.token, e) for e in entries]
         if echo is not None:
             prompt = gen.p.prompt

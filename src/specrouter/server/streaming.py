@@ -18,7 +18,15 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from specrouter.server.generation import Generation, choice_logprobs, sse, token_namer, usage_of_rows
+from specrouter.server.generation import (
+    Generation,
+    asks_logprobs,
+    choice_logprobs,
+    sse,
+    sse_text_template,
+    token_namer,
+    usage_of_rows,
+)
 from specrouter.server.logprobs import CompletionLogprobWriter
 from specrouter.server.protocol import (
     ChatCompletionChunk,
@@ -76,6 +84,19 @@ async def stream(srv: Service, gens: list[Generation], rid: str, created: int, c
     carried: list[list] = [[] for _ in gens]  # logprobs not sent yet, per choice
     echoes = [echo] * n
 
+    # a text chunk of a request without logprobs: its choice's template (sse_text_template)
+    templates: list[tuple[str, str] | None] = [None] * n
+    plain = not asks_logprobs(req, chat)
+
+    def text_sse(i: int, text: str | dict) -> str:
+        """The SSE event of choice i's text piece (a dict: a chat delta such as tool calls)."""
+        if not (plain and isinstance(text, str) and text):
+            return sse(chunk(i, text, None))
+        if templates[i] is None:
+            templates[i] = sse_text_template(lambda t: chunk(i, t, None))
+        before, after = templates[i]
+        return before + json.dumps(text, ensure_ascii=False) + after
+
     def chunk(i: int, text: str | dict | None, finish: str | None, role: bool = False):
         extra = {}
         if not role:
@@ -105,14 +126,14 @@ async def stream(srv: Service, gens: list[Generation], rid: str, created: int, c
                 echoes[i] = None
             if delta:
                 for d in (parser.feed(delta) if parser is not None else [delta]):
-                    yield sse(chunk(i, d, None))
+                    yield text_sse(i, d)
                 # resumed once the chunk was handed to the socket (StreamingResponse's send)
                 delivery.observe(time.perf_counter() - g.committed)
             if finish is None:
                 continue
             if parser is not None:
                 for d in parser.finish():
-                    yield sse(chunk(i, d, None))
+                    yield text_sse(i, d)
                 finish = finish_message(parser, finish)[1]
             yield sse(chunk(i, None, finish))
         if include_usage:  # usage once, on a last chunk with no choices (OpenAI)

@@ -1,0 +1,126 @@
+"""The per-step work between the engine thread and the event loop (server/async_engine.py,
+generation.py, streaming.py; docs/serving-performance.md, fifth round):
+
+- a row nobody reads step by step (a whole response: no stream, no stop string, no logprobs)
+  gets ONE event, when it finishes, holding every token, and a step none of whose rows needs a
+  hand-off makes none; a streamed row gets an event per step (the control);
+- a streamed text chunk is written from its choice's template, byte for byte what pydantic
+  writes for the same chunk, for every code point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from specrouter.config import SamplingParams
+from specrouter.engine.engine import Engine
+from specrouter.models.pool import Pool
+from specrouter.server.async_engine import AsyncEngine
+from specrouter.server.generation import reads_each_step, sse, sse_text_template
+from specrouter.server.protocol import (
+    ChatCompletionChunk,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionResponse,
+)
+from specrouter.server.validate import Prepared
+
+PARAMS = SamplingParams(max_new_tokens=7, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_pool_dirs):
+    pool = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float64")
+    return Engine(pool, max_num_seqs=4, max_model_len=64)
+
+
+def _serve(engine, per_step: list[bool]):
+    """Submit one row per flag; every event each got, and the number of hand-offs made."""
+    handoffs = []
+
+    async def main():
+        ae = AsyncEngine(engine, seed=0)
+        deliver = ae._deliver
+
+        def counted(deliveries):
+            if deliveries:  # (stop hands over an empty list: nobody left)
+                handoffs.append(len(deliveries))
+            return deliver(deliveries)
+
+        ae._deliver = counted
+        ae.start()
+        try:
+            handles = [ae.submit([5, 6, 7], PARAMS, chain=("target",), k=1, per_step=p) for p in per_step]
+            events = []
+            for h in handles:
+                got = [await h.events.get()]
+                while not got[-1].done:
+                    got.append(await h.events.get())
+                events.append(got)
+            return events
+        finally:
+            await asyncio.to_thread(ae.stop)
+
+    return asyncio.run(main()), handoffs
+
+
+def test_a_row_read_at_its_end_gets_one_event_and_no_hand_off_per_step(engine):
+    (events,), handoffs = _serve(engine, [False])
+    assert len(events) == 1 and events[0].done and events[0].finish_reason == "length"
+    assert len(events[0].token_ids) == PARAMS.max_new_tokens
+    assert handoffs == [1]  # only the step that finished it handed anything over
+
+
+def test_a_streamed_row_gets_an_event_per_step_with_the_same_tokens(engine):
+    (streamed, whole), handoffs = _serve(engine, [True, False])
+    assert len(streamed) == PARAMS.max_new_tokens  # target-only: one token a step (the control)
+    assert [t for ev in streamed for t in ev.token_ids] == whole[0].token_ids
+    assert len(handoffs) == PARAMS.max_new_tokens
+
+
+def _prepared(**over) -> Prepared:
+    params = SamplingParams(**{"max_new_tokens": 4, **over.pop("params", {})})
+    return Prepared(**{"prompt": [1, 2], "params": params, "chain": None, "k": 1, "stops": [],
+                       "generator": None, **over})
+
+
+def test_which_rows_read_each_step():
+    assert not reads_each_step(_prepared(), stream=False)
+    assert reads_each_step(_prepared(), stream=True)
+    assert reads_each_step(_prepared(stops=["\n\n"]), stream=False)  # searched in the text
+    assert reads_each_step(_prepared(params={"logprobs": 0}), stream=False)
+    assert reads_each_step(_prepared(params={"prompt_logprobs": 1}), stream=False)
+
+
+def _texts():
+    """Every code point (surrogates excepted: no str of decoded text holds one), quoted,
+    escaped and mixed."""
+    chars = [chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000]
+    yield from ("".join(chars[i:i + 512]) for i in range(0, len(chars), 512))
+    yield from ('"', "\\", "a\"b\\c\n\t\r\x00\x1f\x7f", "é 😀 \u2028\u2029", " " * 3, "</script>")
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_the_text_chunk_template_writes_what_pydantic_writes(chat):
+    def make(text):
+        if chat:
+            return ChatCompletionChunk(id="chatcmpl-1", created=7, model="m/ö", choices=[
+                ChatStreamChoice(index=2, delta={"content": text}, finish_reason=None)])
+        return CompletionResponse(id="cmpl-1", created=7, model="m/ö", choices=[
+            CompletionChoice(index=2, text=text, finish_reason=None)])
+
+    before, after = sse_text_template(make)
+    for text in _texts():
+        assert before + json.dumps(text, ensure_ascii=False) + after == sse(make(text))
+
+
+def test_the_template_control_a_changed_field_differs():
+    """The check above can fail: a template of another choice index is not the same bytes."""
+    before, after = sse_text_template(lambda t: CompletionResponse(
+        id="cmpl-1", created=7, model="m", choices=[CompletionChoice(index=0, text=t, finish_reason=None)]))
+    other = sse(CompletionResponse(id="cmpl-1", created=7, model="m",
+                                   choices=[CompletionChoice(index=1, text="x", finish_reason=None)]))
+    assert before + json.dumps("x") + after != other
