@@ -444,3 +444,35 @@ def test_a_held_step_costs_no_per_row_planning():
     off.planner.PLAIN_PREDICTION_STEPS = 1  # and a plain step's seconds predicted afresh
     unheld = run(off)
     assert unheld["decide"] == 4 * 64 and unheld["shadow"] == 64 and unheld["predict"] >= 64
+
+
+def test_a_speculating_batch_keeps_its_plans_for_spec_hold_steps():
+    """A multi-row batch that speculates keeps its plans for the same rows
+    `spec_hold_steps` steps (no decide; shadow proposals on the hold's last step only), a
+    row joining or leaving re-plans at once, a single stream is never held while it
+    speculates; negative control: spec_hold_steps=1 decides every row every step."""
+    def run(router, batches):
+        decides, shadows, held = Counter(), [], []
+        inner = router.decide
+        router.decide = lambda row: (decides.update([row.seq_id]), inner(row))[1]
+        for rows in batches:
+            plan = router.plan_batch(rows)
+            assert all(d.k > 0 for d in plan.decisions)
+            shadows.append(plan.shadow_k > 0)
+            held.append(plan.held)
+            router.observed_steps += 1
+        return decides, shadows, held
+
+    flat = lambda b, t, L: 0.040  # noqa: E731 - every row speculates
+    two = rows_of(2)
+    three = rows_of(3)
+    decides, shadows, held = run(scripted_router(flat), [two, two, two, two, three, three])
+    assert held == [False, True, False, True, False, True]
+    assert shadows == [False, True, False, True, False, True]
+    assert decides == Counter({0: 3, 1: 3, 2: 1})  # the join (step 4) planned afresh
+    router = scripted_router(flat)
+    router.config = dataclasses.replace(router.config, spec_hold_steps=1)
+    decides, shadows, held = run(router, [two] * 4)
+    assert decides == Counter({0: 4, 1: 4}) and not any(held) and all(shadows)
+    decides, _, held = run(scripted_router(flat), [rows_of(1)] * 3)
+    assert decides == Counter({0: 3}) and not any(held)

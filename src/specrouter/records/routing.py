@@ -95,7 +95,7 @@ class BatchPlan:
     """The router's answer for one engine step (`RouterProtocol.plan_batch`)."""
 
     decisions: list[Decision]  # one per row asked about, in order
-    held: bool = False  # the batch is held plain (router/batch.py): no per-row re-planning now
+    held: bool = False  # the batch's plans are held (router/batch.py: plain, or a batch's speculative ones): no per-row re-planning now
     shadow_k: int = 0  # draft length of this step's shadow proposals (0: none this step)
 
 

@@ -64,6 +64,21 @@ class PlainHold:
 JOINS_KEEP_HOLD = 8  # from this many rows on, rows joining a held batch do not end its hold
 
 
+@dataclass(frozen=True)
+class SpecHold:
+    """A multi-row batch's speculative plans, kept for the same rows until step `until` (the
+    router's observed steps) without re-planning (`RouterConfig.spec_hold_steps`)."""
+
+    decisions: Mapping[int, Decision]  # seq_id -> the row's plan
+    pinned: int  # pinned rows of the batch it was planned for
+    until: int  # observed step at which the batch is planned again
+
+    def holds(self, rows: Sequence[RowContext], pinned: int, now: int) -> bool:
+        """Exactly the rows (and pinned rows) it was planned for, before `until`."""
+        return (now < self.until and pinned == self.pinned and len(rows) == len(self.decisions)
+                and all(r.seq_id in self.decisions for r in rows))
+
+
 @dataclass
 class StepCalibration:
     """What steps of one kind (speculative or plain) at one batch size realised against what
@@ -137,6 +152,7 @@ class BatchPlanner:
     def __init__(self, router):
         self.router = router  # policy.Router: per-row decisions, estimates, cost profile
         self.hold: PlainHold | None = None  # the batch stays plain without re-planning until hold.until
+        self.spec_hold: SpecHold | None = None  # a batch's speculative plans, kept until spec_hold.until
         self.held_decisions = 0  # row decisions the plain hold made (they log no DecisionEvent)
         # (rows, speculative) -> StepCalibration: multi-row steps' realised / predicted rates
         self.calibrations: dict[tuple[int, bool], StepCalibration] = {}
@@ -155,10 +171,12 @@ class BatchPlanner:
         decodes plainly joins the hold), and grows 2, 4, ... up to `RouterConfig.plain_hold_max`
         steps while the verdict repeats. A single stream is held too once its row's plain plan
         is settled (decided "same"), while it runs alone (a request replacing it is planned at
-        once). Shadow proposals (free evidence for model-free drafters not running) every step,
-        and while a hold lasts as `PlainHold.shadow_due` says (a batch's: on the hold's last
-        step): under load their ~0.3 ms per row is a few % of plain batching's step for
-        evidence nobody reads until the hold ends."""
+        once). A multi-row batch's speculative plans are kept for the same rows
+        `RouterConfig.spec_hold_steps` steps (`SpecHold`). Shadow proposals (free evidence for
+        model-free drafters not running) every step, and while a hold lasts as
+        `PlainHold.shadow_due` says (a batch's: on the hold's last step; a speculative hold's:
+        on its last step only): under load their ~0.3 ms per row is a few % of plain
+        batching's step for evidence nobody reads until the hold ends."""
         router = self.router
         hold, now = self.hold, router.observed_steps
         n = len(rows) + len(pinned)
@@ -170,11 +188,24 @@ class BatchPlanner:
             # plain batching's do (per-row planning and shadows after every ~11 ms forward cost
             # the router 4-5% at 4 sampled rows, measured)
             return BatchPlan(self.all_plain(rows), True, 0)
+        elif self.spec_hold is not None and self.spec_hold.holds(rows, len(pinned), now):
+            self.held_decisions += len(rows)  # decided by the hold (no DecisionEvent each)
+            spec = self.spec_hold
+            # shadow proposals on the hold's last step only: their evidence is read when it ends
+            return BatchPlan([spec.decisions[r.seq_id] for r in rows], True,
+                             router.config.shadow_k if now == spec.until - 1 else 0)
         elif (decided := self._joiners(hold, rows, n) if hold is not None and hold.valid(n, now) else {}) is None:
             self.held_decisions += len(rows)  # decided by the hold (no DecisionEvent each)
             decisions = self.all_plain(rows)
         else:
             decisions = self.plan_afresh(rows, pinned, decided)
+            self.spec_hold = None
+            spec_span = router.config.spec_hold_steps
+            if n > 1 and spec_span > 1 and speculates([(d.chain, d.k) for d in decisions]):
+                self.spec_hold = SpecHold({r.seq_id: d for r, d in zip(rows, decisions)}, len(pinned),
+                                          now + spec_span)
+                self.hold = None
+                return BatchPlan(decisions, False, 0)  # shadows on the hold's last step
             limit = router.config.plain_hold_max
             plain = all(d.k == 0 or len(d.chain) == 1 for d in decisions)
             # a single stream is held once its plain plan is settled (kept as the best: "same"):
