@@ -538,7 +538,9 @@ def library_rows(levels: list[LevelResult], library: list[dict]) -> list[dict]:
         rows.append({"library": run["name"], "system": run["system"], "concurrency": run["concurrency"],
                      "library_tps": run["tokens_per_s"], "server_tps": server,
                      "server_vs_library": server / run["tokens_per_s"] if server else None,
-                     "raw_server_tps": raw, "raw_vs_library": raw / run["tokens_per_s"] if raw else None})
+                     "raw_server_tps": raw, "raw_vs_library": raw / run["tokens_per_s"] if raw else None,
+                     # prompt tokens the library's batch read from its prefix cache (0: fair)
+                     "library_cached_tokens": run.get("library_cached_tokens")})
     return rows
 
 
