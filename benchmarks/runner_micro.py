@@ -21,8 +21,12 @@ paths take turns. Then GMAC/s of each path's linear per row count on the 135M sh
 gate|up, down, the LM head) beside torch's own GEMM (MKL/oneDNN: torch.mm float32, F.linear
 bfloat16) on the same shapes, which promises no row invariance.
 
+The decoder stack's work sharing (issue 26, a stolen core): `--sections stack` times T(n) of the
+bfloat16 135M for each `--schedules` of the native stack's threads (kernels/rowinv.cpp
+`set_stack_schedule`), quiet and beside a process busy `--busy` percent of every 10 ms.
+
     python benchmarks/runner_micro.py [--iters 30] [--threads 2] [--shapes 135M] [--no-transformers]
-                                      [--sections steps scaling gemm] [--paths avx512bf16 torch]
+                                      [--sections steps scaling gemm stack] [--paths avx512bf16 torch]
 
 Not a test: timings depend on the machine and on whoever else shares its cores.
 """
@@ -204,6 +208,64 @@ def time_scaling(path: Path, paths: list[str], iters: int, rounds: int = 4) -> d
     return out
 
 
+STACK_TOKENS = (1, 5, 9, 17)
+BUSY_LOOP = """
+import sys, time
+busy, period = float(sys.argv[1]) / 1000, float(sys.argv[2]) / 1000
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < busy:
+        pass
+    time.sleep(period - busy)
+"""
+
+
+def time_stack(path: Path, schedules: list[str], iters: int, rounds: int, busy: float) -> dict:
+    """{(load, schedule): {n: (median, min) ms}}: T(n) of the bfloat16 135M on this process's
+    kernel path with the native decoder stack's threads sharing their work by each schedule
+    (kernels/rowinv.cpp `set_stack_schedule`: static, dynamic, guided, or ops = one
+    fork and join per op), the schedules in turn; quiet, then (busy > 0) beside a process busy
+    `busy` percent of every 10 ms (a stolen core: the server's event loop and client share the
+    cores with the step's threads)."""
+    import subprocess
+
+    from specrouter.models.runners.kernels import rowinv
+
+    ops = rowinv()
+    if ops is None:
+        return {}
+    steps = native_steps(path, torch.bfloat16, tokens=STACK_TOKENS)
+    out: dict = {}
+    for load in ["quiet"] + ([f"busy {busy:g}%"] if busy > 0 else []):
+        proc = None
+        if load != "quiet":
+            proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(busy / 10), "10"])
+        try:
+            for _ in range(rounds):
+                for n in STACK_TOKENS:
+                    for sched in schedules:
+                        ops.set_stack_schedule(sched, 1)
+                        med, mn = _time_ms(steps[n], iters, warmup=1)
+                        old = out.setdefault((load, sched), {}).get(n, (float("inf"), float("inf")))
+                        out[(load, sched)][n] = (min(old[0], med), min(old[1], mn))
+        finally:
+            ops.set_stack_schedule("static", 1)
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+    return out
+
+
+def print_stack(stack: dict) -> None:
+    if not stack:
+        return
+    print("\nthe decoder stack's work sharing (bf16 135M; best median / min ms over rounds; T(n)/T(1) of the mins)")
+    for (load, sched), row in stack.items():
+        cells = " ".join(f"T({n}) {row[n][0]:6.2f}/{row[n][1]:6.2f}" for n in STACK_TOKENS)
+        ratios = " ".join(f"{row[n][1] / row[1][1]:.2f}" for n in STACK_TOKENS)
+        print(f"{load:>10} {sched:>7}: {cells} | {ratios}")
+
+
 def time_gemm(paths: list[str], iters: int) -> dict:
     """{(dtype name, system): {n: GMAC/s}} over the 135M linears (each weighted by how many a
     forward runs): each native path's linear, and torch's GEMM on the same shapes."""
@@ -266,14 +328,19 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--no-transformers", action="store_true", help="native runner (and llama.cpp) only")
     ap.add_argument("--sections", nargs="+", default=["steps", "scaling", "gemm"],
-                    choices=["steps", "scaling", "gemm"],
+                    choices=["steps", "scaling", "gemm", "stack"],
                     help="steps: per shape 1/5-token steps vs transformers and llama.cpp; scaling: T(n)/T(1)"
-                         " per kernel path on 135M; gemm: GMAC/s per row count vs torch's GEMM")
+                         " per kernel path on 135M; gemm: GMAC/s per row count vs torch's GEMM; stack: T(n) per"
+                         " work-sharing schedule of the native decoder stack, quiet and with --busy")
     ap.add_argument("--paths", nargs="+", default=None, help="kernel paths for scaling/gemm (default: all this CPU has)")
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES),
                     help="precisions of the steps section and the llama.cpp comparison")
     ap.add_argument("--small-pages", action="store_true",
                     help="llama.cpp comparison: also the native runner with its weights on 4 KiB pages")
+    ap.add_argument("--schedules", nargs="+", default=["static", "dynamic", "ops"],
+                    help="stack section: the decoder stack's schedules (static, dynamic, guided, ops)")
+    ap.add_argument("--busy", type=float, default=10.0,
+                    help="stack section: also time beside a process busy this percent of every 10 ms (0: quiet only)")
     ap.add_argument("--no-drafts", action="store_true", help="llama.cpp comparison on the 135M shape only")
     ap.add_argument("--rounds", type=int, default=3,
                     help="llama.cpp comparison: rounds of turns per cell (more, shorter turns track a drifting"
@@ -291,6 +358,7 @@ def main() -> None:
     results: dict[tuple[str, str, int], tuple[Cell, Cell]] = {}  # (native, transformers)
     paths = args.paths or available_paths()
     scaling: dict = {}
+    stack: dict = {}
     gemm = time_gemm(paths, args.iters) if "gemm" in args.sections else {}
     with tempfile.TemporaryDirectory(prefix="specrouter-bench-") as tmp:
         for name in args.shapes:
@@ -304,6 +372,8 @@ def main() -> None:
             )
             if name == "135M" and "scaling" in args.sections:
                 scaling = time_scaling(path, paths, max(6, args.iters // 4))
+            if name == "135M" and "stack" in args.sections:
+                stack = time_stack(path, args.schedules, max(8, args.iters // 2), args.rounds, args.busy)
             if "steps" not in args.sections:
                 continue
             n_params = load_llama_runner(path, max_len=8).num_params
@@ -342,6 +412,7 @@ def main() -> None:
             f" {nat[1]:8.2f} {hf[1]:8.2f} {hf[1] / nat[1]:7.2f}x"
         )
     print_scaling(scaling, gemm)
+    print_stack(stack)
     if not peer_missing and "steps" in args.sections and "135M" in args.shapes:
         print("\nvs llama.cpp on the same weights (min ms over interleaved rounds; ratio = native / llama.cpp;"
               " issue 12 goal: ratio <= 1.25; issue 26: 1-token <= 1.0x; T(n)/T(1) per system)")

@@ -168,3 +168,28 @@ def test_the_fused_stacks_bits_do_not_depend_on_how_its_threads_share_the_work(r
     finally:
         ops.set_stack_schedule("static", 1)
         ops.stack_profile(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_fused_stack_with_widths_its_tiles_do_not_divide(dtype):
+    """An intermediate width that is not a whole number of linear tiles (200): gate and up are not
+    paired tile by tile, silu * up runs as a pass of its own; a hidden width of 7 heads of 16 and
+    a ragged batch: still the Python loop's bits."""
+    reason = why_not_native()
+    if reason:
+        pytest.skip(reason)
+    config = dict(SMOLLM2_135M, hidden_size=112, intermediate_size=200, num_attention_heads=7,
+                  num_key_value_heads=1, vocab_size=512)
+    runner = random_runner(config, dtype, num_slots=3, max_len=64, num_layers=2)
+    assert runner._fused is not None
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(0, 512, (40,), generator=g).tolist()
+    rows = [(0, 0, a[:13]), (1, 0, a[5:7]), (2, 0, a[:1])]
+    fused = _run(runner, rows) + _run(runner, [(0, 13, a[13:30]), (1, 2, a[7:24])])
+    runner._fused, saved = None, runner._fused
+    try:
+        loop = _run(runner, rows) + _run(runner, [(0, 13, a[13:30]), (1, 2, a[7:24])])
+    finally:
+        runner._fused = saved
+    for x, y in zip(fused, loop):
+        assert torch.equal(x, y)

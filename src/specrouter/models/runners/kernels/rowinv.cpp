@@ -650,11 +650,15 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 }
 
 // How `decoder_layers` shares its work items (tiles of outputs, attention items) among its
-// threads: 0 static (contiguous ranges, as at::parallel_for splits), 1 dynamic (a thread takes
-// the next `chunk` items when done: a thread the OS preempts stalls the others less), 2 guided;
-// -1 runs each op in its own at::parallel_for (the per-op form, for comparison). Bits never
-// depend on it: each output's sequence of instructions is fixed whichever thread runs it.
+// threads: 0 static (contiguous ranges, as at::parallel_for splits; the default), 1 dynamic (a
+// thread takes the next `chunk` items when done), 2 guided; -1 runs each op in its own
+// at::parallel_for (the per-op form, for comparison). Bits never depend on it: each output's
+// sequence of instructions is fixed whichever thread runs it. Measured on a 2-core Zen 4
+// (docs/kernels.md): dynamic 20-30% slower at every token count, quiet or beside a busy process;
+// guided and a static split with stealing at the end no better than static. Every phase ends at
+// a barrier, so a preempted thread stalls the step however the items are shared.
 int g_schedule = 0, g_chunk = 1;
+constexpr int64_t SPLIT_NORM = 4;  // decoder_layers: from this many rows its threads split a norm's rows
 
 // stack_profile: per thread and phase (0 norm, 1 qkv, 2 RoPE + cache writes, 3 attention, 4 o,
 // 5 norm, 6 gate|up + silu, 7 down) the TSC cycles of work and of waiting at the phase's barrier
@@ -677,6 +681,19 @@ void set_stack_schedule(const std::string& kind, int64_t chunk) {
   else if (kind == "ops") g_schedule = -1;
   else TORCH_CHECK(false, "set_stack_schedule: static, dynamic, guided or ops, got ", kind);
   g_chunk = static_cast<int>(chunk);
+}
+
+// the work items [0, U) of one phase of decoder_layers among the region's threads, by g_schedule:
+// 0 static (thread tid takes [U tid / n, U (tid + 1) / n): contiguous weight streams), else
+// OpenMP's schedule(runtime). No barrier at the end (the caller's).
+template <typename F>
+void share(int64_t U, int tid, int nth, F&& body) {
+  if (g_schedule == 0) {
+    for (int64_t u = U * tid / nth; u < U * (tid + 1) / nth; ++u) body(u);
+    return;
+  }
+#pragma omp for schedule(runtime) nowait
+  for (int64_t u = 0; u < U; ++u) body(u);
 }
 
 // The per-op form of decoder_layers: each op its own at::parallel_for (its own fork and join).
@@ -808,7 +825,8 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
   const int nt = std::max(1, std::min(MAX_PROF_THREADS, at::get_num_threads()));
   const bool widen_in = kernel != 2 && dt == at::kBFloat16;  // float32 activations for the FMA kernels
   const int64_t Kmax = std::max({H, nh * D, I});
-  at::Tensor normed = at::empty({nt, N, H}, opt);
+  at::Tensor normed = at::empty({nt + 1, N, H}, opt);  // per thread, then the shared one
+  at::Tensor wide_norm = at::empty({widen_in ? N : 0, H}, opt.dtype(at::kFloat));
   at::Tensor wide = at::empty({widen_in ? nt : 0, N, Kmax}, opt.dtype(at::kFloat));
   const bool fused_silu = I % TILE == 0;  // gate tile j and up tile j side by side
   const int64_t esize = x.element_size();
@@ -822,8 +840,8 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
   omp_sched_t saved_kind;
   int saved_chunk;
   omp_get_schedule(&saved_kind, &saved_chunk);
-  omp_set_schedule(g_schedule == 0 ? omp_sched_static : g_schedule == 1 ? omp_sched_dynamic : omp_sched_guided,
-                   g_schedule == 0 ? 0 : g_chunk);
+  omp_set_schedule(g_schedule == 1 ? omp_sched_dynamic : g_schedule == 2 ? omp_sched_guided : omp_sched_static,
+                   g_schedule > 0 ? g_chunk : 0);
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num();
@@ -851,14 +869,6 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
     auto unit_tiles = [&](int64_t O, int64_t u, int64_t& t0, int64_t& t1) {
       t0 = u * UNIT, t1 = std::min((O + TILE - 1) / TILE, t0 + UNIT);
     };
-    auto norm = [&](int64_t l, int64_t i) {
-      if (dt == at::kFloat)
-        rms_norm_rows<float>(reinterpret_cast<const float*>(xp), params[l * P + i].data_ptr<float>(), 0, N, H, feps,
-                             reinterpret_cast<float*>(nb), xf.data());
-      else
-        rms_norm_rows<bf16>(reinterpret_cast<const bf16*>(xp), ptr<bf16>(params[l * P + i]), 0, N, H, feps,
-                            reinterpret_cast<bf16*>(nb), xf.data());
-    };
     // per-thread timers (stack_profile): cycles of work and of waiting at the barrier per phase
     uint64_t last = g_profile ? __rdtsc() : 0;
     auto mark = [&](int phase) {
@@ -875,19 +885,35 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
       g_prof[(tid * PHASES + phase) * 2 + 1] += static_cast<double>(now - last);
       last = now;
     };
+    // RMSNorm of x with norm weight i of layer l, as the next linear takes it: each thread its share
+    // of the rows into the shared buffers, then a barrier; a few rows: every thread all of them
+    // into its own buffers (no barrier)
+    auto norm = [&](int64_t l, int64_t i) -> const void* {
+      const bool split = N >= SPLIT_NORM && nth > 1;
+      const int64_t n0 = split ? N * tid / nth : 0, n1 = split ? N * (tid + 1) / nth : N;
+      char* y = split ? static_cast<char*>(normed.data_ptr()) + nt * N * H * esize : nb;
+      if (dt == at::kFloat)
+        rms_norm_rows<float>(reinterpret_cast<const float*>(xp), params[l * P + i].data_ptr<float>(), n0, n1, H,
+                             feps, reinterpret_cast<float*>(y), xf.data());
+      else
+        rms_norm_rows<bf16>(reinterpret_cast<const bf16*>(xp), ptr<bf16>(params[l * P + i]), n0, n1, H, feps,
+                            reinterpret_cast<bf16*>(y), xf.data());
+      float* wy = widen_in ? (split ? wide_norm.data_ptr<float>() : wb) : nullptr;
+      if (wy) widen(reinterpret_cast<const bf16*>(y) + n0 * H, wy + n0 * H, (n1 - n0) * H);
+      if (split) sync(i == 0 ? 0 : 5);
+      else mark(i == 0 ? 0 : 5);
+      return wy ? static_cast<const void*>(wy) : y;
+    };
     typename Attention<float>::Scratch* sf = nullptr;
     typename Attention<bf16>::Scratch* sb = nullptr;
     for (int64_t l = 0; l < layers; ++l) {
-      int64_t t0, t1;
-      // RMSNorm (every row, every thread), the qkv tiles
-      norm(l, 0);
-      const void* xin = input(nb, H);
-      mark(0);
-#pragma omp for schedule(runtime) nowait
-      for (int64_t u = 0; u < units(O_qkv); ++u) {
+      // RMSNorm, the qkv tiles
+      const void* xin = norm(l, 0);
+      share(units(O_qkv), tid, nth, [&](int64_t u) {
+        int64_t t0, t1;
         unit_tiles(O_qkv, u, t0, t1);
         tiles(l, 0, xin, nullptr, qkvp, t0, t1);
-      }
+      });
       sync(1);
       // RoPE and the cache writes, then attention
       if (dt == at::kFloat) {
@@ -897,8 +923,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
         a.write(B * T * tid / nth, B * T * (tid + 1) / nth);
         sync(2);
         if (!sf) sf = new typename Attention<float>::Scratch(a);
-#pragma omp for schedule(runtime) nowait
-        for (int64_t item = 0; item < a.items(); ++item) a.attend(item, *sf);
+        share(a.items(), tid, nth, [&](int64_t item) { a.attend(item, *sf); });
         sync(3);
       } else {
         Attention<bf16> a = in.bind<bf16>(reinterpret_cast<const bf16*>(qkvp), B, T, nh, D, cos, sin, k_caches[l],
@@ -907,25 +932,22 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
         a.write(B * T * tid / nth, B * T * (tid + 1) / nth);
         sync(2);
         if (!sb) sb = new typename Attention<bf16>::Scratch(a);
-#pragma omp for schedule(runtime) nowait
-        for (int64_t item = 0; item < a.items(); ++item) a.attend(item, *sb);
+        share(a.items(), tid, nth, [&](int64_t item) { a.attend(item, *sb); });
         sync(3);
       }
       // the o tiles, + the residual in place
       xin = input(attp, nh * D);
-#pragma omp for schedule(runtime) nowait
-      for (int64_t u = 0; u < units(H); ++u) {
+      share(units(H), tid, nth, [&](int64_t u) {
+        int64_t t0, t1;
         unit_tiles(H, u, t0, t1);
         tiles(l, 1, xin, xp, xp, t0, t1);
-      }
+      });
       sync(4);
       // RMSNorm, gate | up, silu * up
-      norm(l, 5);
-      xin = input(nb, H);
-      mark(5);
+      xin = norm(l, 5);
       if (fused_silu) {
-#pragma omp for schedule(runtime) nowait
-        for (int64_t u = 0; u < units(I); ++u) {
+        share(units(I), tid, nth, [&](int64_t u) {
+          int64_t t0, t1;
           unit_tiles(I, u, t0, t1);
           tiles(l, 2, xin, nullptr, gup, t0, t1);                          // gate
           tiles(l, 2, xin, nullptr, gup, t0 + I / TILE, t1 + I / TILE);    // up
@@ -934,14 +956,15 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
             silu_cols<float>(reinterpret_cast<const float*>(gup), 0, N, I, c0, c1, reinterpret_cast<float*>(actp));
           else
             silu_cols<bf16>(reinterpret_cast<const bf16*>(gup), 0, N, I, c0, c1, reinterpret_cast<bf16*>(actp));
-        }
+        });
         sync(6);
       } else {
-#pragma omp for schedule(runtime) nowait
-        for (int64_t u = 0; u < units(2 * I); ++u) {
+        share(units(2 * I), tid, nth, [&](int64_t u) {
+          int64_t t0, t1;
           unit_tiles(2 * I, u, t0, t1);
           tiles(l, 2, xin, nullptr, gup, t0, t1);
-        }
+        });
+#pragma omp barrier
         const int64_t n0 = N * tid / nth, n1 = N * (tid + 1) / nth;
         if (dt == at::kFloat)
           silu_cols<float>(reinterpret_cast<const float*>(gup), n0, n1, I, 0, I, reinterpret_cast<float*>(actp));
@@ -951,11 +974,11 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
       }
       // the down tiles, + the residual in place
       xin = input(actp, I);
-#pragma omp for schedule(runtime) nowait
-      for (int64_t u = 0; u < units(H); ++u) {
+      share(units(H), tid, nth, [&](int64_t u) {
+        int64_t t0, t1;
         unit_tiles(H, u, t0, t1);
         tiles(l, 3, xin, xp, xp, t0, t1);
-      }
+      });
       sync(7);
     }
     delete sf;
