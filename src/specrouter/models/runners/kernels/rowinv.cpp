@@ -916,25 +916,23 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
       });
       sync(1);
       // RoPE and the cache writes, then attention
-      if (dt == at::kFloat) {
-        Attention<float> a = in.bind<float>(reinterpret_cast<const float*>(qkvp), B, T, nh, D, cos, sin, k_caches[l],
-                                            v_caches[l], reinterpret_cast<float*>(attp));
+      // E: the cache's element type (float or bf16); s: this thread's scratch for it, made on the first layer
+      auto attend = [&](auto*& s, auto* e_tag) {
+        using E = std::remove_pointer_t<decltype(e_tag)>;
+        using Scratch = std::remove_pointer_t<std::remove_reference_t<decltype(s)>>;
+        Attention<E> a = in.bind<E>(reinterpret_cast<const E*>(qkvp), B, T, nh, D, cos, sin, k_caches[l], v_caches[l],
+                                    reinterpret_cast<E*>(attp));
         a.rows = rowmap.empty() ? nullptr : rowmap.data();
         a.write(B * T * tid / nth, B * T * (tid + 1) / nth);
         sync(2);
-        if (!sf) sf = new typename Attention<float>::Scratch(a);
-        share(a.items(), tid, nth, [&](int64_t item) { a.attend(item, *sf); });
+        if (!s) s = new Scratch(a);
+        share(a.items(), tid, nth, [&](int64_t item) { a.attend(item, *s); });
         sync(3);
-      } else {
-        Attention<bf16> a = in.bind<bf16>(reinterpret_cast<const bf16*>(qkvp), B, T, nh, D, cos, sin, k_caches[l],
-                                          v_caches[l], reinterpret_cast<bf16*>(attp));
-        a.rows = rowmap.empty() ? nullptr : rowmap.data();
-        a.write(B * T * tid / nth, B * T * (tid + 1) / nth);
-        sync(2);
-        if (!sb) sb = new typename Attention<bf16>::Scratch(a);
-        share(a.items(), tid, nth, [&](int64_t item) { a.attend(item, *sb); });
-        sync(3);
-      }
+      };
+      if (dt == at::kFloat)
+        attend(sf, static_cast<float*>(nullptr));
+      else
+        attend(sb, static_cast<bf16*>(nullptr));
       // the o tiles, + the residual in place
       xin = input(attp, nh * D);
       share(units(H), tid, nth, [&](int64_t u) {
