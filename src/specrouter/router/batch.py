@@ -201,18 +201,18 @@ class BatchPlanner:
             decisions = self.plan_afresh(rows, pinned, decided)
             self.spec_hold = None
             spec_span = router.config.spec_hold_steps
-            if n > 1 and spec_span > 1 and speculates([(d.chain, d.k) for d in decisions]):
+            spec = speculates([(d.chain, d.k) for d in decisions])
+            if n > 1 and spec_span > 1 and spec:
                 self.spec_hold = SpecHold({r.seq_id: d for r, d in zip(rows, decisions)}, len(pinned),
                                           now + spec_span)
                 self.hold = None
                 return BatchPlan(decisions, False, 0)  # shadows on the hold's last step
             limit = router.config.plain_hold_max
-            plain = all(d.k == 0 or len(d.chain) == 1 for d in decisions)
             # a single stream is held once its plain plan is settled (kept as the best: "same"):
             # deciding it again every step, its shadow proposals and confident-draft checks cost
             # ~0.8 ms of a ~9 ms plain step (chat at t=0.7), which target-only does not pay
             settled = n > 1 or (len(rows) == 1 and decisions[0].reason == "same")
-            if limit > 0 and plain and settled:
+            if limit > 0 and not spec and settled:
                 span = min(limit, 2 * hold.span if hold is not None else 2)
                 self.hold = PlainHold(n, now + span, span, frozenset(r.seq_id for r in rows))
             else:
@@ -234,7 +234,7 @@ class BatchPlanner:
         if n < 2:  # another request alone: held only once its own plain plan is settled
             return {}
         decided = {r.seq_id: self.router.decide(r) for r in joined}
-        if any(len(d.chain) > 1 and d.k > 0 for d in decided.values()):
+        if speculates([(d.chain, d.k) for d in decided.values()]):
             return decided
         hold.members = hold.members | decided.keys()
         return None
