@@ -410,6 +410,32 @@ def test_batch_calibration_turns_a_slower_than_predicted_batch_plain():
     assert not all(run(slow, 1.0, 10)) and run(slow, 1.0, 40)[-1]  # aged: speculating again
 
 
+def test_steps_of_rows_the_planner_did_not_plan_do_not_calibrate_it():
+    """Pinned speculating rows (a client's chain: the serving bench runs its static chains
+    through the router's server) commit several tokens a step where the planner, which never
+    planned them, predicts 1 (`expected_tokens`): such steps would read as speculation beating
+    its predictions and raise the speculative factor. They are not the planner's evidence: no
+    calibration at all; the same steps of rows it planned move the factor (1.42 here), and so
+    do the pinned ones when every row counts as planned (the negative control, run by hand)."""
+    def target(b, t, L):
+        return 0.040 + 0.004 * (t - 1) * b
+
+    def observe(router, planned):
+        rows = rows_of(2)
+        router.plan_batch(rows if planned else [], [] if planned else [(("draft", "target"), 4)] * 2)
+        outcomes = [RowOutcome(r.seq_id, ("draft", "target"), 4, [4, 4], [0, 4], True, r.context_len) for r in rows]
+        router.planner.observe(outcomes, [], router.planner.step_seconds([(("draft", "target"), 4)] * 2, 200))
+        router.observed_steps += 1
+
+    pinned, planned = scripted_router(target), scripted_router(target)
+    for _ in range(10):
+        observe(pinned, planned=False)
+        observe(planned, planned=True)
+    prior = pinned.config.batch_calibration_prior
+    assert (2, True) not in pinned.planner.calibrations and pinned.planner.calibration(2) == (1.0, 1.0)
+    assert planned.planner.calibrations[(2, True)].factor(prior) != pytest.approx(1.0, abs=0.05)
+
+
 def test_a_held_step_costs_no_per_row_planning():
     """Host work of a held batch, counted (not timed): over 64 steps of 4 rows where plain
     batching wins, the router decides rows only when a hold ends (spans 2, 4, 8, 16, 16, ...),

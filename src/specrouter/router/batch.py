@@ -157,6 +157,7 @@ class BatchPlanner:
         # (rows, speculative) -> StepCalibration: multi-row steps' realised / predicted rates
         self.calibrations: dict[tuple[int, bool], StepCalibration] = {}
         self.plan_seconds = 0.0  # the planning of the step being run (observe adds it to the step)
+        self.planned: frozenset[int] = frozenset()  # seq_ids of the rows the last plan() planned
         self._plain_seconds: dict[tuple[int, int], tuple[float, int]] = {}  # plain_step_seconds' memo
         self.events: deque = deque(maxlen=router.config.log_size)  # (row-cycle, rows, reason, rate, plain rate)
 
@@ -180,6 +181,7 @@ class BatchPlanner:
         router = self.router
         hold, now = self.hold, router.observed_steps
         n = len(rows) + len(pinned)
+        self.planned = frozenset(r.seq_id for r in rows)
         if not rows:
             decisions = []
         elif n > router.config.sampling_spec_max_batch and not any(r.greedy for r in rows):
@@ -450,13 +452,18 @@ class BatchPlanner:
         (the executor's `wall_time` plus the planning of the step) against the rates the planner
         predicts for the plans that ran; the other kind of step at this batch size ages. A step
         that prefills a joining row's prompt is not a step of either kind (its forward is wider
-        than any plan's)."""
+        than any plan's), nor is one where a row the planner did not plan speculates (a pinned
+        chain, e.g. a client's `specrouter_chain`): the planner has no prediction of its tokens
+        (`expected_tokens` reads 1), so its accepted drafts read as speculation beating its
+        predictions (the serving bench runs its static chains through the router's server)."""
         plan_seconds, self.plan_seconds = self.plan_seconds, 0.0
         router, cfg = self.router, self.router.config
         n = len(rows)
         if n < 2 or wall_time <= 0.0:
             return
         plans = [(tuple(r.chain), r.k) for r in rows]
+        if any(r.seq_id not in self.planned for r, (c, k) in zip(rows, plans) if len(c) > 1 and k > 0):
+            return
         widest = max(k + len(c) - 1 if len(c) > 1 and k > 0 else 1 for c, k in plans)
         if any(f.new_tokens > widest + 1 for f in forwards if f.model == router.target):
             return
