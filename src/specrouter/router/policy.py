@@ -275,9 +275,10 @@ class Router:
         (`BatchPlanner.plan`)."""
         measured = None if self.step_clock is None else self.outside.planning(
             self.step_clock(), self.observed_steps, rows, pinned)
-        # the last step's host seconds outside the executor, a single stream's: a batch's are
-        # weighed by the batch planner's calibration (its steps' realised seconds, planning included)
-        if measured is not None and len(rows) + len(pinned) == 1:
+        # the last step's host seconds outside the executor, a single stream's the router plans
+        # (not a pinned chain's): a batch's are weighed by the batch planner's calibration (its
+        # steps' realised seconds, planning included)
+        if measured is not None and len(rows) == 1 and not pinned:
             key = "outside_spec" if measured[1] else "outside_plain"
             last = self.overhead[key]  # 0.0: the first measurement (an EMA from 0 would under-charge ~20 steps)
             self.overhead[key] = last + self.config.overhead_alpha * (measured[0] - last) if last else measured[0]
