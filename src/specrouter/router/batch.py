@@ -123,6 +123,11 @@ def speculates(plans: Sequence[Plan]) -> bool:
     return any(k > 0 and len(c) > 1 for c, k in plans)
 
 
+def sampled(rows: Sequence[RowContext] | Sequence[RowOutcome]) -> bool:
+    """Does a batch have a sampled row (its calibration's mode, `BatchPlanner.calibration`)?"""
+    return any(not r.greedy for r in rows)
+
+
 def hold_floor(rows: int) -> int:
     """The fewest rows a plain hold found for `rows` rows still holds for: 3/4 of them (a row
     leaving a batch of 8 barely changes what speculation costs, and re-planning after every
@@ -154,8 +159,9 @@ class BatchPlanner:
         self.hold: PlainHold | None = None  # the batch stays plain without re-planning until hold.until
         self.spec_hold: SpecHold | None = None  # a batch's speculative plans, kept until spec_hold.until
         self.held_decisions = 0  # row decisions the plain hold made (they log no DecisionEvent)
-        # (rows, speculative) -> StepCalibration: multi-row steps' realised / predicted rates
-        self.calibrations: dict[tuple[int, bool], StepCalibration] = {}
+        # (rows, speculative, sampled) -> StepCalibration: multi-row steps' realised / predicted
+        # rates, apart for batches with a sampled row (`calibration`)
+        self.calibrations: dict[tuple[int, bool, bool], StepCalibration] = {}
         self.plan_seconds = 0.0  # the planning of the step being run (observe adds it to the step)
         self.planned: frozenset[int] = frozenset()  # seq_ids of the rows the last plan() planned
         self._plain_seconds: dict[tuple[int, int], tuple[float, int]] = {}  # plain_step_seconds' memo
@@ -279,7 +285,7 @@ class BatchPlanner:
                          for r, d in zip(rows, decisions)]
         L = max(1, sum(r.context_len for r in rows) // len(rows))
         reqs = [router.requests.get(r.seq_id) for r in rows]
-        factors = self.calibration(n)
+        factors = self.calibration(n, sampled(rows))
         flags = [r.processors for r in rows]  # pinned rows: not charged (their plan is fixed)
 
         def option(plans: list[Plan]) -> tuple[float, list[Plan]]:
@@ -344,7 +350,7 @@ class BatchPlanner:
         reqs = [router.requests.get(r.seq_id) for r in rows]
         tokens = [self.expected_tokens(req, c, k) for req, (c, k) in zip(reqs, plans)]
         best = list(plans)
-        factors = self.calibration(len(rows) + len(pinned))
+        factors = self.calibration(len(rows) + len(pinned), sampled(rows))
 
         def rate(ps: list, toks: list) -> float:
             return self.rate(ps + list(pinned), sum(toks) + len(pinned), L, factors, [r.processors for r in rows])
@@ -429,13 +435,18 @@ class BatchPlanner:
             hit = self._plain_seconds[key] = (self.step_seconds(plans, context_len, publish=False), now)
         return hit[0]
 
-    def calibration(self, n: int) -> tuple[float, float]:
+    def calibration(self, n: int, sampled: bool = False) -> tuple[float, float]:
         """(speculative, plain) factors on the predicted throughput of a step of n rows (1, 1
-        for a single row, whose plans the per-row evidence already corrects)."""
+        for a single row, whose plans the per-row evidence already corrects), learned from
+        batches with a sampled row apart from all-greedy ones: what speculation realises
+        against its prediction differs by mode (a sampled row's acceptance is estimated from
+        1 - D_TV, a greedy row's through the greedy calibration), and a server that ran greedy
+        requests must not carry their factor into sampled ones (the serving bench runs t=0,
+        then t=0.7, on one server)."""
         if n < 2:
             return 1.0, 1.0
         prior = self.router.config.batch_calibration_prior
-        spec, plain = self.calibrations.get((n, True)), self.calibrations.get((n, False))
+        spec, plain = self.calibrations.get((n, True, sampled)), self.calibrations.get((n, False, sampled))
         return (spec.factor(prior) if spec is not None else 1.0,
                 plain.factor(prior) if plain is not None else 1.0)
 
@@ -478,9 +489,10 @@ class BatchPlanner:
         else:  # every row commits its one token
             predicted_tokens = realised_tokens = n
             predicted_seconds = self.plain_step_seconds(n, L)
-        cal = self.calibrations.setdefault((n, spec), StepCalibration())
+        mode = sampled(rows)
+        cal = self.calibrations.setdefault((n, spec, mode), StepCalibration())
         cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, predicted_seconds,
                 cfg.batch_calibration_discount)
-        other = self.calibrations.get((n, not spec))
+        other = self.calibrations.get((n, not spec, mode))
         if other is not None:
             other.forget(cfg.batch_calibration_forget)
