@@ -4,6 +4,8 @@ turn (the order rotated per request), one process, the bench's prompts (3 per ty
 tokens). Prints tokens/s per request and summed.
 
     python benchmarks/router_variants.py [--temperatures 0 0.7] [--variants no-tv greedy-tv no-check tv-cap-8]
+        [--workload mixed|chat|prose|code|extraction] [--prompts-per-type 3] [--max-new-tokens 64]
+        [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R]
 
 Variants (RouterConfig changes against the default): no-tv (measure_tv=False), greedy-tv
 (greedy rows' D_TV fed to the estimator), no-check (realized_check=False), tv-cap-8
@@ -13,7 +15,9 @@ a pair probed by any chain measuring it), outside (charge_outside=True: the step
 executor charged instead of decide()'s), no-hold (plain_hold_max=0: no plain hold, a
 settled plain single stream decided every step), iid (confirmed_alpha=False: a three-level chain's
 top level accepts every token at the pair's rate), no-fade (realized_fade=1.0: the realized check's
-evidence fades only on cycles of model-free chains, as before).
+evidence fades only on cycles of model-free chains, as before), no-leave-charge
+(charge_leaving_plain=False: plain decoding weighed against speculation without each kind's
+host seconds outside the executor, as before issue 31's chat fix).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "no-hold": dataclasses.replace(base, plain_hold_max=0),
         "iid": dataclasses.replace(base, confirmed_alpha=False),
         "no-fade": dataclasses.replace(base, realized_fade=1.0),
+        "no-leave-charge": dataclasses.replace(base, charge_leaving_plain=False),
     }
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -57,7 +62,14 @@ def main() -> None:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--variants", nargs="+", default=["no-tv", "greedy-tv", "no-check"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workload", default="mixed")
+    ap.add_argument("--prompts-per-type", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    for name in ("presence", "frequency", "repetition"):
+        ap.add_argument(f"--{name}-penalty", type=float, default=None)
     args = ap.parse_args()
+    controls = tuple((f"{n}_penalty", v) for n in ("presence", "frequency", "repetition")
+                     if (v := getattr(args, f"{n}_penalty")) is not None)
     torch.set_num_threads(args.threads)
     sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
     pool = sr.pool
@@ -69,8 +81,8 @@ def main() -> None:
         s.run(sr.encode("hello"), Decoding(0.0, 8, 0))
     names = list(systems)
     for temp in args.temperatures:
-        cfg = BenchConfig(workloads=("mixed",), prompts_per_type=3, temperatures=(temp,), slowdown=False,
-                          hf="none", peers=False)
+        cfg = BenchConfig(workloads=(args.workload,), prompts_per_type=args.prompts_per_type, temperatures=(temp,),
+                          max_new_tokens=args.max_new_tokens, slowdown=False, hf="none", peers=False, controls=controls)
         scenario = build_scenarios(cfg)[0]
         for s in systems.values():
             s.reset()
@@ -80,7 +92,7 @@ def main() -> None:
             row = {}
             for j in range(len(names)):
                 n = names[(i + j) % len(names)]
-                out = systems[n].run(ids, Decoding(temp, cfg.max_new_tokens, cfg.seed + i))
+                out = systems[n].run(ids, Decoding(temp, cfg.max_new_tokens, cfg.seed + i, controls))
                 total[n][0] += len(out.token_ids)
                 total[n][1] += out.seconds
                 row[n] = len(out.token_ids) / out.seconds

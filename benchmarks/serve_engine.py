@@ -235,7 +235,7 @@ def main() -> None:
             print("  planner events (rows, reason): " + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())))
             cal = {k: (v.factor(router.config.batch_calibration_prior), round(v.weight, 1))
                    for k, v in router.planner.calibrations.items()}
-            print(f"  calibrations (rows, spec): {cal}")
+            print(f"  calibrations (rows, spec, sampled): {cal}")
             cs = router.cache_stats
             print(f"  decision cache: {cs.hits} hits, {cs.misses} misses, by reason {dict(cs.reasons)}; "
                   f"publications {dict(router.board.publications)}")

@@ -18,6 +18,7 @@ from specrouter.config import RouterConfig, SamplingParams
 from specrouter.decoding import executor as executor_module
 from specrouter.engine.engine import Engine
 from specrouter.models.pool import Pool
+from specrouter.router import batch as batch_module
 from specrouter.router.policy import Router, RowContext
 from specrouter.records.routing import RowOutcome
 from specrouter.router.profile import CostProfile
@@ -376,38 +377,90 @@ def test_no_speculation_planned_beyond_the_swept_batch_sizes():
     assert all(d.chain == ("target",) and d.k == 0 for d in nine)
 
 
+def run_calibrated(router, slow, steps, n=2, greedy=True, first=0):
+    """`steps` planned steps of n rows (seq_ids from `first`) whose speculative steps take `slow`
+    times their predicted seconds and commit their predicted tokens; whether each speculated."""
+    chosen = []
+    for _ in range(steps):
+        rows = [dataclasses.replace(r, seq_id=first + r.seq_id, greedy=greedy) for r in rows_of(n)]
+        plans = [(d.chain, d.k) for d in router.plan_batch(rows).decisions]
+        outcomes = []
+        for r, (c, k) in zip(rows, plans):
+            accepted = max(0, round(router.planner.expected_tokens(router.requests.get(r.seq_id), c, k)) - 1)
+            outcomes.append(RowOutcome(r.seq_id, c, k, [k] * len(c), [0] + [accepted] * (len(c) - 1),
+                                       greedy, r.context_len))
+        spec = any(k > 0 for _, k in plans)
+        router.planner.observe(outcomes, [], router.planner.step_seconds(plans, 200) * (slow if spec else 1.0))
+        router.observed_steps += 1  # the engine's step clock (observe_step's tick)
+        chosen.append(spec)
+    return chosen
+
+
+def calibration_target(b, t, L):  # speculation at 2 rows is predicted to win, by less than 2x
+    return 0.040 + 0.004 * (t - 1) * b
+
+
 def test_batch_calibration_turns_a_slower_than_predicted_batch_plain():
     """A 2-row batch whose speculative steps take twice what the cost profile predicts (the
     tokens they commit are the predicted ones) turns plain within 20 steps; the same steps at
     their predicted speed keep speculating; a single row is not affected; once plain steps run,
     the correction ages and the batch speculates again."""
-    
-    def run(router, slow, steps, n=2):
-        chosen = []
-        for _ in range(steps):
-            plans = [(d.chain, d.k) for d in router.plan_batch(rows_of(n)).decisions]
-            outcomes = []
-            for r, (c, k) in zip(rows_of(n), plans):
-                accepted = max(0, round(router.planner.expected_tokens(router.requests.get(r.seq_id), c, k)) - 1)
-                outcomes.append(RowOutcome(r.seq_id, c, k, [k] * len(c), [0] + [accepted] * (len(c) - 1),
-                                           True, r.context_len))
-            spec = any(k > 0 for _, k in plans)
-            router.planner.observe(outcomes, [], router.planner.step_seconds(plans, 200) * (slow if spec else 1.0))
-            router.observed_steps += 1  # the engine's step clock (observe_step's tick)
-            chosen.append(spec)
-        return chosen
-
-    def target(b, t, L):  # speculation at 2 rows is predicted to win, by less than 2x
-        return 0.040 + 0.004 * (t - 1) * b
-
+    run, target = run_calibrated, calibration_target
     honest = scripted_router(target)
     assert all(run(honest, 1.0, 20))
     slow = scripted_router(target)
     assert not all(run(slow, 2.0, 20))
-    spec_factor = slow.planner.calibrations[(2, True)].factor(slow.config.batch_calibration_prior)
+    spec_factor = slow.planner.calibrations[(2, True, False)].factor(slow.config.batch_calibration_prior)
     assert 0.45 < spec_factor < 0.65  # realised half the predicted rate, shrunk toward 1
     assert run(slow, 2.0, 1, n=1) == [True]
     assert not all(run(slow, 1.0, 10)) and run(slow, 1.0, 40)[-1]  # aged: speculating again
+
+
+def test_sampled_batches_are_calibrated_apart_from_greedy_ones(monkeypatch):
+    """Sampled 2-row batches whose speculative steps take twice their predicted seconds turn
+    plain; greedy 2-row batches on the same router, whose steps realise their predictions, keep
+    speculating, before and after (a server runs both; the serving bench greedy first, then
+    t=0.7). Negative control: one calibration for both modes (every batch keyed as greedy)
+    carries the sampled batches' factor into the greedy ones, which then decode plainly."""
+    def run():
+        router = scripted_router(calibration_target)
+        for _ in range(50):
+            router.similarity.observe_acceptance(("draft", "target"), "sampling", 4, 1)
+        greedy_before = run_calibrated(router, 1.0, 10)
+        sampled = run_calibrated(router, 2.0, 20, greedy=False, first=10)
+        return greedy_before, sampled, run_calibrated(router, 1.0, 3, first=20)  # new requests
+
+    greedy_before, sampled, greedy_after = run()
+    assert all(greedy_before) and not all(sampled[-10:]) and all(greedy_after)
+    monkeypatch.setattr(batch_module, "sampled", lambda rows: False)  # the negative control
+    _, _, greedy_after = run()
+    assert not any(greedy_after)
+
+
+def test_steps_of_rows_the_planner_did_not_plan_do_not_calibrate_it():
+    """Pinned speculating rows (a client's chain: the serving bench runs its static chains
+    through the router's server) commit several tokens a step where the planner, which never
+    planned them, predicts 1 (`expected_tokens`): such steps would read as speculation beating
+    its predictions and raise the speculative factor. They are not the planner's evidence: no
+    calibration at all; the same steps of rows it planned move the factor (1.42 here), and so
+    do the pinned ones when every row counts as planned (the negative control, run by hand)."""
+    def target(b, t, L):
+        return 0.040 + 0.004 * (t - 1) * b
+
+    def observe(router, planned):
+        rows = rows_of(2)
+        router.plan_batch(rows if planned else [], [] if planned else [(("draft", "target"), 4)] * 2)
+        outcomes = [RowOutcome(r.seq_id, ("draft", "target"), 4, [4, 4], [0, 4], True, r.context_len) for r in rows]
+        router.planner.observe(outcomes, [], router.planner.step_seconds([(("draft", "target"), 4)] * 2, 200))
+        router.observed_steps += 1
+
+    pinned, planned = scripted_router(target), scripted_router(target)
+    for _ in range(10):
+        observe(pinned, planned=False)
+        observe(planned, planned=True)
+    prior = pinned.config.batch_calibration_prior
+    assert not pinned.planner.calibrations and pinned.planner.calibration(2) == (1.0, 1.0)
+    assert planned.planner.calibrations[(2, True, False)].factor(prior) != pytest.approx(1.0, abs=0.05)
 
 
 def test_a_held_step_costs_no_per_row_planning():

@@ -297,6 +297,11 @@ class RouterConfig:
     # side by side on the mixed stream charging it was 2-5% slower greedy in 3 of 3 runs and
     # 0.4-5% slower at t=0.7 (docs/router.md, "Side by side")
     charge_outside: bool = False
+    # ... but charge it where plain decoding is weighed against speculation, and only there
+    # (router/host_time.py `PlainCharge`): the best speculative plan (as decide() prices it)
+    # must beat plain decoding with each kind's measured outside seconds per cycle; False: the
+    # plans compare as the table prices them (before issue 31's chat fix)
+    charge_leaving_plain: bool = True
     context_bucket: int = 32  # cost rows are cached per (b, L // context_bucket)
     prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
     alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)

@@ -123,6 +123,11 @@ def speculates(plans: Sequence[Plan]) -> bool:
     return any(k > 0 and len(c) > 1 for c, k in plans)
 
 
+def sampled(rows: Sequence[RowContext] | Sequence[RowOutcome]) -> bool:
+    """Does a batch have a sampled row (its calibration's mode, `BatchPlanner.calibration`)?"""
+    return any(not r.greedy for r in rows)
+
+
 def hold_floor(rows: int) -> int:
     """The fewest rows a plain hold found for `rows` rows still holds for: 3/4 of them (a row
     leaving a batch of 8 barely changes what speculation costs, and re-planning after every
@@ -154,9 +159,11 @@ class BatchPlanner:
         self.hold: PlainHold | None = None  # the batch stays plain without re-planning until hold.until
         self.spec_hold: SpecHold | None = None  # a batch's speculative plans, kept until spec_hold.until
         self.held_decisions = 0  # row decisions the plain hold made (they log no DecisionEvent)
-        # (rows, speculative) -> StepCalibration: multi-row steps' realised / predicted rates
-        self.calibrations: dict[tuple[int, bool], StepCalibration] = {}
+        # (rows, speculative, sampled) -> StepCalibration: multi-row steps' realised / predicted
+        # rates, apart for batches with a sampled row (`calibration`)
+        self.calibrations: dict[tuple[int, bool, bool], StepCalibration] = {}
         self.plan_seconds = 0.0  # the planning of the step being run (observe adds it to the step)
+        self.planned: frozenset[int] = frozenset()  # seq_ids of the rows the last plan() planned
         self._plain_seconds: dict[tuple[int, int], tuple[float, int]] = {}  # plain_step_seconds' memo
         self.events: deque = deque(maxlen=router.config.log_size)  # (row-cycle, rows, reason, rate, plain rate)
 
@@ -180,6 +187,7 @@ class BatchPlanner:
         router = self.router
         hold, now = self.hold, router.observed_steps
         n = len(rows) + len(pinned)
+        self.planned = frozenset(r.seq_id for r in rows)
         if not rows:
             decisions = []
         elif n > router.config.sampling_spec_max_batch and not any(r.greedy for r in rows):
@@ -277,7 +285,7 @@ class BatchPlanner:
                          for r, d in zip(rows, decisions)]
         L = max(1, sum(r.context_len for r in rows) // len(rows))
         reqs = [router.requests.get(r.seq_id) for r in rows]
-        factors = self.calibration(n)
+        factors = self.calibration(n, sampled(rows))
         flags = [r.processors for r in rows]  # pinned rows: not charged (their plan is fixed)
 
         def option(plans: list[Plan]) -> tuple[float, list[Plan]]:
@@ -342,7 +350,7 @@ class BatchPlanner:
         reqs = [router.requests.get(r.seq_id) for r in rows]
         tokens = [self.expected_tokens(req, c, k) for req, (c, k) in zip(reqs, plans)]
         best = list(plans)
-        factors = self.calibration(len(rows) + len(pinned))
+        factors = self.calibration(len(rows) + len(pinned), sampled(rows))
 
         def rate(ps: list, toks: list) -> float:
             return self.rate(ps + list(pinned), sum(toks) + len(pinned), L, factors, [r.processors for r in rows])
@@ -427,13 +435,18 @@ class BatchPlanner:
             hit = self._plain_seconds[key] = (self.step_seconds(plans, context_len, publish=False), now)
         return hit[0]
 
-    def calibration(self, n: int) -> tuple[float, float]:
+    def calibration(self, n: int, sampled: bool = False) -> tuple[float, float]:
         """(speculative, plain) factors on the predicted throughput of a step of n rows (1, 1
-        for a single row, whose plans the per-row evidence already corrects)."""
+        for a single row, whose plans the per-row evidence already corrects), learned from
+        batches with a sampled row apart from all-greedy ones: what speculation realises
+        against its prediction differs by mode (a sampled row's acceptance is estimated from
+        1 - D_TV, a greedy row's through the greedy calibration), and a server that ran greedy
+        requests must not carry their factor into sampled ones (the serving bench runs t=0,
+        then t=0.7, on one server)."""
         if n < 2:
             return 1.0, 1.0
         prior = self.router.config.batch_calibration_prior
-        spec, plain = self.calibrations.get((n, True)), self.calibrations.get((n, False))
+        spec, plain = self.calibrations.get((n, True, sampled)), self.calibrations.get((n, False, sampled))
         return (spec.factor(prior) if spec is not None else 1.0,
                 plain.factor(prior) if plain is not None else 1.0)
 
@@ -450,13 +463,18 @@ class BatchPlanner:
         (the executor's `wall_time` plus the planning of the step) against the rates the planner
         predicts for the plans that ran; the other kind of step at this batch size ages. A step
         that prefills a joining row's prompt is not a step of either kind (its forward is wider
-        than any plan's)."""
+        than any plan's), nor is one where a row the planner did not plan speculates (a pinned
+        chain, e.g. a client's `specrouter_chain`): the planner has no prediction of its tokens
+        (`expected_tokens` reads 1), so its accepted drafts read as speculation beating its
+        predictions (the serving bench runs its static chains through the router's server)."""
         plan_seconds, self.plan_seconds = self.plan_seconds, 0.0
         router, cfg = self.router, self.router.config
         n = len(rows)
         if n < 2 or wall_time <= 0.0:
             return
         plans = [(tuple(r.chain), r.k) for r in rows]
+        if any(r.seq_id not in self.planned for r, (c, k) in zip(rows, plans) if len(c) > 1 and k > 0):
+            return
         widest = max(k + len(c) - 1 if len(c) > 1 and k > 0 else 1 for c, k in plans)
         if any(f.new_tokens > widest + 1 for f in forwards if f.model == router.target):
             return
@@ -471,9 +489,10 @@ class BatchPlanner:
         else:  # every row commits its one token
             predicted_tokens = realised_tokens = n
             predicted_seconds = self.plain_step_seconds(n, L)
-        cal = self.calibrations.setdefault((n, spec), StepCalibration())
+        mode = sampled(rows)
+        cal = self.calibrations.setdefault((n, spec, mode), StepCalibration())
         cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, predicted_seconds,
                 cfg.batch_calibration_discount)
-        other = self.calibrations.get((n, not spec))
+        other = self.calibrations.get((n, not spec, mode))
         if other is not None:
             other.forget(cfg.batch_calibration_forget)

@@ -47,6 +47,7 @@ import numpy as np
 
 from specrouter.config import RouterConfig
 from specrouter.router.cost_model import PlanTable
+from specrouter.router.host_time import PlainCharge
 from specrouter.records.routing import Chain, Pair
 
 
@@ -83,18 +84,20 @@ class CachedPlans:
     table: PlanTable  # every chain x k, all overheads (plan_batch weighs alternatives with it too)
     costs: Mapping[str, object]  # the cost rows it was computed from
     t_plain: float
+    # host seconds per cycle charged where plain decoding is weighed against speculation
+    charge: PlainCharge = field(default_factory=PlainCharge)
     floors: dict = field(default_factory=dict, compare=False)  # plan -> its confidence floor (memo)
     bests: dict = field(default_factory=dict, compare=False)  # k cap -> (plan, T_eff): argmin (memo)
 
     def best(self, k_cap: int) -> tuple[tuple[Chain, int], float]:
         """(plan, T_eff) of least T_eff with k <= k_cap: first minimum, earlier chain, smaller k
-        (column j of the table is k = j + 1 whatever the cap, so one table serves every cap)."""
+        (column j of the table is k = j + 1 whatever the cap, so one table serves every cap),
+        plain decoding against the best speculative plan with their charge (`PlainCharge.best`)."""
         hit = self.bests.get(k_cap)
         if hit is None:
-            t = self.table.t_eff[:, :k_cap]  # (C, k_cap)
-            i, j = np.unravel_index(int(np.argmin(t)), t.shape)
+            i, j = self.charge.best(self.table, k_cap)
             chain = self.table.chains[i]
-            hit = self.bests[k_cap] = ((chain, 0 if len(chain) == 1 else j + 1), float(t[i, j]))
+            hit = self.bests[k_cap] = ((chain, 0 if len(chain) == 1 else j + 1), float(self.table.t_eff[i, j]))
         return hit
 
 

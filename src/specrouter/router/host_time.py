@@ -9,11 +9,18 @@ decide()'s share of it was charged, so plans were predicted faster than they ran
 `OutsideClock` measures it from one `plan_batch` to the next: that period minus the executor's
 wall time of the step planned in between. Only between consecutive steps of the same rows (a
 request joining or leaving, or the time between requests, is not a step's) and at most the
-executor's wall (a stall is not the step's either)."""
+executor's wall (a stall is not the step's either).
+
+`PlainCharge` charges what it measured where a decision weighs plain decoding against
+speculation (policy.py, steps 1-3), leaving the order of speculative plans as decide() prices it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 
 class OutsideClock:
@@ -38,3 +45,49 @@ class OutsideClock:
         """The step planned last was observed (before the router counts it: `steps` as then)."""
         if self._last is not None and self._last[1] == steps:
             self._last = (*self._last[:3], wall_time, speculative)
+
+
+@dataclass(frozen=True)
+class PlainCharge:
+    """The host seconds per cycle outside the executor that a PlanTable leaves out, charged where
+    a decision weighs plain decoding against speculation, and only there
+    (`RouterConfig.charge_leaving_plain`).
+
+    The table charges every plan decide()'s seconds per cycle; an engine step really pays its
+    kind's measured outside seconds (`OutsideClock`: ~1 ms per speculative step, planning,
+    observing and shadow proposals; far less per held plain step). Uncharged, a draft agreeing
+    on 10-18% of chat tokens looked ~1% faster than plain decoding and ran ~8% slower. Charged
+    everywhere (`charge_outside`), the per-cycle seconds also reorder the speculative plans
+    among themselves (longer drafts look cheaper), which lost 2-5% on the mixed stream; here
+    the speculative argmin stays the table's."""
+
+    spec: float = 0.0  # seconds per speculative cycle (outside_spec - what the table charges)
+    plain: float = 0.0  # seconds per plain cycle (outside_plain - what the table charges)
+
+    @classmethod
+    def measured(cls, times: Mapping[str, float], charged: float) -> "PlainCharge":
+        """From the published times ("outside_spec", "outside_plain": 0.0 until measured, e.g.
+        never in a simulated pool) and the seconds per cycle the table already charges."""
+        return cls(times["outside_spec"] - charged if times["outside_spec"] > 0.0 else 0.0,
+                   times["outside_plain"] - charged if times["outside_plain"] > 0.0 else 0.0)
+
+    def t_eff(self, table, i: int, j: int) -> float:
+        """T_eff of cell (i, j) of a PlanTable (row 0: plain decoding) with its kind's charge."""
+        t = float(table.t_eff[i, j])
+        if i == 0:
+            return t + self.plain
+        return t + self.spec / float(table.expected_tokens[i, j])
+
+    def best(self, table, k_cap: int) -> tuple[int, int]:
+        """Cell (i, j) of the plan to run with k <= k_cap: the least T_eff among speculative
+        plans as the table has it (first minimum: earlier chain, smaller k), unless plain
+        decoding is as fast or faster once both carry their charge. With no charge this is the
+        table's own argmin (ties to plain decoding)."""
+        t = table.t_eff[:, :k_cap]  # (C, k_cap)
+        if t.shape[0] < 2:
+            return 0, 0
+        i, j = np.unravel_index(int(np.argmin(t[1:])), t[1:].shape)
+        i = int(i) + 1
+        if not math.isfinite(float(t[i, j])) or self.t_eff(table, 0, 0) <= self.t_eff(table, i, int(j)):
+            return 0, 0
+        return i, int(j)

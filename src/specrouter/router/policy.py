@@ -25,7 +25,10 @@ pool order (cheapest first, target last) and the names of model-free drafters.
    not for a change of regime: when the profile's step detector fired for a model of the plan
    (it slowed down or sped up), a gain above `persist_margin` switches at once ("changed").
    And plain decoding is the safe default: a speculative plan not predicted to beat it by more
-   than `persist_margin` falls back to it at once ("fallback").
+   than `persist_margin` falls back to it at once ("fallback"). Wherever plain decoding is
+   weighed against speculation (the argmin, and these rules when the current plan or the best
+   is plain), each carries its kind's measured host seconds outside the executor per cycle
+   (router/host_time.py `PlainCharge`), not only decide()'s.
 3. Probing (router/probing.py, `Prober`): pairs with little (or faded) evidence get their
    optimistic alpha; within a budget (5% of row-cycles, 2% of wall time) a chain measuring one
    of them runs this one cycle when it could beat the plan in that optimistic world.
@@ -81,7 +84,7 @@ from specrouter.router.cost_model import (
     with_certain,
 )
 from specrouter.router.evidence import CachedPlans, CacheStats, EvidenceBoard, certain_bucket, decision_key
-from specrouter.router.host_time import OutsideClock
+from specrouter.router.host_time import OutsideClock, PlainCharge
 from specrouter.router.probing import Prober
 from specrouter.router.profile import CostProfile
 from specrouter.records.routing import (  # noqa: F401  (re-exported: the router's public boundary)
@@ -240,8 +243,8 @@ class Router:
         # host seconds outside forwards: per plain step, per speculative cycle (its draft steps'
         # share apart), per model draft step after a drafter's first forward; "processor": per
         # row-forward of a row with logits processors (charged to such rows' forwards, `inputs`)
-        # "outside_plain", "outside_spec": per engine step, its host seconds outside the
-        # executor (router/host_time.py: measured from one plan_batch to the next)
+        # "outside_plain", "outside_spec": per engine step of a single stream, its host seconds
+        # outside the executor (router/host_time.py: measured from one plan_batch to the next)
         self.overhead = {"plain": 0.0, "spec": 0.0, "draft_step": 0.0, "processor": 0.0,
                          "outside_plain": 0.0, "outside_spec": 0.0}
         self.outside = OutsideClock()  # measures "outside_plain" / "outside_spec"
@@ -272,9 +275,13 @@ class Router:
         (`BatchPlanner.plan`)."""
         measured = None if self.step_clock is None else self.outside.planning(
             self.step_clock(), self.observed_steps, rows, pinned)
-        if measured is not None:  # the last step's host seconds outside the executor
+        # the last step's host seconds outside the executor, a single stream's the router plans
+        # (not a pinned chain's): a batch's are weighed by the batch planner's calibration (its
+        # steps' realised seconds, planning included)
+        if measured is not None and len(rows) == 1 and not pinned:
             key = "outside_spec" if measured[1] else "outside_plain"
-            self.overhead[key] += self.config.overhead_alpha * (measured[0] - self.overhead[key])
+            last = self.overhead[key]  # 0.0: the first measurement (an EMA from 0 would under-charge ~20 steps)
+            self.overhead[key] = last + self.config.overhead_alpha * (measured[0] - last) if last else measured[0]
         return self.planner.plan(rows, pinned)
 
     def take_confident_drafts(self, rows: Sequence[RowContext], plans: list[Plan],
@@ -461,7 +468,7 @@ class Router:
             plans = req.cached = self._plans(row, req, key)
         decision = self._hysteresis(req, plans, k_cap)
         if self.prober.due():
-            decision = self.prober.decide(row, req, mode, k_cap, decision)
+            decision = self.prober.decide(row, req, mode, k_cap, decision, plans.charge)
         # what the realized check compares the cycle with: the model's prediction (probes are
         # predicted without the correction, planned cycles with it)
         applied = 1.0 if decision.reason == "probe" else req.corrections.get(decision.chain, 1.0)
@@ -476,7 +483,11 @@ class Router:
         keep = self.chain_index.get(prev[0]) if prev is not None else None
         table = corrected(self.table(costs, alphas, router, self.config.k_max, keep=keep),
                           self.chain_index, req.corrections)
-        return CachedPlans(key, table, costs, float(table.t_eff[0, 0]))
+        cfg = self.config
+        # a single stream's (a batch's plain-vs-speculate choice is the batch planner's)
+        charge = (PlainCharge.measured(self.board.current().times, router)
+                  if cfg.charge_leaving_plain and not cfg.charge_outside and row.batch_size <= 1 else PlainCharge())
+        return CachedPlans(key, table, costs, float(table.t_eff[0, 0]), charge)
 
     def _hysteresis(self, req: RequestState, plans: CachedPlans, k_cap: int) -> Decision:
         """Step 2: keep the request's plan unless the best is enough faster (module docstring);
@@ -494,6 +505,9 @@ class Router:
             cj = 0 if len(prev[0]) == 1 else min(prev[1], k_cap) - 1
             current = plan_at(self.chains, ci, cj)
             t_cur = float(t[ci, cj])
+            if plain in (current[0], best[0]):  # plain against speculation: both with their charge
+                t_cur = plans.charge.t_eff(plans.table, ci, cj)
+                t_best = plans.charge.t_eff(plans.table, self.chain_index[best[0]], max(best[1], 1) - 1)
             changed = tuple(jumps.get(m, 0) for m in prev[0]) != req.epoch  # a model of the plan changed speed
             if current == best:
                 choice, reason = current, "same"

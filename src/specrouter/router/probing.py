@@ -21,6 +21,7 @@ import numpy as np
 
 from specrouter.records.routing import Decision, Pair, RowContext
 from specrouter.router.cost_model import best_plan
+from specrouter.router.host_time import PlainCharge
 from specrouter.router.similarity import ProbeBudget
 
 
@@ -40,12 +41,14 @@ class Prober:
         enough ago)?"""
         return self.budget.allow() and self.router.similarity.now >= self.next_check
 
-    def decide(self, row: RowContext, req, mode: str, k_cap: int, decision: Decision) -> Decision:
+    def decide(self, row: RowContext, req, mode: str, k_cap: int, decision: Decision,
+               charge: PlainCharge = PlainCharge()) -> Decision:
         """A probe instead of `decision` this one cycle, within the budget (the request's plan
-        stays as it is); else `decision`."""
+        stays as it is); else `decision`. `charge`: a plain plan is weighed against the probes
+        with both kinds' host seconds (policy.py, step 2)."""
         router = self.router
         costs, alphas, overhead = router.inputs(row, req)
-        probe = self._probe(mode, decision.chain, decision.t_eff, costs, alphas, overhead, k_cap)
+        probe = self._probe(mode, decision.chain, decision.t_eff, costs, alphas, overhead, k_cap, charge)
         if probe is None:
             self.next_check = router.similarity.now + router.config.probe_recheck
             return decision
@@ -60,11 +63,11 @@ class Prober:
                         router.confidence_floor(chain, pk, latency / tokens, costs))
 
     def _probe(self, mode: str, running, t_plan: float, costs, alphas, overhead: float,
-               k_cap: int) -> tuple[int, int] | None:
+               k_cap: int, charge: PlainCharge = PlainCharge()) -> tuple[int, int] | None:
         """(chain index, k) of a probe, or None (module docstring). A candidate pair is worth a
         probe when some chain measuring it beats the plan (T_eff below `t_plan`) in the
-        optimistic world; the most promising one goes, with its best chain at that chain's best
-        k up to `probe_k`."""
+        optimistic world, a plain plan with `charge` on both sides; the most promising one goes,
+        with its best chain at that chain's best k up to `probe_k`."""
         router = self.router
         cfg, sim, now = router.config, router.similarity, router.similarity.now
         busy = set(zip(running[:-1], running[1:]))
@@ -86,7 +89,11 @@ class Prober:
         for m in slow:  # it may have recovered while nobody looked
             if isinstance(costs[m], np.ndarray):
                 hopeful_costs[m] = costs[m] / router.profile.speed(m)
-        t = router.table(hopeful_costs, hopeful, overhead, k_cap).t_eff
+        table = router.table(hopeful_costs, hopeful, overhead, k_cap)
+        t = table.t_eff
+        if len(running) == 1 and charge != PlainCharge():  # a plain plan: both kinds' host seconds
+            t_plan += charge.plain
+            t = np.where(np.isfinite(t), t + charge.spec / table.expected_tokens, np.inf)  # (C, K)
         best = None  # (optimistic T_eff, pair, chain index, k index)
         for p in candidates:
             for i in self.first_pair_chains(p):

@@ -1,0 +1,121 @@
+"""Plain decoding against speculation with each kind's host seconds outside the executor
+(router/host_time.py `PlainCharge`, issue 31's chat goal). Scripted pool and virtual clock of
+test_router.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_router import L0, Sim, make_router, observe_cycle, true_plan
+
+from specrouter.config import RouterConfig
+from specrouter.router.cost_model import PlanTable
+from specrouter.router.host_time import PlainCharge
+from specrouter.router.policy import RowContext
+
+WEAK = {("d1", "T"): 0.15}  # a draft agreeing on 15% of tokens (chat, measured: 10-18%)
+OUTSIDE = {True: 4.3e-3, False: 4e-4}  # host seconds outside the executor per step, speculative / plain
+
+
+def run_stream(steps=200, outside=OUTSIDE, seed=5, **config):
+    """One request of `steps` engine steps through plan_batch, the virtual clock advanced by
+    each step's wall time plus its kind's scripted outside seconds (what plan_batch measures);
+    returns (speculative steps, tokens per second, the router)."""
+    now = [0.0]
+    router = make_router(order=["d1", "T"], step_clock=lambda: now[0], timer=lambda: 0.0,
+                         config=RouterConfig(**config))
+    sim = Sim(WEAK, seed=seed)
+    row, spec, tokens = RowContext(0, L0), 0, 0
+    for _ in range(steps):
+        d = router.plan_batch([row]).decisions[0]
+        stats, outcomes, fwd, committed = sim.run(d.chain, d.k, [0], L0, True)
+        observe_cycle(router, stats, outcomes, fwd)
+        now[0] += stats.wall_time + outside[d.k > 0]
+        spec, tokens = spec + (d.k > 0), tokens + committed[0]
+    return spec, tokens / now[0], router
+
+
+def test_the_world_speculates_by_the_table_and_loses_by_the_clock():
+    """The scripted world of the tests below: by forwards and per-cycle overheads d1 > T k=1 is
+    ~3% faster than plain decoding, with each kind's outside seconds ~5% slower."""
+    plan = true_plan(["d1", "T"], WEAK, overhead=3e-4)
+    t_plain = float(plan.table.t_eff[0, 0])
+    assert plan.chain == ("d1", "T") and plan.t_eff < 0.98 * t_plain
+    charged = plan.t_eff + OUTSIDE[True] / plan.expected_tokens
+    assert charged > 1.03 * (t_plain + OUTSIDE[False])
+
+
+def test_a_single_stream_stays_plain_where_speculations_host_seconds_lose():
+    """A speculative step costs 4.3 ms outside the executor (planning, observing, shadow
+    proposals: ~10% of the target's step, as on the CPU), a plain one 0.4 ms. Charged where plain
+    decoding is weighed against speculation, the router leaves d1 > T within a few steps and
+    runs faster; the negative control (`charge_leaving_plain=False`, the table alone) keeps
+    speculating and runs slower by the clock."""
+    spec, rate, router = run_stream()
+    spec_off, rate_off, _ = run_stream(charge_leaving_plain=False)
+    assert router.overhead["outside_spec"] == pytest.approx(OUTSIDE[True])
+    assert spec <= 20 and spec_off >= 180
+    assert rate > 1.03 * rate_off
+
+
+def test_speculation_that_pays_its_host_seconds_still_runs():
+    """The same host seconds with a draft that agrees on 45%: speculation beats plain decoding
+    by far more than its charge, and the charged router speculates as much as the control."""
+    def strong(**config):
+        now = [0.0]
+        router = make_router(order=["d1", "T"], step_clock=lambda: now[0], timer=lambda: 0.0,
+                             config=RouterConfig(**config))
+        sim, spec = Sim({("d1", "T"): 0.45}, seed=6), 0
+        for _ in range(150):
+            d = router.plan_batch([RowContext(0, L0)]).decisions[0]
+            stats, outcomes, fwd, _ = sim.run(d.chain, d.k, [0], L0, True)
+            observe_cycle(router, stats, outcomes, fwd)
+            now[0] += stats.wall_time + OUTSIDE[d.k > 0]
+            spec += d.k > 0
+        return spec
+    assert strong() >= 140 and strong(charge_leaving_plain=False) >= 140
+
+
+def table_of(t_eff, tokens):
+    t_eff, tokens = np.asarray(t_eff, dtype=float), np.asarray(tokens, dtype=float)
+    chains = (("T",),) + tuple((f"d{i}", "T") for i in range(1, len(t_eff)))
+    return PlanTable(chains, np.arange(1, t_eff.shape[1] + 1), t_eff, tokens, t_eff * tokens)
+
+
+def test_no_charge_is_the_tables_own_argmin_and_a_charge_never_reorders_speculative_plans():
+    """`PlainCharge.best` without a charge is the PlanTable's argmin (first minimum, ties to
+    plain decoding), over random tables with ties and pruned (inf) chains; with a charge the
+    speculative plan it weighs is still the table's best speculative one (a per-cycle charge
+    would favour long drafts: that reordering lost on the mixed stream)."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        t = np.round(rng.uniform(0.8, 1.2, size=(4, 6)), 1)
+        t[0] = t[0, 0]  # plain decoding: the same T_eff in every column
+        if rng.random() < 0.3:
+            t[rng.integers(1, 4)] = np.inf
+        tokens = rng.uniform(1.0, 4.0, size=(4, 6))
+        table = table_of(t, tokens)
+        for cap in (1, 3, 6):
+            want = np.unravel_index(int(np.argmin(t[:, :cap])), (4, cap))
+            got = PlainCharge().best(table, cap)
+            assert (got[0], got[1] if got[0] else 0) == (int(want[0]), int(want[1]) if want[0] else 0)
+            charge = PlainCharge(spec=0.5, plain=-0.1)
+            i, j = charge.best(table, cap)
+            sub = t[1:, :cap]
+            si, sj = np.unravel_index(int(np.argmin(sub)), sub.shape)
+            if i:
+                assert (i, j) == (int(si) + 1, int(sj))
+            else:  # plain: it beats the best speculative plan once both are charged (or none is finite)
+                assert not np.isfinite(sub[si, sj]) or t[0, 0] - 0.1 <= sub[si, sj] + 0.5 / tokens[si + 1, sj]
+
+
+def test_the_charge_reads_the_measured_outside_seconds():
+    """Nothing measured (a simulated pool without a step clock): no charge; measured: each
+    kind's outside seconds less what the table already charges (decide()'s)."""
+    none = PlainCharge.measured({"outside_spec": 0.0, "outside_plain": 0.0}, 2e-4)
+    assert none == PlainCharge()
+    c = PlainCharge.measured({"outside_spec": 1.1e-3, "outside_plain": 3e-4}, 2e-4)
+    assert c.spec == pytest.approx(9e-4) and c.plain == pytest.approx(1e-4)
+    table = table_of([[1.0, 1.0], [0.99, 0.98]], [[1.0, 1.0], [1.1, 1.2]])
+    assert PlainCharge().best(table, 2) == (1, 1)
+    assert PlainCharge(spec=0.05).best(table, 2) == (0, 0)  # 0.98 + 0.05 / 1.2 > 1.0
