@@ -27,8 +27,10 @@ def scripted_profile(slow: dict[str, float]) -> CostProfile:
 def test_caches_equal_a_fresh_prefill_after_every_step(tiny_pool_dirs):
     torch.manual_seed(0)  # sampling rows draw from the engine's default stream
     pool = Pool.load([tiny_pool_dirs[n] for n in NAMES], names=NAMES, target="target", dtype="float64")
-    router = Router.from_pool(pool, scripted_profile({}), config=RouterConfig(patience=2))
-    # a constant clock: forwards take no time, so the profile stays the scripted one
+    # constant clocks: forwards and the router's own host work take no time, so the profile stays
+    # the scripted one and the decisions do not depend on how busy the machine is
+    router = Router.from_pool(pool, scripted_profile({}), config=RouterConfig(patience=2),
+                              timer=lambda: 0.0, step_clock=lambda: 0.0)
     eng = Engine(pool, max_num_seqs=5, max_model_len=96, router=router, clock=lambda: 0.0)
     scratch = {n: r.allocate_slot() for n, r in pool.runners.items()}  # fresh prefills go here
     g = torch.Generator().manual_seed(5)
