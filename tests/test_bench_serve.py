@@ -30,6 +30,14 @@ def test_serve_bench_quick_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
     assert all(r["library_tps"] > 0 and r["server_tps"] > 0 and r["concurrency"] == 1 for r in lib.values())
     # and through the bare HTTP client (its greedy texts are in the mismatch check above)
     assert all(r["raw_server_tps"] > 0 and r["raw_vs_library"] > 0 for r in lib.values())
+    # where the time goes: like with like, the plain chain takes as many engine steps per request
+    # on every side (the library's counted around Engine.step, the servers' from their /metrics),
+    # a step per token (the first one the prefill); the rest of each side's wall is outside them
+    split = lib["API plain"]["split"]
+    assert {s["steps"] for s in split.values()} == {cfg.max_new_tokens}, split
+    assert all(s["step_ms"] > 0 and s["outside_ms"] >= 0 for s in split.values()), split
+    assert split["library"]["client_cpu_ms"] is None and split["server"]["client_cpu_ms"] > 0
+    assert "| API plain | server |" in markdown(result)
     goals = [g["goal"] for g in result["goals"]]
     assert any(g.startswith("server >= 0.95x the Python API") and "openai client" in g for g in goals)
     assert any(g.startswith("server >= 0.95x the Python API") and "raw HTTP client" in g for g in goals)

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
+from specrouter.bench.serve_steps import StepClock, Steps, server_steps, split
 from specrouter.bench.workloads import CHAT, CODE, EXTRACTION, PROSE
 
 
@@ -416,43 +417,51 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
         loop.run_until_complete(level())
         return time.perf_counter() - t0, results
 
+    def measured(into: "Side", fn, system: str, key: str, reqs: list[tuple[str, bool]], c: int,
+                 latest: bool = False) -> None:
+        """`fn(system, key, reqs, c)` (served / served_raw) into `into`, with the server's engine
+        steps over it (its /metrics, read outside the timed region) and the client's CPU."""
+        before, cpu = server_steps(servers[system]), time.thread_time()
+        wall, res = fn(system, key, reqs, c)
+        cpu = time.thread_time() - cpu
+        into.add(sum(x.tokens for x in res), wall, [x.text for x in res], server_steps(servers[system]) - before,
+                 client_cpu=cpu, latest=latest)
+
     def one_by_one(name: str, system: str, chain):
         view = pool.with_fresh_drafters()
         router = None if chain else build_router(view, progress=False, config=RouterConfig())
         api = SpecRouter(view, router)
         api.generate(ids_all[0][:8], max_new_tokens=4, chain=chain)  # warm-up
+        if api.engine.prefix_cache is not None:  # its parked prompt is request 0's first 8 tokens:
+            api.engine.prefix_cache.clear()  # the server (its own API key) cannot hit it
         release_omp_team_here()  # this thread stays idle while the server runs: no second team
-        lib = [0, 0.0, []]
-        srv = [0, 0.0, []]
-        raw = [0, 0.0, []]
+        lib, srv, raw = Side(), Side(), Side()
+        clock = StepClock(api.engine)
         key = f"bench|paired|{name}"
-        for i, (x, req) in enumerate(zip(ids_all[:cfg.requests], reqs_all)):
+        for i, req in enumerate(reqs_all[:cfg.requests]):
             for who in ROTATION[i % 3]:
                 if who == "library":
+                    # from the prompt's text, as the server's wall time includes its tokenizing
+                    # and chat template (the same token ids: the greedy texts are compared)
+                    before = clock.steps
                     t0 = time.perf_counter()
-                    r = api.generate(x, max_new_tokens=cfg.max_new_tokens, chain=chain, ignore_eos=True)[0]
-                    lib[0] += len(r.token_ids)
-                    lib[1] += time.perf_counter() - t0
-                    lib[2].append(r.text)
+                    r = api.generate(req[0], chat=req[1], max_new_tokens=cfg.max_new_tokens, chain=chain,
+                                     ignore_eos=True)[0]
+                    lib.add(len(r.token_ids), time.perf_counter() - t0, [r.text], clock.steps - before)
                     release_omp_team_here()
                 else:
                     into, fn = (srv, served) if who == "server" else (raw, served_raw)
-                    wall, (res,) = fn(system, key + ("|raw" if who == "raw" else ""), [req], 1)
-                    into[0] += res.tokens
-                    into[1] += wall
-                    into[2].append(res.text)
+                    measured(into, fn, system, key + ("|raw" if who == "raw" else ""), [req], 1)
+        clock.close()
         out.append({"name": name, "system": system, "concurrency": 1, "server_concurrency": 1,
-                    "tokens_per_s": lib[0] / lib[1], "tokens": lib[0], "wall": lib[1], "texts": lib[2],
-                    "server_tokens_per_s": srv[0] / srv[1], "server_wall": srv[1], "server_texts": srv[2],
-                    "raw_server_tokens_per_s": raw[0] / raw[1], "raw_server_wall": raw[1], "raw_server_texts": raw[2]})
-        log(f"library {name}: {lib[0] / lib[1]:.1f} tok/s; paired server {srv[0] / srv[1]:.1f} tok/s "
-            f"(openai client), {raw[0] / raw[1]:.1f} tok/s (raw HTTP client)")
+                    **lib.fields(""), **srv.fields("server_"), **raw.fields("raw_server_")})
+        log(f"library {name}: {lib.tps:.1f} tok/s; paired server {srv.tps:.1f} tok/s "
+            f"(openai client), {raw.tps:.1f} tok/s (raw HTTP client)")
 
     def batched(c: int):
         n_req = max(cfg.requests, c)
         ids = ids_all[:n_req]
-        lib, srv, raw = [0, 0.0], [0, 0.0], [0, 0.0]
-        texts, server_texts, raw_texts = [], [], []
+        lib, srv, raw = Side(), Side(), Side()
         cached = 0  # prompt tokens the library's rows read from its prefix cache (0: a fair prefill)
         for r in range(max(1, cfg.rounds)):
             for who in ROTATION[r % 3]:
@@ -468,30 +477,25 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
                                         chain=(view.target,), k=1)
                     if engine.prefix_cache is not None:
                         engine.prefix_cache.clear()
+                    clock = StepClock(engine)
                     t0 = time.perf_counter()
                     seqs = continuous_batching(engine, ids, params, c, (view.target,))
-                    lib[1] += time.perf_counter() - t0
-                    lib[0] += sum(len(s.output_ids) for s in seqs)
+                    lib.add(sum(len(s.output_ids) for s in seqs), time.perf_counter() - t0,
+                            [sr.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in seqs],
+                            clock.steps, latest=True)
+                    clock.close()
                     cached += sum(s.stats.cached_tokens for s in seqs)
-                    texts = [sr.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
                     release_omp_team_here()
                 elif who == "server":
-                    wall, res = served("plain", f"bench|paired|engine c={c}|{r}", reqs_all[:n_req], c)
-                    srv[0] += sum(x.tokens for x in res)
-                    srv[1] += wall
-                    server_texts = [x.text for x in res]
+                    measured(srv, served, "plain", f"bench|paired|engine c={c}|{r}", reqs_all[:n_req], c, latest=True)
                 else:
-                    wall, res = served_raw("plain", f"bench|paired|engine c={c}|{r}|raw", reqs_all[:n_req], c)
-                    raw[0] += sum(x.tokens for x in res)
-                    raw[1] += wall
-                    raw_texts = [x.text for x in res]
-        out.append({"name": f"engine plain c={c}", "system": "plain", "concurrency": c,
-                    "server_concurrency": c, "tokens_per_s": lib[0] / lib[1], "tokens": lib[0], "wall": lib[1],
-                    "texts": texts, "server_tokens_per_s": srv[0] / srv[1], "server_wall": srv[1],
-                    "server_texts": server_texts, "raw_server_tokens_per_s": raw[0] / raw[1], "raw_server_wall": raw[1],
-                    "raw_server_texts": raw_texts, "library_cached_tokens": cached})
-        log(f"library engine plain c={c}: {lib[0] / lib[1]:.1f} tok/s; paired server {srv[0] / srv[1]:.1f} tok/s "
-            f"(openai client), {raw[0] / raw[1]:.1f} tok/s (raw HTTP client)")
+                    measured(raw, served_raw, "plain", f"bench|paired|engine c={c}|{r}|raw", reqs_all[:n_req], c,
+                             latest=True)
+        out.append({"name": f"engine plain c={c}", "system": "plain", "concurrency": c, "server_concurrency": c,
+                    **lib.fields(""), **srv.fields("server_"), **raw.fields("raw_server_"),
+                    "library_cached_tokens": cached})
+        log(f"library engine plain c={c}: {lib.tps:.1f} tok/s; paired server {srv.tps:.1f} tok/s "
+            f"(openai client), {raw.tps:.1f} tok/s (raw HTTP client)")
 
     try:
         if 1 in cfg.concurrency:
@@ -506,6 +510,43 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
             loop.run_until_complete(client.close())
         loop.close()
     return out
+
+
+@dataclass
+class Side:
+    """One side of a paired library run (the library, the server through a client): tokens, wall
+    seconds and engine steps summed over its units (requests or rounds), its greedy texts (every
+    request's, or the latest round's), the client's CPU seconds (a server side)."""
+
+    tokens: int = 0
+    wall: float = 0.0
+    steps: Steps = field(default_factory=Steps)
+    units: int = 0
+    client_cpu: float = 0.0
+    texts: list[str] = field(default_factory=list)
+
+    def add(self, tokens: int, wall: float, texts: list[str], steps: Steps, client_cpu: float = 0.0,
+            latest: bool = False) -> None:
+        self.tokens += tokens
+        self.wall += wall
+        self.steps += steps
+        self.units += 1
+        self.client_cpu += client_cpu
+        self.texts = list(texts) if latest else self.texts + list(texts)
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.wall
+
+    def fields(self, prefix: str) -> dict:
+        """Its entries of a library run's record (`prefix`: "", "server_" or "raw_server_")."""
+        out = {f"{prefix}tokens_per_s": self.tps, f"{prefix}wall": self.wall, f"{prefix}texts": self.texts,
+               **{f"{prefix}{k}": v for k, v in split(self.wall, self.steps, self.units).items()}}
+        if not prefix:
+            out["tokens"] = self.tokens
+        else:
+            out[f"{prefix}client_cpu_ms"] = self.client_cpu / self.units * 1e3 if self.units else None
+        return out
 
 
 # the order of the paired runs: request i (c = 1) or round r (c >= 4) uses ROTATION[i % 3]
@@ -527,6 +568,9 @@ def continuous_batching(engine, ids: list[list[int]], params, concurrency: int, 
     return [done[i] for i in range(len(ids))]
 
 
+SPLIT_KEYS = ("step_ms", "steps", "outside_ms", "client_cpu_ms")  # a side's split (bench/serve_steps.py)
+
+
 def library_rows(levels: list[LevelResult], library: list[dict]) -> list[dict]:
     """Each library run beside the server's figure of the same system, level and prompts."""
     served = {(lv.system, lv.concurrency): lv for lv in levels if lv.temperature == 0.0}
@@ -540,7 +584,12 @@ def library_rows(levels: list[LevelResult], library: list[dict]) -> list[dict]:
                      "server_vs_library": server / run["tokens_per_s"] if server else None,
                      "raw_server_tps": raw, "raw_vs_library": raw / run["tokens_per_s"] if raw else None,
                      # prompt tokens the library's batch read from its prefix cache (0: fair)
-                     "library_cached_tokens": run.get("library_cached_tokens")})
+                     "library_cached_tokens": run.get("library_cached_tokens"),
+                     # where the time goes (bench/serve_steps.py): per side, its mean engine step,
+                     # steps and ms outside the steps per unit (request at c=1, level at c>=4), and
+                     # the client's CPU ms per unit on the same cores
+                     "split": {side: {k: run.get(prefix + k) for k in SPLIT_KEYS}
+                               for side, prefix in (("library", ""), ("server", "server_"), ("raw", "raw_server_"))}})
     return rows
 
 
@@ -630,6 +679,16 @@ def markdown(result: dict) -> str:
             raw = "-" if r.get("raw_vs_library") is None else f"{r['raw_vs_library']:.2f}x"
             lines.append(f"| {r['library']} | {r['concurrency']} | {f(r['library_tps'])} | "
                          f"{f(r['server_tps'])} | {ratio} | {f(r.get('raw_server_tps'))} | {raw} |")
+    if any(r.get("split") for r in result.get("library") or ()):
+        lines += ["", "Where the time goes (bench/serve_steps.py; per unit = a request at c=1, a level at c>=4): each "
+                      "side's mean engine step, steps per unit, ms per unit outside the steps, and the client's CPU ms "
+                      "per unit (on the same cores):", "",
+                  "| library run | side | step ms | steps | outside steps, ms | client CPU ms |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in result["library"]:
+            for side, x in (r.get("split") or {}).items():
+                lines.append(f"| {r['library']} | {side} | {f(x['step_ms'], 1, 2)} | {f(x['steps'], 1, 1)} | "
+                             f"{f(x['outside_ms'], 1, 1)} | {f(x['client_cpu_ms'], 1, 1)} |")
     lines += ["", "| goal | value | met |", "| --- | --- | --- |"]
     for g in result["goals"]:
         v = "-" if g["value"] is None else (f"{g['value']:.2f}" if isinstance(g["value"], float) else str(g["value"]))
