@@ -310,7 +310,7 @@ inline void widen(const T* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = to_f(src[i]);
 }
 
-constexpr int64_t QCHUNK = 8;  // attention: about this many query rows per work item (they share widened keys)
+constexpr int64_t ITEMS_PER_THREAD = 3;  // attention: work items per thread where the tokens allow
 
 // RoPE of one head in float32: out = x * cos + [x2, x1] * sin_signed
 inline void rope_head(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
@@ -346,10 +346,17 @@ struct Attention {
 
   int64_t heads() const { return nh + 2 * nkv; }
   int64_t groups() const { return nh / nkv; }
-  // work items: (row b, KV head, a chunk of up to tchunk() of its tokens); an item widens its keys
-  // and values to float32 once (exact) for all its queries: per token, the `groups` query heads
-  // of the KV head, GQ at a time
-  int64_t tchunk() const { return std::max<int64_t>(1, QCHUNK / groups()); }
+  int64_t threads = 1;  // the threads that share the items
+  // work items: (row b, KV head, a chunk of up to tchunk() of its tokens): per token, the `groups`
+  // query heads of the KV head, GQ at a time. An item widens its bfloat16 keys and values once
+  // for all its queries, so its chunk is as long as leaves about ITEMS_PER_THREAD items a thread
+  // (1 row, 3 KV heads, 2 threads: 6 items, 9 tokens each at 17). No bit depends on the chunks:
+  // a query's operations are the same whichever item holds it.
+  int64_t tchunk() const {
+    const int64_t want = ITEMS_PER_THREAD * threads, per = B * nkv;
+    const int64_t chunks = std::min(Tq, std::max<int64_t>(1, (want + per - 1) / per));
+    return (Tq + chunks - 1) / chunks;
+  }
   int64_t chunks() const { return (Tq + tchunk() - 1) / tchunk(); }
   int64_t items() const { return B * nkv * chunks(); }
   int64_t row(int64_t i) const { return rows ? rows[i] : i; }
@@ -379,7 +386,7 @@ struct Attention {
 
   // a thread's buffers for phase 2 (sized for the longest row)
   struct Scratch {
-    std::vector<float> pbuf, x, qbuf, abuf, vf;
+    std::vector<float> pbuf, x, qbuf, abuf, kf, vf;  // kf, vf: an item's bfloat16 keys and values widened
     std::vector<const float*> vrows;
     float* p[GQ];
     float* q[GQ];
@@ -392,30 +399,38 @@ struct Attention {
     }
   };
 
-  // phase 2: work item `item` of items()
+  // phase 2: work item `item` of items(). Keys and values as stored (float32, or bfloat16 widened in
+  // registers, exactly); bfloat16 ones widened into the scratch first, once for the item, where the
+  // item has two or more tokens or is a tree (whose value rows go by pointer, float32): the same
+  // float32 values either way, so the same bits
   void attend(int64_t item, Scratch& s) const {
-    const int64_t H = heads(), groups = this->groups(), TCHUNK = tchunk(), chunks = this->chunks();
-    float* const* p = s.p;
-    float* const* q = s.q;
-    float* const* acc = s.acc;
+    const int64_t TCHUNK = tchunk(), chunks = this->chunks();
     const int64_t c = item % chunks, kv = (item / chunks) % nkv, b = item / (chunks * nkv);
     const int64_t t0 = c * TCHUNK, t1 = std::min(Tq, t0 + TCHUNK);
     const int64_t Lc = std::min(t1, nums[b]) > t0 ? starts[b] + std::min(t1, nums[b]) : 0;  // keys [0, Lc)
     const int64_t base = (slots[b] * nkv + kv) * P * D;
-    // keys and values as stored (bfloat16 widened in registers, exactly); a tree's value rows go
-    // by pointer (weighted_values_rows, float32): bfloat16 ones widened first, once per item
     const T* keys = kc + base;
     const T* values = vc + base;
-    const float* fvalues = nullptr;
-    if (depth) {
-      if constexpr (sizeof(T) == 4) {
-        fvalues = reinterpret_cast<const float*>(values);
-      } else {
-        if (static_cast<int64_t>(s.vf.size()) < Lc * D) s.vf.resize(Lc * D);
+    if constexpr (sizeof(T) == 2) {
+      if (depth || std::min(t1, nums[b]) - t0 >= 2) {
+        if (static_cast<int64_t>(s.kf.size()) < Lc * D) s.kf.resize(Lc * D), s.vf.resize(Lc * D);
+        widen(keys, s.kf.data(), Lc * D);
         widen(values, s.vf.data(), Lc * D);
-        fvalues = s.vf.data();
+        tokens<float>(b, kv, t0, t1, s.kf.data(), s.vf.data(), s);
+        return;
       }
     }
+    tokens<T>(b, kv, t0, t1, keys, values, s);
+  }
+
+  // tokens [t0, t1) of row b, KV head kv: keys and values (P, D) of element type K
+  template <typename K>
+  void tokens(int64_t b, int64_t kv, int64_t t0, int64_t t1, const K* keys, const K* values, Scratch& s) const {
+    const int64_t H = heads(), groups = this->groups();
+    float* const* p = s.p;
+    float* const* q = s.q;
+    float* const* acc = s.acc;
+    const float* fvalues = reinterpret_cast<const float*>(values);  // a tree's (float32 here)
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i = b * Tq + t;
       if (t >= nums[b]) {
@@ -456,7 +471,7 @@ struct Attention {
           exp_n(p[g], L);
           inv[g] = 1.f / sum_n(p[g], L);
         }
-        if (depth) {
+        if (depth) {  // (K is float32 for a tree: attend widened its bfloat16 values)
           for (j = 0; j < Lk; ++j) s.vrows[j] = fvalues + j * D;
           for (; j < L; ++j) s.vrows[j] = fvalues + (starts[b] + anc[j - Lk]) * D;
           for (int g = 0; g < G; ++g) weighted_values_rows(p[g], s.vrows.data(), L, D, acc[g]);
@@ -475,7 +490,8 @@ struct Attention {
     }
   }
 
-  void run() const {  // both phases on at::parallel_for
+  void run() {  // both phases on at::parallel_for
+    threads = at::get_num_threads();
     at::parallel_for(0, B * Tq, 16, [&](int64_t i0, int64_t i1) { write(i0, i1); });
     at::parallel_for(0, items(), 1, [&](int64_t i0, int64_t i1) {
       Scratch s(*this);
@@ -957,6 +973,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
         Attention<E> a = in.bind<E>(reinterpret_cast<const E*>(qkvp), B, T, nh, D, cos, sin, k_caches[l], v_caches[l],
                                     reinterpret_cast<E*>(attp));
         a.rows = rowmap.empty() ? nullptr : rowmap.data();
+        a.threads = nth;
         a.write(B * T * tid / nth, B * T * (tid + 1) / nth);
         sync(2);
         if (!s) s = new Scratch(a);
