@@ -128,3 +128,40 @@ def test_rope_attention_rejects_rows_past_the_cache():
     cos = sin = torch.zeros(16, 8)
     with pytest.raises(RuntimeError, match="past the cache"):
         ops.rope_attention(qkv, 1, cos, sin, kc, kc.clone(), torch.tensor([0]), torch.tensor([7]), torch.tensor([2]))
+
+
+@DTYPES
+def test_rope_attention_bits_do_not_depend_on_the_threads_sharing_it(dtype):
+    """Attention's work items (a row, a KV head, a chunk of its tokens) are sized by the thread
+    count, and a bfloat16 item with several tokens (or a tree) widens its keys and values once:
+    a query's bits must not move with either. 17 tokens of one row, a ragged batch, and a token
+    tree, at 1, 2 and 3 threads (chunks of 17, 9 and 6 tokens on one row's 3 KV heads)."""
+    g = torch.Generator().manual_seed(3)
+    nh, nkv, D, P = 9, 3, 64, 192
+    cos, sin = rope_tables(1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)), 1.0, P, torch.float32)
+    prefix = torch.randn(3, nkv, P, D, generator=g)
+    qkv = (torch.randn(3, 17, nh + 2 * nkv, D, generator=g) * 0.5).to(dtype)
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 2, 3, -1, 7] + [8] * 8])  # a branching tree of 17 nodes
+    cases = [([0], [100], [17], None), ([0, 1, 2], [5, 60, 101], [17, 9, 2], None), ([0], [40], [17], parents)]
+    threads = torch.get_num_threads()
+    outs = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for c, (slots, starts, nums, par) in enumerate(cases):
+                kc, vc = prefix.clone().to(dtype), (prefix * 0.5).to(dtype)
+                B = len(slots)
+                out = ops.rope_attention(qkv[:B], nh, cos, sin, kc, vc, torch.tensor(slots), torch.tensor(starts),
+                                         torch.tensor(nums), par)
+                outs[(n, c)] = (out, kc)
+    finally:
+        torch.set_num_threads(threads)
+    for (n, c), (out, kc) in outs.items():
+        assert torch.equal(out, outs[(1, c)][0]) and torch.equal(kc, outs[(1, c)][1]), (n, c)
+    # and each row of the ragged batch alone, at 2 threads, gives its bits in the batch
+    for r in range(3):
+        kc, vc = prefix.clone().to(dtype), (prefix * 0.5).to(dtype)
+        sl, st, nu, _ = cases[1]
+        alone = ops.rope_attention(qkv[r : r + 1], nh, cos, sin, kc, vc, torch.tensor(sl[r : r + 1]),
+                                   torch.tensor(st[r : r + 1]), torch.tensor(nu[r : r + 1]))
+        assert torch.equal(alone[0], outs[(2, 1)][0][r]), r

@@ -139,23 +139,27 @@ inline void block(const float* x, int64_t n0, int64_t K, const W* w, int64_t t0,
   finish<R, G, T>(a, n0, t0, O, bias, residual, y);
 }
 
-// rows [n0, n0 + R) over tiles [t0, t1): G tiles at a time, then the rest one by one
+// rows [n0, n0 + R) over tiles [t0, t1): G tiles at a time, then 2 (a lone row's remainder keeps
+// 4 FMA chains), then the rest one by one
 template <int R, typename T, typename W>
 inline void rows(const float* x, int64_t n0, int64_t K, const W* w, int64_t t0, int64_t t1, int64_t O,
                  const T* bias, const T* residual, T* y) {
   constexpr int G = tiles_for(R);
   int64_t t = t0;
   for (; t + G <= t1; t += G) block<R, G, T, W>(x, n0, K, w, t, O, bias, residual, y);
+  if constexpr (G > 2)
+    for (; t + 2 <= t1; t += 2) block<R, 2, T, W>(x, n0, K, w, t, O, bias, residual, y);
   for (; t < t1; ++t) block<R, 1, T, W>(x, n0, K, w, t, O, bias, residual, y);
 }
 
-// tiles [t0, t1) of outputs, every row: in groups of 8 tiles (a group's weights stay in cache for
-// all its rows)
+// tiles [t0, t1) of outputs, every row: up to ROWS rows in one pass over the tiles; more in
+// groups of 8 tiles (a group's weights stay in cache for all its row blocks)
 template <typename T, typename W>
 void tiles_range(const float* x, int64_t N, int64_t K, const W* w, int64_t O, const T* bias, const T* residual,
                  T* y, int64_t t0, int64_t t1) {
-  for (int64_t g0 = t0; g0 < t1; g0 += 8) {
-    const int64_t g1 = g0 + 8 < t1 ? g0 + 8 : t1;
+  const int64_t group = N <= ROWS ? t1 - t0 : 8;
+  for (int64_t g0 = t0; g0 < t1; g0 += group) {
+    const int64_t g1 = g0 + group < t1 ? g0 + group : t1;
     for (int64_t n = 0; n < N; n += ROWS) {
       switch (N - n < ROWS ? N - n : ROWS) {
         case 1: rows<1, T, W>(x, n, K, w, g0, g1, O, bias, residual, y); break;

@@ -152,32 +152,61 @@ inline void weighted_values(const float* p, const T* values, int64_t L, int64_t 
 // chains are those of dot_q4 / pv_blocks, so its bits are those of running it alone.
 constexpr int GQ = 3;
 
+// hsum of 8 vectors at once: lane i = hsum(v[i]). The same additions of the same operands as
+// hsum's (lo + hi, then lanes 0 + 2 and 1 + 3, then those two), 8 lanes at a time, so the same
+// bits; 7 adds and 14 shuffles for 8 sums instead of 24 adds and 32 shuffles
+inline __m256 hsum8(const __m256* v) {
+  __m256 s[4];  // [lo + hi of v[i] | lo + hi of v[i + 4]]
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+    s[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[i], v[i + 4], 0x20), _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
+  const __m256 r01 = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], 0x44), _mm256_shuffle_ps(s[0], s[1], 0xEE));
+  const __m256 r23 = _mm256_add_ps(_mm256_shuffle_ps(s[2], s[3], 0x44), _mm256_shuffle_ps(s[2], s[3], 0xEE));
+  return _mm256_add_ps(_mm256_shuffle_ps(r01, r23, 0x88), _mm256_shuffle_ps(r01, r23, 0xDD));
+}
+
+// hsum of 4 vectors at once: lane i = hsum(v[i]), hsum8's additions on 4 lanes
+inline __m128 hsum4(const __m256* v) {
+  __m128 s[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) s[i] = _mm_add_ps(_mm256_castps256_ps128(v[i]), _mm256_extractf128_ps(v[i], 1));
+  const __m128 r01 = _mm_add_ps(_mm_shuffle_ps(s[0], s[1], 0x44), _mm_shuffle_ps(s[0], s[1], 0xEE));
+  const __m128 r23 = _mm_add_ps(_mm_shuffle_ps(s[2], s[3], 0x44), _mm_shuffle_ps(s[2], s[3], 0xEE));
+  return _mm_add_ps(_mm_shuffle_ps(r01, r23, 0x88), _mm_shuffle_ps(r01, r23, 0xDD));
+}
+
 // dot_q4 of G queries (D % 8 == 0) against 4 consecutive keys (float32, or bfloat16 widened in
-// registers, exactly): out[g][0..3]
+// registers, exactly): out[g][j..j+3]. Each of the 4 G accumulators is fed as dot_q4's chain, and
+// the 4 G sums are reduced together (hsum8, hsum4: hsum's bits), no horizontal sum per query and
+// key. A step loads the G queries' 8 lanes, then one key at a time: 12 accumulators, 3 queries
+// and a key fill AVX2's 16 registers, no spill.
 template <int G, typename T>
 inline void dot_g4(const float* const* q, const T* k, int64_t D, float* const* out, int64_t j) {
-  __m256 a[G][4];
-#pragma GCC unroll 3
-  for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm256_setzero_ps();
+  __m256 a[4 * G];  // query g, key c: a[4 g + c]
+#pragma GCC unroll 12
+  for (int i = 0; i < 4 * G; ++i) a[i] = _mm256_setzero_ps();
   for (int64_t i = 0; i < D; i += 8) {
-    const __m256 k0 = load8(k + i), k1 = load8(k + D + i);
-    const __m256 k2 = load8(k + 2 * D + i), k3 = load8(k + 3 * D + i);
+    __m256 qi[G];
 #pragma GCC unroll 3
-    for (int g = 0; g < G; ++g) {
-      const __m256 qi = _mm256_loadu_ps(q[g] + i);
-      a[g][0] = _mm256_fmadd_ps(qi, k0, a[g][0]);
-      a[g][1] = _mm256_fmadd_ps(qi, k1, a[g][1]);
-      a[g][2] = _mm256_fmadd_ps(qi, k2, a[g][2]);
-      a[g][3] = _mm256_fmadd_ps(qi, k3, a[g][3]);
+    for (int g = 0; g < G; ++g) qi[g] = _mm256_loadu_ps(q[g] + i);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256 kc = load8(k + c * D + i);
+#pragma GCC unroll 3
+      for (int g = 0; g < G; ++g) a[4 * g + c] = _mm256_fmadd_ps(qi[g], kc, a[4 * g + c]);
     }
   }
-#pragma GCC unroll 3
-  for (int g = 0; g < G; ++g)
-    out[g][j] = hsum(a[g][0]), out[g][j + 1] = hsum(a[g][1]), out[g][j + 2] = hsum(a[g][2]), out[g][j + 3] = hsum(a[g][3]);
+  if constexpr (G >= 2) {
+    const __m256 r = hsum8(a);
+    _mm_storeu_ps(out[0] + j, _mm256_castps256_ps128(r));
+    _mm_storeu_ps(out[1] + j, _mm256_extractf128_ps(r, 1));
+  }
+  if constexpr (G != 2) _mm_storeu_ps(out[G - 1] + j, hsum4(a + 4 * (G - 1)));
 }
 
 // pv_blocks of G queries over the same value rows (float32, or bfloat16 widened in registers):
-// acc[g][d0 ..] of NB blocks of 8
+// acc[g][d0 ..] of NB blocks of 8. A step broadcasts the G weights, then loads one block of the
+// value row at a time: 12 accumulators, 3 weights and a block fit the 16 registers.
 template <int G, int NB, typename T>
 inline void pv_g(const float* const* p, const T* values, int64_t L, int64_t D, int64_t d0, float* const* acc) {
   __m256 a[G][NB];
@@ -187,14 +216,14 @@ inline void pv_g(const float* const* p, const T* values, int64_t L, int64_t D, i
     for (int b = 0; b < NB; ++b) a[g][b] = _mm256_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
     const T* vj = values + j * D + d0;
-    __m256 v[NB];
-#pragma GCC unroll 4
-    for (int b = 0; b < NB; ++b) v[b] = load8(vj + 8 * b);
+    __m256 pj[G];
 #pragma GCC unroll 3
-    for (int g = 0; g < G; ++g) {
-      const __m256 pj = _mm256_set1_ps(p[g][j]);
+    for (int g = 0; g < G; ++g) pj[g] = _mm256_set1_ps(p[g][j]);
 #pragma GCC unroll 4
-      for (int b = 0; b < NB; ++b) a[g][b] = _mm256_fmadd_ps(pj, v[b], a[g][b]);
+    for (int b = 0; b < NB; ++b) {
+      const __m256 v = load8(vj + 8 * b);
+#pragma GCC unroll 3
+      for (int g = 0; g < G; ++g) a[g][b] = _mm256_fmadd_ps(pj[g], v, a[g][b]);
     }
   }
 #pragma GCC unroll 3
@@ -281,7 +310,7 @@ inline void widen(const T* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = to_f(src[i]);
 }
 
-constexpr int64_t QCHUNK = 8;  // attention: about this many query rows per work item (they share widened keys)
+constexpr int64_t ITEMS_PER_THREAD = 3;  // attention: work items per thread where the tokens allow
 
 // RoPE of one head in float32: out = x * cos + [x2, x1] * sin_signed
 inline void rope_head(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
@@ -317,10 +346,17 @@ struct Attention {
 
   int64_t heads() const { return nh + 2 * nkv; }
   int64_t groups() const { return nh / nkv; }
-  // work items: (row b, KV head, a chunk of up to tchunk() of its tokens); an item widens its keys
-  // and values to float32 once (exact) for all its queries: per token, the `groups` query heads
-  // of the KV head, GQ at a time
-  int64_t tchunk() const { return std::max<int64_t>(1, QCHUNK / groups()); }
+  int64_t threads = 1;  // the threads that share the items
+  // work items: (row b, KV head, a chunk of up to tchunk() of its tokens): per token, the `groups`
+  // query heads of the KV head, GQ at a time. An item widens its bfloat16 keys and values once
+  // for all its queries, so its chunk is as long as leaves about ITEMS_PER_THREAD items a thread
+  // (1 row, 3 KV heads, 2 threads: 6 items, 9 tokens each at 17). No bit depends on the chunks:
+  // a query's operations are the same whichever item holds it.
+  int64_t tchunk() const {
+    const int64_t want = ITEMS_PER_THREAD * threads, per = B * nkv;
+    const int64_t chunks = std::min(Tq, std::max<int64_t>(1, (want + per - 1) / per));
+    return (Tq + chunks - 1) / chunks;
+  }
   int64_t chunks() const { return (Tq + tchunk() - 1) / tchunk(); }
   int64_t items() const { return B * nkv * chunks(); }
   int64_t row(int64_t i) const { return rows ? rows[i] : i; }
@@ -350,7 +386,7 @@ struct Attention {
 
   // a thread's buffers for phase 2 (sized for the longest row)
   struct Scratch {
-    std::vector<float> pbuf, x, qbuf, abuf, vf;
+    std::vector<float> pbuf, x, qbuf, abuf, kf, vf;  // kf, vf: an item's bfloat16 keys and values widened
     std::vector<const float*> vrows;
     float* p[GQ];
     float* q[GQ];
@@ -363,30 +399,38 @@ struct Attention {
     }
   };
 
-  // phase 2: work item `item` of items()
+  // phase 2: work item `item` of items(). Keys and values as stored (float32, or bfloat16 widened in
+  // registers, exactly); bfloat16 ones widened into the scratch first, once for the item, where the
+  // item has two or more tokens or is a tree (whose value rows go by pointer, float32): the same
+  // float32 values either way, so the same bits
   void attend(int64_t item, Scratch& s) const {
-    const int64_t H = heads(), groups = this->groups(), TCHUNK = tchunk(), chunks = this->chunks();
-    float* const* p = s.p;
-    float* const* q = s.q;
-    float* const* acc = s.acc;
+    const int64_t TCHUNK = tchunk(), chunks = this->chunks();
     const int64_t c = item % chunks, kv = (item / chunks) % nkv, b = item / (chunks * nkv);
     const int64_t t0 = c * TCHUNK, t1 = std::min(Tq, t0 + TCHUNK);
     const int64_t Lc = std::min(t1, nums[b]) > t0 ? starts[b] + std::min(t1, nums[b]) : 0;  // keys [0, Lc)
     const int64_t base = (slots[b] * nkv + kv) * P * D;
-    // keys and values as stored (bfloat16 widened in registers, exactly); a tree's value rows go
-    // by pointer (weighted_values_rows, float32): bfloat16 ones widened first, once per item
     const T* keys = kc + base;
     const T* values = vc + base;
-    const float* fvalues = nullptr;
-    if (depth) {
-      if constexpr (sizeof(T) == 4) {
-        fvalues = reinterpret_cast<const float*>(values);
-      } else {
-        if (static_cast<int64_t>(s.vf.size()) < Lc * D) s.vf.resize(Lc * D);
+    if constexpr (sizeof(T) == 2) {
+      if (depth || std::min(t1, nums[b]) - t0 >= 2) {
+        if (static_cast<int64_t>(s.kf.size()) < Lc * D) s.kf.resize(Lc * D), s.vf.resize(Lc * D);
+        widen(keys, s.kf.data(), Lc * D);
         widen(values, s.vf.data(), Lc * D);
-        fvalues = s.vf.data();
+        tokens<float>(b, kv, t0, t1, s.kf.data(), s.vf.data(), s);
+        return;
       }
     }
+    tokens<T>(b, kv, t0, t1, keys, values, s);
+  }
+
+  // tokens [t0, t1) of row b, KV head kv: keys and values (P, D) of element type K
+  template <typename K>
+  void tokens(int64_t b, int64_t kv, int64_t t0, int64_t t1, const K* keys, const K* values, Scratch& s) const {
+    const int64_t H = heads(), groups = this->groups();
+    float* const* p = s.p;
+    float* const* q = s.q;
+    float* const* acc = s.acc;
+    const float* fvalues = reinterpret_cast<const float*>(values);  // a tree's (float32 here)
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i = b * Tq + t;
       if (t >= nums[b]) {
@@ -427,7 +471,7 @@ struct Attention {
           exp_n(p[g], L);
           inv[g] = 1.f / sum_n(p[g], L);
         }
-        if (depth) {
+        if (depth) {  // (K is float32 for a tree: attend widened its bfloat16 values)
           for (j = 0; j < Lk; ++j) s.vrows[j] = fvalues + j * D;
           for (; j < L; ++j) s.vrows[j] = fvalues + (starts[b] + anc[j - Lk]) * D;
           for (int g = 0; g < G; ++g) weighted_values_rows(p[g], s.vrows.data(), L, D, acc[g]);
@@ -446,7 +490,8 @@ struct Attention {
     }
   }
 
-  void run() const {  // both phases on at::parallel_for
+  void run() {  // both phases on at::parallel_for
+    threads = at::get_num_threads();
     at::parallel_for(0, B * Tq, 16, [&](int64_t i0, int64_t i1) { write(i0, i1); });
     at::parallel_for(0, items(), 1, [&](int64_t i0, int64_t i1) {
       Scratch s(*this);
@@ -865,9 +910,18 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
         specrouter::linear512_tiles(kernel == 2 ? 2 : dt == at::kBFloat16 ? 1 : 0, xin, N, s.K, s.w, s.O, s.bias, res,
                                     y, t0, t1);
     };
-    auto units = [&](int64_t O) { return ((O + TILE - 1) / TILE + UNIT - 1) / UNIT; };
-    auto unit_tiles = [&](int64_t O, int64_t u, int64_t& t0, int64_t& t1) {
-      t0 = u * UNIT, t1 = std::min((O + TILE - 1) / TILE, t0 + UNIT);
+    // the tiles of a linear of O outputs among the threads, f(t0, t1) per share: units of UNIT
+    // tiles by `share`; the static schedule on linear256 (which groups tiles itself) gives each
+    // thread one contiguous range balanced to a tile (units of 8 left one thread 20 of the 36 tiles
+    // of the o and down linears at 576 outputs, the other 16)
+    auto share_tiles = [&](int64_t O, auto&& f) {
+      const int64_t T = (O + TILE - 1) / TILE;
+      if (g_schedule == 0 && kernel == 0) {
+        const int64_t t0 = T * tid / nth, t1 = T * (tid + 1) / nth;
+        if (t1 > t0) f(t0, t1);
+        return;
+      }
+      share((T + UNIT - 1) / UNIT, tid, nth, [&](int64_t u) { f(u * UNIT, std::min(T, u * UNIT + UNIT)); });
     };
     // per-thread timers (stack_profile): cycles of work and of waiting at the barrier per phase
     uint64_t last = g_profile ? __rdtsc() : 0;
@@ -909,11 +963,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
     for (int64_t l = 0; l < layers; ++l) {
       // RMSNorm, the qkv tiles
       const void* xin = norm(l, 0);
-      share(units(O_qkv), tid, nth, [&](int64_t u) {
-        int64_t t0, t1;
-        unit_tiles(O_qkv, u, t0, t1);
-        tiles(l, 0, xin, nullptr, qkvp, t0, t1);
-      });
+      share_tiles(O_qkv, [&](int64_t t0, int64_t t1) { tiles(l, 0, xin, nullptr, qkvp, t0, t1); });
       sync(1);
       // RoPE and the cache writes, then attention
       // E: the cache's element type (float or bf16); s: this thread's scratch for it, made on the first layer
@@ -923,6 +973,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
         Attention<E> a = in.bind<E>(reinterpret_cast<const E*>(qkvp), B, T, nh, D, cos, sin, k_caches[l], v_caches[l],
                                     reinterpret_cast<E*>(attp));
         a.rows = rowmap.empty() ? nullptr : rowmap.data();
+        a.threads = nth;
         a.write(B * T * tid / nth, B * T * (tid + 1) / nth);
         sync(2);
         if (!s) s = new Scratch(a);
@@ -935,18 +986,12 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
         attend(sb, static_cast<bf16*>(nullptr));
       // the o tiles, + the residual in place
       xin = input(attp, nh * D);
-      share(units(H), tid, nth, [&](int64_t u) {
-        int64_t t0, t1;
-        unit_tiles(H, u, t0, t1);
-        tiles(l, 1, xin, xp, xp, t0, t1);
-      });
+      share_tiles(H, [&](int64_t t0, int64_t t1) { tiles(l, 1, xin, xp, xp, t0, t1); });
       sync(4);
       // RMSNorm, gate | up, silu * up
       xin = norm(l, 5);
       if (fused_silu) {
-        share(units(I), tid, nth, [&](int64_t u) {
-          int64_t t0, t1;
-          unit_tiles(I, u, t0, t1);
+        share_tiles(I, [&](int64_t t0, int64_t t1) {
           tiles(l, 2, xin, nullptr, gup, t0, t1);                          // gate
           tiles(l, 2, xin, nullptr, gup, t0 + I / TILE, t1 + I / TILE);    // up
           const int64_t c0 = t0 * TILE, c1 = std::min(I, t1 * TILE);
@@ -957,11 +1002,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
         });
         sync(6);
       } else {
-        share(units(2 * I), tid, nth, [&](int64_t u) {
-          int64_t t0, t1;
-          unit_tiles(2 * I, u, t0, t1);
-          tiles(l, 2, xin, nullptr, gup, t0, t1);
-        });
+        share_tiles(2 * I, [&](int64_t t0, int64_t t1) { tiles(l, 2, xin, nullptr, gup, t0, t1); });
 #pragma omp barrier
         const int64_t n0 = N * tid / nth, n1 = N * (tid + 1) / nth;
         if (dt == at::kFloat)
@@ -972,11 +1013,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
       }
       // the down tiles, + the residual in place
       xin = input(actp, I);
-      share(units(H), tid, nth, [&](int64_t u) {
-        int64_t t0, t1;
-        unit_tiles(H, u, t0, t1);
-        tiles(l, 3, xin, xp, xp, t0, t1);
-      });
+      share_tiles(H, [&](int64_t t0, int64_t t1) { tiles(l, 3, xin, xp, xp, t0, t1); });
       sync(7);
     }
     delete sf;
