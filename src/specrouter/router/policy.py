@@ -114,11 +114,11 @@ def plan_at(chains: Sequence[Chain], i: int, j: int) -> Plan:
     return chain, (0 if len(chain) == 1 else j + 1)
 
 
-def viable(chain: Chain, costs, alphas, model_free: Collection[str], prune_below: float) -> bool:
+def viable(chain: Chain, hits: Mapping[str, float], alphas, model_free: Collection[str], prune_below: float) -> bool:
     """False for a chain that cannot beat plain decoding: a pair that (almost) never accepts,
-    or a model-free drafter that (almost) never proposes. Pruning them makes decide() cheap
-    exactly when speculation is useless."""
-    if chain[0] in model_free and costs[chain[0]].hit_rate < prune_below:
+    or a model-free drafter that (almost) never proposes (`hits`: its hit rate). Pruning them
+    makes decide() cheap exactly when speculation is useless."""
+    if chain[0] in model_free and hits[chain[0]] < prune_below:
         return False
     return all(alphas[p] >= prune_below for p in zip(chain[:-1], chain[1:]))
 
@@ -399,9 +399,10 @@ class Router:
         (`inputs`); a plain cycle's are the published ones."""
         published = self.board.current()
         cfg = self.config
+        hits = {d: costs[d].hit_rate for d in self.model_free}
         idx = [i for i, c in enumerate(self.chains) if i == 0 or (
             published.failed.isdisjoint(c)
-            and (not prune or i == keep or viable(c, costs, alphas, self.model_free, cfg.prune_below)))]
+            and (not prune or i == keep or viable(c, hits, alphas, self.model_free, cfg.prune_below)))]
         # always k = 1..k_max, cut to k_cap: a column's values do not depend on the cap
         # (CachedPlans.best), and computed alike whatever the cap they are equal bit for bit
         plan = best_plan([self.chains[i] for i in idx], cfg.k_max, costs=costs, alphas=alphas,
@@ -449,10 +450,15 @@ class Router:
             decision = Decision(plain, 0, t_plain, "end" if k_cap < 1 else "only")
             return self._log(row, req, mode, decision, prev, (plain, 0), t_plain, t_plain, {}, t0)
         version = self.board.current().version
-        self.board.request_evidence(req, mode)  # published for this key (the log and note_alpha read it)
+        evidence = self.board.request_evidence(req, mode)  # published for this key (the log and note_alpha read it)
+        # the request's chain is evaluated even where pruning would drop it (`_plans`), so it is
+        # part of the key only then: a viable chain is in the table whatever the request runs,
+        # and a switch between viable chains keeps the table (a third of the misses, simulated)
+        kept = req.plan[0] if req.plan is not None else None
+        if kept is not None and viable(kept, evidence.hits, evidence.alphas, self.model_free, cfg.prune_below):
+            kept = None
         key = decision_key(max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
-                           mode, req.plan[0] if req.plan is not None else None, version, req.version,
-                           certain_bucket(row.certain_rate))
+                           mode, kept, version, req.version, certain_bucket(row.certain_rate))
         plans = req.cached
         if cfg.decision_cache and plans is not None and plans.key == key:
             self.cache_stats.hits += 1
