@@ -7,7 +7,7 @@ token; at the end the router's host-time estimates.
 
     python benchmarks/router_diagnose.py [--temperature 0] [--variant default|no-step-host]
         [--workload mixed|chat|...] [--prompts-per-type 3] [--presence-penalty P] [--frequency-penalty F]
-        [--repetition-penalty R]
+        [--repetition-penalty R] [--timeline]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--presence-penalty", type=float, default=0.0)
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--timeline", action="store_true", help="per request, the plans run in order (x cycles, tokens)")
     args = ap.parse_args()
     controls = tuple((name, value) for name, value, off in (
         ("presence_penalty", args.presence_penalty, 0.0), ("frequency_penalty", args.frequency_penalty, 0.0),
@@ -154,6 +155,18 @@ def main() -> None:
             b[3] += c.wall_time
             b[4] += committed
             b[5] += step
+        if args.timeline:  # the plans run, in order: plan x cycles (tokens committed)
+            runs: list = []
+            for d, _, _, c, _ in cycles[1:]:
+                o = c.outcomes[0]
+                plan = label(tuple(o.chain), d.k if len(o.chain) > 1 else 0) + ("?" if d.reason == "probe" else "")
+                tokens = o.accepted[-1] + 1 if len(o.chain) > 1 else 1
+                if runs and runs[-1][0] == plan:
+                    runs[-1][1] += 1
+                    runs[-1][2] += tokens
+                else:
+                    runs.append([plan, 1, tokens])
+            print("    timeline: " + " | ".join(f"{p} x{n} ({t})" for p, n, t in runs), flush=True)
         for (plan, why), (n, p_tok, p_s, real, toks, steps) in sorted(by_plan.items(), key=lambda kv: -kv[1][0]):
             print(f"    {plan:28s} {why:8s} cycles {n:3d} tok/cycle {toks / n:4.2f} (predicted {p_tok / n:4.2f}) "
                   f"ms/cycle {1e3 * real / n:5.2f}, with planning {1e3 * steps / n:5.2f} (predicted {1e3 * p_s / n:5.2f}) "

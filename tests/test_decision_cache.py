@@ -175,3 +175,68 @@ def test_decision_cache_settings_are_checked():
     for bad in ({"decision_tolerance": -0.1}, {"decision_time_tolerance": -1.0}, {"decision_refresh": 0}):
         with pytest.raises(ValueError):
             RouterConfig(**bad)
+
+
+def test_a_switch_between_viable_chains_keeps_the_cached_table():
+    """The request's chain is in the key only where pruning would drop it from the table: after
+    a switch between two viable chains (decided on new evidence: one miss), the next decision on
+    the same evidence reuses that table (it was a second miss, the key's chain alone changed)
+    and decides exactly what an uncached router decides."""
+    from specrouter.router.similarity import GREEDY
+
+    routers = {on: make_router(config=RouterConfig(decision_cache=on)) for on in (True, False)}
+    trace = {}
+    for on, router in routers.items():
+        for pair, a in ALPHAS.items():
+            router.similarity.observe_acceptance(pair, GREEDY, 200 * a, 200 * (1 - a))
+        router.similarity.observe_hits("ngram", 30, 100)
+        row = RowContext(1, L0)
+        first = router.decide(row)
+        for pair in [p for p in ALPHAS if first.chain[-2:] == p or p in zip(first.chain, first.chain[1:])]:
+            router.similarity.observe_acceptance(pair, GREEDY, 50, 1000)  # the plan's pairs accept ~5% now (viable)
+        second = router.decide(row)
+        assert second.chain != first.chain and second.reason == "better", (first, second)
+        before = router.cache_stats.hits
+        third = router.decide(row)
+        trace[on] = [(d.chain, d.k, d.t_eff, d.reason) for d in (first, second, third)]
+        if on:
+            assert router.cache_stats.hits == before + 1, router.cache_stats
+            assert "chain" not in router.cache_stats.reasons
+    assert trace[True] == trace[False]
+
+
+def test_a_request_whose_own_estimate_moved_re_evaluates_only_the_chains_reading_it(monkeypatch):
+    """A request's own n-gram evidence moves (a miss: its evidence version changed): only the
+    chains drafted by the n-gram are evaluated again; the model chains keep their rows from the
+    last table (same costs, same estimates), and the decision equals an uncached router's."""
+    from specrouter.router import policy
+    from specrouter.router.similarity import GREEDY
+
+    evaluated = []
+    real = policy.best_plan
+
+    def counting(candidates, *args, **kwargs):
+        evaluated.append([tuple(c) for c in candidates])
+        return real(candidates, *args, **kwargs)
+
+    monkeypatch.setattr(policy, "best_plan", counting)
+    decisions = {}
+    for on in (True, False):
+        router = make_router(config=RouterConfig(decision_cache=on))
+        for pair, a in ALPHAS.items():
+            router.similarity.observe_acceptance(pair, GREEDY, 200 * a, 200 * (1 - a))
+        router.similarity.observe_hits("ngram", 30, 100)
+        row = RowContext(1, L0)
+        first = router.decide(row)
+        evaluated.clear()
+        for _ in range(2):  # the request's own n-gram lookups hit and match 8 of 8
+            router.observe_shadow(1, "ngram", list(range(8)), list(range(8)), 8)
+        second = router.decide(row)
+        decisions[on] = [(d.chain, d.k, d.t_eff, d.reason) for d in (first, second)]
+        chains = {c for batch in evaluated for c in batch}
+        if on:
+            assert router.cache_stats.misses == 2 and router.cache_stats.reasons.get("request_version") == 1
+            assert chains and all(c[0] == "ngram" for c in chains), (evaluated, router.board.publications)
+        else:
+            assert any(c[0] != "ngram" and len(c) > 1 for c in chains)
+    assert decisions[True] == decisions[False]

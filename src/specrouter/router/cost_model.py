@@ -455,6 +455,7 @@ def best_plan(
     overhead: float = 0.0,
     draft_catchup: int = 0,
     draft_step_overhead: float = 0.0,
+    min_width: int = 0,
 ) -> Plan:
     """The (chain, k) of least T_eff over the candidate chains and k = 1..k_max.
 
@@ -465,7 +466,9 @@ def best_plan(
     overhead: host seconds per speculative cycle; draft_step_overhead: per model draft step
     after the first (module docstring).
     The returned Plan carries the whole PlanTable. Ties go to the earlier candidate, then the
-    smaller k. Each model's cost table and each pair's transition matrix are built once."""
+    smaller k. Each model's cost table and each pair's transition matrix are built once.
+    min_width: the DP's length axis at least this wide (a caller that evaluates its chains in
+    subsets passes the width of the whole set, so a chain's row is the same bits in any subset)."""
     _check_int("k_max", k_max, 1)
     _check_int("draft_catchup", draft_catchup, 0)
     _check_seconds("overhead", overhead)
@@ -473,7 +476,7 @@ def best_plan(
     chains = tuple(tuple(c) for c in candidates)
     if not chains:
         raise ChainError("best_plan needs at least one candidate chain")
-    width = k_max + max(len(c) for c in chains)  # counts 0..k_max+N-1, one width for all
+    width = max(k_max + max(len(c) for c in chains), min_width)  # counts 0..k_max+N-1, one width for all
     ks = np.arange(1, k_max + 1)
     tables: dict[str, np.ndarray] = {}
 

@@ -184,6 +184,8 @@ class EvidenceBoard:
         self._cost_version = -1  # the published version the cost rows are of
         self._predict_cache: dict[tuple[str, int, float, int], float] = {}
         self._predict_version = -1
+        self._rows_cache: dict[tuple, dict] = {}  # chain_rows: per cost context, chain key -> (latency, tokens)
+        self._rows_version = -1
         self.publications: dict[str, int] = {}  # why the evidence was republished: count per reason
 
     def changed(self) -> None:
@@ -274,6 +276,23 @@ class EvidenceBoard:
             rows = {m: r.profile.cost_row(m, b, L_mid, width) if m in r.profile
                     else np.zeros(width + 1) for m in r.order}  # an unprofiled model-free drafter: free
             self._cost_cache[key] = rows
+        return rows
+
+    def chain_rows(self, context: tuple) -> dict:
+        """The PlanTable rows (latency, tokens per k) of chains already evaluated on the cost
+        context `context` (batch size, context bucket, processors, certain bucket, the router's
+        seconds per cycle) under the published evidence, keyed by `policy.chain_key` (the
+        estimates a chain reads): a request whose own estimates moved re-evaluates only the
+        chains that read them. Cleared when the evidence is republished, as the cost rows are."""
+        version = self.current().version
+        if version != self._rows_version:
+            self._rows_cache.clear()
+            self._rows_version = version
+        rows = self._rows_cache.get(context)
+        if rows is None:
+            if len(self._rows_cache) >= 64:  # many rows' contexts under load: keep it small
+                self._rows_cache.clear()
+            rows = self._rows_cache[context] = {}
         return rows
 
     def predict(self, model: str, b: int, t: float, L: int, publish: bool = True) -> float:

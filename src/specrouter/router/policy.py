@@ -117,13 +117,20 @@ def plan_at(chains: Sequence[Chain], i: int, j: int) -> Plan:
     return chain, (0 if len(chain) == 1 else j + 1)
 
 
-def viable(chain: Chain, costs, alphas, model_free: Collection[str], prune_below: float) -> bool:
+def viable(chain: Chain, hits: Mapping[str, float], alphas, model_free: Collection[str], prune_below: float) -> bool:
     """False for a chain that cannot beat plain decoding: a pair that (almost) never accepts,
-    or a model-free drafter that (almost) never proposes. Pruning them makes decide() cheap
-    exactly when speculation is useless."""
-    if chain[0] in model_free and costs[chain[0]].hit_rate < prune_below:
+    or a model-free drafter that (almost) never proposes (`hits`: its hit rate). Pruning them
+    makes decide() cheap exactly when speculation is useless."""
+    if chain[0] in model_free and hits[chain[0]] < prune_below:
         return False
     return all(alphas[p] >= prune_below for p in zip(chain[:-1], chain[1:]))
+
+
+def chain_key(i: int, chain: Chain, hits: Mapping[str, float], alphas: Mapping) -> tuple:
+    """What row i (`chain`) of a PlanTable reads besides the costs and overheads: its pairs'
+    alphas, its confirmed-token alpha, its model-free drafter's hit rate."""
+    return (i, *(alphas[p] for p in zip(chain[:-1], chain[1:])),
+            alphas.get(chain[:3]) if len(chain) >= 3 else None, hits.get(chain[0]))
 
 
 def corrected(table: PlanTable, chain_index: Mapping[Chain, int], corrections: Mapping[Chain, float]) -> PlanTable:
@@ -250,6 +257,7 @@ class Router:
         self.outside = OutsideClock()  # measures "outside_plain" / "outside_spec"
         self.decide_seconds = 0.0  # EMA of decide() wall time
         self.t_width = cfg.k_max + cfg.max_levels + 2  # cost rows' widths (tokens per forward)
+        self.dp_width = cfg.k_max + max(len(c) for c in self.chains)  # best_plan's length axis, any subset
         # the alphas finished requests reached on their own, and their quantile (request_prior)
         self.finished = FinishedRequests(cfg.request_history, cfg.request_prior_quantile or 0.5,
                                          cfg.request_min_trials, cfg.request_min_finished)
@@ -399,28 +407,42 @@ class Router:
         return costs, dict(evidence.alphas), outside
 
     def table(self, costs, alphas, router: float, k_cap: int, keep: int | None = None,
-              prune: bool = True) -> PlanTable:
+              prune: bool = True, rows: dict | None = None) -> PlanTable:
         """best_plan over the viable chains (and `keep`), with every overhead, as a PlanTable over
         all chains: t_eff (C, K) is +inf and the expectations NaN for pruned ones and for those
         with a failed model. `router`: a speculative cycle's host seconds outside the executor
-        (`inputs`); a plain cycle's are the published ones."""
+        (`inputs`); a plain cycle's are the published ones. `rows`: the chains' (latency,
+        tokens) rows already evaluated on these costs and overheads (`EvidenceBoard.chain_rows`),
+        keyed by `chain_key`; only the others are evaluated (and added)."""
         published = self.board.current()
         cfg = self.config
+        hits = {d: costs[d].hit_rate for d in self.model_free}
         idx = [i for i, c in enumerate(self.chains) if i == 0 or (
             published.failed.isdisjoint(c)
-            and (not prune or i == keep or viable(c, costs, alphas, self.model_free, cfg.prune_below)))]
-        # always k = 1..k_max, cut to k_cap: a column's values do not depend on the cap
-        # (CachedPlans.best), and computed alike whatever the cap they are equal bit for bit
-        plan = best_plan([self.chains[i] for i in idx], cfg.k_max, costs=costs, alphas=alphas,
-                         overhead=published.times["spec"] + router,
-                         draft_step_overhead=published.times["draft_step"])
+            and (not prune or i == keep or viable(c, hits, alphas, self.model_free, cfg.prune_below)))]
         shape = (len(self.chains), cfg.k_max)
         t, latency, tokens = np.full(shape, np.inf), np.full(shape, np.nan), np.full(shape, np.nan)
-        t[idx], latency[idx], tokens[idx] = plan.table.t_eff, plan.table.expected_latency, plan.table.expected_tokens
+        keys = [chain_key(i, self.chains[i], hits, alphas) for i in idx] if rows is not None else None
+        todo = idx if rows is None else [i for i, key in zip(idx, keys) if key not in rows]
+        if todo:
+            # always k = 1..k_max, cut to k_cap: a column's values do not depend on the cap
+            # (CachedPlans.best), and computed alike whatever the cap or the subset of chains
+            # (one DP width for all) they are equal bit for bit
+            plan = best_plan([self.chains[i] for i in todo], cfg.k_max, costs=costs, alphas=alphas,
+                             overhead=published.times["spec"] + router,
+                             draft_step_overhead=published.times["draft_step"], min_width=self.dp_width)
+            latency[todo], tokens[todo] = plan.table.expected_latency, plan.table.expected_tokens
+        if rows is not None:
+            for i, key in zip(idx, keys):
+                if key in rows:
+                    latency[i], tokens[i] = rows[key]
+                else:
+                    rows[key] = (latency[i].copy(), tokens[i].copy())
+        t[idx] = latency[idx] / tokens[idx]  # as best_plan's t_eff, element by element
         plain = published.times["plain"] + (published.times["outside_plain"] if cfg.charge_outside else router)
         t[0] += plain  # chains[0] is (target,): one token per cycle
         latency[0] += plain
-        return PlanTable(chains=tuple(self.chains), ks=plan.table.ks[:k_cap], t_eff=t[:, :k_cap],
+        return PlanTable(chains=tuple(self.chains), ks=np.arange(1, cfg.k_max + 1)[:k_cap], t_eff=t[:, :k_cap],
                          expected_tokens=tokens[:, :k_cap], expected_latency=latency[:, :k_cap])
 
     def evaluate(self, row: RowContext, req: RequestState | None = None, k_cap: int | None = None,
@@ -456,10 +478,15 @@ class Router:
             decision = Decision(plain, 0, t_plain, "end" if k_cap < 1 else "only")
             return self._log(row, req, mode, decision, prev, (plain, 0), t_plain, t_plain, {}, t0)
         version = self.board.current().version
-        self.board.request_evidence(req, mode)  # published for this key (the log and note_alpha read it)
+        evidence = self.board.request_evidence(req, mode)  # published for this key (the log and note_alpha read it)
+        # the request's chain is evaluated even where pruning would drop it (`_plans`), so it is
+        # part of the key only then: a viable chain is in the table whatever the request runs,
+        # and a switch between viable chains keeps the table (a third of the misses, simulated)
+        kept = req.plan[0] if req.plan is not None else None
+        if kept is not None and viable(kept, evidence.hits, evidence.alphas, self.model_free, cfg.prune_below):
+            kept = None
         key = decision_key(max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
-                           mode, req.plan[0] if req.plan is not None else None, version, req.version,
-                           certain_bucket(row.certain_rate))
+                           mode, kept, version, req.version, certain_bucket(row.certain_rate))
         plans = req.cached
         if cfg.decision_cache and plans is not None and plans.key == key:
             self.cache_stats.hits += 1
@@ -480,10 +507,15 @@ class Router:
         """Step 1: the row's PlanTable over k = 1..k_max (keeping the request's chain)."""
         prev = req.plan
         costs, alphas, router = self.inputs(row, req)
-        keep = self.chain_index.get(prev[0]) if prev is not None else None
-        table = corrected(self.table(costs, alphas, router, self.config.k_max, keep=keep),
-                          self.chain_index, req.corrections)
         cfg = self.config
+        keep = self.chain_index.get(prev[0]) if prev is not None else None
+        rows = None
+        if cfg.decision_cache:  # the chains whose estimates did not move keep their rows
+            processors = row.processors and self.board.current().times["processor"] > 0.0
+            rows = self.board.chain_rows((max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
+                                          processors, certain_bucket(row.certain_rate), router))
+        table = corrected(self.table(costs, alphas, router, cfg.k_max, keep=keep, rows=rows),
+                          self.chain_index, req.corrections)
         # a single stream's (a batch's plain-vs-speculate choice is the batch planner's)
         charge = (PlainCharge.measured(self.board.current().times, router)
                   if cfg.charge_leaving_plain and not cfg.charge_outside and row.batch_size <= 1 else PlainCharge())
