@@ -12,6 +12,39 @@ os.environ.setdefault("SPECROUTER_CACHE", tempfile.mkdtemp(prefix="specrouter-te
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _interpreter_dot_in_fixed_order():
+    """The interpreter runs `tl.dot` as numpy's matmul, i.e. the CPU's BLAS, whose sgemm is not
+    invariant to a row's place in a block on every CPU (OpenBLAS's Zen kernel: rows 6-15 of a
+    16-row block take another micro-kernel than rows 0-5, so a row's bits change when it moves).
+    A GPU's MMA on a fixed tile has no such dependence, and that is what the Triton kernels rely
+    on: the interpreter's dot is made one fixed-order sum over K per output (float32 products
+    summed in K order, the same for every row), so the tests check the kernels' tiling, masking
+    and K loop, not the host BLAS."""
+    import numpy as np
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # no triton: its tests are skipped
+        return
+    builder = interpreter.InterpreterBuilder
+    plain_dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        acc = d.data
+        if a.data.dtype != np.float32 or b.data.dtype != np.float32 or acc.dtype != np.float32:
+            return plain_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        out = acc.copy()  # (M, N)
+        for k in range(a.data.shape[-1]):  # (M, 1) * (1, N): one product per output, K in order
+            out += a.data[:, k : k + 1] * b.data[k : k + 1, :]
+        return interpreter.TensorHandle(out, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_dot_in_fixed_order()
+
 # Tests are small; one thread keeps them deterministic in time on a 2-core CI machine.
 torch.set_num_threads(int(os.environ.get("SPECROUTER_TEST_THREADS", "1")))
 

@@ -168,9 +168,11 @@ def choice_logprobs(srv: Service, req, gen: Generation, chat: bool, echo: str | 
     out = {}
     entries = gen.logprobs if entries is None else entries
     text = token_namer(srv, req)
-    if chat and asks_logprobs(req, chat):
+    if not asks_logprobs(req, chat):
+        pass
+    elif chat:
         out["logprobs"] = chat_logprobs(entries, text)
-    elif not chat and asks_logprobs(req, chat):
+    else:
         pairs = [(e.token, e) for e in entries]
         if echo is not None:
             prompt = gen.p.prompt
