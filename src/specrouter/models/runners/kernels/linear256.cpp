@@ -32,8 +32,13 @@ constexpr int ROWS = 6;       // <= 12 accumulators + 2 weights + a broadcast: t
 // tile is FMA-bound (the widening, 4 R FMAs per 64 bytes), the hardware prefetchers fall behind
 // and the loads stall the FMAs: on Zen 4 (forced avx2, 2 threads) the 120 layer linears of the
 // 135M target at 5 rows took 10.0 ms without, 6.8-6.9 ms at 2-4 KiB ahead (1 row unchanged).
-// float32 is memory-bound there and gained nothing (lost up to 10% at 1-3 rows): none.
 constexpr int64_t PREFETCH_BF16 = 4096;
+// float32, from PREFETCH_F32_ROWS rows: the same, 4 KiB ahead. On Zen 1 (half-rate FMAs) the
+// several-row float32 tile is FMA-bound too: the 135M target's 5-token step took 31-32 ms
+// without, 25-27 ms with (2 threads). A lone row is memory-bound and does not prefetch (on Zen 4
+// prefetching lost up to 10% at 1-3 rows).
+constexpr int64_t PREFETCH_F32 = 4096;
+constexpr int PREFETCH_F32_ROWS = 2;
 
 // tiles side by side per row count: R x 2G <= 12 accumulators, >= 8 chains where it fits
 constexpr int tiles_for(int R) { return R == 1 ? 4 : R <= 3 ? 2 : 1; }
@@ -81,6 +86,8 @@ inline void tile_f32(const float* x, int64_t K, const float* w, int64_t tile, __
   for (int64_t k = 0; k < K; ++k, w += TILE) {
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
+      if constexpr (R >= PREFETCH_F32_ROWS)  // one 64-byte line a k
+        _mm_prefetch(reinterpret_cast<const char*>(w + g * tile) + PREFETCH_F32, _MM_HINT_T0);
       const __m256 w0 = _mm256_loadu_ps(w + g * tile), w1 = _mm256_loadu_ps(w + g * tile + 8);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
