@@ -42,7 +42,10 @@ def _serve(engine, per_step: list[bool]):
     handoffs = []
 
     async def main():
-        ae = AsyncEngine(engine, seed=0)
+        # Every row joins the first step: the handler's `arriving` hold (the server's own way)
+        # keeps the idle engine from starting a batch before the last submit (a row joining a
+        # step late would finish a step late: one hand-off more, under a loaded CI machine).
+        ae = AsyncEngine(engine, seed=0, admission_wait=60.0)
         deliver = ae._deliver
 
         def counted(deliveries):
@@ -53,7 +56,9 @@ def _serve(engine, per_step: list[bool]):
         ae._deliver = counted
         ae.start()
         try:
-            handles = [ae.submit([5, 6, 7], PARAMS, chain=("target",), k=1, per_step=p) for p in per_step]
+            with ae.arriving():
+                handles = [ae.submit([5, 6, 7], PARAMS, chain=("target",), k=1, per_step=p)
+                           for p in per_step]
             events = []
             for h in handles:
                 got = [await h.events.get()]
