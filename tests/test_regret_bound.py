@@ -46,7 +46,7 @@ def run_stream(requests=12, steps=60, **config):
 
 def test_chat_requests_lose_at_most_the_bound_and_code_requests_keep_speculating():
     """With the bound, chat requests (a 3% draft after code requests raised the prior) speculate
-    a few cycles each (30-38 of 360 over seeds 3-6) and run ~1.1x faster than without it (the
+    a few cycles each (31-41 of 360 over seeds 3-6) and run ~1.1x faster than without it (the
     negative control), where they speculate until their own evidence outweighs the prior (291-331
     of 360). Code requests are never held by it and speculate every step either way."""
     bounded = run_stream()
@@ -75,23 +75,3 @@ def test_the_bound_is_checked():
     with pytest.raises(ValueError):
         RouterConfig(regret_fraction=1.5)
     RouterConfig(regret_fraction=None)
-
-
-def test_a_stream_held_plain_by_the_bound_is_not_decided_every_step():
-    """A single stream over its bound decodes plainly under the planner's plain hold (2, 4, ...
-    steps without deciding), as a settled plain stream does: deciding it every step cost ~1 ms
-    of a ~17 ms plain step on the Zen 1. Negative control: a stream within its bound speculates
-    and is not held."""
-    router = make_router(order=["d1", "T"], timer=lambda: 0.0)
-    sim = Sim({("d1", "T"): CODE}, seed=1)
-    row = RowContext(0, L0)
-    d = router.plan_batch([row]).decisions[0]
-    assert d.k > 0 and router.planner.hold is None
-    stats, outcomes, fwd, _ = sim.run(d.chain, d.k, [0], L0, True)
-    observe_cycle(router, stats, outcomes, fwd)
-    router.requests[0].regret.lost = 1.0  # a second lost: far over 2% of its elapsed seconds
-    d = router.plan_batch([row]).decisions[0]
-    assert (d.k, d.reason) == (0, "regret") and router.planner.hold is not None
-    events = len(router.events)
-    observe_cycle(router, *sim.run(d.chain, d.k, [0], L0, True)[:3])
-    assert router.plan_batch([row]).held and len(router.events) == events  # held: no decide

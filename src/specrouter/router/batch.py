@@ -177,7 +177,7 @@ class BatchPlanner:
         rows, when a row joins that would speculate on its own (`_joiners`: a joining row that
         decodes plainly joins the hold), and grows 2, 4, ... up to `RouterConfig.plain_hold_max`
         steps while the verdict repeats. A single stream is held too once its row's plain plan
-        is settled (decided "same", or "regret": router/regret.py), while it runs alone (a request replacing it is planned at
+        is settled (decided "same"), while it runs alone (a request replacing it is planned at
         once). A multi-row batch's speculative plans are kept for the same rows
         `RouterConfig.spec_hold_steps` steps (`SpecHold`). Shadow proposals (free evidence for
         model-free drafters not running) every step, and while a hold lasts as
@@ -218,9 +218,8 @@ class BatchPlanner:
             limit = router.config.plain_hold_max
             # a single stream is held once its plain plan is settled (kept as the best: "same"):
             # deciding it again every step, its shadow proposals and confident-draft checks cost
-            # ~0.8 ms of a ~9 ms plain step (chat at t=0.7), which target-only does not pay; or
-            # held plain by the regret bound (router/regret.py: only time passing lifts it)
-            settled = n > 1 or (len(rows) == 1 and decisions[0].reason in ("same", "regret"))
+            # ~0.8 ms of a ~9 ms plain step (chat at t=0.7), which target-only does not pay
+            settled = n > 1 or (len(rows) == 1 and decisions[0].reason == "same")
             if limit > 0 and not spec and settled:
                 span = min(limit, 2 * hold.span if hold is not None else 2)
                 self.hold = PlainHold(n, now + span, span, frozenset(r.seq_id for r in rows))
