@@ -17,8 +17,7 @@ settled plain single stream decided every step), iid (confirmed_alpha=False: a t
 top level accepts every token at the pair's rate), no-fade (realized_fade=1.0: the realized check's
 evidence fades only on cycles of model-free chains, as before), no-leave-charge
 (charge_leaving_plain=False: plain decoding weighed against speculation without each kind's
-host seconds outside the executor, as before issue 31's chat fix), no-regret (regret_fraction=None: no
-bound on a single stream's realised loss of speculation against plain decoding, router/regret.py).
+host seconds outside the executor, as before issue 31's chat fix).
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "iid": dataclasses.replace(base, confirmed_alpha=False),
         "no-fade": dataclasses.replace(base, realized_fade=1.0),
         "no-leave-charge": dataclasses.replace(base, charge_leaving_plain=False),
-        "no-regret": dataclasses.replace(base, regret_fraction=None),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -51,8 +51,8 @@ def test_a_single_stream_stays_plain_where_speculations_host_seconds_lose():
     decoding is weighed against speculation, the router leaves d1 > T within a few steps and
     runs faster; the negative control (`charge_leaving_plain=False`, the table alone) keeps
     speculating and runs slower by the clock."""
-    spec, rate, router = run_stream(regret_fraction=None)  # the charge alone (test_regret_bound.py: the bound)
-    spec_off, rate_off, _ = run_stream(charge_leaving_plain=False, regret_fraction=None)
+    spec, rate, router = run_stream()
+    spec_off, rate_off, _ = run_stream(charge_leaving_plain=False)
     assert router.overhead["outside_spec"] == pytest.approx(OUTSIDE[True])
     assert spec <= 20 and spec_off >= 180
     assert rate > 1.03 * rate_off

@@ -302,11 +302,6 @@ class RouterConfig:
     # must beat plain decoding with each kind's measured outside seconds per cycle; False: the
     # plans compare as the table prices them (before issue 31's chat fix)
     charge_leaving_plain: bool = True
-    # a single stream's speculation may lose at most this fraction of the request's elapsed
-    # seconds against plain decoding (router/regret.py): beyond it the request decodes plainly
-    # until its elapsed time covers the loss again; None: no bound
-    regret_fraction: float | None = 0.02
-    regret_allowance: float = 1.0  # ... plus this many plain steps' seconds (an unlucky first cycle)
     context_bucket: int = 32  # cost rows are cached per (b, L // context_bucket)
     prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
     alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)
@@ -369,10 +364,6 @@ class RouterConfig:
             raise ValueError(f"k_max must be in 1..{MAX_DRAFT_LENGTH}, got {self.k_max}")
         if not 1 <= self.max_levels <= 4:
             raise ValueError(f"max_levels must be in 1..4, got {self.max_levels}")
-        if self.regret_fraction is not None and not 0.0 <= self.regret_fraction <= 1.0:
-            raise ValueError(f"regret_fraction must be in [0, 1] or None, got {self.regret_fraction!r}")
-        if self.regret_allowance < 0:
-            raise ValueError(f"regret_allowance must be >= 0, got {self.regret_allowance!r}")
         if self.switch_margin < 0 or self.patience < 1 or self.probe_k < 1:
             raise ValueError("switch_margin must be >= 0, patience and probe_k >= 1")
         for name in ("request_decay", "request_hit_decay"):

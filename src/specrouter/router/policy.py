@@ -32,9 +32,6 @@ pool order (cheapest first, target last) and the names of model-free drafters.
 3. Probing (router/probing.py, `Prober`): pairs with little (or faded) evidence get their
    optimistic alpha; within a budget (5% of row-cycles, 2% of wall time) a chain measuring one
    of them runs this one cycle when it could beat the plan in that optimistic world.
-   Then the regret bound (router/regret.py, "step 2b" in decide()): a single stream whose
-   speculative cycles (probes included) have realised more than `regret_fraction` (2%) of its
-   elapsed seconds in loss against plain decoding decodes plainly until its time covers it.
 4. `observe_step(StepReport)`, once per engine step: acceptance trials (global and per
    request), D_TV, hit rates, shadow proposals, forward timings into the profile, step
    overheads, the batch calibration.
@@ -497,13 +494,7 @@ class Router:
             self.cache_stats.miss(plans.key if plans is not None else None, key)
             plans = req.cached = self._plans(row, req, key)
         decision = self._hysteresis(req, plans, k_cap)
-        req.t_plain = float(plans.charged[0, 0])
-        if (row.batch_size <= 1 and cfg.regret_fraction is not None
-                and not req.regret.allows(cfg.regret_fraction, cfg.regret_allowance * req.t_plain)):
-            if decision.k > 0:  # the regret bound (router/regret.py): no speculation, no probe
-                decision = Decision(plain, 0, plans.t_plain, "regret")
-                req.plan, req.worse = (plain, 0), 0
-        elif self.prober.due():
+        if self.prober.due():
             decision = self.prober.decide(row, req, mode, k_cap, decision, plans.charge)
         # what the realized check compares the cycle with: the model's prediction (probes are
         # predicted without the correction, planned cycles with it)
@@ -613,11 +604,6 @@ class Router:
             req = self.request(r.seq_id, r.greedy)
             if len(rows) == 1 and cfg.realized_check:
                 self._observe_realized(req, r, wall_time)
-            if len(rows) == 1 and cfg.regret_fraction is not None:
-                speculative = len(r.chain) > 1 and r.k > 0
-                outside = self.overhead["outside_spec" if speculative else "outside_plain"]
-                req.regret.observe(wall_time + outside, int(r.accepted[-1]) + 1 if speculative else 1,
-                                   speculative, req.t_plain)
             req.cycles += 1
             chain = tuple(r.chain)
             for j in range(1, len(chain)):

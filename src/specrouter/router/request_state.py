@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrouter.records.routing import Chain
-from specrouter.router.regret import RegretBank
 from specrouter.router.similarity import Pair, decayed_add
 
 
@@ -38,10 +37,6 @@ class RequestState:
     pending: tuple[Chain, float] | None = None
     realized: dict[Chain, list[float]] = field(default_factory=dict)
     corrections: dict[Chain, float] = field(default_factory=dict)
-    # speculation's realised loss against plain decoding (router/regret.py), and plain
-    # decoding's charged seconds per token at its last decision (what the loss is counted against)
-    regret: RegretBank = field(default_factory=RegretBank)
-    t_plain: float = float("nan")
 
     def observe(self, pair: Pair, accepted: float, rejections: float, decay: float) -> None:
         c = self.counts.setdefault(pair, [0.0, 0.0])
