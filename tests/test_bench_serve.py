@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specrouter.bench.serve import ServeBenchConfig, markdown, run_serve_bench, write
 
 
@@ -80,6 +82,7 @@ def test_continuous_batching_keeps_at_most_c_rows_and_equals_one_by_one(tiny_poo
         assert alone.generate_ids([x], [params], chain=(pool.target,))[0].output_ids == s.output_ids
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 def test_shared_prompt_workload_runs_cache_on_and_off_servers_side_by_side(tiny_pool_dirs, tmp_path):
     """`bench --serve --workloads shared-prompt` on a tiny pool: two live servers (the prefix
     cache on, `--no-prefix-cache`), concurrent clients sharing a system prompt, greedy replies
