@@ -60,7 +60,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
-    ap.add_argument("--variants", nargs="+", default=["no-tv", "greedy-tv", "no-check"])
+    ap.add_argument("--variants", nargs="*", default=["no-tv", "greedy-tv", "no-check"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workload", default="mixed")
     ap.add_argument("--prompts-per-type", type=int, default=3)

@@ -19,7 +19,10 @@ native ones and torch's) and precision, T(n) = a forward of n new tokens (logits
 what verifying n-1 drafted tokens costs) for n = 1, 2, 3, 5, 9, 17, printed as T(n)/T(1); the
 paths take turns. Then GMAC/s of each path's linear per row count on the 135M shapes (qkv, o,
 gate|up, down, the LM head) beside torch's own GEMM (MKL/oneDNN: torch.mm float32, F.linear
-bfloat16) on the same shapes, which promises no row invariance.
+bfloat16) on the same shapes, which promises no row invariance: timed last, the systems in
+turns over `--rounds` rounds, the min kept, with the ratio to torch's sgemm at 8+ rows (issue
+26's AVX2 goal) and, beside it, the GMAC/s of the scaling section's whole steps (a linear's own
+rate must not read below the step it is part of).
 
 The decoder stack's work sharing (issue 26, a stolen core): `--sections stack` times T(n) of the
 bfloat16 135M for each `--schedules` of the native stack's threads (kernels/rowinv.cpp
@@ -266,9 +269,13 @@ def print_stack(stack: dict) -> None:
         print(f"{load:>10} {sched:>7}: {cells} | {ratios}")
 
 
-def time_gemm(paths: list[str], iters: int) -> dict:
+def time_gemm(paths: list[str], iters: int, rounds: int = 4) -> dict:
     """{(dtype name, system): {n: GMAC/s}} over the 135M linears (each weighted by how many a
-    forward runs): each native path's linear, and torch's GEMM on the same shapes."""
+    forward runs): each native path's linear, and torch's GEMM on the same shapes. A cell is
+    the sum over the linears of count x the min wall time of one call; every system takes its
+    turn at every linear in each of `rounds` rounds (a disturbed moment hits all systems alike
+    and the min over rounds drops it). The weights of one linear stay in cache between calls:
+    this is the kernels' arithmetic rate, not the weight stream of a step (`step_gmacs`)."""
     import torch.nn.functional as F
 
     from specrouter.models.runners.linear import NATIVE_BY_PATH, Linear, linear
@@ -291,10 +298,24 @@ def time_gemm(paths: list[str], iters: int) -> dict:
         for n in SCALING_TOKENS:
             xs = {k: torch.randn(n, i, generator=g).to(dt) for k, (_, i, _) in LINEARS_135M.items()}
             macs = sum(n * o * i * c for o, i, c in LINEARS_135M.values())
-            for name, fns in systems.items():
-                ms = sum(c * _time_ms(functools.partial(fns[k], xs[k]), iters)[1] for k, (_, _, c) in LINEARS_135M.items())
+            best = {(name, k): float("inf") for name in systems for k in LINEARS_135M}
+            for _ in range(rounds):
+                for k in LINEARS_135M:
+                    for name, fns in systems.items():
+                        ms = _time_ms(functools.partial(fns[k], xs[k]), iters, warmup=2)[1]
+                        best[(name, k)] = min(best[(name, k)], ms)
+            for name in systems:
+                ms = sum(c * best[(name, k)] for k, (_, _, c) in LINEARS_135M.items())
                 out.setdefault((dt_name, name), {})[n] = macs / ms / 1e6
     return out
+
+
+def step_gmacs(scaling: dict) -> dict:
+    """{(dtype name, path): {n: GMAC/s}} of whole steps: the 135M linears' multiply-adds at n
+    rows over the scaling section's T(n) (attention, norms and the weight stream included), a
+    floor the linears' own rate (`time_gemm`) must stay above in the same run."""
+    macs1 = sum(o * i * c for o, i, c in LINEARS_135M.values())
+    return {key: {n: n * macs1 / ms / 1e6 for n, ms in row.items()} for key, row in scaling.items()}
 
 
 def print_scaling(scaling: dict, gemm: dict) -> None:
@@ -319,6 +340,17 @@ def print_scaling(scaling: dict, gemm: dict) -> None:
         print(f"{'dtype':>5} {'system':>10} | " + " ".join(f"{f'n={n}':>7}" for n in SCALING_TOKENS))
         for (dt_name, name), row in gemm.items():
             print(f"{dt_name:>5} {name:>10} | " + " ".join(f"{row[n]:7.1f}" for n in SCALING_TOKENS))
+        for dt_name in ("bf16", "fp32"):  # issue 26 (AVX2): native at 8+ rows >= 0.9x torch's sgemm
+            sgemm = gemm.get(("fp32", "torch GEMM"))
+            for (d, name), row in gemm.items():
+                if d != dt_name or name == "torch GEMM" or sgemm is None:
+                    continue
+                print(f"{dt_name} {name} / fp32 torch sgemm: " + ", ".join(
+                    f"n={n} {row[n] / sgemm[n]:.2f}x" for n in SCALING_TOKENS if n >= 8))
+    if scaling:
+        print("\nGMAC/s of whole steps (the linears' multiply-adds over the same run's T(n))")
+        for (dt_name, p), row in step_gmacs(scaling).items():
+            print(f"{dt_name:>5} {p:>10} | " + " ".join(f"{row[n]:7.1f}" for n in SCALING_TOKENS))
 
 
 def main() -> None:
@@ -343,8 +375,8 @@ def main() -> None:
                     help="stack section: also time beside a process busy this percent of every 10 ms (0: quiet only)")
     ap.add_argument("--no-drafts", action="store_true", help="llama.cpp comparison on the 135M shape only")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="llama.cpp comparison: rounds of turns per cell (more, shorter turns track a drifting"
-                         " memory bandwidth better)")
+                    help="llama.cpp comparison and gemm section (at least 2): rounds of turns per cell (more,"
+                         " shorter turns track a drifting memory bandwidth better)")
     args = ap.parse_args()
     from specrouter.bench.peers import llama_cpp_missing
     from specrouter.models.runners.linear import kernels
@@ -359,7 +391,6 @@ def main() -> None:
     paths = args.paths or available_paths()
     scaling: dict = {}
     stack: dict = {}
-    gemm = time_gemm(paths, args.iters) if "gemm" in args.sections else {}
     with tempfile.TemporaryDirectory(prefix="specrouter-bench-") as tmp:
         for name in args.shapes:
             kw = SHAPES[name]
@@ -399,6 +430,8 @@ def main() -> None:
                 peers = compare_with_llama_cpp({"135M shape": path, **drafts}, args.threads, max(4, args.iters // 3),
                                                rounds=args.rounds, dtypes=tuple(args.dtypes),
                                                small_pages=args.small_pages)
+    # the GEMM section last: after the steps (the same machine state), in rounds of turns
+    gemm = time_gemm(paths, max(6, args.iters // 3), max(2, args.rounds)) if "gemm" in args.sections else {}
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"\nms per step, context {CONTEXT}, {args.threads} threads, torch {torch.__version__}, kernels {kernels()}")
     print(f"(load average at the end: {load}; other processes on the cores inflate every number)")

@@ -87,6 +87,7 @@ def test_bench_writes_consistent_json_markdown_and_pngs(bench_out):
     assert set(acc) == {"draft>target"} and 0 <= acc["draft>target"] <= 1
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 def test_greedy_mismatch_of_an_exact_system_fails_loudly(tiny_pool_dirs, profile_path, tmp_path, monkeypatch):
     real = AdaptiveSystem.run
 
@@ -109,6 +110,7 @@ def test_greedy_mismatch_of_an_exact_system_fails_loudly(tiny_pool_dirs, profile
     assert rc == 2
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 def test_transformers_difference_is_reported_not_fatal(tiny_pool_dirs, profile_path, tmp_path, monkeypatch):
     from specrouter.bench.report import write_report
 
@@ -180,6 +182,7 @@ def test_a_pool_with_a_draft_head_runs_specrouter_without_it_side_by_side(tiny_p
     assert goal["value"] == s["ratios"]["specrouter/no_head"] and goal["met"] == (goal["value"] >= 1.3)
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 def test_multiturn_and_templated_run_with_the_prefix_cache_on_and_off_side_by_side(tiny_pool_dirs, tmp_path):
     """Issue 29's bench: the multi-turn stream re-sends each system's own replies, target-only
     and SpecRouter also run with the prefix cache (the same greedy tokens as every system

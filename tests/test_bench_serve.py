@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specrouter.bench.serve import ServeBenchConfig, markdown, run_serve_bench, write
 
 
@@ -24,12 +26,18 @@ def test_serve_bench_quick_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
     assert len(result["rows"]) == 2 and all(r["router_tps"] > 0 and r["plain_tps"] > 0 for r in result["rows"])
     # the plain baseline is its own router-off server (issue 25 item 4)
     assert "--static --chain target" in (tmp_path / "server-plain.log").read_text()
+    # both servers run with the default batch (`specrouter serve`'s 8), not one sized to the
+    # levels (2 here): the c=1 rows measure the server users start
+    assert all("--max-num-seqs 8 " in (tmp_path / f).read_text() for f in ("server.log", "server-plain.log"))
     # the library beside the server at concurrency 1, greedy texts identical to the servers'
     lib = {r["library"]: r for r in result["library"]}
     assert set(lib) == {"API plain", "API router"}
     assert all(r["library_tps"] > 0 and r["server_tps"] > 0 and r["concurrency"] == 1 for r in lib.values())
-    # and through the bare HTTP client (its greedy texts are in the mismatch check above)
+    # and through the bare HTTP client, streamed and whole (their greedy texts are in the
+    # mismatch check above), with the goal "streaming costs nothing extra" from the two
     assert all(r["raw_server_tps"] > 0 and r["raw_vs_library"] > 0 for r in lib.values())
+    assert all(r["whole_server_tps"] > 0 and r["streamed_vs_whole"] == r["raw_server_tps"] / r["whole_server_tps"]
+               for r in lib.values())
     # where the time goes: like with like, the plain chain takes as many engine steps per request
     # on every side (the library's counted around Engine.step, the servers' from their /metrics),
     # a step per token (the first one the prefill); the rest of each side's wall is outside them
@@ -41,6 +49,7 @@ def test_serve_bench_quick_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
     goals = [g["goal"] for g in result["goals"]]
     assert any(g.startswith("server >= 0.95x the Python API") and "openai client" in g for g in goals)
     assert any(g.startswith("server >= 0.95x the Python API") and "raw HTTP client" in g for g in goals)
+    assert any(g.startswith("streamed >= 0.95x whole") for g in goals)
     paths = write(result, tmp_path, plots=True)
     assert json.loads(paths[0].read_text())["goals"] and "router / plain" in markdown(result)
     assert "| API plain | 1 |" in markdown(result)
@@ -80,6 +89,7 @@ def test_continuous_batching_keeps_at_most_c_rows_and_equals_one_by_one(tiny_poo
         assert alone.generate_ids([x], [params], chain=(pool.target,))[0].output_ids == s.output_ids
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 def test_shared_prompt_workload_runs_cache_on_and_off_servers_side_by_side(tiny_pool_dirs, tmp_path):
     """`bench --serve --workloads shared-prompt` on a tiny pool: two live servers (the prefix
     cache on, `--no-prefix-cache`), concurrent clients sharing a system prompt, greedy replies

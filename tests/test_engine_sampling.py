@@ -50,6 +50,7 @@ def target_joint(pool) -> torch.Tensor:
     return torch.stack([first[a] * dist(PROMPT + [a]) for a in range(V)])
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 @pytest.mark.parametrize("chain,k", [(("draft", "target"), 3), (("draft", "mid", "target"), 2)])
 def test_engine_sampling_matches_target_distribution(pool, chain, k):
     exact = target_joint(pool)

@@ -14,6 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 def test_gpu_check_runs_on_cpu_and_reports(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "SPECROUTER_CACHE": str(tmp_path / "cache")}

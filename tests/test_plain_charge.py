@@ -119,3 +119,64 @@ def test_the_charge_reads_the_measured_outside_seconds():
     table = table_of([[1.0, 1.0], [0.99, 0.98]], [[1.0, 1.0], [1.1, 1.2]])
     assert PlainCharge().best(table, 2) == (1, 1)
     assert PlainCharge(spec=0.05).best(table, 2) == (0, 0)  # 0.98 + 0.05 / 1.2 > 1.0
+
+
+def test_the_charged_table_is_each_cells_kind_charge():
+    """`PlainCharge.t_eff`, the one (C, K) form that `best`, the hysteresis and the prober read:
+    row 0 (plain decoding) carries `plain`, a speculative cell `spec` / its expected tokens, a
+    pruned chain stays +inf. Before, the prober spelled it itself and charged row 0 `spec` too."""
+    table = table_of([[1.0, 1.0], [0.99, 0.98], [np.inf, np.inf]], [[1.0, 1.0], [1.1, 1.2], [np.nan, np.nan]])
+    charge = PlainCharge(spec=0.05, plain=0.01)
+    got = charge.t_eff(table)  # (3, 2)
+    assert got[0].tolist() == [1.0 + 0.01, 1.0 + 0.01]
+    assert got[1].tolist() == [0.99 + 0.05 / 1.1, 0.98 + 0.05 / 1.2]
+    assert np.isinf(got[2]).all()
+    assert charge.nonzero and PlainCharge(plain=1e-4).nonzero and not PlainCharge().nonzero
+    rng = np.random.default_rng(1)
+    for _ in range(100):  # `best` with the kept (C, K) form decides as it does computing it
+        t = np.round(rng.uniform(0.8, 1.2, size=(4, 6)), 2)
+        t[0] = t[0, 0]
+        table = table_of(t, rng.uniform(1.0, 4.0, size=(4, 6)))
+        charge = PlainCharge(spec=float(rng.uniform(0, 0.5)), plain=float(rng.uniform(-0.05, 0.05)))
+        for cap in (1, 4, 6):
+            assert charge.best(table, cap, charge.t_eff(table)) == charge.best(table, cap)
+
+
+def test_a_probe_from_a_plain_plan_carries_both_kinds_charge():
+    """A single stream decoding plainly is probed only where the probe beats plain decoding with
+    both kinds' host seconds: an untried draft (optimistic alpha 1) is probed with no charge and
+    with a small one, not when a speculative cycle's outside seconds exceed what it could save
+    (the negative control: the same call uncharged probes)."""
+    from specrouter.router.similarity import GREEDY
+
+    router = make_router(order=["d1", "T"], timer=lambda: 0.0)
+    row = RowContext(0, L0)
+    costs, alphas, overhead = router.inputs(row, router.request(0, True))
+    t_plain = float(router.table(costs, alphas, overhead, 8).t_eff[0, 0])
+
+    def probe(*args):
+        router.prober.probes.clear()  # each call as the first look (no back-off from the last)
+        return router.prober._probe(*args)
+
+    assert probe(GREEDY, ("T",), t_plain, costs, alphas, overhead, 8) is not None
+    assert probe(GREEDY, ("T",), t_plain, costs, alphas, overhead, 8, PlainCharge(spec=1e-3)) is not None
+    assert probe(GREEDY, ("T",), t_plain, costs, alphas, overhead, 8, PlainCharge(spec=1.0)) is None
+
+
+def test_a_failed_draft_under_a_charge_is_left_for_plain_decoding():
+    """A single stream speculating with both kinds' host seconds measured; its draft fails
+    (`mark_failed`): plain decoding, the only chain left, is decided at once. Before the charged
+    table, the failed plan's charged T_eff read NaN (inf + spec / NaN tokens), no rule fired and
+    hysteresis kept the failed chain."""
+    now = [0.0]
+    router = make_router(order=["d1", "T"], step_clock=lambda: now[0], timer=lambda: 0.0)
+    sim = Sim({("d1", "T"): 0.45}, seed=6)
+    for _ in range(40):
+        d = router.plan_batch([RowContext(0, L0)]).decisions[0]
+        stats, outcomes, fwd, _ = sim.run(d.chain, d.k, [0], L0, True)
+        observe_cycle(router, stats, outcomes, fwd)
+        now[0] += stats.wall_time + OUTSIDE[d.k > 0]
+    assert d.chain == ("d1", "T") and router.overhead["outside_spec"] > 0.0
+    router.mark_failed("d1")
+    d = router.decide(RowContext(0, L0))
+    assert d.chain == ("T",), d

@@ -52,6 +52,7 @@ def test_greedy_exact_while_chains_switch_every_cycle(sr_random, prompts, expect
     assert router.decisions >= sum(r.stats.cycles for r in results)
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 def test_sampling_distribution_while_chains_switch(v8_pool):
     exact = target_joint(v8_pool)
     rows = 60_000

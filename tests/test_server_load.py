@@ -135,6 +135,7 @@ def run_load(tiny_pool_dirs, clients: int, total: int, time_bound: float):
     return wall
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 def test_load_32_clients_200_requests(tiny_pool_dirs):
     run_load(tiny_pool_dirs, clients=32, total=200, time_bound=90)
 

@@ -75,6 +75,7 @@ def _sleeps_per_op(mode: str, *args: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 @pytest.mark.skipif(CPUS < 2, reason="one CPU: torch runs no parallel regions")
 def test_a_second_team_makes_every_barrier_sleep_and_one_given_back_does_not(tiny_pool_dirs):
     """release_omp_team_here ends the live thread's team; create_app does it for the thread that

@@ -5,6 +5,8 @@ schema and the counts reported; transformers and llama.cpp rows stay out (no gra
 
 import json
 
+import pytest
+
 from test_bench import tiny_config
 
 from specrouter.bench import run_bench
@@ -30,6 +32,7 @@ def test_schema_valid_checks_what_the_schemas_say():
     assert not schema_valid('{"items": [', SHOPPING)
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 def test_structured_runs_native_systems_with_the_grammar(tiny_pool_dirs, tmp_path):
     d = tiny_pool_dirs
     cfg = tiny_config(d, str(tmp_path / "profile.json"), tmp_path / "out", workloads=("structured",),

@@ -31,6 +31,7 @@ def test_no_derived_gguf_is_tracked():
     assert [p for p in _tracked() if p.suffix == ".gguf"] == []
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 def test_shipped_drafts_gguf_is_made_on_demand_into_the_cache(tmp_path):
     """What the bench's llama.cpp rows and benchmarks/runner_micro.py use: the shipped draft's
     BF16 GGUF, written from its safetensors into the cache once, nothing beside the asset."""

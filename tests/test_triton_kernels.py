@@ -119,6 +119,7 @@ def _runner(path, kernels, **kw):
     return load_llama_runner(path, dtype=torch.float32, kernels=kernels, num_slots=3, max_len=160, **kw)
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 def test_runner_logits_are_invariant_on_the_triton_path(tiny_fp32):
     r = _runner(tiny_fp32["target"], "triton")
     assert r._kernel == "triton" and r._gpu
@@ -138,6 +139,7 @@ def test_runner_logits_are_invariant_on_the_triton_path(tiny_fp32):
     assert torch.allclose(whole, ref, rtol=1e-4, atol=1e-4)  # the torch kernels, within tolerance
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 def test_engine_greedy_on_the_triton_path_equals_target_only(tiny_fp32):
     from specrouter.config import SamplingParams
     from specrouter.engine.engine import Engine
@@ -158,6 +160,7 @@ def test_engine_greedy_on_the_triton_path_equals_target_only(tiny_fp32):
     assert all(o == first for o in outs.values()), outs
 
 
+@pytest.mark.slow  # over ~30 s on a 2-core CI machine: `make test-slow`
 def test_bucketed_forwards_pad_without_changing_a_bit(tiny_fp32):
     """The CUDA-graph wrapper's bucket logic (graphs.py), eagerly: a batch padded to its bucket
     (rows at the wrapper's pad slot, tokens to the scratch row) gives the same logits."""

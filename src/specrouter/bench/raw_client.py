@@ -1,4 +1,5 @@
-"""A bare HTTP/1.1 streaming client for `specrouter bench --serve`'s paired rows (issue 34).
+"""A bare HTTP/1.1 client for `specrouter bench --serve`'s paired rows (issue 34): streamed, and
+whole (`stream: false`, the goal "a streamed request >= 0.95x a whole one" side by side).
 
 On a 2-core machine the bench's client shares the cores with the server's OpenMP team, and the
 `openai` client (httpx, SSE parsing, a pydantic object per chunk) costs ~0.6 ms of CPU per
@@ -45,13 +46,12 @@ def parse_sse(payload: bytes, chat: bool) -> tuple[str, int]:
     return "".join(parts), tokens
 
 
-async def stream_request(base_url: str, body: dict, chat: bool, api_key: str = "-") -> tuple[str, int, float, float]:
-    """POST a streamed request to `base_url` (".../v1"): (text, completion tokens, seconds to the
-    first response byte, seconds to the last)."""
+async def _post(base_url: str, body: dict, chat: bool, api_key: str) -> tuple[bytes, bytes, float | None, float]:
+    """POST `body` to `base_url` (".../v1") over a fresh connection, read to the end: (head, body
+    dechunked, perf_counter time of the first response byte, of the last)."""
     url = urlsplit(base_url)
     path = url.path.rstrip("/") + ("/chat/completions" if chat else "/completions")
-    data = json.dumps(dict(body, stream=True, stream_options={"include_usage": True})).encode()
-    t0 = time.perf_counter()
+    data = json.dumps(body).encode()
     reader, writer = await asyncio.open_connection(url.hostname, url.port)
     try:
         writer.write(f"POST {path} HTTP/1.1\r\nHost: {url.hostname}:{url.port}\r\n"
@@ -71,5 +71,24 @@ async def stream_request(base_url: str, body: dict, chat: bool, api_key: str = "
         raise RuntimeError(f"the server answered {status.decode(errors='replace')}: {body_bytes[:300]!r}")
     if b"transfer-encoding: chunked" in head.lower():
         body_bytes = dechunk(body_bytes)
-    text, tokens = parse_sse(body_bytes, chat)
+    return head, body_bytes, first, end
+
+
+async def stream_request(base_url: str, body: dict, chat: bool, api_key: str = "-") -> tuple[str, int, float, float]:
+    """POST a streamed request to `base_url` (".../v1"): (text, completion tokens, seconds to the
+    first response byte, seconds to the last)."""
+    t0 = time.perf_counter()
+    _, payload, first, end = await _post(base_url, dict(body, stream=True, stream_options={"include_usage": True}),
+                                         chat, api_key)
+    text, tokens = parse_sse(payload, chat)
     return text, tokens, (first or end) - t0, end - t0
+
+
+async def whole_request(base_url: str, body: dict, chat: bool, api_key: str = "-") -> tuple[str, int, float]:
+    """POST the same request not streamed (`stream: false`): (text, completion tokens, seconds)."""
+    t0 = time.perf_counter()
+    _, payload, _, end = await _post(base_url, dict(body, stream=False), chat, api_key)
+    reply = json.loads(payload)
+    choice = reply["choices"][0]
+    return (choice["message"]["content"] or "") if chat else choice["text"], \
+        reply["usage"]["completion_tokens"], end - t0

@@ -18,15 +18,17 @@ The server beside the library (issue 34): on the same prompts, greedy, the bench
 the Python API itself (`SpecRouter.generate`, one request at a time, each system on its own pool
 view) for the plain chain and the router, and the engine's own continuous batching of the same
 requests at concurrency 4 (and 8), PAIRED with the live servers: at concurrency 1 request i goes
-to the library, to the server through the `openai` client and to the server through a bare HTTP
-client (bench/raw_client.py) back to back, in rotating order; at c >= 4 a batch of the engine and
-a level of the server through each client rotate `rounds` times. The bare client's row is the
-server's own speed: on 2 cores the `openai` client's CPU (~0.6 ms a chunk) comes out of the
-server's share. Library and server figures are
-then taken in the same minutes, so the drift of a shared machine (its speed varies by +-20%
-between minutes) cancels; a library run minutes after the servers stopped gave ratios of 0.84x
-and 1.10x for the same code. The `library` table puts each library figure beside its paired
-server figure.
+to the library, to the server through the `openai` client, through a bare HTTP client
+(bench/raw_client.py) and through the bare client not streamed (`stream: false`, "whole") back to
+back, in rotating order; at c >= 4 a batch of the engine and a level of the server through each
+client rotate `rounds` times. The bare client's row is the server's own speed: on 2 cores the
+`openai` client's CPU (~0.6-1.2 ms a chunk) comes out of the server's share; streamed / whole
+(both through the bare client) is the goal "streaming costs nothing extra". The servers run
+with the default `--max-num-seqs` (8; more for higher levels), as users start them. Library and
+server figures are then taken in the same minutes, so the drift of a shared machine (its speed
+varies by +-20% between minutes) cancels; a library run minutes after the servers stopped gave
+ratios of 0.84x and 1.10x for the same code. The `library` table puts each library figure beside
+its paired server figures.
 Output: serve.json, serve.md and serve.png (throughput and p99 latency vs concurrency).
 """
 
@@ -149,9 +151,14 @@ def start_server(cfg: ServeBenchConfig, models: list[str], port: int, log, *, pl
                  name: str = "server", extra: list[str] = ()) -> subprocess.Popen:
     """A `specrouter serve` subprocess; `plain`: the router off (`--static --chain target`);
     `extra`: more `serve` flags (bench/serve_shared.py: `--no-prefix-cache`)."""
+    from specrouter.config import ServerConfig
+
     cmd = [sys.executable, "-m", "specrouter.cli.main", "serve", "--models", *models,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype,
-           "--max-num-seqs", str(max(cfg.concurrency)), "--max-queue", str(4 * cfg.requests + 64),
+           # the default flags' batch (8), or more for higher levels: a c=1 run measures the server
+           # users start, not one reserved for a single row
+           "--max-num-seqs", str(max(ServerConfig().max_num_seqs, *cfg.concurrency)),
+           "--max-queue", str(4 * cfg.requests + 64),
            "--log-level", "warning",
            # every (system, temperature, concurrency) sends its own API key: the suffix drafter
            # learns only from the requests that run served, never from another system's outputs
@@ -330,7 +337,7 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
         served = {(lv.system, lv.concurrency): lv for lv in levels if lv.temperature == 0.0}
         for run in library:
             lv = served.get((run["system"], run["server_concurrency"]))
-            others = [run["server_texts"], run["raw_server_texts"]] + \
+            others = [run["server_texts"], run["raw_server_texts"], run["whole_server_texts"]] + \
                 ([[x.text for x in lv.results]] if lv is not None else [])
             for texts in others:
                 for i, (a, b) in enumerate(zip(run["texts"], texts)):
@@ -394,9 +401,11 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
                 for i, (p, chat) in enumerate(reqs)]
         return time.perf_counter() - t0, done
 
-    def served_raw(system: str, key: str, reqs: list[tuple[str, bool]], c: int) -> tuple[float, list[RequestResult]]:
-        """`served` through the bare HTTP client (bench/raw_client.py), at most `c` at once."""
-        from specrouter.bench.raw_client import stream_request
+    def served_raw(system: str, key: str, reqs: list[tuple[str, bool]], c: int,
+                   stream: bool = True) -> tuple[float, list[RequestResult]]:
+        """`served` through the bare HTTP client (bench/raw_client.py), at most `c` at once;
+        `stream=False`: whole responses (`stream: false`)."""
+        from specrouter.bench.raw_client import stream_request, whole_request
 
         results: list[RequestResult | None] = [None] * len(reqs)
         todo = list(range(len(reqs)))
@@ -407,7 +416,11 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
                 p, chat = reqs[i]
                 body = dict(model=model, max_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed + i,
                             ignore_eos=True, **({"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p}))
-                text, tokens, first, seconds = await stream_request(servers[system], body, chat, api_key=key)
+                if stream:
+                    text, tokens, first, seconds = await stream_request(servers[system], body, chat, api_key=key)
+                else:
+                    text, tokens, seconds = await whole_request(servers[system], body, chat, api_key=key)
+                    first = seconds  # the whole text comes at the end
                 results[i] = RequestResult(text, tokens, first, None, seconds)
 
         async def level():
@@ -416,6 +429,11 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
         t0 = time.perf_counter()
         loop.run_until_complete(level())
         return time.perf_counter() - t0, results
+
+    def served_whole(system: str, key: str, reqs: list[tuple[str, bool]], c: int) -> tuple[float, list[RequestResult]]:
+        return served_raw(system, key, reqs, c, stream=False)
+
+    sides = {"server": served, "raw": served_raw, "whole": served_whole}  # a server side's client
 
     def measured(into: "Side", fn, system: str, key: str, reqs: list[tuple[str, bool]], c: int,
                  latest: bool = False) -> None:
@@ -435,11 +453,11 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
         if api.engine.prefix_cache is not None:  # its parked prompt is request 0's first 8 tokens:
             api.engine.prefix_cache.clear()  # the server (its own API key) cannot hit it
         release_omp_team_here()  # this thread stays idle while the server runs: no second team
-        lib, srv, raw = Side(), Side(), Side()
+        lib, by = Side(), {who: Side() for who in sides}
         clock = StepClock(api.engine)
         key = f"bench|paired|{name}"
         for i, req in enumerate(reqs_all[:cfg.requests]):
-            for who in ROTATION[i % 3]:
+            for who in rotation(i):
                 if who == "library":
                     # from the prompt's text, as the server's wall time includes its tokenizing
                     # and chat template (the same token ids: the greedy texts are compared)
@@ -450,21 +468,20 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
                     lib.add(len(r.token_ids), time.perf_counter() - t0, [r.text], clock.steps - before)
                     release_omp_team_here()
                 else:
-                    into, fn = (srv, served) if who == "server" else (raw, served_raw)
-                    measured(into, fn, system, key + ("|raw" if who == "raw" else ""), [req], 1)
+                    measured(by[who], sides[who], system, key + ("" if who == "server" else f"|{who}"), [req], 1)
         clock.close()
         out.append({"name": name, "system": system, "concurrency": 1, "server_concurrency": 1,
-                    **lib.fields(""), **srv.fields("server_"), **raw.fields("raw_server_")})
-        log(f"library {name}: {lib.tps:.1f} tok/s; paired server {srv.tps:.1f} tok/s "
-            f"(openai client), {raw.tps:.1f} tok/s (raw HTTP client)")
+                    **lib.fields(""), **sides_fields(by)})
+        log(f"library {name}: {lib.tps:.1f} tok/s; paired server {by['server'].tps:.1f} tok/s "
+            f"(openai client), {by['raw'].tps:.1f} tok/s (raw HTTP client), {by['whole'].tps:.1f} tok/s (whole)")
 
     def batched(c: int):
         n_req = max(cfg.requests, c)
         ids = ids_all[:n_req]
-        lib, srv, raw = Side(), Side(), Side()
+        lib, by = Side(), {who: Side() for who in sides}
         cached = 0  # prompt tokens the library's rows read from its prefix cache (0: a fair prefill)
         for r in range(max(1, cfg.rounds)):
-            for who in ROTATION[r % 3]:
+            for who in rotation(r):
                 if who == "library":
                     view = pool.with_fresh_drafters()
                     engine = Engine(view, max_num_seqs=c,
@@ -486,16 +503,15 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
                     clock.close()
                     cached += sum(s.stats.cached_tokens for s in seqs)
                     release_omp_team_here()
-                elif who == "server":
-                    measured(srv, served, "plain", f"bench|paired|engine c={c}|{r}", reqs_all[:n_req], c, latest=True)
                 else:
-                    measured(raw, served_raw, "plain", f"bench|paired|engine c={c}|{r}|raw", reqs_all[:n_req], c,
-                             latest=True)
+                    measured(by[who], sides[who], "plain",
+                             f"bench|paired|engine c={c}|{r}" + ("" if who == "server" else f"|{who}"),
+                             reqs_all[:n_req], c, latest=True)
         out.append({"name": f"engine plain c={c}", "system": "plain", "concurrency": c, "server_concurrency": c,
-                    **lib.fields(""), **srv.fields("server_"), **raw.fields("raw_server_"),
+                    **lib.fields(""), **sides_fields(by),
                     "library_cached_tokens": cached})
-        log(f"library engine plain c={c}: {lib.tps:.1f} tok/s; paired server {srv.tps:.1f} tok/s "
-            f"(openai client), {raw.tps:.1f} tok/s (raw HTTP client)")
+        log(f"library engine plain c={c}: {lib.tps:.1f} tok/s; paired server {by['server'].tps:.1f} tok/s "
+            f"(openai client), {by['raw'].tps:.1f} tok/s (raw HTTP client), {by['whole'].tps:.1f} tok/s (whole)")
 
     try:
         if 1 in cfg.concurrency:
@@ -549,8 +565,22 @@ class Side:
         return out
 
 
-# the order of the paired runs: request i (c = 1) or round r (c >= 4) uses ROTATION[i % 3]
-ROTATION = (("library", "server", "raw"), ("server", "raw", "library"), ("raw", "library", "server"))
+# the sides of a paired run: the library, the server through the openai client (streamed), through
+# the bare client streamed ("raw") and not streamed ("whole"); their fields' prefixes
+SIDES = ("library", "server", "raw", "whole")
+PREFIX = {"library": "", "server": "server_", "raw": "raw_server_", "whole": "whole_server_"}
+
+
+def sides_fields(by: dict[str, "Side"]) -> dict:
+    """The record entries of a paired run's server sides (each under its PREFIX)."""
+    return {k: v for who, side in by.items() for k, v in side.fields(PREFIX[who]).items()}
+
+
+def rotation(i: int) -> tuple[str, ...]:
+    """The order of the paired runs of request i (c = 1) or round r (c >= 4): each side goes
+    first in turn."""
+    k = i % len(SIDES)
+    return SIDES[k:] + SIDES[:k]
 
 
 def continuous_batching(engine, ids: list[list[int]], params, concurrency: int, chain) -> list:
@@ -578,18 +608,20 @@ def library_rows(levels: list[LevelResult], library: list[dict]) -> list[dict]:
     for run in library:
         lv = served.get((run["system"], run["server_concurrency"]))
         server = run.get("server_tokens_per_s") or (lv.tokens_per_s if lv is not None else None)
-        raw = run.get("raw_server_tokens_per_s")
+        raw, whole = run.get("raw_server_tokens_per_s"), run.get("whole_server_tokens_per_s")
         rows.append({"library": run["name"], "system": run["system"], "concurrency": run["concurrency"],
                      "library_tps": run["tokens_per_s"], "server_tps": server,
                      "server_vs_library": server / run["tokens_per_s"] if server else None,
                      "raw_server_tps": raw, "raw_vs_library": raw / run["tokens_per_s"] if raw else None,
+                     # the server's whole responses (bare client, `stream: false`): streamed / whole
+                     "whole_server_tps": whole, "whole_vs_library": whole / run["tokens_per_s"] if whole else None,
+                     "streamed_vs_whole": raw / whole if raw and whole else None,
                      # prompt tokens the library's batch read from its prefix cache (0: fair)
                      "library_cached_tokens": run.get("library_cached_tokens"),
                      # where the time goes (bench/serve_steps.py): per side, its mean engine step,
                      # steps and ms outside the steps per unit (request at c=1, level at c>=4), and
                      # the client's CPU ms per unit on the same cores
-                     "split": {side: {k: run.get(prefix + k) for k in SPLIT_KEYS}
-                               for side, prefix in (("library", ""), ("server", "server_"), ("raw", "raw_server_"))}})
+                     "split": {side: {k: run.get(PREFIX[side] + k) for k in SPLIT_KEYS} for side in SIDES}})
     return rows
 
 
@@ -630,6 +662,7 @@ def summarize(cfg: ServeBenchConfig, levels: list[LevelResult], mismatches: list
     batched = [r["server_vs_library"] for r in lib if r["concurrency"] > 1 and r["server_vs_library"]]
     raw1 = [r["raw_vs_library"] for r in lib if r["concurrency"] == 1 and r.get("raw_vs_library")]
     raw_b = [r["raw_vs_library"] for r in lib if r["concurrency"] > 1 and r.get("raw_vs_library")]
+    streamed = [r["streamed_vs_whole"] for r in lib if r.get("streamed_vs_whole")]
     if at1:
         goals.append({"goal": "server >= 0.95x the Python API at concurrency 1 (greedy; openai client)",
                       "value": min(at1), "met": min(at1) >= 0.95})
@@ -642,6 +675,9 @@ def summarize(cfg: ServeBenchConfig, levels: list[LevelResult], mismatches: list
     if raw_b:
         goals.append({"goal": "server >= 0.95x the engine's own batching at concurrency >= 4 (raw HTTP client)",
                       "value": min(raw_b), "met": min(raw_b) >= 0.95})
+    if streamed:
+        goals.append({"goal": "streamed >= 0.95x whole responses (the server through the raw HTTP client)",
+                      "value": min(streamed), "met": min(streamed) >= 0.95})
     from specrouter.bench.provenance import provenance
 
     return {"provenance": provenance(), "config": asdict(cfg), "models": models, "load_average": os.getloadavg()[0],
@@ -672,13 +708,16 @@ def markdown(result: dict) -> str:
                       "the server's through the openai client and through a bare HTTP client, bench/raw_client.py; "
                       "plain = the router-off server):", "",
                   "| library run | concurrency | library tok/s | server tok/s (openai client) | server / library | "
-                  "server tok/s (raw HTTP client) | raw / library |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "server tok/s (raw HTTP client) | raw / library | whole responses tok/s (raw client) | "
+                  "streamed (raw) / whole |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in result["library"]:
             ratio = "-" if r["server_vs_library"] is None else f"{r['server_vs_library']:.2f}x"
             raw = "-" if r.get("raw_vs_library") is None else f"{r['raw_vs_library']:.2f}x"
+            sw = "-" if r.get("streamed_vs_whole") is None else f"{r['streamed_vs_whole']:.2f}x"
             lines.append(f"| {r['library']} | {r['concurrency']} | {f(r['library_tps'])} | "
-                         f"{f(r['server_tps'])} | {ratio} | {f(r.get('raw_server_tps'))} | {raw} |")
+                         f"{f(r['server_tps'])} | {ratio} | {f(r.get('raw_server_tps'))} | {raw} | "
+                         f"{f(r.get('whole_server_tps'))} | {sw} |")
     if any(r.get("split") for r in result.get("library") or ()):
         lines += ["", "Where the time goes (bench/serve_steps.py; per unit = a request at c=1, a level at c>=4): each "
                       "side's mean engine step, steps per unit, ms per unit outside the steps, and the client's CPU ms "

@@ -88,6 +88,11 @@ class CachedPlans:
     charge: PlainCharge = field(default_factory=PlainCharge)
     floors: dict = field(default_factory=dict, compare=False)  # plan -> its confidence floor (memo)
     bests: dict = field(default_factory=dict, compare=False)  # k cap -> (plan, T_eff): argmin (memo)
+    # (C, K) T_eff with each kind's charge (`PlainCharge.t_eff`; the table's own without one)
+    charged: np.ndarray = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "charged", self.charge.t_eff(self.table) if self.charge.nonzero else self.table.t_eff)
 
     def best(self, k_cap: int) -> tuple[tuple[Chain, int], float]:
         """(plan, T_eff) of least T_eff with k <= k_cap: first minimum, earlier chain, smaller k
@@ -95,7 +100,7 @@ class CachedPlans:
         plain decoding against the best speculative plan with their charge (`PlainCharge.best`)."""
         hit = self.bests.get(k_cap)
         if hit is None:
-            i, j = self.charge.best(self.table, k_cap)
+            i, j = self.charge.best(self.table, k_cap, self.charged)
             chain = self.table.chains[i]
             hit = self.bests[k_cap] = ((chain, 0 if len(chain) == 1 else j + 1), float(self.table.t_eff[i, j]))
         return hit

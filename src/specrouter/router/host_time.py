@@ -71,23 +71,35 @@ class PlainCharge:
         return cls(times["outside_spec"] - charged if times["outside_spec"] > 0.0 else 0.0,
                    times["outside_plain"] - charged if times["outside_plain"] > 0.0 else 0.0)
 
-    def t_eff(self, table, i: int, j: int) -> float:
-        """T_eff of cell (i, j) of a PlanTable (row 0: plain decoding) with its kind's charge."""
-        t = float(table.t_eff[i, j])
-        if i == 0:
-            return t + self.plain
-        return t + self.spec / float(table.expected_tokens[i, j])
+    @property
+    def nonzero(self) -> bool:
+        """Whether either kind carries host seconds (none measured: the table decides alone)."""
+        return self.spec != 0.0 or self.plain != 0.0
 
-    def best(self, table, k_cap: int) -> tuple[int, int]:
+    def t_eff(self, table) -> np.ndarray:
+        """(C, K) T_eff of every cell of a PlanTable with its kind's charge: row 0 (plain
+        decoding, one token per cycle) + `plain`, a speculative cell + `spec` / its expected
+        tokens; +inf where the table has none (pruned chains)."""
+        t = table.t_eff  # (C, K)
+        with np.errstate(invalid="ignore"):
+            charged = np.where(np.isfinite(t), t + self.spec / table.expected_tokens, np.inf)  # (C, K)
+        charged[0] = t[0] + self.plain
+        return charged
+
+    def best(self, table, k_cap: int, charged: np.ndarray | None = None) -> tuple[int, int]:
         """Cell (i, j) of the plan to run with k <= k_cap: the least T_eff among speculative
         plans as the table has it (first minimum: earlier chain, smaller k), unless plain
-        decoding is as fast or faster once both carry their charge. With no charge this is the
-        table's own argmin (ties to plain decoding)."""
+        decoding is as fast or faster once both carry their charge (`charged`: `t_eff(table)`,
+        when the caller keeps it). With no charge this is the table's own argmin (ties to plain
+        decoding)."""
         t = table.t_eff[:, :k_cap]  # (C, k_cap)
         if t.shape[0] < 2:
             return 0, 0
         i, j = np.unravel_index(int(np.argmin(t[1:])), t[1:].shape)
-        i = int(i) + 1
-        if not math.isfinite(float(t[i, j])) or self.t_eff(table, 0, 0) <= self.t_eff(table, i, int(j)):
+        i, j = int(i) + 1, int(j)
+        if not math.isfinite(float(t[i, j])):
             return 0, 0
-        return i, int(j)
+        charged = self.t_eff(table) if charged is None else charged
+        if charged[0, 0] <= charged[i, j]:
+            return 0, 0
+        return i, j

@@ -510,14 +510,15 @@ class Router:
         cfg = self.config
         keep = self.chain_index.get(prev[0]) if prev is not None else None
         rows = None
+        times = self.board.current().times
         if cfg.decision_cache:  # the chains whose estimates did not move keep their rows
-            processors = row.processors and self.board.current().times["processor"] > 0.0
+            processors = row.processors and times["processor"] > 0.0
             rows = self.board.chain_rows((max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
                                           processors, certain_bucket(row.certain_rate), router))
         table = corrected(self.table(costs, alphas, router, cfg.k_max, keep=keep, rows=rows),
                           self.chain_index, req.corrections)
         # a single stream's (a batch's plain-vs-speculate choice is the batch planner's)
-        charge = (PlainCharge.measured(self.board.current().times, router)
+        charge = (PlainCharge.measured(times, router)
                   if cfg.charge_leaving_plain and not cfg.charge_outside and row.batch_size <= 1 else PlainCharge())
         return CachedPlans(key, table, costs, float(table.t_eff[0, 0]), charge)
 
@@ -538,8 +539,8 @@ class Router:
             current = plan_at(self.chains, ci, cj)
             t_cur = float(t[ci, cj])
             if plain in (current[0], best[0]):  # plain against speculation: both with their charge
-                t_cur = plans.charge.t_eff(plans.table, ci, cj)
-                t_best = plans.charge.t_eff(plans.table, self.chain_index[best[0]], max(best[1], 1) - 1)
+                t_cur = float(plans.charged[ci, cj])
+                t_best = float(plans.charged[self.chain_index[best[0]], max(best[1], 1) - 1])
             changed = tuple(jumps.get(m, 0) for m in prev[0]) != req.epoch  # a model of the plan changed speed
             if current == best:
                 choice, reason = current, "same"

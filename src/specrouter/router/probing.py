@@ -90,10 +90,10 @@ class Prober:
             if isinstance(costs[m], np.ndarray):
                 hopeful_costs[m] = costs[m] / router.profile.speed(m)
         table = router.table(hopeful_costs, hopeful, overhead, k_cap)
-        t = table.t_eff
-        if len(running) == 1 and charge != PlainCharge():  # a plain plan: both kinds' host seconds
+        t = table.t_eff  # (C, K)
+        if len(running) == 1 and charge.nonzero:  # a plain plan: both kinds' host seconds
             t_plan += charge.plain
-            t = np.where(np.isfinite(t), t + charge.spec / table.expected_tokens, np.inf)  # (C, K)
+            t = charge.t_eff(table)
         best = None  # (optimistic T_eff, pair, chain index, k index)
         for p in candidates:
             for i in self.first_pair_chains(p):

@@ -99,10 +99,14 @@ inline void tile_f32(const float* x, int64_t K, const float* w, int64_t tile, __
   }
 }
 
-// float32 x (R rows of K) times G bfloat16 tiles (K/2, 16, 2), widened: k then k + 1
+// float32 x (R rows of K) times G bfloat16 tiles (K/2, 16, 2), widened: k then k + 1. With
+// several tiles side by side (G > 1: 1-3 rows) the k + 1 halves are masked from memory again
+// (an and with a memory operand) rather than kept in registers across the k FMAs: the 2G raw
+// vectors live otherwise beside 2RG accumulators spilled to the stack every k pair
 template <int R, int G>
 inline void tile_bf16(const float* x, int64_t K, const bf16* w, int64_t tile, __m256 (&a)[R][2 * G]) {
   const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m256 hi_ps = _mm256_castsi256_ps(hi);
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
@@ -110,9 +114,10 @@ inline void tile_bf16(const float* x, int64_t K, const bf16* w, int64_t tile, __
   for (int64_t k = 0; k < K; k += 2, w += 2 * TILE) {
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + g * tile) + PREFETCH_BF16, _MM_HINT_T0);  // one 64-byte line a k pair
-      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * tile));
-      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * tile + 16));
+      const bf16* wg = w + g * tile;
+      _mm_prefetch(reinterpret_cast<const char*>(wg) + PREFETCH_BF16, _MM_HINT_T0);  // one 64-byte line a k pair
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 16));
       const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
       const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
 #pragma GCC unroll 6
@@ -121,8 +126,14 @@ inline void tile_bf16(const float* x, int64_t K, const bf16* w, int64_t tile, __
         a[r][2 * g] = _mm256_fmadd_ps(xe, e0, a[r][2 * g]);
         a[r][2 * g + 1] = _mm256_fmadd_ps(xe, e1, a[r][2 * g + 1]);
       }
-      const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi));
-      const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi));
+      __m256 o0, o1;
+      if constexpr (G > 1) {
+        o0 = _mm256_and_ps(hi_ps, _mm256_loadu_ps(reinterpret_cast<const float*>(wg)));
+        o1 = _mm256_and_ps(hi_ps, _mm256_loadu_ps(reinterpret_cast<const float*>(wg + 16)));
+      } else {
+        o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi));
+        o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi));
+      }
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         const __m256 xo = _mm256_broadcast_ss(x + r * K + k + 1);

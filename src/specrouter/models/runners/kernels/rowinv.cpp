@@ -105,51 +105,10 @@ inline float dot_q(const float* q, const T* k, int64_t D) {
   return s;
 }
 
-// dot_q of 4 consecutive keys (D % 8 == 0): four independent chains, each with the bits of dot_q
-template <typename T>
-inline void dot_q4(const float* q, const T* k, int64_t D, float* out) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i < D; i += 8) {
-    const __m256 qi = _mm256_loadu_ps(q + i);
-    a0 = _mm256_fmadd_ps(qi, load8(k + i), a0);
-    a1 = _mm256_fmadd_ps(qi, load8(k + D + i), a1);
-    a2 = _mm256_fmadd_ps(qi, load8(k + 2 * D + i), a2);
-    a3 = _mm256_fmadd_ps(qi, load8(k + 3 * D + i), a3);
-  }
-  out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
-}
-
-// acc[d] = sum over j = 0..L-1, in order, of p[j] * values[j, d] (one FMA per j), float32; the
-// accumulators of NB blocks of 8 stay in registers over the whole j loop
-template <int NB, typename T>
-inline void pv_blocks(const float* p, const T* values, int64_t L, int64_t D, int64_t d0, float* acc) {
-  __m256 a[NB];
-  for (int b = 0; b < NB; ++b) a[b] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < L; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    const T* vj = values + j * D + d0;
-    for (int b = 0; b < NB; ++b) a[b] = _mm256_fmadd_ps(pj, load8(vj + 8 * b), a[b]);
-  }
-  for (int b = 0; b < NB; ++b) _mm256_storeu_ps(acc + d0 + 8 * b, a[b]);
-}
-
-template <typename T>
-inline void weighted_values(const float* p, const T* values, int64_t L, int64_t D, float* acc) {
-  const int64_t d8 = D / 8 * 8;
-  int64_t d0 = 0;
-  for (; d0 + 64 <= d8; d0 += 64) pv_blocks<8>(p, values, L, D, d0, acc);
-  for (; d0 + 32 <= d8; d0 += 32) pv_blocks<4>(p, values, L, D, d0, acc);
-  for (; d0 < d8; d0 += 8) pv_blocks<1>(p, values, L, D, d0, acc);
-  for (int64_t d = d8; d < D; ++d) {  // the D % 8 tail
-    float a = 0.f;
-    for (int64_t j = 0; j < L; ++j) a = std::fma(p[j], to_f(values[j * D + d]), a);
-    acc[d] = a;
-  }
-}
-
 // The query heads of one token that share a KV head (GQA) attend the same keys: up to GQ of them
 // run side by side, so each key and value row is loaded once for all of them. Every query's
-// chains are those of dot_q4 / pv_blocks, so its bits are those of running it alone.
+// chains are its own (one 8-lane FMA chain per key over the head dimension, one FMA chain per
+// value lane over the keys in order), so its bits are those of running it alone.
 constexpr int GQ = 3;
 
 // hsum of 8 vectors at once: lane i = hsum(v[i]). The same additions of the same operands as
@@ -175,8 +134,9 @@ inline __m128 hsum4(const __m256* v) {
   return _mm_add_ps(_mm_shuffle_ps(r01, r23, 0x88), _mm_shuffle_ps(r01, r23, 0xDD));
 }
 
-// dot_q4 of G queries (D % 8 == 0) against 4 consecutive keys (float32, or bfloat16 widened in
-// registers, exactly): out[g][j..j+3]. Each of the 4 G accumulators is fed as dot_q4's chain, and
+// dots of G queries (D % 8 == 0) with 4 consecutive keys (float32, or bfloat16 widened in
+// registers, exactly): out[g][j..j+3]. Each of the 4 G accumulators is one 8-lane FMA chain over
+// the head dimension (dot_q's, without its tail), and
 // the 4 G sums are reduced together (hsum8, hsum4: hsum's bits), no horizontal sum per query and
 // key. A step loads the G queries' 8 lanes, then one key at a time: 12 accumulators, 3 queries
 // and a key fill AVX2's 16 registers, no spill.
@@ -204,8 +164,9 @@ inline void dot_g4(const float* const* q, const T* k, int64_t D, float* const* o
   if constexpr (G != 2) _mm_storeu_ps(out[G - 1] + j, hsum4(a + 4 * (G - 1)));
 }
 
-// pv_blocks of G queries over the same value rows (float32, or bfloat16 widened in registers):
-// acc[g][d0 ..] of NB blocks of 8. A step broadcasts the G weights, then loads one block of the
+// acc[g][d] = sum over j = 0..L-1, in order, of p[g][j] * values[j, d] (one FMA per j) for G
+// queries over the same value rows (float32, or bfloat16 widened in registers), d in NB blocks
+// of 8 from d0. A step broadcasts the G weights, then loads one block of the
 // value row at a time: 12 accumulators, 3 weights and a block fit the 16 registers.
 template <int G, int NB, typename T>
 inline void pv_g(const float* const* p, const T* values, int64_t L, int64_t D, int64_t d0, float* const* acc) {
@@ -232,7 +193,8 @@ inline void pv_g(const float* const* p, const T* values, int64_t L, int64_t D, i
     for (int b = 0; b < NB; ++b) _mm256_storeu_ps(acc[g] + d0 + 8 * b, a[g][b]);
 }
 
-// weighted_values of G queries over the same value rows (the same bits per query)
+// pv_g over the whole head dimension, then the D % 8 tail in order (the same bits per query
+// whatever G)
 template <int G, typename T>
 inline void weighted_values_g(const float* const* p, const T* values, int64_t L, int64_t D, float* const* acc) {
   const int64_t d8 = D / 8 * 8;
@@ -247,9 +209,9 @@ inline void weighted_values_g(const float* const* p, const T* values, int64_t L,
     }
 }
 
-// weighted_values over value rows given by pointer (a token tree's keys: the prefix, then the
-// query's ancestors): the same instructions in the same order as weighted_values on rows laid
-// side by side, so the same bits
+// weighted_values_g for one query over value rows given by pointer (a token tree's keys: the
+// prefix, then the query's ancestors): the same FMAs in the same order as weighted_values_g on
+// rows laid side by side, so the same bits
 template <int NB>
 inline void pv_blocks_rows(const float* p, const float* const* rows, int64_t L, int64_t d0, float* acc) {
   __m256 a[NB];
