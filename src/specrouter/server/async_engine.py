@@ -32,7 +32,9 @@ thread; that one first recovers (`Engine.recover_from_hang`: the model out, the 
 their committed tokens; what the abandoned step committed before the hang is delivered: every
 request counts the tokens it was sent, `RequestHandle.sent`) and then carries on with the same
 rows and queue. The retired thread, if its forward ever returns, unwinds touching nothing
-(`Retired`).
+(`Retired`). While another process takes one of the cores its threads count on, the engine
+thread runs on fewer torch threads (`TeamGovernor`, server/contention.py: a team sharing one core
+spins through its barriers, a 2-row step took 8x its time).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import torch
 from specrouter.config import SamplingParams
 from specrouter.engine.engine import CapacityError, Engine, StepOutput
 from specrouter.engine.faults import ForwardWatch, ModelFailure, Retired
+from specrouter.server.contention import TeamGovernor
 from specrouter.state.sequence import Sequence
 
 logger = logging.getLogger("specrouter.server")
@@ -104,8 +107,10 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, *, max_queue: int = 64, metrics=None, seed: int | None = None,
                  watch: ForwardWatch | None = None, handoff_wait: float = HANDOFF_WAIT_S,
-                 admission_wait: float = ADMISSION_WAIT_S):
+                 admission_wait: float = ADMISSION_WAIT_S, governor: TeamGovernor | None = None):
         self.engine = engine
+        # the engine thread's torch threads while another process takes a core (contention.py)
+        self.governor = governor if governor is not None else TeamGovernor()
         self.handoff_wait = handoff_wait  # seconds (0: hand tokens over without waiting)
         self.admission_wait = admission_wait  # seconds (0: an idle engine starts at once)
         self.watch = watch  # the guarded runners' deadlines (None: no model timeout)
@@ -226,6 +231,7 @@ class AsyncEngine:
         me = threading.current_thread()
         try:
             if recover is not None:
+                self.governor.reset()  # this thread's torch threads are its own
                 self._recover(recover)
             while True:
                 with self._cv:
@@ -304,7 +310,7 @@ class AsyncEngine:
 
     def _step(self) -> list[tuple[RequestHandle, TokenEvent]]:
         engine = self.engine
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             outputs = engine.step()
         except Exception as e:
@@ -318,8 +324,10 @@ class AsyncEngine:
                         h.finished = True
                         out.append((h, TokenEvent([], True, "error", error=f"{type(e).__name__}: {e}")))
             return out
+        wall = time.perf_counter() - t0
+        self.governor.observe(wall, time.thread_time() - cpu0)
         if self.metrics is not None:
-            self.metrics.step_seconds.observe(time.perf_counter() - t0)
+            self.metrics.step_seconds.observe(wall)
         with self._cv:
             out = self._events(outputs, time.perf_counter())
             self._gauges()

@@ -1,0 +1,129 @@
+"""The engine thread's torch threads when another process takes a core (`TeamGovernor`).
+
+A forward of the native runner is one OpenMP parallel region whose threads meet at a barrier
+after every phase (about 180 barriers a forward of the 135M target), and libgomp's threads spin
+at a barrier. When another process runs on one of the cores the team counts on (a compile in
+another session: Linux's autogroups give every session an equal share of the CPU, whatever its
+nice value), the team's threads share the cores that are left, and at every barrier one thread
+spins through its time slice while the other waits to run. Measured on a 2-core Zen 1 (avx2
+kernels) beside one such compile: the server's 2-row steps took 206 ms instead of 24, 8.9 tok/s
+against 72.7 in the same run once the compile had ended (docs/serving-performance.md, "Stalls
+under a co-tenant"). One thread on the core that is left runs a step at one thread's speed.
+
+`TeamGovernor` watches the engine thread (it runs every forward: server/threads.py). Per step it
+reads the thread's CPU seconds (`time.thread_time`, spinning included) against the step's wall
+seconds: a team that has its cores runs the whole step, a starved one a fraction of it. When over
+`window` seconds of steps the share falls below `starved`, the engine thread runs on as many torch
+threads as it had cores (threads x share, at least one: one on 2 cores). While reduced it reads
+the machine's idle CPU (`/proc/stat`) every `recheck` seconds and goes back to its own count when
+the cores it gave up were idle since the last read (`free_cores` of each on average: the
+co-tenant has gone); a co-tenant that comes back at once doubles the wait before the next try. The kernels' bits do not depend on the thread count (row-invariant,
+tests/test_rowinv_kernels.py): outputs do not change.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+STARVED = 0.7  # the engine thread ran less than this share of its steps' wall time: cores taken
+WINDOW_S = 0.5  # seconds of steps weighed at a time
+RECHECK_S = 1.0  # seconds between idle-CPU reads while on one thread
+FREE_CORES = 0.5  # idle share of each core given up (since the last read) that means the co-tenant has gone
+MAX_BACKOFF = 16  # a drop soon after a restore doubles the wait before the next try, up to 16 x recheck
+
+
+def idle_cores_reader(path: str = "/proc/stat", clock: Callable[[], float] = time.monotonic
+                      ) -> Callable[[], float | None] | None:
+    """A function returning the machine's idle cores on average since its last call (None on its
+    first call), from the kernel's CPU counters; None where they cannot be read (not Linux)."""
+    import os
+
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def read() -> float | None:
+        with open(path) as f:
+            fields = f.readline().split()  # "cpu user nice system idle iowait ..." in clock ticks
+        return (int(fields[4]) + int(fields[5])) / hz
+
+    try:
+        read()
+    except (OSError, ValueError, IndexError):
+        return None
+    last: list[tuple[float, float]] = []
+
+    def idle_cores() -> float | None:
+        now, idle = clock(), read()
+        prev = last[0] if last else None
+        last[:] = [(now, idle)]
+        if prev is None or now <= prev[0]:
+            return None
+        return (idle - prev[1]) / (now - prev[0])
+
+    return idle_cores
+
+
+class TeamGovernor:
+    """The engine thread's torch threads: fewer while other processes take the team's cores, its
+    own count otherwise (module docstring). `observe` is called by the engine thread after every
+    step; `set_threads` (torch.set_num_threads) then acts on that thread's parallel regions."""
+
+    def __init__(self, *, starved: float = STARVED, window: float = WINDOW_S, recheck: float = RECHECK_S,
+                 free_cores: float = FREE_CORES, idle_cores: Callable[[], float | None] | None = None,
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 get_threads: Callable[[], int] = torch.get_num_threads, clock: Callable[[], float] = time.monotonic):
+        self.starved, self.window, self.recheck, self.free_cores = starved, window, recheck, free_cores
+        self.idle_cores = idle_cores if idle_cores is not None else idle_cores_reader()
+        self.set_threads, self.get_threads, self.clock = set_threads, get_threads, clock
+        self.threads: int | None = None  # the engine thread's own count (read at its first step)
+        self.current = 0  # its count now
+        self.wall = self.cpu = 0.0  # the window's sums
+        self.next_check = 0.0  # clock time of the next idle read (while reduced)
+        self.drops = self.restores = 0  # times it reduced its threads / went back to its own count
+        self.backoff = recheck  # seconds before the first idle read after a drop
+        self.restored_at: float | None = None  # clock time of the last restore
+
+    def observe(self, wall: float, cpu: float) -> None:
+        """A step of `wall` seconds during which the engine thread ran `cpu` seconds."""
+        if self.threads is None:
+            self.threads = self.current = self.get_threads()
+        if self.idle_cores is None or self.threads <= 1:
+            return  # nothing to reduce, or no way to see the co-tenant leave
+        if self.current < self.threads:  # reduced: back when the cores it gave up are idle
+            now = self.clock()
+            if now >= self.next_check:
+                self.next_check = now + self.recheck
+                idle = self.idle_cores()
+                if idle is not None and idle >= self.free_cores * (self.threads - self.current):
+                    self._set(self.threads)
+                    self.restores += 1
+                    self.restored_at = now
+            return
+        self.wall += wall
+        self.cpu += cpu
+        if self.wall < self.window:
+            return
+        share = self.cpu / self.wall
+        self.wall = self.cpu = 0.0
+        if share < self.starved:  # the cores the team had: about threads * share of them
+            self._set(max(1, min(self.threads - 1, int(self.threads * share))))
+            self.drops += 1
+            now = self.clock()
+            soon = self.restored_at is not None and now - self.restored_at < 4 * self.window
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF * self.recheck) if soon else self.recheck
+            self.idle_cores()  # the idle count starts now
+            self.next_check = now + self.backoff
+
+    def reset(self) -> None:
+        """A new engine thread (after a hang, server/async_engine.py), on this thread: it runs on
+        the team's own count again (a count the old thread reduced may be torch's global one), and
+        the window starts afresh."""
+        if self.threads is not None and self.current != self.threads:
+            self._set(self.threads)
+        self.wall = self.cpu = 0.0
+
+    def _set(self, n: int) -> None:
+        self.set_threads(n)
+        self.current, self.wall, self.cpu = n, 0.0, 0.0

@@ -1,0 +1,199 @@
+"""The engine thread's torch threads under CPU contention (server/contention.py,
+docs/serving-performance.md "Stalls under a co-tenant"): a team whose cores another process
+takes runs on fewer threads, and on its own count again once the cores it gave up are idle; the
+engine thread's forwards run on the count the governor set, and the outputs do not change.
+No wall clock: the governor is fed scripted step shares and idle readings."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from specrouter.config import SamplingParams
+from specrouter.engine.engine import Engine
+from specrouter.models.pool import Pool
+from specrouter.server.async_engine import AsyncEngine
+from specrouter.server.contention import TeamGovernor, idle_cores_reader
+
+
+class Script:
+    """A governor's world: its clock, idle readings and the thread counts it set."""
+
+    def __init__(self, threads: int = 2):
+        self.now, self.idle, self.set, self.threads = 0.0, 0.0, [], threads
+
+    def governor(self, **kw) -> TeamGovernor:
+        def set_threads(n):
+            self.set.append(n)
+
+        return TeamGovernor(idle_cores=lambda: self.idle, set_threads=set_threads, get_threads=lambda: self.threads,
+                            clock=lambda: self.now, **kw)
+
+    def steps(self, gov: TeamGovernor, n: int, share: float, wall: float = 0.025) -> None:
+        for _ in range(n):
+            self.now += wall
+            gov.observe(wall, wall * share)
+
+
+def test_a_starved_team_drops_to_one_thread_and_a_team_with_its_cores_never_does():
+    w = Script()
+    gov = w.governor()
+    w.steps(gov, 400, 0.97)  # the engine thread ran its whole steps: its cores are its own
+    assert w.set == [] and gov.current == 2  # the negative control: never reduced
+    w.steps(gov, 19, 0.5)  # 0.475 s of steps at half a share: the window is not full yet
+    assert w.set == []
+    w.steps(gov, 2, 0.5)  # ... now it is: 2 threads that had one core between them
+    assert w.set == [1] and gov.current == 1 and gov.drops == 1
+
+
+def test_it_goes_back_once_the_core_it_gave_up_is_idle():
+    w = Script()
+    gov = w.governor()
+    w.steps(gov, 40, 0.5)
+    assert w.set == [1]
+    w.idle = 0.05  # the co-tenant still runs: the other core is busy
+    w.steps(gov, 200, 1.0)
+    assert w.set == [1]
+    w.idle = 0.95  # it has gone
+    w.steps(gov, 50, 1.0)
+    assert w.set == [1, 2] and gov.current == 2 and gov.restores == 1
+
+
+def test_a_new_engine_thread_after_a_hang_runs_on_the_teams_own_count():
+    w = Script()
+    gov = w.governor()
+    gov.reset()  # a first thread replaced before any step: nothing known, nothing set
+    assert w.set == []
+    w.steps(gov, 40, 0.5)
+    assert w.set == [1]
+    gov.reset()  # the old thread hung while reduced: its replacement gets the team's count back
+    assert w.set == [1, 2] and gov.current == 2 and gov.threads == 2
+    w.steps(gov, 400, 0.97)  # and, with its cores, keeps it
+    assert w.set == [1, 2]
+
+
+def test_a_co_tenant_back_at_once_doubles_the_wait_before_the_next_try():
+    w = Script()
+    gov = w.governor(recheck=1.0, window=0.5)
+    w.steps(gov, 40, 0.5)
+    assert gov.backoff == 1.0
+    w.idle = 0.95
+    w.steps(gov, 50, 1.0)  # restored
+    w.steps(gov, 40, 0.5)  # and starved again within 4 windows
+    assert w.set == [1, 2, 1] and gov.backoff == 2.0
+    w.steps(gov, 100, 1.0)  # restored again, then the machine is its own for a while
+    w.steps(gov, 400, 0.97)
+    w.steps(gov, 40, 0.5)
+    assert w.set == [1, 2, 1, 2, 1] and gov.backoff == 1.0
+
+
+def test_many_threads_keep_as_many_as_the_cores_they_had():
+    w = Script(threads=8)
+    gov = w.governor()
+    w.steps(gov, 40, 0.55)  # 8 threads on ~4.4 cores
+    assert w.set == [4]
+    w.idle = 1.5  # one and a half cores idle: not the four it gave up
+    w.steps(gov, 200, 1.0)
+    assert w.set == [4]
+    w.idle = 3.6
+    w.steps(gov, 50, 1.0)
+    assert w.set == [4, 8]
+
+
+def test_one_thread_or_no_idle_counter_leaves_the_threads_alone():
+    w = Script(threads=1)
+    gov = w.governor()
+    w.steps(gov, 100, 0.3)
+    assert w.set == []
+    w = Script()
+    gov = TeamGovernor(idle_cores=None, set_threads=w.set.append, get_threads=lambda: 2)
+    gov.idle_cores = None  # a machine whose idle CPU cannot be read: it could never go back
+    w.steps(gov, 100, 0.3)
+    assert w.set == []
+
+
+def test_idle_cores_from_the_kernels_counters(tmp_path):
+    import os
+
+    hz = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+    stat.write_text(f"cpu  100 0 50 {10 * hz} {2 * hz} 0 0 0 0 0\ncpu0 1 2 3\n")
+    now = [0.0]
+    read = idle_cores_reader(str(stat), clock=lambda: now[0])
+    assert read() is None  # the first call starts the count
+    now[0] = 2.0
+    stat.write_text(f"cpu  300 0 90 {11 * hz} {int(2.5 * hz)} 0 0 0 0 0\n")  # 1.5 s idle + iowait in 2 s
+    assert read() == pytest.approx(0.75)
+    assert idle_cores_reader(str(tmp_path / "absent")) is None
+
+
+def test_the_engine_threads_forwards_run_on_the_count_the_governor_set(tiny_pool_dirs):
+    """Through the AsyncEngine: the governor reduces after the first step and restores after the
+    third; the target's forwards see 2, then 1, then 2 torch threads on the engine thread, and
+    the greedy tokens equal those of the same request with the governor never acting."""
+    pool = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float64")
+    runner = pool.runners["target"]
+    seen: list[int] = []
+    forward = runner.forward
+
+    def spy(batch, _inner=forward):
+        seen.append(torch.get_num_threads())
+        return _inner(batch)
+
+    runner.forward = spy
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+    def serve(governor: TeamGovernor) -> list[int]:
+        engine = Engine(pool, max_num_seqs=2, max_model_len=64)
+
+        async def main():
+            ae = AsyncEngine(engine, seed=0, governor=governor)
+            ae.start()
+            try:
+                h = ae.submit([5, 6, 7], params, chain=("target",), k=1)
+                tokens = []
+                while True:
+                    ev = await h.events.get()
+                    tokens += ev.token_ids
+                    if ev.done:
+                        return tokens
+            finally:
+                await asyncio.to_thread(ae.stop)
+
+        return asyncio.run(main())
+
+    steps = [0]
+    idle = [0.0]
+
+    def set_threads(n: int) -> None:  # on the engine thread, as torch.set_num_threads would be
+        torch.set_num_threads(n)
+
+    class Scripted(TeamGovernor):
+        """Step 1 starved, later steps run whole (the machine's real shares would make the
+        test depend on its load); idle from step 3 on."""
+
+        def __init__(self, starve: bool, **kw):
+            super().__init__(**kw)
+            self.starve = starve
+
+        def observe(self, wall, cpu):
+            steps[0] += 1
+            idle[0] = 1.0 if steps[0] >= 3 else 0.0
+            super().observe(wall, 0.3 * wall if self.starve and steps[0] == 1 else wall)
+
+    gov = Scripted(True, window=0.0, recheck=0.0, idle_cores=lambda: idle[0], set_threads=set_threads,
+                   get_threads=lambda: 2)
+    torch_threads = torch.get_num_threads()
+    try:
+        tokens = serve(gov)
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert gov.drops == 1 and gov.restores == 1
+    assert seen[1:3] == [1, 1] and seen[3] == 2, seen
+    seen.clear()
+    acted = []
+    control = serve(Scripted(False, window=0.0, recheck=0.0, idle_cores=lambda: idle[0], set_threads=acted.append,
+                             get_threads=lambda: 2))
+    assert control == tokens and acted == [] and len(set(seen)) == 1  # never reduced: one count
