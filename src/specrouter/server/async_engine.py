@@ -231,7 +231,7 @@ class AsyncEngine:
         me = threading.current_thread()
         try:
             if recover is not None:
-                self.governor.reset()  # this thread's torch threads are its own
+                self.governor.reset()  # the new thread runs on the team's own torch threads
                 self._recover(recover)
             while True:
                 with self._cv:
