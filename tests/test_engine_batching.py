@@ -529,3 +529,36 @@ def test_a_speculating_batch_keeps_its_plans_for_spec_hold_steps():
     assert decides == Counter({0: 4, 1: 4}) and not any(held) and all(shadows)
     decides, _, held = run(scripted_router(flat), [rows_of(1)] * 3)
     assert decides == Counter({0: 3}) and not any(held)
+
+
+def test_engine_names_each_steps_kind(pool):
+    """`Engine.last_step_kind` (the serving metrics' steps by kind): "spec" when a row drafts,
+    "held" when the router's plan was its hold, "plain" otherwise (planned plain, no router).
+    Negative control: the same plain plans not held read "plain"."""
+    from fixtures import QuietRouterHooks
+
+    from specrouter.records.routing import BatchPlan, Decision
+
+    class Scripted(QuietRouterHooks):
+        def __init__(self, script):
+            self.script = iter(script)
+
+        def plan_batch(self, rows, pinned=()):
+            chain, k, held = next(self.script)
+            return BatchPlan([Decision(chain, k, 0.0, "scripted") for _ in rows], held)
+
+    plain, spec = (("target",), 0), (("draft", "target"), 3)
+    script = [(*plain, False), (*plain, True), (*spec, True), (*spec, False), (*plain, True)]
+    eng = Engine(pool, router=Scripted(script))
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for p in prompts_of(2):
+        eng.add_request(p, params)
+    kinds = []
+    for _ in script:
+        eng.step()
+        kinds.append(eng.last_step_kind)
+    assert kinds == ["plain", "held", "spec", "spec", "held"]
+    bare = Engine(pool)
+    bare.add_request(prompts_of(1)[0], params, chain=("target",))
+    bare.step()
+    assert bare.last_step_kind == "plain"
