@@ -549,7 +549,7 @@ def test_engine_names_each_steps_kind(pool):
 
     plain, spec = (("target",), 0), (("draft", "target"), 3)
     script = [(*plain, False), (*plain, True), (*spec, True), (*spec, False), (*plain, True)]
-    eng = Engine(pool, router=Scripted(script))
+    eng = Engine(pool, router=Scripted(script), max_num_seqs=2, max_model_len=96)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for p in prompts_of(2):
         eng.add_request(p, params)
@@ -558,7 +558,7 @@ def test_engine_names_each_steps_kind(pool):
         eng.step()
         kinds.append(eng.last_step_kind)
     assert kinds == ["plain", "held", "spec", "spec", "held"]
-    bare = Engine(pool)
+    bare = Engine(pool, max_num_seqs=1, max_model_len=96)
     bare.add_request(prompts_of(1)[0], params, chain=("target",))
     bare.step()
     assert bare.last_step_kind == "plain"
