@@ -717,9 +717,9 @@ def markdown(result: dict) -> str:
                      f"{f(r['router_ttft_p50'], 1e3, 0)} / {f(r['plain_ttft_p50'], 1e3, 0)} | "
                      f"{f(r['router_tpot_p99'], 1e3, 0)} / {f(r['plain_tpot_p99'], 1e3, 0)} |")
     if any(r.get("router_steps") for r in result["rows"]):
-        lines += ["", "Why (each server's engine steps over the level, from its /metrics: held = plain by the "
-                      "router's hold, plain = planned plain or no router, spec = some row drafted; tok/s = tokens "
-                      "over the steps' own seconds):", "",
+        lines += ["", "Why (each server's engine steps over the level, from its /metrics: held = plain under the "
+                      "router's hold (the step starting it included), plain = planned plain without a hold or no "
+                      "router, spec = some row drafted; tok/s = tokens over the steps' own seconds):", "",
                   "| t | c | server | kind | steps (share) | step ms | tokens / step | tok/s of steps |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in result["rows"]:

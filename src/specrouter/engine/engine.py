@@ -90,8 +90,9 @@ STEP_KINDS = ("held", "plain", "spec")  # Engine.last_step_kind
 
 
 def step_kind(plans: list[Plan], held: bool) -> str:
-    """A step's kind: "spec" when a row drafts, else "held" (plain by the router's standing
-    hold, router/batch.py: no per-row planning) or "plain" (planned plain, or no router)."""
+    """A step's kind: "spec" when a row drafts, else "held" (plain under the router's plain hold,
+    router/batch.py: the step that starts a hold, then its steps without per-row planning) or
+    "plain" (planned plain without a hold, e.g. a single stream not yet settled; or no router)."""
     if any(k > 0 and len(c) > 1 for c, k in plans):
         return "spec"
     return "held" if held else "plain"

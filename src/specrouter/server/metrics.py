@@ -12,7 +12,8 @@ Names (all prefixed `specrouter_`):
 - step_seconds: one engine step (all groups); queue_depth, running_rows: gauges;
 - steps_by_kind_total{kind,rows}, steps_by_kind_seconds_total{kind,rows},
   steps_by_kind_tokens_total{kind,rows}: engine steps by kind (`Engine.last_step_kind`: "held"
-  plain by the router's hold, "plain" planned plain or no router, "spec" some row drafted) and
+  plain under the router's hold (the step starting it included), "plain" planned plain
+  without a hold or no router, "spec" some row drafted) and
   batch size, their summed seconds and the tokens they committed (issue 26: why a router server
   loses to plain batching); plan_cycles_total{chain,k}, plan_committed_tokens_total{chain,k}:
   row-cycles of each chain by draft length (the largest of its rows that step) and the target
