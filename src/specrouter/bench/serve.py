@@ -46,7 +46,8 @@ from dataclasses import asdict, dataclass, field
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
-from specrouter.bench.serve_steps import StepClock, StepKinds, Steps, kinds_summary, server_steps, split
+from specrouter.bench.serve_steps import (StepClock, StepKinds, Steps, kinds_markdown, kinds_summary, server_steps,
+                                          split)
 from specrouter.bench.workloads import CHAT, CODE, EXTRACTION, PROSE
 
 
@@ -716,25 +717,7 @@ def markdown(result: dict) -> str:
                      f"{r['router_vs_plain']:.2f}x | {r['best_static']} ({f(r['best_static_tps'])}) | "
                      f"{f(r['router_ttft_p50'], 1e3, 0)} / {f(r['plain_ttft_p50'], 1e3, 0)} | "
                      f"{f(r['router_tpot_p99'], 1e3, 0)} / {f(r['plain_tpot_p99'], 1e3, 0)} |")
-    if any(r.get("router_steps") for r in result["rows"]):
-        lines += ["", "Why (each server's engine steps over the level, from its /metrics: held = plain under the "
-                      "router's hold (the step starting it included), plain = planned plain without a hold or no "
-                      "router, spec = some row drafted; tok/s = tokens over the steps' own seconds):", "",
-                  "| t | c | server | kind | steps (share) | step ms | tokens / step | tok/s of steps |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for r in result["rows"]:
-            for name in ("router", "plain"):
-                for kind, x in (r.get(f"{name}_steps") or {}).get("kinds", {}).items():
-                    lines.append(f"| {r['temperature']} | {r['concurrency']} | {name} | {kind} | {x['steps']} "
-                                 f"({x['share'] * 100:.0f}%) | {f(x['step_ms'], 1, 2)} | "
-                                 f"{f(x['tokens_per_step'], 1, 2)} | {f(x['step_tokens_per_s'])} |")
-        lines += ["", "The router server's row-cycles by plan (chain, draft length k) and the tokens each committed "
-                      "(acceptance length, bonus included):", "",
-                  "| t | c | chain | k | row-cycles | tokens / row-cycle |", "| --- | --- | --- | --- | --- | --- |"]
-        for r in result["rows"]:
-            for x in (r.get("router_steps") or {}).get("plans", []):
-                lines.append(f"| {r['temperature']} | {r['concurrency']} | {x['chain']} | {x['k']} | {x['cycles']} | "
-                             f"{f(x['tokens_per_cycle'], 1, 2)} |")
+    lines += kinds_markdown(result["rows"])
     if result.get("library"):
         lines += ["", "The server beside the library (greedy, same prompts, paired: each library run interleaved with "
                       "the server's through the openai client and through a bare HTTP client, bench/raw_client.py; "

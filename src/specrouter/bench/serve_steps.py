@@ -161,3 +161,31 @@ def kinds_summary(kinds: StepKinds) -> dict:
             "kinds_by_rows": [{"kind": kind, "rows": n, **row(*v)} for (kind, n), v in sorted(kinds.steps.items())],
             "plans": [{"chain": chain, "k": k, "cycles": int(v[0]), "tokens_per_cycle": v[1] / v[0] if v[0] else None}
                       for (chain, k), v in sorted(kinds.plans.items())]}
+
+
+def kinds_markdown(rows: list[dict]) -> list[str]:
+    """serve.md's "why" tables from the bench's rows (their `router_steps` / `plain_steps`,
+    `kinds_summary`): each server's steps by kind, the router's row-cycles by plan; [] without."""
+    if not any(r.get("router_steps") for r in rows):
+        return []
+
+    def f(x, d=1):
+        return "-" if x is None else f"{x:.{d}f}"
+
+    steps, plans = [], []
+    for r in rows:
+        at = f"| {r['temperature']} | {r['concurrency']} |"
+        for name in ("router", "plain"):
+            for kind, x in (r.get(f"{name}_steps") or {}).get("kinds", {}).items():
+                steps.append(f"{at} {name} | {kind} | {x['steps']} ({x['share'] * 100:.0f}%) | {f(x['step_ms'], 2)} | "
+                             f"{f(x['tokens_per_step'], 2)} | {f(x['step_tokens_per_s'])} |")
+        plans += [f"{at} {x['chain']} | {x['k']} | {x['cycles']} | {f(x['tokens_per_cycle'], 2)} |"
+                  for x in (r.get("router_steps") or {}).get("plans", [])]
+    return ["", "Why (each server's engine steps over the level, from its /metrics: held = plain under the "
+                "router's hold (the step starting it included), plain = planned plain without a hold or no router, "
+                "spec = some row drafted; tok/s = tokens over the steps' own seconds):", "",
+            "| t | c | server | kind | steps (share) | step ms | tokens / step | tok/s of steps |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |", *steps,
+            "", "The router server's row-cycles by plan (chain, draft length k) and the tokens each committed "
+                "(acceptance length, bonus included):", "",
+            "| t | c | chain | k | row-cycles | tokens / row-cycle |", "| --- | --- | --- | --- | --- | --- |", *plans]
