@@ -24,6 +24,18 @@ def test_serve_bench_quick_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
     assert len(by[("router", 2)]["results"]) == len(by[("plain", 2)]["results"]) == 4
     assert all(len(lv["results"]) == 2 for (s, _), lv in by.items() if s.startswith("static "))
     assert len(result["rows"]) == 2 and all(r["router_tps"] > 0 and r["plain_tps"] > 0 for r in result["rows"])
+    # why (issue 26): each server's steps by kind over the level, from its /metrics; the plain
+    # server only plans plain steps; every token the clients received is a token of a step
+    for r in result["rows"]:
+        tokens = {name: sum(x.get("tokens", 0) for x in by[(name, r["concurrency"])]["results"])
+                  for name in ("router", "plain")}
+        assert set(r["plain_steps"]["kinds"]) == {"plain"}, r["plain_steps"]
+        for name in ("router", "plain"):
+            kinds = r[f"{name}_steps"]["kinds"]
+            assert sum(x["steps"] * x["tokens_per_step"] for x in kinds.values()) == pytest.approx(tokens[name])
+        assert sum(p["cycles"] for p in r["router_steps"]["plans"]) >= sum(
+            x["steps"] for x in r["router_steps"]["kinds"].values())
+    assert "| router | " in markdown(result) and "tokens / row-cycle" in markdown(result)
     # the plain baseline is its own router-off server (issue 25 item 4)
     assert "--static --chain target" in (tmp_path / "server-plain.log").read_text()
     # both servers run with the default batch (`specrouter serve`'s 8), not one sized to the

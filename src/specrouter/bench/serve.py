@@ -46,7 +46,8 @@ from dataclasses import asdict, dataclass, field
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
-from specrouter.bench.serve_steps import StepClock, Steps, server_steps, split
+from specrouter.bench.serve_steps import (StepClock, StepKinds, Steps, kinds_markdown, kinds_summary, server_steps,
+                                          split)
 from specrouter.bench.workloads import CHAT, CODE, EXTRACTION, PROSE
 
 
@@ -306,6 +307,8 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
         for b in set(bases.values()):
             asyncio.run(run_level(b, model, ServeBenchConfig(requests=1, max_new_tokens=4), 0.0, 1, "warm-up", {}))
         levels: list[LevelResult] = []
+        # (t, c, system) -> its server's steps by kind over the level's rounds (serve_steps.StepKinds)
+        kinds: dict[tuple[float, int, str], StepKinds] = {}
         mismatches = []
         for temperature in cfg.temperatures:
             for c in cfg.concurrency:
@@ -314,12 +317,18 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
                     # round 0: every system; later rounds: router and plain, alternating first
                     names = list(systems) if r == 0 else ("plain", "router") if r % 2 else ("router", "plain")
                     for name in names:
+                        before = StepKinds.read(bases[name])
                         lv = asyncio.run(run_level(bases[name], model, cfg, temperature, c, name,
                                                    systems[name], r))
+                        key, span = (temperature, c, name), StepKinds.read(bases[name]) - before
+                        kinds[key] = kinds.get(key, StepKinds()) + span
                         runs[name].append(lv)
+                        steps = kinds_summary(span)["kinds"]
                         log(f"t={temperature} c={c} {name} (round {r + 1}): {lv.tokens_per_s:.1f} tok/s, "
                             f"ttft p50 {lv.ttft_p50 * 1e3:.0f} ms, tpot p99 "
-                            f"{(lv.tpot_p99 or 0) * 1e3:.0f} ms")
+                            f"{(lv.tpot_p99 or 0) * 1e3:.0f} ms; steps " + ", ".join(
+                                f"{kind} {x['steps']} ({x['step_ms']:.1f} ms, {x['tokens_per_step']:.2f} tok)"
+                                for kind, x in steps.items()))
                 levels += [pooled(rs) for rs in runs.values()]
                 if temperature == 0.0:
                     ref = runs["plain"][0].results
@@ -344,7 +353,7 @@ def run_serve_bench(cfg: ServeBenchConfig, log=print) -> dict:
                     if a != b:
                         mismatches.append({"system": f"library {run['name']}", "concurrency": run["concurrency"],
                                            "request": i})
-    return summarize(cfg, levels, mismatches, models, library)
+    return summarize(cfg, levels, mismatches, models, library, kinds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,8 +635,11 @@ def library_rows(levels: list[LevelResult], library: list[dict]) -> list[dict]:
 
 
 def summarize(cfg: ServeBenchConfig, levels: list[LevelResult], mismatches: list, models: list[str],
-              library: list[dict] | None = None) -> dict:
+              library: list[dict] | None = None, kinds: dict | None = None) -> dict:
+    """The bench's result; `kinds`: (t, c, system) -> StepKinds of that system's server over the
+    level (each row then says why: router and plain steps by kind, the router's plans)."""
     rows = []
+    kinds = kinds or {}
     for temperature in cfg.temperatures:
         for c in cfg.concurrency:
             here = {lv.system: lv for lv in levels if lv.temperature == temperature and lv.concurrency == c}
@@ -642,6 +654,8 @@ def summarize(cfg: ServeBenchConfig, levels: list[LevelResult], mismatches: list
                 "router_vs_plain": router.tokens_per_s / plain.tokens_per_s,
                 "router_tpot_p99": router.tpot_p99, "plain_tpot_p99": plain.tpot_p99,
                 "router_ttft_p50": router.ttft_p50, "plain_ttft_p50": plain.ttft_p50,
+                **{f"{name}_steps": kinds_summary(kinds[temperature, c, name])
+                   for name in ("router", "plain") if (temperature, c, name) in kinds},
             })
     ratios = [r["router_vs_plain"] for r in rows]
     low = [r["router_vs_plain"] for r in rows if r["concurrency"] <= 2]
@@ -703,6 +717,7 @@ def markdown(result: dict) -> str:
                      f"{r['router_vs_plain']:.2f}x | {r['best_static']} ({f(r['best_static_tps'])}) | "
                      f"{f(r['router_ttft_p50'], 1e3, 0)} / {f(r['plain_ttft_p50'], 1e3, 0)} | "
                      f"{f(r['router_tpot_p99'], 1e3, 0)} / {f(r['plain_tpot_p99'], 1e3, 0)} |")
+    lines += kinds_markdown(result["rows"])
     if result.get("library"):
         lines += ["", "The server beside the library (greedy, same prompts, paired: each library run interleaved with "
                       "the server's through the openai client and through a bare HTTP client, bench/raw_client.py; "
