@@ -46,8 +46,6 @@ from dataclasses import asdict, dataclass, field
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
-from specrouter.bench.paired import describe as describe_pairs
-from specrouter.bench.paired import paired
 from specrouter.bench.serve_steps import StepClock, Steps, server_steps, split
 from specrouter.bench.workloads import CHAT, CODE, EXTRACTION, PROSE
 
@@ -609,6 +607,8 @@ SPLIT_KEYS = ("step_ms", "steps", "outside_ms", "client_cpu_ms")  # a side's spl
 
 def library_rows(levels: list[LevelResult], library: list[dict]) -> list[dict]:
     """Each library run beside the server's figure of the same system, level and prompts."""
+    from specrouter.bench.paired import paired
+
     served = {(lv.system, lv.concurrency): lv for lv in levels if lv.temperature == 0.0}
     rows = []
     for run in library:
@@ -721,6 +721,8 @@ def table(caption: str, head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def markdown(result: dict) -> str:
+    from specrouter.bench.paired import describe as describe_pairs
+
     def f(x, scale=1.0, d=1):
         return "-" if x is None else f"{x * scale:.{d}f}"
 
