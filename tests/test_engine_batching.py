@@ -509,6 +509,7 @@ def test_sampled_batches_are_calibrated_apart_from_greedy_ones(monkeypatch):
     carries the sampled batches' factor into the greedy ones, which then decode plainly."""
     def run():
         router = scripted_router(calibration_target)
+        router.config = dataclasses.replace(router.config, sampling_spec_max_batch=2)  # 2-row sampled batches may speculate
         for _ in range(50):
             router.similarity.observe_acceptance(("draft", "target"), "sampling", 4, 1)
         greedy_before = run_calibrated(router, 1.0, 10)
