@@ -350,6 +350,35 @@ def test_a_joiner_whose_speculation_lost_at_this_batch_size_joins_the_hold():
     assert not plan.held and plan.decisions[1].k > 0 and decides == Counter({0: 2, 1: 1, 7: 1})
 
 
+def test_a_drafts_catch_up_is_priced_and_kept_out_of_the_calibration():
+    """Speculation that is free per step (flat target forwards) is planned for a 2-row batch
+    whose draft is caught up; where the draft has not seen 400 tokens of each row (plain steps
+    before, `RowContext.lags`), its catch-up forward (charged over `spec_hold_steps`) makes the
+    batch plain. A speculative step in which the draft caught up does not calibrate the planner
+    (its forward was wider than the plans need); the same step without it does. Negative
+    control: the same rows without lags speculate."""
+    from specrouter.records.routing import ForwardRecord
+
+    def draft(b, t, L):  # a draft's forward costs its tokens: a catch-up of 400 costs 0.2 s
+        return 0.0005 * t * b
+
+    rows = rows_of(2)
+    behind = [dataclasses.replace(r, lags=(("draft", 400),)) for r in rows]
+    assert all(d.k > 0 for d in scripted_router(lambda b, t, L: 0.040, draft).plan_batch(rows).decisions)
+    assert all(d.k == 0 for d in scripted_router(lambda b, t, L: 0.040, draft).plan_batch(behind).decisions)
+    router = scripted_router(lambda b, t, L: 0.040, draft)
+    plan = [(("draft", "target"), 4)] * 2
+    for r in rows:
+        router.request(r.seq_id, True)
+    router.planner.planned = frozenset(r.seq_id for r in rows)
+    outcomes = [RowOutcome(r.seq_id, c, k, [k, k], [0, 2], True, 200) for r, (c, k) in zip(rows, plan)]
+    caught_up = [ForwardRecord("draft", 2, 400, 200, 0.2), ForwardRecord("target", 2, 5, 200, 0.04)]
+    router.planner.observe(outcomes, caught_up, 0.25)
+    assert not router.planner.calibrations
+    router.planner.observe(outcomes, [ForwardRecord("draft", 2, 1, 200, 0.001)], 0.05)
+    assert (2, True, False) in router.planner.calibrations
+
+
 def test_a_batch_that_cannot_speculate_is_planned_without_per_row_work():
     """Sampled rows beyond `sampling_spec_max_batch` decode plainly (their acceptance is a
     similarity estimate): such a batch gets plain plans at once, held (no confident drafts), no
@@ -480,6 +509,7 @@ def test_sampled_batches_are_calibrated_apart_from_greedy_ones(monkeypatch):
     carries the sampled batches' factor into the greedy ones, which then decode plainly."""
     def run():
         router = scripted_router(calibration_target)
+        router.config = dataclasses.replace(router.config, sampling_spec_max_batch=2)  # 2-row sampled batches may speculate
         for _ in range(50):
             router.similarity.observe_acceptance(("draft", "target"), "sampling", 4, 1)
         greedy_before = run_calibrated(router, 1.0, 10)

@@ -327,8 +327,11 @@ class RouterConfig:
     batch_plain_margin: float = 0.10
     # sampled rows speculate only in batches of at most this many rows (their acceptance is an
     # estimate from similarity, above what coupled drafts get; at t=0.7 speculation lost ~3% to
-    # plain batching at 8 rows and broke even at 4 in the serving bench)
-    sampling_spec_max_batch: int = 2
+    # plain batching at 8 rows and broke even at 4 in the serving bench; at 2 rows it gained
+    # nothing on a Zen 4 (1.02x, avx512bf16) and lost 7-10% on a Zen 1 (avx2: 2-row sampled
+    # speculative steps 61 tok/s against plain's 64-69 in-process, 42 against 55 in the server,
+    # the planner choosing them ~100 times in 1000 steps through the batch calibration)
+    sampling_spec_max_batch: int = 1
     # batch calibration (router/batch.py): in a multi-row batch, each kind of step (speculative,
     # plain) has its predicted throughput scaled by what such steps at that many rows realised
     # (committed tokens per second, planning included), over discounted sums of ~1 / (1 - this)

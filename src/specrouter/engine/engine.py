@@ -372,7 +372,8 @@ class Engine:
         contexts = [RowContext(rows[i].seq_id, len(rows[i].tokens), batch_size=len(rows),
                                greedy=rows[i].params.greedy, remaining=rows[i].remaining,
                                processors=rows[i].params.has_processors,
-                               certain_rate=constrained.certain_rate(rows[i])) for i in free]
+                               certain_rate=constrained.certain_rate(rows[i]), lags=self._lags(rows[i]))
+                    for i in free]
         batch = self.router.plan_batch(contexts, pinned)
         self._held = batch.held
         for i, d in zip(free, batch.decisions):
@@ -388,6 +389,19 @@ class Engine:
                         plans[i] = plan
                         rows[i].plan.min_confidence = CONFIDENT  # the executor drafts the same tokens
         return plans, batch.shadow_k
+
+    def _lags(self, seq: Sequence) -> tuple[tuple[str, int], ...]:
+        """`RowContext.lags`: the row's models below the target (model-free drafters aside) that
+        have not seen more than its last token (a model never run for it: none of it)."""
+        states, n = self.state.states_of(seq.seq_id), len(seq.tokens)
+        out = []
+        for m in self.pool.order:
+            if m != self.pool.target and m in self.pool.runners:
+                st = states.get(m)
+                lag = n - (st.cache_len if st is not None else 0)
+                if lag > 1:
+                    out.append((m, lag))
+        return tuple(out)
 
     def _run_rows(self, rows: list[Sequence], plans: list[Plan], shadow_k: int
                   ) -> tuple[StepResult | None, dict, int]:

@@ -25,6 +25,10 @@ class RowContext:
     processors: bool = False  # some logits processor is on: each forward it takes part in costs the router's "processor" seconds more
     certain_rate: float = 0.0  # grammar-forced tokens per token a model chose, so far (a constrained
     #                            row: they ride in its drafts as certain ones, cost_model.with_certain)
+    # (model, tokens it has not seen) of the models below the target that lag by more than one
+    # token: fed at the start of the row's next cycle that runs them (a draft's catch-up after
+    # plain steps, a new request's prompt); the batch planner prices it (BatchPlanner.step_seconds)
+    lags: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -273,12 +273,12 @@ class BatchPlanner:
         own = [(decided[r.seq_id].chain, decided[r.seq_id].k) if r.seq_id in decided else plain for r in rows]
         L = max(1, sum(r.context_len for r in rows) // len(rows))
         factors = self.calibration(len(rows) + len(pinned), sampled(rows))
-        flags = [r.processors for r in rows]
+        flags, lags = [r.processors for r in rows], [r.lags for r in rows]
         reqs = [router.requests.get(r.seq_id) for r in rows]
 
         def rate(plans: list[Plan]) -> float:
             tokens = sum(self.expected_tokens(req, c, k) for req, (c, k) in zip(reqs, plans))
-            return self.rate(plans + list(pinned), tokens + len(pinned), L, factors, flags)
+            return self.rate(plans + list(pinned), tokens + len(pinned), L, factors, flags, lags)
 
         top = max(k for _, k in own)
         best = max([rate(own)] + [rate([(c, min(k, cap)) for c, k in own]) for cap in (1, 2, 3, 4, 6, 8) if cap < top])
@@ -324,11 +324,12 @@ class BatchPlanner:
         reqs = [router.requests.get(r.seq_id) for r in rows]
         factors = self.calibration(n, sampled(rows))
         flags = [r.processors for r in rows]  # pinned rows: not charged (their plan is fixed)
+        lags = [r.lags for r in rows]
 
         def option(plans: list[Plan]) -> tuple[float, list[Plan]]:
             tokens = sum(self.expected_tokens(req, c, k) for req, (c, k) in zip(reqs, plans))
             tokens += len(pinned)  # pinned rows commit >= 1 token each, whatever we choose
-            return self.rate(list(plans) + list(pinned), tokens, L, factors, flags), plans
+            return self.rate(list(plans) + list(pinned), tokens, L, factors, flags, lags), plans
 
         own = [(d.chain, d.k) for d in decisions]
         if all(len(c) == 1 for c, _ in own):
@@ -390,7 +391,8 @@ class BatchPlanner:
         factors = self.calibration(len(rows) + len(pinned), sampled(rows))
 
         def rate(ps: list, toks: list) -> float:
-            return self.rate(ps + list(pinned), sum(toks) + len(pinned), L, factors, [r.processors for r in rows])
+            return self.rate(ps + list(pinned), sum(toks) + len(pinned), L, factors, [r.processors for r in rows],
+                             [r.lags for r in rows])
 
         current = rate(best, tokens)
         for i, (name, m, score) in sorted(offers.items(), key=lambda o: -o[1][2]):
@@ -416,7 +418,7 @@ class BatchPlanner:
         return e if math.isfinite(e) else 1.0
 
     def step_seconds(self, plans: Sequence[Plan], context_len: int, publish: bool = True,
-                     processors: Sequence[bool] = ()) -> float:
+                     processors: Sequence[bool] = (), lags: Sequence[Sequence[tuple[str, int]]] = ()) -> float:
         """Predicted seconds of one engine step running `plans` (one per row): every model's
         forwards at their real rows and widths (the verifier at level j of a row with draft
         length k gets at most k + j - 1 candidates; padded to the widest row, or packed: the
@@ -424,25 +426,39 @@ class BatchPlanner:
         work), the step overhead, and the logits processors of the rows flagged in `processors`
         (one per plan; missing: none) per forward they take part in
         (`cost_model.processor_forwards`).
+        `lags` (one per plan, `RowContext.lags`; missing: none): the tokens a speculating row's
+        models below the target have not seen widen their first forward (a draft catching up
+        after plain steps: ~2x a 2-row step's predicted seconds on a Zen 1, avx2 kernels); the
+        catch-up is paid once per switch to speculation, so it is charged over the speculative
+        hold's steps (`RouterConfig.spec_hold_steps`), what the switch buys at least.
         `publish`: as `EvidenceBoard.predict`."""
         router = self.router
         verify: dict[str, list[int]] = {}  # model -> widths of the rows it verifies / drafts (first step)
+        behind: dict[str, list[int]] = {}  # the same, each row's unseen tokens (lags) added
         draft: dict[str, list[int]] = {}  # model drafter -> draft lengths
         speculative = False
-        for chain, k in plans:
+        for i, (chain, k) in enumerate(plans):
             if len(chain) == 1 or k == 0:
                 verify.setdefault(chain[-1], []).append(1)
+                behind.setdefault(chain[-1], []).append(1)
                 continue
             speculative = True
+            lag = dict(lags[i]) if i < len(lags) else {}
             draft.setdefault(chain[0], []).append(k)
             for j, m in enumerate(chain[1:], start=1):
                 verify.setdefault(m, []).append(k + j)
+                behind.setdefault(m, []).append(k + j + max(0, lag.get(m, 1) - 1))
+            behind.setdefault(chain[0], []).append(max(1, lag.get(chain[0], 1)))
         total = router.overhead["spec" if speculative else "plain"]
         total += router.overhead["processor"] * sum(processor_forwards(c, k, router.model_free)
                                                     for (c, k), on in zip(plans, processors) if on)
         def predict(m: str, b: int, t: float, L: int) -> float:
             return router.board.predict(m, b, t, L, publish)
 
+        def width(m: str, widths: list[int]) -> float:  # a packing runner costs its valid tokens
+            return sum(widths) / len(widths) if m in router.packed else max(widths)
+
+        span = max(1, router.config.spec_hold_steps)
         for m in router.order:
             ks = draft.get(m, [])
             if m in router.model_free:
@@ -450,9 +466,11 @@ class BatchPlanner:
                     total += predict(m, len(ks), max(ks), context_len)
                 continue
             widths = verify.get(m, []) + [1] * len(ks)
-            if widths:  # a packing runner costs its valid tokens: b rows of the mean width
-                t = sum(widths) / len(widths) if m in router.packed else max(widths)
-                total += predict(m, len(widths), t, context_len)
+            if widths:
+                first = predict(m, len(widths), width(m, widths), context_len)
+                caught = width(m, behind[m])
+                total += first if caught <= width(m, widths) else \
+                    first + (predict(m, len(widths), caught, context_len) - first) / span
             for i in range(2, max(ks, default=0) + 1):
                 total += predict(m, sum(1 for k in ks if k >= i), 1, context_len) + router.overhead["draft_step"]
         return max(total, 1e-9)
@@ -491,11 +509,13 @@ class BatchPlanner:
                 plain.factor(prior) if plain is not None else 1.0)
 
     def rate(self, plans: Sequence[Plan], tokens: float, context_len: int,
-             factors: tuple[float, float], processors: Sequence[bool] = ()) -> float:
+             factors: tuple[float, float], processors: Sequence[bool] = (),
+             lags: Sequence[Sequence[tuple[str, int]]] = ()) -> float:
         """Predicted committed tokens per second of a step running `plans` (every row's, pinned
-        ones included) that commits `tokens`, scaled by what such steps realised (`calibration`)."""
-        return factors[0 if speculates(plans) else 1] * tokens / self.step_seconds(plans, context_len,
-                                                                                   processors=processors)
+        ones included) that commits `tokens`, scaled by what such steps realised (`calibration`);
+        `processors`, `lags`: as `step_seconds`."""
+        return factors[0 if speculates(plans) else 1] * tokens / self.step_seconds(
+            plans, context_len, processors=processors, lags=lags)
 
     # -- observing --------------------------------------------------------------------------
     def observe(self, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord], wall_time: float) -> None:
@@ -503,7 +523,8 @@ class BatchPlanner:
         (the executor's `wall_time` plus the planning of the step) against the rates the planner
         predicts for the plans that ran; the other kind of step at this batch size ages. A step
         that prefills a joining row's prompt is not a step of either kind (its forward is wider
-        than any plan's), nor is one where a row the planner did not plan speculates (a pinned
+        than any plan's), nor one where a model catches up on tokens it has not seen (a draft
+        after plain steps: `step_seconds` prices that from the rows' lags), nor is one where a row the planner did not plan speculates (a pinned
         chain, e.g. a client's `specrouter_chain`): the planner has no prediction of its tokens
         (`expected_tokens` reads 1), so its accepted drafts read as speculation beating its
         predictions (the serving bench runs its static chains through the router's server)."""
@@ -516,7 +537,7 @@ class BatchPlanner:
         if any(r.seq_id not in self.planned for r, (c, k) in zip(rows, plans) if len(c) > 1 and k > 0):
             return
         widest = max(k + len(c) - 1 if len(c) > 1 and k > 0 else 1 for c, k in plans)
-        if any(f.new_tokens > widest + 1 for f in forwards if f.model == router.target):
+        if any(f.new_tokens > widest + 1 for f in forwards):  # a prefill, or a model's catch-up
             return
         spec = speculates(plans)
         L = max(1, sum(r.context_len for r in rows) // n)
