@@ -29,7 +29,10 @@ def test_caches_equal_a_fresh_prefill_after_every_step(tiny_pool_dirs):
     pool = Pool.load([tiny_pool_dirs[n] for n in NAMES], names=NAMES, target="target", dtype="float64")
     # constant clocks: forwards and the router's own host work take no time, so the profile stays
     # the scripted one and the decisions do not depend on how busy the machine is
-    router = Router.from_pool(pool, scripted_profile({}), config=RouterConfig(patience=2),
+    # sampled rows may speculate in 2-row batches (the default is 1, router/batch.py): the chains then
+    # switch under every kind of row, which is what the caches are checked through
+    cfg = RouterConfig(patience=2, sampling_spec_max_batch=2)
+    router = Router.from_pool(pool, scripted_profile({}), config=cfg,
                               timer=lambda: 0.0, step_clock=lambda: 0.0)
     eng = Engine(pool, max_num_seqs=5, max_model_len=96, router=router, clock=lambda: 0.0)
     scratch = {n: r.allocate_slot() for n, r in pool.runners.items()}  # fresh prefills go here
