@@ -24,6 +24,18 @@ def test_serve_bench_quick_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
     assert len(by[("router", 2)]["results"]) == len(by[("plain", 2)]["results"]) == 4
     assert all(len(lv["results"]) == 2 for (s, _), lv in by.items() if s.startswith("static "))
     assert len(result["rows"]) == 2 and all(r["router_tps"] > 0 and r["plain_tps"] > 0 for r in result["rows"])
+    # why (issue 26): each server's steps by kind over the level, from its /metrics; the plain
+    # server only plans plain steps; every token the clients received is a token of a step
+    for r in result["rows"]:
+        tokens = {name: sum(x.get("tokens", 0) for x in by[(name, r["concurrency"])]["results"])
+                  for name in ("router", "plain")}
+        assert set(r["plain_steps"]["kinds"]) == {"plain"}, r["plain_steps"]
+        for name in ("router", "plain"):
+            kinds = r[f"{name}_steps"]["kinds"]
+            assert sum(x["steps"] * x["tokens_per_step"] for x in kinds.values()) == pytest.approx(tokens[name])
+        assert sum(p["cycles"] for p in r["router_steps"]["plans"]) >= sum(
+            x["steps"] for x in r["router_steps"]["kinds"].values())
+    assert "| router | " in markdown(result) and "tokens / row-cycle" in markdown(result)
     # the plain baseline is its own router-off server (issue 25 item 4)
     assert "--static --chain target" in (tmp_path / "server-plain.log").read_text()
     # both servers run with the default batch (`specrouter serve`'s 8), not one sized to the
@@ -45,6 +57,10 @@ def test_serve_bench_quick_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
     assert {s["steps"] for s in split.values()} == {cfg.max_new_tokens}, split
     assert all(s["step_ms"] > 0 and s["outside_ms"] >= 0 for s in split.values()), split
     assert split["library"]["client_cpu_ms"] is None and split["server"]["client_cpu_ms"] > 0
+    # every ratio unit by unit too (bench/paired.py): one pair per request, in the table
+    assert all(p["n"] == cfg.requests and p["lo"] <= p["median"] <= p["hi"]
+               for r in lib.values() for p in r["paired"].values()), lib
+    assert "| API plain | " in markdown(result).split("unit by unit")[1]
     assert "| API plain | server |" in markdown(result)
     goals = [g["goal"] for g in result["goals"]]
     assert any(g.startswith("server >= 0.95x the Python API") and "openai client" in g for g in goals)
@@ -65,6 +81,38 @@ def test_rounds_pool_into_tokens_over_summed_wall_time():
     assert (a.tokens_per_s, b.tokens_per_s) == (20.0, 40 / 6)
     assert both.tokens_per_s == 80 / 8.0  # not the mean of the two rates (15.0)
     assert len(both.results) == 8 and both.ttft_p50 == 0.2 and both.wall == 8.0
+
+
+def _paired_run(lib_rates: list[float], server_rates: list[float]) -> dict:
+    """summarize() of one c=1 library run whose units ran at these tok/s (64 tokens each)."""
+    from specrouter.bench.serve import LevelResult, RequestResult, ServeBenchConfig, summarize
+
+    walls = [64 / r for r in lib_rates]
+    run = {"name": "API plain", "system": "plain", "concurrency": 1, "server_concurrency": 1,
+           "tokens_per_s": 64 * len(walls) / sum(walls), "unit_tps": lib_rates, "texts": []}
+    for prefix in ("server_", "raw_server_", "whole_server_"):
+        run |= {f"{prefix}tokens_per_s": 64 * len(server_rates) / sum(64 / r for r in server_rates),
+                f"{prefix}unit_tps": server_rates}
+    levels = [LevelResult(system, 0.0, 1, 40.0, None, None, None, None, 1.0, [RequestResult("x", 40, 0.1, None, 1.0)])
+              for system in ("router", "plain")]
+    return summarize(ServeBenchConfig(concurrency=(1,), temperatures=(0.0,)), levels, [], [], [run])
+
+
+def test_server_ratios_are_medians_of_paired_units():
+    """A unit where the machine stalled one side (a co-tenant took a core during one library
+    request) does not decide the goal: the median of the pairs does; the pooled ratio is kept
+    beside it. A server slower in every pair fails (the negative control)."""
+    stalled = _paired_run([40, 40, 5, 40, 40], [39, 39, 39, 39, 39])
+    row = stalled["library"][0]
+    assert row["raw_vs_library"] > 1.3  # pooled: the stall decides it
+    assert row["paired"]["raw"] == {"median": 39 / 40, "lo": 39 / 40, "hi": 39 / 5, "n": 5}
+    goal = next(g for g in stalled["goals"] if "raw HTTP client; median of paired requests" in g["goal"])
+    assert goal["value"] == 39 / 40 and goal["met"]
+    assert "0.97x (0.97-7.80, 5 pairs)" in markdown(stalled)
+    slow = _paired_run([40] * 5, [36, 37, 36, 37, 60])  # one lucky pair, pooled 0.99x
+    assert slow["library"][0]["raw_vs_library"] > 0.95
+    goal = next(g for g in slow["goals"] if "raw HTTP client; median of paired requests" in g["goal"])
+    assert goal["value"] == 37 / 40 and not goal["met"]
 
 
 def test_continuous_batching_keeps_at_most_c_rows_and_equals_one_by_one(tiny_pool_dirs):

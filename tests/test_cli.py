@@ -413,3 +413,35 @@ def test_seeded_sampling_repeats_with_a_pinned_chain(named_pool):
         assert runs[0] == runs[1] == runs[2] == streamed
     other = sr.generate("def add(a, b):", **{**kw, "seed": 6})[0].token_ids
     assert other != runs[0]  # the seed matters (else this test could not tell)
+
+
+def test_an_interrupt_inside_a_swallowing_callback_is_delivered_again():
+    """Ctrl-C landing in importlib's module-lock weakref callback (whose exceptions CPython prints
+    as "Exception ignored" and drops, so `generate` ran on to its end with status 0, seen in CI) is
+    not raised there but sent again a moment later, where it raises. Negative control: a
+    KeyboardInterrupt raised by the handler inside the callback frame."""
+    from specrouter.cli.terminal import Interrupts
+
+    namespace: dict = {}
+    exec(compile("def cb(frame_box):\n    import sys\n    frame_box.append(sys._getframe())\n",
+                 "<frozen importlib._bootstrap>", "exec"), namespace)
+    box: list = []
+    namespace["cb"](box)
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, Interrupts._on_sigint)
+    try:
+        Interrupts.pending = False
+        try:
+            Interrupts._on_sigint(signal.SIGINT, box[0])  # swallowing frame: no raise here
+        except KeyboardInterrupt:
+            pytest.fail("raised inside a callback whose exceptions CPython drops")
+        assert Interrupts.pending
+        with pytest.raises(KeyboardInterrupt):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)  # the re-sent SIGINT arrives and raises in this ordinary frame
+        with pytest.raises(KeyboardInterrupt):
+            Interrupts._on_sigint(signal.SIGINT, sys._getframe())  # an ordinary frame: raises
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        Interrupts.pending = False

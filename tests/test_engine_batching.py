@@ -314,6 +314,42 @@ def test_plain_hold_of_a_small_batch_weighs_a_joining_row_alone():
     assert sum(decides.values()) == planned
 
 
+def test_a_joiner_whose_speculation_lost_at_this_batch_size_joins_the_hold():
+    """A request that would speculate on its own joins a held 2-row batch: where the batch
+    calibration says 2-row speculative steps realised half their predicted rate, it joins the
+    hold (one decide: the joiner's; plain plans, held), as `plan_afresh` would have found;
+    without that evidence (the negative control) the hold ends and the batch is planned afresh
+    (the other row decided again, the joiner speculates)."""
+    from specrouter.router.batch import StepCalibration
+
+    def target(b, t, L):  # verification cheap enough that an 80%-accepting row speculates
+        return 0.040 + 0.004 * (t - 1) * b
+
+    def run(lost: bool):
+        router = scripted_router(target)
+        for seq_id in (0, 1):  # the held rows' own drafts are mostly rejected: they decode plainly
+            req = router.request(seq_id, True)
+            for _ in range(40):
+                req.observe(("draft", "target"), 0, 1, router.config.request_decay)
+        if lost:
+            cal = router.planner.calibrations[(2, True, False)] = StepCalibration()
+            for _ in range(10):
+                cal.add(1.0, 2.0, 1.0, 1.0, router.config.batch_calibration_discount)
+        decides = Counter()
+        inner = router.decide
+        router.decide = lambda row: (decides.update([row.seq_id]), inner(row))[1]
+        two = rows_of(2)
+        assert all(d.k == 0 for d in router.plan_batch(two).decisions) and router.planner.hold is not None
+        plan = router.plan_batch([two[0], dataclasses.replace(two[1], seq_id=7)])  # request 7 (prior 80%)
+        return plan, decides
+
+    plan, decides = run(lost=True)
+    assert plan.held and all(d.k == 0 for d in plan.decisions)
+    assert decides == Counter({0: 1, 1: 1, 7: 1})  # the joiner alone decided at the join
+    plan, decides = run(lost=False)  # the negative control: no evidence against speculation
+    assert not plan.held and plan.decisions[1].k > 0 and decides == Counter({0: 2, 1: 1, 7: 1})
+
+
 def test_a_batch_that_cannot_speculate_is_planned_without_per_row_work():
     """Sampled rows beyond `sampling_spec_max_batch` decode plainly (their acceptance is a
     similarity estimate): such a batch gets plain plans at once, held (no confident drafts), no
@@ -414,6 +450,26 @@ def test_batch_calibration_turns_a_slower_than_predicted_batch_plain():
     assert 0.45 < spec_factor < 0.65  # realised half the predicted rate, shrunk toward 1
     assert run(slow, 2.0, 1, n=1) == [True]
     assert not all(run(slow, 1.0, 10)) and run(slow, 1.0, 40)[-1]  # aged: speculating again
+
+
+def test_failed_tries_of_speculation_wait_longer_each_time(monkeypatch):
+    """A 2-row batch whose speculative steps realise half their predicted rate: each try that
+    confirms the loss doubles the wait before the next (StepCalibration.failed_tries), so over
+    700 steps it speculates in at most 14 steps (tries at 0, ~50, ~130, ~320, ~670), and the
+    gaps between tries grow. Speculation that realises its prediction is not held back (700 of
+    700). Negative control: no backoff (MAX_FAILED_TRIES = 0) retries every ~32 steps (46
+    speculative steps)."""
+    def tries(chosen):
+        return [i for i, spec in enumerate(chosen) if spec and (i == 0 or not chosen[i - 1])]
+
+    slow = run_calibrated(scripted_router(calibration_target), 2.0, 700)
+    starts = tries(slow)
+    assert sum(slow) <= 14, starts
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], gaps
+    assert all(run_calibrated(scripted_router(calibration_target), 1.0, 700))
+    monkeypatch.setattr(batch_module.BatchPlanner, "MAX_FAILED_TRIES", 0)
+    assert sum(run_calibrated(scripted_router(calibration_target), 2.0, 700)) >= 40
 
 
 def test_sampled_batches_are_calibrated_apart_from_greedy_ones(monkeypatch):
@@ -529,3 +585,36 @@ def test_a_speculating_batch_keeps_its_plans_for_spec_hold_steps():
     assert decides == Counter({0: 4, 1: 4}) and not any(held) and all(shadows)
     decides, _, held = run(scripted_router(flat), [rows_of(1)] * 3)
     assert decides == Counter({0: 3}) and not any(held)
+
+
+def test_engine_names_each_steps_kind(pool):
+    """`Engine.last_step_kind` (the serving metrics' steps by kind): "spec" when a row drafts,
+    "held" when the router's plan was its hold, "plain" otherwise (planned plain, no router).
+    Negative control: the same plain plans not held read "plain"."""
+    from fixtures import QuietRouterHooks
+
+    from specrouter.records.routing import BatchPlan, Decision
+
+    class Scripted(QuietRouterHooks):
+        def __init__(self, script):
+            self.script = iter(script)
+
+        def plan_batch(self, rows, pinned=()):
+            chain, k, held = next(self.script)
+            return BatchPlan([Decision(chain, k, 0.0, "scripted") for _ in rows], held)
+
+    plain, spec = (("target",), 0), (("draft", "target"), 3)
+    script = [(*plain, False), (*plain, True), (*spec, True), (*spec, False), (*plain, True)]
+    eng = Engine(pool, router=Scripted(script), max_num_seqs=2, max_model_len=96)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for p in prompts_of(2):
+        eng.add_request(p, params)
+    kinds = []
+    for _ in script:
+        eng.step()
+        kinds.append(eng.last_step_kind)
+    assert kinds == ["plain", "held", "spec", "spec", "held"]
+    bare = Engine(pool, max_num_seqs=1, max_model_len=96)
+    bare.add_request(prompts_of(1)[0], params, chain=("target",))
+    bare.step()
+    assert bare.last_step_kind == "plain"

@@ -9,6 +9,12 @@ its Python around the steps. Each side's steps are counted and timed the same wa
 its own histogram `specrouter_step_seconds` on /metrics (`server_steps`, read before and after,
 outside the timed region). So a ratio below 1 splits into "the steps are slower" (the same
 number of steps, more seconds each) and "more time outside the steps".
+
+Why a router server loses to the plain one (issue 26): `StepKinds` reads a server's steps by
+kind and batch size (held plain, planned plain, speculative: their count, seconds and tokens)
+and its row-cycles by chain and draft length (with the tokens they committed) from /metrics
+(server/metrics.py), before and after a level; `kinds_summary` puts the difference in the
+bench's JSON and summary.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import re
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _STEP_SUM = re.compile(r"^specrouter_step_seconds_sum(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 _STEP_COUNT = re.compile(r"^specrouter_step_seconds_count(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
@@ -57,14 +63,20 @@ class StepClock:
         self.engine.__dict__.pop("step", None)
 
 
-def server_steps(base_url: str, api_key: str | None = None) -> Steps:
-    """The server's engine steps so far (its `specrouter_step_seconds` histogram on /metrics);
-    `base_url` is the server's ".../v1" URL."""
+def metrics_text(base_url: str, api_key: str | None = None) -> str:
+    """A server's /metrics page; `base_url` is the server's ".../v1" URL."""
     root = base_url.rstrip("/").removesuffix("/v1")
     req = urllib.request.Request(root + "/metrics",
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     with urllib.request.urlopen(req, timeout=10) as r:
-        text = r.read().decode()
+        return r.read().decode()
+
+
+def server_steps(base_url: str, api_key: str | None = None) -> Steps:
+    """The server's engine steps so far (its `specrouter_step_seconds` histogram on /metrics);
+    `base_url` is the server's ".../v1" URL."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    text = metrics_text(base_url, api_key)
     total, count = _STEP_SUM.search(text), _STEP_COUNT.search(text)
     if total is None or count is None:
         raise ValueError(f"no specrouter_step_seconds histogram on {root}/metrics")
@@ -77,3 +89,103 @@ def split(wall: float, steps: Steps, units: int) -> dict:
     return {"step_ms": steps.seconds / steps.count * 1e3 if steps.count else None,
             "steps": steps.count / units if units else None,
             "outside_ms": (wall - steps.seconds) / units * 1e3 if units else None}
+
+
+_SAMPLE = re.compile(r'^specrouter_(steps_by_kind|steps_by_kind_seconds|steps_by_kind_tokens|plan_cycles|'
+                     r'plan_committed_tokens)_total\{([^}]*)\} ([0-9.eE+-]+)$', re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+@dataclass
+class StepKinds:
+    """A server's counters of steps by (kind, rows) -> [steps, seconds, tokens] and row-cycles by
+    (chain, k) -> [cycles, committed tokens] (server/metrics.py); subtract two readings for a span."""
+
+    steps: dict = field(default_factory=dict)
+    plans: dict = field(default_factory=dict)
+
+    @staticmethod
+    def parse(text: str) -> "StepKinds":
+        out = StepKinds()
+        slot = {"steps_by_kind": 0, "steps_by_kind_seconds": 1, "steps_by_kind_tokens": 2,
+                "plan_cycles": 0, "plan_committed_tokens": 1}
+        for m in _SAMPLE.finditer(text):
+            name, labels, value = m.group(1), dict(_LABEL.findall(m.group(2))), float(m.group(3))
+            if name.startswith("steps_by_kind"):
+                key, table, width = (labels["kind"], int(labels["rows"])), out.steps, 3
+            else:
+                key, table, width = (labels["chain"], int(labels["k"])), out.plans, 2
+            table.setdefault(key, [0.0] * width)[slot[name]] = value
+        return out
+
+    @staticmethod
+    def read(base_url: str, api_key: str | None = None) -> "StepKinds":
+        return StepKinds.parse(metrics_text(base_url, api_key))
+
+    def __sub__(self, other: "StepKinds") -> "StepKinds":
+        def sub(a: dict, b: dict) -> dict:
+            out = {}
+            for key, v in a.items():
+                d = [x - y for x, y in zip(v, b.get(key, [0.0] * len(v)))]
+                if d[0] > 0:
+                    out[key] = d
+            return out
+        return StepKinds(sub(self.steps, other.steps), sub(self.plans, other.plans))
+
+    def __add__(self, other: "StepKinds") -> "StepKinds":
+        def add(a: dict, b: dict) -> dict:
+            out = {key: list(v) for key, v in a.items()}
+            for key, v in b.items():
+                out[key] = [x + y for x, y in zip(out.get(key, [0.0] * len(v)), v)]
+            return out
+        return StepKinds(add(self.steps, other.steps), add(self.plans, other.plans))
+
+
+def kinds_summary(kinds: StepKinds) -> dict:
+    """JSON-ready: per step kind (all batch sizes) and per (kind, rows), the steps, their share,
+    mean ms, tokens per step and tokens per second of step time; per (chain, k) the row-cycles
+    and mean tokens committed per row-cycle (the acceptance length of that plan)."""
+    total = sum(v[0] for v in kinds.steps.values()) or 1.0
+
+    def row(steps: float, seconds: float, tokens: float) -> dict:
+        return {"steps": int(steps), "share": steps / total, "step_ms": seconds / steps * 1e3 if steps else None,
+                "tokens_per_step": tokens / steps if steps else None,
+                "step_tokens_per_s": tokens / seconds if seconds > 0 else None}
+
+    by_kind: dict[str, list[float]] = {}
+    for (kind, _), v in kinds.steps.items():
+        acc = by_kind.setdefault(kind, [0.0, 0.0, 0.0])
+        for i in range(3):
+            acc[i] += v[i]
+    return {"kinds": {kind: row(*v) for kind, v in sorted(by_kind.items())},
+            "kinds_by_rows": [{"kind": kind, "rows": n, **row(*v)} for (kind, n), v in sorted(kinds.steps.items())],
+            "plans": [{"chain": chain, "k": k, "cycles": int(v[0]), "tokens_per_cycle": v[1] / v[0] if v[0] else None}
+                      for (chain, k), v in sorted(kinds.plans.items())]}
+
+
+def kinds_markdown(rows: list[dict]) -> list[str]:
+    """serve.md's "why" tables from the bench's rows (their `router_steps` / `plain_steps`,
+    `kinds_summary`): each server's steps by kind, the router's row-cycles by plan; [] without."""
+    if not any(r.get("router_steps") for r in rows):
+        return []
+
+    def f(x, d=1):
+        return "-" if x is None else f"{x:.{d}f}"
+
+    steps, plans = [], []
+    for r in rows:
+        at = f"| {r['temperature']} | {r['concurrency']} |"
+        for name in ("router", "plain"):
+            for kind, x in (r.get(f"{name}_steps") or {}).get("kinds", {}).items():
+                steps.append(f"{at} {name} | {kind} | {x['steps']} ({x['share'] * 100:.0f}%) | {f(x['step_ms'], 2)} | "
+                             f"{f(x['tokens_per_step'], 2)} | {f(x['step_tokens_per_s'])} |")
+        plans += [f"{at} {x['chain']} | {x['k']} | {x['cycles']} | {f(x['tokens_per_cycle'], 2)} |"
+                  for x in (r.get("router_steps") or {}).get("plans", [])]
+    return ["", "Why (each server's engine steps over the level, from its /metrics: held = plain under the "
+                "router's hold (the step starting it included), plain = planned plain without a hold or no router, "
+                "spec = some row drafted; tok/s = tokens over the steps' own seconds):", "",
+            "| t | c | server | kind | steps (share) | step ms | tokens / step | tok/s of steps |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |", *steps,
+            "", "The router server's row-cycles by plan (chain, draft length k) and the tokens each committed "
+                "(acceptance length, bonus included):", "",
+            "| t | c | chain | k | row-cycles | tokens / row-cycle |", "| --- | --- | --- | --- | --- | --- |", *plans]

@@ -86,6 +86,17 @@ def _feature_store(pool: Pool):
 
 _ENGINE_IDS = itertools.count()
 
+STEP_KINDS = ("held", "plain", "spec")  # Engine.last_step_kind
+
+
+def step_kind(plans: list[Plan], held: bool) -> str:
+    """A step's kind: "spec" when a row drafts, else "held" (plain under the router's plain hold,
+    router/batch.py: the step that starts a hold, then its steps without per-row planning) or
+    "plain" (planned plain without a hold, e.g. a single stream not yet settled; or no router)."""
+    if any(k > 0 and len(c) > 1 for c, k in plans):
+        return "spec"
+    return "held" if held else "plain"
+
 
 class CapacityError(SpecRouterError):
     """No free cache slot (or not enough positions) for a new request right now."""
@@ -141,6 +152,10 @@ class Engine:
         self._ids = itertools.count()
         self.running: dict[int, Sequence] = {}  # every row's plan is its `seq.plan` (RowPlan)
         self.steps = 0  # steps run (the clock of the rows' confident-draft checks)
+        # the kind of the last step (STEP_KINDS: "held", "plain", "spec"; "" before any): the
+        # serving metrics count steps by kind (server/metrics.py `observe_step`)
+        self.last_step_kind = ""
+        self._held = False  # the last plan was the router's hold (BatchPlan.held)
         self.fixed_capacity = max_num_seqs is not None and max_model_len is not None
         if self.fixed_capacity:
             for r in pool.runners.values():
@@ -336,6 +351,7 @@ class Engine:
                     outputs.append(self._collect(seq, len(seq.tokens)))
             rows = ok
         if rows:  # 2. and 3.
+            self.last_step_kind = step_kind(plans, self._held)
             before = [start[s.seq_id] for s in rows]
             plan_of = {s.seq_id: p for s, p in zip(rows, plans)}
             run_isolated(rows, lambda part: self._run_rows(part, [plan_of[s.seq_id] for s in part], shadow_k),
@@ -348,6 +364,7 @@ class Engine:
         others (planned jointly, for the batch this step really runs), then the confident drafts
         the router takes (drafts.py); and the draft length of this step's shadow proposals."""
         plans: list = [s.plan.pinned for s in rows]
+        self._held = False
         if self.router is None:
             return plans, 0
         free = [i for i, p in enumerate(plans) if p is None]
@@ -357,6 +374,7 @@ class Engine:
                                processors=rows[i].params.has_processors,
                                certain_rate=constrained.certain_rate(rows[i])) for i in free]
         batch = self.router.plan_batch(contexts, pinned)
+        self._held = batch.held
         for i, d in zip(free, batch.decisions):
             plans[i] = (d.chain, d.k)
             rows[i].plan.min_confidence = d.min_confidence

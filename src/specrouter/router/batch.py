@@ -93,6 +93,10 @@ class StepCalibration:
     predicted_tokens: float = 0.0
     predicted_seconds: float = 0.0
     weight: float = 0.0  # discounted count of steps
+    running: bool = False  # the last step observed at this batch size (and mode) was of this kind
+    # tries in a row of this kind (speculation: runs of its steps between plain steps) that ended
+    # with its evidence saying it loses (`BatchPlanner.observe`): each halves its forgetting
+    failed_tries: int = 0
 
     def add(self, realised_tokens: float, realised_seconds: float, predicted_tokens: float,
             predicted_seconds: float, discount: float) -> None:
@@ -103,7 +107,10 @@ class StepCalibration:
         self.weight = discount * self.weight + 1.0
 
     def forget(self, factor: float) -> None:
-        """Age the evidence (steps of this kind are not running): the factor drifts back to 1."""
+        """Age the evidence (steps of this kind are not running): the factor drifts back to 1,
+        `factor` per step, slower after failed tries (`factor ** (1 / 2 ** failed_tries)`: the
+        wait before the next try doubles with each one that confirmed the loss)."""
+        factor **= 0.5 ** self.failed_tries
         self.realised_tokens *= factor
         self.realised_seconds *= factor
         self.predicted_tokens *= factor
@@ -202,7 +209,7 @@ class BatchPlanner:
             # shadow proposals on the hold's last step only: their evidence is read when it ends
             return BatchPlan([spec.decisions[r.seq_id] for r in rows], True,
                              router.config.shadow_k if now == spec.until - 1 else 0)
-        elif (decided := self._joiners(hold, rows, n) if hold is not None and hold.valid(n, now) else {}) is None:
+        elif (decided := self._joiners(hold, rows, pinned) if hold is not None and hold.valid(n, now) else {}) is None:
             self.held_decisions += len(rows)  # decided by the hold (no DecisionEvent each)
             decisions = self.all_plain(rows)
         else:
@@ -229,23 +236,53 @@ class BatchPlanner:
         shadow = 0 if held and not self.hold.shadow_due(now) else router.config.shadow_k
         return BatchPlan(decisions, held, shadow)
 
-    def _joiners(self, hold: PlainHold, rows: Sequence[RowContext], n: int) -> dict[int, Decision] | None:
+    def _joiners(self, hold: PlainHold, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()
+                 ) -> dict[int, Decision] | None:
         """The rows that joined a valid hold (`PlainHold.joined`), decided on their own at this
-        step's batch size: when every one decodes plainly they join the hold (None: the batch
-        stays held, its other rows undecided); else their decisions (seq_id -> Decision), for
-        `plan_afresh` to weigh the batch with (one that would speculate ends the hold, and so
-        does another request running alone: {}). Re-planning every row at each join cost ~1.5
-        ms of a ~10 ms 4-row step (measured, benchmarks/serve_engine.py --trace)."""
+        step's batch size: when every one decodes plainly, or their speculation does not beat
+        plain batching of the step as the batch calibration says such steps realise
+        (`joiners_gain`), they join the hold (None: the batch stays held, its other rows
+        undecided); else their decisions (seq_id -> Decision), for `plan_afresh` to weigh the
+        batch with (and another request running alone ends the hold: {}). Re-planning every row
+        at each join cost ~1.5 ms of a ~10 ms 4-row step (Zen 4) and 6-10 ms of a 30-60 ms step
+        on a Zen 1 (avx2), where 2-row speculation realised ~0.6x plain's rate and every join of
+        a request that speculates alone was planned afresh, to be found plain (measured,
+        benchmarks/serve_engine.py --trace)."""
+        n = len(rows) + len(pinned)
         joined = hold.joined(rows, n)
         if not joined:
             return None
         if n < 2:  # another request alone: held only once its own plain plan is settled
             return {}
         decided = {r.seq_id: self.router.decide(r) for r in joined}
-        if speculates([(d.chain, d.k) for d in decided.values()]):
+        if speculates([(d.chain, d.k) for d in decided.values()]) and self.joiners_gain(rows, decided, pinned):
             return decided
         hold.members = hold.members | decided.keys()
         return None
+
+    def joiners_gain(self, rows: Sequence[RowContext], decided: Mapping[int, Decision],
+                     pinned: Sequence[Plan] = ()) -> bool:
+        """Does the step gain from the joining rows' own plans (`decided`; the held rows plain),
+        or those plans with k capped as `plan_afresh` caps them, over plain batching by the
+        margin `plan_afresh` asks of a multi-row batch, each option's predicted rate scaled by
+        the batch calibration? The question a join puts to a hold (its rows were found plain for
+        the batch, the joiner was never weighed), answered as `plan_afresh` would answer it when
+        the held rows' own plans are plain."""
+        router, cfg = self.router, self.router.config
+        plain = ((router.target,), 0)
+        own = [(decided[r.seq_id].chain, decided[r.seq_id].k) if r.seq_id in decided else plain for r in rows]
+        L = max(1, sum(r.context_len for r in rows) // len(rows))
+        factors = self.calibration(len(rows) + len(pinned), sampled(rows))
+        flags = [r.processors for r in rows]
+        reqs = [router.requests.get(r.seq_id) for r in rows]
+
+        def rate(plans: list[Plan]) -> float:
+            tokens = sum(self.expected_tokens(req, c, k) for req, (c, k) in zip(reqs, plans))
+            return self.rate(plans + list(pinned), tokens + len(pinned), L, factors, flags)
+
+        top = max(k for _, k in own)
+        best = max([rate(own)] + [rate([(c, min(k, cap)) for c, k in own]) for cap in (1, 2, 3, 4, 6, 8) if cap < top])
+        return best > rate([plain] * len(rows)) * (1.0 + max(cfg.persist_margin, cfg.batch_plain_margin))
 
     def plan_afresh(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = (),
                     decided: Mapping[int, Decision] | None = None) -> list[Decision]:
@@ -421,6 +458,9 @@ class BatchPlanner:
         return max(total, 1e-9)
 
     PLAIN_PREDICTION_STEPS = 16  # a plain step's predicted seconds are reused this many steps
+    # failed tries of speculation (StepCalibration.failed_tries) that slow its forgetting: at most
+    # 2**4 = 16x slower (0.98 -> 0.9987 a step: a retry after ~600 plain steps instead of ~40)
+    MAX_FAILED_TRIES = 4
 
     def plain_step_seconds(self, n: int, context_len: int) -> float:
         """`step_seconds` of n plain rows at a context of `context_len`, computed at most once
@@ -493,6 +533,16 @@ class BatchPlanner:
         cal = self.calibrations.setdefault((n, spec, mode), StepCalibration())
         cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, predicted_seconds,
                 cfg.batch_calibration_discount)
+        cal.running = True
         other = self.calibrations.get((n, not spec, mode))
         if other is not None:
+            if other.running and not spec:
+                # a try of speculation at this batch size just ended: it failed when what its
+                # steps realised (with what was left of the older evidence) still loses to plain
+                # batching by the margin; each failure in a row doubles the wait before the next
+                # (on a 2-core Zen 1, avx2 kernels, 2-row speculation realised ~0.6x plain's
+                # rate and was retried every ~30 steps: 7% of the steps, 3-4% of the throughput)
+                failed = other.factor(cfg.batch_calibration_prior) * (1.0 + cfg.batch_plain_margin) < 1.0
+                other.failed_tries = min(other.failed_tries + 1, self.MAX_FAILED_TRIES) if failed else 0
+            other.running = False
             other.forget(cfg.batch_calibration_forget)

@@ -311,6 +311,7 @@ class AsyncEngine:
     def _step(self) -> list[tuple[RequestHandle, TokenEvent]]:
         engine = self.engine
         t0, cpu0 = time.perf_counter(), time.thread_time()
+        rows = len(engine.running)
         try:
             outputs = engine.step()
         except Exception as e:
@@ -328,6 +329,9 @@ class AsyncEngine:
         self.governor.observe(wall, time.thread_time() - cpu0)
         if self.metrics is not None:
             self.metrics.step_seconds.observe(wall)
+            if rows:
+                self.metrics.observe_step(engine.last_step_kind, rows, wall,
+                                          sum(len(o.new_token_ids) for o in outputs))
         with self._cv:
             out = self._events(outputs, time.perf_counter())
             self._gauges()

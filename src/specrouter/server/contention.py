@@ -23,6 +23,7 @@ tests/test_rowinv_kernels.py): outputs do not change.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -39,8 +40,6 @@ def idle_cores_reader(path: str = "/proc/stat", clock: Callable[[], float] = tim
                       ) -> Callable[[], float | None] | None:
     """A function returning the machine's idle cores on average since its last call (None on its
     first call), from the kernel's CPU counters; None where they cannot be read (not Linux)."""
-    import os
-
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     def read() -> float | None:

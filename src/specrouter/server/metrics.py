@@ -10,6 +10,14 @@ Names (all prefixed `specrouter_`):
 - forward_seconds{model}: wall time of a model's forwards within one cycle;
   forward_tokens_total{model}: tokens fed to it;
 - step_seconds: one engine step (all groups); queue_depth, running_rows: gauges;
+- steps_by_kind_total{kind,rows}, steps_by_kind_seconds_total{kind,rows},
+  steps_by_kind_tokens_total{kind,rows}: engine steps by kind (`Engine.last_step_kind`: "held"
+  plain under the router's hold (the step starting it included), "plain" planned plain
+  without a hold or no router, "spec" some row drafted) and
+  batch size, their summed seconds and the tokens they committed (issue 26: why a router server
+  loses to plain batching); plan_cycles_total{chain,k}, plan_committed_tokens_total{chain,k}:
+  row-cycles of each chain by draft length (the largest of its rows that step) and the target
+  tokens they committed (mean acceptance length per plan = committed / cycles);
 - generated_tokens_total (tokens/s = rate()); requests_total{endpoint,status};
   request_seconds{endpoint}: end to end; time_to_first_token_seconds;
 - stream_delivery_seconds: a streamed token's engine commit (end of the engine step) to its SSE
@@ -67,6 +75,17 @@ class ServerMetrics:
                                       ["model"], registry=r)
         self.step_seconds = Histogram(p + "step_seconds", "One engine step over all rows",
                                       buckets=_LATENCY, registry=r)
+        self.steps_by_kind = Counter(p + "steps_by_kind", "Engine steps by kind and batch size",
+                                     ["kind", "rows"], registry=r)
+        self.steps_by_kind_seconds = Counter(p + "steps_by_kind_seconds", "Seconds of those steps",
+                                             ["kind", "rows"], registry=r)
+        self.steps_by_kind_tokens = Counter(p + "steps_by_kind_tokens", "Tokens those steps committed",
+                                            ["kind", "rows"], registry=r)
+        self.plan_cycles = Counter(p + "plan_cycles", "Row-cycles run with each chain and draft length",
+                                   ["chain", "k"], registry=r)
+        self.plan_committed = Counter(p + "plan_committed_tokens",
+                                      "Target tokens committed by the row-cycles of each chain and draft length",
+                                      ["chain", "k"], registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for a row", registry=r)
         self.running_rows = Gauge(p + "running_rows", "Rows in the running batch", registry=r)
         self.generated_tokens = Counter(p + "generated_tokens", "Tokens generated", registry=r)
@@ -112,12 +131,23 @@ class ServerMetrics:
             self.accepted.labels(*pair).inc(s.accepted[j])
         self.chain_choices.labels(chain).inc(s.rows)
         self.committed.labels(chain).inc(s.committed)
+        k = str(s.k if len(s.chain) > 1 else 0)
+        self.plan_cycles.labels(chain, k).inc(s.rows)
+        self.plan_committed.labels(chain, k).inc(s.committed)
         if s.rows:
             self.acceptance_length.observe(s.committed / s.rows)
         for model, t in s.forward_time.items():
             self.forward_seconds.labels(model).observe(t)
         for model, n in s.forward_tokens.items():
             self.forward_tokens.labels(model).inc(n)
+
+    def observe_step(self, kind: str, rows: int, seconds: float, tokens: int) -> None:
+        """One engine step of `rows` rows (AsyncEngine, engine thread): its kind
+        (`Engine.last_step_kind`), wall seconds and committed tokens."""
+        labels = (kind, str(rows))
+        self.steps_by_kind.labels(*labels).inc()
+        self.steps_by_kind_seconds.labels(*labels).inc(seconds)
+        self.steps_by_kind_tokens.labels(*labels).inc(tokens)
 
     def observe_failure(self, failure) -> None:
         """Engine.on_model_failure hook (engine thread)."""
