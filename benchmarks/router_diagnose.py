@@ -68,6 +68,7 @@ def main() -> None:
     adaptive.reset(on_decision=events.append)
     for s in [*statics.values(), adaptive]:  # first forwards allocate
         s.run(sr.encode("hello"), Decoding(0.0, 8, 0))
+    adaptive.reset(on_decision=events.append)  # a cold router, as the bench's (run.py warm_up)
     router = adaptive.sr.engine.router
     cycles: list = []  # (decision, predicted tokens, predicted seconds, StepReport, step seconds) per one-row step
     pending: list = []

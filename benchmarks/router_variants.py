@@ -17,7 +17,10 @@ settled plain single stream decided every step), iid (confirmed_alpha=False: a t
 top level accepts every token at the pair's rate), no-fade (realized_fade=1.0: the realized check's
 evidence fades only on cycles of model-free chains, as before), no-leave-charge
 (charge_leaving_plain=False: plain decoding weighed against speculation without each kind's
-host seconds outside the executor, as before issue 31's chat fix).
+host seconds outside the executor, as before issue 31's chat fix), decided-plain
+(outside_plain_held=False: plain decoding priced at every plain step's outside seconds, decided
+ones included, as before issue 31's second chat fix), probe-predicted (probe_charge_realized=False:
+probes charged to the budget at their predicted extra seconds, as before).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "iid": dataclasses.replace(base, confirmed_alpha=False),
         "no-fade": dataclasses.replace(base, realized_fade=1.0),
         "no-leave-charge": dataclasses.replace(base, charge_leaving_plain=False),
+        "decided-plain": dataclasses.replace(base, outside_plain_held=False),
+        "probe-predicted": dataclasses.replace(base, probe_charge_realized=False),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

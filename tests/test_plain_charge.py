@@ -17,20 +17,24 @@ WEAK = {("d1", "T"): 0.15}  # a draft agreeing on 15% of tokens (chat, measured:
 OUTSIDE = {True: 4.3e-3, False: 4e-4}  # host seconds outside the executor per step, speculative / plain
 
 
-def run_stream(steps=200, outside=OUTSIDE, seed=5, **config):
+def run_stream(steps=200, outside=OUTSIDE, seed=5, decided_pays=False, **config):
     """One request of `steps` engine steps through plan_batch, the virtual clock advanced by
     each step's wall time plus its kind's scripted outside seconds (what plan_batch measures);
-    returns (speculative steps, tokens per second, the router)."""
+    `decided_pays`: a plain step the hold did not plan (decided) pays a speculative step's, as
+    measured on the Zen 1 (decide() is most of both). Returns (speculative steps, tokens per
+    second, the router)."""
     now = [0.0]
     router = make_router(order=["d1", "T"], step_clock=lambda: now[0], timer=lambda: 0.0,
                          config=RouterConfig(**config))
     sim = Sim(WEAK, seed=seed)
     row, spec, tokens = RowContext(0, L0), 0, 0
     for _ in range(steps):
+        held = router.planner.held_decisions
         d = router.plan_batch([row]).decisions[0]
+        decided = router.planner.held_decisions == held
         stats, outcomes, fwd, committed = sim.run(d.chain, d.k, [0], L0, True)
         observe_cycle(router, stats, outcomes, fwd)
-        now[0] += stats.wall_time + outside[d.k > 0]
+        now[0] += stats.wall_time + outside[d.k > 0 or (decided_pays and decided)]
         spec, tokens = spec + (d.k > 0), tokens + committed[0]
     return spec, tokens / now[0], router
 
@@ -180,3 +184,19 @@ def test_a_failed_draft_under_a_charge_is_left_for_plain_decoding():
     router.mark_failed("d1")
     d = router.decide(RowContext(0, L0))
     assert d.chain == ("T",), d
+
+
+def test_plain_decoding_is_priced_at_its_held_steps():
+    """A stream leaving speculation decides its first plain steps, which cost what a speculative
+    step does outside the executor; only once settled is it held, at a tenth of that. Priced at
+    its held steps (and, before one is measured, at none of decide()'s seconds), plain decoding
+    wins at once and the stream is held; the negative control (`outside_plain_held=False`)
+    prices it at its decided steps, so speculation looks no dearer than plain decoding: it
+    keeps going back to d1 > T and runs slower by the clock."""
+    spec, rate, router = run_stream(decided_pays=True)
+    spec_off, rate_off, router_off = run_stream(decided_pays=True, outside_plain_held=False)
+    print(f"\nspeculative steps {spec} vs {spec_off}; {rate:.2f} vs {rate_off:.2f} tok/s")
+    assert router.overhead["outside_plain"] == pytest.approx(OUTSIDE[False])
+    assert router_off.overhead["outside_plain"] > 2 * OUTSIDE[False]
+    assert spec <= 20 and spec_off >= 150
+    assert rate > 1.015 * rate_off  # measured 1.022x

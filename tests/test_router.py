@@ -900,22 +900,26 @@ def test_decide_time_is_measured_and_charged_per_row():
 def test_outside_clock_pairs_each_step_with_its_planning():
     """A step's host seconds outside the executor: from one planning to the next, minus the
     executor's wall of the step planned; only between consecutive steps of the same rows, at
-    most the executor's wall."""
+    most the executor's wall; whether a hold planned the step (no decide) or it was decided."""
     rows = [RowContext(0, L0)]
     clock = OutsideClock()
     assert clock.planning(0.0, 0, rows) is None  # nothing planned before
     clock.observed(0, 0.010, True)
-    assert clock.planning(0.012, 1, rows) == pytest.approx((0.002, True))
+    assert clock.planning(0.012, 1, rows) == pytest.approx((0.002, True, False))
     clock.observed(1, 0.008, False)
-    assert clock.planning(0.021, 2, rows) == pytest.approx((0.001, False))
+    assert clock.planning(0.021, 2, rows) == pytest.approx((0.001, False, False))
+    clock.held()  # the step planned at 0.021 was a held one
     clock.observed(2, 0.008, False)
-    assert clock.planning(0.030, 2, rows) is None  # the step was not observed: no pairing
-    clock.observed(2, 0.008, False)
-    assert clock.planning(0.040, 3, [RowContext(1, L0)]) is None  # another request: not a step's
-    clock.observed(3, 0.005, True)
-    assert clock.planning(0.100, 4, [RowContext(1, L0)]) == pytest.approx((0.005, True))  # a stall: clipped
-    clock.observed(4, 0.005, True)
-    assert clock.planning(0.200, 6, [RowContext(1, L0)]) is None  # a step skipped
+    assert clock.planning(0.0295, 3, rows) == pytest.approx((0.0005, False, True))
+    clock.observed(3, 0.008, False)
+    assert clock.planning(0.038, 4, rows) == pytest.approx((0.0005, False, False))
+    assert clock.planning(0.040, 4, rows) is None  # the step was not observed: no pairing
+    clock.observed(4, 0.008, False)
+    assert clock.planning(0.050, 5, [RowContext(1, L0)]) is None  # another request: not a step's
+    clock.observed(5, 0.005, True)
+    assert clock.planning(0.110, 6, [RowContext(1, L0)]) == pytest.approx((0.005, True, False))  # a stall: clipped
+    clock.observed(6, 0.005, True)
+    assert clock.planning(0.210, 8, [RowContext(1, L0)]) is None  # a step skipped
 
 
 def test_host_time_outside_the_executor_is_measured_and_charged():

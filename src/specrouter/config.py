@@ -287,6 +287,9 @@ class RouterConfig:
     probe_slow_speed: float = 1.1  # a model this much slower than swept, timed stale_after ago, is re-probed
     probe_fraction: float = 0.05  # at most this fraction of row-cycles are probes
     probe_time_fraction: float | None = 0.02  # and their cost at most this fraction of wall time
+    # a probe observed alone is charged its realised extra seconds over the plan, not its
+    # predicted ones (router/probing.py `Prober.settle`; False: as predicted, before issue 31's fix)
+    probe_charge_realized: bool = True
     overhead_alpha: float = 0.1  # EMA weight of one cycle's overhead (wall - forwards) and decide() time
     # charge a model draft's host seconds per step (measured: its steps' wall outside forwards),
     # k - 1 per draft of k; False: they are part of the cycle's overhead, whatever k (before issue 33)
@@ -302,6 +305,11 @@ class RouterConfig:
     # must beat plain decoding with each kind's measured outside seconds per cycle; False: the
     # plans compare as the table prices them (before issue 31's chat fix)
     charge_leaving_plain: bool = True
+    # plain decoding's outside seconds are measured on held plain steps only (router/host_time.py
+    # `OutsideClock`): a settled plain single stream is held, a decided plain step pays decide()
+    # (~4.6 against ~0.8 ms held, Zen 1); False: every plain step counts (before issue 31's
+    # second chat fix), and a cold router priced plain decoding at its decided steps
+    outside_plain_held: bool = True
     context_bucket: int = 32  # cost rows are cached per (b, L // context_bucket)
     prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
     alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)

@@ -285,12 +285,20 @@ class Router:
             self.step_clock(), self.observed_steps, rows, pinned)
         # the last step's host seconds outside the executor, a single stream's the router plans
         # (not a pinned chain's): a batch's are weighed by the batch planner's calibration (its
-        # steps' realised seconds, planning included)
-        if measured is not None and len(rows) == 1 and not pinned:
-            key = "outside_spec" if measured[1] else "outside_plain"
+        # steps' realised seconds, planning included). Plain decoding's are its held steps'
+        # (`RouterConfig.outside_plain_held`): a settled plain stream is held, and a decided
+        # plain step (a stream leaving speculation) pays decide() as a speculative one does
+        key = None if measured is None or len(rows) != 1 or pinned else (
+            "outside_spec" if measured[1] else
+            "outside_plain" if measured[2] or not self.config.outside_plain_held else None)
+        if key is not None:
             last = self.overhead[key]  # 0.0: the first measurement (an EMA from 0 would under-charge ~20 steps)
             self.overhead[key] = last + self.config.overhead_alpha * (measured[0] - last) if last else measured[0]
-        return self.planner.plan(rows, pinned)
+        held = self.planner.held_decisions
+        batch = self.planner.plan(rows, pinned)
+        if self.planner.held_decisions > held:  # a hold planned the step: no decide
+            self.outside.held()
+        return batch
 
     def take_confident_drafts(self, rows: Sequence[RowContext], plans: list[Plan],
                               offers: Mapping[int, tuple[str, int, float]],
@@ -604,6 +612,9 @@ class Router:
             req = self.request(r.seq_id, r.greedy)
             if len(rows) == 1 and cfg.realized_check:
                 self._observe_realized(req, r, wall_time)
+            if self.prober.pending:  # a probe's realised extra seconds (one row's step only)
+                self.prober.settle(r.seq_id, wall_time if len(rows) == 1 else None,
+                                   int(r.accepted[-1]) + 1 if len(r.chain) > 1 else 1)
             req.cycles += 1
             chain = tuple(r.chain)
             for j in range(1, len(chain)):

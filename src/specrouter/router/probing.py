@@ -5,7 +5,12 @@ alpha (a Wilson upper bound), and models believed slow (speed > `probe_slow_spee
 is stale their swept speed; when the `ProbeBudget` allows (5% of row-cycles, 2% of wall time) and
 a chain measuring one of them could beat the plan in that optimistic world, one cycle runs it
 (the most promising first), at its best k up to `probe_k`; its expected extra cost over the plan
-is charged to the budget. A pair is probed by a chain it starts (`first_pair_chains`: its
+is charged to the budget when it is chosen, and replaced by its realised extra cost once the
+cycle is observed alone (`settle`: the cycle's seconds less the plan's predicted seconds for the
+tokens it committed; `RouterConfig.probe_charge_realized`). The optimism that makes a probe
+worth running also predicts it nearly free: charged as predicted, chat's probes with penalties
+(a draft agreeing on 0-17% of tokens, predicted ~30%; a first draft cycle in a request also
+prefills the draft, 77 ms against 36 predicted) never reached the 2% time cap. A pair is probed by a chain it starts (`first_pair_chains`: its
 drafter drafts, its verifier verifies every candidate): behind a model-free drafter a miss
 teaches nothing, and behind another model it sees only what that level passed up, so a pair
 whose early trials went badly was "probed" for a whole stream without a trial (measured: at
@@ -35,6 +40,9 @@ class Prober:
         self.next_check = 0  # row-cycle from which a probe is worth computing again
         self.probes: dict[Pair, tuple[int, float, int]] = {}  # pair -> (row-cycle, trials then, back-off)
         self.model_seen: dict[str, int] = {}  # row-cycle each model was last timed
+        # seq_id -> (the plan's seconds per token, the probe's predicted extra seconds, the
+        # router's seconds per cycle it was predicted with) of a probe not yet observed
+        self.pending: dict[int, tuple[float, float, float]] = {}
 
     def due(self) -> bool:
         """May this decision probe (the budget allows, and the last look found no probe long
@@ -58,9 +66,23 @@ class Prober:
         one = best_plan([chain], pk, costs=costs, alphas=alphas, overhead=times["spec"] + overhead,
                         draft_step_overhead=times["draft_step"]).table  # as now estimated
         latency, tokens = float(one.expected_latency[0, pk - 1]), float(one.expected_tokens[0, pk - 1])
-        self.budget.charge(latency - decision.t_eff * tokens)
+        extra = latency - decision.t_eff * tokens
+        self.budget.charge(extra)
+        if router.config.probe_charge_realized:
+            self.pending[row.seq_id] = (decision.t_eff, extra, overhead)
         return Decision(chain, pk, latency / tokens, "probe",
                         router.confidence_floor(chain, pk, latency / tokens, costs))
+
+    def settle(self, seq_id: int, wall_time: float | None = None, tokens: int = 0) -> None:
+        """The cycle of a probe of `seq_id` was observed: its charge becomes its realised extra
+        seconds over the plan, the cycle's `wall_time` plus the router's seconds it was predicted
+        with, less the plan's seconds per token for the `tokens` it committed. `wall_time` None
+        (a batch's step, whose seconds are not one row's): the predicted charge stays."""
+        pending = self.pending.pop(seq_id, None)
+        if pending is None or wall_time is None or not wall_time > 0.0:
+            return
+        t_plan, predicted, router_seconds = pending
+        self.budget.settle(predicted, wall_time + router_seconds - t_plan * tokens)
 
     def _probe(self, mode: str, running, t_plan: float, costs, alphas, overhead: float,
                k_cap: int, charge: PlainCharge = PlainCharge()) -> tuple[int, int] | None:

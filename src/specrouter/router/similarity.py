@@ -404,3 +404,9 @@ class ProbeBudget:
         self.seconds += max(seconds, 0.0)
         if len(self.history) < 10_000:
             self.history.append(max(seconds, 0.0))
+
+    def settle(self, predicted: float, realised: float) -> None:
+        """A probe charged at `predicted` seconds cost `realised`: its charge becomes that."""
+        self.seconds += max(realised, 0.0) - max(predicted, 0.0)
+        if self.history and self.history[-1] == max(predicted, 0.0):
+            self.history[-1] = max(realised, 0.0)
