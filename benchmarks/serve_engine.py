@@ -32,7 +32,7 @@ from specrouter.engine import isolation as isolation_module
 from specrouter.engine.engine import Engine
 from specrouter.models.default_pool import default_pool_paths
 from specrouter.models.pool import Pool, preview_pool
-from specrouter.router.batch import speculates
+from specrouter.records.routing import speculates
 from specrouter.router.setup import build_router
 
 

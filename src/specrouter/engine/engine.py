@@ -67,7 +67,7 @@ from specrouter.errors import (
     SpecRouterError,
 )
 from specrouter.models.pool import Pool
-from specrouter.records.routing import Plan, RowContext, RowPlan, StepReport
+from specrouter.records.routing import Plan, RowContext, RowPlan, StepReport, speculates
 from specrouter.router.protocol import RouterProtocol
 from specrouter.state.manager import StateManager
 from specrouter.state.prefix_cache import PrefixCache
@@ -93,7 +93,7 @@ def step_kind(plans: list[Plan], held: bool) -> str:
     """A step's kind: "spec" when a row drafts, else "held" (plain under the router's plain hold,
     router/batch.py: the step that starts a hold, then its steps without per-row planning) or
     "plain" (planned plain without a hold, e.g. a single stream not yet settled; or no router)."""
-    if any(k > 0 and len(c) > 1 for c, k in plans):
+    if speculates(plans):
         return "spec"
     return "held" if held else "plain"
 

@@ -13,6 +13,11 @@ Pair = tuple[str, str]  # (drafter, verifier): the lower level first
 Plan = tuple[Chain, int]  # (chain, draft length k); k == 0 with the target-only chain: plain decoding
 
 
+def speculates(plans: Sequence[Plan]) -> bool:
+    """Does some row of a step draft (a chain below the target with k > 0)?"""
+    return any(k > 0 and len(c) > 1 for c, k in plans)
+
+
 @dataclass(frozen=True)
 class RowContext:
     """What the router needs to know about a row to decide its next cycle."""

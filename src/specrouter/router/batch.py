@@ -14,7 +14,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from specrouter.records.routing import BatchPlan, Chain, Decision, ForwardRecord, Plan, RowContext, RowOutcome
+from specrouter.records.routing import (BatchPlan, Chain, Decision, ForwardRecord, Plan, RowContext, RowOutcome,
+                                         speculates)
 from specrouter.router.cost_model import processor_forwards
 from specrouter.router.request_state import RequestState
 
@@ -124,10 +125,6 @@ class StepCalibration:
             return 1.0
         ratio = (self.realised_tokens * self.predicted_seconds) / (self.realised_seconds * self.predicted_tokens)
         return 1.0 + (ratio - 1.0) * self.weight / (self.weight + prior)
-
-
-def speculates(plans: Sequence[Plan]) -> bool:
-    return any(k > 0 and len(c) > 1 for c, k in plans)
 
 
 def sampled(rows: Sequence[RowContext] | Sequence[RowOutcome]) -> bool:
@@ -524,8 +521,9 @@ class BatchPlanner:
         predicts for the plans that ran; the other kind of step at this batch size ages. A step
         that prefills a joining row's prompt is not a step of either kind (its forward is wider
         than any plan's), nor one where a model catches up on tokens it has not seen (a draft
-        after plain steps: `step_seconds` prices that from the rows' lags), nor is one where a row the planner did not plan speculates (a pinned
-        chain, e.g. a client's `specrouter_chain`): the planner has no prediction of its tokens
+        after plain steps: `step_seconds` prices that from the rows' lags), nor is one where a
+        row the planner did not plan speculates (a pinned chain, e.g. a client's
+        `specrouter_chain`): the planner has no prediction of its tokens
         (`expected_tokens` reads 1), so its accepted drafts read as speculation beating its
         predictions (the serving bench runs its static chains through the router's server)."""
         plan_seconds, self.plan_seconds = self.plan_seconds, 0.0
