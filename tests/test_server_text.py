@@ -134,15 +134,21 @@ def test_random_ids_special_tokens_and_invalid_bytes(kind, request):
     included, so a later token changes text already final; no stream can take that back.)"""
     tok = request.getfixturevalue(kind)
     rng = random.Random(1)
+    for ids in random_ids(tok, kind, rng, 150):
+        parts, _ = stream(tok, ids, chunked(ids, rng))
+        assert "".join(parts) == tok.decode(ids, skip_special_tokens=True), ids
+
+
+def random_ids(tok, kind, rng, n):
+    """`n` random id sequences of up to 30 pieces: any token (special ones, lone continuation
+    bytes, truncated sequences); for byte fallback the non-byte tokens and whole characters."""
     if kind == "byte_level":
         pieces = [[i] for i in range(len(tok))]
     else:
         pieces = [[i] for i in range(len(tok)) if not tok.convert_ids_to_tokens(i).startswith("<0x")]
         pieces += [fallback_tokens(tok, ch) for ch in "é東🙂a\n"]
-    for _ in range(150):
-        ids = [i for _ in range(rng.randrange(1, 30)) for i in rng.choice(pieces)]
-        parts, _ = stream(tok, ids, chunked(ids, rng))
-        assert "".join(parts) == tok.decode(ids, skip_special_tokens=True), ids
+    for _ in range(n):
+        yield [i for _ in range(rng.randrange(1, 30)) for i in rng.choice(pieces)]
 
 
 @pytest.mark.parametrize("kind", ["byte_level", "sentencepiece_like"])
@@ -214,15 +220,8 @@ class Counted:
 def awkward(tok, kind, rng):
     """Byte-split characters, ordinary encodings, and random ids (special tokens, lone
     continuation bytes, truncated sequences) as in the tests above."""
-    split = byte_tokens if kind == "byte_level" else fallback_tokens
-    yield from sequences(tok, rng, split)
-    if kind == "byte_level":
-        pieces = [[i] for i in range(len(tok))]
-    else:
-        pieces = [[i] for i in range(len(tok)) if not tok.convert_ids_to_tokens(i).startswith("<0x")]
-        pieces += [fallback_tokens(tok, ch) for ch in "é東🙂a\n"]
-    for _ in range(100):
-        yield [i for _ in range(rng.randrange(1, 30)) for i in rng.choice(pieces)]
+    yield from sequences(tok, rng, byte_tokens if kind == "byte_level" else fallback_tokens)
+    yield from random_ids(tok, kind, rng, 100)
 
 
 @pytest.mark.parametrize("kind", ["byte_level", "sentencepiece_like"])
