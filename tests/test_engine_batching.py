@@ -383,7 +383,9 @@ def test_a_batch_that_cannot_speculate_is_planned_without_per_row_work():
     """Sampled rows beyond `sampling_spec_max_batch` decode plainly (their acceptance is a
     similarity estimate): such a batch gets plain plans at once, held (no confident drafts), no
     shadow proposals and no per-row decide, even where greedy rows would speculate; one greedy
-    row among them is planned as before."""
+    row among them is planned as before. The plain plans stand `plain_hold_max` steps for the same
+    rows (a lease, `BatchPlan.steps`: the engine runs them without planning); the mixed batch's
+    speculating plans stand one step."""
     router = scripted_router(lambda b, t, L: 0.040)  # flat: greedy rows speculate
     decides = Counter()
     inner = router.decide
@@ -392,9 +394,11 @@ def test_a_batch_that_cannot_speculate_is_planned_without_per_row_work():
     plan = router.plan_batch(sampled)
     assert all(d.chain == ("target",) and d.k == 0 for d in plan.decisions)
     assert plan.held and plan.shadow_k == 0 and not decides
+    assert plan.steps == router.config.plain_hold_max
     mixed = [dataclasses.replace(sampled[0], greedy=True)] + sampled[1:]
     plan = router.plan_batch(mixed)
     assert plan.decisions[0].k > 0 and all(d.k == 0 for d in plan.decisions[1:]) and len(decides) == len(mixed)
+    assert plan.steps == 1
 
 
 def test_single_row_is_never_held_while_it_speculates():
@@ -648,3 +652,4 @@ def test_engine_names_each_steps_kind(pool):
     bare.add_request(prompts_of(1)[0], params, chain=("target",))
     bare.step()
     assert bare.last_step_kind == "plain"
+
