@@ -592,8 +592,8 @@ def test_a_held_step_costs_no_per_row_planning():
 def test_a_speculating_batch_keeps_its_plans_for_spec_hold_steps():
     """A multi-row batch that speculates keeps its plans for the same rows
     `spec_hold_steps` steps (no decide; shadow proposals on the hold's last step only), a
-    row joining or leaving re-plans at once, a single stream is never held while it
-    speculates; negative control: spec_hold_steps=1 decides every row every step."""
+    row joining or leaving re-plans at once, a single stream is not held by it (its own
+    hold is router/stream_hold.py's); negative control: spec_hold_steps=1 decides every row every step."""
     def run(router, batches):
         decides, shadows, held = Counter(), [], []
         inner = router.decide
@@ -617,7 +617,9 @@ def test_a_speculating_batch_keeps_its_plans_for_spec_hold_steps():
     router.config = dataclasses.replace(router.config, spec_hold_steps=1)
     decides, shadows, held = run(router, [two] * 4)
     assert decides == Counter({0: 4, 1: 4}) and not any(held) and all(shadows)
-    decides, _, held = run(scripted_router(flat), [rows_of(1)] * 3)
+    router = scripted_router(flat)  # the batch's hold never holds a single stream (its own
+    router.config = dataclasses.replace(router.config, stream_hold_steps=1)  # does: test_stream_hold.py)
+    decides, _, held = run(router, [rows_of(1)] * 3)
     assert decides == Counter({0: 3}) and not any(held)
 
 

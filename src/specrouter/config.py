@@ -329,6 +329,11 @@ class RouterConfig:
     # same rows this many steps (1: re-planned every step); planning a 2-4 row batch afresh
     # (every row decided, the joint alternatives weighed) costs ~1-1.5 ms of a ~13 ms step
     spec_hold_steps: int = 2
+    # a single stream's speculative hold (router/stream_hold.py): its settled speculative plan
+    # (decided "same") is kept this many steps without decide() unless its evidence, its models'
+    # speeds or a due probe release it first (1: decided every step); deciding cost 1.5-2.6 ms of
+    # a ~20-35 ms speculative step on a Zen 1 (avx2)
+    stream_hold_steps: int = 4
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
     # batching by this fraction (a speculating row slows every row of the step; acceptance is
     # an estimate, and under-estimating plain's rate costs every row)
@@ -394,12 +399,12 @@ class RouterConfig:
             raise ValueError("overhead_alpha must be in (0, 1], context_bucket and log_size >= 1")
         if min(self.decision_tolerance, self.decision_hit_tolerance, self.decision_time_tolerance) < 0 \
                 or self.decision_refresh < 1 or self.plain_hold_max < 0 or self.batch_plain_margin < 0 \
-                or self.spec_hold_steps < 1 \
+                or self.spec_hold_steps < 1 or self.stream_hold_steps < 1 \
                 or self.sampling_spec_max_batch < 1 or self.batch_calibration_prior < 0 \
                 or not 0.0 < self.batch_calibration_discount < 1.0 \
                 or not 0.0 < self.batch_calibration_forget <= 1.0:
             raise ValueError("decision tolerances, plain_hold_max, batch_plain_margin and batch_calibration_prior "
-                             "must be >= 0, decision_refresh, spec_hold_steps and sampling_spec_max_batch >= 1, "
+                             "must be >= 0, decision_refresh, spec_hold_steps, stream_hold_steps and sampling_spec_max_batch >= 1, "
                              "batch_calibration_discount in (0, 1), batch_calibration_forget in (0, 1]")
         if not isinstance(self.similarity, SimilarityConfig) or not isinstance(self.profile, ProfileConfig):
             raise ValueError("similarity and profile must be a SimilarityConfig and a ProfileConfig")

@@ -43,7 +43,8 @@ pool order (cheapest first, target last) and the names of model-free drafters.
 
 The engine sees the router through `RouterProtocol` (router/protocol.py): `plan_batch` (the
 step's batch, router/batch.py `BatchPlanner`, which owns the plain hold, the batch calibration
-and the timing of its own planning), `take_confident_drafts`, `observe_step`,
+and the timing of its own planning; a single stream's kept speculative plan is held without
+decide() by router/stream_hold.py `StreamHolder`), `take_confident_drafts`, `observe_step`,
 `finish_request`, `mark_failed`.
 
 Per request (a request type is implicit: code, prose, chat): each request keeps its own decayed
@@ -100,6 +101,7 @@ from specrouter.records.routing import (  # noqa: F401  (re-exported: the router
     StepReport,
 )
 from specrouter.router.request_state import FinishedRequests, RequestState
+from specrouter.router.stream_hold import StreamHolder
 from specrouter.router.similarity import (
     GREEDY,
     SAMPLING,
@@ -267,6 +269,7 @@ class Router:
         self.board = EvidenceBoard(self)  # published evidence, decision cache (evidence.py)
         self.prober = Prober(self)  # step 3 (probing.py)
         self.planner = BatchPlanner(self)  # the step's batch (batch.py)
+        self.stream = StreamHolder(self)  # a single stream's kept speculative plan (stream_hold.py)
 
     @classmethod
     def from_pool(cls, pool, profile: CostProfile, **kwargs) -> "Router":
@@ -294,10 +297,17 @@ class Router:
         if key is not None:
             last = self.overhead[key]  # 0.0: the first measurement (an EMA from 0 would under-charge ~20 steps)
             self.overhead[key] = last + self.config.overhead_alpha * (measured[0] - last) if last else measured[0]
+        seq = rows[0].seq_id if len(rows) == 1 else None
+        batch = self.stream.plan(rows, pinned, self.requests.get(seq), self.prober.due(), self.profile.jumps,
+                                 self.observed_steps) if self.stream.hold is not None else None
+        if batch is not None:  # a single stream's kept speculative plan (stream_hold.py): no decide
+            return batch
         held = self.planner.held_decisions
         batch = self.planner.plan(rows, pinned)
         if self.planner.held_decisions > held:  # a hold planned the step: no decide
             self.outside.held()
+        elif seq is not None:
+            self.stream.keep(rows, pinned, batch.decisions[0], self.requests.get(seq), self.observed_steps)
         return batch
 
     def take_confident_drafts(self, rows: Sequence[RowContext], plans: list[Plan],
@@ -342,6 +352,7 @@ class Router:
         cached decision is dropped at once (the evidence is republished)."""
         if model != self.target and model not in self.failed:
             self.failed.add(model)
+            self.stream.release()
             self.board.changed()
 
     # -- estimates --------------------------------------------------------------------------

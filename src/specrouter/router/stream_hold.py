@@ -1,0 +1,116 @@
+"""A single stream's speculative hold (issue 31): its settled speculative plan kept for a few
+cycles without decide().
+
+A speculating single stream decided every cycle: on the 2-core Zen 1 (avx2 kernels) decide()
+took 1.5-2.6 ms of the 3.5-5.7 ms of host time an engine step spends outside the executor, on a
+~20 ms target step, and the step's shadow proposals and confident-draft checks ~0.5 ms more;
+any speculation committing under ~1.3 tokens a cycle lost to plain decoding on that alone. A
+settled plain stream was already held (router/batch.py `PlainHold`), and a multi-row batch's
+speculative plans are (`SpecHold`); a single stream's speculative plan now is too.
+
+`StreamHold` starts when decide() keeps the request's speculative plan ("same": it is the best;
+"hysteresis": another is predicted faster, by less than `switch_margin`) and lasts
+`RouterConfig.stream_hold_steps` engine steps of that one row, unless released first by what
+would change the decision:
+- the request's evidence version moved (router/evidence.py: its own alpha or hit rate moved
+  materially, or the realized check's correction did: a realised/predicted mismatch);
+- the profile's step detector fired for a model of the plan (a slowdown or a recovery);
+- a probe is due (router/probing.py: the held cycles do not delay exploration);
+- the row's k cap (its remaining tokens) falls below the plan's k, or its certain-draft bucket
+  (grammar-forced drafts) changed;
+- another row joins, a pinned row runs beside it, or the row changes (a new request);
+- patience runs out: a hold kept by hysteresis while the plan was predicted slower than the
+  best by more than `persist_margin` (counting toward `patience`) counts each held cycle as a
+  repeat of that decision (while the hold holds, the request's evidence did not move, so deciding
+  would have found the same), and ends in time for the decision that switches ("persistent")
+  at the same cycle as without the hold.
+Held cycles run the decided plan as decided (chain, k, confidence floor), and the realized
+check compares each with the prediction it was decided at. Shadow proposals run on the hold's
+last step only (their evidence is read by the decision that ends it), confident drafts are not
+offered (the step is `BatchPlan.held`), and no DecisionEvent is logged (`StreamHolder.held`
+counts the held cycles). The global evidence published between (other streams' moves, the
+refresh) is read when the hold ends, at most `stream_hold_steps - 1` cycles late."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from specrouter.records.routing import BatchPlan, Chain, Decision, Plan, RowContext
+from specrouter.router.evidence import certain_bucket
+from specrouter.router.request_state import RequestState
+
+
+@dataclass(frozen=True)
+class StreamHold:
+    """One row's speculative plan, kept until observed step `until` (module docstring)."""
+
+    seq_id: int  # the row it was decided for
+    decision: Decision  # what every held cycle runs (reason "held")
+    pending: tuple[Chain, float] | None  # what the realized check compares a held cycle with (RequestState.pending)
+    version: int  # the request's evidence version it was decided at (RequestState.version)
+    epoch: tuple[int, ...]  # the profile's step-detector counts of the plan's models then
+    certain: float  # the row's certain-draft bucket then (evidence.certain_bucket)
+    until: int  # observed step at which the row is decided again
+    counts: bool = False  # kept by hysteresis counting toward patience: each held cycle counts too
+
+    def holds(self, row: RowContext, req: RequestState, jumps: Mapping[str, int], now: int, patience: int) -> bool:
+        """Still the same one row, before `until`, its evidence and models' speeds unchanged,
+        the plan's k within the row's cap, and (`counts`) the next decision not the one that
+        switches for patience (a probe due is the router's to check)."""
+        d = self.decision
+        return (row.seq_id == self.seq_id and now < self.until and req.version == self.version
+                and (row.remaining is None or row.remaining - 1 >= d.k)
+                and tuple(jumps.get(m, 0) for m in d.chain) == self.epoch
+                and certain_bucket(row.certain_rate) == self.certain
+                and not (self.counts and req.worse + 1 >= patience))
+
+    def last_step(self, now: int) -> bool:
+        """Is observed step `now` the hold's last (its shadow proposals run)?"""
+        return now == self.until - 1
+
+
+class StreamHolder:
+    """The stream hold of one `Router` (module docstring): `plan` plans a step by the hold while
+    it holds, `keep` starts one after a decision that keeps a speculative plan."""
+
+    KEPT = ("same", "hysteresis")  # decisions that keep the request's plan (policy.py, step 2)
+
+    def __init__(self, router):
+        self.router = router  # policy.Router: its settings (read at every step, as the planner's)
+        self.hold: StreamHold | None = None
+        self.held = 0  # cycles planned by a hold (no decide, no DecisionEvent)
+
+    def plan(self, rows: Sequence[RowContext], pinned: Sequence[Plan], req: RequestState | None,
+             probe_due: bool, jumps: Mapping[str, int], now: int) -> BatchPlan | None:
+        """The step's plan by the hold (`req`: its request's state, None once finished) while
+        it holds, else None and the hold is released. A held cycle is compared by the realized
+        check with the prediction it was decided at, and counts toward patience as a repeat of
+        the decision that kept it (`StreamHold.counts`)."""
+        hold = self.hold
+        if hold is None:
+            return None
+        if (len(rows) != 1 or pinned or req is None or probe_due
+                or not hold.holds(rows[0], req, jumps, now, self.router.config.patience)):
+            self.hold = None
+            return None
+        req.pending = hold.pending
+        req.worse += hold.counts
+        self.held += 1
+        return BatchPlan([hold.decision], True, self.router.config.shadow_k if hold.last_step(now) else 0)
+
+    def keep(self, rows: Sequence[RowContext], pinned: Sequence[Plan], decision: Decision,
+             req: RequestState | None, now: int) -> None:
+        """After a step planned by decide(): a single stream whose speculative plan was kept
+        (`KEPT`) is held until observed step now + `stream_hold_steps`."""
+        if (len(rows) != 1 or pinned or self.router.config.stream_hold_steps < 2 or req is None
+                or decision.reason not in self.KEPT or decision.k < 1):
+            return
+        self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
+                               req.version, req.epoch, certain_bucket(rows[0].certain_rate),
+                               now + self.router.config.stream_hold_steps, req.worse > 0)
+
+    def release(self) -> None:
+        """Drop the hold (a model failed: its plan may name it)."""
+        self.hold = None

@@ -1,0 +1,197 @@
+"""A single stream's speculative hold (router/stream.hold.py, issue 31): a settled speculative
+plan is kept `stream_hold_steps` steps without decide(), released early by what would change the
+decision. Scripted pool and virtual clock of test_router.py."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+from test_router import ALPHAS, L0, Sim, make_router, observe_cycle
+
+from specrouter.config import RouterConfig
+from specrouter.router.policy import RowContext
+
+STRONG = {**ALPHAS, ("d1", "T"): 0.8}  # d1 > T wins clearly: the stream settles on it
+
+
+def stream(router, sim, steps, seq_id=0, remaining=None, alphas_after=None, switch_at=None):
+    """`steps` engine steps of one row through plan_batch, each played by the simulator and
+    observed; `alphas_after` replaces the simulator's acceptances from step `switch_at` on.
+    Returns the BatchPlans."""
+    plans = []
+    for i in range(steps):
+        if switch_at is not None and i == switch_at:
+            sim.alphas.update(alphas_after)
+        row = RowContext(seq_id, L0, remaining=None if remaining is None else remaining - i)
+        batch = router.plan_batch([row])
+        plans.append(batch)
+        d = batch.decisions[0]
+        stats, outcomes, fwd, _ = sim.run(d.chain, d.k, [seq_id], L0)
+        observe_cycle(router, stats, outcomes, fwd)
+    return plans
+
+
+def settled(steps=60, **config):
+    """A router whose single stream settled on a speculative plan under a hold."""
+    router = make_router(order=["ngram", "d1", "T"], config=RouterConfig(**config))
+    sim = Sim(STRONG, seed=3)
+    stream(router, sim, steps)
+    return router, sim
+
+
+def test_a_settled_stream_is_decided_once_per_hold():
+    """Settled on d1 > T, the stream is decided about once every `stream_hold_steps` (4) steps,
+    the held steps run the decided plan, and shadow proposals come on each hold's last step
+    only. Negative control: stream_hold_steps=1 decides every step (no held cycle)."""
+    router, sim = settled()
+    events, held = len(router.events), router.stream.held
+    plans = stream(router, sim, 200)
+    decided, kept = len(router.events) - events, router.stream.held - held
+    assert decided + kept == 200
+    assert kept >= 120 and decided <= 80, (decided, kept)
+    held_plans = [p for p in plans if p.decisions[0].reason == "held"]
+    assert len(held_plans) == kept and all(p.held and p.decisions[0].k > 0 for p in held_plans)
+    assert {p.decisions[0].chain for p in held_plans} == {("d1", "T")}
+    shadows = [p.shadow_k for p in held_plans]
+    assert 0 < shadows.count(router.config.shadow_k) < len(shadows) // 2 and set(shadows) <= {0, router.config.shadow_k}
+
+    control, csim = settled(stream_hold_steps=1)
+    events = len(control.events)
+    stream(control, csim, 200)
+    assert len(control.events) - events == 200 and control.stream.held == 0
+
+
+def test_a_held_plan_is_what_the_decision_would_be():
+    """Same world, same seed: with the hold and without it, the stream runs the same plans
+    (chain, k) in every step where the unheld router decided "same" (a settled stream gains
+    nothing from deciding again)."""
+    runs = {}
+    for h in (4, 1):
+        router = make_router(order=["d1", "T"], config=RouterConfig(stream_hold_steps=h))
+        sim = Sim(STRONG, seed=5)
+        runs[h] = [(p.decisions[0].chain, p.decisions[0].k) for p in stream(router, sim, 150)]
+    assert runs[4][40:] == runs[1][40:]  # settled from early on: every cycle the same plan
+
+
+def test_the_requests_evidence_moving_releases_the_hold_at_once():
+    """The draft stops agreeing in this request (alpha 0.8 -> 0.05): the request's evidence
+    version moves within a few cycles and the stream leaves d1 > T as soon as the unheld
+    router does (within one cycle); negative control below: a hold that ignored the version
+    would keep the plan for its whole span."""
+    leave = {}
+    for h in (4, 1):
+        router, sim = settled(stream_hold_steps=h)
+        plans = stream(router, sim, 40, alphas_after={("d1", "T"): 0.05}, switch_at=0)
+        leave[h] = next(i for i, p in enumerate(plans) if p.decisions[0].chain != ("d1", "T"))
+    assert leave[4] <= leave[1] + 1, leave
+
+    router, sim = settled()
+    hold = _fresh_hold(router, sim)
+    req = router.requests[0]
+    row = RowContext(0, L0)
+    assert hold.holds(row, req, router.profile.jumps, router.observed_steps, router.config.patience)
+    req.version += 1
+    assert not hold.holds(row, req, router.profile.jumps, router.observed_steps, router.config.patience)
+
+
+def _fresh_hold(router, sim):
+    """Step the settled stream until a hold has just started (its first held step is next)."""
+    for _ in range(20):
+        events = len(router.events)
+        stream(router, sim, 1)
+        if len(router.events) > events and router.stream.hold is not None:
+            return router.stream.hold
+    raise AssertionError("no hold started")
+
+
+@pytest.mark.parametrize("release", ["remaining", "joined", "other-row", "pinned", "jump", "probe", "failed"])
+def test_what_would_change_the_decision_releases_the_hold(release):
+    """Each release: the next step is decided (a DecisionEvent), not held."""
+    router, sim = settled()
+    hold = _fresh_hold(router, sim)
+    k = hold.decision.k
+    row = RowContext(0, L0)
+    rows, pinned = [row], []
+    if release == "remaining":
+        rows = [dataclasses.replace(row, remaining=k)]  # the cap k <= remaining - 1 no longer fits
+    elif release == "joined":
+        rows = [row, RowContext(1, L0, batch_size=2)]
+        rows[0] = dataclasses.replace(row, batch_size=2)
+    elif release == "other-row":
+        rows = [RowContext(7, L0)]
+    elif release == "pinned":
+        pinned = [(("T",), 0)]
+    elif release == "jump":
+        router.profile.jumps["d1"] = router.profile.jumps.get("d1", 0) + 1
+    elif release == "probe":
+        router.prober.next_check = 0
+        router.prober.budget = copy.deepcopy(router.prober.budget)
+        router.prober.budget.allow = lambda: True
+    elif release == "failed":
+        router.mark_failed("d1")
+    control = copy.deepcopy(router)
+    events = len(router.events)
+    router.plan_batch(rows, pinned)
+    assert router.stream.hold is None or router.stream.hold is not hold
+    assert len(router.events) > events
+    # the control: the same router, the same row as decided, is held
+    events = len(control.events)
+    if release in ("jump", "probe", "failed"):
+        return  # the state itself released it (control shares it)
+    control.plan_batch([row])
+    assert len(control.events) == events and control.stream.held > 0
+
+
+def test_held_cycles_feed_the_realized_check():
+    """A held cycle is compared with the prediction it was decided at: the request's pending
+    plan is set on every held step (the realized check consumes it each observed cycle)."""
+    router, sim = settled()
+    router.prober.next_check = 10 ** 9  # no probe due
+    req, held = router.requests[0], 0
+    for _ in range(40):
+        before = router.stream.held
+        d = router.plan_batch([RowContext(0, L0)]).decisions[0]
+        if router.stream.held > before:
+            held += 1
+            assert req.pending == router.stream.hold.pending is not None
+        stats, outcomes, fwd, _ = sim.run(d.chain, d.k, [0], L0)
+        observe_cycle(router, stats, outcomes, fwd)
+        assert req.pending is None  # consumed by the observation
+    assert held >= 20
+
+
+def test_config_validates_stream_hold_steps():
+    with pytest.raises(ValueError, match="stream_hold_steps"):
+        RouterConfig(stream_hold_steps=0)
+
+
+def test_a_hold_kept_by_hysteresis_counts_its_cycles_toward_patience():
+    """A plan kept by hysteresis while predicted slower than the best (counting toward
+    `patience`): each held cycle counts as a repeat of that decision, and the hold ends in time
+    for the decision that switches ("persistent") at the cycle it would without the hold.
+    Negative control: a hold that does not count keeps the plan past patience."""
+    router, sim = settled()
+    hold = _fresh_hold(router, sim)
+    req = router.requests[0]
+    patience = router.config.patience
+    for counts in (True, False):
+        r = copy.deepcopy(router)
+        rq = r.requests[0]
+        r.stream.hold = dataclasses.replace(hold, counts=counts, until=r.observed_steps + 100)
+        rq.worse = patience - 3
+        r.prober.next_check = 10 ** 9  # no probe due
+        held = []
+        for _ in range(4):
+            before = r.stream.held
+            r.plan_batch([RowContext(0, L0)])
+            held.append(r.stream.held > before)
+            d = r.stream.hold.decision if r.stream.hold is not None else r.events[-1]
+            stats, outcomes, fwd, _ = sim.run(d.chain, d.k, [0], L0)
+            observe_cycle(r, stats, outcomes, fwd)
+        if counts:
+            assert held[:2] == [True, True] and not held[2], held  # worse: p-2, p-1, then decided
+        else:
+            assert all(held) and rq.worse == patience - 3
+    assert req.worse < patience
