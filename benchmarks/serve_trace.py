@@ -5,7 +5,8 @@ trace) and `SpecRouter.generate` in this process get the same requests one at a 
 goes to every side back to back, in rotating order, `--rounds` times (a drifting machine: compare
 only paired units). A server is `SLOTS:HANDOFF`: its `--max-num-seqs` and its engine thread's
 hand-off (`written`: wait until the event loop wrote the step's chunks, the default;
-`none`: `handoff_wait` 0). Each server is driven by the bare HTTP client streamed (`raw`, arrival
+`none`: `handoff_wait` 0), and `SLOTS:HANDOFF:slow` detokenizes through transformers' Python
+`decode` (a window from the step before: the incremental decoder before the ninth round). Each server is driven by the bare HTTP client streamed (`raw`, arrival
 time of every block), not streamed (`whole`) and the `openai` client.
 
 The trace (perf_counter, CLOCK_MONOTONIC: one clock for every process): every `AsyncEngine._step`
@@ -50,6 +51,12 @@ def serve_traced(argv: list[str]) -> int:
     trace: dict[str, list] = {"step": [], "deliver": [], "put": [], "sse": []}
     step, deliver, put_all = ae.AsyncEngine._step, ae.AsyncEngine._deliver, ae._put_all
     wait = os.environ.get("TRACE_HANDOFF_WAIT")
+    if os.environ.get("TRACE_SLOW_DECODE"):  # the decoder before the ninth round (A/B in one run)
+        import functools
+
+        from specrouter.models import tokenizer as tk
+
+        tk.text_decoder = lambda tok: (functools.partial(tok.decode, skip_special_tokens=True), False)
 
     def traced_step(self):
         t0, cpu = pc(), time.thread_time()
@@ -164,11 +171,13 @@ def main() -> None:
     servers = {f"s{n}": spec for n, spec in enumerate(args.servers)}
     ports, procs = {}, {}
     for name, spec in servers.items():
-        slots, handoff = spec.split(":")
+        slots, handoff, *how = spec.split(":")
         ports[name] = free_port()
         env = dict(os.environ, TRACE_OUT=str(out / f"trace-{name}.json"))
         if handoff == "none":
             env["TRACE_HANDOFF_WAIT"] = "0"
+        if how == ["slow"]:
+            env["TRACE_SLOW_DECODE"] = "1"
         cmd = [sys.executable, __file__, "--serve-traced", "--models", *models, "--host", "127.0.0.1",
                "--port", str(ports[name]), "--max-num-seqs", slots, "--log-level", "warning",
                "--suffix-scope", "api-key", "--static", "--chain", "target"]

@@ -134,15 +134,21 @@ def test_random_ids_special_tokens_and_invalid_bytes(kind, request):
     included, so a later token changes text already final; no stream can take that back.)"""
     tok = request.getfixturevalue(kind)
     rng = random.Random(1)
+    for ids in random_ids(tok, kind, rng, 150):
+        parts, _ = stream(tok, ids, chunked(ids, rng))
+        assert "".join(parts) == tok.decode(ids, skip_special_tokens=True), ids
+
+
+def random_ids(tok, kind, rng, n):
+    """`n` random id sequences of up to 30 pieces: any token (special ones, lone continuation
+    bytes, truncated sequences); for byte fallback the non-byte tokens and whole characters."""
     if kind == "byte_level":
         pieces = [[i] for i in range(len(tok))]
     else:
         pieces = [[i] for i in range(len(tok)) if not tok.convert_ids_to_tokens(i).startswith("<0x")]
         pieces += [fallback_tokens(tok, ch) for ch in "é東🙂a\n"]
-    for _ in range(150):
-        ids = [i for _ in range(rng.randrange(1, 30)) for i in rng.choice(pieces)]
-        parts, _ = stream(tok, ids, chunked(ids, rng))
-        assert "".join(parts) == tok.decode(ids, skip_special_tokens=True), ids
+    for _ in range(n):
+        yield [i for _ in range(rng.randrange(1, 30)) for i in rng.choice(pieces)]
 
 
 @pytest.mark.parametrize("kind", ["byte_level", "sentencepiece_like"])
@@ -185,3 +191,82 @@ def test_the_work_per_event_is_a_window_not_the_whole_output(byte_level):
     assert sum(decoded) <= 12 * n, (sum(decoded), n)
     # negative control: the whole-output decode per event is far over the bound at this length
     assert n * (n + 1) // 2 > 20 * 12 * n
+
+
+class Counted:
+    """`tok` with its decode calls counted: transformers' Python `decode` (`wrapper`) and its
+    Rust tokenizer's (`rust`); `fast=False` hides the Rust tokenizer (the slow path)."""
+
+    def __init__(self, tok, fast: bool = True, clean_up: bool | None = None):
+        self.tok, self.wrapper, self.rust = tok, 0, 0
+        self.is_fast = fast
+        self.clean_up_tokenization_spaces = tok.clean_up_tokenization_spaces if clean_up is None else clean_up
+        outer = self
+
+        class Backend:
+            decoder = tok.backend_tokenizer.decoder
+
+            def decode(self, ids, skip_special_tokens=False):
+                outer.rust += 1
+                return tok.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        self.backend_tokenizer = Backend()
+
+    def decode(self, ids, **kw):
+        self.wrapper += 1
+        return self.tok.decode(ids, **kw)
+
+
+def awkward(tok, kind, rng):
+    """Byte-split characters, ordinary encodings, and random ids (special tokens, lone
+    continuation bytes, truncated sequences) as in the tests above."""
+    yield from sequences(tok, rng, byte_tokens if kind == "byte_level" else fallback_tokens)
+    yield from random_ids(tok, kind, rng, 100)
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece_like"])
+def test_the_rust_decode_gives_the_slow_path_s_deltas(kind, request):
+    """The decoder on the Rust tokenizer (one decode an add for byte-level BPE) hands out the
+    same deltas, chunk by chunk, as the slow path (transformers' `decode`, a window from the step
+    before), and the same final text as one full decode."""
+    tok = request.getfixturevalue(kind)
+    rng = random.Random(3)
+    for ids in awkward(tok, kind, rng):
+        chunks = chunked(ids, rng)
+        fast, slow = IncrementalDecoder(tok), IncrementalDecoder(Counted(tok, fast=False))
+        assert [fast.add(c) for c in chunks] + [fast.finish()] == [slow.add(c) for c in chunks] + [slow.finish()]
+        assert fast.text == slow.text == tok.decode(ids, skip_special_tokens=True), ids
+
+
+def test_byte_level_decodes_once_an_add_with_the_rust_tokenizer(byte_level, sentencepiece_like):
+    ids = [i for text in TRICKY for i in byte_tokens(byte_level, text + " ")]
+    tok = Counted(byte_level)
+    dec = IncrementalDecoder(tok)
+    assert "".join([dec.add([i]) for i in ids] + [dec.finish()]) == byte_level.decode(ids, skip_special_tokens=True)
+    assert (tok.wrapper, tok.rust) == (0, len(ids))
+    # negative control: the slow path calls transformers' decode, twice an add where text is final
+    slow = Counted(byte_level, fast=False)
+    dec = IncrementalDecoder(slow)
+    [dec.add([i]) for i in ids]
+    assert slow.rust == 0 and slow.wrapper > len(ids)
+    # a SentencePiece-style decoder keeps the window from the step before (it does not join) on
+    # the Rust tokenizer; a tokenizer that cleans up spaces keeps transformers' decode (its clean-up)
+    sp = Counted(sentencepiece_like)
+    IncrementalDecoder(sp).add(sentencepiece_like.encode("hello world café", add_special_tokens=False))
+    assert sp.wrapper == 0 and sp.rust == 2
+    clean = Counted(byte_level, clean_up=True)
+    IncrementalDecoder(clean).add(ids[:5])
+    assert clean.rust == 0 and clean.wrapper >= 1
+
+
+def test_a_decoder_that_does_not_join_would_change_the_text(sentencepiece_like, monkeypatch):
+    """Negative control of the join rule: decoding SentencePiece-style windows from `read` on (as
+    if its decoder joined) loses the spaces the decoder strips from a window's first token."""
+    from specrouter.models import tokenizer as tk
+
+    real = tk.text_decoder
+    monkeypatch.setattr(tk, "text_decoder", lambda t: (real(t)[0], True))
+    ids = sentencepiece_like.encode("hello world café", add_special_tokens=False)
+    dec = IncrementalDecoder(sentencepiece_like)
+    text = "".join([dec.add([i]) for i in ids] + [dec.finish()])
+    assert text != sentencepiece_like.decode(ids, skip_special_tokens=True)

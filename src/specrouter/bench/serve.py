@@ -20,7 +20,7 @@ view) for the plain chain and the router, and the engine's own continuous batchi
 requests at concurrency 4 (and 8), PAIRED with the live servers: at concurrency 1 request i goes
 to the library, to the server through the `openai` client, through a bare HTTP client
 (bench/raw_client.py) and through the bare client not streamed (`stream: false`, "whole") back to
-back, in rotating order; at c >= 4 a batch of the engine and a level of the server through each
+back, in rotating order, over the requests `rounds` times (each round every side afresh); at c >= 4 a batch of the engine and a level of the server through each
 client rotate `rounds` times. The bare client's row is the server's own speed: on 2 cores the
 `openai` client's CPU (~0.6-1.2 ms a chunk) comes out of the server's share; streamed / whole
 (both through the bare client) is the goal "streaming costs nothing extra". The servers run
@@ -457,30 +457,38 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
                  client_cpu=cpu, latest=latest)
 
     def one_by_one(name: str, system: str, chain):
-        view = pool.with_fresh_drafters()
-        router = None if chain else build_router(view, progress=False, config=RouterConfig())
-        api = SpecRouter(view, router)
-        api.generate(ids_all[0][:8], max_new_tokens=4, chain=chain)  # warm-up
-        if api.engine.prefix_cache is not None:  # its parked prompt is request 0's first 8 tokens:
-            api.engine.prefix_cache.clear()  # the server (its own API key) cannot hit it
-        release_omp_team_here()  # this thread stays idle while the server runs: no second team
+        """Request i to every side back to back (rotating order), over the requests `rounds`
+        times: at c=1 a request's sides are a pair, and on this VM a pair's ratio spreads by
+        +-15-25% (docs/serving-performance.md, ninth round): a median over 8 pairs moved by
+        several points between runs. Each round starts every side afresh (the library on a new
+        view of the pool, each server side with its own API key): none learns from an earlier
+        round's outputs of the same prompts."""
         lib, by = Side(), {who: Side() for who in sides}
-        clock = StepClock(api.engine)
-        key = f"bench|paired|{name}"
-        for i, req in enumerate(reqs_all[:cfg.requests]):
-            for who in rotation(i):
-                if who == "library":
-                    # from the prompt's text, as the server's wall time includes its tokenizing
-                    # and chat template (the same token ids: the greedy texts are compared)
-                    before = clock.steps
-                    t0 = time.perf_counter()
-                    r = api.generate(req[0], chat=req[1], max_new_tokens=cfg.max_new_tokens, chain=chain,
-                                     ignore_eos=True)[0]
-                    lib.add(len(r.token_ids), time.perf_counter() - t0, [r.text], clock.steps - before)
-                    release_omp_team_here()
-                else:
-                    measured(by[who], sides[who], system, key + ("" if who == "server" else f"|{who}"), [req], 1)
-        clock.close()
+        reqs = reqs_all[:cfg.requests]
+        for rnd in range(max(1, cfg.rounds)):
+            view = pool.with_fresh_drafters()
+            router = None if chain else build_router(view, progress=False, config=RouterConfig())
+            api = SpecRouter(view, router)
+            api.generate(ids_all[0][:8], max_new_tokens=4, chain=chain)  # warm-up
+            if api.engine.prefix_cache is not None:  # its parked prompt is request 0's first 8 tokens:
+                api.engine.prefix_cache.clear()  # the server (its own API key) cannot hit it
+            release_omp_team_here()  # this thread stays idle while the server runs: no second team
+            clock = StepClock(api.engine)
+            key = f"bench|paired|{name}|{rnd}"
+            for i, req in enumerate(reqs):
+                for who in rotation(rnd * len(reqs) + i):
+                    if who == "library":
+                        # from the prompt's text, as the server's wall time includes its tokenizing
+                        # and chat template (the same token ids: the greedy texts are compared)
+                        before = clock.steps
+                        t0 = time.perf_counter()
+                        r = api.generate(req[0], chat=req[1], max_new_tokens=cfg.max_new_tokens, chain=chain,
+                                         ignore_eos=True)[0]
+                        lib.add(len(r.token_ids), time.perf_counter() - t0, [r.text], clock.steps - before)
+                        release_omp_team_here()
+                    else:
+                        measured(by[who], sides[who], system, key + ("" if who == "server" else f"|{who}"), [req], 1)
+            clock.close()
         out.append({"name": name, "system": system, "concurrency": 1, "server_concurrency": 1,
                     **lib.fields(""), **sides_fields(by)})
         log(f"library {name}: {lib.tps:.1f} tok/s; paired server {by['server'].tps:.1f} tok/s "

@@ -13,8 +13,10 @@ and the engine compares distributions over the first `shared_vocab_size` ids (th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -202,8 +204,31 @@ __all__ = [
     "check_same_vocabulary",
     "eos_token_ids",
     "load_tokenizer",
+    "text_decoder",
     "vocab_fingerprint",
 ]
+
+
+def text_decoder(tokenizer: PreTrainedTokenizerBase) -> tuple[Callable[[list[int]], str], bool]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=True)`, the same text with less work, and
+    whether that decode JOINS: decode(a + b) == decode(a) + decode(b) whenever decode(a) ends on
+    a whole character (not U+FFFD).
+
+    - A fast tokenizer that cleans up no spaces (`clean_up_tokenization_spaces` false: SmolLM2,
+      Llama 3, Qwen2) is decoded by its Rust tokenizer directly: transformers' `decode` is that
+      one call wrapped in Python that costs 2-3x the call itself (docs/serving-performance.md,
+      ninth round). Any other tokenizer goes through `tokenizer.decode`.
+    - A byte-level decoder (GPT-2's `ByteLevel`, as SmolLM2, Llama 3, Qwen2) joins: it maps every
+      token to its bytes, concatenates them and reads them as UTF-8 left to right, an invalid
+      sequence becoming U+FFFD, so where the first part ends on a whole character the reading of
+      the rest starts afresh. A SentencePiece-style decoder does not (it strips the leading
+      space of whatever comes first), nor one that puts spaces between tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return functools.partial(tokenizer.decode, skip_special_tokens=True), False
+    from tokenizers import decoders
+
+    return functools.partial(backend.decode, skip_special_tokens=True), isinstance(backend.decoder, decoders.ByteLevel)
 
 
 class IncrementalDecoder:
@@ -217,20 +242,20 @@ class IncrementalDecoder:
     decoded together with the tokens of the step before (`prefix:read`) and minus that step's own
     decode. Both decodes start at the same token, so a decoder that changes the first token's
     text (SentencePiece drops its leading space) changes both alike, and the delta is the full
-    decode's. `text` is the final text so far (of `token_ids[:read]`); `pending` what follows it
-    for now (it may end in U+FFFD, or change when more tokens come)."""
+    decode's. A decoder that joins (`text_decoder`: byte-level BPE) needs no step before: its
+    window starts at `read`, one decode an `add` instead of two. `text` is the final text so far
+    (of `token_ids[:read]`); `pending` what follows it for now (it may end in U+FFFD, or change
+    when more tokens come)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
+        self._decode, self._joins = text_decoder(tokenizer)
         self.token_ids: list[int] = []
         self.text = ""  # final text: the decode of token_ids[:read]
         self.pending = ""  # the text of token_ids[read:] for now
         self._prefix = 0  # the window starts here (a token that starts a whole character)
         self._read = 0  # text covers the tokens before this
-        self._prefix_text = ""  # decode(token_ids[prefix:read])
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        self._prefix_text = ""  # decode(token_ids[prefix:read]) ("" when the decoder joins)
 
     def extend(self, token_ids: list[int]) -> str:
         """Append tokens; returns the text that became final (added to `text`)."""
@@ -245,8 +270,11 @@ class IncrementalDecoder:
             return ""
         self.text += tail
         self.pending = ""
-        self._prefix, self._read = self._read, len(self.token_ids)
-        self._prefix_text = self._decode(self.token_ids[self._prefix:self._read])
+        if self._joins:  # the next window starts where this text ends
+            self._prefix = self._read = len(self.token_ids)
+        else:
+            self._prefix, self._read = self._read, len(self.token_ids)
+            self._prefix_text = self._decode(self.token_ids[self._prefix:self._read])
         return tail
 
     def add(self, token_ids: list[int]) -> str:
