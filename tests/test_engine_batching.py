@@ -708,3 +708,34 @@ def test_a_held_batch_runs_on_a_lease_and_reports_every_step(pool, monkeypatch):
     assert leased[0].planner.hold.span == unleased[0].planner.hold.span == 16
     assert unleased[1]["plan"] == unleased[3]
     assert leased[1]["plan"] <= unleased[3] // 3, (leased[1], leased[3])
+
+
+def test_a_single_streams_draft_catch_up_is_weighed_over_the_cycles_it_has_left():
+    """decide() prices a lagging draft's first forward at one token. Alone, a row whose draft
+    must first catch up on many tokens (RowContext.lags) speculates only where that catch-up,
+    spread over the cycles the row has left, still leaves speculation faster than plain
+    decoding: near its end it decodes plainly (and is held, as a settled plain stream); with
+    its request ahead of it, or with its draft in step, it speculates as before. Negative
+    control: the row's own decision unweighed speculates near its end."""
+    def target(b, t, L):
+        return 0.040 if b == 1 else 0.040 + 0.020 * (t - 1) * b / 4
+
+    def draft(b, t, L):
+        return 0.002 * t
+
+    def plan(remaining, lag, router=None):
+        router = router or scripted_router(target, draft)
+        row = RowContext(seq_id=0, context_len=200, batch_size=1, greedy=True, remaining=remaining,
+                         lags=(("draft", lag),) if lag else ())
+        return router.plan_batch([row]).decisions[0], router
+
+    tail, router = plan(3, 100)
+    assert tail.chain == ("target",) and tail.k == 0 and tail.reason == "catch-up"
+    assert router.planner.hold is not None  # settled: held like a plain "same" verdict
+    ahead, _ = plan(64, 100)
+    assert ahead.chain == ("draft", "target") and ahead.k > 0
+    in_step, _ = plan(3, 0)
+    assert in_step.chain == ("draft", "target") and in_step.k > 0
+    bare = scripted_router(target, draft)
+    bare.planner.alone = lambda row, decision: decision
+    assert plan(3, 100, bare)[0].k > 0

@@ -227,7 +227,7 @@ class BatchPlanner:
             # a single stream is held once its plain plan is settled (kept as the best: "same"):
             # deciding it again every step, its shadow proposals and confident-draft checks cost
             # ~0.8 ms of a ~9 ms plain step (chat at t=0.7), which target-only does not pay
-            settled = n > 1 or (len(rows) == 1 and decisions[0].reason == "same")
+            settled = n > 1 or (len(rows) == 1 and decisions[0].reason in ("same", "catch-up"))
             if limit > 0 and not spec and settled:
                 span = min(limit, 2 * hold.span if hold is not None else 2)
                 self.hold = PlainHold(n, now + span, span, frozenset(r.seq_id for r in rows))
@@ -327,8 +327,9 @@ class BatchPlanner:
         if n == 1:
             # a single stream: the row's own decision already is the argmin of the same cost
             # model (its own overheads, no other row to slow down); weighing the joint
-            # alternatives cost ~0.2 ms per step and could only undo its hysteresis
-            return decisions
+            # alternatives cost ~0.2 ms per step and could only undo its hysteresis. Only a
+            # draft's catch-up, which decide() prices at one token, is weighed (`alone`)
+            return [self.alone(rows[0], decisions[0])] if rows else decisions
         if n > cfg.sampling_spec_max_batch:
             # a sampled row's acceptance is estimated from similarity (1 - D_TV), above what its
             # coupled drafts get: in the serving bench at t=0.7 and 8 rows the router lost ~3% to
@@ -378,6 +379,36 @@ class BatchPlanner:
                 d = Decision(c, k, d.t_eff, reason, d.min_confidence if c == d.chain else 0.0)
             out.append(d)
         return out
+
+    def alone(self, row: RowContext, decision: Decision) -> Decision:
+        """A single stream's own decision, or plain decoding where it speculates with a model
+        below the target that lags (`RowContext.lags`: a draft after plain steps) and that
+        model's catch-up, spread over the cycles the row has left at the plan's expected tokens
+        (at most `plain_hold_max`), leaves its predicted rate at or below plain decoding's.
+        decide() prices the draft's first forward at one token: a row left alone near its end
+        by the other row of its batch (speculation desynchronises a pair, one finishes a few
+        tokens earlier) caught its draft up over every held step's tokens for a cycle or two, on
+        a Zen 1 (avx2 kernels, serving bench greedy c=2) 41 such steps of 67 ms for 1.9 tokens
+        against 21 ms a held token. A new request's prompt is its draft's catch-up too, spread
+        over the whole request."""
+        chain, k = decision.chain, decision.k
+        lags = dict(row.lags)
+        if k == 0 or len(chain) < 2 or not any(lags.get(m, 1) > 1 for m in chain[:-1]):
+            return decision
+        router = self.router
+        req = router.requests.get(row.seq_id)
+        tokens = self.expected_tokens(req, chain, k)
+        most = router.config.plain_hold_max
+        left = row.remaining if row.remaining is not None else most * tokens
+        cycles = max(1, min(most, math.ceil(left / tokens)))
+        L, flags = max(1, row.context_len), [row.processors]
+        spec = tokens / self.step_seconds([(chain, k)], L, processors=flags, lags=[row.lags], span=cycles)
+        plain = 1.0 / self.step_seconds([((router.target,), 0)], L, processors=flags)
+        if spec > plain:
+            return decision
+        if req is not None:
+            req.pending = None  # no realized check of a plan another part changed
+        return Decision((router.target,), 0, 1.0 / plain, "catch-up")
 
     def all_plain(self, rows: Sequence[RowContext]) -> list[Decision]:
         """Plain decoding for every row, decided for the batch (no per-row decide)."""
@@ -433,7 +464,8 @@ class BatchPlanner:
         return e if math.isfinite(e) else 1.0
 
     def step_seconds(self, plans: Sequence[Plan], context_len: int, publish: bool = True,
-                     processors: Sequence[bool] = (), lags: Sequence[Sequence[tuple[str, int]]] = ()) -> float:
+                     processors: Sequence[bool] = (), lags: Sequence[Sequence[tuple[str, int]]] = (),
+                     span: int | None = None) -> float:
         """Predicted seconds of one engine step running `plans` (one per row): every model's
         forwards at their real rows and widths (the verifier at level j of a row with draft
         length k gets at most k + j - 1 candidates; padded to the widest row, or packed: the
@@ -445,7 +477,8 @@ class BatchPlanner:
         models below the target have not seen widen their first forward (a draft catching up
         after plain steps: ~2x a 2-row step's predicted seconds on a Zen 1, avx2 kernels); the
         catch-up is paid once per switch to speculation, so it is charged over the speculative
-        hold's steps (`RouterConfig.spec_hold_steps`), what the switch buys at least.
+        hold's steps (`RouterConfig.spec_hold_steps`; `span`: over that many steps instead),
+        what the switch buys at least.
         `publish`: as `EvidenceBoard.predict`."""
         router = self.router
         verify: dict[str, list[int]] = {}  # model -> widths of the rows it verifies / drafts (first step)
@@ -473,7 +506,7 @@ class BatchPlanner:
         def width(m: str, widths: list[int]) -> float:  # a packing runner costs its valid tokens
             return sum(widths) / len(widths) if m in router.packed else max(widths)
 
-        span = max(1, router.config.spec_hold_steps)
+        span = max(1, router.config.spec_hold_steps if span is None else span)
         for m in router.order:
             ks = draft.get(m, [])
             if m in router.model_free:
