@@ -32,7 +32,6 @@ from specrouter.engine import isolation as isolation_module
 from specrouter.engine.engine import Engine
 from specrouter.models.default_pool import default_pool_paths
 from specrouter.models.pool import Pool, preview_pool
-from specrouter.records.routing import speculates
 from specrouter.router.setup import build_router
 
 
@@ -88,18 +87,6 @@ class StepLog:
                               (engine_module, "confident_offers"), (engine_module, "judge_shadows")):
                 setattr(obj, attr, self.timer(attr, getattr(obj, attr)))
         isolation_module.snapshot = self.timer("snapshot", isolation_module.snapshot)
-        self.held = False
-        if planner is not None:
-            plan = planner.plan
-
-            def plan_logged(rows, pinned=()):
-                before = planner.held_decisions
-                out = plan(rows, pinned)
-                self.held = planner.held_decisions > before  # decided by a standing hold
-                return out
-
-            plan_logged.original = plan
-            planner.plan = plan_logged
 
     def timer(self, name, fn):
         def timed(*a, **kw):
@@ -124,8 +111,6 @@ class StepLog:
             for attr in ("plan_batch", "observe_step", "take_confident_drafts"):
                 f = getattr(self.engine.router, attr)
                 setattr(self.engine.router, attr, getattr(f, "original", f))
-        if self.planner is not None:
-            self.planner.plan = self.planner.plan.original
 
     def record(self, rows, result) -> None:
         plans = [(tuple(o.chain), o.k) for o in result.outcomes]
@@ -139,7 +124,7 @@ class StepLog:
             L = max(1, sum(o.context_len for o in result.outcomes) // len(plans))
             predicted = self.planner.step_seconds(plans, L, publish=False)
             realised = result.wall_time + self.planner.plan_seconds  # observe() resets it after us
-        kind = "spec" if speculates(plans) else ("held" if self.held else "plain")
+        kind = self.engine.last_step_kind  # "held" on a hold or its lease (engine.step_kind)
         self.kind = kind
         self.steps.append((kind, len(plans), predicted, realised if self.planner else result.wall_time,
                            tokens, fwd, host))

@@ -383,7 +383,9 @@ def test_a_batch_that_cannot_speculate_is_planned_without_per_row_work():
     """Sampled rows beyond `sampling_spec_max_batch` decode plainly (their acceptance is a
     similarity estimate): such a batch gets plain plans at once, held (no confident drafts), no
     shadow proposals and no per-row decide, even where greedy rows would speculate; one greedy
-    row among them is planned as before."""
+    row among them is planned as before. The plain plans stand `plain_hold_max` steps for the same
+    rows (a lease, `BatchPlan.steps`: the engine runs them without planning); the mixed batch's
+    speculating plans stand one step."""
     router = scripted_router(lambda b, t, L: 0.040)  # flat: greedy rows speculate
     decides = Counter()
     inner = router.decide
@@ -392,9 +394,11 @@ def test_a_batch_that_cannot_speculate_is_planned_without_per_row_work():
     plan = router.plan_batch(sampled)
     assert all(d.chain == ("target",) and d.k == 0 for d in plan.decisions)
     assert plan.held and plan.shadow_k == 0 and not decides
+    assert plan.steps == router.config.plain_hold_max
     mixed = [dataclasses.replace(sampled[0], greedy=True)] + sampled[1:]
     plan = router.plan_batch(mixed)
     assert plan.decisions[0].k > 0 and all(d.k == 0 for d in plan.decisions[1:]) and len(decides) == len(mixed)
+    assert plan.steps == 1
 
 
 def test_single_row_is_never_held_while_it_speculates():
@@ -648,3 +652,57 @@ def test_engine_names_each_steps_kind(pool):
     bare.add_request(prompts_of(1)[0], params, chain=("target",))
     bare.step()
     assert bare.last_step_kind == "plain"
+
+
+def test_a_held_batch_runs_on_a_lease_and_reports_every_step(pool, monkeypatch):
+    """Where plain batching wins, the engine runs a held batch's steps on the planner's lease
+    (`BatchPlan.steps`: the same rows, until the step before the hold ends) without planning
+    them: no row contexts, no plan_batch; every step is still reported to the router, in order,
+    before it plans again or a request finishes, so it learns what it learns without the lease
+    (the same observed steps, held decisions and hold), and greedy outputs are the target's.
+    Negative control: leases off (every lease 1 step) plans every step."""
+    def target(b, t, L):
+        return 0.040 if b == 1 else 0.040 + 0.2 * (t - 1) * b / 4
+
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = prompts_of(4)
+
+    def run():
+        router = scripted_router(target)
+        eng = Engine(pool, router=router, max_num_seqs=4, max_model_len=128)
+        counts, seen = Counter(), []
+        plan, observe, finish = router.plan_batch, router.observe_step, router.finish_request
+
+        def planned(rows, pinned=()):
+            assert not eng._unreported  # the router has seen every step before it plans
+            counts["plan"] += 1
+            return plan(rows, pinned)
+
+        def observed(report):
+            seen.append([o.context_len for o in report.outcomes])
+            observe(report)
+
+        def finished(seq_id):
+            assert not eng._unreported
+            finish(seq_id)
+
+        router.plan_batch, router.observe_step, router.finish_request = planned, observed, finished
+        seqs = [eng.add_request(p, params) for p in prompts]
+        steps = 0
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+        return router, counts, seen, steps, [s.output_ids for s in seqs]
+
+    leased = run()
+    monkeypatch.setattr(batch_module.BatchPlanner, "_lease",
+                        lambda self, now, steps: setattr(self, "leased", None) or 1)
+    unleased = run()
+    for router, counts, seen, steps, outputs in (leased, unleased):
+        assert outputs == [alone(pool, p, 40) for p in prompts]
+        assert len(seen) == steps and router.observed_steps == steps  # every step reported
+        assert seen == sorted(seen) and len({tuple(x) for x in seen}) == steps  # in order, once each
+    assert leased[0].planner.held_decisions == unleased[0].planner.held_decisions > 0
+    assert leased[0].planner.hold.span == unleased[0].planner.hold.span == 16
+    assert unleased[1]["plan"] == unleased[3]
+    assert leased[1]["plan"] <= unleased[3] // 3, (leased[1], leased[3])

@@ -382,6 +382,41 @@ def test_profile_shape_refines_a_wrong_cell_slowly_and_many_shapes():
     prof.observe("unknown", 1, 1, 1, 1.0)  # ignored
 
 
+def test_profile_observation_interpolates_each_shape_once(monkeypatch):
+    """The router observes every forward of every engine step: `observe_many` reads each
+    distinct shape's grid corners once, for the base and for the residual's cells, with the
+    values of reading them twice (the reference below). Negative control: the two-pass
+    observation interpolated 2 times per shape."""
+    from specrouter.router import profile as profile_module
+
+    def two_pass(prof, name, shapes, seconds):  # the reference: shape_at, then the corners again
+        m = prof._models[name]
+        cfg = prof.config
+        base = sum(m.shape_at(*s) for s in shapes)
+        log_ratio = math.log(seconds / base) - math.log(m.speed)
+        m.speed *= math.exp(cfg.ema_alpha * log_ratio)
+        share = cfg.shape_alpha * math.log(seconds / (m.speed * base)) / len(shapes)
+        for s in shapes:
+            for cell, w in profile_module._corners(m, *s):
+                m.seconds[cell] *= math.exp(share * min(max(w, 0.0), 1.0))
+
+    fast, ref = CostProfile(), CostProfile()
+    for prof in (fast, ref):
+        prof.set_function("m", cost_T)
+    shapes = [(2, 1, 300), (2, 1, 300), (3, 5, 700)]
+    for seconds in (1.1, 0.95, 1.05):  # within the jump ratio: the EMA and shape paths only
+        total = seconds * sum(cost_T(*s) for s in shapes)
+        fast.observe_many("m", shapes, total)
+        two_pass(ref, "m", shapes, total)
+    assert fast._models["m"].speed == ref._models["m"].speed
+    assert np.array_equal(fast._models["m"].seconds, ref._models["m"].seconds)
+    calls = []
+    corners = profile_module._corners
+    monkeypatch.setattr(profile_module, "_corners", lambda *a: calls.append(a[1:]) or corners(*a))
+    fast.observe_many("m", shapes, 1.02 * sum(cost_T(*s) for s in shapes))
+    assert sorted(calls) == [(2, 1, 300), (3, 5, 700)]  # once per distinct shape
+
+
 def test_profile_save_load_round_trip(tmp_path, monkeypatch):
     prof = swept_profile()
     fp = {"cpu": "test-cpu", "threads": 2, "torch": "x"}

@@ -15,7 +15,10 @@ Which chain and draft length a row runs: the one pinned at `add_request`, else t
 (`RouterProtocol.plan_batch`, router/protocol.py), planned for the batch the step runs; a row's
 plan lives in one record on its Sequence (`RowPlan`: pinned plan, confidence floor, next
 confident-draft check, start time). Around the router's plans the engine asks the model-free
-drafters for confident drafts and shadow proposals (drafts.py).
+drafters for confident drafts and shadow proposals (drafts.py). A held batch's plans may come
+with a lease (`BatchPlan.steps`): the engine runs the same rows on them without planning, and
+reports those steps to the router in order when the lease ends (the rows change, it runs out, a
+request finishes, a model fails), before the router plans again.
 
 Context accounting: a request fits when prompt + max_new_tokens <= the context limit (the
 smallest of `max_model_len` and the chain's models' contexts; with the router, the pool's). The
@@ -156,6 +159,10 @@ class Engine:
         # serving metrics count steps by kind (server/metrics.py `observe_step`)
         self.last_step_kind = ""
         self._held = False  # the last plan was the router's hold (BatchPlan.held)
+        # a lease (BatchPlan.steps): (the rows' seq_ids, their plans, steps left) the router let
+        # stand; the steps run on it are reported to the router when it ends (`_report_lease`)
+        self._lease: tuple[tuple[int, ...], list[Plan], int] | None = None
+        self._unreported: list[StepReport] = []
         self.fixed_capacity = max_num_seqs is not None and max_model_len is not None
         if self.fixed_capacity:
             for r in pool.runners.values():
@@ -308,6 +315,7 @@ class Engine:
         else:
             self.state.release(seq.seq_id)
         if self.router is not None:
+            self._report_lease()  # its steps first (observing a row creates its request state)
             self.router.finish_request(seq.seq_id)
 
     def has_unfinished(self) -> bool:
@@ -319,12 +327,13 @@ class Engine:
         over all rows that need it; returns what each row committed. Randomness is
         counter-based (decoding/noise.py): keyed by each row's seed and position.
         0. constrained rows (constrained.py): forced tokens committed, complete or dead-end rows end;
-        1. plan every row (pinned, or the router's for the batch); a row whose planning raises
-           ends alone with finish_reason "error" (isolation.py);
+        1. plan every row (pinned, or the router's for the batch, or a lease's plans); a row
+           whose planning raises ends alone with finish_reason "error" (isolation.py);
         2. run the executor step over the rows (`_run_rows`): a row whose cycle raises ends
            alone, the others are rolled back and rerun alone; a failing model is taken out of
            the chains and the step retried (faults.py);
-        3. report the committed step once to the router and `on_cycle` (`_report`);
+        3. report the committed step once to the router (on a lease: when it ends) and
+           `on_cycle` (`_report`);
         4. collect each row's new tokens; finished rows leave the batch."""
         rows = list(self.running.values())
         if not rows:
@@ -367,6 +376,13 @@ class Engine:
         self._held = False
         if self.router is None:
             return plans, 0
+        ids = tuple(s.seq_id for s in rows)
+        if (lease := self._lease) is not None:
+            if lease[0] == ids and lease[2] > 0:  # the same rows: the held plans stand
+                self._lease, self._held = (ids, lease[1], lease[2] - 1), True
+                return list(lease[1]), 0
+            self._lease = None
+        self._report_lease()  # the router sees every step before it plans again
         free = [i for i, p in enumerate(plans) if p is None]
         pinned = [p for p in plans if p is not None]
         contexts = [RowContext(rows[i].seq_id, len(rows[i].tokens), batch_size=len(rows),
@@ -388,7 +404,19 @@ class Engine:
                     if plan != plans[i]:
                         plans[i] = plan
                         rows[i].plan.min_confidence = CONFIDENT  # the executor drafts the same tokens
+        if batch.held and batch.steps > 1:
+            self._lease = (ids, list(plans), batch.steps - 1)
         return plans, batch.shadow_k
+
+    def _report_lease(self) -> None:
+        """The steps run on a lease (`BatchPlan.steps`), told to the router in order (once: a
+        report that raises loses that step's evidence, logged, as isolation.py's)."""
+        reports, self._unreported = self._unreported, []
+        for report in reports:
+            try:
+                self.router.observe_step(report)
+            except Exception:  # noqa: BLE001 - the tokens are committed: only this step's evidence is lost
+                fault_logger.exception("reporting a leased step to the router raised; its evidence is lost")
 
     def _lags(self, seq: Sequence) -> tuple[tuple[str, int], ...]:
         """`RowContext.lags`: the row's models below the target (model-free drafters aside) that
@@ -431,13 +459,17 @@ class Engine:
         if self.tree_policy is not None:
             self.tree_policy.observe(result, rows)
         if self.router is not None:
-            self.router.observe_step(StepReport(
+            report = StepReport(
                 outcomes=result.outcomes, forwards=result.forwards, wall_time=result.wall_time,
                 forward_time=sum(result.forward_time.values()), speculative=result.speculative,
                 shadow=judge_shadows(rows, result.outcomes, result.proposals, shadow, shadow_k, self.pool.drafters),
                 tv_seconds=result.tv_seconds, draft_steps=result.draft_steps,
                 draft_host_seconds=result.draft_host_seconds, processor_seconds=result.processor_seconds,
-                processor_rows=result.processor_rows))
+                processor_rows=result.processor_rows)
+            if self._lease is not None:  # told when the lease ends (`_report_lease`)
+                self._unreported.append(report)
+            else:
+                self.router.observe_step(report)
         if self.on_cycle is not None:
             for stats in result.cycles:
                 self.on_cycle(stats)
@@ -473,9 +505,11 @@ class Engine:
             extra={"model": model, "kind": failure.kind, "chain": ">".join(chain), "rows": len(rows),
                    "seq_ids": [s.seq_id for s in rows]},
         )
+        self._lease = None  # plans are made afresh without the model
         if model != target or failure.kind == "timeout":
             self.failed_models.add(model)
             if self.router is not None:  # router plans avoid it from now on (cached decisions dropped)
+                self._report_lease()
                 self.router.mark_failed(model)
         if self.on_model_failure is not None:
             self.on_model_failure(failure)

@@ -106,6 +106,10 @@ class BatchPlan:
     decisions: list[Decision]  # one per row asked about, in order
     held: bool = False  # the batch's plans are held (router/batch.py: plain, or a batch's speculative ones): no per-row re-planning now
     shadow_k: int = 0  # draft length of this step's shadow proposals (0: none this step)
+    # a lease: these plans stand this many steps (this one first) for exactly the same rows,
+    # without shadow proposals after this one; the engine runs them without asking again and
+    # reports those steps when the lease ends (router/batch.py `BatchPlanner.plan`: a held batch)
+    steps: int = 1
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,9 @@ class BatchPlanner:
         self.calibrations: dict[tuple[int, bool, bool], StepCalibration] = {}
         self.plan_seconds = 0.0  # the planning of the step being run (observe adds it to the step)
         self.planned: frozenset[int] = frozenset()  # seq_ids of the rows the last plan() planned
+        # the observed steps (first, last) the engine runs on the last plan's lease without
+        # asking (`BatchPlan.steps`); observe counts their rows as held decisions
+        self.leased: tuple[int, int] | None = None
         self._plain_seconds: dict[tuple[int, int], tuple[float, int]] = {}  # plain_step_seconds' memo
         self.events: deque = deque(maxlen=router.config.log_size)  # (row-cycle, rows, reason, rate, plain rate)
 
@@ -192,6 +195,7 @@ class BatchPlanner:
         hold, now = self.hold, router.observed_steps
         n = len(rows) + len(pinned)
         self.planned = frozenset(r.seq_id for r in rows)
+        self.leased = None
         if not rows:
             decisions = []
         elif n > router.config.sampling_spec_max_batch and not any(r.greedy for r in rows):
@@ -199,7 +203,7 @@ class BatchPlanner:
             # decide, no shadow proposals, no confident drafts (held): all-plain steps cost what
             # plain batching's do (per-row planning and shadows after every ~11 ms forward cost
             # the router 4-5% at 4 sampled rows, measured)
-            return BatchPlan(self.all_plain(rows), True, 0)
+            return BatchPlan(self.all_plain(rows), True, 0, self._lease(now, router.config.plain_hold_max))
         elif self.spec_hold is not None and self.spec_hold.holds(rows, len(pinned), now):
             self.held_decisions += len(rows)  # decided by the hold (no DecisionEvent each)
             spec = self.spec_hold
@@ -231,7 +235,21 @@ class BatchPlanner:
                 self.hold = None
         held = self.hold is not None
         shadow = 0 if held and not self.hold.shadow_due(now) else router.config.shadow_k
-        return BatchPlan(decisions, held, shadow)
+        # a held batch's plans stand until the step before its hold ends (that one shadows)
+        steps = self._lease(now, self.hold.until - 1 - now) if held and n > 1 else 1
+        return BatchPlan(decisions, held, shadow, steps)
+
+    def _lease(self, now: int, steps: int) -> int:
+        """`BatchPlan.steps` of a held multi-row batch planned at observed step `now`: its plain
+        plans stand `steps` steps for the same rows (at least this one). The engine runs them
+        without planning (no row contexts, no plan) and reports them to the router when the
+        lease ends, in order, before it plans again: the router's observation of a held step
+        then runs in a row with the others, not after each forward, and what it learns is the
+        same (nothing reads it before the lease ends). A row joining or leaving, a finished
+        request or a failed model ends the lease at once (engine.py `Engine._plan_step`)."""
+        steps = max(1, steps)
+        self.leased = (now + 1, now + steps - 1) if steps > 1 else None
+        return steps
 
     def _joiners(self, hold: PlainHold, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()
                  ) -> dict[int, Decision] | None:
@@ -528,6 +546,8 @@ class BatchPlanner:
         predictions (the serving bench runs its static chains through the router's server)."""
         plan_seconds, self.plan_seconds = self.plan_seconds, 0.0
         router, cfg = self.router, self.router.config
+        if self.leased is not None and self.leased[0] <= router.observed_steps <= self.leased[1]:
+            self.held_decisions += len(self.planned)  # a step of the lease: the hold decided its rows
         n = len(rows)
         if n < 2 or wall_time <= 0.0:
             return

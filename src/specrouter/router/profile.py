@@ -308,7 +308,10 @@ class CostProfile:
         m = self._models.get(name)
         if m is None or not shapes or not (math.isfinite(seconds) and seconds > 0):
             return
-        base = sum(m.shape_at(*s) for s in shapes)
+        # each distinct shape interpolated once, for the base and the residual's cells (they read
+        # the same corners; the router observes every forward of every step)
+        corners = {s: list(_corners(m, *s)) for s in dict.fromkeys(shapes)}
+        base = sum(max(sum(w * m.seconds[c] for c, w in corners[s]), 0.0) for s in shapes)
         if base <= 0:
             return
         cfg = self.config
@@ -335,7 +338,7 @@ class CostProfile:
         if cfg.shape_alpha > 0 and residual != 0.0 and not outlier:
             share = cfg.shape_alpha * residual / len(shapes)
             for s in shapes:
-                for cell, w in _corners(m, *s):  # extrapolation weights clipped to [0, 1]
+                for cell, w in corners[s]:  # extrapolation weights clipped to [0, 1]
                     m.seconds[cell] *= math.exp(share * min(max(w, 0.0), 1.0))
         m.observations += 1
         self.version += 1
