@@ -63,6 +63,9 @@ def test_serve_bench_quick_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
                for r in lib.values() for p in r["paired"].values()), lib
     assert "| API plain | " in markdown(result).split("unit by unit")[1]
     assert "| API plain | server |" in markdown(result)
+    # and each server side at the library's step speed (what the server adds), in the split table
+    assert all(0 < r["at_library_step"][side] for r in lib.values() for side in ("server", "raw", "whole")), lib
+    assert "/ library at its step" in markdown(result)
     goals = [g["goal"] for g in result["goals"]]
     assert any(g.startswith("server >= 0.95x the Python API") and "openai client" in g for g in goals)
     assert any(g.startswith("server >= 0.95x the Python API") and "raw HTTP client" in g for g in goals)
@@ -188,3 +191,21 @@ def test_raw_client_dechunks_and_parses_the_stream():
     assert parse_sse(events, chat=True) == ("Hello \u00e9", 3)
     completion = b'data: {"choices":[{"index":0,"text":"ab"}]}\n\ndata: {"choices":[{"index":0,"text":"c"}]}\n\n'
     assert parse_sse(completion, chat=False) == ("abc", 0)
+
+
+def test_at_library_step_charges_the_server_what_it_adds_not_its_step_speed():
+    """A server side at the library's step speed: the library's ms per request over (library step
+    x the side's steps + the side's ms outside the steps)."""
+    from specrouter.bench.serve_steps import at_library_step
+
+    library = {"step_ms": 20.0, "steps": 64.0, "outside_ms": 3.0}
+    # 64 more ms outside the steps (1 ms a token): 1283 / 1347
+    assert at_library_step(library, {"step_ms": 20.0, "steps": 64.0, "outside_ms": 67.0}) == pytest.approx(1283 / 1347)
+    # a server process whose steps ran 10% slower (the machine, not the server) adds nothing ...
+    slow = {"step_ms": 22.0, "steps": 64.0, "outside_ms": 3.0}
+    assert at_library_step(library, slow) == pytest.approx(1.0)
+    # ... where the plain tok/s ratio (the control) reads it as the server's
+    assert (20.0 * 64 + 3) / (22.0 * 64 + 3) < 0.92
+    # more steps for the same tokens count at the library's step; a missing figure gives None
+    assert at_library_step(library, {"step_ms": 20.0, "steps": 70.0, "outside_ms": 3.0}) == pytest.approx(1283 / 1403)
+    assert at_library_step(library, {"step_ms": None, "steps": None, "outside_ms": None}) is None

@@ -91,6 +91,23 @@ def split(wall: float, steps: Steps, units: int) -> dict:
             "outside_ms": (wall - steps.seconds) / units * 1e3 if units else None}
 
 
+def at_library_step(library: dict, side: dict) -> float | None:
+    """A server side / the library (per unit, `split` dicts of a paired run) with the side's steps
+    timed at the library's mean step: the library's ms per unit over (library step ms x the side's
+    steps + the side's ms outside the steps). On this project's VM a step's speed moves between
+    processes and minutes by itself, +-10-25% (docs/serving-performance.md, ninth round), not with
+    the server's code; this ratio charges the server only what it adds: more steps, and time
+    outside them (HTTP, tokenizing, hand-offs). It reads the server where every side takes the same
+    steps (the plain chain); the router's sides choose their own chains, so their mean steps differ
+    by more than the machine. None where a figure is missing."""
+    need = (library.get("step_ms"), library.get("steps"), library.get("outside_ms"), side.get("steps"),
+            side.get("outside_ms"))
+    if any(v is None for v in need):
+        return None
+    step, steps, outside, side_steps, side_outside = need
+    return (step * steps + outside) / (step * side_steps + side_outside)
+
+
 _SAMPLE = re.compile(r'^specrouter_(steps_by_kind|steps_by_kind_seconds|steps_by_kind_tokens|plan_cycles|'
                      r'plan_committed_tokens)_total\{([^}]*)\} ([0-9.eE+-]+)$', re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')

@@ -216,7 +216,7 @@ def text_decoder(tokenizer: PreTrainedTokenizerBase) -> tuple[Callable[[list[int
 
     - A fast tokenizer that cleans up no spaces (`clean_up_tokenization_spaces` false: SmolLM2,
       Llama 3, Qwen2) is decoded by its Rust tokenizer directly: transformers' `decode` is that
-      one call wrapped in Python that costs 2-3x the call itself (docs/serving-performance.md,
+      one call wrapped in Python that costs ~3x the call itself (docs/serving-performance.md,
       ninth round). Any other tokenizer goes through `tokenizer.decode`.
     - A byte-level decoder (GPT-2's `ByteLevel`, as SmolLM2, Llama 3, Qwen2) joins: it maps every
       token to its bytes, concatenates them and reads them as UTF-8 left to right, an invalid
