@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -66,6 +68,65 @@ def test_assemble_draft_adds_the_target_tokenizer(tmp_path, monkeypatch):
 
     r = load_runner(out, dtype=torch.float32)
     assert r.vocab_size == 49152 and r.num_params > 1_000_000
+
+
+def _asset_copy(root: Path, mtime: float) -> Path:
+    """A shipped draft's files in another folder (another checkout, another install) with other
+    modification times."""
+    src = shipped_drafts()[0]
+    dst = root / src.name
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copyfile(f, dst / f.name)
+            os.utime(dst / f.name, (mtime, mtime))
+    return dst
+
+
+def test_assemble_draft_is_keyed_by_content_not_modification_times(tmp_path, monkeypatch):
+    """Two checkouts of the same draft share one cache entry: the second neither re-copies it
+    nor removes the folder a process of the first may be loading (the stamp was keyed by mtimes:
+    each checkout's process rebuilt it over the other's)."""
+    monkeypatch.setenv("SPECROUTER_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "target"
+    make_tiny_tokenizer(target)
+    out = assemble_draft(_asset_copy(tmp_path / "a", 1_000_000_000), target)
+    stamp = (out / ".complete").stat()
+    assert assemble_draft(_asset_copy(tmp_path / "b", 1_500_000_000), target) == out
+    again = (out / ".complete").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (stamp.st_ino, stamp.st_mtime_ns), "re-assembled"
+    assert out.name == shipped_drafts()[0].name  # the pool names the draft by its folder
+    changed = _asset_copy(tmp_path / "c", 1_000_000_000)
+    (changed / "report.json").write_text("{}")
+    assert assemble_draft(changed, target) != out and (out / ".complete").is_file()  # new content: its own entry
+
+
+def test_processes_assembling_a_draft_at_once_all_get_it_complete(tmp_path, monkeypatch):
+    """Processes started together (a server and a bench, two tests) assemble the same entry at
+    once: each gets a complete folder, none fails on another's half-copied files."""
+    import threading
+
+    monkeypatch.setenv("SPECROUTER_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "target"
+    make_tiny_tokenizer(target)
+    asset = shipped_drafts()[0]
+    start, got, errors = threading.Barrier(4), [], []
+
+    def run():
+        start.wait()
+        try:
+            got.append(assemble_draft(asset, target))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(set(got)) == 1 and (got[0] / ".complete").is_file() and (got[0] / "tokenizer.json").is_file()
+    assert not list(got[0].parent.glob(".tmp-*")), "temporary folders left behind"
 
 
 def test_dtype_auto_is_the_fastest_exact_precision_here():

@@ -329,10 +329,10 @@ class RouterConfig:
     # same rows this many steps (1: re-planned every step); planning a 2-4 row batch afresh
     # (every row decided, the joint alternatives weighed) costs ~1-1.5 ms of a ~13 ms step
     spec_hold_steps: int = 2
-    # a single stream's speculative hold (router/stream_hold.py): its settled speculative plan
-    # (decided "same") is kept this many steps without decide() unless its evidence, its models'
-    # speeds or a due probe release it first (1: decided every step); deciding cost 1.5-2.6 ms of
-    # a ~20-35 ms speculative step on a Zen 1 (avx2)
+    # a single stream's speculative hold (router/stream_hold.py): a speculative plan decide()
+    # kept ("same" or "hysteresis") runs this many steps without decide() unless its evidence,
+    # its models' speeds or a due probe release it first (1: decided every step); deciding cost
+    # 1.5-2.6 ms of a ~20-35 ms speculative step on a Zen 1 (avx2)
     stream_hold_steps: int = 4
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
     # batching by this fraction (a speculating row slows every row of the step; acceptance is
