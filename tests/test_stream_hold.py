@@ -1,4 +1,4 @@
-"""A single stream's speculative hold (router/stream.hold.py, issue 31): a settled speculative
+"""A single stream's speculative hold (router/stream_hold.py, issue 31): a settled speculative
 plan is kept `stream_hold_steps` steps without decide(), released early by what would change the
 decision. Scripted pool and virtual clock of test_router.py."""
 
