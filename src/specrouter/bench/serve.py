@@ -633,6 +633,7 @@ def library_rows(levels: list[LevelResult], library: list[dict]) -> list[dict]:
         lv = served.get((run["system"], run["server_concurrency"]))
         server = run.get("server_tokens_per_s") or (lv.tokens_per_s if lv is not None else None)
         raw, whole = run.get("raw_server_tokens_per_s"), run.get("whole_server_tokens_per_s")
+        by_side = split_of(run)
         rows.append({"library": run["name"], "system": run["system"], "concurrency": run["concurrency"],
                      "library_tps": run["tokens_per_s"], "server_tps": server,
                      "server_vs_library": server / run["tokens_per_s"] if server else None,
@@ -651,10 +652,9 @@ def library_rows(levels: list[LevelResult], library: list[dict]) -> list[dict]:
                      # where the time goes (bench/serve_steps.py): per side, its mean engine step,
                      # steps and ms outside the steps per unit (request at c=1, level at c>=4), and
                      # the client's CPU ms per unit on the same cores
-                     "split": split_of(run),
+                     "split": by_side,
                      # each server side / the library with its steps at the library's step speed
-                     "at_library_step": {side: at_library_step(split_of(run)["library"], split_of(run)[side])
-                                         for side in SIDES[1:]}})
+                     "at_library_step": {side: at_library_step(by_side["library"], by_side[side]) for side in SIDES[1:]}})
     return rows
 
 

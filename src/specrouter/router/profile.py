@@ -187,7 +187,11 @@ class _ModelTable:
         self.grids = tuple(a.tolist() for a in (self.batch_sizes, self.new_tokens, self.context_lengths))
 
     def shape_at(self, b: float, t: float, L: float) -> float:
-        return max(sum(w * self.seconds[c] for c, w in _corners(self, b, t, L)), 0.0)
+        return self.at_corners(_corners(self, b, t, L))
+
+    def at_corners(self, corners) -> float:
+        """The shape at the point whose grid cells and weights are `corners` (`_corners`)."""
+        return max(sum(w * self.seconds[c] for c, w in corners), 0.0)
 
     def shape_row(self, b: float, L: float, t_max: int) -> np.ndarray:
         """(t_max + 1,) shape at t = 0..t_max for fixed (b, L); entry 0 is 0."""
@@ -311,7 +315,7 @@ class CostProfile:
         # each distinct shape interpolated once, for the base and the residual's cells (they read
         # the same corners; the router observes every forward of every step)
         corners = {s: list(_corners(m, *s)) for s in dict.fromkeys(shapes)}
-        base = sum(max(sum(w * m.seconds[c] for c, w in corners[s]), 0.0) for s in shapes)
+        base = sum(m.at_corners(corners[s]) for s in shapes)
         if base <= 0:
             return
         cfg = self.config
