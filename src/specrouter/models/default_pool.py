@@ -28,7 +28,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-from specrouter.models.gguf_convert import default_target_dir, gguf_cache_dir
+from specrouter.models.gguf_convert import default_target_dir, gguf_cache_dir, hash_file
 
 DEFAULT_POOL_ENV = "SPECROUTER_DEFAULT_POOL"
 ASSETS = Path(__file__).parent / "assets" / "drafts"
@@ -61,9 +61,8 @@ def assemble_draft(asset: Path, target_dir: Path) -> Path:
     files = sorted(f for f in asset.iterdir() if f.is_file())
     h = hashlib.sha256(target_dir.name.encode())
     for f in files:  # ~0.05 s for the 22 MB draft; any file changed, added or removed: a new key
-        h.update(f"\0{f.name}\0".encode())
-        with open(f, "rb") as fh:
-            h.update(hashlib.file_digest(fh, "sha256").digest())
+        h.update(f"\0{f.name}\0{f.stat().st_size}\0".encode())
+        hash_file(h, f)
     key = h.hexdigest()[:16]
     out = gguf_cache_dir().parent / "drafts" / key / asset.name  # the folder name is the pool name
     stamp = out / ".complete"  # written last: its presence means the entry is complete

@@ -46,6 +46,7 @@ __all__ = [
     "default_target_dir",
     "default_target_gguf",
     "gguf_cache_dir",
+    "hash_file",
     "read_gguf_metadata",
 ]
 
@@ -149,13 +150,19 @@ def gguf_cache_dir() -> Path:
     return base / "models"
 
 
+def hash_file(h, path: Path) -> None:
+    """Feed the bytes of the file at `path` to the hash `h`, in chunks (Python 3.10, which the
+    package supports, has no `hashlib.file_digest`)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+
+
 def _source_key(path: Path, dtype: torch.dtype) -> dict[str, object]:
     """What identifies a conversion: file name, size, the hash of all its bytes, dtype, format."""
     size = path.stat().st_size
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
+    hash_file(h, path)
     return {
         "gguf_name": path.name,
         "gguf_size": size,
