@@ -857,7 +857,7 @@ def plot(result: dict, path: Path) -> Path:
 
 
 def write_json_and_markdown(result: dict, out_dir: str | Path, stem: str, text: str) -> list[Path]:
-    """`result` as out_dir/stem.json and `text` as out_dir/stem.md (the folder made if missing)."""
+    """`result` as `{stem}.json` and `text` as `{stem}.md` in `out_dir` (made if missing)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.json", out / f"{stem}.md"]
