@@ -73,6 +73,8 @@ def test_fresh_rounds_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
             # the server's steps over each unit, from its /metrics; streamed sides' chunks
             assert all(x["steps"] > 0 for x in sides.values()), (name, sides)
             assert sides["raw"]["chunks"] > 0 and sides["whole"]["chunks"] == 0
+            # the server's event loop CPU (its main thread, /proc) beside each server side
+            assert sides["library"]["loop_cpu_ms"] is None and sides["raw"]["loop_cpu_ms"] is not None
     plain = result["lines"]["c=1 plain"]["rounds"][0]
     assert {x["steps"] for x in plain.values()} == {cfg.max_new_tokens}  # a step a token, every side
     # every round on its own processes: each round's server and library logs, the flag passed on

@@ -51,17 +51,20 @@ class Unit:
     steps: Steps = field(default_factory=Steps)
     units: int = 0
     client_cpu: float = 0.0
+    loop_cpu: float | None = None  # CPU seconds of the server's event loop thread (None: not read)
     delivery: Steps = field(default_factory=Steps)  # chunks and their summed commit-to-socket seconds
     texts: list[str] = field(default_factory=list)
 
     def add(self, tokens: int, wall: float, steps: Steps, texts: list[str], client_cpu: float = 0.0,
-            delivery: Steps | None = None) -> None:
+            delivery: Steps | None = None, loop_cpu: float | None = None) -> None:
         self.tokens += tokens
         self.wall += wall
         self.steps += steps
         self.units += 1
         self.client_cpu += client_cpu
         self.delivery += delivery or Steps()
+        if loop_cpu is not None:
+            self.loop_cpu = (self.loop_cpu or 0.0) + loop_cpu
         self.texts += texts
 
     @property
@@ -72,6 +75,7 @@ class Unit:
         return {"tokens": self.tokens, "wall": self.wall, "tokens_per_s": self.tps, "units": self.units,
                 **split(self.wall, self.steps, self.units),
                 "client_cpu_ms": self.client_cpu / self.units * 1e3 if self.units else None,
+                "loop_cpu_ms": self.loop_cpu / self.units * 1e3 if self.units and self.loop_cpu is not None else None,
                 "chunks": self.delivery.count,
                 "delivery_ms": self.delivery.seconds / self.delivery.count * 1e3 if self.delivery.count else None}
 
@@ -160,15 +164,31 @@ async def served(side: str, base: str, model: str, cfg: ServeBenchConfig, reqs: 
     return sum(x[0] for x in out), wall, [x[1] for x in out]
 
 
-def measure(into: Unit, side: str, base: str, model: str, cfg: ServeBenchConfig, reqs, c: int, key: str) -> None:
+def loop_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds so far of process `pid`'s main thread (a `specrouter serve`'s event loop: the
+    engine runs on its own thread), from /proc; None where there is none (not Linux)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def measure(into: Unit, side: str, base: str, pid: int, model: str, cfg: ServeBenchConfig, reqs, c: int,
+            key: str) -> None:
     """One unit of a server side into `into`, with the server's steps and chunk deliveries over it
-    (its /metrics, read outside the timed region) and the client's CPU."""
+    (its /metrics, read outside the timed region), its event loop's CPU (server process `pid`)
+    and the client's."""
     steps0, chunks0 = server_steps(base), server_histogram(base, "stream_delivery_seconds")
+    loop0 = loop_cpu_seconds(pid)
     cpu = time.thread_time()
     tokens, wall, texts = asyncio.run(served(side, base, model, cfg, reqs, c, key))
     cpu = time.thread_time() - cpu
+    loop = loop_cpu_seconds(pid)
     into.add(tokens, wall, server_steps(base) - steps0, texts, cpu,
-             server_histogram(base, "stream_delivery_seconds") - chunks0 if side in STREAMED else None)
+             server_histogram(base, "stream_delivery_seconds") - chunks0 if side in STREAMED else None,
+             loop - loop0 if loop is not None and loop0 is not None else None)
 
 
 def warm(base: str, model: str, cfg: ServeBenchConfig, c: int, round_: int) -> None:
@@ -195,12 +215,12 @@ def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
     """Round r on fresh processes: line name -> side -> Unit."""
     out_dir = Path(cfg.out_dir)
     worker = Worker(cfg, models, out_dir / f"fresh-r{r}-library.log")  # loads while the servers start
-    procs, bases = [], {}
+    procs, bases, pids = [], {}, {}
 
     def serve(system: str) -> None:
         port = free_port()
         procs.append(start_server(cfg, models, port, log, plain=system == "plain", name=f"fresh-r{r}-{system}"))
-        bases[system] = f"http://127.0.0.1:{port}/v1"
+        bases[system], pids[system] = f"http://127.0.0.1:{port}/v1", procs[-1].pid
 
     try:
         serve("plain")
@@ -223,7 +243,8 @@ def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
                             x = worker.ask(op="one", system=system, prompt=p, chat=chat)
                             units[side].add(x["tokens"], x["wall"], Steps(*x["steps"]), x["texts"])
                         else:
-                            measure(units[side], side, base, model, cfg, [(i, p, chat)], 1, f"{key}|{side}")
+                            measure(units[side], side, base, pids[system], model, cfg, [(i, p, chat)], 1,
+                                    f"{key}|{side}")
             else:  # a level on each side, in rotating order
                 n = max(cfg.requests, c)
                 reqs = [(i, p, chat) for i, (p, chat) in enumerate(prompts(n))]
@@ -232,9 +253,10 @@ def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
                         x = worker.ask(op="batch", concurrency=c, requests=n)
                         units[side].add(x["tokens"], x["wall"], Steps(*x["steps"]), x["texts"])
                     else:
-                        measure(units[side], side, base, model, cfg, reqs, c, f"{key}|{side}")
+                        measure(units[side], side, base, pids[system], model, cfg, reqs, c, f"{key}|{side}")
             lib = units["library"]
-            log(f"round {r + 1} {name}: library {lib.tps:.1f} tok/s (step {split(lib.wall, lib.steps, 1)['step_ms']:.2f} ms); "
+            step = split(lib.wall, lib.steps, 1)["step_ms"]
+            log(f"round {r + 1} {name}: library {lib.tps:.1f} tok/s (step {step:.2f} ms); "
                 + ", ".join(f"{side} {u.tps / lib.tps:.3f}x (step {split(u.wall, u.steps, 1)['step_ms']:.2f} ms)"
                             for side, u in units.items() if side != "library"))
         return got
@@ -327,7 +349,8 @@ def markdown_fresh(result: dict) -> str:
     flags = "default flags" if interval is None else f"--stream-interval {interval}"
     lines = ["# specrouter bench --serve --fresh-rounds", "",
              f"Provenance: {describe_provenance(prov)}." if prov else "Provenance: not recorded.", "",
-             f"load average {result['load_average']:.2f} on {result['cores']} cores; {result['rounds']} rounds, each on "
+             f"load average {result['load_average']:.2f} on {result['cores']} cores; {result['rounds']} rounds, "
+             "each on "
              f"fresh processes (a server, {flags}, and a library worker); greedy", "",
              "Median of the per-round ratios (lowest-highest, rounds); [at the library's step speed]:", "",
              "| line | server (openai) / library | raw / library | whole / library | streamed (raw) / whole |",
@@ -337,16 +360,20 @@ def markdown_fresh(result: dict) -> str:
         cells = [describe(m[k]).replace("pairs", "rounds") +
                  (f" [{f(m[k + '_at_library_step']['median'], 3)}]" if m.get(k + "_at_library_step") else "")
                  for k in ("server", "raw", "whole")]
-        lines.append(f"| {name} | {' | '.join(cells)} | {describe(m['streamed_vs_whole']).replace('pairs', 'rounds')} |")
+        sw = describe(m["streamed_vs_whole"]).replace("pairs", "rounds")
+        lines.append(f"| {name} | {' | '.join(cells)} | {sw} |")
     lines += ["", "Each round's sides: tok/s, mean engine step (ms), steps and ms outside them per unit (a request "
-                  "at c=1, a level at c >= 4), client CPU ms per unit, SSE chunks and their mean commit-to-socket ms:", "",
-              "| line | round | side | tok/s | step ms | steps | outside ms | client CPU ms | chunks | commit to socket ms |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "at c=1, a level at c >= 4), the server's event loop CPU ms and the client's CPU ms per unit, SSE "
+                  "chunks and their mean commit-to-socket ms:", "",
+              "| line | round | side | tok/s | step ms | steps | outside ms | loop CPU ms | client CPU ms | chunks | "
+              "commit to socket ms |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, line in result["lines"].items():
         for r, sides in enumerate(line["rounds"]):
             for side, x in sides.items():
                 lines.append(f"| {name} | {r + 1} | {side} | {f(x['tokens_per_s'])} | {f(x['step_ms'], 2)} | "
-                             f"{f(x['steps'])} | {f(x['outside_ms'])} | {f(x['client_cpu_ms'])} | "
+                             f"{f(x['steps'])} | {f(x['outside_ms'])} | {f(x.get('loop_cpu_ms'))} | "
+                             f"{f(x['client_cpu_ms'])} | "
                              f"{x['chunks'] or '-'} | {f(x['delivery_ms'], 3)} |")
     lines += goal_lines(result["goals"], digits=3)
     return "\n".join(lines) + "\n"
