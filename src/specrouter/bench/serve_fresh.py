@@ -308,9 +308,11 @@ def summarize_fresh(cfg: ServeBenchConfig, rounds: list[dict]) -> dict:
         if values:
             goals.append({"goal": text, "value": min(values), "met": min(values) >= bar})
 
-    c1 = [n for n in lines if n.startswith("c=1 ")]
+    groups = [([n], f"the Python API at {n}") for n in lines if n.startswith("c=1 ")]
     batched = [n for n in lines if n.endswith(" batched")]
-    for names, what in ((c1, "the Python API at c=1 (plain and router)"), (batched, "the engine's batching at c >= 4")):
+    if batched:
+        groups.append((batched, "the engine's batching at c >= 4"))
+    for names, what in groups:
         goal(f"server >= 0.95x {what}, raw HTTP client (median of per-round ratios, fresh processes)",
              names, "raw", 0.95)
         goal(f"server >= 0.95x {what}, openai client (median of per-round ratios, fresh processes)",
