@@ -134,7 +134,7 @@ def test_which_rows_a_stream_interval_holds():
     assert stream_interval(srv, _prepared(), stream=True) == 4
     assert stream_interval(srv, _prepared(stops=["\n\n"]), stream=True) == 1  # ends when one appears
     assert stream_interval(srv, _prepared(), stream=False) == 1
-    assert stream_interval(SimpleNamespace(config=ServerConfig()), _prepared(), stream=True) == 1  # default
+    assert stream_interval(SimpleNamespace(config=ServerConfig()), _prepared(), stream=True) == 2  # default
     with pytest.raises(ValueError, match="stream_interval"):
         ServerConfig(stream_interval=0)
 
