@@ -95,9 +95,10 @@ class StepCalibration:
     predicted_seconds: float = 0.0
     weight: float = 0.0  # discounted count of steps
     running: bool = False  # the last step observed at this batch size (and mode) was of this kind
-    # tries in a row of this kind (speculation: runs of its steps between plain steps) that ended
-    # with its evidence saying it loses (`BatchPlanner.observe`): each halves its forgetting
-    failed_tries: int = 0
+    # the last try of this kind (speculation: a run of its steps between plain steps) ended with
+    # its evidence saying it loses to plain batching by the plain margin (`BatchPlanner.observe`):
+    # its correction stands, not forgotten, until steps of this kind run again
+    failed: bool = False
 
     def add(self, realised_tokens: float, realised_seconds: float, predicted_tokens: float,
             predicted_seconds: float, discount: float) -> None:
@@ -109,9 +110,15 @@ class StepCalibration:
 
     def forget(self, factor: float) -> None:
         """Age the evidence (steps of this kind are not running): the factor drifts back to 1,
-        `factor` per step, slower after failed tries (`factor ** (1 / 2 ** failed_tries)`: the
-        wait before the next try doubles with each one that confirmed the loss)."""
-        factor **= 0.5 ** self.failed_tries
+        `factor` per step; a failed try's evidence does not age. Its correction is the error
+        the planner's prediction of such steps showed, so speculation at this batch size runs
+        again where a plan's predicted gain clears it (a request that accepts more, a profile
+        that makes speculation cheaper), not because plain steps ran: forgotten, a 2-row greedy
+        batch on a Zen 1 (avx2 kernels) whose speculation realised ~0.85x plain batching's rate
+        was tried again every 30-600 steps (7% of its steps speculative, and each try desyncs
+        the pair: one request finishes first and the other runs alone)."""
+        if self.failed:
+            return
         self.realised_tokens *= factor
         self.realised_seconds *= factor
         self.predicted_tokens *= factor
@@ -524,9 +531,6 @@ class BatchPlanner:
         return max(total, 1e-9)
 
     PLAIN_PREDICTION_STEPS = 16  # a plain step's predicted seconds are reused this many steps
-    # failed tries of speculation (StepCalibration.failed_tries) that slow its forgetting: at most
-    # 2**4 = 16x slower (0.98 -> 0.9987 a step: a retry after ~600 plain steps instead of ~40)
-    MAX_FAILED_TRIES = 4
 
     def plain_step_seconds(self, n: int, context_len: int) -> float:
         """`step_seconds` of n plain rows at a context of `context_len`, computed at most once
@@ -611,10 +615,7 @@ class BatchPlanner:
             if other.running and not spec:
                 # a try of speculation at this batch size just ended: it failed when what its
                 # steps realised (with what was left of the older evidence) still loses to plain
-                # batching by the margin; each failure in a row doubles the wait before the next
-                # (on a 2-core Zen 1, avx2 kernels, 2-row speculation realised ~0.6x plain's
-                # rate and was retried every ~30 steps: 7% of the steps, 3-4% of the throughput)
-                failed = other.factor(cfg.batch_calibration_prior) * (1.0 + cfg.batch_plain_margin) < 1.0
-                other.failed_tries = min(other.failed_tries + 1, self.MAX_FAILED_TRIES) if failed else 0
+                # batching by the margin; a failed try's correction stands (`forget`)
+                other.failed = other.factor(cfg.batch_calibration_prior) * (1.0 + cfg.batch_plain_margin) < 1.0
             other.running = False
             other.forget(cfg.batch_calibration_forget)
