@@ -190,7 +190,7 @@ class BatchPlanner:
         below `hold_floor` (fewer rows make speculation cheaper) or, below JOINS_KEEP_HOLD
         rows, when a row joins that would speculate on its own (`_joiners`: a joining row that
         decodes plainly joins the hold), and grows 2, 4, ... up to `RouterConfig.plain_hold_max`
-        steps while the verdict repeats. A single stream is held too once its row's plain plan
+        steps while the verdict repeats (`hold_limit`: longer while speculation's error stands). A single stream is held too once its row's plain plan
         is settled (decided "same"), while it runs alone (a request replacing it is planned at
         once). A multi-row batch's speculative plans are kept for the same rows
         `RouterConfig.spec_hold_steps` steps (`SpecHold`). Shadow proposals (free evidence for
@@ -230,7 +230,7 @@ class BatchPlanner:
                                           now + spec_span)
                 self.hold = None
                 return BatchPlan(decisions, False, 0)  # shadows on the hold's last step
-            limit = router.config.plain_hold_max
+            limit = self.hold_limit(n, sampled(rows))
             # a single stream is held once its plain plan is settled (kept as the best: "same"):
             # deciding it again every step, its shadow proposals and confident-draft checks cost
             # ~0.8 ms of a ~9 ms plain step (chat at t=0.7), which target-only does not pay
@@ -245,6 +245,21 @@ class BatchPlanner:
         # a held batch's plans stand until the step before its hold ends (that one shadows)
         steps = self._lease(now, self.hold.until - 1 - now) if held and n > 1 else 1
         return BatchPlan(decisions, held, shadow, steps)
+
+    STANDING_HOLD = 4  # a plain hold's longest span is this many times plain_hold_max while speculation's error stands
+
+    def hold_limit(self, n: int, sampled: bool) -> int:
+        """The longest plain hold of a batch of n rows: `RouterConfig.plain_hold_max` steps, or
+        STANDING_HOLD times that while the last try of speculation at this batch size failed
+        (`StepCalibration.failed`: its correction stands). Re-planning at a hold's end decides
+        every row, to find the same verdict while the error stands unless a plan's predicted
+        gain grew past it: a 2-row greedy batch on a Zen 1 (avx2 kernels) was re-planned every
+        16 steps, 32 times in 512 steps, each 6-10 ms of decide() for plain every time
+        (in-process, /tmp/l12 diag), ~1.3% of its time. A row joining the hold is still
+        weighed at once (`_joiners`), and a row leaving still ends it (`hold_floor`)."""
+        limit = self.router.config.plain_hold_max
+        spec = self.calibrations.get((n, True, sampled))
+        return limit * self.STANDING_HOLD if spec is not None and spec.failed else limit
 
     def _lease(self, now: int, steps: int) -> int:
         """`BatchPlan.steps` of a held multi-row batch planned at observed step `now`: its plain
