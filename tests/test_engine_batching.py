@@ -446,9 +446,10 @@ def test_no_speculation_planned_beyond_the_swept_batch_sizes():
     assert all(d.chain == ("target",) and d.k == 0 for d in nine)
 
 
-def run_calibrated(router, slow, steps, n=2, greedy=True, first=0):
+def run_calibrated(router, slow, steps, n=2, greedy=True, first=0, plain_slow=1.0):
     """`steps` planned steps of n rows (seq_ids from `first`) whose speculative steps take `slow`
-    times their predicted seconds and commit their predicted tokens; whether each speculated."""
+    times their predicted seconds and commit their predicted tokens (plain steps `plain_slow`
+    times theirs); whether each speculated."""
     chosen = []
     for _ in range(steps):
         rows = [dataclasses.replace(r, seq_id=first + r.seq_id, greedy=greedy) for r in rows_of(n)]
@@ -459,7 +460,7 @@ def run_calibrated(router, slow, steps, n=2, greedy=True, first=0):
             outcomes.append(RowOutcome(r.seq_id, c, k, [k] * len(c), [0] + [accepted] * (len(c) - 1),
                                        greedy, r.context_len))
         spec = any(k > 0 for _, k in plans)
-        router.planner.observe(outcomes, [], router.planner.step_seconds(plans, 200) * (slow if spec else 1.0))
+        router.planner.observe(outcomes, [], router.planner.step_seconds(plans, 200) * (slow if spec else plain_slow))
         router.observed_steps += 1  # the engine's step clock (observe_step's tick)
         chosen.append(spec)
     return chosen
@@ -508,6 +509,32 @@ def test_a_failed_try_of_speculation_is_not_retried_while_its_error_stands(monke
     assert all(run_calibrated(scripted_router(calibration_target), 1.0, 700))
     monkeypatch.setattr(batch_module.StepCalibration, "failed", property(lambda self: False, lambda self, v: None))
     assert len(tries(run_calibrated(scripted_router(calibration_target), 2.0, 700))) >= 8
+
+
+def test_a_failed_trys_error_is_read_against_plain_steps_of_the_same_minutes(monkeypatch):
+    """After a failed try (2-row speculation at half its predicted rate, plain steps as
+    predicted), the machine slows: plain steps take 1.4x their predicted seconds, and the plain
+    factor falls to ~0.7. The failed try's error stands relative to plain batching
+    (`StepCalibration.relative`), so the batch stays plain for 600 steps. Negative control: the
+    standing absolute factor (~0.5) read against the slower plain factor, which makes
+    speculation look ~1.4x better than it did, tries again."""
+    def run(relative: bool):
+        router = scripted_router(calibration_target)
+        first = run_calibrated(router, 2.0, 60)
+        assert any(first[:6]) and not any(first[10:])
+        if not relative:
+            real = batch_module.BatchPlanner.calibration
+
+            def absolute(self, n, sampled=False):
+                spec = self.calibrations.get((n, True, sampled))
+                if spec is not None:
+                    spec.relative = None
+                return real(self, n, sampled)
+            monkeypatch.setattr(batch_module.BatchPlanner, "calibration", absolute)
+        return run_calibrated(router, 2.0, 600, plain_slow=1.4)
+
+    assert not any(run(relative=True))
+    assert any(run(relative=False))
 
 
 def test_a_hold_lasts_longer_while_speculations_error_stands(monkeypatch):

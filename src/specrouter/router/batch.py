@@ -99,6 +99,10 @@ class StepCalibration:
     # its evidence saying it loses to plain batching by the plain margin (`BatchPlanner.observe`):
     # its correction stands, not forgotten, until steps of this kind run again
     failed: bool = False
+    # a failed try's factor over the other kind's (plain batching's) when it ended: the error
+    # relative to plain steps of the same minutes, which `BatchPlanner.calibration` applies to
+    # the plain factor of the moment (None: not failed)
+    relative: float | None = None
 
     def add(self, realised_tokens: float, realised_seconds: float, predicted_tokens: float,
             predicted_seconds: float, discount: float) -> None:
@@ -572,8 +576,14 @@ class BatchPlanner:
             return 1.0, 1.0
         prior = self.router.config.batch_calibration_prior
         spec, plain = self.calibrations.get((n, True, sampled)), self.calibrations.get((n, False, sampled))
-        return (spec.factor(prior) if spec is not None else 1.0,
-                plain.factor(prior) if plain is not None else 1.0)
+        plain_factor = plain.factor(prior) if plain is not None else 1.0
+        if spec is not None and spec.relative is not None:
+            # a failed try's error stands relative to plain batching: the plain factor moves
+            # with the machine's minutes (+-10-20% over its ~10-step window on a Zen 1), and a
+            # standing speculative factor read against a plain factor of slower minutes looked
+            # like a gain (a 2-row greedy batch tried again 38 times in ~1000 steps, in-process)
+            return spec.relative * plain_factor, plain_factor
+        return spec.factor(prior) if spec is not None else 1.0, plain_factor
 
     def rate(self, plans: Sequence[Plan], tokens: float, context_len: int,
              factors: tuple[float, float], processors: Sequence[bool] = (),
@@ -625,12 +635,16 @@ class BatchPlanner:
         cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, predicted_seconds,
                 cfg.batch_calibration_discount)
         cal.running = True
+        if spec:  # a try runs: its verdict is made again when it ends
+            cal.failed, cal.relative = False, None
         other = self.calibrations.get((n, not spec, mode))
         if other is not None:
             if other.running and not spec:
                 # a try of speculation at this batch size just ended: it failed when what its
                 # steps realised (with what was left of the older evidence) still loses to plain
                 # batching by the margin; a failed try's correction stands (`forget`)
-                other.failed = other.factor(cfg.batch_calibration_prior) * (1.0 + cfg.batch_plain_margin) < 1.0
+                prior = cfg.batch_calibration_prior
+                other.failed = other.factor(prior) * (1.0 + cfg.batch_plain_margin) < 1.0
+                other.relative = other.factor(prior) / cal.factor(prior) if other.failed else None
             other.running = False
             other.forget(cfg.batch_calibration_forget)
