@@ -259,7 +259,7 @@ class BatchPlanner:
         every row, to find the same verdict while the error stands unless a plan's predicted
         gain grew past it: a 2-row greedy batch on a Zen 1 (avx2 kernels) was re-planned every
         16 steps, 32 times in 512 steps, each 6-10 ms of decide() for plain every time
-        (in-process, /tmp/l12 diag), ~1.3% of its time. A row joining the hold is still
+        (in-process, the serving bench's stream), ~1.3% of its time. A row joining the hold is still
         weighed at once (`_joiners`), and a row leaving still ends it (`hold_floor`)."""
         limit = self.router.config.plain_hold_max
         spec = self.calibrations.get((n, True, sampled))
