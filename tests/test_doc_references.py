@@ -6,10 +6,11 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# a repository path to a document: words, slashes and dots ending in .md (bench.md, serve.md
-# and serve-shared.md are files the benchmark writes into its output folder, not documents of the repository)
+# a repository path to a document: words, slashes and dots ending in .md (bench.md, serve.md,
+# serve-shared.md and serve-fresh.md are files the benchmark writes into its output folder, not
+# documents of the repository)
 CITED = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.md)\b")
-WRITTEN_BY_THE_BENCH = {"bench.md", "serve.md", "serve-shared.md"}
+WRITTEN_BY_THE_BENCH = {"bench.md", "serve.md", "serve-shared.md", "serve-fresh.md"}
 
 
 def cited_documents(text: str) -> set[str]:

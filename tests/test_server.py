@@ -258,6 +258,43 @@ def test_queue_full_gives_429(tiny_pool_dirs):
     assert not srv.loop_engine.alive  # the engine thread stopped with the app
 
 
+def _texts_streamed_together(live, prompts: list[str], max_tokens: int) -> list[list[str]]:
+    """Streamed greedy completions of `prompts`, all sent before any is read: each one's text
+    pieces, one per SSE chunk that carried text."""
+    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    conns = []
+    for p in prompts:
+        conn = http.client.HTTPConnection(live.host, live.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps({**body, "prompt": p}).encode(),
+                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        conns.append(conn)
+    out = []
+    for conn in conns:
+        events = conn.getresponse().read().decode().split("\n\n")
+        conn.close()
+        out.append([c["text"] for e in events if e.startswith("data: {")
+                    for c in json.loads(e[6:])["choices"] if c["text"]])
+    return out
+
+
+def test_a_stream_interval_sends_fewer_chunks_of_the_same_text(tiny_pool_dirs):
+    """stream_interval 4 with two rows streaming at once: the same text as whole responses in
+    far fewer chunks than with 1 (the control: a chunk a step)."""
+    pieces = {}
+    for interval in (1, 4):
+        app = create_app(load_pool(tiny_pool_dirs, names=("target",)),
+                         ServerConfig(api_key=KEY, chain=("target",), adaptive=False, max_num_seqs=4,
+                                      max_model_len=256, stream_interval=interval))
+        with LiveServer(app) as live:
+            pieces[interval] = _texts_streamed_together(live, PROMPTS[:2], 48)
+            whole = [raw(live, "POST", "/v1/completions", {"prompt": p, "max_tokens": 48, "temperature": 0,
+                                                           "ignore_eos": True})[2]["choices"][0]["text"]
+                     for p in PROMPTS[:2]]
+        assert ["".join(x) for x in pieces[interval]] == whole
+    one, four = (sum(len(x) for x in pieces[i]) for i in (1, 4))
+    assert four <= one / 2, (one, four)
+
+
 def test_sampling_defaults_unseeded(client):
     """temperature defaults to 1.0 as OpenAI's: a seeded request without it is the request at
     temperature 1.0 (and neither greedy nor another temperature); unseeded requests draw from

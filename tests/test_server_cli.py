@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 from specrouter.cli import serve as cli_serve  # noqa: E402
+from specrouter.config import ServerConfig  # noqa: E402
 
 LAUNCH = "import sys\nfrom specrouter.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
 
@@ -38,6 +39,9 @@ def test_serve_flags_and_defaults():
     assert a.chain == ["ngram", "d", "t"] and a.api_key == "s" and a.max_queue == 3
     cfg = cli_serve.config_from_args(a)
     assert (cfg.server.chain, cfg.server.k, cfg.server.max_queue) == (("ngram", "d", "t"), 2, 3)
+    assert cfg.server.stream_interval == ServerConfig().stream_interval
+    a = _parser().parse_args(["serve", "--models", "x", "--stream-interval", "4"])
+    assert cli_serve.config_from_args(a).server.stream_interval == 4
     # no --models: the embedded default pool; --k alone is the draft length of pinned requests
     cfg = cli_serve.config_from_args(_parser().parse_args(["serve", "--k", "3"]))
     assert cfg.pool.models == ("default",) and cfg.server.k == 3 and cfg.server.chain is None

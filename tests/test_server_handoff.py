@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from specrouter.config import SamplingParams
+from specrouter.config import SamplingParams, ServerConfig
 from specrouter.engine.engine import Engine
 from specrouter.models.pool import Pool
 from specrouter.server.async_engine import AsyncEngine
-from specrouter.server.generation import reads_each_step, sse, sse_text_template
+from specrouter.server.generation import reads_each_step, sse, sse_text_template, stream_interval
 from specrouter.server.protocol import (
     ChatCompletionChunk,
     ChatStreamChoice,
@@ -37,8 +38,9 @@ def engine(tiny_pool_dirs):
     return Engine(pool, max_num_seqs=4, max_model_len=64)
 
 
-def _serve(engine, per_step: list[bool]):
-    """Submit one row per flag; every event each got, and the number of hand-offs made."""
+def _serve(engine, per_step: list[bool], interval: int = 1, params: SamplingParams = PARAMS):
+    """Submit one row per flag (each with the stream `interval`); every event each got, and the
+    number of hand-offs made."""
     handoffs = []
 
     async def main():
@@ -57,8 +59,8 @@ def _serve(engine, per_step: list[bool]):
         ae.start()
         try:
             with ae.arriving():
-                handles = [ae.submit([5, 6, 7], PARAMS, chain=("target",), k=1, per_step=p)
-                           for p in per_step]
+                handles = [ae.submit([5, 6, 7], params, chain=("target",), k=1, per_step=p,
+                                     interval=interval) for p in per_step]
             events = []
             for h in handles:
                 got = [await h.events.get()]
@@ -86,6 +88,33 @@ def test_a_streamed_row_gets_an_event_per_step_with_the_same_tokens(engine):
     assert len(handoffs) == PARAMS.max_new_tokens
 
 
+def test_a_stream_interval_coalesces_steps_while_other_rows_run(engine):
+    """interval 3, two streamed rows of 7 tokens (one a step): the first token at once, then one
+    event per 3 steps, the last at the end: 3 events a row, 3 hand-offs, the same tokens."""
+    (a, b, whole), handoffs = _serve(engine, [True, True, False], interval=3)
+    for streamed in (a, b):
+        assert [len(ev.token_ids) for ev in streamed] == [1, 3, 3], streamed
+        assert [t for ev in streamed for t in ev.token_ids] == whole[0].token_ids
+    assert len(handoffs) == 3
+    # the control: interval 1 hands every step's token over (7 events a row)
+    (a, _), _ = _serve(engine, [True, True], interval=1)
+    assert [len(ev.token_ids) for ev in a] == [1] * 7
+
+
+def test_a_lone_streamed_row_is_never_held(engine):
+    (alone,), handoffs = _serve(engine, [True], interval=3)
+    assert [len(ev.token_ids) for ev in alone] == [1] * 7 and len(handoffs) == 7
+
+
+def test_held_steps_carry_their_logprobs(engine):
+    params = SamplingParams(max_new_tokens=7, ignore_eos=True, logprobs=1)
+    (a, b), _ = _serve(engine, [True, True], interval=3, params=params)
+    (one, _), _ = _serve(engine, [True, True], interval=1, params=params)
+    assert [len(ev.logprobs) for ev in a] == [len(ev.token_ids) for ev in a] == [1, 3, 3]
+    assert [x.token for ev in a for x in ev.logprobs] == [t for ev in a for t in ev.token_ids]
+    assert [x.logprob for ev in a for x in ev.logprobs] == pytest.approx([x.logprob for ev in one for x in ev.logprobs])
+
+
 def _prepared(**over) -> Prepared:
     params = SamplingParams(**{"max_new_tokens": 4, **over.pop("params", {})})
     return Prepared(**{"prompt": [1, 2], "params": params, "chain": None, "k": 1, "stops": [],
@@ -98,6 +127,16 @@ def test_which_rows_read_each_step():
     assert reads_each_step(_prepared(stops=["\n\n"]), stream=False)  # searched in the text
     assert reads_each_step(_prepared(params={"logprobs": 0}), stream=False)
     assert reads_each_step(_prepared(params={"prompt_logprobs": 1}), stream=False)
+
+
+def test_which_rows_a_stream_interval_holds():
+    srv = SimpleNamespace(config=ServerConfig(stream_interval=4))
+    assert stream_interval(srv, _prepared(), stream=True) == 4
+    assert stream_interval(srv, _prepared(stops=["\n\n"]), stream=True) == 1  # ends when one appears
+    assert stream_interval(srv, _prepared(), stream=False) == 1
+    assert stream_interval(SimpleNamespace(config=ServerConfig()), _prepared(), stream=True) == 1  # default
+    with pytest.raises(ValueError, match="stream_interval"):
+        ServerConfig(stream_interval=0)
 
 
 def _texts():

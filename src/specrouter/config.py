@@ -433,6 +433,11 @@ class ServerConfig:
     k: int = 4  # default draft length
     model_timeout: float | None = 30.0  # seconds a model forward may take before it is taken out
     max_queue: int = 64  # requests waiting for a row; beyond: 429
+    # steps whose tokens one SSE chunk of a streamed row may carry while other rows run in the
+    # batch (vLLM's --stream-interval): fewer chunks for the event loop to write and the client
+    # to parse under load; a lone row, a row's first tokens and its last are never held (1: a
+    # chunk every step). Rows with stop strings read every step (they end as soon as one appears)
+    stream_interval: int = 1
     max_body_bytes: int = 1 << 20  # request body limit (413 beyond)
     retry_after_s: int = 1  # Retry-After of a 429
     seed: int | None = None  # seed of the engine's random stream (unseeded sampling requests)
@@ -447,7 +452,7 @@ class ServerConfig:
     router: RouterConfig = field(default_factory=RouterConfig)  # settings of the served router
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_model_len", "k", "max_queue", "max_body_bytes"):
+        for name in ("max_num_seqs", "max_model_len", "k", "max_queue", "max_body_bytes", "stream_interval"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

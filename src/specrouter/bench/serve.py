@@ -73,6 +73,8 @@ class ServeBenchConfig:
     seed: int = 0  # request i of a level samples with seed + i
     rounds: int = 2  # router and plain per level, alternating which goes first (statics once)
     startup_timeout: float = 600.0  # seconds for the server to load the pool (and sweep)
+    stream_interval: int | None = None  # the servers' --stream-interval (None: `specrouter serve`'s default)
+    fresh_rounds: int = 0  # > 0: issue 34's lines on fresh processes every round instead (bench/serve_fresh.py)
 
     @staticmethod
     def quick_preset(**over) -> "ServeBenchConfig":
@@ -172,6 +174,8 @@ def start_server(cfg: ServeBenchConfig, models: list[str], port: int, log, *, pl
         cmd += ["--target", cfg.target]
     if plain:
         cmd += ["--static", "--chain", "target"]
+    if cfg.stream_interval is not None:
+        cmd += ["--stream-interval", str(cfg.stream_interval)]
     cmd += list(extra)
     env = dict(os.environ)
     if cfg.threads:
@@ -811,11 +815,18 @@ def markdown(result: dict) -> str:
                        [[r["library"], side, f(x["step_ms"], 1, 2), f(x["steps"], 1, 1), f(x["outside_ms"], 1, 1),
                          f(x["client_cpu_ms"], 1, 1), f((r.get("at_library_step") or {}).get(side), 1, 3)]
                         for r in result["library"] for side, x in (r.get("split") or {}).items()])
-    lines += ["", "| goal | value | met |", "| --- | --- | --- |"]
-    for g in result["goals"]:
-        v = "-" if g["value"] is None else (f"{g['value']:.2f}" if isinstance(g["value"], float) else str(g["value"]))
-        lines.append(f"| {g['goal']} | {v} | {'yes' if g['met'] else 'no'} |")
+    lines += goal_lines(result["goals"])
     return "\n".join(lines) + "\n"
+
+
+def goal_lines(goals: list[dict], digits: int = 2) -> list[str]:
+    """A result's goals as a markdown table (after a blank line): goal, value, met."""
+    out = ["", "| goal | value | met |", "| --- | --- | --- |"]
+    for g in goals:
+        v = "-" if g["value"] is None else (f"{g['value']:.{digits}f}" if isinstance(g["value"], float)
+                                            else str(g["value"]))
+        out.append(f"| {g['goal']} | {v} | {'yes' if g['met'] else 'no'} |")
+    return out
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -845,12 +856,19 @@ def plot(result: dict, path: Path) -> Path:
     return path
 
 
-def write(result: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
+def write_json_and_markdown(result: dict, out_dir: str | Path, stem: str, text: str) -> list[Path]:
+    """`result` as `{stem}.json` and `text` as `{stem}.md` in `out_dir` (made if missing)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "serve.json", out / "serve.md"]
+    paths = [out / f"{stem}.json", out / f"{stem}.md"]
     paths[0].write_text(json.dumps(result, indent=1))
-    paths[1].write_text(markdown(result))
+    paths[1].write_text(text)
+    return paths
+
+
+def write(result: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
+    out = Path(out_dir)
+    paths = write_json_and_markdown(result, out, "serve", markdown(result))
     if plots:
         paths.append(plot(result, out / "serve.png"))
     return paths

@@ -16,14 +16,14 @@ servers are compared (they must be identical). Output: serve-shared.json, serve-
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specrouter.bench.serve import (LevelResult, RequestResult, ServeBenchConfig, free_port, level_result,
-                                    pooled, quantile, server_info, start_server, stop_servers)
+from specrouter.bench.serve import (LevelResult, RequestResult, ServeBenchConfig, free_port, goal_lines, level_result,
+                                    pooled, quantile, server_info, start_server, stop_servers,
+                                    write_json_and_markdown)
 
 SYSTEM = (
     "You are the support assistant of Nordlicht Outdoor, an online shop for hiking, camping and "
@@ -196,17 +196,9 @@ def markdown_shared(result: dict) -> str:
                      f"{s['tokens_per_s']:.1f} | {s['requests']} | {s['cached_tokens_mean']:.0f} of "
                      f"{s['prompt_tokens_mean']:.0f} |")
     lines += ["", f"TTFT p50 {result['ttft_p50_ratio']:.2f}x lower with the cache; throughput "
-              f"{result['throughput_ratio']:.2f}x.", "", "| goal | value | met |", "| --- | --- | --- |"]
-    for g in result["goals"]:
-        v = f"{g['value']:.2f}" if isinstance(g["value"], float) else str(g["value"])
-        lines.append(f"| {g['goal']} | {v} | {'yes' if g['met'] else 'no'} |")
+              f"{result['throughput_ratio']:.2f}x.", *goal_lines(result["goals"])]
     return "\n".join(lines) + "\n"
 
 
 def write_shared(result: dict, out_dir: str | Path) -> list[Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "serve-shared.json", out / "serve-shared.md"]
-    paths[0].write_text(json.dumps(result, indent=1))
-    paths[1].write_text(markdown_shared(result))
-    return paths
+    return write_json_and_markdown(result, out_dir, "serve-shared", markdown_shared(result))

@@ -24,8 +24,6 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-_STEP_SUM = re.compile(r"^specrouter_step_seconds_sum(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
-_STEP_COUNT = re.compile(r"^specrouter_step_seconds_count(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 
 
 @dataclass
@@ -72,15 +70,21 @@ def metrics_text(base_url: str, api_key: str | None = None) -> str:
         return r.read().decode()
 
 
-def server_steps(base_url: str, api_key: str | None = None) -> Steps:
-    """The server's engine steps so far (its `specrouter_step_seconds` histogram on /metrics);
-    `base_url` is the server's ".../v1" URL."""
+def server_histogram(base_url: str, name: str, api_key: str | None = None) -> Steps:
+    """A seconds histogram of the server's /metrics so far (`specrouter_<name>`): its count and
+    summed seconds; `base_url` is the server's ".../v1" URL."""
     root = base_url.rstrip("/").removesuffix("/v1")
     text = metrics_text(base_url, api_key)
-    total, count = _STEP_SUM.search(text), _STEP_COUNT.search(text)
+    total = re.search(rf"^specrouter_{name}_sum(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M)
+    count = re.search(rf"^specrouter_{name}_count(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M)
     if total is None or count is None:
-        raise ValueError(f"no specrouter_step_seconds histogram on {root}/metrics")
+        raise ValueError(f"no specrouter_{name} histogram on {root}/metrics")
     return Steps(int(float(count.group(1))), float(total.group(1)))
+
+
+def server_steps(base_url: str, api_key: str | None = None) -> Steps:
+    """The server's engine steps so far (its `specrouter_step_seconds` histogram on /metrics)."""
+    return server_histogram(base_url, "step_seconds", api_key)
 
 
 def split(wall: float, steps: Steps, units: int) -> dict:

@@ -28,6 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--serve: concurrent clients per level (default 1 2 4 8 16)")
     p.add_argument("--requests", type=int, default=None,
                    help="--serve: requests per system per level (default 16)")
+    p.add_argument("--fresh-rounds", type=int, default=None, metavar="N",
+                   help="--serve: issue 34's lines instead (the server beside the Python API at c=1 and the "
+                        "engine's batching at each --concurrency >= 4), N rounds each on fresh server and "
+                        "library processes, verdict the median of per-round ratios (serve-fresh.json, "
+                        "serve-fresh.md)")
+    p.add_argument("--stream-interval", type=int, default=None, metavar="STEPS",
+                   help="--serve: the servers' --stream-interval (default: specrouter serve's)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run (meant for < 3 min on 2 quiet cores): mixed stream only, "
                         "1 prompt per type, 32 new tokens, k=4 only, transformers baselines in "
@@ -115,7 +122,8 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     over = {}
     for field, name in (("threads", "threads"), ("dtype", "dtype"), ("target", "target"),
                         ("max_new_tokens", "max_new_tokens"), ("requests", "requests"), ("seed", "seed"),
-                        ("repeat", "rounds")):
+                        ("repeat", "rounds"), ("fresh_rounds", "fresh_rounds"),
+                        ("stream_interval", "stream_interval")):
         if getattr(args, field) is not None:
             over[name] = getattr(args, field)
     for field in ("models", "concurrency", "temperatures"):
@@ -136,6 +144,8 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     if set(workloads) == {"shared-prompt"} and args.concurrency is None:
         over["concurrency"] = (8,)  # issue 29: 8 clients sharing a system prompt (else the highest level)
     cfg = ServeBenchConfig.quick_preset(**over) if args.quick else ServeBenchConfig(**over)
+    if cfg.fresh_rounds > 0:
+        return cmd_fresh_serve_bench(cfg)
     status = 0
     if "shared-prompt" in workloads:
         status = cmd_shared_prompt_bench(cfg)
@@ -144,26 +154,33 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     return status
 
 
+def report(cfg, run, write, markdown) -> int:
+    """`run(cfg, log)` (its progress on stderr), its files written by `write(result, out_dir)`, its
+    `markdown(result)` printed; exit status 2 if greedy outputs differed."""
+    t0 = time.perf_counter()
+    result = run(cfg, log=lambda m: print(m, file=sys.stderr))
+    paths = write(result, cfg.out_dir)
+    print(markdown(result))
+    print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - t0:.0f} s")
+    return 2 if result["mismatches"] else 0
+
+
 def cmd_shared_prompt_bench(cfg) -> int:
     from specrouter.bench.serve_shared import markdown_shared, run_shared_prompt_bench, write_shared
 
-    t0 = time.perf_counter()
-    result = run_shared_prompt_bench(cfg, log=lambda m: print(m, file=sys.stderr))
-    paths = write_shared(result, cfg.out_dir)
-    print(markdown_shared(result))
-    print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - t0:.0f} s")
-    return 2 if result["mismatches"] else 0
+    return report(cfg, run_shared_prompt_bench, write_shared, markdown_shared)
+
+
+def cmd_fresh_serve_bench(cfg) -> int:
+    from specrouter.bench.serve_fresh import markdown_fresh, run_fresh_bench, write_fresh
+
+    return report(cfg, run_fresh_bench, write_fresh, markdown_fresh)
 
 
 def cmd_mixed_serve_bench(cfg) -> int:
     from specrouter.bench.serve import markdown, run_serve_bench, write
 
-    t0 = time.perf_counter()
-    result = run_serve_bench(cfg, log=lambda m: print(m, file=sys.stderr))
-    paths = write(result, cfg.out_dir, cfg.plots)
-    print(markdown(result))
-    print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - t0:.0f} s")
-    return 2 if result["mismatches"] else 0
+    return report(cfg, run_serve_bench, lambda result, out: write(result, out, cfg.plots), markdown)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

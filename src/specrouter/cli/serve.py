@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from specrouter.config import SUFFIX_SCOPES
+from specrouter.config import SUFFIX_SCOPES, ServerConfig
 from specrouter.cli.options import (
     UsageError,
     add_engine_arguments,
@@ -48,6 +48,7 @@ def config_from_args(args: argparse.Namespace):
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
             model_timeout=args.model_timeout if args.model_timeout > 0 else None,
             max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, seed=args.seed,
+            stream_interval=args.stream_interval,
             metrics_auth=args.metrics_auth, suffix_scope=args.suffix_scope,
             allowed_hosts=tuple(args.allowed_hosts) if args.allowed_hosts else None)
     except ValueError as e:
@@ -185,6 +186,10 @@ def register(sub) -> None:
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a row; beyond it: 429 with Retry-After")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (413)")
+    s.add_argument("--stream-interval", type=int, default=ServerConfig.stream_interval, metavar="STEPS",
+                   help="while other rows run, a streamed row's SSE chunk carries the tokens of this many "
+                        "engine steps (a lone row, first and last tokens are never held; rows with stop "
+                        "strings read every step); default %(default)s")
     s.add_argument("--suffix-scope", choices=SUFFIX_SCOPES, default="shared",
                    help="whose earlier requests the suffix drafter drafts from: shared (all), or "
                         "api-key (only requests with the same Authorization header value; "

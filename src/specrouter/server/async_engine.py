@@ -16,7 +16,8 @@ After each step, the new tokens of every row that reads them step by step go to 
 asyncio queues in one `loop.call_soon_threadsafe` call (a row submitted with `per_step=False`, a
 whole response with no stop string and no logprobs, reads nothing before its end: it gets one
 event when it finishes, and a step none of whose rows needs a hand-off makes none, as in-process
-generation), and the engine thread waits (at most `handoff_wait`, 2 ms)
+generation; a stream with `ServerConfig.stream_interval` n > 1 gets one every n steps while other
+rows run, its first and last tokens at once), and the engine thread waits (at most `handoff_wait`, 2 ms)
 until the event loop has taken them and run what they woke (SSE chunks written): the loop's
 per-step work then runs while no forward does, instead of preempting one of the forward's
 OpenMP threads and taking the GIL from the engine thread mid-forward (with the 0.5 ms GIL
@@ -98,6 +99,9 @@ class RequestHandle:
     admitted: float | None = None  # perf_counter time it started running
     tenant: str | None = None  # whose learned drafter statistics it uses (None: shared)
     per_step: bool = True  # an event after every step with new tokens (False: one when done)
+    # per_step rows: steps one event may hold while other rows run (ServerConfig.stream_interval)
+    interval: int = 1
+    held: int = 0  # steps since its last event whose tokens wait for the next (interval > 1)
     first_commit: float | None = None  # perf_counter time of the step that committed its first token
     finished: bool = False  # done event delivered, or aborted
 
@@ -164,12 +168,14 @@ class AsyncEngine:
 
     def submit(self, prompt: list[int], params: SamplingParams, *, chain: tuple[str, ...] | None,
                k: int, generator: torch.Generator | None = None, tenant: str | None = None,
-               per_step: bool = True) -> RequestHandle:
+               per_step: bool = True, interval: int = 1) -> RequestHandle:
         """Queue a request (validated by the caller with `engine.check_request`); `tenant` keeps
         learned drafter statistics apart (ServerConfig.suffix_scope); `per_step=False`: its events
-        are the tokens in one, when it finishes (a caller that reads nothing before the end)."""
+        are the tokens in one, when it finishes (a caller that reads nothing before the end);
+        `interval` > 1: while other rows run, one event per `interval` steps (`_events`)."""
         handle = RequestHandle(prompt=prompt, params=params, chain=chain, k=k, generator=generator,
-                               loop=asyncio.get_running_loop(), tenant=tenant, per_step=per_step)
+                               loop=asyncio.get_running_loop(), tenant=tenant, per_step=per_step,
+                               interval=interval)
         with self._cv:
             if self._stop or not self.alive:
                 raise RuntimeError("the engine is not running")
@@ -333,12 +339,16 @@ class AsyncEngine:
                 self.metrics.observe_step(engine.last_step_kind, rows, wall,
                                           sum(len(o.new_token_ids) for o in outputs))
         with self._cv:
-            out = self._events(outputs, time.perf_counter())
+            out = self._events(outputs, time.perf_counter(), rows)
             self._gauges()
         return out
 
-    def _events(self, outputs: list[StepOutput], now: float) -> list[tuple[RequestHandle, TokenEvent]]:
-        """The event of each output's request (lock held); finished rows leave `_by_seq`."""
+    def _events(self, outputs: list[StepOutput], now: float,
+                rows: int = 1) -> list[tuple[RequestHandle, TokenEvent]]:
+        """The event of each output's request (lock held); finished rows leave `_by_seq`. A
+        per_step row with `interval` > 1 in a step of `rows` > 1 rows gets its tokens every
+        `interval` steps (a stream interval: fewer chunks to write and parse while the batch
+        shares the cores); its first tokens, its last and a lone row's are never held."""
         out = []
         for o in outputs:
             h = self._by_seq.get(o.seq.seq_id)
@@ -351,8 +361,15 @@ class AsyncEngine:
                     self.metrics.generated_tokens.inc(len(o.new_token_ids))
             if not (h.per_step or o.seq.done):
                 continue  # its tokens wait in seq.tokens[h.sent:] for its end
+            if h.interval > 1 and rows > 1 and not o.seq.done and h.first_commit != now:
+                h.held += 1
+                if h.held < h.interval:
+                    continue  # held in seq.tokens[h.sent:] for the event `interval` steps on
             new = o.seq.tokens[h.sent:]  # this step's, or every token since the last event
+            if new:
+                h.held = 0
             h.sent = len(o.seq.tokens)
+            logprobs = StepOutput(o.seq, new).new_logprobs  # of `new` (held steps' included)
             if o.seq.done:
                 del self._by_seq[o.seq.seq_id]
                 h.finished = True
@@ -360,11 +377,11 @@ class AsyncEngine:
                     if o.seq.finish_reason == "error" else None
                 out.append((h, TokenEvent(list(new), True, o.seq.finish_reason,
                                           stats=o.seq.stats.as_dict(), error=err,
-                                          committed=now, logprobs=o.new_logprobs,
+                                          committed=now, logprobs=logprobs,
                                           prompt_logprobs=o.seq.prompt_logprobs)))
             elif new:
                 out.append((h, TokenEvent(list(new), committed=now,
-                                          logprobs=o.new_logprobs,
+                                          logprobs=logprobs,
                                           prompt_logprobs=o.seq.prompt_logprobs)))
         return out
 

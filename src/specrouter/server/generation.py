@@ -31,12 +31,20 @@ def reads_each_step(p: Prepared, stream: bool) -> bool:
     return stream or bool(p.stops) or p.params.logprobs is not None or p.params.prompt_logprobs is not None
 
 
+def stream_interval(srv: Service, p: Prepared, stream: bool) -> int:
+    """Steps one event of a row may hold while other rows run (ServerConfig.stream_interval): a
+    stream's, unless a stop string is searched in its text (its row ends as soon as one appears,
+    and its usage counts the tokens up to that step); 1 for everything else."""
+    return srv.config.stream_interval if stream and not p.stops else 1
+
+
 def submit(srv: Service, p: Prepared, tenant: str | None = None, *, stream: bool = True) -> RequestHandle:
     """Queue a prepared row on the engine loop (429 queue full, 503 engine down)."""
     try:
         return srv.loop_engine.submit(p.prompt, p.params, chain=p.chain, k=p.k,
                                       generator=p.generator, tenant=tenant,
-                                      per_step=reads_each_step(p, stream))
+                                      per_step=reads_each_step(p, stream),
+                                      interval=stream_interval(srv, p, stream))
     except QueueFull as e:
         raise RequestError(str(e), status=429, type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(srv.config.retry_after_s)}) from None

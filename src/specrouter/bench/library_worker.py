@@ -1,0 +1,120 @@
+"""The library side of `specrouter bench --serve --fresh-rounds` in a process of its own (issue 34).
+
+On this project's VM a process's decode step is a draw (docs/serving-performance.md, ninth and
+tenth rounds): a library in the bench's process, paired with a server process that lives for the
+whole run, compares one draw of each. `bench/serve_fresh.py` starts this worker afresh every round,
+the way it starts the server (the same interpreter, environment and pool flags), so every round
+is a new draw on both sides. It loads the pool as `bench/serve.py`'s `library_runs` does and
+answers one JSON command a line on stdin with one JSON line on stdout:
+
+- `{"op": "one", "system": "plain" | "router", "prompt": str, "chat": bool}`: `SpecRouter.generate`
+  of one greedy request, timed from the prompt's text (as a server's wall time includes its
+  tokenizing and chat template), the plain chain or the router, each on its own view of the pool
+  made at start (it learns from this round's requests only, as a server side with its own key);
+- `{"op": "batch", "concurrency": c, "requests": n}`: the engine's own continuous batching of the
+  first n mixed prompts (`bench/serve.py`'s `prompts`), at most c rows at once, on a fresh view
+  and engine warmed at that batch size (its parked warm-up prompts dropped: a fair prefill);
+
+each answered with `tokens`, `wall` (seconds), `texts` and `steps` ([count, seconds] of the engine
+steps inside, `StepClock`). The first line it writes is `{"ready": true}` once the pool is loaded
+and warm.
+
+    python -m specrouter.bench.library_worker '{"models": [...], "target": null, "dtype": "auto",
+        "max_new_tokens": 64, "seed": 0}'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+class LibraryWorker:
+    """The pool and the library's engines of one round (module docstring)."""
+
+    def __init__(self, spec: dict):
+        from specrouter.api import SpecRouter
+        from specrouter.config import PoolConfig, RouterConfig, SamplingParams
+        from specrouter.models.pool import Pool, preview_pool
+        from specrouter.router.setup import build_router
+
+        pcfg = PoolConfig(models=tuple(spec["models"]), target=spec.get("target"), dtype=spec.get("dtype", "auto"))
+        self.pool = pool = Pool.from_config(pcfg, paths=list(preview_pool(pcfg).paths))
+        self.max_new_tokens = spec["max_new_tokens"]
+        self.params = SamplingParams(temperature=0.0, max_new_tokens=self.max_new_tokens, ignore_eos=True)
+        self.apis = {}
+        for system in ("plain", "router"):
+            if system == "router" and len(pool.order) < 2:
+                continue
+            view = pool.with_fresh_drafters()
+            router = build_router(view, progress=False, config=RouterConfig()) if system == "router" else None
+            api = SpecRouter(view, router)
+            chain = (view.target,) if system == "plain" else None
+            api.generate("Hello", max_new_tokens=4, chain=chain)  # warm-up
+            if api.engine.prefix_cache is not None:  # the measured prompts must not hit it
+                api.engine.prefix_cache.clear()
+            self.apis[system] = (api, chain)
+        self.api = self.apis["plain"][0]  # encode and decode (the target's tokenizer)
+
+    def one(self, system: str, prompt: str, chat: bool) -> dict:
+        from specrouter.bench.serve_steps import StepClock
+
+        api, chain = self.apis[system]
+        clock = StepClock(api.engine)
+        try:
+            t0 = time.perf_counter()
+            r = api.generate(prompt, chat=chat, max_new_tokens=self.max_new_tokens, chain=chain, ignore_eos=True)[0]
+            wall = time.perf_counter() - t0
+        finally:
+            clock.close()
+        return {"tokens": len(r.token_ids), "wall": wall, "texts": [r.text],
+                "steps": [clock.steps.count, clock.steps.seconds]}
+
+    def batch(self, concurrency: int, requests: int) -> dict:
+        from specrouter.bench.serve import continuous_batching, prompts
+        from specrouter.bench.serve_steps import StepClock
+        from specrouter.config import SamplingParams
+        from specrouter.engine.engine import Engine
+
+        ids = [self.api.encode(p, chat=chat) for p, chat in prompts(requests)]
+        view = self.pool.with_fresh_drafters()
+        engine = Engine(view, max_num_seqs=concurrency,
+                        max_model_len=max(len(x) for x in ids) + self.max_new_tokens + 16)
+        warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+        n = min(concurrency, len(ids))
+        engine.generate_ids([x[:8] for x in ids[:n]], [warm] * n, chain=(view.target,), k=1)
+        if engine.prefix_cache is not None:  # the warm-up parked the measured prompts' first tokens
+            engine.prefix_cache.clear()
+        clock = StepClock(engine)
+        try:
+            t0 = time.perf_counter()
+            seqs = continuous_batching(engine, ids, self.params, concurrency, (view.target,))
+            wall = time.perf_counter() - t0
+        finally:
+            clock.close()
+        return {"tokens": sum(len(s.output_ids) for s in seqs), "wall": wall,
+                "texts": [self.api.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in seqs],
+                "steps": [clock.steps.count, clock.steps.seconds]}
+
+
+def main(argv: list[str]) -> int:
+    worker = LibraryWorker(json.loads(argv[0]))
+    out = sys.stdout
+    out.write(json.dumps({"ready": True, "systems": sorted(worker.apis)}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "one":
+            reply = worker.one(cmd["system"], cmd["prompt"], cmd["chat"])
+        elif cmd["op"] == "batch":
+            reply = worker.batch(cmd["concurrency"], cmd["requests"])
+        else:
+            reply = {"error": f"unknown op {cmd['op']!r}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,356 @@
+"""`specrouter bench --serve --fresh-rounds N`: issue 34's lines with fresh processes every round.
+
+Why: on this project's VM a process's decode step is a draw, 5-25% off another process's for its
+whole life in busy minutes (docs/serving-performance.md, ninth round). The paired run of
+`bench/serve.py` keeps one server process and the library in the bench's own process for the
+whole run: it interleaves the minutes away but compares ONE draw of each process, and a line
+within ~10% of a goal moved across 0.69-1.07 between runs. Here every round starts its own
+processes on both sides, the same way (the same interpreter, environment and pool flags): a
+`specrouter serve` (default flags; the plain one `--static --chain target`, the router server
+only for the c=1 router line) and a library worker (`bench/library_worker.py`: `SpecRouter.generate`
+one request at a time, and the engine's own continuous batching at c >= 4). In a round the sides
+run in rotating order (bench/serve.py's `rotation`): at c=1 request i to the library, to the
+server through the `openai` client, through the bare client streamed ("raw") and not streamed
+("whole") back to back; at c >= 4 a level (every request, at most c at once) on each side. A
+round's ratio of a side is its tokens / wall over the library's (pooled over the round's units),
+and each line's verdict is the MEDIAN OF THE PER-ROUND RATIOS: the draw of a round's processes
+decides one round, not the line. Every server side is also given at the library's step speed
+(bench/serve_steps.py `at_library_step`, per round, then the median); streamed sides report their
+chunks and the mean time from an engine commit to the chunk handed to the socket (the server's
+`specrouter_stream_delivery_seconds`). Greedy texts of every side are compared with the library's.
+
+Output: serve-fresh.json and serve-fresh.md in the out dir (with each process's log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specrouter.bench.serve import (SIDES, ServeBenchConfig, free_port, goal_lines, one_request, prompts, rotation,
+                                    start_server, stop_servers, write_json_and_markdown)
+from specrouter.bench.serve_steps import Steps, at_library_step, server_histogram, server_steps, split
+
+STREAMED = ("server", "raw")  # the server sides whose chunks are counted (stream_delivery_seconds)
+
+
+@dataclass
+class Unit:
+    """One side's share of a round: tokens, wall seconds, engine steps, texts, client CPU and (a
+    streamed server side) its chunks' commit-to-socket seconds, summed over the round's units."""
+
+    tokens: int = 0
+    wall: float = 0.0
+    steps: Steps = field(default_factory=Steps)
+    units: int = 0
+    client_cpu: float = 0.0
+    delivery: Steps = field(default_factory=Steps)  # chunks and their summed commit-to-socket seconds
+    texts: list[str] = field(default_factory=list)
+
+    def add(self, tokens: int, wall: float, steps: Steps, texts: list[str], client_cpu: float = 0.0,
+            delivery: Steps | None = None) -> None:
+        self.tokens += tokens
+        self.wall += wall
+        self.steps += steps
+        self.units += 1
+        self.client_cpu += client_cpu
+        self.delivery += delivery or Steps()
+        self.texts += texts
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.wall if self.wall > 0 else 0.0
+
+    def summary(self) -> dict:
+        return {"tokens": self.tokens, "wall": self.wall, "tokens_per_s": self.tps, "units": self.units,
+                **split(self.wall, self.steps, self.units),
+                "client_cpu_ms": self.client_cpu / self.units * 1e3 if self.units else None,
+                "chunks": self.delivery.count,
+                "delivery_ms": self.delivery.seconds / self.delivery.count * 1e3 if self.delivery.count else None}
+
+
+class Worker:
+    """A library worker process (bench/library_worker.py) of one round."""
+
+    def __init__(self, cfg: ServeBenchConfig, models: list[str], log_path: Path):
+        spec = {"models": models, "target": cfg.target, "dtype": cfg.dtype, "max_new_tokens": cfg.max_new_tokens}
+        env = dict(os.environ)
+        if cfg.threads:
+            env["OMP_NUM_THREADS"] = str(cfg.threads)
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "specrouter.bench.library_worker", json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=env)
+        self._ready: dict | None = None
+
+    def ready(self) -> dict:
+        """Its first line, once the pool is loaded and warm (read once)."""
+        if self._ready is None:
+            self._ready = self._read()
+        return self._ready
+
+    def ask(self, **cmd) -> dict:
+        self.ready()
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the library worker exited ({self.proc.wait()}): see {self.log.name}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"library worker: {reply['error']}")
+        return reply
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+        self.log.close()
+
+
+def request_body(model: str, cfg: ServeBenchConfig, i: int, prompt: str, chat: bool) -> dict:
+    """Request i of the mixed stream, greedy, for the bare client."""
+    return dict(model=model, max_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed + i, ignore_eos=True,
+                **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}))
+
+
+async def served(side: str, base: str, model: str, cfg: ServeBenchConfig, reqs: list[tuple[int, str, bool]],
+                 c: int, key: str) -> tuple[int, float, list[str]]:
+    """`reqs` ((index, prompt, chat)) to the server through a side's client, at most `c` at once:
+    (tokens, wall seconds, texts in order)."""
+    from openai import AsyncOpenAI
+
+    from specrouter.bench.raw_client import stream_request, whole_request
+
+    client = AsyncOpenAI(base_url=base, api_key=key, max_retries=0, timeout=600) if side == "server" else None
+    out: list[tuple[int, str] | None] = [None] * len(reqs)
+    todo = list(range(len(reqs)))
+
+    async def worker():
+        while todo:
+            j = todo.pop(0)
+            i, prompt, chat = reqs[j]
+            if side == "server":
+                r = await one_request(client, model, prompt, chat, 0.0, cfg.max_new_tokens, cfg.seed + i, {})
+                out[j] = (r.tokens, r.text)
+            elif side == "raw":
+                text, tokens, _, _ = await stream_request(base, request_body(model, cfg, i, prompt, chat), chat, key)
+                out[j] = (tokens, text)
+            else:
+                text, tokens, _ = await whole_request(base, request_body(model, cfg, i, prompt, chat), chat, key)
+                out[j] = (tokens, text)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(c)))
+    wall = time.perf_counter() - t0
+    if client is not None:
+        await client.close()
+    return sum(x[0] for x in out), wall, [x[1] for x in out]
+
+
+def measure(into: Unit, side: str, base: str, model: str, cfg: ServeBenchConfig, reqs, c: int, key: str) -> None:
+    """One unit of a server side into `into`, with the server's steps and chunk deliveries over it
+    (its /metrics, read outside the timed region) and the client's CPU."""
+    steps0, chunks0 = server_steps(base), server_histogram(base, "stream_delivery_seconds")
+    cpu = time.thread_time()
+    tokens, wall, texts = asyncio.run(served(side, base, model, cfg, reqs, c, key))
+    cpu = time.thread_time() - cpu
+    into.add(tokens, wall, server_steps(base) - steps0, texts, cpu,
+             server_histogram(base, "stream_delivery_seconds") - chunks0 if side in STREAMED else None)
+
+
+def warm(base: str, model: str, cfg: ServeBenchConfig, c: int, round_: int) -> None:
+    """A server's warm-up at batch size c (4 tokens a request, its own API key: nothing of it is
+    reused by the measured requests), as the worker warms its engine."""
+    short = ServeBenchConfig(max_new_tokens=4, seed=cfg.seed)
+    reqs = [(i, p, chat) for i, (p, chat) in enumerate(prompts(c))]
+    asyncio.run(served("raw", base, model, short, reqs, c, f"bench|fresh|warm|{round_}"))
+
+
+def lines_of(cfg: ServeBenchConfig, with_router: bool) -> list[tuple[str, str, int]]:
+    """(line name, system, concurrency) of a round: c=1 plain and router, the engine's batching at
+    each c >= 4 (plain)."""
+    out = []
+    if 1 in cfg.concurrency:
+        out.append(("c=1 plain", "plain", 1))
+        if with_router:
+            out.append(("c=1 router", "router", 1))
+    out += [(f"c={c} batched", "plain", c) for c in cfg.concurrency if c >= 4]
+    return out
+
+
+def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
+    """Round r on fresh processes: line name -> side -> Unit."""
+    out_dir = Path(cfg.out_dir)
+    worker = Worker(cfg, models, out_dir / f"fresh-r{r}-library.log")  # loads while the servers start
+    procs, bases = [], {}
+
+    def serve(system: str) -> None:
+        port = free_port()
+        procs.append(start_server(cfg, models, port, log, plain=system == "plain", name=f"fresh-r{r}-{system}"))
+        bases[system] = f"http://127.0.0.1:{port}/v1"
+
+    try:
+        serve("plain")
+        if 1 in cfg.concurrency and "router" in worker.ready()["systems"]:
+            serve("router")
+        model = json.loads(_get(bases["plain"] + "/models"))["data"][0]["id"]
+        lines = lines_of(cfg, "router" in bases)
+        for c in sorted({c for _, _, c in lines}):
+            for base in bases.values():
+                warm(base, model, cfg, c, r)
+        got: dict[str, dict[str, Unit]] = {}
+        for name, system, c in lines:
+            units = got[name] = {side: Unit() for side in SIDES}
+            base = bases[system]
+            key = f"bench|fresh|{name}|{r}"
+            if c == 1:  # request i to every side back to back, in rotating order
+                for i, (p, chat) in enumerate(prompts(cfg.requests)):
+                    for side in rotation(r * cfg.requests + i):
+                        if side == "library":
+                            x = worker.ask(op="one", system=system, prompt=p, chat=chat)
+                            units[side].add(x["tokens"], x["wall"], Steps(*x["steps"]), x["texts"])
+                        else:
+                            measure(units[side], side, base, model, cfg, [(i, p, chat)], 1, f"{key}|{side}")
+            else:  # a level on each side, in rotating order
+                n = max(cfg.requests, c)
+                reqs = [(i, p, chat) for i, (p, chat) in enumerate(prompts(n))]
+                for side in rotation(r):
+                    if side == "library":
+                        x = worker.ask(op="batch", concurrency=c, requests=n)
+                        units[side].add(x["tokens"], x["wall"], Steps(*x["steps"]), x["texts"])
+                    else:
+                        measure(units[side], side, base, model, cfg, reqs, c, f"{key}|{side}")
+            lib = units["library"]
+            log(f"round {r + 1} {name}: library {lib.tps:.1f} tok/s (step {split(lib.wall, lib.steps, 1)['step_ms']:.2f} ms); "
+                + ", ".join(f"{side} {u.tps / lib.tps:.3f}x (step {split(u.wall, u.steps, 1)['step_ms']:.2f} ms)"
+                            for side, u in units.items() if side != "library"))
+        return got
+    finally:
+        worker.stop()
+        stop_servers(procs)
+
+
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def median_of(values: list[float | None]) -> dict | None:
+    """The median of per-round values with their range and count (None values left out)."""
+    xs = [v for v in values if v is not None]
+    return {"median": statistics.median(xs), "lo": min(xs), "hi": max(xs), "n": len(xs)} if xs else None
+
+
+def summarize_fresh(cfg: ServeBenchConfig, rounds: list[dict]) -> dict:
+    """Per line: each round's sides (Unit.summary), the per-round ratios and their medians (the
+    verdict), the greedy mismatches against the library, issue 34's goals."""
+    from specrouter.bench.provenance import provenance
+
+    lines, mismatches = {}, []
+    for name in rounds[0]:
+        per_round = [{side: u.summary() for side, u in rnd[name].items()} for rnd in rounds]
+        ratios = {"server": [], "raw": [], "whole": [], "streamed_vs_whole": [],
+                  **{f"{side}_at_library_step": [] for side in SIDES[1:]}}
+        for r, sides in enumerate(per_round):
+            lib = sides["library"]["tokens_per_s"]
+            for side in SIDES[1:]:
+                ratios[side].append(sides[side]["tokens_per_s"] / lib if lib else None)
+                ratios[f"{side}_at_library_step"].append(at_library_step(sides["library"], sides[side]))
+            ratios["streamed_vs_whole"].append(sides["raw"]["tokens_per_s"] / sides["whole"]["tokens_per_s"]
+                                               if sides["whole"]["tokens_per_s"] else None)
+            ref = rounds[r][name]["library"].texts
+            for side in SIDES[1:]:
+                bad = [i for i, (a, b) in enumerate(zip(ref, rounds[r][name][side].texts)) if a != b]
+                if bad or len(ref) != len(rounds[r][name][side].texts):
+                    mismatches.append({"line": name, "round": r, "side": side, "requests": bad})
+        lines[name] = {"rounds": per_round, "ratios": ratios, "medians": {k: median_of(v) for k, v in ratios.items()}}
+    goals = []
+
+    def goal(text: str, names: list[str], key: str, bar: float) -> None:
+        values = [lines[n]["medians"][key]["median"] for n in names if lines[n]["medians"][key]]
+        if values:
+            goals.append({"goal": text, "value": min(values), "met": min(values) >= bar})
+
+    c1 = [n for n in lines if n.startswith("c=1 ")]
+    batched = [n for n in lines if n.endswith(" batched")]
+    for names, what in ((c1, "the Python API at c=1 (plain and router)"), (batched, "the engine's batching at c >= 4")):
+        goal(f"server >= 0.95x {what}, raw HTTP client (median of per-round ratios, fresh processes)",
+             names, "raw", 0.95)
+        goal(f"server >= 0.95x {what}, openai client (median of per-round ratios, fresh processes)",
+             names, "server", 0.95)
+    goal("streamed >= 0.95x whole, raw HTTP client, every line (median of per-round ratios)", list(lines),
+         "streamed_vs_whole", 0.95)
+    goals.append({"goal": "greedy server output == the library's (every side, every round)",
+                  "value": len(mismatches), "met": not mismatches})
+    return {"workload": "fresh", "provenance": provenance(), "config": asdict(cfg),
+            "load_average": os.getloadavg()[0], "cores": os.cpu_count(), "rounds": len(rounds), "lines": lines,
+            "mismatches": mismatches, "goals": goals}
+
+
+def run_fresh_bench(cfg: ServeBenchConfig, log=print) -> dict:
+    """`cfg.fresh_rounds` rounds, each on fresh processes (module docstring)."""
+    from specrouter.models.default_pool import default_pool_paths
+
+    models = list(cfg.models) if cfg.models else [str(p) for p in default_pool_paths()]
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    rounds = []
+    for r in range(max(1, cfg.fresh_rounds)):
+        rounds.append(one_round(cfg, models, r, log))
+        write_fresh(summarize_fresh(cfg, rounds), cfg.out_dir)  # the rounds so far, should a later one not end
+    return summarize_fresh(cfg, rounds)
+
+
+def markdown_fresh(result: dict) -> str:
+    from specrouter.bench.paired import describe
+    from specrouter.bench.provenance import describe as describe_provenance
+
+    def f(x, d=1):
+        return "-" if x is None else f"{x:.{d}f}"
+
+    prov = result.get("provenance")
+    interval = result["config"].get("stream_interval")
+    flags = "default flags" if interval is None else f"--stream-interval {interval}"
+    lines = ["# specrouter bench --serve --fresh-rounds", "",
+             f"Provenance: {describe_provenance(prov)}." if prov else "Provenance: not recorded.", "",
+             f"load average {result['load_average']:.2f} on {result['cores']} cores; {result['rounds']} rounds, each on "
+             f"fresh processes (a server, {flags}, and a library worker); greedy", "",
+             "Median of the per-round ratios (lowest-highest, rounds); [at the library's step speed]:", "",
+             "| line | server (openai) / library | raw / library | whole / library | streamed (raw) / whole |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, line in result["lines"].items():
+        m = line["medians"]
+        cells = [describe(m[k]).replace("pairs", "rounds") +
+                 (f" [{f(m[k + '_at_library_step']['median'], 3)}]" if m.get(k + "_at_library_step") else "")
+                 for k in ("server", "raw", "whole")]
+        lines.append(f"| {name} | {' | '.join(cells)} | {describe(m['streamed_vs_whole']).replace('pairs', 'rounds')} |")
+    lines += ["", "Each round's sides: tok/s, mean engine step (ms), steps and ms outside them per unit (a request "
+                  "at c=1, a level at c >= 4), client CPU ms per unit, SSE chunks and their mean commit-to-socket ms:", "",
+              "| line | round | side | tok/s | step ms | steps | outside ms | client CPU ms | chunks | commit to socket ms |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, line in result["lines"].items():
+        for r, sides in enumerate(line["rounds"]):
+            for side, x in sides.items():
+                lines.append(f"| {name} | {r + 1} | {side} | {f(x['tokens_per_s'])} | {f(x['step_ms'], 2)} | "
+                             f"{f(x['steps'])} | {f(x['outside_ms'])} | {f(x['client_cpu_ms'])} | "
+                             f"{x['chunks'] or '-'} | {f(x['delivery_ms'], 3)} |")
+    lines += goal_lines(result["goals"], digits=3)
+    return "\n".join(lines) + "\n"
+
+
+def write_fresh(result: dict, out_dir: str | Path) -> list[Path]:
+    return write_json_and_markdown(result, out_dir, "serve-fresh", markdown_fresh(result))

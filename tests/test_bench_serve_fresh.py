@@ -1,0 +1,82 @@
+"""`specrouter bench --serve --fresh-rounds` (bench/serve_fresh.py, bench/library_worker.py): issue
+34's lines with new server and library processes every round, the verdict the median of the
+per-round ratios."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specrouter.bench.serve import SIDES, ServeBenchConfig
+from specrouter.bench.serve_fresh import Unit, markdown_fresh, run_fresh_bench, summarize_fresh
+from specrouter.bench.serve_steps import Steps
+
+
+def _round(lib_tps: float, side_tps: dict[str, float], texts=("a", "b")) -> dict:
+    """One round of the c=4 line: every side 128 tokens at its rate, 2 requests' texts."""
+    out = {}
+    for side in SIDES:
+        tps = lib_tps if side == "library" else side_tps[side]
+        u = Unit()
+        u.add(128, 128 / tps, Steps(32, 0.9 * 128 / tps), list(texts))
+        out[side] = u
+    return {"c=4 batched": out}
+
+
+def test_the_verdict_is_the_median_of_per_round_ratios_not_the_pooled_one():
+    """Four rounds on fresh processes; in one the library's process drew slow steps (a 2x
+    ratio): the pooled ratio would read 1.17x, the median of the rounds 0.96x. A server
+    slower in every round fails (the negative control)."""
+    cfg = ServeBenchConfig(concurrency=(4,), fresh_rounds=4)
+    fast = {"server": 96.0, "raw": 96.0, "whole": 100.0}
+    rounds = [_round(100, fast), _round(100, fast), _round(50, fast), _round(100, fast)]
+    result = summarize_fresh(cfg, rounds)
+    m = result["lines"]["c=4 batched"]["medians"]
+    assert m["raw"] == {"median": 0.96, "lo": 0.96, "hi": 1.92, "n": 4}
+    assert m["streamed_vs_whole"]["median"] == pytest.approx(0.96)
+    pooled = 4 * 128 / (sum(128 / t for t in (96,) * 4)) / (4 * 128 / (3 * 128 / 100 + 128 / 50))
+    assert pooled > 1.15  # what a pooled ratio would have said
+    goal = next(g for g in result["goals"] if g["goal"].startswith("server >= 0.95x the engine's batching")
+                and "raw" in g["goal"])
+    assert goal["value"] == pytest.approx(0.96) and goal["met"]
+    assert "0.96x (0.96-1.92, 4 rounds)" in markdown_fresh(result)
+    slow = summarize_fresh(cfg, [_round(100, {"server": 90.0, "raw": 93.0, "whole": 99.0})] * 3
+                           + [_round(50, fast)])
+    goal = next(g for g in slow["goals"] if g["goal"].startswith("server >= 0.95x the engine's batching")
+                and "raw" in g["goal"])
+    assert goal["value"] == pytest.approx(0.93) and not goal["met"]
+
+
+def test_a_side_whose_text_differs_is_a_mismatch():
+    fast = {"server": 96.0, "raw": 96.0, "whole": 100.0}
+    rounds = [_round(100, fast)]
+    rounds[0]["c=4 batched"]["whole"].texts = ["a", "B"]
+    result = summarize_fresh(ServeBenchConfig(concurrency=(4,), fresh_rounds=1), rounds)
+    assert result["mismatches"] == [{"line": "c=4 batched", "round": 0, "side": "whole", "requests": [1]}]
+    assert not result["goals"][-1]["met"]
+
+
+@pytest.mark.slow  # starts 3 processes a round: ~1 min on a 2-core CI machine
+def test_fresh_rounds_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
+    d = tiny_pool_dirs
+    cfg = ServeBenchConfig(models=(str(d["draft"]), str(d["target"])), target=str(d["target"]), concurrency=(1, 4),
+                           requests=2, max_new_tokens=6, dtype="float64", out_dir=str(tmp_path), threads=1,
+                           fresh_rounds=2, stream_interval=2)
+    result = run_fresh_bench(cfg, log=lambda m: None)
+    assert result["mismatches"] == []  # greedy: every side's texts are the library's
+    assert list(result["lines"]) == ["c=1 plain", "c=1 router", "c=4 batched"]
+    for name, line in result["lines"].items():
+        assert len(line["rounds"]) == 2 and line["medians"]["raw"]["n"] == 2
+        for sides in line["rounds"]:
+            assert set(sides) == set(SIDES) and all(x["tokens"] > 0 for x in sides.values())
+            # the server's steps over each unit, from its /metrics; streamed sides' chunks
+            assert all(x["steps"] > 0 for x in sides.values()), (name, sides)
+            assert sides["raw"]["chunks"] > 0 and sides["whole"]["chunks"] == 0
+    plain = result["lines"]["c=1 plain"]["rounds"][0]
+    assert {x["steps"] for x in plain.values()} == {cfg.max_new_tokens}  # a step a token, every side
+    # every round on its own processes: each round's server and library logs, the flag passed on
+    logs = sorted(p.name for p in tmp_path.glob("fresh-r*.log"))
+    assert logs == [f"fresh-r{r}-{w}.log" for r in (0, 1) for w in ("library", "plain", "router")]
+    assert "--stream-interval 2" in (tmp_path / "fresh-r1-plain.log").read_text()
+    assert json.loads(json.dumps(result))["rounds"] == 2
