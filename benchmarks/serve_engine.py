@@ -123,7 +123,9 @@ class StepLog:
         if self.planner is not None:
             L = max(1, sum(o.context_len for o in result.outcomes) // len(plans))
             predicted = self.planner.step_seconds(plans, L, publish=False)
-            realised = result.wall_time + self.planner.plan_seconds  # observe() resets it after us
+            # this step's planning (a leased step has none: the planner's plan_seconds still holds
+            # the lease's planning until the lease's steps are observed)
+            realised = result.wall_time + self.step_parts["plan_batch"] + self.step_parts["take_confident_drafts"]
         kind = self.engine.last_step_kind  # "held" on a hold or its lease (engine.step_kind)
         self.kind = kind
         self.steps.append((kind, len(plans), predicted, realised if self.planner else result.wall_time,

@@ -138,3 +138,47 @@ def test_abort_in_the_middle_of_a_speculative_cycle(pool, monkeypatch):
         assert out[i] == (alone(pool, prompts[i], n), "length"), i
     assert eng.running == {} and eng.state.live() == []
     assert out["aborted"] is not None and out["aborted"] not in eng.state.live()
+
+
+def test_sampling_tensors_are_built_once_per_row_set(pool, monkeypatch):
+    """A request's SamplingParams are frozen: the engine builds its rows' SamplingTensors when
+    the row set changes, not every step (four `torch.tensor` calls a step). Three requests, one
+    sampled, joining and leaving: one build per distinct row set, and every row's output equals
+    the same run with a fresh build each step. Negative control: without the reuse, one build per
+    step (the count below, `builds == steps`)."""
+    from specrouter.decoding.sampling import SamplingTensors
+
+    built = []
+    real = SamplingTensors.from_params
+
+    def counting(params, device="cpu"):
+        built.append(len(params))
+        return real(params, device=device)
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 8, 6)]
+    params = [SamplingParams(max_new_tokens=10, ignore_eos=True),
+              SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.8, seed=11),
+              SamplingParams(max_new_tokens=7, ignore_eos=True)]
+
+    def run(reuse: bool):
+        eng = Engine(pool, max_num_seqs=3, max_model_len=64)
+        if not reuse:  # the negative control's engine: a fresh build every step
+            monkeypatch.setattr(eng, "_sampling_of", lambda rows: real([s.params for s in rows]))
+        seqs, sets, steps = [eng.add_request(prompts[0], params[0], chain=("draft", "target"), k=3)], [], 0
+        while eng.has_unfinished():
+            if steps == 2:  # two requests join at the third step
+                seqs += [eng.add_request(p, sp, chain=("target",)) for p, sp in zip(prompts[1:], params[1:])]
+            ids = tuple(eng.running)
+            if not sets or sets[-1] != ids:
+                sets.append(ids)
+            eng.step()
+            steps += 1
+        return [s.output_ids for s in seqs], len(sets), steps
+
+    monkeypatch.setattr(SamplingTensors, "from_params", staticmethod(counting))
+    outputs, row_sets, steps = run(reuse=True)
+    assert len(built) == row_sets == 3 and steps >= 8, (built, row_sets, steps)  # one build per row set
+    fresh, _, _ = run(reuse=False)
+    assert fresh == outputs
+    assert outputs[0] == alone(pool, prompts[0], 10) and outputs[2] == alone(pool, prompts[2], 7)

@@ -349,7 +349,8 @@ class RouterConfig:
     # plain) has its predicted throughput scaled by what such steps at that many rows realised
     # (committed tokens per second, planning included), over discounted sums of ~1 / (1 - this)
     # steps; shrunk toward no correction by batch_calibration_prior pseudo-steps, and a kind not
-    # run at that batch size forgets its correction by this factor per step (it is tried again)
+    # run at that batch size forgets its correction by this factor per step (it is tried again),
+    # but a speculative try that lost by the plain margin keeps its own (StepCalibration.failed)
     batch_calibration_discount: float = 0.9
     batch_calibration_prior: float = 1.0
     batch_calibration_forget: float = 0.98

@@ -95,9 +95,14 @@ class StepCalibration:
     predicted_seconds: float = 0.0
     weight: float = 0.0  # discounted count of steps
     running: bool = False  # the last step observed at this batch size (and mode) was of this kind
-    # tries in a row of this kind (speculation: runs of its steps between plain steps) that ended
-    # with its evidence saying it loses (`BatchPlanner.observe`): each halves its forgetting
-    failed_tries: int = 0
+    # the last try of this kind (speculation: a run of its steps between plain steps) ended with
+    # its evidence saying it loses to plain batching by the plain margin (`BatchPlanner.observe`):
+    # its correction stands, not forgotten, until steps of this kind run again
+    failed: bool = False
+    # a failed try's factor over the other kind's (plain batching's) when it ended: the error
+    # relative to plain steps of the same minutes, which `BatchPlanner.calibration` applies to
+    # the plain factor of the moment (None: not failed)
+    relative: float | None = None
 
     def add(self, realised_tokens: float, realised_seconds: float, predicted_tokens: float,
             predicted_seconds: float, discount: float) -> None:
@@ -109,9 +114,15 @@ class StepCalibration:
 
     def forget(self, factor: float) -> None:
         """Age the evidence (steps of this kind are not running): the factor drifts back to 1,
-        `factor` per step, slower after failed tries (`factor ** (1 / 2 ** failed_tries)`: the
-        wait before the next try doubles with each one that confirmed the loss)."""
-        factor **= 0.5 ** self.failed_tries
+        `factor` per step; a failed try's evidence does not age. Its correction is the error
+        the planner's prediction of such steps showed, so speculation at this batch size runs
+        again where a plan's predicted gain clears it (a request that accepts more, a profile
+        that makes speculation cheaper), not because plain steps ran: forgotten, a 2-row greedy
+        batch on a Zen 1 (avx2 kernels) whose speculation realised ~0.85x plain batching's rate
+        was tried again every 30-600 steps (7% of its steps speculative, and each try desyncs
+        the pair: one request finishes first and the other runs alone)."""
+        if self.failed:
+            return
         self.realised_tokens *= factor
         self.realised_seconds *= factor
         self.predicted_tokens *= factor
@@ -183,7 +194,7 @@ class BatchPlanner:
         below `hold_floor` (fewer rows make speculation cheaper) or, below JOINS_KEEP_HOLD
         rows, when a row joins that would speculate on its own (`_joiners`: a joining row that
         decodes plainly joins the hold), and grows 2, 4, ... up to `RouterConfig.plain_hold_max`
-        steps while the verdict repeats. A single stream is held too once its row's plain plan
+        steps while the verdict repeats (`hold_limit`: longer while speculation's error stands). A single stream is held too once its row's plain plan
         is settled (decided "same"), while it runs alone (a request replacing it is planned at
         once). A multi-row batch's speculative plans are kept for the same rows
         `RouterConfig.spec_hold_steps` steps (`SpecHold`). Shadow proposals (free evidence for
@@ -223,7 +234,7 @@ class BatchPlanner:
                                           now + spec_span)
                 self.hold = None
                 return BatchPlan(decisions, False, 0)  # shadows on the hold's last step
-            limit = router.config.plain_hold_max
+            limit = self.hold_limit(n, sampled(rows))
             # a single stream is held once its plain plan is settled (kept as the best: "same"):
             # deciding it again every step, its shadow proposals and confident-draft checks cost
             # ~0.8 ms of a ~9 ms plain step (chat at t=0.7), which target-only does not pay
@@ -238,6 +249,21 @@ class BatchPlanner:
         # a held batch's plans stand until the step before its hold ends (that one shadows)
         steps = self._lease(now, self.hold.until - 1 - now) if held and n > 1 else 1
         return BatchPlan(decisions, held, shadow, steps)
+
+    STANDING_HOLD = 4  # a plain hold's longest span is this many times plain_hold_max while speculation's error stands
+
+    def hold_limit(self, n: int, sampled: bool) -> int:
+        """The longest plain hold of a batch of n rows: `RouterConfig.plain_hold_max` steps, or
+        STANDING_HOLD times that while the last try of speculation at this batch size failed
+        (`StepCalibration.failed`: its correction stands). Re-planning at a hold's end decides
+        every row, to find the same verdict while the error stands unless a plan's predicted
+        gain grew past it: a 2-row greedy batch on a Zen 1 (avx2 kernels) was re-planned every
+        16 steps, 32 times in 512 steps, each 6-10 ms of decide() for plain every time
+        (in-process, the serving bench's stream), ~1.3% of its time. A row joining the hold is still
+        weighed at once (`_joiners`), and a row leaving still ends it (`hold_floor`)."""
+        limit = self.router.config.plain_hold_max
+        spec = self.calibrations.get((n, True, sampled))
+        return limit * self.STANDING_HOLD if spec is not None and spec.failed else limit
 
     def _lease(self, now: int, steps: int) -> int:
         """`BatchPlan.steps` of a held multi-row batch planned at observed step `now`: its plain
@@ -524,9 +550,6 @@ class BatchPlanner:
         return max(total, 1e-9)
 
     PLAIN_PREDICTION_STEPS = 16  # a plain step's predicted seconds are reused this many steps
-    # failed tries of speculation (StepCalibration.failed_tries) that slow its forgetting: at most
-    # 2**4 = 16x slower (0.98 -> 0.9987 a step: a retry after ~600 plain steps instead of ~40)
-    MAX_FAILED_TRIES = 4
 
     def plain_step_seconds(self, n: int, context_len: int) -> float:
         """`step_seconds` of n plain rows at a context of `context_len`, computed at most once
@@ -553,8 +576,14 @@ class BatchPlanner:
             return 1.0, 1.0
         prior = self.router.config.batch_calibration_prior
         spec, plain = self.calibrations.get((n, True, sampled)), self.calibrations.get((n, False, sampled))
-        return (spec.factor(prior) if spec is not None else 1.0,
-                plain.factor(prior) if plain is not None else 1.0)
+        plain_factor = plain.factor(prior) if plain is not None else 1.0
+        if spec is not None and spec.relative is not None:
+            # a failed try's error stands relative to plain batching: the plain factor moves
+            # with the machine's minutes (+-10-20% over its ~10-step window on a Zen 1), and a
+            # standing speculative factor read against a plain factor of slower minutes looked
+            # like a gain (a 2-row greedy batch tried again 38 times in ~1000 steps, in-process)
+            return spec.relative * plain_factor, plain_factor
+        return spec.factor(prior) if spec is not None else 1.0, plain_factor
 
     def rate(self, plans: Sequence[Plan], tokens: float, context_len: int,
              factors: tuple[float, float], processors: Sequence[bool] = (),
@@ -606,15 +635,16 @@ class BatchPlanner:
         cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, predicted_seconds,
                 cfg.batch_calibration_discount)
         cal.running = True
+        if spec:  # a try runs: its verdict is made again when it ends
+            cal.failed, cal.relative = False, None
         other = self.calibrations.get((n, not spec, mode))
         if other is not None:
             if other.running and not spec:
                 # a try of speculation at this batch size just ended: it failed when what its
                 # steps realised (with what was left of the older evidence) still loses to plain
-                # batching by the margin; each failure in a row doubles the wait before the next
-                # (on a 2-core Zen 1, avx2 kernels, 2-row speculation realised ~0.6x plain's
-                # rate and was retried every ~30 steps: 7% of the steps, 3-4% of the throughput)
-                failed = other.factor(cfg.batch_calibration_prior) * (1.0 + cfg.batch_plain_margin) < 1.0
-                other.failed_tries = min(other.failed_tries + 1, self.MAX_FAILED_TRIES) if failed else 0
+                # batching by the margin; a failed try's correction stands (`forget`)
+                prior = cfg.batch_calibration_prior
+                other.failed = other.factor(prior) * (1.0 + cfg.batch_plain_margin) < 1.0
+                other.relative = other.factor(prior) / cal.factor(prior) if other.failed else None
             other.running = False
             other.forget(cfg.batch_calibration_forget)
