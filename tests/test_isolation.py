@@ -2,6 +2,7 @@
 raises in the middle of a running batch ends alone with finish_reason "error"; the rows batched
 with it commit exactly their solo outputs, and no state leaks."""
 
+import copy
 import logging
 
 import pytest
@@ -30,10 +31,13 @@ def solo(pool):
                                                 chain=("target",))[0].output_ids for p in PROMPTS}
 
 
-def _corrupt(params: SamplingParams, **fields) -> None:
-    """What a bug or an unchecked edge could leave in a row's parameters (bypasses validation)."""
+def _corrupt(seq, **fields) -> None:
+    """What a bug or an unchecked edge could leave in a row's parameters (bypasses validation):
+    a new parameters object, as the engine reads a row's frozen parameters once per row set."""
+    params = copy.copy(seq.params)
     for name, value in fields.items():
         object.__setattr__(params, name, value)
+    seq.params = params
 
 
 def _run(eng: Engine, bad_after: int, corrupt) -> tuple[list, object]:
@@ -70,10 +74,10 @@ class UnplannableRow:
 def test_a_raising_row_fails_alone(pool, solo, how):
     eng = Engine(pool, max_num_seqs=6, max_model_len=96)
     if how == "top_k_overflow":  # preparing the batch: int64 overflow building the tensors
-        corrupt = lambda s: _corrupt(s.params, top_k=10**20)  # noqa: E731
+        corrupt = lambda s: _corrupt(s, top_k=10**20)  # noqa: E731
         words = "Overflow"
     elif how == "nan_temperature":  # sampling: a NaN distribution (torch.multinomial raises)
-        corrupt = lambda s: _corrupt(s.params, temperature=float("nan"))  # noqa: E731
+        corrupt = lambda s: _corrupt(s, temperature=float("nan"))  # noqa: E731
         words = "RuntimeError"
     else:  # planning the row's chain raises (a bug in the row's plan record)
         corrupt = lambda s: setattr(s, "plan", UnplannableRow(s.plan))  # noqa: E731
