@@ -88,21 +88,11 @@ class CachedPlans:
     charge: PlainCharge = field(default_factory=PlainCharge)
     floors: dict = field(default_factory=dict, compare=False)  # plan -> its confidence floor (memo)
     bests: dict = field(default_factory=dict, compare=False)  # k cap -> (plan, T_eff): argmin (memo)
-    # chain index -> the realized check's correction of a chain drafted by a model (policy.py
-    # `_plans`): its cells are scaled by it where plain decoding is weighed against them
-    # (`charged`), not in the table, so the order of the speculative plans stays the table's
-    against_plain: Mapping[int, float] = field(default_factory=dict)
     # (C, K) T_eff with each kind's charge (`PlainCharge.t_eff`; the table's own without one)
-    # and the `against_plain` corrections
     charged: np.ndarray = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
-        charged = self.charge.t_eff(self.table) if self.charge.nonzero else self.table.t_eff
-        if self.against_plain:
-            charged = charged.copy()
-            for i, c in self.against_plain.items():
-                charged[i] *= c
-        object.__setattr__(self, "charged", charged)
+        object.__setattr__(self, "charged", self.charge.t_eff(self.table) if self.charge.nonzero else self.table.t_eff)
 
     def best(self, k_cap: int) -> tuple[tuple[Chain, int], float]:
         """(plan, T_eff) of least T_eff with k <= k_cap: first minimum, earlier chain, smaller k

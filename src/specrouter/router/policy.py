@@ -524,8 +524,7 @@ class Router:
             decision = self.prober.decide(row, req, mode, k_cap, decision, plans.charge)
         # what the realized check compares the cycle with: the model's prediction (probes are
         # predicted without the correction, planned cycles with it)
-        applied = 1.0 if decision.reason == "probe" or decision.chain[0] not in self.model_free \
-            else req.corrections.get(decision.chain, 1.0)  # a model-drafted chain's row is not scaled
+        applied = 1.0 if decision.reason == "probe" else req.corrections.get(decision.chain, 1.0)
         req.pending = (decision.chain, decision.t_eff / applied) if not catches_up(decision.chain, row.lags) else None
         best, t_best = plans.best(k_cap)
         return self._log(row, req, mode, decision, prev, best, t_best, plans.t_plain, req.evidence.alphas, t0)
@@ -542,17 +541,12 @@ class Router:
             processors = row.processors and times["processor"] > 0.0
             rows = self.board.chain_rows((max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
                                           processors, certain_bucket(row.certain_rate), router))
-        # a model-free chain's correction scales its row (its cost model is the coarse one); a
-        # model-drafted chain's only weighs it against plain decoding (`CachedPlans.against_plain`):
-        # the iid model orders the drafts and ks well, and scaling their rows on a few cycles'
-        # noise made them flap; whether drafting pays in this request at all is what it tells
-        free = {c: v for c, v in req.corrections.items() if c[0] in self.model_free}
-        table = corrected(self.table(costs, alphas, router, cfg.k_max, keep=keep, rows=rows), self.chain_index, free)
-        drafted = {self.chain_index[c]: v for c, v in req.corrections.items() if c not in free and c in self.chain_index}
+        table = corrected(self.table(costs, alphas, router, cfg.k_max, keep=keep, rows=rows),
+                          self.chain_index, req.corrections)
         # a single stream's (a batch's plain-vs-speculate choice is the batch planner's)
         charge = (PlainCharge.measured(times, router)
                   if cfg.charge_leaving_plain and not cfg.charge_outside and row.batch_size <= 1 else PlainCharge())
-        return CachedPlans(key, table, costs, float(table.t_eff[0, 0]), charge, against_plain=drafted)
+        return CachedPlans(key, table, costs, float(table.t_eff[0, 0]), charge)
 
     def _hysteresis(self, req: RequestState, plans: CachedPlans, k_cap: int) -> Decision:
         """Step 2: keep the request's plan unless the best is enough faster (module docstring);
@@ -683,12 +677,10 @@ class Router:
         planned, predicted = pending
         cfg = self.config
         drafted_by_model = cfg.realized_models and len(planned) > 1 and planned[0] not in self.model_free
-        if planned[0] in self.model_free and (chain == planned or len(chain) == 1):
+        if (planned[0] in self.model_free and (chain == planned or len(chain) == 1)) or (
+                drafted_by_model and chain == planned):
             tokens = 1 if len(chain) == 1 else int(r.accepted[-1]) + 1
             req.observe_realized(planned, wall_time, tokens, predicted, cfg.realized_decay)
-        elif drafted_by_model and chain == planned:  # for the other chains, a cycle of another chain
-            req.observe_realized(planned, wall_time, int(r.accepted[-1]) + 1, predicted, cfg.realized_decay,
-                                 cfg.realized_fade)
         elif req.realized:
             req.fade_realized(cfg.realized_fade)
         else:

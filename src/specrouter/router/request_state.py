@@ -51,16 +51,10 @@ class RequestState:
         t = self.tv.get(pair)
         return None if t is None or t[1] <= 0 else (1.0 - t[0] / t[1], t[1])
 
-    def observe_realized(self, chain: Chain, seconds: float, tokens: int, predicted: float, decay: float,
-                         fade: float | None = None) -> None:
+    def observe_realized(self, chain: Chain, seconds: float, tokens: int, predicted: float, decay: float) -> None:
         """A cycle of `chain` took `seconds` for `tokens` committed tokens, predicted at
-        `predicted` seconds per token; every chain's sums decay by `decay` first (the other
-        chains' by `fade` when given)."""
-        if fade is None:
-            self.fade_realized(decay)
-        else:
-            for c, r in self.realized.items():
-                r[:] = decayed_add(r, (0.0, 0.0, 0.0), decay if c == chain else fade, 1.0)
+        `predicted` seconds per token."""
+        self.fade_realized(decay)
         r = self.realized.setdefault(chain, [0.0, 0.0, 0.0])
         r[:] = [r[0] + seconds, r[1] + tokens * predicted, r[2] + tokens]
 
