@@ -21,9 +21,7 @@ host seconds outside the executor, as before issue 31's chat fix), decided-plain
 (outside_plain_held=False: plain decoding priced at every plain step's outside seconds, decided
 ones included, as before issue 31's second chat fix), probe-predicted (probe_charge_realized=False:
 probes charged to the budget at their predicted extra seconds, as before), no-stream-hold
-(stream_hold_steps=1: a settled speculating single stream decided every step, as before),
-no-realized-models (realized_models=False: the realized check on model-free chains only, as before
-issue 31's third chat fix).
+(stream_hold_steps=1: a settled speculating single stream decided every step, as before).
 """
 
 from __future__ import annotations
@@ -59,7 +57,6 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "decided-plain": dataclasses.replace(base, outside_plain_held=False),
         "probe-predicted": dataclasses.replace(base, probe_charge_realized=False),
         "no-stream-hold": dataclasses.replace(base, stream_hold_steps=1),
-        "no-realized-models": dataclasses.replace(base, realized_models=False),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

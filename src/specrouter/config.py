@@ -360,13 +360,6 @@ class RouterConfig:
     # realized_clip: by default it only slows a chain down, so noise never makes a chain look
     # faster than its estimates say); a move above realized_tolerance republishes it
     realized_check: bool = True
-    # ... also for a chain drafted by a model (issue 31, chat with penalties): its acceptance
-    # estimate starts on a request's prior (8 pseudo-trials of the global or upper-quantile
-    # alpha), so a request where the draft agrees far less kept drafting for 10-25 cycles
-    # before its own trials outweighed the prior; its realised seconds per token tell within
-    # a few. Not a cycle whose draft catches up on tokens it skipped (the switch's cost, which
-    # the batch planner weighs: `BatchPlanner.alone`). False: model-free chains only, as before
-    realized_models: bool = True
     # confirmed tokens (router/cost_model.py, point 4): a three-level chain's top level accepts
     # the tokens its first two levels agreed on with their own rate, learned per (first,
     # middle, target) from those chains' cycles and from shadow proposals judged against the

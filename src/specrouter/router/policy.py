@@ -152,13 +152,6 @@ def corrected(table: PlanTable, chain_index: Mapping[Chain, int], corrections: M
     return dataclasses.replace(table, t_eff=t, expected_tokens=tokens)
 
 
-def catches_up(chain: Chain, lags) -> bool:
-    """Whether a cycle of `chain` first feeds one of its models below the target tokens it
-    skipped (`RowContext.lags`: a draft after plain steps, or a new request's prompt): its
-    seconds are the switch's, not the chain's (the realized check leaves it out)."""
-    return bool(lags) and len(chain) > 1 and any(m in chain[:-1] for m, lag in lags if lag > 1)
-
-
 def confirmed_trials(candidates: int, accepted: int, confirmed: int) -> tuple[int, int]:
     """(accepted, rejections) of level 3's confirmed tokens (cost_model.py, point 4): of the
     `candidates` that reached it, the first `confirmed` (the first level's candidates the middle
@@ -525,7 +518,7 @@ class Router:
         # what the realized check compares the cycle with: the model's prediction (probes are
         # predicted without the correction, planned cycles with it)
         applied = 1.0 if decision.reason == "probe" else req.corrections.get(decision.chain, 1.0)
-        req.pending = (decision.chain, decision.t_eff / applied) if not catches_up(decision.chain, row.lags) else None
+        req.pending = (decision.chain, decision.t_eff / applied)
         best, t_best = plans.best(k_cap)
         return self._log(row, req, mode, decision, prev, best, t_best, plans.t_plain, req.evidence.alphas, t0)
 
@@ -661,11 +654,7 @@ class Router:
         model is the coarsest (a hit rate times iid acceptance, where a lookup's drafts are all
         or nothing and a confidence-sized one stops at its floor): charge the cycle's seconds
         and committed tokens to the chain decided for it (a drafter that proposed nothing ran a
-        plain step, on its account). And (`RouterConfig.realized_models`) of chains drafted by
-        a model, whose acceptance a new request takes from its prior until its own trials
-        outweigh it: a draft that agrees far less in this request than its prior says is left
-        within a few cycles, not after 10-25 (chat with penalties). Not the request's first
-        cycle (its prefill), a cycle whose draft catches up (`catches_up`) nor a plan
+        plain step, on its account). Not the request's first cycle (its prefill) nor a plan
         another part changed (the batch planner, a confident draft). Every other cycle fades
         the chains' evidence all the same: a chain penalized once, then given up for a model
         draft or plain decoding, is not penalized for the rest of the request (it was: the
@@ -676,9 +665,7 @@ class Router:
             return
         planned, predicted = pending
         cfg = self.config
-        drafted_by_model = cfg.realized_models and len(planned) > 1 and planned[0] not in self.model_free
-        if (planned[0] in self.model_free and (chain == planned or len(chain) == 1)) or (
-                drafted_by_model and chain == planned):
+        if planned[0] in self.model_free and (chain == planned or len(chain) == 1):
             tokens = 1 if len(chain) == 1 else int(r.accepted[-1]) + 1
             req.observe_realized(planned, wall_time, tokens, predicted, cfg.realized_decay)
         elif req.realized:
