@@ -194,9 +194,9 @@ class BatchPlanner:
         below `hold_floor` (fewer rows make speculation cheaper) or, below JOINS_KEEP_HOLD
         rows, when a row joins that would speculate on its own (`_joiners`: a joining row that
         decodes plainly joins the hold), and grows 2, 4, ... up to `RouterConfig.plain_hold_max`
-        steps while the verdict repeats (`hold_limit`: longer while speculation's error stands). A single stream is held too once its row's plain plan
-        is settled (decided "same"), while it runs alone (a request replacing it is planned at
-        once). A multi-row batch's speculative plans are kept for the same rows
+        steps while the verdict repeats (`hold_limit`: longer while speculation's error stands).
+        A single stream is held too once its row's plain plan is settled (decided "same"), while
+        it runs alone (a request replacing it is planned at once). A multi-row batch's speculative plans are kept for the same rows
         `RouterConfig.spec_hold_steps` steps (`SpecHold`). Shadow proposals (free evidence for
         model-free drafters not running) every step, and while a hold lasts as
         `PlainHold.shadow_due` says (a batch's: on the hold's last step; a speculative hold's:
