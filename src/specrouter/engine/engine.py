@@ -163,8 +163,8 @@ class Engine:
         # stand; the steps run on it are reported to the router when it ends (`_report_lease`)
         self._lease: tuple[tuple[int, ...], list[Plan], int] | None = None
         self._unreported: list[StepReport] = []
-        # the sampling tensors of the last step's rows (their seq_ids): a request's SamplingParams
-        # are frozen, so the same rows reuse them (`_sampling_of`)
+        # the sampling tensors of the last step's rows (keyed by their seq_ids and parameters
+        # objects): a request's SamplingParams are frozen, so the same rows reuse them (`_sampling_of`)
         self._sampling: tuple[tuple[tuple[int, int], ...], list[SamplingParams], SamplingTensors] | None = None
         self.fixed_capacity = max_num_seqs is not None and max_model_len is not None
         if self.fixed_capacity:
