@@ -222,6 +222,12 @@ def server_info(port: int) -> dict:
 # the clients
 
 
+def request_body(model: str, cfg: ServeBenchConfig, i: int, prompt: str, chat: bool) -> dict:
+    """Request i of the mixed stream, greedy, for the bare client (bench/raw_client.py)."""
+    return dict(model=model, max_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed + i, ignore_eos=True,
+                **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}))
+
+
 async def one_request(client, model: str, prompt: str, chat: bool, temperature: float, max_tokens: int,
                       seed: int, extra: dict) -> RequestResult:
     t0 = time.perf_counter()
@@ -430,8 +436,7 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
             while todo:
                 i = todo.pop(0)
                 p, chat = reqs[i]
-                body = dict(model=model, max_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed + i,
-                            ignore_eos=True, **({"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p}))
+                body = request_body(model, cfg, i, p, chat)
                 if stream:
                     text, tokens, first, seconds = await stream_request(servers[system], body, chat, api_key=key)
                 else:

@@ -34,8 +34,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specrouter.bench.serve import (SIDES, ServeBenchConfig, free_port, goal_lines, one_request, prompts, rotation,
-                                    start_server, stop_servers, write_json_and_markdown)
+from specrouter.bench.serve import (SIDES, ServeBenchConfig, free_port, goal_lines, one_request, prompts,
+                                    request_body, rotation, server_info, start_server, stop_servers,
+                                    write_json_and_markdown)
 from specrouter.bench.serve_steps import Steps, at_library_step, server_histogram, server_steps, split
 
 STREAMED = ("server", "raw")  # the server sides whose chunks are counted (stream_delivery_seconds)
@@ -124,12 +125,6 @@ class Worker:
         self.log.close()
 
 
-def request_body(model: str, cfg: ServeBenchConfig, i: int, prompt: str, chat: bool) -> dict:
-    """Request i of the mixed stream, greedy, for the bare client."""
-    return dict(model=model, max_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed + i, ignore_eos=True,
-                **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}))
-
-
 async def served(side: str, base: str, model: str, cfg: ServeBenchConfig, reqs: list[tuple[int, str, bool]],
                  c: int, key: str) -> tuple[int, float, list[str]]:
     """`reqs` ((index, prompt, chat)) to the server through a side's client, at most `c` at once:
@@ -215,10 +210,10 @@ def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
     """Round r on fresh processes: line name -> side -> Unit."""
     out_dir = Path(cfg.out_dir)
     worker = Worker(cfg, models, out_dir / f"fresh-r{r}-library.log")  # loads while the servers start
-    procs, bases, pids = [], {}, {}
+    procs, bases, pids, ports = [], {}, {}, {}
 
     def serve(system: str) -> None:
-        port = free_port()
+        ports[system] = port = free_port()
         procs.append(start_server(cfg, models, port, log, plain=system == "plain", name=f"fresh-r{r}-{system}"))
         bases[system], pids[system] = f"http://127.0.0.1:{port}/v1", procs[-1].pid
 
@@ -226,7 +221,7 @@ def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
         serve("plain")
         if 1 in cfg.concurrency and "router" in worker.ready()["systems"]:
             serve("router")
-        model = json.loads(_get(bases["plain"] + "/models"))["data"][0]["id"]
+        model = server_info(ports["plain"])["data"][0]["id"]
         lines = lines_of(cfg, "router" in bases)
         for c in sorted({c for _, _, c in lines}):
             for base in bases.values():
@@ -263,13 +258,6 @@ def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
     finally:
         worker.stop()
         stop_servers(procs)
-
-
-def _get(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
 
 
 def median_of(values: list[float | None]) -> dict | None:
