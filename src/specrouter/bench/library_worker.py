@@ -72,30 +72,13 @@ class LibraryWorker:
                 "steps": [clock.steps.count, clock.steps.seconds]}
 
     def batch(self, concurrency: int, requests: int) -> dict:
-        from specrouter.bench.serve import continuous_batching, prompts
-        from specrouter.bench.serve_steps import StepClock
-        from specrouter.config import SamplingParams
-        from specrouter.engine.engine import Engine
+        from specrouter.bench.serve import library_level, prompts
 
         ids = [self.api.encode(p, chat=chat) for p, chat in prompts(requests)]
-        view = self.pool.with_fresh_drafters()
-        engine = Engine(view, max_num_seqs=concurrency,
-                        max_model_len=max(len(x) for x in ids) + self.max_new_tokens + 16)
-        warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-        n = min(concurrency, len(ids))
-        engine.generate_ids([x[:8] for x in ids[:n]], [warm] * n, chain=(view.target,), k=1)
-        if engine.prefix_cache is not None:  # the warm-up parked the measured prompts' first tokens
-            engine.prefix_cache.clear()
-        clock = StepClock(engine)
-        try:
-            t0 = time.perf_counter()
-            seqs = continuous_batching(engine, ids, self.params, concurrency, (view.target,))
-            wall = time.perf_counter() - t0
-        finally:
-            clock.close()
+        seqs, wall, steps = library_level(self.pool.with_fresh_drafters(), ids, self.params, concurrency)
         return {"tokens": sum(len(s.output_ids) for s in seqs), "wall": wall,
                 "texts": [self.api.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in seqs],
-                "steps": [clock.steps.count, clock.steps.seconds]}
+                "steps": [steps.count, steps.seconds]}
 
 
 def main(argv: list[str]) -> int:

@@ -389,7 +389,6 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
 
     from specrouter.api import SpecRouter
     from specrouter.config import PoolConfig, RouterConfig, SamplingParams
-    from specrouter.engine.engine import Engine
     from specrouter.models.pool import Pool, preview_pool
     from specrouter.router.setup import build_router
     from specrouter.server.threads import release_omp_team_here
@@ -403,7 +402,6 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
     reqs_all = prompts(max(cfg.requests, *cfg.concurrency))
     ids_all = [sr.encode(p, chat=chat) for p, chat in reqs_all]
     params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
-    warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
     loop = asyncio.new_event_loop()
     out = []
 
@@ -512,24 +510,10 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
         for r in range(max(1, cfg.rounds)):
             for who in rotation(r):
                 if who == "library":
-                    view = pool.with_fresh_drafters()
-                    engine = Engine(view, max_num_seqs=c,
-                                    max_model_len=max(len(x) for x in ids) + cfg.max_new_tokens + 16)
-                    # warm-up at the batch size it runs (the server's levels warmed the server's),
-                    # then its parked prompts dropped: they are the first 8 tokens of the measured
-                    # ones, and prefix hits the server's run (its own API key) cannot have cut the
-                    # library's prefill by a fifth (docs/serving-performance.md, fifth round)
-                    engine.generate_ids([x[:8] for x in ids[:c]], [warm] * min(c, len(ids)),
-                                        chain=(view.target,), k=1)
-                    if engine.prefix_cache is not None:
-                        engine.prefix_cache.clear()
-                    clock = StepClock(engine)
-                    t0 = time.perf_counter()
-                    seqs = continuous_batching(engine, ids, params, c, (view.target,))
-                    lib.add(sum(len(s.output_ids) for s in seqs), time.perf_counter() - t0,
+                    seqs, wall, steps = library_level(pool.with_fresh_drafters(), ids, params, c)
+                    lib.add(sum(len(s.output_ids) for s in seqs), wall,
                             [sr.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in seqs],
-                            clock.steps, latest=True)
-                    clock.close()
+                            steps, latest=True)
                     cached += sum(s.stats.cached_tokens for s in seqs)
                     release_omp_team_here()
                 else:
@@ -614,6 +598,33 @@ def rotation(i: int) -> tuple[str, ...]:
     first in turn."""
     k = i % len(SIDES)
     return SIDES[k:] + SIDES[:k]
+
+
+def library_level(view, ids: list[list[int]], params, concurrency: int) -> tuple[list, float, Steps]:
+    """The library side of a level: the engine's own continuous batching of `ids` on `view`'s
+    target, at most `concurrency` rows at once, on a new engine warmed at that batch size (the
+    server's levels warmed the server's), then its parked prompts dropped: they are the first 8
+    tokens of the measured ones, and prefix hits the server's run (its own API key) cannot have
+    cut the library's prefill by a fifth (docs/serving-performance.md, fifth round). Returns
+    (sequences in order, wall seconds, the engine steps inside)."""
+    from specrouter.config import SamplingParams
+    from specrouter.engine.engine import Engine
+
+    engine = Engine(view, max_num_seqs=concurrency,
+                    max_model_len=max(len(x) for x in ids) + params.max_new_tokens + 16)
+    warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    engine.generate_ids([x[:8] for x in ids[:concurrency]], [warm] * min(concurrency, len(ids)),
+                        chain=(view.target,), k=1)
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
+    clock = StepClock(engine)
+    try:
+        t0 = time.perf_counter()
+        seqs = continuous_batching(engine, ids, params, concurrency, (view.target,))
+        wall = time.perf_counter() - t0
+    finally:
+        clock.close()
+    return seqs, wall, clock.steps
 
 
 def continuous_batching(engine, ids: list[list[int]], params, concurrency: int, chain) -> list:
