@@ -11,11 +11,13 @@ import asyncio
 import pytest
 import torch
 
+from specrouter.bench.serve_steps import ThreadSteps
 from specrouter.config import SamplingParams
 from specrouter.engine.engine import Engine
 from specrouter.models.pool import Pool
 from specrouter.server.async_engine import AsyncEngine
 from specrouter.server.contention import TeamGovernor, idle_cores_reader
+from specrouter.server.metrics import ServerMetrics
 
 
 class Script:
@@ -145,11 +147,11 @@ def test_the_engine_threads_forwards_run_on_the_count_the_governor_set(tiny_pool
     runner.forward = spy
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
 
-    def serve(governor: TeamGovernor) -> list[int]:
+    def serve(governor: TeamGovernor, metrics: ServerMetrics | None = None) -> list[int]:
         engine = Engine(pool, max_num_seqs=2, max_model_len=64)
 
         async def main():
-            ae = AsyncEngine(engine, seed=0, governor=governor)
+            ae = AsyncEngine(engine, seed=0, governor=governor, metrics=metrics)
             ae.start()
             try:
                 h = ae.submit([5, 6, 7], params, chain=("target",), k=1)
@@ -183,17 +185,40 @@ def test_the_engine_threads_forwards_run_on_the_count_the_governor_set(tiny_pool
             idle[0] = 1.0 if steps[0] >= 3 else 0.0
             super().observe(wall, 0.3 * wall if self.starve and steps[0] == 1 else wall)
 
+    metrics = ServerMetrics()
     gov = Scripted(True, window=0.0, recheck=0.0, idle_cores=lambda: idle[0], set_threads=set_threads,
-                   get_threads=lambda: 2)
+                   get_threads=lambda: 2, on_change=metrics.observe_governor)
     torch_threads = torch.get_num_threads()
     try:
-        tokens = serve(gov)
+        tokens = serve(gov, metrics)
     finally:
         torch.set_num_threads(torch_threads)
     assert gov.drops == 1 and gov.restores == 1
     assert seen[1:3] == [1, 1] and seen[3] == 2, seen
+    # /metrics: the steps by the threads they ran on (steps 2 and 3 on one), the drop and the restore
+    counted = ThreadSteps.parse(metrics.render().decode())
+    assert counted.changes == {"drop": 1.0, "restore": 1.0}
+    assert counted.steps[1][0] == 2 and counted.steps[2][0] == len(seen) - 2, (counted.steps, seen)
+    assert all(v[1] > 0 and v[2] >= 0 for v in counted.steps.values())
     seen.clear()
     acted = []
     control = serve(Scripted(False, window=0.0, recheck=0.0, idle_cores=lambda: idle[0], set_threads=acted.append,
                              get_threads=lambda: 2))
     assert control == tokens and acted == [] and len(set(seen)) == 1  # never reduced: one count
+
+
+def test_the_server_config_turns_the_governor_on_and_off(tiny_pool_dirs):
+    """ServerConfig.team_governor (serve --no-team-governor): on, the server's engine thread has a
+    governor that reports its changes to /metrics; off, none (its torch threads never change)."""
+    from specrouter.server import ServerConfig, create_app
+
+    pool = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float64")
+    for on in (True, False):
+        srv = create_app(pool, ServerConfig(max_num_seqs=1, max_model_len=32, adaptive=False,
+                                            team_governor=on)).state.server
+        gov = srv.loop_engine.governor
+        if on:
+            assert isinstance(gov, TeamGovernor) and gov.on_change == srv.metrics.observe_governor
+        else:
+            assert gov is None
+        srv.close()

@@ -440,6 +440,10 @@ class ServerConfig:
     # 2: at c=8 it cut streaming's time outside the engine steps from 133 to 56 ms a level (4: 37)
     # and the openai client's CPU by 43% (4: 58%), a chunk every 2 steps (docs/serving-performance.md)
     stream_interval: int = 2
+    # the engine thread runs on fewer torch threads while another process takes one of its cores
+    # (server/contention.py `TeamGovernor`: a starved OpenMP team spins through its barriers);
+    # False: always on its own count
+    team_governor: bool = True
     max_body_bytes: int = 1 << 20  # request body limit (413 beyond)
     retry_after_s: int = 1  # Retry-After of a 429
     seed: int | None = None  # seed of the engine's random stream (unseeded sampling requests)

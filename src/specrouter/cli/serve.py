@@ -48,7 +48,7 @@ def config_from_args(args: argparse.Namespace):
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
             model_timeout=args.model_timeout if args.model_timeout > 0 else None,
             max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, seed=args.seed,
-            stream_interval=args.stream_interval,
+            stream_interval=args.stream_interval, team_governor=not args.no_team_governor,
             metrics_auth=args.metrics_auth, suffix_scope=args.suffix_scope,
             allowed_hosts=tuple(args.allowed_hosts) if args.allowed_hosts else None)
     except ValueError as e:
@@ -190,6 +190,9 @@ def register(sub) -> None:
                    help="while other rows run, a streamed row's SSE chunk carries the tokens of this many "
                         "engine steps (a lone row, first and last tokens are never held; rows with stop "
                         "strings read every step); default %(default)s")
+    s.add_argument("--no-team-governor", action="store_true",
+                   help="keep the engine's torch threads at their count even while another process takes "
+                        "one of their cores (default: fewer threads then, back once the cores are idle)")
     s.add_argument("--suffix-scope", choices=SUFFIX_SCOPES, default="shared",
                    help="whose earlier requests the suffix drafter drafts from: shared (all), or "
                         "api-key (only requests with the same Authorization header value; "

@@ -113,8 +113,9 @@ class AsyncEngine:
                  watch: ForwardWatch | None = None, handoff_wait: float = HANDOFF_WAIT_S,
                  admission_wait: float = ADMISSION_WAIT_S, governor: TeamGovernor | None = None):
         self.engine = engine
-        # the engine thread's torch threads while another process takes a core (contention.py)
-        self.governor = governor if governor is not None else TeamGovernor()
+        # the engine thread's torch threads while another process takes a core (contention.py;
+        # None: always its own count). Service builds it from ServerConfig.team_governor
+        self.governor = governor
         self.handoff_wait = handoff_wait  # seconds (0: hand tokens over without waiting)
         self.admission_wait = admission_wait  # seconds (0: an idle engine starts at once)
         self.watch = watch  # the guarded runners' deadlines (None: no model timeout)
@@ -236,7 +237,7 @@ class AsyncEngine:
         engine = self.engine
         me = threading.current_thread()
         try:
-            if recover is not None:
+            if recover is not None and self.governor is not None:
                 self.governor.reset()  # the new thread runs on the team's own torch threads
                 self._recover(recover)
             while True:
@@ -317,7 +318,7 @@ class AsyncEngine:
     def _step(self) -> list[tuple[RequestHandle, TokenEvent]]:
         engine = self.engine
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        rows = len(engine.running)
+        rows, threads = len(engine.running), torch.get_num_threads()  # this step's torch threads
         try:
             outputs = engine.step()
         except Exception as e:
@@ -331,10 +332,12 @@ class AsyncEngine:
                         h.finished = True
                         out.append((h, TokenEvent([], True, "error", error=f"{type(e).__name__}: {e}")))
             return out
-        wall = time.perf_counter() - t0
-        self.governor.observe(wall, time.thread_time() - cpu0)
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+        if self.governor is not None:
+            self.governor.observe(wall, cpu)
         if self.metrics is not None:
             self.metrics.step_seconds.observe(wall)
+            self.metrics.observe_threads(threads, wall, cpu)
             if rows:
                 self.metrics.observe_step(engine.last_step_kind, rows, wall,
                                           sum(len(o.new_token_ids) for o in outputs))

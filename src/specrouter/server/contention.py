@@ -72,8 +72,10 @@ class TeamGovernor:
     def __init__(self, *, starved: float = STARVED, window: float = WINDOW_S, recheck: float = RECHECK_S,
                  free_cores: float = FREE_CORES, idle_cores: Callable[[], float | None] | None = None,
                  set_threads: Callable[[int], None] = torch.set_num_threads,
-                 get_threads: Callable[[], int] = torch.get_num_threads, clock: Callable[[], float] = time.monotonic):
+                 get_threads: Callable[[], int] = torch.get_num_threads, clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[str, int], None] | None = None):
         self.starved, self.window, self.recheck, self.free_cores = starved, window, recheck, free_cores
+        self.on_change = on_change  # ("drop" | "restore", the count it set), e.g. ServerMetrics.observe_governor
         self.idle_cores = idle_cores if idle_cores is not None else idle_cores_reader()
         self.set_threads, self.get_threads, self.clock = set_threads, get_threads, clock
         self.threads: int | None = None  # the engine thread's own count (read at its first step)
@@ -99,6 +101,8 @@ class TeamGovernor:
                     self._set(self.threads)
                     self.restores += 1
                     self.restored_at = now
+                    if self.on_change is not None:
+                        self.on_change("restore", self.current)
             return
         self.wall += wall
         self.cpu += cpu
@@ -109,6 +113,8 @@ class TeamGovernor:
         if share < self.starved:  # the cores the team had: about threads * share of them
             self._set(max(1, min(self.threads - 1, int(self.threads * share))))
             self.drops += 1
+            if self.on_change is not None:
+                self.on_change("drop", self.current)
             now = self.clock()
             soon = self.restored_at is not None and now - self.restored_at < 4 * self.window
             self.backoff = min(2 * self.backoff, MAX_BACKOFF * self.recheck) if soon else self.recheck

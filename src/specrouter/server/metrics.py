@@ -18,6 +18,11 @@ Names (all prefixed `specrouter_`):
   loses to plain batching); plan_cycles_total{chain,k}, plan_committed_tokens_total{chain,k}:
   row-cycles of each chain by draft length (the largest of its rows that step) and the target
   tokens they committed (mean acceptance length per plan = committed / cycles);
+- steps_by_threads_total{threads}, steps_by_threads_seconds_total{threads},
+  steps_by_threads_cpu_seconds_total{threads}: engine steps by the torch threads they ran on, their
+  wall seconds and the engine thread's CPU seconds in them (cpu / wall is the share `TeamGovernor`
+  reads); engine_threads: the engine thread's torch threads now; governor_changes_total{change}:
+  the governor's "drop"s and "restore"s (server/contention.py);
 - generated_tokens_total (tokens/s = rate()); requests_total{endpoint,status};
   request_seconds{endpoint}: end to end; time_to_first_token_seconds;
 - stream_delivery_seconds: a streamed token's engine commit (end of the engine step) to its SSE
@@ -81,6 +86,15 @@ class ServerMetrics:
                                              ["kind", "rows"], registry=r)
         self.steps_by_kind_tokens = Counter(p + "steps_by_kind_tokens", "Tokens those steps committed",
                                             ["kind", "rows"], registry=r)
+        self.steps_by_threads = Counter(p + "steps_by_threads", "Engine steps by the torch threads they ran on",
+                                        ["threads"], registry=r)
+        self.steps_by_threads_seconds = Counter(p + "steps_by_threads_seconds", "Wall seconds of those steps",
+                                                ["threads"], registry=r)
+        self.steps_by_threads_cpu = Counter(p + "steps_by_threads_cpu_seconds",
+                                            "The engine thread's CPU seconds in those steps", ["threads"], registry=r)
+        self.engine_threads = Gauge(p + "engine_threads", "The engine thread's torch threads now", registry=r)
+        self.governor_changes = Counter(p + "governor_changes", "TeamGovernor's thread count changes",
+                                        ["change"], registry=r)
         self.plan_cycles = Counter(p + "plan_cycles", "Row-cycles run with each chain and draft length",
                                    ["chain", "k"], registry=r)
         self.plan_committed = Counter(p + "plan_committed_tokens",
@@ -148,6 +162,20 @@ class ServerMetrics:
         self.steps_by_kind.labels(*labels).inc()
         self.steps_by_kind_seconds.labels(*labels).inc(seconds)
         self.steps_by_kind_tokens.labels(*labels).inc(tokens)
+
+    def observe_threads(self, threads: int, seconds: float, cpu: float) -> None:
+        """One engine step (AsyncEngine, engine thread) run on `threads` torch threads: its wall
+        seconds and the engine thread's CPU seconds in it."""
+        label = str(threads)
+        self.steps_by_threads.labels(label).inc()
+        self.steps_by_threads_seconds.labels(label).inc(seconds)
+        self.steps_by_threads_cpu.labels(label).inc(cpu)
+        self.engine_threads.set(threads)
+
+    def observe_governor(self, change: str, threads: int) -> None:
+        """TeamGovernor.on_change (engine thread): it dropped to or restored `threads` threads."""
+        self.governor_changes.labels(change).inc()
+        self.engine_threads.set(threads)
 
     def observe_failure(self, failure) -> None:
         """Engine.on_model_failure hook (engine thread)."""

@@ -13,6 +13,7 @@ from specrouter.engine.engine import Engine
 from specrouter.engine.faults import ForwardWatch, guard_runners
 from specrouter.models.pool import Pool
 from specrouter.server.async_engine import AsyncEngine
+from specrouter.server.contention import TeamGovernor
 from specrouter.server.metrics import ServerMetrics
 from specrouter.server.threads import release_omp_team_here
 
@@ -52,8 +53,9 @@ class Service:
         self.engine.on_model_failure = self.metrics.observe_failure
         # the engine thread runs every forward (the process's one OpenMP team: server/threads.py);
         # a hung forward hands its loop to a new thread (async_engine.py)
-        self.loop_engine = AsyncEngine(self.engine, max_queue=config.max_queue,
-                                       metrics=self.metrics, seed=config.seed, watch=watch)
+        governor = TeamGovernor(on_change=self.metrics.observe_governor) if config.team_governor else None
+        self.loop_engine = AsyncEngine(self.engine, max_queue=config.max_queue, metrics=self.metrics,
+                                       seed=config.seed, watch=watch, governor=governor)
         self.model_name = config.served_model_name or self.pool.target
         self.served_names = (self.model_name, *config.model_aliases)  # names /v1/models lists
         self.chat_template = config.chat_template  # None: the target tokenizer's
