@@ -48,6 +48,37 @@ def test_the_verdict_is_the_median_of_per_round_ratios_not_the_pooled_one():
     assert goal["value"] == pytest.approx(0.93) and not goal["met"]
 
 
+def test_other_processes_cpu_is_the_machines_busy_time_less_the_benchs_own(tmp_path):
+    """bench/machine_cpu.py from scripted /proc files: over a span the machine ran 3.0 busy CPU
+    seconds, the bench's two processes 1.2 + 0.6 of them, so others took 1.2; an exited process
+    counts nothing, and a span with only the bench's own work leaves others at 0."""
+    import os
+
+    from specrouter.bench import machine_cpu
+
+    hz = os.sysconf("SC_CLK_TCK")
+    stat, proc = tmp_path / "stat", tmp_path / "proc"
+
+    def world(busy: float, idle: float, steal: float, ours: dict[int, float]) -> None:
+        # user nice system idle iowait irq softirq steal, in ticks (busy split user / system)
+        stat.write_text(f"cpu  {int(busy * hz * 0.75)} 0 {int(busy * hz * 0.25)} {int(idle * hz)} 0 0 0 "
+                        f"{int(steal * hz)} 0 0\n")
+        for pid, cpu in ours.items():
+            (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+            fields = ["S"] + ["0"] * 10 + [str(int(cpu * hz * 0.5)), str(int(cpu * hz * 0.5))] + ["0"] * 30
+            (proc / str(pid) / "stat").write_text(f"{pid} (python -m x) " + " ".join(fields))
+
+    world(10.0, 50.0, 1.0, {11: 2.0, 12: 1.0})
+    a = machine_cpu.read([11, 12, 99], str(stat), str(proc))
+    world(13.0, 51.0, 1.5, {11: 3.2, 12: 1.6})
+    span = machine_cpu.read([11, 12, 99], str(stat), str(proc)) - a
+    assert (span.busy, span.idle, span.steal, span.ours) == pytest.approx((3.0, 1.0, 0.5, 1.8))
+    assert span.others == pytest.approx(1.2)
+    world(14.0, 52.0, 1.5, {11: 3.7, 12: 2.1})  # the control: only the bench's own CPU
+    assert (machine_cpu.read([11, 12], str(stat), str(proc)) - a - span).others == pytest.approx(0.0)
+    assert machine_cpu.read([11], str(tmp_path / "absent"), str(proc)) is None
+
+
 def test_a_side_whose_text_differs_is_a_mismatch():
     fast = {"server": 96.0, "raw": 96.0, "whole": 100.0}
     rounds = [_round(100, fast)]
@@ -62,7 +93,7 @@ def test_fresh_rounds_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
     d = tiny_pool_dirs
     cfg = ServeBenchConfig(models=(str(d["draft"]), str(d["target"])), target=str(d["target"]), concurrency=(1, 4),
                            requests=2, max_new_tokens=6, dtype="float64", out_dir=str(tmp_path), threads=1,
-                           fresh_rounds=2, stream_interval=2)
+                           fresh_rounds=2, stream_interval=2, team_governor=False)
     result = run_fresh_bench(cfg, log=lambda m: None)
     assert result["mismatches"] == []  # greedy: every side's texts are the library's
     assert list(result["lines"]) == ["c=1 plain", "c=1 router", "c=4 batched"]
@@ -75,10 +106,17 @@ def test_fresh_rounds_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
             assert sides["raw"]["chunks"] > 0 and sides["whole"]["chunks"] == 0
             # the server's event loop CPU (its main thread, /proc) beside each server side
             assert sides["library"]["loop_cpu_ms"] is None and sides["raw"]["loop_cpu_ms"] is not None
+            # the server's steps by torch threads (one: threads=1) with the engine thread's CPU in them
+            t = sides["whole"]["threads"]
+            assert sides["library"]["threads"] is None and t["threads"] == 1 and t["reduced_steps"] == 0.0
+            assert 0 < t["cpu_share"] <= 1.05 and (t["drops"], t["restores"]) == (0, 0)
+            # the machine's idle, other processes' and host-stolen CPU over every side's units (/proc)
+            assert all(x[k] >= 0 for x in sides.values() for k in ("idle_ms", "others_ms", "steal_ms"))
     plain = result["lines"]["c=1 plain"]["rounds"][0]
     assert {x["steps"] for x in plain.values()} == {cfg.max_new_tokens}  # a step a token, every side
     # every round on its own processes: each round's server and library logs, the flag passed on
     logs = sorted(p.name for p in tmp_path.glob("fresh-r*.log"))
     assert logs == [f"fresh-r{r}-{w}.log" for r in (0, 1) for w in ("library", "plain", "router")]
-    assert "--stream-interval 2" in (tmp_path / "fresh-r1-plain.log").read_text()
+    assert "--stream-interval 2 --no-team-governor" in (tmp_path / "fresh-r1-plain.log").read_text()
+    assert "--no-team-governor" in markdown_fresh(result)
     assert json.loads(json.dumps(result))["rounds"] == 2

@@ -37,7 +37,9 @@ from pathlib import Path
 from specrouter.bench.serve import (SIDES, ServeBenchConfig, free_port, goal_lines, one_request, prompts,
                                     request_body, rotation, server_info, start_server, stop_servers,
                                     write_json_and_markdown)
-from specrouter.bench.serve_steps import Steps, at_library_step, server_histogram, server_steps, split
+from specrouter.bench import machine_cpu
+from specrouter.bench.machine_cpu import MachineCpu
+from specrouter.bench.serve_steps import Steps, ThreadSteps, at_library_step, histogram_in, metrics_text, split
 
 STREAMED = ("server", "raw")  # the server sides whose chunks are counted (stream_delivery_seconds)
 
@@ -54,10 +56,13 @@ class Unit:
     client_cpu: float = 0.0
     loop_cpu: float | None = None  # CPU seconds of the server's event loop thread (None: not read)
     delivery: Steps = field(default_factory=Steps)  # chunks and their summed commit-to-socket seconds
+    threads: ThreadSteps | None = None  # a server side's steps by torch threads, the governor's changes
+    machine: MachineCpu | None = None  # the machine's CPU over it: what else ran (bench/machine_cpu.py)
     texts: list[str] = field(default_factory=list)
 
     def add(self, tokens: int, wall: float, steps: Steps, texts: list[str], client_cpu: float = 0.0,
-            delivery: Steps | None = None, loop_cpu: float | None = None) -> None:
+            delivery: Steps | None = None, loop_cpu: float | None = None,
+            threads: ThreadSteps | None = None, machine: MachineCpu | None = None) -> None:
         self.tokens += tokens
         self.wall += wall
         self.steps += steps
@@ -66,6 +71,10 @@ class Unit:
         self.delivery += delivery or Steps()
         if loop_cpu is not None:
             self.loop_cpu = (self.loop_cpu or 0.0) + loop_cpu
+        if threads is not None:
+            self.threads = threads if self.threads is None else self.threads + threads
+        if machine is not None:
+            self.machine = machine if self.machine is None else self.machine + machine
         self.texts += texts
 
     @property
@@ -78,7 +87,12 @@ class Unit:
                 "client_cpu_ms": self.client_cpu / self.units * 1e3 if self.units else None,
                 "loop_cpu_ms": self.loop_cpu / self.units * 1e3 if self.units and self.loop_cpu is not None else None,
                 "chunks": self.delivery.count,
-                "delivery_ms": self.delivery.seconds / self.delivery.count * 1e3 if self.delivery.count else None}
+                "delivery_ms": self.delivery.seconds / self.delivery.count * 1e3 if self.delivery.count else None,
+                "threads": self.threads.summary() if self.threads is not None else None,
+                # the machine's CPU ms over the side's units, per unit: idle, taken by other processes
+                # than the bench's, and by the host (steal: the VM's vCPUs did not run)
+                **{f"{k}_ms": getattr(self.machine, k) / self.units * 1e3 if self.machine is not None and self.units
+                   else None for k in ("idle", "others", "steal")}}
 
 
 class Worker:
@@ -171,19 +185,26 @@ def loop_cpu_seconds(pid: int) -> float | None:
 
 
 def measure(into: Unit, side: str, base: str, pid: int, model: str, cfg: ServeBenchConfig, reqs, c: int,
-            key: str) -> None:
-    """One unit of a server side into `into`, with the server's steps and chunk deliveries over it
-    (its /metrics, read outside the timed region), its event loop's CPU (server process `pid`)
-    and the client's."""
-    steps0, chunks0 = server_steps(base), server_histogram(base, "stream_delivery_seconds")
+            key: str, ours=lambda: [os.getpid()]) -> None:
+    """One unit of a server side into `into`, with the server's steps (by torch threads too) and chunk
+    deliveries over it (its /metrics, read outside the timed region), its event loop's CPU (server
+    process `pid`), the client's and the machine's (`machine_cpu.over` the processes `ours()`)."""
+    before = metrics_text(base)
     loop0 = loop_cpu_seconds(pid)
     cpu = time.thread_time()
-    tokens, wall, texts = asyncio.run(served(side, base, model, cfg, reqs, c, key))
+    (tokens, wall, texts), machine = machine_cpu.over(lambda: asyncio.run(served(side, base, model, cfg, reqs, c, key)),
+                                                    ours)
     cpu = time.thread_time() - cpu
     loop = loop_cpu_seconds(pid)
-    into.add(tokens, wall, server_steps(base) - steps0, texts, cpu,
-             server_histogram(base, "stream_delivery_seconds") - chunks0 if side in STREAMED else None,
-             loop - loop0 if loop is not None and loop0 is not None else None)
+    after = metrics_text(base)
+
+    def span(name: str) -> Steps:
+        return histogram_in(after, name) - histogram_in(before, name)
+
+    into.add(tokens, wall, span("step_seconds"), texts, cpu,
+             span("stream_delivery_seconds") if side in STREAMED else None,
+             loop - loop0 if loop is not None and loop0 is not None else None,
+             ThreadSteps.parse(after) - ThreadSteps.parse(before), machine)
 
 
 def warm(base: str, model: str, cfg: ServeBenchConfig, c: int, round_: int) -> None:
@@ -212,6 +233,9 @@ def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
     worker = Worker(cfg, models, out_dir / f"fresh-r{r}-library.log")  # loads while the servers start
     procs, bases, pids, ports = [], {}, {}, {}
 
+    def ours() -> list[int]:  # the bench's own processes (the bench is the client)
+        return [os.getpid(), worker.proc.pid, *(p.pid for p in procs)]
+
     def serve(system: str) -> None:
         ports[system] = port = free_port()
         procs.append(start_server(cfg, models, port, log, plain=system == "plain", name=f"fresh-r{r}-{system}"))
@@ -235,24 +259,26 @@ def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
                 for i, (p, chat) in enumerate(prompts(cfg.requests)):
                     for side in rotation(r * cfg.requests + i):
                         if side == "library":
-                            x = worker.ask(op="one", system=system, prompt=p, chat=chat)
-                            units[side].add(x["tokens"], x["wall"], Steps(*x["steps"]), x["texts"])
+                            x, m = machine_cpu.over(lambda: worker.ask(op="one", system=system, prompt=p, chat=chat), ours)
+                            units[side].add(x["tokens"], x["wall"], Steps(*x["steps"]), x["texts"], machine=m)
                         else:
                             measure(units[side], side, base, pids[system], model, cfg, [(i, p, chat)], 1,
-                                    f"{key}|{side}")
+                                    f"{key}|{side}", ours)
             else:  # a level on each side, in rotating order
                 n = max(cfg.requests, c)
                 reqs = [(i, p, chat) for i, (p, chat) in enumerate(prompts(n))]
                 for side in rotation(r):
                     if side == "library":
-                        x = worker.ask(op="batch", concurrency=c, requests=n)
-                        units[side].add(x["tokens"], x["wall"], Steps(*x["steps"]), x["texts"])
+                        x, m = machine_cpu.over(lambda: worker.ask(op="batch", concurrency=c, requests=n), ours)
+                        units[side].add(x["tokens"], x["wall"], Steps(*x["steps"]), x["texts"], machine=m)
                     else:
-                        measure(units[side], side, base, pids[system], model, cfg, reqs, c, f"{key}|{side}")
+                        measure(units[side], side, base, pids[system], model, cfg, reqs, c, f"{key}|{side}", ours)
             lib = units["library"]
             step = split(lib.wall, lib.steps, 1)["step_ms"]
             log(f"round {r + 1} {name}: library {lib.tps:.1f} tok/s (step {step:.2f} ms); "
-                + ", ".join(f"{side} {u.tps / lib.tps:.3f}x (step {split(u.wall, u.steps, 1)['step_ms']:.2f} ms)"
+                + ", ".join(f"{side} {u.tps / lib.tps:.3f}x (step {split(u.wall, u.steps, 1)['step_ms']:.2f} ms"
+                            + (f", {u.threads.summary()['drops']} drops" if u.threads is not None else "")
+                            + (f", others {u.machine.others * 1e3:.0f} ms" if u.machine is not None else "") + ")"
                             for side, u in units.items() if side != "library"))
         return got
     finally:
@@ -336,7 +362,9 @@ def markdown_fresh(result: dict) -> str:
 
     prov = result.get("provenance")
     interval = result["config"].get("stream_interval")
-    flags = "default flags" if interval is None else f"--stream-interval {interval}"
+    given = ([f"--stream-interval {interval}"] if interval is not None else []) + \
+        (["--no-team-governor"] if result["config"].get("team_governor") is False else [])
+    flags = " ".join(given) or "default flags"
     lines = ["# specrouter bench --serve --fresh-rounds", "",
              f"Provenance: {describe_provenance(prov)}." if prov else "Provenance: not recorded.", "",
              f"load average {result['load_average']:.2f} on {result['cores']} cores; {result['rounds']} rounds, "
@@ -354,17 +382,26 @@ def markdown_fresh(result: dict) -> str:
         lines.append(f"| {name} | {' | '.join(cells)} | {sw} |")
     lines += ["", "Each round's sides: tok/s, mean engine step (ms), steps and ms outside them per unit (a request "
                   "at c=1, a level at c >= 4), the server's event loop CPU ms and the client's CPU ms per unit, SSE "
-                  "chunks and their mean commit-to-socket ms:", "",
+                  "chunks and their mean commit-to-socket ms; a server side's engine thread: its CPU over its steps' "
+                  "wall (what `TeamGovernor` reads), the share of step seconds it ran on fewer torch threads than "
+                  "its own count, the governor's drops / restores; the machine's CPU ms per unit, all cores: idle, "
+                  "run by other processes than the bench's, stolen by the host (a library side's span includes "
+                  "its engine's set-up):", "",
               "| line | round | side | tok/s | step ms | steps | outside ms | loop CPU ms | client CPU ms | chunks | "
-              "commit to socket ms |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "commit to socket ms | engine CPU / step | fewer threads | drops / restores | idle / others / steal ms |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, line in result["lines"].items():
         for r, sides in enumerate(line["rounds"]):
             for side, x in sides.items():
+                t = x.get("threads") or {}
                 lines.append(f"| {name} | {r + 1} | {side} | {f(x['tokens_per_s'])} | {f(x['step_ms'], 2)} | "
                              f"{f(x['steps'])} | {f(x['outside_ms'])} | {f(x.get('loop_cpu_ms'))} | "
                              f"{f(x['client_cpu_ms'])} | "
-                             f"{x['chunks'] or '-'} | {f(x['delivery_ms'], 3)} |")
+                             f"{x['chunks'] or '-'} | {f(x['delivery_ms'], 3)} | {f(t.get('cpu_share'), 2)} | "
+                             f"{f(t['reduced_seconds'] * 100 if t.get('reduced_seconds') is not None else None, 0)}"
+                             f"{'%' if t.get('reduced_seconds') is not None else ''} | "
+                             f"{str(t['drops']) + ' / ' + str(t['restores']) if t else '-'} | "
+                             f"{f(x.get('idle_ms'), 0)} / {f(x.get('others_ms'), 0)} / {f(x.get('steal_ms'), 0)} |")
     lines += goal_lines(result["goals"], digits=3)
     return "\n".join(lines) + "\n"
 

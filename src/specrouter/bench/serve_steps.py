@@ -70,16 +70,19 @@ def metrics_text(base_url: str, api_key: str | None = None) -> str:
         return r.read().decode()
 
 
-def server_histogram(base_url: str, name: str, api_key: str | None = None) -> Steps:
-    """A seconds histogram of the server's /metrics so far (`specrouter_<name>`): its count and
-    summed seconds; `base_url` is the server's ".../v1" URL."""
-    root = base_url.rstrip("/").removesuffix("/v1")
-    text = metrics_text(base_url, api_key)
+def histogram_in(text: str, name: str) -> Steps:
+    """A seconds histogram of a /metrics page (`specrouter_<name>`): its count and summed seconds."""
     total = re.search(rf"^specrouter_{name}_sum(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M)
     count = re.search(rf"^specrouter_{name}_count(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M)
     if total is None or count is None:
-        raise ValueError(f"no specrouter_{name} histogram on {root}/metrics")
+        raise ValueError(f"no specrouter_{name} histogram on the /metrics page")
     return Steps(int(float(count.group(1))), float(total.group(1)))
+
+
+def server_histogram(base_url: str, name: str, api_key: str | None = None) -> Steps:
+    """A seconds histogram of the server's /metrics so far (`histogram_in`); `base_url` is the
+    server's ".../v1" URL."""
+    return histogram_in(metrics_text(base_url, api_key), name)
 
 
 def server_steps(base_url: str, api_key: str | None = None) -> Steps:
@@ -110,6 +113,59 @@ def at_library_step(library: dict, side: dict) -> float | None:
         return None
     step, steps, outside, side_steps, side_outside = need
     return (step * steps + outside) / (step * side_steps + side_outside)
+
+
+@dataclass
+class ThreadSteps:
+    """A server's engine steps by the torch threads they ran on, threads -> [steps, wall seconds, the
+    engine thread's CPU seconds], and `TeamGovernor`'s changes, "drop" / "restore" -> count (its
+    /metrics, server/metrics.py); subtract two readings for a span."""
+
+    steps: dict = field(default_factory=dict)
+    changes: dict = field(default_factory=dict)
+
+    @staticmethod
+    def parse(text: str) -> "ThreadSteps":
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = ThreadSteps()
+        slot = {"specrouter_steps_by_threads_total": 0, "specrouter_steps_by_threads_seconds_total": 1,
+                "specrouter_steps_by_threads_cpu_seconds_total": 2}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in slot:
+                    out.steps.setdefault(int(sample.labels["threads"]), [0.0] * 3)[slot[sample.name]] = sample.value
+                elif sample.name == "specrouter_governor_changes_total":
+                    out.changes[sample.labels["change"]] = sample.value
+        return out
+
+    def __sub__(self, other: "ThreadSteps") -> "ThreadSteps":
+        steps = {n: [x - y for x, y in zip(v, other.steps.get(n, [0.0] * 3))] for n, v in self.steps.items()}
+        return ThreadSteps(steps, {c: v - other.changes.get(c, 0.0) for c, v in self.changes.items()})
+
+    def __add__(self, other: "ThreadSteps") -> "ThreadSteps":
+        steps = {n: list(v) for n, v in self.steps.items()}
+        for n, v in other.steps.items():
+            steps[n] = [x + y for x, y in zip(steps.get(n, [0.0] * 3), v)]
+        changes = dict(self.changes)
+        for c, v in other.changes.items():
+            changes[c] = changes.get(c, 0.0) + v
+        return ThreadSteps(steps, changes)
+
+    def summary(self) -> dict:
+        """JSON-ready: the share of steps (and of step seconds) below the team's count (the largest the
+        server ran on: a span keeps every count of its readings, stepped on or not), the
+        engine thread's CPU share of its step seconds (what the governor reads), drops, restores."""
+        if not any(v[0] for v in self.steps.values()):
+            return {"reduced_steps": None, "reduced_seconds": None, "cpu_share": None,
+                    "drops": int(self.changes.get("drop", 0)), "restores": int(self.changes.get("restore", 0))}
+        top = max(self.steps)
+        total = [sum(v[i] for v in self.steps.values()) for i in range(3)]
+        reduced = [sum(v[i] for n, v in self.steps.items() if n < top) for i in range(2)]
+        return {"threads": top, "reduced_steps": reduced[0] / total[0],
+                "reduced_seconds": reduced[1] / total[1] if total[1] > 0 else None,
+                "cpu_share": total[2] / total[1] if total[1] > 0 else None,
+                "drops": int(self.changes.get("drop", 0)), "restores": int(self.changes.get("restore", 0))}
 
 
 _SAMPLE = re.compile(r'^specrouter_(steps_by_kind|steps_by_kind_seconds|steps_by_kind_tokens|plan_cycles|'

@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "serve-fresh.md)")
     p.add_argument("--stream-interval", type=int, default=None, metavar="STEPS",
                    help="--serve: the servers' --stream-interval (default: specrouter serve's)")
+    p.add_argument("--no-team-governor", action="store_true",
+                   help="--serve: the servers keep their torch threads under contention (serve --no-team-governor)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run (meant for < 3 min on 2 quiet cores): mixed stream only, "
                         "1 prompt per type, 32 new tokens, k=4 only, transformers baselines in "
@@ -134,6 +136,8 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     if args.max_levels is not None:  # the deepest static chain
         over["static_levels"] = args.max_levels
     over["out_dir"] = args.out_dir or "bench-out/serve"
+    if args.no_team_governor:
+        over["team_governor"] = False
     over["plots"] = not args.no_plots
     workloads = args.workloads or ("mixed",)
     unknown = [w for w in workloads if w not in SERVE_WORKLOADS]
