@@ -242,8 +242,12 @@ class AsyncEngine:
                 self._recover(recover)
             while True:
                 with self._cv:
+                    paused = False
                     while not (self._stop or self._waiting or self._aborts or engine.has_unfinished()):
+                        paused = True
                         self._cv.wait()
+                    if paused and self.governor is not None:
+                        self.governor.wake()  # reduced: were the cores free in the pause? (contention.py)
                     if self._thread is not me:
                         return  # retired (belt and braces: a retired forward raises Retired)
                     if self._stop:

@@ -17,8 +17,10 @@ seconds: a team that has its cores runs the whole step, a starved one a fraction
 threads as it had cores (threads x share, at least one: one on 2 cores). While reduced it reads
 the machine's idle CPU (`/proc/stat`) every `recheck` seconds and goes back to its own count when
 the cores it gave up were idle since the last read (`free_cores` of each on average: the
-co-tenant has gone); a co-tenant that comes back at once doubles the wait before the next try. The kernels' bits do not depend on the thread count (row-invariant,
-tests/test_rowinv_kernels.py): outputs do not change.
+co-tenant has gone); a co-tenant that comes back at once doubles the wait before the next try.
+An engine that starts a batch after a pause reads the idle CPU of the pause first (`wake`): back at
+once if the cores were free, else a fresh count over the batch's own steps. The kernels' bits do
+not depend on the thread count (row-invariant, tests/test_rowinv_kernels.py): outputs do not change.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 STARVED = 0.7  # the engine thread ran less than this share of its steps' wall time: cores taken
 WINDOW_S = 0.5  # seconds of steps weighed at a time
 RECHECK_S = 1.0  # seconds between idle-CPU reads while on one thread
+FRESH_S = 0.25  # seconds to the first idle read of a batch that starts reduced (`TeamGovernor.wake`)
 FREE_CORES = 0.5  # idle share of each core given up (since the last read) that means the co-tenant has gone
 MAX_BACKOFF = 16  # a drop soon after a restore doubles the wait before the next try, up to 16 x recheck
 
@@ -70,11 +73,12 @@ class TeamGovernor:
     step; `set_threads` (torch.set_num_threads) then acts on that thread's parallel regions."""
 
     def __init__(self, *, starved: float = STARVED, window: float = WINDOW_S, recheck: float = RECHECK_S,
-                 free_cores: float = FREE_CORES, idle_cores: Callable[[], float | None] | None = None,
+                 fresh: float = FRESH_S, free_cores: float = FREE_CORES, idle_cores: Callable[[], float | None] | None = None,
                  set_threads: Callable[[int], None] = torch.set_num_threads,
                  get_threads: Callable[[], int] = torch.get_num_threads, clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[str, int], None] | None = None):
         self.starved, self.window, self.recheck, self.free_cores = starved, window, recheck, free_cores
+        self.fresh = fresh  # seconds to the first idle read after a wake that did not restore
         self.on_change = on_change  # ("drop" | "restore", the count it set), e.g. ServerMetrics.observe_governor
         self.idle_cores = idle_cores if idle_cores is not None else idle_cores_reader()
         self.set_threads, self.get_threads, self.clock = set_threads, get_threads, clock
@@ -96,13 +100,7 @@ class TeamGovernor:
             now = self.clock()
             if now >= self.next_check:
                 self.next_check = now + self.recheck
-                idle = self.idle_cores()
-                if idle is not None and idle >= self.free_cores * (self.threads - self.current):
-                    self._set(self.threads)
-                    self.restores += 1
-                    self.restored_at = now
-                    if self.on_change is not None:
-                        self.on_change("restore", self.current)
+                self._read_idle(now)
             return
         self.wall += wall
         self.cpu += cpu
@@ -120,6 +118,35 @@ class TeamGovernor:
             self.backoff = min(2 * self.backoff, MAX_BACKOFF * self.recheck) if soon else self.recheck
             self.idle_cores()  # the idle count starts now
             self.next_check = now + self.backoff
+
+    def wake(self) -> None:
+        """The engine starts stepping after it was idle (no rows; AsyncEngine, engine thread). While
+        reduced: the idle count since the last read covers the pause, when no step of this engine
+        ran. Idle enough, the cores it gave up were free then: back to its own count before the
+        first step (a batch's prefill is its longest step). Not, something else ran meanwhile
+        (the co-tenant, or the pause was short): the count restarts now and the next read comes
+        `fresh` seconds on, so that it weighs this batch's steps only; without the restart the
+        first read after the batch's first step averaged the pause in, and the team stayed on
+        one thread for another `recheck` (a c=8 level ran 55% of its step seconds on one thread,
+        docs/serving-performance.md, twelfth round)."""
+        if self.threads is None or self.idle_cores is None or self.current >= self.threads:
+            return
+        now = self.clock()
+        if not self._read_idle(now):
+            self.next_check = now + self.fresh
+
+    def _read_idle(self, now: float) -> bool:
+        """Read the idle cores since the last read; back to the team's own count if the cores it
+        gave up were idle (True)."""
+        idle = self.idle_cores()
+        if idle is None or idle < self.free_cores * (self.threads - self.current):
+            return False
+        self._set(self.threads)
+        self.restores += 1
+        self.restored_at = now
+        if self.on_change is not None:
+            self.on_change("restore", self.current)
+        return True
 
     def reset(self) -> None:
         """A new engine thread (after a hang, server/async_engine.py), on this thread: it runs on
