@@ -120,3 +120,30 @@ def test_fresh_rounds_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
     assert "--stream-interval 2 --no-team-governor" in (tmp_path / "fresh-r1-plain.log").read_text()
     assert "--no-team-governor" in markdown_fresh(result)
     assert json.loads(json.dumps(result))["rounds"] == 2
+
+
+def test_a_round_beside_another_process_is_run_again_and_listed(monkeypatch, tmp_path):
+    """run_fresh_bench with scripted rounds: the second ran its library side beside 1.3 cores of
+    another process (the twelfth round's pytest outside the lock); it is listed, not counted, and a
+    fifth round takes its place. The control: a round at the machine's background (0.03 cores)
+    counts."""
+    from specrouter.bench import serve_fresh
+    from specrouter.bench.machine_cpu import MachineCpu
+
+    fast = {"server": 96.0, "raw": 96.0, "whole": 100.0}
+    others = {1: 1.3}  # round index -> cores other processes took during its library side
+
+    def one_round(cfg, models, r, log):
+        got = _round(50 if r in others else 100, fast)
+        for side, u in got["c=4 batched"].items():
+            cores = others.get(r, 0.03) if side == "library" else 0.03
+            u.machine = MachineCpu(busy=2.0 * u.wall, ours=(2.0 - cores) * u.wall, span=u.wall)
+        return got
+
+    monkeypatch.setattr(serve_fresh, "one_round", one_round)
+    cfg = ServeBenchConfig(models=("x",), concurrency=(4,), fresh_rounds=4, out_dir=str(tmp_path))
+    result = serve_fresh.run_fresh_bench(cfg, log=lambda m: None)
+    assert result["rounds"] == 4 and result["disturbed_rounds"] == [
+        {"round": 1, "line": "c=4 batched", "side": "library", "others_cores": pytest.approx(1.3)}]
+    assert result["lines"]["c=4 batched"]["medians"]["raw"]["hi"] == pytest.approx(0.96)  # the 1.92 left out
+    assert "round 2 (c=4 batched, library: 1.30 cores)" in markdown_fresh(result)

@@ -14,6 +14,7 @@ rest of the busy time: CPU that other processes took.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -30,19 +31,25 @@ class MachineCpu:
     idle: float = 0.0
     steal: float = 0.0
     ours: float = 0.0
+    span: float = 0.0  # wall seconds between the readings (a reading: its clock time)
 
     @property
     def others(self) -> float:
         """Busy CPU seconds of processes other than the bench's own."""
         return max(0.0, self.busy - self.ours)
 
+    @property
+    def others_cores(self) -> float:
+        """Cores other processes took on average over the span."""
+        return self.others / self.span if self.span > 0 else 0.0
+
     def __sub__(self, other: "MachineCpu") -> "MachineCpu":
         return MachineCpu(self.busy - other.busy, self.idle - other.idle, self.steal - other.steal,
-                          self.ours - other.ours)
+                          self.ours - other.ours, self.span - other.span)
 
     def __add__(self, other: "MachineCpu") -> "MachineCpu":
         return MachineCpu(self.busy + other.busy, self.idle + other.idle, self.steal + other.steal,
-                          self.ours + other.ours)
+                          self.ours + other.ours, self.span + other.span)
 
 
 def read(pids: Iterable[int], stat: str = "/proc/stat", proc: str = "/proc") -> MachineCpu | None:
@@ -63,7 +70,8 @@ def read(pids: Iterable[int], stat: str = "/proc/stat", proc: str = "/proc") -> 
         except (OSError, IndexError, ValueError):
             continue
     busy = f_[0] + f_[1] + f_[2] + f_[5] + f_[6]
-    return MachineCpu(busy / hz, (f_[3] + f_[4]) / hz, (f_[7] if len(f_) > 7 else 0) / hz, ours / hz)
+    return MachineCpu(busy / hz, (f_[3] + f_[4]) / hz, (f_[7] if len(f_) > 7 else 0) / hz, ours / hz,
+                      time.monotonic())
 
 
 def over(fn: Callable[[], T], pids: Callable[[], Iterable[int]]) -> tuple[T, MachineCpu | None]:
