@@ -209,3 +209,25 @@ def test_at_library_step_charges_the_server_what_it_adds_not_its_step_speed():
     # more steps for the same tokens count at the library's step; a missing figure gives None
     assert at_library_step(library, {"step_ms": 20.0, "steps": 70.0, "outside_ms": 3.0}) == pytest.approx(1283 / 1403)
     assert at_library_step(library, {"step_ms": None, "steps": None, "outside_ms": None}) is None
+
+
+def test_at_most_c_requests_run_at_once_started_in_order():
+    """bench/serve.py `at_most`, every client loop of the serving benches: c workers, each taking
+    the next request when its last one finished; results in request order."""
+    import asyncio
+
+    from specrouter.bench.serve import at_most
+
+    running, peak, started = [0], [0], []
+
+    async def job(i: int) -> int:
+        started.append(i)
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        await asyncio.sleep(0.001 * (3 - i % 3))
+        running[0] -= 1
+        return 10 * i
+
+    assert asyncio.run(at_most(3, 8, job)) == [10 * i for i in range(8)]
+    assert peak[0] == 3 and started == list(range(8))
+    assert asyncio.run(at_most(4, 2, job)) == [0, 10]  # fewer requests than clients

@@ -231,10 +231,12 @@ def test_server_survives_a_hanging_verifier(tiny_pool_dirs, reference):
 
 def test_server_with_a_hung_target_ends_its_requests_and_reports_it(tiny_pool_dirs):
     """A hung target is fatal: the request in flight ends with an error, the target is out, later
-    requests end with an error at once, and /health says so."""
+    requests end with an error at once, and /health says so. The governor off (`team_governor`):
+    the new engine thread recovers without one."""
     pool, flaky = flaky_pool(tiny_pool_dirs, "target", every=3, hang=1.5)
     app = create_app(pool, ServerConfig(chain=("draft", "target"), k=2, max_num_seqs=2,
-                                        max_model_len=96, model_timeout=0.5, adaptive=False))
+                                        max_model_len=96, model_timeout=0.5, adaptive=False,
+                                        team_governor=False))
     import urllib.error
     import urllib.request
 

@@ -43,15 +43,19 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
+from typing import TypeVar
 
 from specrouter.bench.paired import describe as describe_pairs
 from specrouter.bench.paired import paired
 from specrouter.bench.serve_steps import (StepClock, StepKinds, Steps, at_library_step, kinds_markdown, kinds_summary,
                                           server_steps, split)
 from specrouter.bench.workloads import CHAT, CODE, EXTRACTION, PROSE
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -260,6 +264,20 @@ async def one_request(client, model: str, prompt: str, chat: bool, temperature: 
     return RequestResult("".join(parts), tokens, ttft, tpot, end - t0)
 
 
+async def at_most(c: int, n: int, job: Callable[[int], Awaitable[T]]) -> list[T]:
+    """`await job(i)` for i = 0..n-1 with at most `c` running at once, started in order (c clients,
+    each taking the next request when its last one finished): the results in order."""
+    out: list = [None] * n
+    todo = iter(range(n))  # shared by the workers: one event loop, no two take the same i
+
+    async def worker():
+        for i in todo:
+            out[i] = await job(i)
+
+    await asyncio.gather(*(worker() for _ in range(c)))
+    return out
+
+
 async def run_level(base_url: str, model: str, cfg: ServeBenchConfig, temperature: float, concurrency: int,
                     system: str, extra: dict, round_: int = 0, key: str | None = None) -> LevelResult:
     from openai import AsyncOpenAI
@@ -268,23 +286,13 @@ async def run_level(base_url: str, model: str, cfg: ServeBenchConfig, temperatur
     key = key or f"bench|{system}|t={temperature}|c={concurrency}|round={round_}"
     client = AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
     reqs = prompts(max(cfg.requests, concurrency))
-    results: list[RequestResult | None] = [None] * len(reqs)
-    queue: asyncio.Queue = asyncio.Queue()
-    for i in range(len(reqs)):
-        queue.put_nowait(i)
 
-    async def worker():
-        while True:
-            try:
-                i = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            prompt, chat = reqs[i]
-            results[i] = await one_request(client, model, prompt, chat, temperature, cfg.max_new_tokens,
-                                           cfg.seed + i, extra)
+    def request(i: int):
+        prompt, chat = reqs[i]
+        return one_request(client, model, prompt, chat, temperature, cfg.max_new_tokens, cfg.seed + i, extra)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    results = await at_most(concurrency, len(reqs), request)
     wall = time.perf_counter() - t0
     await client.close()
     return level_result(system, temperature, concurrency, wall, [r for r in results if r is not None])
@@ -430,26 +438,18 @@ def library_runs(cfg: ServeBenchConfig, models: list[str], target: str, log, *, 
         `stream=False`: whole responses (`stream: false`)."""
         from specrouter.bench.raw_client import stream_request, whole_request
 
-        results: list[RequestResult | None] = [None] * len(reqs)
-        todo = list(range(len(reqs)))
-
-        async def worker():
-            while todo:
-                i = todo.pop(0)
-                p, chat = reqs[i]
-                body = request_body(model, cfg, i, p, chat)
-                if stream:
-                    text, tokens, first, seconds = await stream_request(servers[system], body, chat, api_key=key)
-                else:
-                    text, tokens, seconds = await whole_request(servers[system], body, chat, api_key=key)
-                    first = seconds  # the whole text comes at the end
-                results[i] = RequestResult(text, tokens, first, None, seconds)
-
-        async def level():
-            await asyncio.gather(*(worker() for _ in range(c)))
+        async def request(i: int) -> RequestResult:
+            p, chat = reqs[i]
+            body = request_body(model, cfg, i, p, chat)
+            if stream:
+                text, tokens, first, seconds = await stream_request(servers[system], body, chat, api_key=key)
+            else:
+                text, tokens, seconds = await whole_request(servers[system], body, chat, api_key=key)
+                first = seconds  # the whole text comes at the end
+            return RequestResult(text, tokens, first, None, seconds)
 
         t0 = time.perf_counter()
-        loop.run_until_complete(level())
+        results = loop.run_until_complete(at_most(c, len(reqs), request))
         return time.perf_counter() - t0, results
 
     def served_whole(system: str, key: str, reqs: list[tuple[str, bool]], c: int) -> tuple[float, list[RequestResult]]:

@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specrouter.bench.serve import (SIDES, ServeBenchConfig, free_port, goal_lines, one_request, prompts,
+from specrouter.bench.serve import (SIDES, ServeBenchConfig, at_most, free_port, goal_lines, one_request, prompts,
                                     request_body, rotation, server_info, start_server, stop_servers,
                                     write_json_and_markdown)
 from specrouter.bench import machine_cpu
@@ -156,25 +156,20 @@ async def served(side: str, base: str, model: str, cfg: ServeBenchConfig, reqs: 
     from specrouter.bench.raw_client import stream_request, whole_request
 
     client = AsyncOpenAI(base_url=base, api_key=key, max_retries=0, timeout=600) if side == "server" else None
-    out: list[tuple[int, str] | None] = [None] * len(reqs)
-    todo = list(range(len(reqs)))
 
-    async def worker():
-        while todo:
-            j = todo.pop(0)
-            i, prompt, chat = reqs[j]
-            if side == "server":
-                r = await one_request(client, model, prompt, chat, 0.0, cfg.max_new_tokens, cfg.seed + i, {})
-                out[j] = (r.tokens, r.text)
-            elif side == "raw":
-                text, tokens, _, _ = await stream_request(base, request_body(model, cfg, i, prompt, chat), chat, key)
-                out[j] = (tokens, text)
-            else:
-                text, tokens, _ = await whole_request(base, request_body(model, cfg, i, prompt, chat), chat, key)
-                out[j] = (tokens, text)
+    async def request(j: int) -> tuple[int, str]:
+        i, prompt, chat = reqs[j]
+        if side == "server":
+            r = await one_request(client, model, prompt, chat, 0.0, cfg.max_new_tokens, cfg.seed + i, {})
+            return r.tokens, r.text
+        if side == "raw":
+            text, tokens, _, _ = await stream_request(base, request_body(model, cfg, i, prompt, chat), chat, key)
+        else:
+            text, tokens, _ = await whole_request(base, request_body(model, cfg, i, prompt, chat), chat, key)
+        return tokens, text
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(c)))
+    out = await at_most(c, len(reqs), request)
     wall = time.perf_counter() - t0
     if client is not None:
         await client.close()

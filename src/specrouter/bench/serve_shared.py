@@ -21,8 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specrouter.bench.serve import (LevelResult, RequestResult, ServeBenchConfig, free_port, goal_lines, level_result,
-                                    pooled, quantile, server_info, start_server, stop_servers,
+from specrouter.bench.serve import (LevelResult, RequestResult, ServeBenchConfig, at_most, free_port, goal_lines,
+                                    level_result, pooled, quantile, server_info, start_server, stop_servers,
                                     write_json_and_markdown)
 
 SYSTEM = (
@@ -102,16 +102,9 @@ async def run_round(port: int, model: str, cfg: ServeBenchConfig, clients: int, 
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=f"shared-prompt|round={round_}",
                          max_retries=0, timeout=600)
     await one_chat(client, model, system, "Hello!", 4)  # warm: the system prompt is now cached (cache on)
-    queue = list(range(max(cfg.requests, clients)))
-    results: list[SharedResult | None] = [None] * len(queue)
-
-    async def worker():
-        while queue:
-            i = queue.pop(0)
-            results[i] = await one_chat(client, model, system, QUESTIONS[i % len(QUESTIONS)], cfg.max_new_tokens)
-
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
+    results = await at_most(clients, max(cfg.requests, clients),
+                            lambda i: one_chat(client, model, system, QUESTIONS[i % len(QUESTIONS)], cfg.max_new_tokens))
     wall = time.perf_counter() - t0
     await client.close()
     return level_result(server, 0.0, clients, wall, results)

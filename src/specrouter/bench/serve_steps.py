@@ -19,7 +19,6 @@ bench's JSON and summary.
 
 from __future__ import annotations
 
-import re
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -70,13 +69,21 @@ def metrics_text(base_url: str, api_key: str | None = None) -> str:
         return r.read().decode()
 
 
+def samples(text: str):
+    """The samples of a /metrics page (prometheus_client's own parser of the text format)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        yield from family.samples
+
+
 def histogram_in(text: str, name: str) -> Steps:
-    """A seconds histogram of a /metrics page (`specrouter_<name>`): its count and summed seconds."""
-    total = re.search(rf"^specrouter_{name}_sum(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M)
-    count = re.search(rf"^specrouter_{name}_count(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M)
-    if total is None or count is None:
+    """A seconds histogram of a /metrics page (`specrouter_<name>`, no labels): its count and summed
+    seconds."""
+    got = {x.name: x.value for x in samples(text) if x.name in (f"specrouter_{name}_sum", f"specrouter_{name}_count")}
+    if len(got) != 2:
         raise ValueError(f"no specrouter_{name} histogram on the /metrics page")
-    return Steps(int(float(count.group(1))), float(total.group(1)))
+    return Steps(int(got[f"specrouter_{name}_count"]), got[f"specrouter_{name}_sum"])
 
 
 def server_histogram(base_url: str, name: str, api_key: str | None = None) -> Steps:
@@ -126,17 +133,14 @@ class ThreadSteps:
 
     @staticmethod
     def parse(text: str) -> "ThreadSteps":
-        from prometheus_client.parser import text_string_to_metric_families
-
         out = ThreadSteps()
         slot = {"specrouter_steps_by_threads_total": 0, "specrouter_steps_by_threads_seconds_total": 1,
                 "specrouter_steps_by_threads_cpu_seconds_total": 2}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in slot:
-                    out.steps.setdefault(int(sample.labels["threads"]), [0.0] * 3)[slot[sample.name]] = sample.value
-                elif sample.name == "specrouter_governor_changes_total":
-                    out.changes[sample.labels["change"]] = sample.value
+        for sample in samples(text):
+            if sample.name in slot:
+                out.steps.setdefault(int(sample.labels["threads"]), [0.0] * 3)[slot[sample.name]] = sample.value
+            elif sample.name == "specrouter_governor_changes_total":
+                out.changes[sample.labels["change"]] = sample.value
         return out
 
     def __sub__(self, other: "ThreadSteps") -> "ThreadSteps":
@@ -168,9 +172,6 @@ class ThreadSteps:
                 "drops": int(self.changes.get("drop", 0)), "restores": int(self.changes.get("restore", 0))}
 
 
-_SAMPLE = re.compile(r'^specrouter_(steps_by_kind|steps_by_kind_seconds|steps_by_kind_tokens|plan_cycles|'
-                     r'plan_committed_tokens)_total\{([^}]*)\} ([0-9.eE+-]+)$', re.M)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 @dataclass
@@ -186,8 +187,11 @@ class StepKinds:
         out = StepKinds()
         slot = {"steps_by_kind": 0, "steps_by_kind_seconds": 1, "steps_by_kind_tokens": 2,
                 "plan_cycles": 0, "plan_committed_tokens": 1}
-        for m in _SAMPLE.finditer(text):
-            name, labels, value = m.group(1), dict(_LABEL.findall(m.group(2))), float(m.group(3))
+        for x in samples(text):
+            name = x.name.removeprefix("specrouter_").removesuffix("_total")
+            if not x.name.endswith("_total") or name not in slot:
+                continue
+            labels, value = x.labels, x.value
             if name.startswith("steps_by_kind"):
                 key, table, width = (labels["kind"], int(labels["rows"])), out.steps, 3
             else:

@@ -237,8 +237,9 @@ class AsyncEngine:
         engine = self.engine
         me = threading.current_thread()
         try:
-            if recover is not None and self.governor is not None:
-                self.governor.reset()  # the new thread runs on the team's own torch threads
+            if recover is not None:
+                if self.governor is not None:
+                    self.governor.reset()  # the new thread runs on the team's own torch threads
                 self._recover(recover)
             while True:
                 with self._cv:
