@@ -300,7 +300,8 @@ class Router:
         seq = rows[0].seq_id if len(rows) == 1 else None
         batch = self.stream.plan(rows, pinned, self.requests.get(seq), self.prober.due(), self.profile.jumps,
                                  self.observed_steps) if self.stream.hold is not None else None
-        if batch is not None:  # a single stream's kept speculative plan (stream_hold.py): no decide
+        if batch is not None:  # a single stream's kept plan (stream_hold.py): no decide
+            self.outside.held()  # a held plain step is what plain decoding costs (outside_plain)
             return batch
         held = self.planner.held_decisions
         batch = self.planner.plan(rows, pinned)
