@@ -12,7 +12,6 @@ from test_router import ALPHAS, L0, Sim, make_router, observe_cycle
 
 from specrouter.config import RouterConfig
 from specrouter.router.policy import RowContext
-from specrouter.router.stream_hold import StreamHolder
 
 STRONG = {**ALPHAS, ("d1", "T"): 0.8}  # d1 > T wins clearly: the stream settles on it
 
@@ -210,13 +209,13 @@ def plain_kept(alpha, steps, **config):
     return router, stream(router, Sim({**STRONG, ("d1", "T"): alpha}, seed=3), steps)
 
 
-def test_a_plain_plan_kept_by_hysteresis_is_held(monkeypatch):
+def test_a_plain_plan_kept_by_hysteresis_is_held():
     """Plain decoding kept by hysteresis (d1 > T predicted faster by under `persist_margin`, so
     no patience runs) is held like a kept speculative plan: decided about once per
     `stream_hold_steps`, its held steps plain and counted as held (the outside clock learns
     plain decoding's cost from them). It was decided every step (chat with penalties on the Zen
-    1: 19 such steps in a request at +1-2 ms each). Negative control: `PLAIN_KEPT` emptied (a
-    plain plan kept by hysteresis not held) decides every step."""
+    1: 19 such steps in a request at +1-2 ms each). Negative control: `stream_hold_plain=False`
+    decides every step."""
     router, plans = plain_kept(0.115, 100)
     reasons = {e.reason for e in router.events}
     assert reasons == {"hysteresis"}, reasons  # the world this test means: plain kept by hysteresis
@@ -224,20 +223,18 @@ def test_a_plain_plan_kept_by_hysteresis_is_held(monkeypatch):
     assert len(held) >= 70 and len(router.events) <= 30, (len(held), len(router.events))
     assert all(p.held and p.decisions[0].chain == ("T",) for p in held)
 
-    monkeypatch.setattr(StreamHolder, "PLAIN_KEPT", ())
-    control, plans = plain_kept(0.115, 100)
+    control, plans = plain_kept(0.115, 100, stream_hold_plain=False)
     assert len(control.events) == 100 and control.stream.held == 0
 
 
-def test_a_plain_hold_kept_by_hysteresis_switches_when_patience_runs_out(monkeypatch):
+def test_a_plain_hold_kept_by_hysteresis_switches_when_patience_runs_out():
     """d1 > T predicted faster than plain decoding by more than `persist_margin` (less than
     `switch_margin`): plain decoding is kept by hysteresis `patience` decisions, then left
     ("persistent"). Held, its cycles count toward patience, and it leaves at the same step as
-    the unheld control (`PLAIN_KEPT` emptied), after fewer decisions."""
+    the unheld control (`stream_hold_plain=False`), after fewer decisions."""
     first = {}
-    for kept in (StreamHolder.PLAIN_KEPT, ()):
-        monkeypatch.setattr(StreamHolder, "PLAIN_KEPT", kept)
-        router, plans = plain_kept(0.14, 40)
+    for kept in (True, False):
+        router, plans = plain_kept(0.14, 40, stream_hold_plain=kept)
         switch = next(i for i, p in enumerate(plans) if p.decisions[0].chain != ("T",))
         assert router.events[0].reason == "hysteresis"
         first[kept] = (switch, sum(e.step <= switch for e in router.events))

@@ -334,6 +334,10 @@ class RouterConfig:
     # its models' speeds or a due probe release it first (1: decided every step); deciding cost
     # 1.5-2.6 ms of a ~20-35 ms speculative step on a Zen 1 (avx2)
     stream_hold_steps: int = 4
+    # ... and a plain plan decide() kept by hysteresis (speculation predicted faster by less than
+    # switch_margin) is held alike (False: decided every step, as before; a settled plain plan,
+    # kept as the best, is the batch planner's plain hold either way)
+    stream_hold_plain: bool = True
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
     # batching by this fraction (a speculating row slows every row of the step; acceptance is
     # an estimate, and under-estimating plain's rate costs every row)

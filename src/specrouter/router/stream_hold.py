@@ -76,9 +76,9 @@ class StreamHolder:
     it holds, `keep` starts one after a decision that keeps a speculative plan."""
 
     KEPT = ("same", "hysteresis")  # decisions that keep the request's plan (policy.py, step 2)
-    # ... of a plain plan: one kept as the best ("same") is the batch planner's (PlainHold,
-    # spans growing to plain_hold_max); one kept while speculation is predicted faster by less
-    # than switch_margin is this hold's
+    # ... of a plain plan (`RouterConfig.stream_hold_plain`): one kept as the best ("same") is
+    # the batch planner's (PlainHold, spans growing to plain_hold_max); one kept while
+    # speculation is predicted faster by less than switch_margin is this hold's
     PLAIN_KEPT = ("hysteresis",)
 
     def __init__(self, router):
@@ -109,7 +109,8 @@ class StreamHolder:
         """After a step planned by decide(): a single stream whose speculative plan was kept
         (`KEPT`) is held until observed step now + `stream_hold_steps`."""
         if (len(rows) != 1 or pinned or self.router.config.stream_hold_steps < 2 or req is None
-                or decision.reason not in (self.KEPT if decision.k > 0 else self.PLAIN_KEPT)):
+                or decision.reason not in (self.KEPT if decision.k > 0 else
+                                           self.PLAIN_KEPT if self.router.config.stream_hold_plain else ())):
             return
         self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
                                req.version, req.epoch, certain_bucket(rows[0].certain_rate),
