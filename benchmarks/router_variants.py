@@ -23,7 +23,8 @@ ones included, as before issue 31's second chat fix), probe-predicted (probe_cha
 probes charged to the budget at their predicted extra seconds, as before), no-stream-hold
 (stream_hold_steps=1: a settled speculating single stream decided every step, as before),
 no-plain-hold (stream_hold_plain=False: a single stream's plain plan kept by hysteresis decided
-every step, as before).
+every step, as before), no-refute (probe_refute_wait=0: a model pair's probe that refuted its
+optimism sets no wait, as before).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "probe-predicted": dataclasses.replace(base, probe_charge_realized=False),
         "no-stream-hold": dataclasses.replace(base, stream_hold_steps=1),
         "no-plain-hold": dataclasses.replace(base, stream_hold_plain=False),
+        "no-refute": dataclasses.replace(base, probe_refute_wait=0),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -344,6 +344,7 @@ class Router:
         """Forget a finished request, remembering the alphas it reached on its own evidence
         (pairs with >= 4 trials) for new requests' priors."""
         req = self.requests.pop(seq_id, None)
+        self.prober.testing.pop(seq_id, None)
         if req is not None and self.config.request_prior_quantile is not None:
             self.finished.record(req, GREEDY if req.greedy else SAMPLING, skip=self.model_free)
             self.board.changed()  # the priors' quantile may have moved
@@ -627,6 +628,8 @@ class Router:
             if self.prober.pending:  # a probe's realised extra seconds (one row's step only)
                 self.prober.settle(r.seq_id, wall_time if len(rows) == 1 else None,
                                    int(r.accepted[-1]) + 1 if len(r.chain) > 1 else 1)
+            if self.prober.testing:  # what a probe's trials showed (its pair's back-off)
+                self.prober.judge(req, r)
             req.cycles += 1
             chain = tuple(r.chain)
             for j in range(1, len(chain)):
