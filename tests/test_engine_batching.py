@@ -6,7 +6,6 @@ plans the batch (plain decoding when the cost surface makes batching win)."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import Counter
 
 import pytest
@@ -802,43 +801,3 @@ def test_a_single_streams_draft_catch_up_is_weighed_over_the_cycles_it_has_left(
     bare = scripted_router(target, draft)
     bare.planner.alone = lambda row, decision: decision
     assert plan(3, 100, bare)[0].k > 0
-
-
-@pytest.mark.parametrize("lease", [True, False])
-def test_a_held_single_stream_runs_on_a_lease(pool, lease):
-    """A single stream settled on plain decoding (verifying costs the target as much per token
-    as decoding: speculation never gains) runs its held steps on the planner's lease as a held
-    batch does (`RouterConfig.stream_plain_lease`): planned on a few steps only, every step
-    still reported in order, its held steps' outside seconds measured per step (`outside_plain`),
-    greedy output the target's. Negative control (`lease=False`): planned every step."""
-    router = scripted_router(lambda b, t, L: 0.040 * t * b)
-    router.config = dataclasses.replace(router.config, stream_plain_lease=lease)
-    router.step_clock = time.perf_counter
-    eng = Engine(pool, router=router, max_num_seqs=4, max_model_len=128)
-    counts, seen = Counter(), []
-    plan, observe = router.plan_batch, router.observe_step
-
-    def planned(rows, pinned=()):
-        assert not eng._unreported
-        counts["plan"] += 1
-        return plan(rows, pinned)
-
-    def observed(report):
-        seen.append(report.outcomes[0].context_len)
-        observe(report)
-
-    router.plan_batch, router.observe_step = planned, observed
-    prompt = prompts_of(1)[0]
-    seq = eng.add_request(prompt, SamplingParams(max_new_tokens=60, ignore_eos=True))
-    steps = 0
-    while eng.has_unfinished():
-        eng.step()
-        steps += 1
-    assert seq.output_ids == alone(pool, prompt, 60)
-    assert len(seen) == steps == router.observed_steps and seen == sorted(set(seen))  # every step, once, in order
-    assert router.overhead["outside_plain"] > 0.0
-    if lease:
-        assert router.planner.held_decisions >= steps - 12, [(e.step, e.reason) for e in router.events]
-        assert counts["plan"] <= steps // 3, (counts, steps)
-    else:
-        assert counts["plan"] == steps

@@ -342,12 +342,6 @@ class RouterConfig:
     # switch_margin) is held alike (False: decided every step, as before; a settled plain plan,
     # kept as the best, is the batch planner's plain hold either way)
     stream_hold_plain: bool = True
-    # a single stream's plain hold runs on a lease as a batch's does (BatchPlan.steps: its held
-    # steps without row contexts, plan_batch or a report each, told to the router when the lease
-    # ends; shadow proposals on the hold's last step); False: planned and reported every held
-    # step, shadows every 4th (~0.5 ms of a ~17 ms plain step on a Zen 1, which target-only
-    # does not pay)
-    stream_plain_lease: bool = False
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
     # batching by this fraction (a speculating row slows every row of the step; acceptance is
     # an estimate, and under-estimating plain's rate costs every row)

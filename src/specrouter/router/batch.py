@@ -52,12 +52,12 @@ class PlainHold:
         """Valid, and no row joined that it was not found for (`valid`, `joined`)."""
         return self.valid(n, now) and not self.joined(rows, n)
 
-    def shadow_due(self, now: int, leased: bool = True) -> bool:
-        """Shadow proposals at observed step `now` of the hold: on its last step only (one per
-        span: their evidence is read when the hold ends; every 4th step they were ~0.6 ms of a
-        ~10 ms 4-row step, measured), or (`leased` False: a single stream planned every held
-        step, `RouterConfig.stream_plain_lease` off) every SHADOW_EVERY_HELD-th step."""
-        if self.rows > 1 or leased:
+    def shadow_due(self, now: int) -> bool:
+        """Shadow proposals at observed step `now` of the hold: a multi-row batch's on the last
+        step of the hold only (one per span: their evidence is read when the hold ends; every
+        4th step they were ~0.6 ms of a ~10 ms 4-row step, measured), a single stream's every
+        SHADOW_EVERY_HELD-th step."""
+        if self.rows > 1:
             return now == self.until - 1
         return now % BatchPlanner.SHADOW_EVERY_HELD == 0
 
@@ -245,10 +245,9 @@ class BatchPlanner:
             else:
                 self.hold = None
         held = self.hold is not None
-        lease = held and (n > 1 or router.config.stream_plain_lease)
-        shadow = 0 if held and not self.hold.shadow_due(now, lease) else router.config.shadow_k
+        shadow = 0 if held and not self.hold.shadow_due(now) else router.config.shadow_k
         # a held batch's plans stand until the step before its hold ends (that one shadows)
-        steps = self._lease(now, self.hold.until - 1 - now) if lease else 1
+        steps = self._lease(now, self.hold.until - 1 - now) if held and n > 1 else 1
         return BatchPlan(decisions, held, shadow, steps)
 
     STANDING_HOLD = 4  # a plain hold's longest span is this many times plain_hold_max while speculation's error stands

@@ -7,9 +7,9 @@ a ~13 ms speculative step on the mixed stream, which static chains do not pay, a
 decide()'s share of it was charged, so plans were predicted faster than they ran.
 
 `OutsideClock` measures it from one `plan_batch` to the next: that period minus the executor's
-wall time of the step planned in between (of the steps of its lease, per step). Only between
-consecutive steps of the same rows (a request joining or leaving, or the time between requests,
-is not a step's) and at most the executor's wall (a stall is not the step's either). It tells whether the step was planned by a
+wall time of the step planned in between. Only between consecutive steps of the same rows (a
+request joining or leaving, or the time between requests, is not a step's) and at most the
+executor's wall (a stall is not the step's either). It tells whether the step was planned by a
 hold (batch.py `PlainHold`: no decide) or decided: a settled plain single stream is held, so
 its held steps are what plain decoding costs it, while a decided plain step pays decide() as a
 speculative one does (on the Zen 1: ~0.8 ms held against ~4.6 ms decided).
@@ -27,40 +27,34 @@ import numpy as np
 
 
 class OutsideClock:
-    """Pairs each plan_batch call with the steps it planned (module docstring): one, or the
-    steps of a lease (`BatchPlan.steps`: a held stream's plain steps run without planning, told
-    to the router when the lease ends), whose outside seconds are their mean."""
+    """Pairs each plan_batch call with the step it planned (module docstring)."""
 
     def __init__(self):
-        # the last planning: [its start, observed steps then, its rows' ids and pinned count, the
-        # executor's wall time of the steps observed since, how many, whether one speculated,
-        # whether a hold planned it without deciding]
-        self._last: list | None = None
+        # the last planning: (its start, observed steps then, its rows' ids and pinned count,
+        # the executor's wall time of its step once observed, whether that step speculated,
+        # whether a hold planned it without deciding)
+        self._last: tuple | None = None
 
     def planning(self, now: float, steps: int, rows: Sequence, pinned: Sequence = ()) -> tuple[float, bool, bool] | None:
         """A step is being planned at `now` (observed steps so far: `steps`); returns (host
-        seconds outside the executor per step, speculative, held) of the steps planned last,
-        when measurable."""
+        seconds outside the executor, speculative, held) of the step planned last, when
+        measurable."""
         ids = (tuple(r.seq_id for r in rows), len(pinned))
-        last, self._last = self._last, [now, steps, ids, 0.0, 0, False, False]
-        if last is None or last[4] == 0 or last[1] + last[4] != steps or last[2] != ids:
+        last, self._last = self._last, (now, steps, ids, None, False, False)
+        if last is None or last[3] is None or last[1] + 1 != steps or last[2] != ids:
             return None
-        start, _, _, wall, count, speculative, held = last
-        return min(max((now - start - wall) / count, 0.0), wall / count), speculative, held
+        start, _, _, wall, speculative, held = last
+        return min(max(now - start - wall, 0.0), wall), speculative, held
 
     def held(self) -> None:
         """The step being planned was planned by a hold, without deciding."""
         if self._last is not None:
-            self._last[6] = True
+            self._last = (*self._last[:5], True)
 
     def observed(self, steps: int, wall_time: float, speculative: bool) -> None:
-        """A step planned last (or on its lease) was observed (before the router counts it:
-        `steps` as then)."""
-        last = self._last
-        if last is not None and last[1] + last[4] == steps:
-            last[3] += wall_time
-            last[4] += 1
-            last[5] = last[5] or speculative
+        """The step planned last was observed (before the router counts it: `steps` as then)."""
+        if self._last is not None and self._last[1] == steps:
+            self._last = (*self._last[:3], wall_time, speculative, self._last[5])
 
 
 @dataclass(frozen=True)

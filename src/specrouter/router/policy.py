@@ -305,8 +305,8 @@ class Router:
             return batch
         held = self.planner.held_decisions
         batch = self.planner.plan(rows, pinned)
-        if self.planner.held_decisions > held or batch.steps > 1:  # a hold planned the step(s): no decide
-            self.outside.held()  # (a lease's first step may be the decision that began the hold)
+        if self.planner.held_decisions > held:  # a hold planned the step: no decide
+            self.outside.held()
         elif seq is not None:
             self.stream.keep(rows, pinned, batch.decisions[0], self.requests.get(seq), self.observed_steps)
         return batch
