@@ -31,7 +31,8 @@ pool order (cheapest first, target last) and the names of model-free drafters.
    (router/host_time.py `PlainCharge`), not only decide()'s.
 3. Probing (router/probing.py, `Prober`): pairs with little (or faded) evidence get their
    optimistic alpha; within a budget (5% of row-cycles, 2% of wall time) a chain measuring one
-   of them runs this one cycle when it could beat the plan in that optimistic world.
+   of them runs this one cycle when it could beat the plan in that optimistic world; a probe
+   whose trials refuted that optimism keeps its pair from the request's probes for a while.
 4. `observe_step(StepReport)`, once per engine step: acceptance trials (global and per
    request), D_TV, hit rates, shadow proposals, forward timings into the profile, step
    overheads, the batch calibration.

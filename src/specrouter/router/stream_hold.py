@@ -9,7 +9,10 @@ settled plain stream was already held (router/batch.py `PlainHold`), and a multi
 speculative plans are (`SpecHold`); a single stream's speculative plan now is too.
 
 `StreamHold` starts when decide() keeps the request's speculative plan ("same": it is the best;
-"hysteresis": another is predicted faster, by less than `switch_margin`) and lasts
+"hysteresis": another is predicted faster, by less than `switch_margin`), or its plain plan by
+hysteresis (`RouterConfig.stream_hold_plain`: chat with penalties on a Zen 1 decided such plain
+steps every step, 8-22 of a request's ~60, ~2 ms each; a plain plan kept as the best is the batch
+planner's plain hold), and lasts
 `RouterConfig.stream_hold_steps` engine steps of that one row, unless released first by what
 would change the decision:
 - the request's evidence version moved (router/evidence.py: its own alpha or hit rate moved
