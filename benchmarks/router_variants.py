@@ -24,8 +24,7 @@ probes charged to the budget at their predicted extra seconds, as before), no-st
 (stream_hold_steps=1: a settled speculating single stream decided every step, as before),
 no-plain-hold (stream_hold_plain=False: a single stream's plain plan kept by hysteresis decided
 every step, as before), no-refute (probe_refute_wait=0: a model pair's probe that refuted its
-optimism sets no wait, as before), capped-prompt (prompt_catch_up_whole=False: a new request's
-prompt catch-up weighed over at most plain_hold_max cycles, as before).
+optimism sets no wait, as before).
 """
 
 from __future__ import annotations
@@ -63,7 +62,6 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "no-stream-hold": dataclasses.replace(base, stream_hold_steps=1),
         "no-plain-hold": dataclasses.replace(base, stream_hold_plain=False),
         "no-refute": dataclasses.replace(base, probe_refute_wait=0),
-        "capped-prompt": dataclasses.replace(base, prompt_catch_up_whole=False),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

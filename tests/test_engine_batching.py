@@ -801,25 +801,3 @@ def test_a_single_streams_draft_catch_up_is_weighed_over_the_cycles_it_has_left(
     bare = scripted_router(target, draft)
     bare.planner.alone = lambda row, decision: decision
     assert plan(3, 100, bare)[0].k > 0
-
-
-def test_a_new_requests_prompt_catch_up_is_weighed_over_the_whole_request():
-    """A new request's draft has seen none of its prompt (lag = its context): that catch-up,
-    paid once by any speculation with the draft, is spread over every cycle the request has
-    left, so a request whose draft gains a little per cycle speculates (code with long prompts
-    on a Zen 1 stayed plain for the whole request). A lag after plain steps is still weighed
-    over at most `plain_hold_max` cycles. Negative control (`prompt_catch_up_whole=False`):
-    the prompt weighed over 16 cycles too, the request decodes plainly."""
-    def plan(lag, **config):
-        router = scripted_router(lambda b, t, L: 0.040 + 0.004 * (t - 1), lambda b, t, L: 0.002 + 0.001 * (t - 1))
-        router.config = dataclasses.replace(router.config, **config)
-        for _ in range(200):  # the pair accepts 40%: a small gain per cycle
-            router.similarity.observe_acceptance(("draft", "target"), "greedy", 2, 3)
-        row = RowContext(seq_id=0, context_len=200, batch_size=1, greedy=True, remaining=64, lags=(("draft", lag),))
-        return router.plan_batch([row]).decisions[0]
-
-    prompt = plan(200)
-    assert prompt.chain == ("draft", "target") and prompt.k > 0
-    assert plan(199).reason == "catch-up"  # as many tokens behind, the draft having seen one: capped
-    control = plan(200, prompt_catch_up_whole=False)
-    assert control.chain == ("target",) and control.reason == "catch-up"

@@ -342,11 +342,6 @@ class RouterConfig:
     # switch_margin) is held alike (False: decided every step, as before; a settled plain plan,
     # kept as the best, is the batch planner's plain hold either way)
     stream_hold_plain: bool = True
-    # a single stream's draft catch-up on a new request's prompt is weighed over every cycle the
-    # request has left (router/batch.py `BatchPlanner.alone`; False: over at most plain_hold_max
-    # cycles, as a lag after plain steps is, which kept code requests with long prompts plain
-    # for their whole length)
-    prompt_catch_up_whole: bool = True
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
     # batching by this fraction (a speculating row slows every row of the step; acceptance is
     # an estimate, and under-estimating plain's rate costs every row)

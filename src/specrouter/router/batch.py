@@ -416,9 +416,7 @@ class BatchPlanner:
         tokens earlier) caught its draft up over every held step's tokens for a cycle or two, on
         a Zen 1 (avx2 kernels, serving bench greedy c=2) 41 such steps of 67 ms for 1.9 tokens
         against 21 ms a held token. A new request's prompt is its draft's catch-up too, spread
-        over the whole request (`RouterConfig.prompt_catch_up_whole`; capped like any lag at
-        `plain_hold_max` cycles, it kept code requests with ~100-token prompts plain throughout
-        on a Zen 1, where their draft gained ~10%: the lag only grows while plain)."""
+        over the whole request."""
         chain, k = decision.chain, decision.k
         lags = dict(row.lags)
         if k == 0 or len(chain) < 2 or not any(lags.get(m, 1) > 1 for m in chain[:-1]):
@@ -428,13 +426,7 @@ class BatchPlanner:
         tokens = self.expected_tokens(req, chain, k)
         most = router.config.plain_hold_max
         left = row.remaining if row.remaining is not None else most * tokens
-        cycles = max(1, math.ceil(left / tokens))
-        # a lag after plain steps is weighed over at most `plain_hold_max` cycles (the plan is
-        # revisited by then); a new request's prompt (a model that has seen none of the row),
-        # which any speculation with that model pays once, over every cycle the row has left
-        prompt = row.remaining is not None and any(lags.get(m, 0) >= row.context_len for m in chain[:-1])
-        if not (prompt and router.config.prompt_catch_up_whole):
-            cycles = min(most, cycles)
+        cycles = max(1, min(most, math.ceil(left / tokens)))
         L, flags = max(1, row.context_len), [row.processors]
         spec = tokens / self.step_seconds([(chain, k)], L, processors=flags, lags=[row.lags], span=cycles)
         plain = 1.0 / self.step_seconds([((router.target,), 0)], L, processors=flags)
