@@ -21,7 +21,10 @@ host seconds outside the executor, as before issue 31's chat fix), decided-plain
 (outside_plain_held=False: plain decoding priced at every plain step's outside seconds, decided
 ones included, as before issue 31's second chat fix), probe-predicted (probe_charge_realized=False:
 probes charged to the budget at their predicted extra seconds, as before), no-stream-hold
-(stream_hold_steps=1: a settled speculating single stream decided every step, as before).
+(stream_hold_steps=1: a settled speculating single stream decided every step, as before),
+no-plain-hold (stream_hold_plain=False: a single stream's plain plan kept by hysteresis decided
+every step, as before), no-refute (probe_refute_wait=0: a model pair's probe that refuted its
+optimism sets no wait, as before).
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "decided-plain": dataclasses.replace(base, outside_plain_held=False),
         "probe-predicted": dataclasses.replace(base, probe_charge_realized=False),
         "no-stream-hold": dataclasses.replace(base, stream_hold_steps=1),
+        "no-plain-hold": dataclasses.replace(base, stream_hold_plain=False),
+        "no-refute": dataclasses.replace(base, probe_refute_wait=0),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

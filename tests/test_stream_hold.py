@@ -195,3 +195,49 @@ def test_a_hold_kept_by_hysteresis_counts_its_cycles_toward_patience():
         else:
             assert all(held) and rq.worse == patience - 3
     assert req.worse < patience
+
+
+def plain_kept(alpha, steps, **config):
+    """A single stream on plain decoding where d1 > T is predicted faster by less than
+    `switch_margin` (the pair's evidence fixed at `alpha`, no probe due): plain decoding is kept
+    by hysteresis. Returns (router, the BatchPlans)."""
+    router = make_router(order=["d1", "T"], config=RouterConfig(**config))
+    router.similarity.observe_acceptance(("d1", "T"), "greedy", 1000 * alpha, 1000 * (1 - alpha))
+    req = router.request(0, True)
+    req.plan, req.epoch = (("T",), 0), (0,)
+    router.prober.next_check = 10 ** 9
+    return router, stream(router, Sim({**STRONG, ("d1", "T"): alpha}, seed=3), steps)
+
+
+def test_a_plain_plan_kept_by_hysteresis_is_held():
+    """Plain decoding kept by hysteresis (d1 > T predicted faster by under `persist_margin`, so
+    no patience runs) is held like a kept speculative plan: decided about once per
+    `stream_hold_steps`, its held steps plain and counted as held (the outside clock learns
+    plain decoding's cost from them). It was decided every step (chat with penalties on the Zen
+    1: 19 such steps in a request at +1-2 ms each). Negative control: `stream_hold_plain=False`
+    decides every step."""
+    router, plans = plain_kept(0.115, 100)
+    reasons = {e.reason for e in router.events}
+    assert reasons == {"hysteresis"}, reasons  # the world this test means: plain kept by hysteresis
+    held = [p for p in plans if p.decisions[0].reason == "held"]
+    assert len(held) >= 70 and len(router.events) <= 30, (len(held), len(router.events))
+    assert all(p.held and p.decisions[0].chain == ("T",) for p in held)
+
+    control, plans = plain_kept(0.115, 100, stream_hold_plain=False)
+    assert len(control.events) == 100 and control.stream.held == 0
+
+
+def test_a_plain_hold_kept_by_hysteresis_switches_when_patience_runs_out():
+    """d1 > T predicted faster than plain decoding by more than `persist_margin` (less than
+    `switch_margin`): plain decoding is kept by hysteresis `patience` decisions, then left
+    ("persistent"). Held, its cycles count toward patience, and it leaves at the same step as
+    the unheld control (`stream_hold_plain=False`), after fewer decisions."""
+    first = {}
+    for kept in (True, False):
+        router, plans = plain_kept(0.14, 40, stream_hold_plain=kept)
+        switch = next(i for i, p in enumerate(plans) if p.decisions[0].chain != ("T",))
+        assert router.events[0].reason == "hysteresis"
+        first[kept] = (switch, sum(e.step <= switch for e in router.events))
+    (held_at, held_decided), (control_at, control_decided) = first.values()
+    assert held_at == control_at
+    assert held_decided < control_decided / 2, first

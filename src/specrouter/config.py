@@ -284,6 +284,10 @@ class RouterConfig:
     probe_optimism: float = 1.5  # z of the Wilson upper bound that makes a stale pair worth a probe
     probe_recheck: int = 8  # row-cycles before looking again when no pair was worth a probe
     probe_max_wait: float = 4.0  # longest back-off between fruitless probes of a pair, in stale_after periods
+    # a probe whose trials accepted no more than the request's estimate of its pair (the optimism
+    # that chose it refuted) keeps that pair from the request's probes for this many of its
+    # cycles, doubling with each further refutation (router/probing.py); 0: no such back-off
+    probe_refute_wait: int = 32
     probe_slow_speed: float = 1.1  # a model this much slower than swept, timed stale_after ago, is re-probed
     probe_fraction: float = 0.05  # at most this fraction of row-cycles are probes
     probe_time_fraction: float | None = 0.02  # and their cost at most this fraction of wall time
@@ -334,6 +338,10 @@ class RouterConfig:
     # its models' speeds or a due probe release it first (1: decided every step); deciding cost
     # 1.5-2.6 ms of a ~20-35 ms speculative step on a Zen 1 (avx2)
     stream_hold_steps: int = 4
+    # ... and a plain plan decide() kept by hysteresis (speculation predicted faster by less than
+    # switch_margin) is held alike (False: decided every step, as before; a settled plain plan,
+    # kept as the best, is the batch planner's plain hold either way)
+    stream_hold_plain: bool = True
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
     # batching by this fraction (a speculating row slows every row of the step; acceptance is
     # an estimate, and under-estimating plain's rate costs every row)
@@ -381,6 +389,8 @@ class RouterConfig:
             raise ValueError(f"k_max must be in 1..{MAX_DRAFT_LENGTH}, got {self.k_max}")
         if not 1 <= self.max_levels <= 4:
             raise ValueError(f"max_levels must be in 1..4, got {self.max_levels}")
+        if self.probe_refute_wait < 0:
+            raise ValueError(f"probe_refute_wait must be >= 0, got {self.probe_refute_wait!r}")
         if self.switch_margin < 0 or self.patience < 1 or self.probe_k < 1:
             raise ValueError("switch_margin must be >= 0, patience and probe_k >= 1")
         for name in ("request_decay", "request_hit_decay"):

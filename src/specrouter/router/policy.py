@@ -31,7 +31,8 @@ pool order (cheapest first, target last) and the names of model-free drafters.
    (router/host_time.py `PlainCharge`), not only decide()'s.
 3. Probing (router/probing.py, `Prober`): pairs with little (or faded) evidence get their
    optimistic alpha; within a budget (5% of row-cycles, 2% of wall time) a chain measuring one
-   of them runs this one cycle when it could beat the plan in that optimistic world.
+   of them runs this one cycle when it could beat the plan in that optimistic world; a probe
+   whose trials refuted that optimism keeps its pair from the request's probes for a while.
 4. `observe_step(StepReport)`, once per engine step: acceptance trials (global and per
    request), D_TV, hit rates, shadow proposals, forward timings into the profile, step
    overheads, the batch calibration.
@@ -300,7 +301,8 @@ class Router:
         seq = rows[0].seq_id if len(rows) == 1 else None
         batch = self.stream.plan(rows, pinned, self.requests.get(seq), self.prober.due(), self.profile.jumps,
                                  self.observed_steps) if self.stream.hold is not None else None
-        if batch is not None:  # a single stream's kept speculative plan (stream_hold.py): no decide
+        if batch is not None:  # a single stream's kept plan (stream_hold.py): no decide
+            self.outside.held()  # a held plain step is what plain decoding costs (outside_plain)
             return batch
         held = self.planner.held_decisions
         batch = self.planner.plan(rows, pinned)
@@ -343,6 +345,7 @@ class Router:
         """Forget a finished request, remembering the alphas it reached on its own evidence
         (pairs with >= 4 trials) for new requests' priors."""
         req = self.requests.pop(seq_id, None)
+        self.prober.testing.pop(seq_id, None)
         if req is not None and self.config.request_prior_quantile is not None:
             self.finished.record(req, GREEDY if req.greedy else SAMPLING, skip=self.model_free)
             self.board.changed()  # the priors' quantile may have moved
@@ -626,6 +629,8 @@ class Router:
             if self.prober.pending:  # a probe's realised extra seconds (one row's step only)
                 self.prober.settle(r.seq_id, wall_time if len(rows) == 1 else None,
                                    int(r.accepted[-1]) + 1 if len(r.chain) > 1 else 1)
+            if self.prober.testing:  # what a probe's trials showed (its pair's back-off)
+                self.prober.judge(req, r)
             req.cycles += 1
             chain = tuple(r.chain)
             for j in range(1, len(chain)):

@@ -18,16 +18,25 @@ t=0.7 the draft>target pair stuck at alpha 0.17 after 4 early rejections, probed
 ngram>draft>target, where draft>target k=2 ran 1.15x target-only). A probe that taught nothing about its pair (a model-free miss) doubles
 the wait before that pair's next one, so refuted pairs stop being probed until their evidence
 fades.
+
+A probe of a model pair always adds trials, so that back-off never started for one: a chat
+request with penalties probed the draft 1-3 times (+12-36 ms each over a ~20 ms plain step, on
+a Zen 1) though each probe's draft agreed as rarely as before. So a probe is also judged by
+what it showed (`judge`): when its pair's trials in that cycle accepted no more than the
+request's own estimate of the pair when it was chosen (the optimism that chose it refuted), the
+request does not probe that pair for `RouterConfig.probe_refute_wait` of its cycles, doubled at
+each further refutation; a probe that accepted more sets no wait. Per request: another request
+(code against chat) is probed as before.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from specrouter.records.routing import Decision, Pair, RowContext
+from specrouter.records.routing import Decision, Pair, RowContext, RowOutcome
 from specrouter.router.cost_model import best_plan
 from specrouter.router.host_time import PlainCharge
-from specrouter.router.similarity import ProbeBudget
+from specrouter.router.similarity import ProbeBudget, acceptance_trials
 
 
 class Prober:
@@ -43,6 +52,8 @@ class Prober:
         # seq_id -> (the plan's seconds per token, the probe's predicted extra seconds, the
         # router's seconds per cycle it was predicted with) of a probe not yet observed
         self.pending: dict[int, tuple[float, float, float]] = {}
+        # seq_id -> (the pair probed, the request's estimate of it then) of a probe not yet judged
+        self.testing: dict[int, tuple[Pair, float]] = {}
 
     def due(self) -> bool:
         """May this decision probe (the budget allows, and the last look found no probe long
@@ -56,7 +67,7 @@ class Prober:
         with both kinds' host seconds (policy.py, step 2)."""
         router = self.router
         costs, alphas, overhead = router.inputs(row, req)
-        probe = self._probe(mode, decision.chain, decision.t_eff, costs, alphas, overhead, k_cap, charge)
+        probe = self._probe(mode, decision.chain, decision.t_eff, costs, alphas, overhead, k_cap, charge, req)
         if probe is None:
             self.next_check = router.similarity.now + router.config.probe_recheck
             return decision
@@ -70,6 +81,8 @@ class Prober:
         self.budget.charge(extra)
         if router.config.probe_charge_realized:
             self.pending[row.seq_id] = (decision.t_eff, extra, overhead)
+        if router.config.probe_refute_wait > 0:
+            self.testing[row.seq_id] = (chain[:2], alphas[chain[:2]])
         return Decision(chain, pk, latency / tokens, "probe",
                         router.confidence_floor(chain, pk, latency / tokens, costs))
 
@@ -84,18 +97,40 @@ class Prober:
         t_plan, predicted, router_seconds = pending
         self.budget.settle(predicted, wall_time + router_seconds - t_plan * tokens)
 
+    def judge(self, req, outcome: RowOutcome) -> None:
+        """A probe of `req` was observed (`outcome`, its row's cycle): its pair's trials there
+        accepted no more than the request's estimate when it was chosen (refuted: the pair
+        waits `probe_refute_wait` of the request's cycles, or twice its last wait), or more (no
+        wait). A cycle without a trial of the pair (a model-free miss, another chain) leaves it."""
+        probe = self.testing.pop(outcome.seq_id, None)
+        chain = tuple(outcome.chain)
+        if probe is None or chain[:2] != probe[0]:
+            return
+        pair, estimate = probe
+        a, rej = acceptance_trials(int(outcome.drafted[1]), int(outcome.accepted[1]),
+                                   outcome.k if pair[0] in self.router.model_free else None)
+        if a + rej == 0:
+            return
+        if a / (a + rej) > estimate:
+            return  # not refuted: no wait (a one-trial probe's lucky acceptance does not reset the doubling)
+        last = req.probe_waits.get(pair)
+        wait = max(self.router.config.probe_refute_wait, 2 * last[1] if last is not None else 0)
+        req.probe_waits[pair] = (req.cycles + wait, wait)
+
     def _probe(self, mode: str, running, t_plan: float, costs, alphas, overhead: float,
-               k_cap: int, charge: PlainCharge = PlainCharge()) -> tuple[int, int] | None:
+               k_cap: int, charge: PlainCharge = PlainCharge(), req=None) -> tuple[int, int] | None:
         """(chain index, k) of a probe, or None (module docstring). A candidate pair is worth a
         probe when some chain measuring it beats the plan (T_eff below `t_plan`) in the
         optimistic world, a plain plan with `charge` on both sides; the most promising one goes,
-        with its best chain at that chain's best k up to `probe_k`."""
+        with its best chain at that chain's best k up to `probe_k`. `req`: the request's pairs
+        waiting after a refuting probe (`judge`) are not candidates."""
         router = self.router
         cfg, sim, now = router.config, router.similarity, router.similarity.now
+        waits = {p for p, (until, _) in req.probe_waits.items() if req.cycles < until} if req is not None else ()
         busy = set(zip(running[:-1], running[1:]))
         slow = {m for m in router.order if m in router.profile and router.profile.speed(m) > cfg.probe_slow_speed
                 and now - self.model_seen.get(m, 0) >= sim.config.stale_after}
-        candidates = [p for p in router.pairs if p not in busy
+        candidates = [p for p in router.pairs if p not in busy and p not in waits
                       and (sim.needs_probe(p, mode) or slow.intersection(p))
                       and now >= self._ready(p, mode)]
         if not candidates:

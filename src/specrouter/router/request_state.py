@@ -37,6 +37,9 @@ class RequestState:
     pending: tuple[Chain, float] | None = None
     realized: dict[Chain, list[float]] = field(default_factory=dict)
     corrections: dict[Chain, float] = field(default_factory=dict)
+    # pair -> (its cycle from which the pair may be probed again, the wait): a probe of it
+    # refuted its optimism (router/probing.py, `Prober.judge`)
+    probe_waits: dict[Pair, tuple[int, int]] = field(default_factory=dict)
 
     def observe(self, pair: Pair, accepted: float, rejections: float, decay: float) -> None:
         c = self.counts.setdefault(pair, [0.0, 0.0])

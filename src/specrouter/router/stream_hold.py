@@ -9,7 +9,10 @@ settled plain stream was already held (router/batch.py `PlainHold`), and a multi
 speculative plans are (`SpecHold`); a single stream's speculative plan now is too.
 
 `StreamHold` starts when decide() keeps the request's speculative plan ("same": it is the best;
-"hysteresis": another is predicted faster, by less than `switch_margin`) and lasts
+"hysteresis": another is predicted faster, by less than `switch_margin`), or its plain plan by
+hysteresis (`RouterConfig.stream_hold_plain`: chat with penalties on a Zen 1 decided such plain
+steps every step, 8-22 of a request's ~60, ~2 ms each; a plain plan kept as the best is the batch
+planner's plain hold), and lasts
 `RouterConfig.stream_hold_steps` engine steps of that one row, unless released first by what
 would change the decision:
 - the request's evidence version moved (router/evidence.py: its own alpha or hit rate moved
@@ -76,6 +79,10 @@ class StreamHolder:
     it holds, `keep` starts one after a decision that keeps a speculative plan."""
 
     KEPT = ("same", "hysteresis")  # decisions that keep the request's plan (policy.py, step 2)
+    # ... of a plain plan (`RouterConfig.stream_hold_plain`): one kept as the best ("same") is
+    # the batch planner's (PlainHold, spans growing to plain_hold_max); one kept while
+    # speculation is predicted faster by less than switch_margin is this hold's
+    PLAIN_KEPT = ("hysteresis",)
 
     def __init__(self, router):
         self.router = router  # policy.Router: its settings (read at every step, as the planner's)
@@ -105,7 +112,8 @@ class StreamHolder:
         """After a step planned by decide(): a single stream whose speculative plan was kept
         (`KEPT`) is held until observed step now + `stream_hold_steps`."""
         if (len(rows) != 1 or pinned or self.router.config.stream_hold_steps < 2 or req is None
-                or decision.reason not in self.KEPT or decision.k < 1):
+                or decision.reason not in (self.KEPT if decision.k > 0 else
+                                           self.PLAIN_KEPT if self.router.config.stream_hold_plain else ())):
             return
         self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
                                req.version, req.epoch, certain_bucket(rows[0].certain_rate),
