@@ -7,6 +7,7 @@ No wall clock: the governor is fed scripted step shares and idle readings."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -218,13 +219,26 @@ def test_the_engine_threads_forwards_run_on_the_count_the_governor_set(tiny_pool
     runner.forward = spy
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
 
+    class Pausing(threading.Condition):
+        """The engine's condition, telling when its thread first waits for work."""
+
+        def __init__(self):
+            super().__init__()
+            self.paused = threading.Event()
+
+        def wait(self, timeout=None):
+            self.paused.set()
+            return super().wait(timeout)
+
     def serve(governor: TeamGovernor, metrics: ServerMetrics | None = None) -> list[int]:
         engine = Engine(pool, max_num_seqs=2, max_model_len=64)
 
         async def main():
             ae = AsyncEngine(engine, seed=0, governor=governor, metrics=metrics)
+            ae._cv = Pausing()  # the request arrives while the engine thread waits (its pause)
             ae.start()
             try:
+                await asyncio.to_thread(ae._cv.paused.wait, 30)
                 h = ae.submit([5, 6, 7], params, chain=("target",), k=1)
                 tokens = []
                 while True:
