@@ -143,6 +143,10 @@ class Engine:
         self.router = router  # picks chain and k of the rows that did not pin theirs, every step
         self.tree_policy: TreePolicy | None = None  # token-tree shapes (api.py sets it with a router)
         self.clock = clock
+        self._idle = 0.0  # clock seconds between steps so far (`busy_clock`)
+        self._left: float | None = None  # clock time the last step returned
+        if router is not None and router.step_clock is not None:
+            router.step_clock = self.busy_clock  # the router times the engine's own work only
         self.state = StateManager(pool.runners, features=_feature_store(pool))
         self.executor = ChainExecutor(pool.runners, pool.drafters, self.state, pool.vocab_width,
                                       order=list(pool.order), heads=pool.heads, clock=clock)
@@ -325,7 +329,24 @@ class Engine:
         return bool(self.running)
 
     # -- one step ---------------------------------------------------------------------------
+    def busy_clock(self) -> float:
+        """The engine's clock less the time its caller spent between steps (a server handing a
+        step's tokens to its event loop, an API loop's own work): read inside `step`, the
+        engine's own time. The router times a step's host work outside the executor with it
+        (router/host_time.py), so a server's router and the library's price the same steps the
+        same (docs/serving-performance.md, eleventh round)."""
+        return self.clock() - self._idle
+
     def step(self) -> list[StepOutput]:
+        """`_step`, with the time since the last step returned counted as idle (`busy_clock`)."""
+        if self._left is not None:
+            self._idle += self.clock() - self._left
+        try:
+            return self._step()
+        finally:
+            self._left = self.clock()
+
+    def _step(self) -> list[StepOutput]:
         """One cycle for every running row: one executor step, every model at most one forward
         over all rows that need it; returns what each row committed. Randomness is
         counter-based (decoding/noise.py): keyed by each row's seed and position.
