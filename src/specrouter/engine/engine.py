@@ -54,6 +54,7 @@ import torch
 
 from specrouter.config import MAX_DRAFT_LENGTH, SamplingParams
 from specrouter.decoding.executor import ChainExecutor, StepResult
+from specrouter.engine.busy_clock import BusyClock
 from specrouter.engine.tree_policy import TreePolicy
 from specrouter.decoding.noise import seed_key
 from specrouter.decoding.sampling import SamplingTensors
@@ -143,8 +144,7 @@ class Engine:
         self.router = router  # picks chain and k of the rows that did not pin theirs, every step
         self.tree_policy: TreePolicy | None = None  # token-tree shapes (api.py sets it with a router)
         self.clock = clock
-        self._idle = 0.0  # clock seconds between steps so far (`busy_clock`)
-        self._left: float | None = None  # clock time the last step returned
+        self.busy_clock = BusyClock(clock)  # the clock less the caller's time between steps
         if router is not None and router.step_clock is not None:
             router.step_clock = self.busy_clock  # the router times the engine's own work only
         self.state = StateManager(pool.runners, features=_feature_store(pool))
@@ -329,22 +329,13 @@ class Engine:
         return bool(self.running)
 
     # -- one step ---------------------------------------------------------------------------
-    def busy_clock(self) -> float:
-        """The engine's clock less the time its caller spent between steps (a server handing a
-        step's tokens to its event loop, an API loop's own work): read inside `step`, the
-        engine's own time. The router times a step's host work outside the executor with it
-        (router/host_time.py), so a server's router and the library's price the same steps the
-        same (docs/serving-performance.md, eleventh round)."""
-        return self.clock() - self._idle
-
     def step(self) -> list[StepOutput]:
-        """`_step`, with the time since the last step returned counted as idle (`busy_clock`)."""
-        if self._left is not None:
-            self._idle += self.clock() - self._left
+        """`_step`, timed by the busy clock (engine/busy_clock.py: the time between steps is the caller's)."""
+        self.busy_clock.enter()
         try:
             return self._step()
         finally:
-            self._left = self.clock()
+            self.busy_clock.leave()
 
     def _step(self) -> list[StepOutput]:
         """One cycle for every running row: one executor step, every model at most one forward
