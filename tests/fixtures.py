@@ -221,6 +221,7 @@ class QuietRouterHooks:
     """`RouterProtocol` for scripted routers that only `decide` each row: plan_batch asks
     decide() row by row; nothing is learned."""
 
+    step_clock = None
     measure_tv = False
     tv_positions = 2
     tv_greedy_rows = True

@@ -993,6 +993,40 @@ def test_host_time_outside_the_executor_is_measured_and_charged():
     assert off.t_eff[0, 0] == pytest.approx(base.t_eff[0, 0]) and off.t_eff[i, 3] == pytest.approx(base.t_eff[i, 3])
 
 
+def test_a_step_that_prefilled_is_not_a_cycle_of_the_outside_clock():
+    """A step whose forward is wider than its plan (a prompt's prefill, a model catching up:
+    `records.routing.widened`) is not measured by the outside clock: its host work grows with
+    the prompt. Here the row's first step prefills with 40 ms outside the executor (a cold
+    process, a server's first chunk); every later step has 3 ms (speculative) or 1 ms (plain):
+    the router learns exactly those. Negative control: the same steps with the prefill's forward
+    as wide as a cycle's seed the first step's kind at 40 ms (the EMA still remembers it)."""
+    from specrouter.records.routing import widened
+
+    plans = [RowOutcome(0, ("d1", "T"), 3, [3, 3], [0, 2])]
+    assert widened(plans, [ForwardRecord("T", 1, 4, L0, 0.01)]) is False  # k + 1 candidates at the target
+    assert widened(plans, [ForwardRecord("d1", 1, 40, 0, 0.01)]) is True  # d1 catching up 40 tokens
+    assert widened([RowOutcome(0, ("T",), 0, [0], [0])], [ForwardRecord("T", 1, 3, 0, 0.01)]) is True
+
+    def learned(prefill_width):
+        now = [0.0]
+        router = make_router(step_clock=lambda: now[0], timer=lambda: 0.0)
+        sim = Sim(ALPHAS, seed=3)
+        row = RowContext(0, L0)
+        for step in range(40):
+            d = router.plan_batch([row]).decisions[0]
+            stats, outcomes, fwd, _ = sim.run(d.chain, d.k, [0], L0, True)
+            if step == 0:  # the prefill: the target over the prompt
+                fwd = [*fwd, ForwardRecord("T", 1, prefill_width, 0, 0.02)]
+            observe_cycle(router, stats, outcomes, fwd)
+            now[0] += stats.wall_time + (0.040 if step == 0 else 0.003 if d.k > 0 else 0.001)
+        return router.overhead["outside_spec"], router.overhead["outside_plain"]
+
+    spec, plain = learned(prefill_width=L0)
+    assert spec == pytest.approx(0.003) and plain in (0.0, pytest.approx(0.001))
+    control = learned(prefill_width=1)  # the same step, not recognised as a prefill
+    assert max(control[0] - 0.003, control[1] - 0.001) > 3e-4  # 40 ms, faded by the EMA over 39 steps
+
+
 def test_sampling_rows_feed_similarity_from_tv():
     """Sampling-mode rows carry per-level D_TV: the active pairs' SimScore is measured for free."""
     sim = Sim(ALPHAS, seed=13)

@@ -35,6 +35,7 @@ class LibraryWorker:
 
     def __init__(self, spec: dict):
         from specrouter.api import SpecRouter
+        from specrouter.bench.serve import WARM_TOKENS, prompts
         from specrouter.config import PoolConfig, RouterConfig, SamplingParams
         from specrouter.models.pool import Pool, preview_pool
         from specrouter.router.setup import build_router
@@ -44,6 +45,7 @@ class LibraryWorker:
         self.max_new_tokens = spec["max_new_tokens"]
         self.params = SamplingParams(temperature=0.0, max_new_tokens=self.max_new_tokens, ignore_eos=True)
         self.apis = {}
+        (warm_prompt, warm_chat), = prompts(1)
         for system in ("plain", "router"):
             if system == "router" and len(pool.order) < 2:
                 continue
@@ -51,7 +53,9 @@ class LibraryWorker:
             router = build_router(view, progress=False, config=RouterConfig()) if system == "router" else None
             api = SpecRouter(view, router)
             chain = (view.target,) if system == "plain" else None
-            api.generate("Hello", max_new_tokens=4, chain=chain)  # warm-up
+            # warm-up: the request the bench warms a server with at c=1 (serve_fresh.warm), so a
+            # router here and the router server's start the measured requests from one history
+            api.generate(warm_prompt, chat=warm_chat, max_new_tokens=WARM_TOKENS, chain=chain, ignore_eos=True)
             if api.engine.prefix_cache is not None:  # the measured prompts must not hit it
                 api.engine.prefix_cache.clear()
             self.apis[system] = (api, chain)

@@ -128,6 +128,9 @@ def pooled(runs: list[LevelResult]) -> LevelResult:
                         sum(r.wall for r in runs), [x for r in runs for x in r.results])
 
 
+WARM_TOKENS = 4  # new tokens of each warm-up request (bench/serve_fresh.py `warm`, bench/library_worker.py)
+
+
 def prompts(n: int) -> list[tuple[str, bool]]:
     """The mixed stream: (prompt, chat?) alternating code, prose, chat, extraction."""
     kinds = [(CODE, False), (PROSE, False), (CHAT, True), (EXTRACTION, True)]

@@ -38,8 +38,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specrouter.bench.serve import (SIDES, ServeBenchConfig, at_most, free_port, goal_lines, one_request, prompts,
-                                    request_body, rotation, server_info, start_server, stop_servers,
+from specrouter.bench.serve import (SIDES, WARM_TOKENS, ServeBenchConfig, at_most, free_port, goal_lines, one_request,
+                                    prompts, request_body, rotation, server_info, start_server, stop_servers,
                                     write_json_and_markdown)
 from specrouter.bench import machine_cpu
 from specrouter.bench.machine_cpu import MachineCpu
@@ -211,9 +211,11 @@ def measure(into: Unit, side: str, base: str, pid: int, model: str, cfg: ServeBe
 
 
 def warm(base: str, model: str, cfg: ServeBenchConfig, c: int, round_: int) -> None:
-    """A server's warm-up at batch size c (4 tokens a request, its own API key: nothing of it is
-    reused by the measured requests), as the worker warms its engine."""
-    short = ServeBenchConfig(max_new_tokens=4, seed=cfg.seed)
+    """A server's warm-up at batch size c (the first c mixed prompts, `WARM_TOKENS` tokens a
+    request, its own API key: nothing of it is reused by the measured requests). At c=1 it is
+    the request the library worker warms each of its APIs with (bench/library_worker.py), so a
+    router on either side starts the measured requests from the same history."""
+    short = ServeBenchConfig(max_new_tokens=WARM_TOKENS, seed=cfg.seed)
     reqs = [(i, p, chat) for i, (p, chat) in enumerate(prompts(c))]
     asyncio.run(served("raw", base, model, short, reqs, c, f"bench|fresh|warm|{round_}"))
 
@@ -250,8 +252,8 @@ def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
             serve("router")
         model = server_info(ports["plain"])["data"][0]["id"]
         lines = lines_of(cfg, "router" in bases)
-        for c in sorted({c for _, _, c in lines}):
-            for base in bases.values():
+        for system, base in bases.items():  # each server at the concurrencies of its own lines
+            for c in sorted({c for _, s, c in lines if s == system}):
                 warm(base, model, cfg, c, r)
         got: dict[str, dict[str, Unit]] = {}
         for name, system, c in lines:

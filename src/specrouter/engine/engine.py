@@ -54,6 +54,7 @@ import torch
 
 from specrouter.config import MAX_DRAFT_LENGTH, SamplingParams
 from specrouter.decoding.executor import ChainExecutor, StepResult
+from specrouter.engine.busy_clock import BusyClock
 from specrouter.engine.tree_policy import TreePolicy
 from specrouter.decoding.noise import seed_key
 from specrouter.decoding.sampling import SamplingTensors
@@ -143,6 +144,9 @@ class Engine:
         self.router = router  # picks chain and k of the rows that did not pin theirs, every step
         self.tree_policy: TreePolicy | None = None  # token-tree shapes (api.py sets it with a router)
         self.clock = clock
+        self.busy_clock = BusyClock(clock)  # the clock less the caller's time between steps
+        if router is not None and router.step_clock is not None:
+            router.step_clock = self.busy_clock  # the router times the engine's own work only
         self.state = StateManager(pool.runners, features=_feature_store(pool))
         self.executor = ChainExecutor(pool.runners, pool.drafters, self.state, pool.vocab_width,
                                       order=list(pool.order), heads=pool.heads, clock=clock)
@@ -326,6 +330,14 @@ class Engine:
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """`_step`, timed by the busy clock (engine/busy_clock.py: the time between steps is the caller's)."""
+        self.busy_clock.enter()
+        try:
+            return self._step()
+        finally:
+            self.busy_clock.leave()
+
+    def _step(self) -> list[StepOutput]:
         """One cycle for every running row: one executor step, every model at most one forward
         over all rows that need it; returns what each row committed. Randomness is
         counter-based (decoding/noise.py): keyed by each row's seed and position.

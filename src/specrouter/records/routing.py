@@ -18,6 +18,15 @@ def speculates(plans: Sequence[Plan]) -> bool:
     return any(k > 0 and len(c) > 1 for c, k in plans)
 
 
+def widened(outcomes: Sequence["RowOutcome"], forwards: Sequence["ForwardRecord"]) -> bool:
+    """Did a step prefill a prompt or catch a model up on tokens it had not seen: a forward
+    wider than any row's plan asks (a draft of k through n levels verifies at most k + n - 1
+    tokens at its last level; plain decoding one) by more than one token? Such a step is not a
+    decoding cycle: what it costs grows with the prompt or the lag."""
+    widest = max((o.k + len(o.chain) - 1 if len(o.chain) > 1 and o.k > 0 else 1 for o in outcomes), default=1)
+    return any(f.new_tokens > widest + 1 for f in forwards)
+
+
 @dataclass(frozen=True)
 class RowContext:
     """What the router needs to know about a row to decide its next cycle."""

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specrouter.records.routing import (BatchPlan, Chain, Decision, ForwardRecord, Plan, RowContext, RowOutcome,
-                                         speculates)
+                                         speculates, widened)
 from specrouter.router.cost_model import processor_forwards
 from specrouter.router.request_state import RequestState
 
@@ -616,8 +616,7 @@ class BatchPlanner:
         plans = [(tuple(r.chain), r.k) for r in rows]
         if any(r.seq_id not in self.planned for r, (c, k) in zip(rows, plans) if len(c) > 1 and k > 0):
             return
-        widest = max(k + len(c) - 1 if len(c) > 1 and k > 0 else 1 for c, k in plans)
-        if any(f.new_tokens > widest + 1 for f in forwards):  # a prefill, or a model's catch-up
+        if widened(rows, forwards):  # a prefill, or a model's catch-up
             return
         spec = speculates(plans)
         L = max(1, sum(r.context_len for r in rows) // n)

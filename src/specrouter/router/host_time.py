@@ -8,8 +8,14 @@ decide()'s share of it was charged, so plans were predicted faster than they ran
 
 `OutsideClock` measures it from one `plan_batch` to the next: that period minus the executor's
 wall time of the step planned in between. Only between consecutive steps of the same rows (a
-request joining or leaving, or the time between requests, is not a step's) and at most the
-executor's wall (a stall is not the step's either). It tells whether the step was planned by a
+request joining or leaving, or the time between requests, is not a step's), not over a step that
+prefilled or caught a model up (`records.routing.widened`), and at most the executor's wall (a
+stall is not the step's either). Its clock is the engine's busy clock (`Engine.busy_clock`: the
+engine's time inside `Engine.step`), so the period counts the engine's own work only: what a
+caller does between steps (a server handing a step's tokens to its event loop and waiting for
+it, 0.6-1.7 ms a step on a 2-core Zen 1, and the GIL the loop holds meanwhile) is not a step's
+cost the router can trade, and counted, it made a server's router price speculation unlike the
+library's on the same requests (docs/serving-performance.md, eleventh round). It tells whether the step was planned by a
 hold (batch.py `PlainHold`: no decide) or decided: a settled plain single stream is held, so
 its held steps are what plain decoding costs it, while a decided plain step pays decide() as a
 speculative one does (on the Zen 1: ~0.8 ms held against ~4.6 ms decided).
@@ -51,10 +57,14 @@ class OutsideClock:
         if self._last is not None:
             self._last = (*self._last[:5], True)
 
-    def observed(self, steps: int, wall_time: float, speculative: bool) -> None:
-        """The step planned last was observed (before the router counts it: `steps` as then)."""
+    def observed(self, steps: int, wall_time: float, speculative: bool, widened: bool = False) -> None:
+        """The step planned last was observed (before the router counts it: `steps` as then).
+        A `widened` step (records/routing.py: it prefilled a prompt or caught a model up) is not
+        measured: its host work outside the executor (the drafters indexing the prompt, a
+        server's first chunk of a response) grows with the prompt, not per cycle, and a cold
+        first step of a process (a warm-up's prefill) once seeded the EMA at 2-10x a cycle's."""
         if self._last is not None and self._last[1] == steps:
-            self._last = (*self._last[:3], wall_time, speculative, self._last[5])
+            self._last = None if widened else (*self._last[:3], wall_time, speculative, self._last[5])
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,7 @@ from specrouter.records.routing import (  # noqa: F401  (re-exported: the router
     RowOutcome,
     ShadowProposal,
     StepReport,
+    widened,
 )
 from specrouter.router.request_state import FinishedRequests, RequestState
 from specrouter.router.stream_hold import StreamHolder
@@ -227,9 +228,10 @@ class Router:
         self.tv_greedy_rows = self.similarity.config.greedy_tv  # ... in greedy rows only when it reads them
         self.on_decision = on_decision
         self.timer = timer  # measures decide() (real time, also under a virtual clock)
-        # the clock of the steps' wall times (the engine's: perf_counter, as `from_pool` sets
-        # it): measures a step's host seconds outside the executor; None: not measured (a
-        # simulated pool reports virtual seconds)
+        # the clock of the steps' wall times (perf_counter, as `from_pool` sets it; an Engine
+        # running this router replaces it with its busy clock, RouterProtocol.step_clock):
+        # measures a step's host seconds outside the executor; None: not measured (a simulated
+        # pool reports virtual seconds)
         self.step_clock = step_clock
         self.chains: list[Chain] = [
             c for c in enumerate_chains(self.order, target, cfg.max_levels)
@@ -322,7 +324,8 @@ class Router:
     def observe_step(self, report: StepReport) -> None:
         """Learn from one engine step: every row's outcome, every forward's timing, the step's
         overhead, the batch calibration, the shadow proposals."""
-        self.outside.observed(self.observed_steps, report.wall_time, report.speculative)
+        self.outside.observed(self.observed_steps, report.wall_time, report.speculative,
+                              widened(report.outcomes, report.forwards))
         self.planner.observe(report.outcomes, report.forwards, report.wall_time - report.processor_seconds)
         self._observe_rows(report.outcomes, report.wall_time)
         now = self.similarity.now

@@ -5,13 +5,18 @@ the same five methods. The engine never probes a router for optional members."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from specrouter.records.routing import BatchPlan, Plan, RowContext, StepReport
 
 
 class RouterProtocol(Protocol):
+    # the clock plan_batch reads to time a step's host work outside the executor
+    # (router/host_time.py); an Engine running the router sets it to its busy clock
+    # (`Engine.busy_clock`: the engine's own time, not its caller's between steps); None: the
+    # router times nothing (a scripted router, a simulated pool)
+    step_clock: Callable[[], float] | None
     measure_tv: bool  # the executor measures D_TV at verified positions for it (RowOutcome.tv)
     tv_positions: int  # ... at each row's first this many candidates per level
     tv_greedy_rows: bool  # ... in greedy rows too (False: sampled rows only; greedy rows skip it)
