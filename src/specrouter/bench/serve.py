@@ -128,7 +128,8 @@ def pooled(runs: list[LevelResult]) -> LevelResult:
                         sum(r.wall for r in runs), [x for r in runs for x in r.results])
 
 
-WARM_TOKENS = 4  # new tokens of each warm-up request (bench/serve_fresh.py `warm`, bench/library_worker.py)
+# new tokens of each warm-up request (bench/serve_fresh.py `warm`, bench/library_worker.py, `library_level`)
+WARM_TOKENS = 4
 
 
 def prompts(n: int) -> list[tuple[str, bool]]:
@@ -618,7 +619,7 @@ def library_level(view, ids: list[list[int]], params, concurrency: int) -> tuple
 
     engine = Engine(view, max_num_seqs=concurrency,
                     max_model_len=max(len(x) for x in ids) + params.max_new_tokens + 16)
-    warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_new_tokens=WARM_TOKENS, ignore_eos=True)
     engine.generate_ids([x[:8] for x in ids[:concurrency]], [warm] * min(concurrency, len(ids)),
                         chain=(view.target,), k=1)
     if engine.prefix_cache is not None:

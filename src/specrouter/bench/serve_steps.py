@@ -172,8 +172,6 @@ class ThreadSteps:
                 "drops": int(self.changes.get("drop", 0)), "restores": int(self.changes.get("restore", 0))}
 
 
-
-
 @dataclass
 class StepKinds:
     """A server's counters of steps by (kind, rows) -> [steps, seconds, tokens] and row-cycles by
