@@ -78,7 +78,7 @@ def path(request, monkeypatch):
     kernel_path.cache_clear()
 
 
-PATH_IDS = ["avx512bf16", "avx512", "avx2", "torch"]
+PATH_IDS = ["amx", "avx512bf16", "avx512", "avx2", "torch"]
 
 
 @pytest.mark.parametrize("path", PATH_IDS, indirect=True)

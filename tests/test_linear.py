@@ -82,12 +82,14 @@ def test_native_kernel_falls_back_where_its_blocks_do_not_divide_the_input(which
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_every_row_count_is_row_invariant(which, dtype, with_bias):
-    """1 row, 2-3 rows, and 4..40 rows: each row's bits are those of a 1-row call, for the
-    plain and the residual-fused kernel (SmolLM2-135M's o_proj / down_proj widths)."""
+    """1 row, 2-3 rows, and 4..40 rows (33: a token tree's budget; AMX's 16-row tiles split 17,
+    33 and 40 rows into blocks): each row's bits are those of a 1-row call, for the plain and
+    the residual-fused kernel (SmolLM2-135M's o_proj / down_proj widths, the draft's hidden 192
+    and MLP 512, and an input width of 200: AMX's 32-wide k chunks leave a tail of 8)."""
     if which != "torch" and dtype == torch.float64:
         pytest.skip("float64 has one kernel (mm)")
     g = torch.Generator().manual_seed(0)
-    for out_f, in_f in ((576, 576), (576, 1536)):
+    for out_f, in_f in ((576, 576), (576, 1536), (192, 192), (192, 512), (48, 200)):
         lin = Linear.pack((torch.randn(out_f, in_f, generator=g) * 0.05).to(dtype),
                           torch.randn(out_f, generator=g).to(dtype) if with_bias else None,
                           kernel=_kernel(which, dtype))
@@ -95,7 +97,7 @@ def test_every_row_count_is_row_invariant(which, dtype, with_bias):
         r = torch.randn(40, out_f, generator=g).to(dtype)
         one = torch.cat([linear(x[i : i + 1], lin) for i in range(40)])
         one_add = torch.cat([linear_add(r[i : i + 1], x[i : i + 1], lin) for i in range(40)])
-        for n in (2, 3, 4, 5, 8, 9, 17, 40):
+        for n in (2, 3, 4, 5, 8, 9, 16, 17, 33, 40):
             for lo in (0, 40 - n):
                 assert torch.equal(linear(x[lo : lo + n], lin), one[lo : lo + n]), (n, lo)
                 assert torch.equal(linear_add(r[lo : lo + n], x[lo : lo + n], lin), one_add[lo : lo + n])
@@ -132,21 +134,24 @@ def test_kernels_name_one_choice_per_precision():
 
 def test_the_fastest_path_the_cpu_has_is_chosen_and_a_forced_one_must_exist(monkeypatch):
     """No SPECROUTER_KERNELS: the first of PATHS whose flags the CPU has (a Zen 1 without
-    AVX-512 gets avx2, a Zen 4 avx512bf16); a forced path the CPU lacks, or an unknown one, is
-    an error naming the flag, never a silent substitute."""
+    AVX-512 gets avx2, a Zen 4 avx512bf16, a Sapphire Rapids amx); a forced path the CPU lacks,
+    or an unknown one, is an error naming the flag, never a silent substitute."""
     from specrouter.models.runners import kernels as k
 
     monkeypatch.delenv("SPECROUTER_KERNELS", raising=False)
+    monkeypatch.setattr(k, "amx_permission", lambda: None)
     zen1 = frozenset({"avx2", "fma", "sse4_2"})
     zen4 = zen1 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+    spr = zen4 | {"amx_tile", "amx_bf16", "amx_int8"}
     for flags, want in ((zen1, "avx2"), (zen4, "avx512bf16"), (zen4 - {"avx512_bf16"}, "avx512"),
-                        (frozenset({"sse4_2"}), "torch")):
+                        (spr, "amx"), (spr - {"amx_bf16"}, "avx512bf16"), (frozenset({"sse4_2"}), "torch")):
         monkeypatch.setattr(k, "cpu_flags", lambda flags=flags: flags)
         k.kernel_path.cache_clear()
         assert k.kernel_path() == want
     monkeypatch.setattr(k, "cpu_flags", lambda: zen1)
     for forced, error, words in (("avx512bf16", RuntimeError, "avx512f"), ("avx512", RuntimeError, "avx512bw"),
-                                 ("sse9", ValueError, "avx512bf16, avx512, avx2, torch")):
+                                 ("amx", RuntimeError, "amx_tile, amx_bf16"),
+                                 ("sse9", ValueError, "amx, avx512bf16, avx512, avx2, torch")):
         monkeypatch.setenv("SPECROUTER_KERNELS", forced)
         k.kernel_path.cache_clear()
         with pytest.raises(error, match=words):
@@ -156,6 +161,42 @@ def test_the_fastest_path_the_cpu_has_is_chosen_and_a_forced_one_must_exist(monk
     assert k.kernel_path() == "avx2"
     monkeypatch.undo()
     k.kernel_path.cache_clear()
+
+
+def test_amx_is_unavailable_with_a_reason_where_the_os_refuses_the_tile_state(monkeypatch):
+    """A CPU with the AMX flags whose OS does not grant the tile data state (an old kernel, a VM
+    without it: arch_prctl refuses, or succeeds and grants nothing) has no amx path: why_not says
+    why, the default falls to avx512bf16, a forced amx is that error; never a SIGILL."""
+    from specrouter.models.runners import kernels as k
+
+    monkeypatch.delenv("SPECROUTER_KERNELS", raising=False)
+    spr = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile",
+                     "amx_bf16"})
+    monkeypatch.setattr(k, "cpu_flags", lambda: spr)
+    refused = "the OS did not grant the AMX tile state (ARCH_GET_XCOMP_PERM lacks XTILEDATA)"
+    monkeypatch.setattr(k, "amx_permission", lambda: refused)
+    assert k.why_not("amx") == refused + " (kernel path amx)"
+    assert k.why_not("avx512bf16") is None
+    k.kernel_path.cache_clear()
+    assert k.kernel_path() == "avx512bf16"
+    monkeypatch.setenv("SPECROUTER_KERNELS", "amx")
+    k.kernel_path.cache_clear()
+    with pytest.raises(RuntimeError, match="ARCH_GET_XCOMP_PERM lacks XTILEDATA"):
+        k.kernel_path()
+    monkeypatch.undo()
+    k.kernel_path.cache_clear()
+
+
+def test_the_amx_permission_is_asked_of_the_os_and_agrees_with_the_native_check():
+    """Where the CPU has the AMX flags, the Python check (ctypes arch_prctl) and linearamx.cpp's
+    own (before any tile instruction) agree."""
+    from specrouter.models.runners import kernels as k
+
+    if k.missing_flags("amx") or why_not_native():
+        pytest.skip(why_not("amx") or why_not_native())
+    assert rowinv() is not None
+    native = rowinv().amx_ready()
+    assert (native == "") == (k.amx_permission() is None), (native, k.amx_permission())
 
 
 def _causal(q_pos: torch.Tensor, groups: int, Lp: int) -> torch.Tensor:

@@ -7,8 +7,8 @@ kernel whose result for a row is bitwise independent of the other rows (tests/te
 tests/test_row_invariance.py prove it on the shapes used):
 
 - float32 and bfloat16: the project's own kernels (kernels/linear256.cpp on AVX2 + FMA,
-  kernels/linear512.cpp on AVX-512 and AVX-512-BF16, compiled on first use, chosen per kernel
-  path): each output is one fixed sequence of FMAs over a weight packed once into tiles of
+  kernels/linear512.cpp on AVX-512 and AVX-512-BF16, kernels/linearamx.cpp's bfloat16 on AMX
+  tiles, compiled on first use, chosen per kernel path): each output is one fixed sequence of FMAs over a weight packed once into tiles of
   outputs, float32 accumulation, one rounding at the end. Memory-bound for 1 row, and up to 6
   (AVX2) or 12 (AVX-512) rows share every weight load.
 - where those kernels cannot run (no AVX2, no compiler, `SPECROUTER_KERNELS=torch`, or a
@@ -67,18 +67,21 @@ ONEDNN = _onednn_available(torch.float32)
 ONEDNN_BF16 = _onednn_available(torch.bfloat16)
 
 # kernels, one per precision (on CPU): the native ones (linear256.cpp's AVX2 linear,
-# linear512.cpp's AVX-512F one and its AVX-512-BF16 vdpbf16ps one), then torch's
-ROWINV, ROWINV512, ROWINV_DP = "rowinv", "rowinv512", "rowinv512-dpbf16"
+# linear512.cpp's AVX-512F one and its AVX-512-BF16 vdpbf16ps one, linearamx.cpp's AMX one),
+# then torch's
+ROWINV, ROWINV512, ROWINV_DP, ROWINV_AMX = "rowinv", "rowinv512", "rowinv512-dpbf16", "rowinv-amx-bf16"
 ONEDNN_BLOCKED, ATEN_LINEAR, MM = "onednn-blocked", "aten-linear", "mm"
-NATIVE_KERNELS = (ROWINV, ROWINV512, ROWINV_DP)
+NATIVE_KERNELS = (ROWINV, ROWINV512, ROWINV_DP, ROWINV_AMX)
 # the native kernel of each (path, dtype)
 NATIVE_BY_PATH = {
+    "amx": {torch.float32: ROWINV512, torch.bfloat16: ROWINV_AMX},
     "avx512bf16": {torch.float32: ROWINV512, torch.bfloat16: ROWINV_DP},
     "avx512": {torch.float32: ROWINV512, torch.bfloat16: ROWINV512},
     "avx2": {torch.float32: ROWINV, torch.bfloat16: ROWINV},
 }
 TRITON = "triton"  # the GPU path's batch-invariant matmul (runners/triton/matmul.py)
-TILE = {ROWINV: 16, ROWINV512: 32, ROWINV_DP: 32}  # outputs per packed tile (linear256.cpp, linear512.cpp)
+# outputs per packed tile (linear256.cpp, linear512.cpp, linearamx.cpp: the same tiles as linear512)
+TILE = {ROWINV: 16, ROWINV512: 32, ROWINV_DP: 32, ROWINV_AMX: 32}
 # the torch kernels, where rowinv cannot run
 FALLBACK_BY_DTYPE = {
     torch.float32: ONEDNN_BLOCKED if ONEDNN else MM,
@@ -245,6 +248,8 @@ def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
         return _rowinv.linear(x, w.weight, w.out_features, w.bias, None)
     if w.kernel == TRITON:
         return _triton_linear(x, w.weight, w.bias)
+    if w.kernel == ROWINV_AMX:
+        return _rowinv.linear_amx(x, w.weight, w.out_features, w.bias, None)
     if w.kernel in NATIVE_KERNELS:
         return _rowinv.linear512(x, w.weight, w.out_features, w.bias, None, w.kernel == ROWINV_DP)
     return _run_torch(w.kernel, w.pad, x, w.weight, w.bias, None)
@@ -256,6 +261,8 @@ def linear_add(residual: torch.Tensor, x: torch.Tensor, w: Linear) -> torch.Tens
         return _rowinv.linear(x, w.weight, w.out_features, w.bias, residual)
     if w.kernel == TRITON:
         return _triton_linear(x, w.weight, w.bias, residual)
+    if w.kernel == ROWINV_AMX:
+        return _rowinv.linear_amx(x, w.weight, w.out_features, w.bias, residual)
     if w.kernel in NATIVE_KERNELS:
         return _rowinv.linear512(x, w.weight, w.out_features, w.bias, residual, w.kernel == ROWINV_DP)
     return _run_torch(w.kernel, w.pad, x, w.weight, w.bias, residual)

@@ -31,6 +31,7 @@ from specrouter.models.runners.linear import (
     ONEDNN_BLOCKED,
     ROWINV,
     ROWINV512,
+    ROWINV_AMX,
     ROWINV_DP,
     TRITON,
     Linear,
@@ -358,7 +359,7 @@ class LlamaRunner(ModelRunner):
         """(params, outs, kernel) of the native `decoder_layers` op, which runs the whole decoder
         stack in one call (kernels/rowinv.cpp), where every linear runs one native kernel; else
         None (the Python loop of `_hidden_native` serves). A bias of 0 elements stands for none."""
-        code = {ROWINV: 0, ROWINV512: 1, ROWINV_DP: 2}
+        code = {ROWINV: 0, ROWINV512: 1, ROWINV_DP: 2, ROWINV_AMX: 3}
         kinds = {lin.kernel for layer in self._layers for lin in (layer[1], layer[2], layer[4], layer[5])}
         if self._ops is None or len(kinds) != 1 or not kinds <= code.keys():
             return None

@@ -1,7 +1,8 @@
 """The native CPU kernels, compiled on first use and cached: the runner's row-invariant ops
 (rowinv.cpp: `rope_attention`, `rms_norm`, `silu_mul`, `decoder_layers` (the stack in one OpenMP
 region; `set_stack_schedule` and `stack_profile` steer and time it); linear256.cpp:
-`linear`, the AVX2 linear; linear512.cpp: `linear512`, the AVX-512 and AVX-512-BF16 linears) and the sampling noise
+`linear`, the AVX2 linear; linear512.cpp: `linear512`, the AVX-512 and AVX-512-BF16 linears;
+linearamx.cpp: `linear_amx`, the bfloat16 linear on AMX tiles) and the sampling noise
 (noise.cpp: `coupled_argmax`, decoding/noise.py's lazy Gumbel-max in one call); bf16.h holds
 the bfloat16 widening and rounding both linears and the other ops share.
 
@@ -16,10 +17,12 @@ builder (about 25 s on 2 cores, once per machine and torch version: the build is
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -27,13 +30,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(f) for f in ("rowinv.cpp", "linear256.cpp", "linear512.cpp", "noise.cpp")]
-HEADERS = [Path(__file__).with_name("bf16.h")]  # included by rowinv.cpp and the linears
+SOURCES = [Path(__file__).with_name(f) for f in ("rowinv.cpp", "linear256.cpp", "linear512.cpp", "linearamx.cpp",
+                                                 "noise.cpp")]
+HEADERS = [Path(__file__).with_name(f) for f in ("bf16.h", "finish16.h")]  # included by rowinv.cpp and the linears
 ENV = "SPECROUTER_KERNELS"  # a path of PATHS: force it ("torch": never build or use the native kernels)
 # the kernel paths, fastest first, and the CPU flags (Linux's names) each needs; the native
 # ops other than the linear (attention, norms, silu) are AVX2 + FMA on every native path
-PATHS = ("avx512bf16", "avx512", "avx2", "torch")
+PATHS = ("amx", "avx512bf16", "avx512", "avx2", "torch")
 PATH_FLAGS = {
+    "amx": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16"),
     "avx512bf16": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
     "avx512": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
     "avx2": ("avx2", "fma"),
@@ -66,16 +71,49 @@ def missing_flags(path: str) -> list[str]:
 
 
 def why_not(path: str) -> str | None:
-    """Why kernel path `path` cannot run here ("the CPU lacks avx512_bf16"), or None."""
+    """Why kernel path `path` cannot run here ("the CPU lacks avx512_bf16"; for amx also the
+    OS's refusal of the tile state, `amx_permission`), or None."""
     missing = missing_flags(path)
-    return f"the CPU lacks {', '.join(missing)} (kernel path {path})" if missing else None
+    if missing:
+        return f"the CPU lacks {', '.join(missing)} (kernel path {path})"
+    if path == "amx" and amx_permission():
+        return f"{amx_permission()} (kernel path amx)"
+    return None
+
+
+SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1022, 0x1023, 18
+
+
+@functools.cache
+def amx_permission() -> str | None:
+    """Linux hands a process AMX's tile data state (8 KiB of registers a thread) only on request,
+    once per process: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); until then every tile
+    instruction is SIGILL. Requested here; None where granted (checked with
+    ARCH_GET_XCOMP_PERM: a kernel that does not support the state answers the request with
+    success and grants nothing), else why not. linearamx.cpp checks the same before any tile
+    instruction."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return "AMX tile state needs Linux on x86-64 (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(ARCH_REQ_XCOMP_PERM),
+                        ctypes.c_long(XFEATURE_XTILEDATA)) != 0:
+            return f"the OS refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(ctypes.get_errno())})"
+        perm = ctypes.c_uint64(0)
+        if (libc.syscall(ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(ARCH_GET_XCOMP_PERM), ctypes.byref(perm)) != 0
+                or not perm.value >> XFEATURE_XTILEDATA & 1):
+            return "the OS did not grant the AMX tile state (ARCH_GET_XCOMP_PERM lacks XTILEDATA)"
+    except (OSError, AttributeError) as e:
+        return f"AMX tile state: arch_prctl unavailable ({e})"
+    return None
 
 
 @functools.cache
 def kernel_path() -> str:
     """The kernel path of this process: SPECROUTER_KERNELS if set (an unknown or unsupported
     path is an error, never a silent substitute), else the fastest path of PATHS this CPU has
-    the flags of. (Whether the native kernels then build is `rowinv()`'s business.)"""
+    the flags of (and, for amx, the OS's tile state). (Whether the native kernels then build is
+    `rowinv()`'s business.)"""
     forced = os.environ.get(ENV, "").strip().lower()
     if forced:
         if forced not in PATHS:
@@ -83,7 +121,7 @@ def kernel_path() -> str:
         if why_not(forced):
             raise RuntimeError(f"{ENV}={forced}: {why_not(forced)}")
         return forced
-    return next(p for p in PATHS if not missing_flags(p))
+    return next(p for p in PATHS if not why_not(p))
 
 
 def why_not_native() -> str | None:

@@ -27,33 +27,13 @@
 #include <cstring>
 
 #include "bf16.h"
+#include "finish16.h"
 
 namespace {
 
-using namespace specrouter_bf16;  // bf16, load16, store16 (bf16.h)
+using namespace specrouter_bf16;  // bf16, load16, store16 (bf16.h), TILE, finish16 (finish16.h)
 
-constexpr int64_t TILE = 32, ROWS = 12;  // 2 x 16 output lanes; <= 24 accumulators in registers
-
-// acc (R, TILE) float32 of rows n0.. and outputs o0.. -> y: + bias, then residual +, one rounding
-// (bf16.h's store16, lane by lane the scalar store()), 16 outputs at a time
-template <typename T>
-T512 void finish16(const float* acc, int R, int64_t n0, int64_t o0, int64_t O, const T* bias,
-                   const T* residual, T* y) {
-  const int64_t width = O - o0 < TILE ? O - o0 : TILE;  // the last tile's padding outputs
-  for (int64_t h = 0; h < TILE; h += 16) {
-    const int64_t w = width - h;
-    if (w <= 0) break;
-    const __mmask16 m = w >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << w) - 1);
-    const __m512 b = bias ? load16(bias + o0 + h, m) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const int64_t n = n0 + r;
-      __m512 v = _mm512_loadu_ps(acc + r * TILE + h);
-      if (bias) v = _mm512_add_ps(v, b);
-      if (residual) v = _mm512_add_ps(load16(residual + n * O + o0 + h, m), v);
-      store16(y + n * O + o0 + h, v, m);
-    }
-  }
-}
+constexpr int64_t ROWS = 12;  // rows of a register tile: <= 24 accumulators (2 x 16 output lanes)
 
 // float32 x (R rows of K, row stride K) times one tile (K, 32) float32 -> acc (R, 32)
 template <int R>

@@ -6,8 +6,8 @@
 // batch. So a position's logits are bitwise the same in a 1-token step, a k-token
 // verification and a ragged multi-row batch: exact speculative decoding by construction.
 //
-// The linears live in their own files: linear256.cpp (AVX2, the op `linear`) and linear512.cpp
-// (AVX-512, `linear512`); `decoder_layers` below calls them.
+// The linears live in their own files: linear256.cpp (AVX2, the op `linear`), linear512.cpp
+// (AVX-512, `linear512`) and linearamx.cpp (AMX, `linear_amx`); `decoder_layers` below calls them.
 // rope_attention: RoPE of q and k, the write of k and v into the slot cache, and for each
 //   (row, head, query) its own softmax over keys [0, pos] in order, float32 throughout; with
 //   `parents` (a token tree), over the prefix and the query's ancestors, in position order.
@@ -30,7 +30,7 @@
 
 #include "bf16.h"
 
-namespace specrouter {  // linear256.cpp, linear512.cpp
+namespace specrouter {  // linear256.cpp, linear512.cpp, linearamx.cpp
 at::Tensor linear256(const at::Tensor& x, const at::Tensor& weight, int64_t O, const std::optional<at::Tensor>& bias,
                      const std::optional<at::Tensor>& residual);
 at::Tensor linear512(const at::Tensor& x, const at::Tensor& weight, int64_t O, const std::optional<at::Tensor>& bias,
@@ -39,6 +39,11 @@ void linear256_tiles(bool bf, const float* x, int64_t N, int64_t K, const void* 
                      const void* residual, void* y, int64_t t0, int64_t t1);
 void linear512_tiles(int mode, const void* x, int64_t N, int64_t K, const void* w, int64_t O, const void* bias,
                      const void* residual, void* y, int64_t t0, int64_t t1);
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, int64_t O, const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& residual);
+void linear_amx_tiles(const void* x, int64_t N, int64_t K, const void* w, int64_t O, const void* bias,
+                      const void* residual, void* y, int64_t t0, int64_t t1);
+void check_amx();
 }
 
 namespace {
@@ -717,6 +722,7 @@ at::Tensor decoder_layers_ops(const at::Tensor& x0, at::TensorList params, at::I
     const at::Tensor& w = params[l * P + (i == 0 ? 1 : i == 1 ? 3 : i == 2 ? 6 : 8)];
     const std::optional<at::Tensor> bias = b.numel() ? std::optional<at::Tensor>(b) : std::nullopt;
     const int64_t O = outs[4 * l + i];
+    if (kernel == 3) return specrouter::linear_amx(in, w, O, bias, res);
     return kernel == 0 ? specrouter::linear256(in, w, O, bias, res) : specrouter::linear512(in, w, O, bias, res, kernel == 2);
   };
   at::Tensor x = x0;
@@ -745,7 +751,8 @@ struct StackLinear {
 // kernels on the same inputs, so the same bits. x (N, H): the valid tokens (all B*T of them, or
 // packed: `valid` (N,) their flat indices into B*T). `params`: per layer ln1, w_qkv, b_qkv, w_o,
 // b_o, ln2, w_gu, b_gu, w_down, b_down (a bias of 0 elements: none); `outs`: per layer the 4
-// linears' output widths; `kernel`: 0 the AVX2 linear, 1 linear512 on FMAs, 2 on vdpbf16ps.
+// linears' output widths; `kernel`: 0 the AVX2 linear, 1 linear512 on FMAs, 2 on vdpbf16ps,
+// 3 linear_amx (AMX tiles, bfloat16 only).
 //
 // One OpenMP parallel region runs the whole stack (the per-op form forked and joined ~8 times a
 // layer, and the threads waited while one of them did the host work between ops). Per layer:
@@ -763,7 +770,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
   constexpr int64_t P = 10;
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(params.size()) == P * layers && static_cast<int64_t>(outs.size()) == 4 * layers &&
-                  static_cast<int64_t>(v_caches.size()) == layers && kernel >= 0 && kernel <= 2,
+                  static_cast<int64_t>(v_caches.size()) == layers && kernel >= 0 && kernel <= 3,
               "decoder_layers: ", P, " params and 4 widths per layer, one K and one V cache per layer");
   if (g_schedule < 0 || layers == 0)
     return decoder_layers_ops(x0, params, outs, kernel, k_caches, v_caches, B, T, nh, D, eps, cos, sin, slots,
@@ -771,7 +778,8 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
   check_2d(x0, "x");
   const auto dt = x0.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "decoder_layers: float32 or bfloat16, got ", dt);
-  TORCH_CHECK(kernel != 2 || dt == at::kBFloat16, "decoder_layers: vdpbf16ps takes bfloat16");
+  TORCH_CHECK(kernel < 2 || dt == at::kBFloat16, "decoder_layers: vdpbf16ps and AMX take bfloat16");
+  if (kernel == 3) specrouter::check_amx();  // no tile instruction without the tile data state (SIGILL)
   const int64_t N = x0.size(0), H = x0.size(1), nkv = k_caches[0].size(1), heads = nh + 2 * nkv;
   const int64_t TILE = kernel == 0 ? 16 : 32;               // linear256 / linear512 tiles of outputs
   const int64_t UNIT = kernel == 0 ? 8 : 1;                 // tiles a work item (linear256 groups 8)
@@ -830,7 +838,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
   at::Tensor qkv = at::empty({N, O_qkv}, opt), att = at::empty({N, nh * D}, opt), gu = at::empty({N, 2 * I}, opt),
              act = at::empty({N, I}, opt);
   const int nt = std::max(1, std::min(MAX_PROF_THREADS, at::get_num_threads()));
-  const bool widen_in = kernel != 2 && dt == at::kBFloat16;  // float32 activations for the FMA kernels
+  const bool widen_in = kernel < 2 && dt == at::kBFloat16;  // float32 activations for the FMA kernels
   const int64_t Kmax = std::max({H, nh * D, I});
   at::Tensor normed = at::empty({nt + 1, N, H}, opt);  // per thread, then the shared one
   at::Tensor wide_norm = at::empty({widen_in ? N : 0, H}, opt.dtype(at::kFloat));
@@ -865,7 +873,9 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
     // tiles [t0, t1) of linear (l, i): input xin (N, K), residual and output y (N, O)
     auto tiles = [&](int64_t l, int64_t i, const void* xin, const void* res, char* y, int64_t t0, int64_t t1) {
       const StackLinear& s = lins[4 * l + i];
-      if (kernel == 0)
+      if (kernel == 3)
+        specrouter::linear_amx_tiles(xin, N, s.K, s.w, s.O, s.bias, res, y, t0, t1);
+      else if (kernel == 0)
         specrouter::linear256_tiles(dt == at::kBFloat16, static_cast<const float*>(xin), N, s.K, s.w, s.O, s.bias, res,
                                     y, t0, t1);
       else

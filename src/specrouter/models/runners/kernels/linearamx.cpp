@@ -1,0 +1,195 @@
+// Row-invariant bfloat16 linear on AMX tiles (`linear_amx`, the kernel path `amx`; its float32
+// linears are linear512.cpp's AVX-512F FMAs). Compiled for its own instruction set (a function
+// target attribute; the rest of the extension stays AVX2).
+//
+// The weight is packed as for linear512 (runners/linear.py `pack_tiles`, tile 32: (O/32, K/2, 32,
+// 2) bfloat16), which is already AMX's B layout: for a chunk of 32 k, outputs 0-15 of a tile are
+// 16 rows (k pairs) x 64 bytes at a row stride of 128 bytes, outputs 16-31 the other 64 bytes.
+// A row block of M <= 16 rows of x is an A tile (M rows x 32 bfloat16, row stride K * 2 bytes).
+// `tdpbf16ps` accumulates C (M rows x 16 outputs, float32) += A B: each C row depends only on its
+// own A row and on B (AMX computes the rows alike, whatever M: checked bitwise at every M of
+// 1-16 and every row position in the tests). So an output's sequence is fixed by K alone: the
+// chunks of 32 k in order, then one chunk of the K % 32 tail (its own tile registers, configured
+// by K, never by M), then linear512's finish (finish16.h: + bias, + residual, one rounding).
+// The row count decides only how many rows share a B load: a row's bits do not depend on the
+// other rows (1 row included) nor on the threads, which split tiles of outputs.
+//
+// Tile registers: 0, 1 C (outputs 0-15, 16-31 of a packed tile); 2 A; 3, 4 B; 5 the A tail;
+// 6, 7 the B tail. Linux grants a process the tile data state on request (`amx_ready`:
+// arch_prctl ARCH_REQ_XCOMP_PERM); without it a tile instruction is SIGILL, so every entry checks
+// it first. The tile configuration is per thread: every call configures its thread's tiles and
+// releases them at the end (oneDNN, which torch's bfloat16 GEMMs run on, configures the same
+// registers its own way on the same threads).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "bf16.h"
+#include "finish16.h"
+
+#define TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
+
+namespace {
+
+using namespace specrouter_bf16;  // bf16, TILE, finish16
+
+constexpr int MT = 16;     // rows of a tile: the rows of x an A tile holds
+constexpr int64_t KC = 32;  // bfloat16 of k an A tile row holds (64 bytes)
+constexpr int64_t GROUP = 4;  // more than MT rows: tiles whose weights stay in cache for all row blocks
+
+// ldtilecfg's 64-byte operand (palette 1)
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// this thread's tiles for row blocks of M rows and a K tail of kt (even, < 32) bfloat16
+TAMX void configure(int M, int kt) {
+  TileConfig c;
+  std::memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t : {0, 1, 2}) c.rows[t] = M, c.colsb[t] = 64;
+  for (int t : {3, 4}) c.rows[t] = 16, c.colsb[t] = 64;
+  if (kt) {
+    c.rows[5] = M, c.colsb[5] = kt * 2;
+    c.rows[6] = c.rows[7] = kt / 2, c.colsb[6] = c.colsb[7] = 64;
+  }
+  // inline asm, not _tile_loadconfig: GCC 12 drops the stores to `c` before the builtin (it
+  // does not see the builtin read them) and configures nothing
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+TAMX void release() { _tile_release(); }
+
+// M rows of x (row stride K) times one packed tile (K/2, 32, 2) -> acc (M, 32) float32
+TAMX void tile_amx(const bf16* x, int64_t K, const bf16* w, float* acc) {
+  const int64_t kf = K - K % KC, stride = K * 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t k = 0; k < kf; k += KC, w += KC * TILE) {
+    _tile_loadd(2, x + k, stride);
+    _tile_loadd(3, w, 2 * TILE * 2);
+    _tile_loadd(4, w + 32, 2 * TILE * 2);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  if (kf < K) {  // the tail: rows (K % 32) / 2 of B, (K % 32) bfloat16 of A
+    _tile_loadd(5, x + kf, stride);
+    _tile_loadd(6, w, 2 * TILE * 2);
+    _tile_loadd(7, w + 32, 2 * TILE * 2);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_dpbf16ps(1, 5, 7);
+  }
+  _tile_stored(0, acc, TILE * 4);
+  _tile_stored(1, acc + 16, TILE * 4);
+}
+
+// tiles [t0, t1) of outputs, every row: up to MT rows one block per tile; more, per GROUP
+// tiles every row block (MT rows at a time, the last block the rest)
+template <typename T>
+TAMX void run_tiles_amx(const bf16* x, int64_t N, int64_t K, const bf16* w, int64_t O, const T* bias,
+                        const T* residual, T* y, int64_t t0, int64_t t1) {
+  alignas(64) float acc[MT * TILE];
+  const int kt = static_cast<int>(K % KC);
+  int configured = 0;  // the M of this thread's tile configuration (0: none yet)
+  for (int64_t g = t0, g1; g < t1; g = g1) {
+    g1 = N <= MT ? t1 : std::min(t1, g + GROUP);
+    for (int64_t n = 0; n < N; n += MT) {
+      const int M = static_cast<int>(N - n < MT ? N - n : MT);
+      if (M != configured) configure(M, kt), configured = M;
+      for (int64_t t = g; t < g1; ++t) {
+        tile_amx(x + n * K, K, w + t * K * TILE, acc);
+        finish16(acc, M, n, t * TILE, O, bias, residual, y);
+      }
+    }
+  }
+  if (configured) release();
+}
+
+// the tile data permission, once per process: "" granted, else why not
+const std::string& amx_state() {
+  static std::string why;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    constexpr long GET_PERM = 0x1022, REQ_PERM = 0x1023, XTILEDATA = 18;
+    uint64_t perm = 0;
+    if (syscall(SYS_arch_prctl, REQ_PERM, XTILEDATA) != 0)
+      why = std::string("arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) failed: ") + std::strerror(errno);
+    else if (syscall(SYS_arch_prctl, GET_PERM, &perm) != 0 || !(perm & (1ull << XTILEDATA)))
+      why = "the kernel did not grant the AMX tile data state (ARCH_GET_XCOMP_PERM)";
+  });
+  return why;
+}
+
+}  // namespace
+
+namespace specrouter {
+
+// "" where this process may run tile instructions, else why not (the kernel path `amx` checks it)
+std::string amx_ready() { return amx_state(); }
+
+void check_amx() {
+  TORCH_CHECK(amx_state().empty(), "kernel path amx: ", amx_state());
+}
+
+// x (N, K) bfloat16; weight packed by pack_tiles (tile 32), bfloat16; bias (O,) or None; residual
+// (N, O) or None -> (N, O) bfloat16
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, int64_t O, const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "linear_amx: x (N, K) bfloat16 on the CPU");
+  check_amx();
+  const int64_t N = x.size(0), K = x.size(1), tiles = (O + TILE - 1) / TILE;
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == tiles * K * TILE &&
+                  weight.size(0) == tiles && K % 2 == 0,
+              "weight: packed by pack_tiles (tile 32) for x (", N, ", ", K, ") and O=", O);
+  at::Tensor b, r;
+  if (bias && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == O, "bias: (", O, ",) bfloat16");
+  }
+  if (residual && residual->defined()) {
+    r = residual->contiguous();
+    TORCH_CHECK(r.scalar_type() == at::kBFloat16 && r.dim() == 2 && r.size(0) == N && r.size(1) == O,
+                "residual: (N, O) bfloat16");
+  }
+  at::Tensor y = at::empty({N, O}, x.options());
+  if (N == 0) return y;
+  at::Tensor xc = x.contiguous();
+  auto p = [](const at::Tensor& t) { return t.defined() ? reinterpret_cast<const bf16*>(t.data_ptr()) : nullptr; };
+  const bf16 *xp = p(xc), *wp = p(weight), *bp = p(b), *rp = p(r);
+  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    run_tiles_amx<bf16>(xp, N, K, wp, O, bp, rp, yp, t0, t1);
+  });
+  return y;
+}
+
+// tiles [t0, t1) of linear_amx for `decoder_layers`' own threads (the caller checked the shapes
+// and check_amx()); y may be the residual (each output reads its own residual element first)
+void linear_amx_tiles(const void* x, int64_t N, int64_t K, const void* w, int64_t O, const void* bias,
+                      const void* residual, void* y, int64_t t0, int64_t t1) {
+  auto b = [](const void* p) { return static_cast<const bf16*>(p); };
+  run_tiles_amx<bf16>(b(x), N, K, b(w), O, b(bias), b(residual), static_cast<bf16*>(y), t0, t1);
+}
+
+}  // namespace specrouter
+
+TORCH_LIBRARY_FRAGMENT(specrouter_rowinv, m) {
+  m.def("linear_amx(Tensor x, Tensor weight, int out_features, Tensor? bias=None, Tensor? residual=None) -> Tensor");
+  m.def("amx_ready() -> str", [] { return specrouter::amx_ready(); });
+}
+
+TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) { m.impl("linear_amx", &specrouter::linear_amx); }
