@@ -16,8 +16,8 @@ same precision (issue 26: the 1-token step <= 1.0x), and T(n)/T(1) of each syste
 
 Row scaling (issue 26): on the 135M shape, per kernel path this CPU has (kernels.PATHS: the
 native ones and torch's) and precision, T(n) = a forward of n new tokens (logits at every one,
-what verifying n-1 drafted tokens costs) for n = 1, 2, 3, 5, 9, 17, printed as T(n)/T(1); the
-paths take turns. Then GMAC/s of each path's linear per row count on the 135M shapes (qkv, o,
+what verifying n-1 drafted tokens costs) for n = 1, 2, 3, 5, 9, 17, 33 (a token tree's budget,
+issue 28), printed as T(n)/T(1); the paths take turns. Then GMAC/s of each path's linear per row count on the 135M shapes (qkv, o,
 gate|up, down, the LM head) beside torch's own GEMM (MKL/oneDNN: torch.mm float32, F.linear
 bfloat16) on the same shapes, which promises no row invariance: timed last, the systems in
 turns over `--rounds` rounds, the min kept, with the ratio to torch's sgemm at 8+ rows (issue
@@ -58,7 +58,7 @@ from specrouter.models.runners.llama import load_llama_runner
 CONTEXT = 128
 STEP_TOKENS = (1, 5)
 PEER_TOKENS = (1, 5, 9, 17)  # steps timed beside llama.cpp (a verification of n - 1 drafted tokens)
-SCALING_TOKENS = (1, 2, 3, 5, 9, 17)  # T(n): a verification of n - 1 drafted tokens
+SCALING_TOKENS = (1, 2, 3, 5, 9, 17, 33)  # T(n): a verification of n - 1 drafted tokens (33: a tree's nodes)
 # the 135M target's linears (out, in) and how many of each a forward runs
 LINEARS_135M = {"qkv": (960, 576, 30), "o": (576, 576, 30), "gate|up": (3072, 576, 30),
                 "down": (576, 1536, 30), "lm head": (49152, 576, 1)}
@@ -92,7 +92,8 @@ def native_steps(path: Path, dtype: torch.dtype, kernels: str = "native",
 
     huge_pages.HUGE_PAGES = huge
     try:
-        runner = load_llama_runner(path, dtype=dtype, num_slots=1, max_len=CONTEXT + 32, kernels=kernels)
+        runner = load_llama_runner(path, dtype=dtype, num_slots=1, max_len=CONTEXT + max(32, max(tokens) + 8),
+                                   kernels=kernels)
     finally:
         huge_pages.HUGE_PAGES = True
     prompt = torch.randint(0, runner.vocab_size, (CONTEXT,)).tolist()
@@ -323,17 +324,18 @@ def print_scaling(scaling: dict, gemm: dict) -> None:
     goals = {5: 1.3, 9: 1.6, 17: 2.2}
     if scaling:
         print("\nT(n)/T(1) on the 135M shape (a forward of n new tokens, logits at each, context "
-              f"{CONTEXT}; min ms; issue 26 goals on avx512bf16 bf16: "
+              f"{CONTEXT}; min ms; issue 26 goals on AVX-512-BF16 machines (paths amx, avx512bf16) in bf16: "
               + ", ".join(f"T({n})/T(1) <= {g}" for n, g in goals.items()) + ")")
         print(f"{'dtype':>5} {'path':>10} {'T(1) ms':>8} | " + " ".join(f"{f'T({n})/T(1)':>9}" for n in SCALING_TOKENS[1:]))
         for (dt_name, p), row in scaling.items():
             print(f"{dt_name:>5} {p:>10} {row[1]:8.2f} | "
                   + " ".join(f"{row[n] / row[1]:9.2f}" for n in SCALING_TOKENS[1:]))
-        if ("bf16", "avx512bf16") in scaling:
-            row = scaling[("bf16", "avx512bf16")]
-            print("goals (avx512bf16 bf16): " + ", ".join(
-                f"T({n})/T(1) {row[n] / row[1]:.2f} {'met' if row[n] / row[1] <= g else 'NOT met'}"
-                for n, g in goals.items()))
+        for p in ("amx", "avx512bf16"):
+            if ("bf16", p) in scaling:
+                row = scaling[("bf16", p)]
+                print(f"goals ({p} bf16): " + ", ".join(
+                    f"T({n})/T(1) {row[n] / row[1]:.2f} {'met' if row[n] / row[1] <= g else 'NOT met'}"
+                    for n, g in goals.items()))
     if gemm:
         print("\nGMAC/s over the 135M linears (qkv, o, gate|up, down x30, the LM head), per row count"
               " (torch GEMM: torch.mm fp32 / F.linear bf16, not row-invariant)")
