@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -320,15 +321,29 @@ def _one_interrupt_line(err: str) -> None:
     assert err.rstrip().endswith("specrouter: interrupted"), err
 
 
-@pytest.mark.parametrize("delay", [1.0, 2.8])  # importing torch; loading the tokenizer
-def test_ctrl_c_during_start_up_exits_130_with_one_line(tiny_pool_dirs, delay):
+@pytest.mark.parametrize("moment", ["importing torch", "loading models"])
+def test_ctrl_c_during_start_up_exits_130_with_one_line(tiny_pool_dirs, moment):
     """Ctrl-C anywhere in start-up: inside transformers' lazy imports it arrives as a
-    ModuleNotFoundError, inside a pybind11 eval CPython marks it unhandled (exit by SIGINT)."""
+    ModuleNotFoundError, inside a pybind11 eval CPython marks it unhandled (exit by SIGINT).
+    The second moment is found, not guessed: the signal goes once stderr shows the models
+    loading (a fixed 2.8 s delay landed after the whole run on a fast CPU)."""
     d = tiny_pool_dirs
     proc = _spawn(["generate", "--models", str(d["draft"]), str(d["target"]), "--prompt", "x"])
-    time.sleep(delay)
+    seen: list[str] = []  # stderr, character by character, as it comes
+    reader = threading.Thread(target=lambda: seen.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
+    reader.start()
+    if moment == "importing torch":
+        time.sleep(1.0)
+    else:
+        deadline = time.monotonic() + 60
+        while moment not in "".join(seen) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.005)
+        assert moment in "".join(seen), "".join(seen)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    proc.stdout.read()
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    err = "".join(seen)
     assert proc.returncode == 130, err
     _one_interrupt_line(err)
 

@@ -106,6 +106,38 @@ def test_llama_cpp_runs_the_written_gguf_to_the_native_runners_logits(smollm_voc
     assert proposed == out.token_ids[:3]  # the same model drafting greedily proposes its own output
 
 
+def test_a_quantized_gguf_is_probed_on_amx_cpus_and_a_crash_is_reported_not_fatal(monkeypatch, tmp_path):
+    """llama.cpp's AMX back end dies with SIGSEGV on some AMX VMs (2026-12-06, Sapphire Rapids):
+    on AMX CPUs a quantized GGUF is decoded once in a child process first, and a child killed by
+    a signal is a reason (the row then runs without AMX), never the bench's own death."""
+    from specrouter.models.runners import kernels
+
+    q4 = tmp_path / "m.Q4_1.gguf"
+    q4.write_bytes(b"")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert peers.amx_crash(q4) is None  # no AMX: no probe
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "amx_tile", "amx_int8"}))
+    assert peers.amx_crash(tmp_path / "m-BF16.gguf") is None  # not quantized: no AMX repack, no probe
+    monkeypatch.setattr(peers, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    why = peers.amx_crash(q4)
+    assert why is not None and "signal 11" in why and "m.Q4_1.gguf" in why
+    monkeypatch.setattr(peers, "_PROBE", "import sys; sys.exit(0)")
+    assert peers.amx_crash(q4) is None  # the child lived (negative control)
+
+
+@pytest.mark.peers
+@needs_tokenizer_gguf
+def test_open_llama_without_extra_buffer_types_restores_the_bindings_defaults(smollm_vocab_model, tmp_path):
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+    path = peers.write_gguf(smollm_vocab_model, tmp_path / "m.gguf", dtype="F32")
+    llm = peers.open_llama(path, threads=1, n_ctx=64, extra_bufts=False)
+    llm.eval([1, 2, 3])
+    assert llm.model_params.use_extra_bufts is False
+    assert low.llama_model_default_params is default and low.llama_model_default_params().use_extra_bufts
+
+
 def test_bench_runs_peer_rows_beside_specrouter_and_reports_them(tiny_pool_dirs, tmp_path, monkeypatch):
     """The bench loop with a stand-in peer (kind "peer", not exact): timed on every request of
     the scenarios without slowdown, listed in the peer table, compared in the goals."""

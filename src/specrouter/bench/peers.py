@@ -20,6 +20,7 @@ prints and records; it never drops the rows silently.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -165,12 +166,68 @@ def cached_gguf(checkpoint_dir: str | Path, dtype: str, cache_dir: str | Path | 
 # llama.cpp systems
 
 
-def open_llama(path: str | Path, *, threads: int, n_ctx: int, draft_model=None):
-    """A llama_cpp.Llama on `threads` threads (decode and batch), quiet."""
+def open_llama(path: str | Path, *, threads: int, n_ctx: int, draft_model=None, extra_bufts: bool = True):
+    """A llama_cpp.Llama on `threads` threads (decode and batch), quiet. `extra_bufts=False`:
+    llama.cpp's extra CPU buffer types off (`use_extra_bufts`, its `--no-extra-bufts`: no AMX or
+    repacked weights; the binding has no argument for it, so its default model parameters are
+    replaced while the model loads)."""
+    import llama_cpp.llama_cpp as low
     from llama_cpp import Llama
 
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=threads,
-                 n_threads_batch=threads, draft_model=draft_model, verbose=False)
+    patched = contextlib.nullcontext()
+    if not extra_bufts:
+        default = low.llama_model_default_params
+
+        def no_extra():
+            params = default()
+            params.use_extra_bufts = False
+            return params
+
+        patched = _swapped(low, "llama_model_default_params", no_extra)
+    with patched:
+        return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=threads,
+                     n_threads_batch=threads, draft_model=draft_model, verbose=False)
+
+
+@contextlib.contextmanager
+def _swapped(obj, name: str, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+_PROBE = """import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_batch=64, n_threads=1, verbose=False)
+llm.eval([1, 2, 3])
+"""
+
+
+def amx_crash(path: str | Path, *, timeout: float = 120.0) -> str | None:
+    """Why llama.cpp's AMX back end cannot serve `path` here, or None. On a CPU with AMX,
+    llama.cpp repacks quantized weights (Q4_0, Q4_1, Q8_0, ...) for its AMX kernels; on this
+    project's Sapphire Rapids VM (2026-12-06, llama-cpp-python 0.3.36) `ggml_backend_amx_mul_mat`
+    dies with SIGSEGV at its `ldtilecfg`, which would take the whole bench with it. So on AMX
+    CPUs a quantized GGUF is first decoded once in a child process; None where the CPU has no
+    AMX, the file is not quantized, or the child lived."""
+    import subprocess
+    import sys
+
+    from specrouter.models.runners.kernels import cpu_flags
+
+    if "amx_int8" not in cpu_flags() or Path(path).name.upper().endswith(("F32.GGUF", "BF16.GGUF", "F16.GGUF")):
+        return None
+    try:
+        rc = subprocess.run([sys.executable, "-c", _PROBE, str(path)], capture_output=True,
+                            timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return f"llama.cpp's probe of {Path(path).name} ran past {timeout:.0f} s"
+    if rc >= 0:
+        return None
+    return f"llama.cpp's AMX back end died (signal {-rc}) decoding {Path(path).name} in a probe"
 
 
 def last_logits(llm) -> np.ndarray:
@@ -215,6 +272,7 @@ class LlamaCppSystem(System):
     def __init__(self, name: str, llm, eos_ids: tuple[int, ...], *, gguf_path: str | Path):
         self.name, self.llm, self.eos_ids = name, llm, set(eos_ids)
         self.gguf_path = str(gguf_path)
+        self.note: str | None = None  # how the row deviates from llama.cpp's defaults, and why
 
     def run(self, prompt_ids: list[int], decoding: Decoding) -> Outcome:
         llm = self.llm
@@ -257,9 +315,11 @@ def peer_systems(pool, *, dtype: str, threads: int, n_ctx: int, draft: str | Non
         except Exception as e:  # a checkpoint llama.cpp cannot take: reported, never silent
             missing.append(f"{row}: {type(e).__name__}: {e}")
 
-    def plain(path, name, draft_model=None):
-        llm = open_llama(path, threads=threads, n_ctx=n_ctx, draft_model=draft_model)
-        return LlamaCppSystem(name, llm, eos, gguf_path=path)
+    def plain(path, name, draft_model=None, extra_bufts=True, note=None):
+        llm = open_llama(path, threads=threads, n_ctx=n_ctx, draft_model=draft_model, extra_bufts=extra_bufts)
+        system = LlamaCppSystem(name, llm, eos, gguf_path=path)
+        system.note = None if note is None else f"{note}; run with extra buffer types off (no AMX repack)"
+        return system
 
     def drafted():
         dm = GGUFDraftModel(open_llama(cached_gguf(pool.runners[draft].checkpoint_dir, gguf_dtype),
@@ -279,7 +339,11 @@ def peer_systems(pool, *, dtype: str, threads: int, n_ctx: int, draft: str | Non
     elif not converted_from(target_dir, q4):
         missing.append(f"{rows[3]}: the pool's target is not the default SmolLM2-135M-Instruct")
     else:
-        attempt(rows[3], lambda: plain(q4, "llama.cpp Q4_1"))
+        crash = amx_crash(q4)
+        if crash is not None:  # the row still runs, on llama.cpp's AVX-512 / AVX2 kernels
+            log(f"peer row note: llama.cpp Q4_1: {crash}; it runs with extra buffer types off "
+                "(no AMX repack)")
+        attempt(rows[3], lambda: plain(q4, "llama.cpp Q4_1", extra_bufts=crash is None, note=crash))
     for m in missing:
         log(f"peer row missing: {m}")
     return systems, missing

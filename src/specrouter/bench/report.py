@@ -298,6 +298,8 @@ def peer_table(result: dict) -> list[str]:
         lines = _table(["scenario", "target-only", "SpecRouter"] + [f"{n} (SR / it)" for n in names], rows)
     for why in result["meta"].get("peers_missing", []):
         lines.append(f"- missing: {why}")
+    for name, note in result["meta"].get("peer_notes", {}).items():
+        lines.append(f"- {name}: {note}")
     return lines
 
 

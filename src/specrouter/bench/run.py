@@ -508,6 +508,7 @@ def _meta(cfg: BenchConfig, h: Harness, scenarios: list[Scenario]) -> dict:
     meta["omitted"] = omitted
     meta["peers_missing"] = list(h.peers_missing)
     meta["peers"] = {s.name: getattr(s, "gguf_path", None) for s in h.systems if s.kind == "peer"}
+    meta["peer_notes"] = {s.name: s.note for s in h.systems if s.kind == "peer" and getattr(s, "note", None)}
     return meta
 
 
