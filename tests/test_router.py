@@ -1097,3 +1097,26 @@ def test_router_config_reaches_every_part():
         SimilarityConfig(decay=1.5)
     with pytest.raises(ValueError):
         RouterConfig(shadow_k=0)
+
+
+def test_the_sweep_widens_to_32_tokens_only_where_the_machine_makes_them_cheap():
+    """A runner whose 32-token forward costs <= 3x its 1-token one gets the t = 32 column (every
+    batch size and context), measured: the profile predicts it exactly and says n = 32 was swept;
+    a runner where it costs more gets one probe cell and keeps the default grid (the tree
+    policy's node cap follows: engine/tree_policy.py `TreePolicy.from_profile`)."""
+    from specrouter.engine.tree_policy import TreePolicy
+
+    flat = lambda b, t, L: 0.010 + 0.0002 * b * t + 1e-6 * L  # noqa: E731  T(32) = 1.6 T(1)
+    steep = lambda b, t, L: 0.010 * b * t + 1e-6 * L  # noqa: E731  T(32) = 32 T(1)
+    clock = VClock()
+    prof = sweep({"flat": FakeRunner("flat", flat, clock, 1000), "steep": FakeRunner("steep", steep, clock, 1000)},
+                 repeats=1, warmup=0, progress=False, clock=clock)
+    assert prof.max_new_tokens("flat") == 32 and prof.max_new_tokens("steep") == 16
+    for b, L in ((1, 128), (8, 1024), (4, 500)):
+        assert prof.predict("flat", b, 32, L) == pytest.approx(flat(b, 32, L), rel=1e-9)
+    assert TreePolicy.from_profile(prof, "flat", frozenset()).max_nodes == 31
+    assert TreePolicy.from_profile(prof, "steep", frozenset()).max_nodes == 15
+    # without widening (the old grid) the flat runner stops at 16 as well
+    plain = sweep({"flat": FakeRunner("flat", flat, clock, 1000)}, repeats=1, warmup=0, progress=False,
+                  clock=clock, wider_tokens=())
+    assert plain.max_new_tokens("flat") == 16

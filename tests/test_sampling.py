@@ -250,3 +250,19 @@ def test_mixed_batch_greedy_rows_stay_greedy_through_speculative_path():
     ref = verify_greedy(candidates, torch.full((B,), n), verifier_logits)
     greedy_rows = torch.arange(B) % 2 == 0
     assert torch.equal(out.tokens[greedy_rows], ref.tokens[greedy_rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_greedy_is_argmax_ties_and_nan_included(dtype):
+    """`greedy` (max(dim).indices, faster on the CPU) picks what `argmax` picks: the first
+    maximal index on ties, a NaN position as the maximum; every shape the engine feeds."""
+    from specrouter.decoding.sampling import greedy
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1, 1, 49152), (1, 33, 4099), (3, 5, 257), (7, 64)]:
+        x = torch.randint(-3, 4, shape, generator=g).to(dtype)  # many ties at the maximum
+        assert torch.equal(greedy(x), x.argmax(-1))
+        y = torch.randn(shape, generator=g).to(dtype)
+        assert torch.equal(greedy(y), y.argmax(-1))
+        y.view(-1, shape[-1])[0, 5] = float("nan")
+        assert torch.equal(greedy(y), y.argmax(-1))

@@ -63,6 +63,22 @@ def test_a_tree_depth_other_than_k(pool):
         assert max(o.main for o in fixed.outcomes) <= depth and max(o.accepted for o in fixed.outcomes) <= depth
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_more_children_than_the_frontier_and_31_nodes(pool, temperature):
+    """Children per expanded node beyond the frontier's width (8 of 4 expanded, bfloat16) and a
+    31-node budget (a verification of 32 tokens, the widened sweep's largest n): plain
+    decoding's tokens; the trees offered 8 children (rank evidence up to rank 7 possible)."""
+    prompts = repeating_prompts(PROMPT_LENS)
+    sr = named_router(pool, ("target", "draft"), "bfloat16", ngram=False, suffix=False, adaptive=False)
+    kw = dict(temperature=temperature, seed=3) if temperature else {}
+    plain = _gen(sr, prompts, chain=["target"], **kw)
+    sr.engine.tree_policy = fixed = FixedTreeShape(31, 4, rows=lambda s: s.seq_id % 2 == 0, depth=5, children=8)
+    assert _gen(sr, prompts, chain=["draft", "target"], k=4, **kw) == plain
+    assert _gen(sr, prompts[:1], chain=["draft", "target"], k=4, **kw) == plain[:1]
+    assert fixed.outcomes and max(o.nodes for o in fixed.outcomes) > 16
+    assert {o.children for o in fixed.outcomes} == {8}
+
+
 def test_a_pruning_level_keeps_the_chain(pool):
     """Trees are verified by the target straight above a model draft; a chain with a middle
     level (which would prune the tree) keeps its chain: no tree is verified, output unchanged."""

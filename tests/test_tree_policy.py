@@ -32,7 +32,7 @@ def test_trees_where_other_children_pay_chains_where_they_do_not():
     cheap.evidence = dear.evidence = evidence
     for _ in range(300):  # the draft's first child 80% of the time, its second 20%
         evidence.setdefault(("draft", True), cheap._evidence("draft", True)).observe((0, 0, 0, 0, 1))
-    budget, width, depth = cheap.shape("draft", True, 3, 100)
+    budget, width, depth, _ = cheap.shape("draft", True, 3, 100)
     assert budget > depth and width >= 2  # a node costs 1% of a step: the other children pay
     assert dear.shape("draft", True, 3, 100) == (0, 1, 3)  # five steps a node: the chain
     for _ in range(300):  # other children never hit
@@ -62,7 +62,7 @@ def _step(trees, k, wall=1.0, forwards=0.9, accepted=2):
 
 
 def _tree(accepted, ranks):
-    return SimpleNamespace(seq_id=1, accepted=accepted, ranks=ranks)
+    return SimpleNamespace(seq_id=1, accepted=accepted, ranks=ranks, width=4, children=4)
 
 
 def test_trees_that_commit_less_than_expected_are_dropped():
@@ -110,3 +110,59 @@ def test_rank_evidence_decays_towards_recent_ranks_per_depth():
         ev.observe((1,))
         ev.observe((0, 0, 0))
     assert ev.rates(0)[1] > 0.45 and ev.rates(2)[0] > 0.9 and ev.rates(1)[0] > 0.9
+
+
+def _profile(target_cost, new_tokens):
+    from specrouter.router.profile import CostProfile
+
+    prof = CostProfile()
+    grid = dict(batch_sizes=(1, 4), new_tokens=new_tokens, context_lengths=(128, 1024))
+    prof.set_function("target", lambda b, t, L: target_cost(t), **grid)
+    prof.set_function("draft", lambda b, t, L: 0.001 + 0.00002 * t, **grid)
+    return prof
+
+
+def _evidence_of_a_good_draft(p: TreePolicy) -> None:
+    # the target's token: the draft's first child 70% of the time, its 2nd 12%, 3rd 6%, 4th 3%
+    ranks = [0] * 70 + [1] * 12 + [2] * 6 + [3] * 3 + [-1] * 9
+    ev = p._evidence("draft", True)
+    for i in range(400):
+        ev.observe(tuple(ranks[(7 * i + 13 * d) % 100] for d in range(4)))
+
+
+def test_the_node_cap_follows_the_profile_and_flat_costs_buy_bigger_trees():
+    """Two scripted profiles: T(n) flat (verifying 32 tokens costs 1.1 steps, swept to n = 32)
+    and steep (n steps a verification). The flat one's policy picks a tree of more than 15
+    nodes; the steep one keeps the chain. Negative control: the same flat costs swept only to
+    n = 16 cap the budget at 15 (the cap is the profile's, not a constant)."""
+    flat = lambda t: 0.010 * (1 + (t - 1) / 300)  # noqa: E731
+    steep = lambda t: 0.010 * t  # noqa: E731
+    wide, narrow = (1, 2, 4, 8, 16, 32), (1, 2, 4, 8, 16)
+    policies = {}
+    for label, cost, grid in (("flat", flat, wide), ("steep", steep, wide), ("flat16", flat, narrow)):
+        p = TreePolicy.from_profile(_profile(cost, grid), "target", frozenset({"draft"}))
+        _evidence_of_a_good_draft(p)
+        policies[label] = p
+    assert policies["flat"].max_nodes == 31 and policies["flat16"].max_nodes == 15
+    budget, width, depth, children = policies["flat"].shape("draft", True, 4, 200)
+    assert budget > 15 and width >= 3, (budget, width, depth, children)
+    assert policies["steep"].shape("draft", True, 4, 200) == (0, 1, 4)
+    assert 0 < policies["flat16"].shape("draft", True, 4, 200)[0] <= 15
+
+
+def test_more_children_than_the_frontier_and_censored_evidence():
+    """Children beyond the frontier's width cost no draft forward: where the draft's 5th-8th
+    guesses hit, the policy offers 8 children per node; a tree of C children that missed says
+    only "not among the first C": it leaves ranks C.. their share (censored), not zero."""
+    p = _policy(0.002)
+    ev = p._evidence("draft", True)
+    for _ in range(300):
+        ev.observe((0, 5, 0, 6), 8)
+    shape = p.shape("draft", True, 3, 100)
+    assert shape[0] > 0 and shape[3] == 8 > shape[1], shape
+    censored, blunt = RankEvidence(width=8), RankEvidence(width=8)
+    for _ in range(200):
+        censored.observe((-1,), 4)  # none of 4 children
+        blunt.observe((-1,), 8)  # none of 8
+    assert censored.rates(0)[4] > 0.02 and blunt.rates(0)[4] < 0.01
+    assert censored.rates(0)[0] < 0.05

@@ -71,8 +71,7 @@ class SpecRouter:
             profile, target = router.profile, pool.target
             drafters = frozenset(m for m in pool.runners if m != target and m not in pool.heads)
             free = frozenset(n for n, d in pool.drafters.items() if d.proposes_trees)
-            self.engine.tree_policy = TreePolicy(lambda n, L: profile.predict(target, 1, n, L),
-                                                 lambda d, n, L: profile.predict(d, 1, n, L), drafters, free=free)
+            self.engine.tree_policy = TreePolicy.from_profile(profile, target, drafters, free=free)
 
     @classmethod
     def from_config(cls, config: SpecRouterConfig, *, progress: bool = False) -> "SpecRouter":

@@ -44,7 +44,6 @@ from specrouter.bench.workloads import (
     conversation_messages,
 )
 from specrouter.config import MAX_DRAFT_LENGTH, RouterConfig
-from specrouter.engine.tree_policy import MAX_NODES
 from specrouter.errors import SpecRouterError
 from specrouter.models.pool import SUFFIX, resolved_dtype
 
@@ -199,6 +198,10 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
     drafts = pool.model_drafts
     log(f"pool (cheapest first): {' < '.join(f'{aliases[n]} ({n})' for n in pool.order)}")
 
+    from specrouter.router.setup import load_or_sweep_profile
+
+    profile = load_or_sweep_profile(pool, path=cfg.profile_path, progress=progress)  # once per run
+    max_nodes = profile.max_new_tokens(pool.target) - 1  # a tree's verification: as swept (tree_policy)
     systems: list[System] = []
     for chain in enumerate_chains(pool.order, pool.target, cfg.max_levels):
         if any(m in pool.drafters or m in pool.heads for m in chain[1:]):
@@ -208,12 +211,9 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
             systems.append(NativeSystem(pool, label, chain, k))
             if len(chain) == 2 and chain[0] in pool.runners and pool.runners[pool.target].supports_trees:
                 # beside each model-draft chain: its token tree of twice the nodes (docs/trees.md)
-                nodes = min(2 * k, MAX_NODES)
+                nodes = min(2 * k, max_nodes)
                 systems.append(NativeSystem(pool, f"{label} tree N={nodes} w=3", chain, k, tree=(nodes, 3)))
     target_only = systems[0]
-    from specrouter.router.setup import load_or_sweep_profile
-
-    profile = load_or_sweep_profile(pool, path=cfg.profile_path, progress=progress)  # once per run
     adaptive = AdaptiveSystem(pool, "SpecRouter", profile_path=cfg.profile_path, progress=progress,
                               profile=profile, router_config=cfg.router)
     systems.append(adaptive)

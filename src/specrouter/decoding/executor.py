@@ -91,7 +91,8 @@ class RowWork:
     # a token tree (docs/trees.md): the node budget and width asked (0: a chain), the tree the
     # drafter grew, the tree the target verifies (its nodes' ids in the draft tree), what it accepted
     tree_budget: int = 0
-    tree_width: int = 1
+    tree_width: int = 1  # nodes expanded per depth (the frontier)
+    tree_children: int = 0  # children per expanded node (0: tree_width)
     draft_tree: DraftTree | None = None
     tree: TokenTree | None = None
     tree_ids: list[int] = field(default_factory=list)
@@ -138,6 +139,7 @@ class TreeOutcome:
     accepted: int  # nodes of the accepted branch
     main_accepted: int  # of them on the main path before any alternative
     ranks: tuple[int, ...]  # rank evidence per depth reached (tree_drafting.rank_evidence)
+    children: int = 0  # children offered per expanded node (a rank of -1: not among this many)
 
 
 class ChainExecutor:
@@ -207,11 +209,12 @@ class ChainExecutor:
         heads_draft = any(w.chain[0] in self.heads and w.k > 0 for w in work)
         for w, shape in zip(work, trees or ()):
             budget, width = shape[0], shape[1]
-            depth = min(shape[2], w.cap) if len(shape) > 2 and w.k > 0 else w.k
+            depth = min(shape[2], w.cap) if len(shape) > 2 and shape[2] is not None and w.k > 0 else w.k
             if free_tree_ok(self, w, budget, depth):  # a model-free drafter's tree: its own shape
                 w.k, w.tree_budget = depth, budget
             elif budget > depth > 0 and width > 1 and not heads_draft and self._tree_ok(w, budget, width, depth):
                 w.k, w.tree_budget, w.tree_width = depth, budget, width
+                w.tree_children = shape[3] if len(shape) > 3 else 0
         for name in self._models_in_use(work):
             if name in self.drafters:
                 self._propose(name, [w for w in work if w.chain[0] == name and w.k > 0])
@@ -677,7 +680,8 @@ class ChainExecutor:
             ))
         trees = [TreeOutcome(seq_id=w.seq.seq_id, nodes=len(w.tree), width=w.tree_width,
                              main=w.drafted[1], accepted=w.tree_accepted, main_accepted=w.accepted[1],
-                             ranks=w.ranks) for w in work if w.tree is not None]
+                             ranks=w.ranks, children=w.tree_children or w.tree_width)
+                 for w in work if w.tree is not None]
         return StepResult(outcomes=outcomes, proposals=proposals, forwards=self._forwards, cycles=cycles,
                           forward_time=dict(self._ftime), wall_time=wall,
                           speculative=any(w.k > 0 for w in work), tv_seconds=self._tv_seconds,

@@ -1,14 +1,16 @@
 """Growing a token tree with a model drafter, depth by depth (EAGLE-2's `topK_genrate`), inside
 one executor step (docs/trees.md).
 
-A row drafting a tree of depth D (the router's draft length k), width W and node budget N:
+A row drafting a tree of depth D (the router's draft length k), width W, C children per node
+(`RowWork.tree_children`; 0: C = W) and node budget N:
 1. depth 0: the drafter's shared first forward (its pending tokens) gives the root's logits; the
-   root's W best children become nodes;
+   root's C best children become nodes;
 2. depths 1..D-1: the *frontier* (the W best nodes of the depth just made, by cumulative draft
    log-probability) is expanded in ONE draft forward over the rows still growing: each row feeds
    its frontier and their ancestors as a token tree (`ForwardBatch.parents`: the draft's runner
    attends each node's own branch, so each frontier node's logits are those of drafting its
-   path), and every frontier node gets its W best children;
+   path), and every frontier node gets its C best children (more children cost no draft
+   forward: only the frontier, W, sets what a draft forward feeds);
 3. the tree the target verifies keeps the N best nodes of all drafted ones by cumulative draft
    log-probability (a node never scores above its parent, and ties keep the shallower node, so
    the kept nodes form a tree).
@@ -141,12 +143,12 @@ def _expand_rows(ex, work: list, trees: list[DraftTree], nodes: list[list[int]],
         seeds = torch.tensor([work[b].seq.seed_key for b, _ in owner], dtype=torch.long)
         pos = torch.tensor([work[b].start + (0 if n < 0 else trees[b].depths[n] + 1) for b, n in owner], dtype=torch.long)
         keys = position_keys(seeds, pos)
-    width = max(w.tree_width for w in work)
-    toks, lps = rank_children(logits, width, temps, keys)
+    children = [w.tree_children or w.tree_width for w in work]
+    toks, lps = rank_children(logits, max(children), temps, keys)
     new: list[list[int]] = [[] for _ in work]
     for (b, n), t, lp in zip(owner, toks, lps):
-        w = work[b].tree_width
-        new[b] += trees[b].expand(n, t[:w], lp[:w])
+        c = children[b]
+        new[b] += trees[b].expand(n, t[:c], lp[:c])
     return new
 
 

@@ -3,7 +3,8 @@
 The router picks a row's chain and draft length k; where that chain is a model drafter
 straight below the target, this policy picks the tree the drafter grows and the target
 verifies instead of the chain (decoding/tree_drafting.py): its depth D, width W (nodes expanded
-per depth, children per node) and node budget N, from
+per depth), children per expanded node C (W, or more: they cost no draft forward) and node
+budget N (at most the target's largest swept n - 1, `from_profile`), from
 - measured costs: the target's forward of n new tokens T(n) and the drafter's forward of n
   tokens (the router's cost profile: the start-up sweep refreshed by every timed forward;
   interpolated between measured n, never extrapolated past the largest), and the engine's host
@@ -13,9 +14,9 @@ per depth, children per node) and node budget N, from
   expanded, the rank of the target's token among its children (`TreeOutcome.ranks`).
 
 Expected tokens per cycle of a shape (iid given depth, EAGLE-2's growth replayed on expected
-values): the root's children at depth 0 are worth p_r(0); at each depth the W best nodes are
-expanded, a child of rank r of a node worth v is worth v * p_r(d); the N best nodes plus the
-target's own token. W = 1, N = D is the chain. Time per cycle: the drafter's D forwards (the
+values): the root's C children at depth 0 are worth p_r(0); at each depth the W best nodes are
+expanded, a child of rank r < C of a node worth v is worth v * p_r(d); the N best nodes plus the
+target's own token. W = C = 1, N = D is the chain. Time per cycle: the drafter's D forwards (the
 first over its pending tokens, the others over the frontier and its ancestors, at most W * d
 tokens), D host steps, and T(N + 1). A tree is chosen only when its time per token beats the
 chain's (the router's k) by `margin`; "no speculation" stays the router's choice. Trees are used
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 from specrouter.decoding.executor import StepResult
 
-MAX_NODES = 15  # a verification of n <= 16 new tokens (the profile's largest swept n)
+MAX_NODES = 15  # without a profile: a verification of n <= 16 new tokens (the default sweep's largest n)
 MAX_DEPTH = 8
 DEPTH_BUCKETS = 4  # evidence per depth 0, 1, 2, 3 and deeper
 UNKNOWN = -2  # a rank evidence entry: not the drafter's first child, which one unknown
@@ -45,7 +46,8 @@ class RankEvidence:
     width: int = 4
     decay: float = 0.995
     prior_weight: float = 8.0
-    prior: tuple[float, ...] = (0.45, 0.1, 0.05, 0.04)
+    # the shipped draft's ranks measured on Zen 4 (docs/trees.md "Deep trees"), ranks 6 and 7 guessed
+    prior: tuple[float, ...] = (0.45, 0.095, 0.041, 0.039, 0.029, 0.012, 0.008, 0.006)
     counts: list[list[float]] = field(default_factory=list)  # [depth bucket][rank], "none" last
     totals: list[float] = field(default_factory=list)  # per depth bucket
 
@@ -54,22 +56,26 @@ class RankEvidence:
             self.counts = [[0.0] * (self.width + 1) for _ in range(DEPTH_BUCKETS)]
             self.totals = [0.0] * DEPTH_BUCKETS
 
-    def observe(self, ranks: tuple[int, ...]) -> None:
-        """`ranks[d]`: the rank of the target's token among the children at depth d (-1: none;
-        UNKNOWN: not rank 0, which one unknown (a chain's rejection): shared among the other
-        ranks and none as the current rates at that depth share them)."""
+    def observe(self, ranks: tuple[int, ...], offered: int | None = None) -> None:
+        """`ranks[d]`: the rank of the target's token among the children at depth d (-1: none of
+        the `offered` children (None: `width`); UNKNOWN: not rank 0, which one unknown (a chain's
+        rejection)). What is censored (not among the first c, c < width) is shared among ranks
+        c.. and none as the current rates at that depth share them: a tree of 4 children per
+        node says nothing against ranks 4-7."""
         for d, r in enumerate(ranks):
             b = min(d, DEPTH_BUCKETS - 1)
             share = None
-            if r == UNKNOWN:
+            c = 1 if r == UNKNOWN else (offered if r == -1 and offered is not None and offered < self.width else 0)
+            if c:
                 p = self.rates(d)
-                rest = [*p[1:], max(0.0, 1.0 - sum(p))]
-                share = [x / sum(rest) for x in rest] if sum(rest) > 0 else [0.0] * (self.width - 1) + [1.0]
+                rest = [*p[c:], max(0.0, 1.0 - sum(p))]
+                share = ([x / sum(rest) for x in rest] if sum(rest) > 0
+                         else [0.0] * (self.width - c) + [1.0])
             self.counts = [[c * self.decay for c in row] for row in self.counts]
             self.totals = [t * self.decay for t in self.totals]
             self.totals[b] += 1
             if share is not None:
-                for i, x in enumerate(share, start=1):
+                for i, x in enumerate(share, start=c):
                     self.counts[b][i] += x
             else:
                 self.counts[b][r if 0 <= r < self.width else self.width] += 1
@@ -86,35 +92,48 @@ class RankEvidence:
         return [(self.counts[b][r] + w * every[r]) / (self.totals[b] + w) for r in range(self.width)]
 
 
-def node_values(rates: Callable[[int], list[float]], depth: int, width: int) -> list[float]:
-    """Expected acceptance of every node a tree of this depth and width drafts (module
-    docstring), best first."""
-    frontier, values = [1.0], []
+def node_levels(rates: Callable[[int], list[float]], depth: int, width: int,
+                children: int | None = None) -> list[list[float]]:
+    """Per depth, the expected acceptance of the nodes a tree of this width drafts there,
+    `children` (None: `width`) per expanded node (module docstring), best first. A deeper tree
+    drafts the same shallower levels."""
+    frontier, levels = [1.0], []
     for d in range(depth):
-        p = rates(d)[:width]
+        p = rates(d)[: children or width]
         kids = sorted((v * q for v in frontier for q in p), reverse=True)
-        values += kids
+        levels.append(kids)
         frontier = kids[:width]
-    return sorted(values, reverse=True)
+    return levels
 
 
-def expected_tokens(rates: Callable[[int], list[float]], depth: int, nodes: int, width: int) -> float:
+def node_values(rates: Callable[[int], list[float]], depth: int, width: int,
+                children: int | None = None) -> list[float]:
+    """Expected acceptance of every node a tree of this depth and width drafts, best first."""
+    return sorted((v for level in node_levels(rates, depth, width, children) for v in level), reverse=True)
+
+
+def expected_tokens(rates: Callable[[int], list[float]], depth: int, nodes: int, width: int,
+                    children: int | None = None) -> float:
     """Tokens a cycle commits verifying the best `nodes` nodes of a tree of this depth and
     width (width 1, nodes = depth: the chain)."""
-    return 1.0 + sum(node_values(rates, depth, width)[:nodes])
+    return 1.0 + sum(node_values(rates, depth, width, children)[:nodes])
 
 
 class TreePolicy:
-    """Chooses (budget, width, depth) per row each step; learns from the steps it sees."""
+    """Chooses (budget, width, depth, children) per row each step; learns from the steps it sees."""
 
     def __init__(self, target_cost: Callable[[int, int], float], draft_cost: Callable[[str, int, int], float],
                  drafters: frozenset[str], *, free: frozenset[str] = frozenset(), widths: tuple[int, ...] = (2, 3, 4),
-                 margin: float = 0.10, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH, refresh: int = 16):
+                 children: tuple[int, ...] = (8,), margin: float = 0.10, max_nodes: int = MAX_NODES,
+                 max_depth: int = MAX_DEPTH, refresh: int = 16):
         self.target_cost = target_cost  # (n new tokens, context L) -> seconds of one row's target forward
         self.draft_cost = draft_cost  # (drafter, n new tokens, context L) -> seconds of one drafter forward
         self.drafters = drafters  # the model drafters that grow trees (not heads, not model-free)
         self.free = free  # the model-free drafters that propose trees (`prune`)
         self.widths, self.margin, self.max_nodes, self.max_depth = widths, margin, max_nodes, max_depth
+        # children per expanded node searched besides the width (more children cost no draft
+        # forward: decoding/tree_drafting.py; the verification's nodes are the budget's)
+        self.children = children
         self.evidence: dict[tuple[str, bool], RankEvidence] = {}  # (drafter, greedy)
         # host seconds per draft depth (a step's wall time minus its forwards, over its depths),
         # EMA: chain steps and tree steps (a tree's Python per depth is more); priors until seen
@@ -131,15 +150,24 @@ class TreePolicy:
         self._steps = 0
         self.chosen: list[tuple[int, int, int, int]] = []  # (k, budget, width, depth) of the trees chosen (metrics)
 
+    @classmethod
+    def from_profile(cls, profile, target: str, drafters: frozenset[str], **kwargs) -> "TreePolicy":
+        """Priced by a router's cost profile (router/profile.py, one row's forwards): the node
+        budget's cap follows the target's largest swept n (N + 1 <= n: T(N + 1) measured, never
+        extrapolated; the sweep widens to n = 32 only where such a forward is cheap)."""
+        kwargs.setdefault("max_nodes", profile.max_new_tokens(target) - 1)
+        return cls(lambda n, L: profile.predict(target, 1, n, L), lambda d, n, L: profile.predict(d, 1, n, L),
+                   drafters, **kwargs)
+
     def _evidence(self, drafter: str, greedy: bool) -> RankEvidence:
         key = (drafter, greedy)
         if key not in self.evidence:
-            self.evidence[key] = RankEvidence(width=max(self.widths))
+            self.evidence[key] = RankEvidence(width=max(*self.widths, *self.children))
         return self.evidence[key]
 
     def shape(self, drafter: str, greedy: bool, k: int, context: int) -> tuple[int, int, int]:
-        """(budget, width, depth) for a row the router gave `drafter` with draft length k;
-        (0, 1, k) keeps the chain."""
+        """(budget, width, depth, children) for a row the router gave `drafter` with draft length
+        k; (0, 1, k) keeps the chain."""
         return self._decide(drafter, greedy, k, context, fresh=True)[0]
 
     def _calibration(self, kind: str) -> float:
@@ -175,28 +203,31 @@ class TreePolicy:
         hit = self._searched.get(key)
         if hit is not None and self._steps - hit[0] < self.refresh and not fresh:
             return hit[1:]
-        rates = self._evidence(drafter, greedy).rates
+        per_bucket = [self._evidence(drafter, greedy).rates(d) for d in range(DEPTH_BUCKETS)]
+        rates = lambda d: per_bucket[min(d, DEPTH_BUCKETS - 1)]  # noqa: E731  (rates() is the search's hot spot)
         t_target = [0.0] + [self.target_cost(n, context) for n in range(1, self.max_nodes + 2)]
         t_draft = {n: self.draft_cost(drafter, n, context) for n in {1, 2, *(w * d for w in self.widths
                                                                           for d in range(1, self.max_depth))}}
         best, best_e, best_raw = None, 1.0, float("inf")
         for width in self.widths:
-            for depth in range(2, self.max_depth + 1):
-                draft = t_draft[2] + sum(t_draft[width * d] for d in range(1, depth)) + depth * self.host["tree"]
-                values = node_values(rates, depth, width)
-                gain = 1.0
-                for nodes in range(1, min(len(values), self.max_nodes) + 1):
-                    gain += values[nodes - 1]
-                    if nodes <= depth:
-                        continue
-                    raw = (draft + t_target[nodes + 1]) / gain
-                    if raw < best_raw:
-                        best, best_e, best_raw = (nodes, width, depth), gain, raw
+            for kids in sorted({width, *(c for c in self.children if c > width)}):
+                levels, values = node_levels(rates, self.max_depth, width, kids), []
+                for depth in range(2, self.max_depth + 1):
+                    draft = t_draft[2] + sum(t_draft[width * d] for d in range(1, depth)) + depth * self.host["tree"]
+                    values = sorted(values + levels[depth - 1] + (levels[0] if depth == 2 else []), reverse=True)
+                    gain = 1.0
+                    for nodes in range(1, min(len(values), self.max_nodes) + 1):
+                        gain += values[nodes - 1]
+                        if nodes <= depth:
+                            continue
+                        raw = (draft + t_target[nodes + 1]) / gain
+                        if raw < best_raw:
+                            best, best_e, best_raw = (nodes, width, depth, kids), gain, raw
         self._searched[key] = (self._steps, t_target, t_draft, best, best_e, best_raw)
         return t_target, t_draft, best, best_e, best_raw
 
     def shapes(self, rows: list, plans: list[tuple[tuple[str, ...], int]]) -> list[tuple[int, int, int]] | None:
-        """Per row (budget, width, depth), or None: no row gets a tree (several rows: see the
+        """Per row (budget, width, depth[, children]), or None: no row gets a tree (several rows: see the
         module docstring). A model-free drafter's row is offered `max_nodes` nodes k deep (its
         proposal is pruned by `prune`)."""
         self._steps += 1
@@ -277,10 +308,10 @@ class TreePolicy:
                 continue
             t = trees.get(o.seq_id)
             if t is not None:
-                ranks = t.ranks
+                ranks, offered = t.ranks, t.children or t.width
             else:
-                ranks = (0,) * o.accepted[1] + ((UNKNOWN,) if o.accepted[1] < o.drafted[1] else ())
-            self._evidence(o.chain[0], greedy[o.seq_id]).observe(ranks)
+                ranks, offered = (0,) * o.accepted[1] + ((UNKNOWN,) if o.accepted[1] < o.drafted[1] else ()), None
+            self._evidence(o.chain[0], greedy[o.seq_id]).observe(ranks, offered)
         if len(result.outcomes) == 1 and result.outcomes[0].k >= 1 and len(result.outcomes[0].chain) == 2 \
                 and result.outcomes[0].chain[0] in self.free:
             return self._observe_free(result)
@@ -298,17 +329,20 @@ class TreePolicy:
 
 
 class FixedTreeShape:
-    """The same (budget, width[, depth]) for every row a tree can serve, any batch (depth None:
-    the row's k; tests and the acceptance benchmark: trees at a pinned shape beside chains)."""
+    """The same (budget, width[, depth[, children]]) for every row a tree can serve, any batch
+    (depth None: the row's k; children None: the width; tests and the acceptance benchmark: trees
+    at a pinned shape beside chains)."""
 
     def __init__(self, budget: int, width: int, rows: Callable[[object], bool] | None = None,
-                 depth: int | None = None):
-        self.budget, self.width, self.depth = budget, width, depth
+                 depth: int | None = None, children: int | None = None):
+        self.budget, self.width, self.depth, self.children = budget, width, depth, children
         self.rows = rows  # which rows (Sequence -> bool) get the tree; None: all
         self.outcomes: list = []  # every TreeOutcome seen
 
     def shapes(self, rows: list, plans: list[tuple[tuple[str, ...], int]]) -> list[tuple[int, ...]]:
         shape = (self.budget, self.width) if self.depth is None else (self.budget, self.width, self.depth)
+        if self.children is not None:
+            shape = (*shape[:2], shape[2] if len(shape) > 2 else None, self.children)
         return [shape if self.rows is None or self.rows(s) else (0, 1) for s in rows]
 
     def prune(self, row, proposal) -> int:

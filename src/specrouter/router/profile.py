@@ -52,6 +52,12 @@ from specrouter.config import ProfileConfig  # the profile's settings (also impo
 PROFILE_FORMAT = 1  # bump when the JSON layout changes (older files are then ignored)
 DEFAULT_BATCH_SIZES = (1, 4, 8)  # rows per forward swept at start-up (engine steps batch every row)
 DEFAULT_NEW_TOKENS = (1, 2, 4, 8, 16)  # new tokens per row swept (drafting: 1; verifying: n + 1)
+# ... and wider, on a machine where they are cheap: a runner's column t = 32 is swept when its
+# forward of 32 tokens (1 row, the shortest context) measured at most WIDER_BOUND x its 1-token
+# forward (a token tree's verification of up to 31 nodes, engine/tree_policy.py; where T(n) is
+# steep such trees never pay, and the column is left out: one probe cell of time)
+DEFAULT_WIDER_TOKENS = (32,)
+WIDER_BOUND = 3.0
 DEFAULT_CONTEXT_LENGTHS = (128, 1024)  # cached positions swept
 
 Shape = tuple[int, int, int]  # (rows b, new tokens t, context length L) of one forward
@@ -288,6 +294,10 @@ class CostProfile:
         m = self._table(name)
         return m.speed * m.shape_row(b, L, t_max)
 
+    def max_new_tokens(self, name: str) -> int:
+        """The most new tokens per row swept for `name` (beyond it predictions extrapolate)."""
+        return int(self._table(name).new_tokens[-1])
+
     def max_batch(self, name: str) -> int:
         """The largest batch size (rows) swept for `name`: beyond it predictions extrapolate."""
         return int(self._table(name).batch_sizes[-1])
@@ -426,12 +436,18 @@ def sweep(
     clock: Callable[[], float] = time.perf_counter,
     profile: CostProfile | None = None,
     seed: int = 0,
+    wider_tokens: Sequence[int] = DEFAULT_WIDER_TOKENS,
+    wider_bound: float = WIDER_BOUND,
 ) -> CostProfile:
     """Time every runner (ModelRunner) and model-free drafter over the grid: `repeats` timed runs
     per cell after `warmup` untimed ones, the fastest kept. Returns `profile` (a new one if None)
     with the swept models set. Call it with no sequence live: it reserves caches and borrows
     `max(batch_sizes)` slots, prefilled once per context length with random tokens (a forward
-    then starts at L, so the KV cache is rolled back for free between runs)."""
+    then starts at L, so the KV cache is rolled back for free between runs).
+
+    A runner's grid also gets each column of `wider_tokens` (ascending, above `new_tokens`)
+    whose probe, 1 row at the shortest context, measured at most `wider_bound` x the first
+    column's (t = 1) forward; the first that does not stops the widening (`_widen`)."""
     prof = profile if profile is not None else CostProfile()
     drafters = drafters or {}
     bs, ts = sorted(set(batch_sizes)), sorted(set(new_tokens))
@@ -446,8 +462,10 @@ def sweep(
         for name, runner in runners.items():
             if bar is not None:
                 bar.set_postfix_str(name)
-            Ls, table = _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, bar)
-            prof.set_table(name, bs, ts, Ls, table, identity_of(runner))
+            wide = sorted(t for t in set(wider_tokens) if t > ts[-1])
+            Ls, ts_kept, table = _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, bar,
+                                               wide, wider_bound)
+            prof.set_table(name, bs, ts_kept, Ls, table, identity_of(runner))
         for name, drafter in drafters.items():
             if bar is not None:
                 bar.set_postfix_str(name)
@@ -493,12 +511,13 @@ def machine_busy(threads: int | None = None) -> bool:
     return load - threads > 0.5 * (os.cpu_count() or 1)
 
 
-def _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, bar):
-    """One runner over the grid; returns (context lengths kept, (nb, nt, nl) seconds)."""
+def _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, bar, wide=(), bound=WIDER_BOUND):
+    """One runner over the grid, widened by the columns of `wide` that pass `_widen`'s probe;
+    returns (context lengths kept, new tokens kept, (nb, nt, nl) seconds)."""
     from specrouter.models.device import synchronize
     from specrouter.models.runners.base import ForwardBatch
 
-    b_max, t_max = bs[-1], ts[-1]
+    b_max, t_max = bs[-1], max([*ts, *wide])
     limit = runner.max_context - t_max - 1
     Ls = sorted({min(L, limit) for L in context_lengths if L >= 1})
     if not Ls or Ls[0] < 1:
@@ -506,7 +525,15 @@ def _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, 
     runner.reserve(b_max, Ls[-1] + t_max + 1)
     vocab = int(runner.vocab_size)
     slots = [runner.allocate_slot() for _ in range(b_max)]
-    table = np.zeros((len(bs), len(ts), len(Ls)))
+    kept = list(ts)
+    table = np.zeros((len(bs), len(ts) + len(wide), len(Ls)))
+
+    def cell(b: int, t: int, L: int) -> float:  # (b, t) at start L: logits at every new token
+        toks = [[rng.randrange(vocab) for _ in range(t)] for _ in range(b)]
+        # slots in reverse order: the gather path that the engine's ragged batches take
+        batch = ForwardBatch.build(slots[:b][::-1], [L] * b, toks, [list(range(t))] * b)
+        return _min_time(lambda: synchronize(runner.forward(batch).device), repeats, warmup, clock)
+
     try:
         cached = 0
         for il, L in enumerate(Ls):
@@ -515,17 +542,34 @@ def _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, 
                 feed = [[rng.randrange(vocab) for _ in range(n)] for _ in slots]
                 runner.forward(ForwardBatch.build(slots, [cached] * b_max, feed, [[n - 1]] * b_max))
                 cached += n
-            for ib, b in enumerate(bs):  # 2. time (b, t) at start L: logits at every new token
-                for it, t in enumerate(ts):
-                    toks = [[rng.randrange(vocab) for _ in range(t)] for _ in range(b)]
-                    # slots in reverse order: the gather path that the engine's ragged batches take
-                    batch = ForwardBatch.build(slots[:b][::-1], [L] * b, toks, [list(range(t))] * b)
-                    table[ib, it, il] = _min_time(lambda: synchronize(runner.forward(batch).device),
-                                                  repeats, warmup, clock)
+            if il == 0 and wide:  # 2. which wider columns this machine gets (probed at b = 1, L)
+                kept += _widen(lambda t: cell(bs[0], t, L), table, ts, wide, bound, bar)
+            for ib, b in enumerate(bs):  # 3. time (b, t) at start L
+                for it, t in enumerate(kept):
+                    if table[ib, it, il] == 0:  # (not a probe's cell)
+                        table[ib, it, il] = cell(b, t, L)
                     if bar is not None:
                         bar.update(1)
             # the runner now holds L + t_max at most; the next prefill restarts from L
     finally:
         for s in slots:
             runner.free_slot(s)
-    return Ls, table
+    return Ls, kept, table[:, : len(kept)]
+
+
+def _widen(time_at: Callable[[int], float], table: np.ndarray, ts, wide, bound: float, bar) -> list[int]:
+    """The columns of `wide` kept: each probed (`time_at(t)`, 1 row, the shortest context, into
+    `table[0, column, 0]`) while it measures at most `bound` x the first column's cell, itself
+    timed first; the first one above stops. `bar` is told the cells the kept columns add."""
+    if table[0, 0, 0] <= 0:
+        table[0, 0, 0] = time_at(ts[0])  # the base cell, timed again by the grid unless kept here
+    kept: list[int] = []
+    for j, t in enumerate(wide):
+        seconds = time_at(t)
+        if seconds > bound * table[0, 0, 0]:
+            break
+        table[0, len(ts) + j, 0] = seconds
+        kept.append(t)
+    if bar is not None and kept:
+        bar.total += len(kept) * table.shape[0] * table.shape[2]
+    return kept
