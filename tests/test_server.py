@@ -158,6 +158,10 @@ def test_pinned_chain_k_and_seeded_sampling(client, ref_pool):
 
 
 def test_models_health_metrics(client, server):
+    # the labels below come from a request of its own: pytest-xdist may run this module's
+    # other tests (whose router choices fed them) on another worker, with a server of its own
+    client.completions.create(model="target", prompt=PROMPTS[0] * 3, max_tokens=16, temperature=0,
+                              extra_body={"specrouter_chain": ["ngram", "mid", "target"], "specrouter_k": 4})
     models = client.models.list()
     assert [m.id for m in models.data] == ["target"]
     assert models.data[0].model_extra["specrouter"]["pool"] == ["ngram", "suffix", "draft", "mid", "target"]
