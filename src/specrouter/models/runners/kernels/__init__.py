@@ -88,9 +88,9 @@ SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 1
 def amx_permission() -> str | None:
     """Linux hands a process AMX's tile data state (8 KiB of registers a thread) only on request,
     once per process: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); until then every tile
-    instruction is SIGILL. Requested here; None where granted (checked with
-    ARCH_GET_XCOMP_PERM: a kernel that does not support the state answers the request with
-    success and grants nothing), else why not. linearamx.cpp checks the same before any tile
+    instruction is SIGILL. Requested here; None where granted (the grant read back with
+    ARCH_GET_XCOMP_PERM as well as the request's return value: an old kernel, or a VM without
+    the state, refuses), else why not. linearamx.cpp checks the same before any tile
     instruction."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return "AMX tile state needs Linux on x86-64 (arch_prctl ARCH_REQ_XCOMP_PERM)"

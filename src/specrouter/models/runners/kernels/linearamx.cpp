@@ -83,8 +83,9 @@ TAMX void release() { _tile_release(); }
 
 // the first pass over a tile prefetches its weight stream this many bytes ahead (into L1). A
 // 1-token step streams every weight once from memory; measured on a 2-core Xeon with AMX (the
-// 135M target, 2 threads): T(1) 11.3 ms without, 10.7 with, two tiles side by side (tile2);
-// 4 and 8 KiB read the same, a far prefetch into L2 (36-144 KiB ahead) less
+// 135M target, 2 threads, in turns in one process): T(1) 11.3 ms without, 10.7 with, two tiles
+// side by side (tile2); 4 and 8 KiB, a far prefetch into L2 (36-144 KiB ahead) and
+// tileloaddt1 read within the noise of it (docs/kernels.md, session 14)
 constexpr int64_t PREFETCH = 2048;
 
 TAMX inline void prefetch_chunk(const bf16* w) {  // the 2 KiB of the chunk PREFETCH bytes ahead
