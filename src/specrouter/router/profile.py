@@ -462,7 +462,8 @@ def sweep(
         for name, runner in runners.items():
             if bar is not None:
                 bar.set_postfix_str(name)
-            wide = sorted(t for t in set(wider_tokens) if t > ts[-1])
+            # (a short-context model keeps the grid it had: the widening must not shrink its contexts)
+            wide = sorted(t for t in set(wider_tokens) if ts[-1] < t <= runner.max_context // 4)
             Ls, ts_kept, table = _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, bar,
                                                wide, wider_bound)
             prof.set_table(name, bs, ts_kept, Ls, table, identity_of(runner))
