@@ -16,8 +16,8 @@
 //
 // Tile registers, K % 32 == 0 (every width of SmolLM2 and the shipped draft): two packed tiles
 // side by side (`tile2`: two weight streams; C 0, 1 and 2, 3, A 4, B 5, 6, 7), a thread's odd
-// last tile alone (`tile1`); K % 32 != 0 (`tile_tail`): C 0, 1, A 2, B 3, 4, then the tail on
-// A 5 (K % 32 bfloat16 wide), B 6, 7 ((K % 32) / 2 rows). Up to 16 rows make one pass over a
+// last tile alone (`tile1`: C 0, 1, A 4, B 5, 6); K % 32 != 0: every tile by `tile1`, then the
+// tail on A 2 (K % 32 bfloat16 wide), B 3, 7 ((K % 32) / 2 rows). Up to 16 rows make one pass over a
 // thread's tiles; more go through groups of GROUP tiles (whose weights stay in cache) one
 // row block at a time. Which tiles share an A load never changes an output's instructions.
 // Linux grants a process the tile data state on request (`amx_ready`:
@@ -65,12 +65,12 @@ TAMX void configure(int M, int kt) {
   TileConfig c;
   std::memset(&c, 0, sizeof c);
   c.palette = 1;
-  if (kt) {
-    for (int t : {0, 1, 2}) c.rows[t] = M, c.colsb[t] = 64;
-    for (int t : {3, 4}) c.rows[t] = 16, c.colsb[t] = 64;
-    c.rows[5] = M, c.colsb[5] = kt * 2;
-    c.rows[6] = c.rows[7] = kt / 2, c.colsb[6] = c.colsb[7] = 64;
-  } else {
+  if (kt) {  // tile1's registers as below (C 0, 1, A 4, B 5, 6), the tail on A 2, B 3, 7
+    for (int t : {0, 1, 4}) c.rows[t] = M, c.colsb[t] = 64;
+    for (int t : {5, 6}) c.rows[t] = 16, c.colsb[t] = 64;
+    c.rows[2] = M, c.colsb[2] = kt * 2;
+    c.rows[3] = c.rows[7] = kt / 2, c.colsb[3] = c.colsb[7] = 64;
+  } else {  // C 0, 1, 2, 3, A 4, B 5, 6, 7 (tile1 and tile2)
     for (int t : {0, 1, 2, 3, 4}) c.rows[t] = M, c.colsb[t] = 64;
     for (int t : {5, 6, 7}) c.rows[t] = 16, c.colsb[t] = 64;
   }
@@ -94,42 +94,26 @@ TAMX inline void prefetch_chunk(const bf16* w) {  // the 2 KiB of the chunk PREF
 }
 
 // M rows of x (row stride K) times one packed tile (K/2, 32, 2) -> acc (M, 32) float32, any even
-// K: the chunks of 32 on C 0, 1, A 2, B 3, 4, then the tail on A 5, B 6, 7
-TAMX void tile_tail(const bf16* x, int64_t K, const bf16* w, float* acc, bool pf) {
+// K: the chunks of 32 on C 0, 1, A 4, B 5, 6, then a K % 32 tail on A 2, B 3, 7 (configured so
+// only where K has one)
+TAMX void tile1(const bf16* x, int64_t K, const bf16* w, float* acc, bool pf) {
   const int64_t kf = K - K % KC, stride = K * 2;
   _tile_zero(0);
   _tile_zero(1);
   for (int64_t k = 0; k < kf; k += KC, w += KC * TILE) {
-    if (pf) prefetch_chunk(w);
-    _tile_loadd(2, x + k, stride);
-    _tile_loadd(3, w, 2 * TILE * 2);
-    _tile_loadd(4, w + 32, 2 * TILE * 2);
-    _tile_dpbf16ps(0, 2, 3);
-    _tile_dpbf16ps(1, 2, 4);
-  }
-  if (kf < K) {  // the tail: rows (K % 32) / 2 of B, (K % 32) bfloat16 of A
-    _tile_loadd(5, x + kf, stride);
-    _tile_loadd(6, w, 2 * TILE * 2);
-    _tile_loadd(7, w + 32, 2 * TILE * 2);
-    _tile_dpbf16ps(0, 5, 6);
-    _tile_dpbf16ps(1, 5, 7);
-  }
-  _tile_stored(0, acc, TILE * 4);
-  _tile_stored(1, acc + 16, TILE * 4);
-}
-
-// K % 32 == 0: one packed tile on registers C 0, 1, A 4, B 5, 6
-TAMX void tile1(const bf16* x, int64_t K, const bf16* w, float* acc, bool pf) {
-  const int64_t stride = K * 2;
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int64_t k = 0; k < K; k += KC, w += KC * TILE) {
     if (pf) prefetch_chunk(w);
     _tile_loadd(4, x + k, stride);
     _tile_loadd(5, w, 2 * TILE * 2);
     _tile_loadd(6, w + 32, 2 * TILE * 2);
     _tile_dpbf16ps(0, 4, 5);
     _tile_dpbf16ps(1, 4, 6);
+  }
+  if (kf < K) {  // the tail: rows (K % 32) / 2 of B, (K % 32) bfloat16 of A
+    _tile_loadd(2, x + kf, stride);
+    _tile_loadd(3, w, 2 * TILE * 2);
+    _tile_loadd(7, w + 32, 2 * TILE * 2);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 7);
   }
   _tile_stored(0, acc, TILE * 4);
   _tile_stored(1, acc + 16, TILE * 4);
@@ -177,9 +161,7 @@ TAMX void run_tiles_amx(const bf16* x, int64_t N, int64_t K, const bf16* w, int6
       if (M != configured) configure(M, kt), configured = M;
       const bool pf = n == 0;  // later passes read the group's weights from cache
       for (int64_t t = g; t < g1; ++t) {
-        if (kt) {
-          tile_tail(x + n * K, K, w + t * K * TILE, acc, pf);
-        } else if (t + 1 < g1) {
+        if (!kt && t + 1 < g1) {
           tile2(x + n * K, K, w + t * K * TILE, acc, pf);
           finish16(acc, M, n, t * TILE, O, bias, residual, y);
           ++t;
