@@ -268,6 +268,7 @@ def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
         return [os.getpid(), worker.proc.pid, *(p.pid for p in procs)]
 
     def serve(names: list[str]) -> None:  # servers started side by side (each waits for its port)
+        names = list(dict.fromkeys(names))  # one server a name
         ports.update({n: free_port() for n in names})
         with ThreadPoolExecutor(len(names)) as pool:
             started = {n: pool.submit(start_server, cfg, models, ports[n], log, plain=n == "plain",
