@@ -267,7 +267,7 @@ def test_amx_vector_form_computes_the_tiles_float32_sums_bit_for_bit(kind):
 
 
 def test_amx_vector_form_and_the_tiles_meet_at_every_threshold():
-    """However many rows the vector form takes (set_amx_vector_rows 0-4; 1 by default), a row's
+    """However many rows the vector form takes (set_amx_vector_rows 0-4; 2 by default), a row's
     output is that of a 1-row call on the tiles, plain and residual-fused, on each side of the
     threshold (n = threshold and threshold + 1), at the LM head's width (576 -> 49152, where a
     1-token step runs it too) and a K tail; 5 rows is refused."""

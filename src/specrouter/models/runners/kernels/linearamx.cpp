@@ -20,10 +20,10 @@
 // tail on A 2 (K % 32 bfloat16 wide), B 3, 7 ((K % 32) / 2 rows). Up to 16 rows make one pass over a
 // thread's tiles; more go through groups of GROUP tiles (whose weights stay in cache) one
 // row block at a time. Which tiles share an A load never changes an output's instructions.
-// A call of at most `g_vector_rows` rows (1 by default: the 1-token step) runs the vector form of
+// A call of at most `g_vector_rows` rows (2 by default: the 1-token step and its pair) runs the vector form of
 // the same sums instead (`run_vector`, below: AVX-512 FMAs that compute what tdpbf16ps computes,
 // bit for bit), streaming 4 tiles side by side: faster where the weights stream from memory for
-// one row. Either form gives a row the same bits, so the threshold is free to move.
+// one or two rows. Either form gives a row the same bits, so the threshold is free to move.
 // Linux grants a process the tile data state on request (`amx_ready`:
 // arch_prctl ARCH_REQ_XCOMP_PERM); without it a tile instruction is SIGILL, so every entry checks
 // it first. The tile configuration is per thread: every call configures its thread's tiles and
@@ -161,11 +161,15 @@ TAMX void tile2(const bf16* x, int64_t K, const bf16* w, float* acc, bool pf) {
 // `vtiles` does exactly that with 16-lane FMAs on the widened bfloat16 (exact) under MXCSR
 // FTZ | DAZ (set around the call, then restored: the other ops keep IEEE denormals), the same
 // chunks of KC (the K % 32 tail one chunk of its own), so a row gets the tile's bits whichever
-// form runs it. At one row it streams G tiles side by side, each prefetched: the AMX tile at one
-// row loads a 16-row B tile per 32 k for one row of A.
-constexpr int VROWS = 4;          // the most rows of the vector form (its register tile)
-int g_vector_rows = 1;            // a call of at most this many rows runs the vector form
-constexpr int64_t VPREFETCH = 4096;  // bytes ahead each weight stream is prefetched (into L1)
+// form runs it. At one row it streams 4 tiles side by side (2 at two rows), each prefetched.
+constexpr int VROWS = 4;  // the most rows of the vector form (its register tile)
+// a call of at most this many rows runs the vector form. Measured on the 135M target (Sapphire
+// Rapids, 2 threads, in turns in one process, load 1.8-2.0): T(1) 8.1-8.6 ms vector, 9.6-10.4
+// tile; T(2) 9.5 / 10.4-10.6; T(3) 10.3-12.3 / 10.6-10.9 (3 and 4 rows: one stream, FMA-bound)
+int g_vector_rows = 2;
+// bytes ahead each weight stream is prefetched (into L1): T(1) 8.1 ms at 1.5-3 KiB (4 streams),
+// 9.1-9.5 at 4 KiB, 10.2 at 8 KiB, 10.0 without (same runs)
+constexpr int64_t VPREFETCH = 2048;
 
 // R rows of x (row stride K) times G packed tiles at w, w + K * TILE, ... -> acc (G, R, TILE)
 template <int R, int G>
