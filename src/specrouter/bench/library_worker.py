@@ -16,7 +16,8 @@ answers one JSON command a line on stdin with one JSON line on stdout:
   and engine warmed at that batch size (its parked warm-up prompts dropped: a fair prefill);
 
 each answered with `tokens`, `wall` (seconds), `texts` and `steps` ([count, seconds] of the engine
-steps inside, `StepClock`). The first line it writes is `{"ready": true}` once the pool is loaded
+steps inside, `StepClock`); `one` also with `seen`, the requests that API ran before it (its
+warm-up included: the history its router learnt from, as a router server's of the same line). The first line it writes is `{"ready": true}` once the pool is loaded
 and warm.
 
     python -m specrouter.bench.library_worker '{"models": [...], "target": null, "dtype": "auto",
@@ -59,6 +60,7 @@ class LibraryWorker:
             if api.engine.prefix_cache is not None:  # the measured prompts must not hit it
                 api.engine.prefix_cache.clear()
             self.apis[system] = (api, chain)
+        self.seen = dict.fromkeys(self.apis, 1)  # requests each API has run (the warm-up)
         self.api = self.apis["plain"][0]  # encode and decode (the target's tokenizer)
 
     def one(self, system: str, prompt: str, chat: bool) -> dict:
@@ -72,8 +74,9 @@ class LibraryWorker:
             wall = time.perf_counter() - t0
         finally:
             clock.close()
+        seen, self.seen[system] = self.seen[system], self.seen[system] + 1
         return {"tokens": len(r.token_ids), "wall": wall, "texts": [r.text],
-                "steps": [clock.steps.count, clock.steps.seconds]}
+                "steps": [clock.steps.count, clock.steps.seconds], "seen": seen}
 
     def batch(self, concurrency: int, requests: int) -> dict:
         from specrouter.bench.serve import library_level, prompts
