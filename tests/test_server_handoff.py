@@ -168,3 +168,64 @@ def test_the_template_control_a_changed_field_differs():
     other = sse(CompletionResponse(id="cmpl-1", created=7, model="m",
                                    choices=[CompletionChoice(index=1, text="x", finish_reason=None)]))
     assert before + json.dumps("x") + after != other
+
+
+def test_held_rows_ride_along_with_any_hand_off(engine):
+    """A row that joins while others stream (interval 3) gets its first token at once; the rows
+    held at that step go with it, and from then on the three rows share every hand-off (one
+    phase) instead of a hand-off every step or two for rows in different phases. Control: the
+    same scenario with the held rows left out of hand-offs they are not due for keeps the
+    phases apart (more hand-offs, some carrying only part of the rows)."""
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+
+    def run(ride_along: bool):
+        handoffs = []
+
+        async def main():
+            ae = AsyncEngine(engine, seed=0, admission_wait=60.0)
+            deliver, events = ae._deliver, ae._events
+            if not ride_along:  # the control: a row's tokens only when it is due itself
+                def events_alone(outputs, now, rows=1):
+                    got = []
+                    for o in outputs:
+                        got += events([o], now, rows)
+                    return got
+                ae._events = events_alone
+
+            def counted(deliveries):
+                if deliveries:
+                    handoffs.append({id(h) for h, _ in deliveries})
+                return deliver(deliveries)
+
+            ae._deliver = counted
+            ae.start()
+            try:
+                with ae.arriving():
+                    a, b = (ae.submit([5, 6, 7], params, chain=("target",), k=1, interval=3) for _ in range(2))
+                await a.events.get()  # A and B are running: C joins a later step
+                c = ae.submit([5, 6, 8], params, chain=("target",), k=1, interval=3)
+                got = {}
+                for h in (a, b, c):
+                    evs = [await h.events.get()]
+                    while not evs[-1].done:
+                        evs.append(await h.events.get())
+                    got[id(h)] = evs
+                return a, b, c, got
+            finally:
+                await asyncio.to_thread(ae.stop)
+
+        a, b, c, got = asyncio.run(main())
+        return [id(a), id(b), id(c)], handoffs, got
+
+    (ia, ib, ic), handoffs, got = run(ride_along=True)
+    first_c = next(i for i, x in enumerate(handoffs) if ic in x)
+    assert handoffs[first_c] == {ia, ib, ic}  # A and B rode along with C's first token
+    for x in handoffs[first_c:]:
+        # every later hand-off carries every row still running (A and B end before or with C)
+        assert x in ({ia, ib, ic}, {ic}), handoffs
+    # (A's first event was read before C was submitted)
+    assert sum(len(ev.token_ids) for ev in got[ia]) == 9 and sum(len(ev.token_ids) for ev in got[ic]) == 10
+    (ia, ib, ic), control, _ = run(ride_along=False)
+    first_c = next(i for i, x in enumerate(control) if ic in x)
+    assert any(x not in ({ia, ib, ic}, {ic}) for x in control[first_c:]), control
+    assert len(control) > len(handoffs)

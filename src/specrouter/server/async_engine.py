@@ -356,8 +356,13 @@ class AsyncEngine:
         """The event of each output's request (lock held); finished rows leave `_by_seq`. A
         per_step row with `interval` > 1 in a step of `rows` > 1 rows gets its tokens every
         `interval` steps (a stream interval: fewer chunks to write and parse while the batch
-        shares the cores); its first tokens, its last and a lone row's are never held."""
-        out = []
+        shares the cores); its first tokens, its last and a lone row's are never held. A held
+        row rides along whenever the step hands something over anyway (another row due, a
+        first token, a row's end): the hand-off's fixed cost (two thread wake-ups) is paid once
+        for every row it can carry, and rows that joined at different steps fall into one
+        phase at the first hand-off they share, instead of a hand-off every step for rows in
+        alternate phases."""
+        out, held = [], []
         for o in outputs:
             h = self._by_seq.get(o.seq.seq_id)
             if h is None:  # aborted meanwhile
@@ -372,26 +377,36 @@ class AsyncEngine:
             if h.interval > 1 and rows > 1 and not o.seq.done and h.first_commit != now:
                 h.held += 1
                 if h.held < h.interval:
-                    continue  # held in seq.tokens[h.sent:] for the event `interval` steps on
-            new = o.seq.tokens[h.sent:]  # this step's, or every token since the last event
-            if new:
-                h.held = 0
-            h.sent = len(o.seq.tokens)
-            logprobs = StepOutput(o.seq, new).new_logprobs  # of `new` (held steps' included)
-            if o.seq.done:
-                del self._by_seq[o.seq.seq_id]
-                h.finished = True
-                err = (o.seq.error or "a model of the chain failed (see the server log)") \
-                    if o.seq.finish_reason == "error" else None
-                out.append((h, TokenEvent(list(new), True, o.seq.finish_reason,
-                                          stats=o.seq.stats.as_dict(), error=err,
-                                          committed=now, logprobs=logprobs,
-                                          prompt_logprobs=o.seq.prompt_logprobs)))
-            elif new:
-                out.append((h, TokenEvent(list(new), committed=now,
-                                          logprobs=logprobs,
-                                          prompt_logprobs=o.seq.prompt_logprobs)))
+                    held.append((h, o))  # in seq.tokens[h.sent:]: the event `interval` steps on,
+                    continue  # or this step's hand-off if it makes one
+            self._event(h, o, now, out)
+        if out:  # a hand-off is made: the held rows' tokens go with it
+            for h, o in held:
+                self._event(h, o, now, out)
         return out
+
+    def _event(self, h: RequestHandle, o: StepOutput, now: float,
+               out: list[tuple[RequestHandle, TokenEvent]]) -> None:
+        """Row `h`'s event with its tokens since the last one (`o`: its output this step), if
+        it has any or it finished, onto `out` (lock held)."""
+        new = o.seq.tokens[h.sent:]  # this step's, or every token since the last event
+        if new:
+            h.held = 0
+        h.sent = len(o.seq.tokens)
+        logprobs = StepOutput(o.seq, new).new_logprobs  # of `new` (held steps' included)
+        if o.seq.done:
+            del self._by_seq[o.seq.seq_id]
+            h.finished = True
+            err = (o.seq.error or "a model of the chain failed (see the server log)") \
+                if o.seq.finish_reason == "error" else None
+            out.append((h, TokenEvent(list(new), True, o.seq.finish_reason,
+                                      stats=o.seq.stats.as_dict(), error=err,
+                                      committed=now, logprobs=logprobs,
+                                      prompt_logprobs=o.seq.prompt_logprobs)))
+        elif new:
+            out.append((h, TokenEvent(list(new), committed=now,
+                                      logprobs=logprobs,
+                                      prompt_logprobs=o.seq.prompt_logprobs)))
 
     def _deliver(self, deliveries: list[tuple[RequestHandle, TokenEvent]]) -> None:
         """Hand the events to their loops; wait until the loops took them (`handoff_wait`)."""
