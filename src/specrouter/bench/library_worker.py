@@ -62,6 +62,8 @@ class LibraryWorker:
                 api.engine.prefix_cache.clear()
             self.apis[system] = (api, chain)
         self.api = self.apis["plain"][0]  # encode and decode (the target's tokenizer)
+        for p, chat in prompts(4):  # every kind once: the chat template compiled, as a warmed server's
+            self.api.tokenizer.decode(self.api.encode(p, chat=chat), skip_special_tokens=True)
 
     def one(self, system: str, prompt: str, chat: bool) -> dict:
         from specrouter.bench.serve_steps import StepClock
