@@ -162,15 +162,16 @@ TAMX void tile2(const bf16* x, int64_t K, const bf16* w, float* acc, bool pf) {
 // per C element, the chunk's even products summed in one float32 accumulator from +0 and its odd
 // products in another, each by FMAs in k order (products exact, round to nearest even, denormal
 // inputs as zero, denormal results flushed), then C + (even + odd), rounded and flushed alike. Not
-// the pseudo-code's interleaved even, odd FMAs into C (a quarter to half of outputs differ).
+// the older pseudo-code's interleaved even, odd FMAs into C (51% of typical outputs differ).
 // `vtiles` does exactly that with 16-lane FMAs on the widened bfloat16 (exact) under MXCSR
 // FTZ | DAZ (set around the call, then restored: the other ops keep IEEE denormals), the same
 // chunks of KC (the K % 32 tail one chunk of its own), so a row gets the tile's bits whichever
 // form runs it. At one row it streams 4 tiles side by side (2 at two rows), each prefetched.
 constexpr int VROWS = 4;  // the most rows of the vector form (its register tile)
 // a call of at most this many rows runs the vector form. Measured on the 135M target (Sapphire
-// Rapids, 2 threads, in turns in one process, load 1.8-2.0): T(1) 8.1-8.6 ms vector, 9.6-10.4
-// tile; T(2) 9.5 / 10.4-10.6; T(3) 10.3-12.3 / 10.6-10.9 (3 and 4 rows: one stream, FMA-bound)
+// Rapids, 2 threads, in turns in one process, load 1.8-2.1): T(1) 8.1-8.6 ms vector, 9.6-10.4
+// tile; T(2) 9.5 / 10.4-10.6; T(3) 12.3 / 10.6, T(4) 14.0 / 11.2 (3 and 4 rows: one stream; more
+// streams would need more than the 32 registers: 4 accumulators a row and tile)
 int g_vector_rows = 2;
 // the load-time self-check's verdict (`vector_check`): the vector form runs only where it gave
 // the tiles' float32 sums on this CPU; g_control perturbs it (C + even + odd, left to right: a
@@ -241,7 +242,7 @@ TAMX void vtiles(const bf16* x, int64_t K, const bf16* w, float* acc) {
     }
 }
 
-// tiles of G side by side per row count (registers: 6 G R accumulators and the weights)
+// tiles of G side by side per row count (registers: 6 G R accumulators, the weights, x)
 constexpr int vgroup(int R) { return R == 1 ? 4 : R == 2 ? 2 : 1; }
 
 template <int R, typename T>
