@@ -164,7 +164,8 @@ TAMX void tile2(const bf16* x, int64_t K, const bf16* w, float* acc, bool pf) {
 // inputs as zero, denormal results flushed), then C + (even + odd), rounded and flushed alike. Not
 // the older pseudo-code's interleaved even, odd FMAs into C (51% of typical outputs differ).
 // `vtiles` does exactly that with 16-lane FMAs on the widened bfloat16 (exact) under MXCSR
-// FTZ | DAZ (set around the call, then restored: the other ops keep IEEE denormals), the same
+// FTZ | DAZ (set around each call, then restored: the finish and the other ops keep IEEE
+// denormals, as after the tiles), the same
 // chunks of KC (the K % 32 tail one chunk of its own), so a row gets the tile's bits whichever
 // form runs it. At one row it streams 4 tiles side by side (2 at two rows), each prefetched.
 constexpr int VROWS = 4;  // the most rows of the vector form (its register tile)
@@ -245,38 +246,45 @@ TAMX void vtiles(const bf16* x, int64_t K, const bf16* w, float* acc) {
 // tiles of G side by side per row count (registers: 6 G R accumulators, the weights, x)
 constexpr int vgroup(int R) { return R == 1 ? 4 : R == 2 ? 2 : 1; }
 
+// vtiles<R, G> under MXCSR FTZ | DAZ, as tdpbf16ps computes its sums; the finish after it runs
+// under the caller's MXCSR, as the tiles' finish does (a denormal bias, residual or result kept)
+template <int R, int G>
+TAMX void vtiles_flushed(const bf16* x, int64_t K, const bf16* w, float* acc, unsigned csr) {
+  _mm_setcsr(csr | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
+  vtiles<R, G>(x, K, w, acc);
+  _mm_setcsr(csr);
+}
+
 template <int R, typename T>
 TAMX void run_vector_r(const bf16* x, int64_t N, int64_t K, const bf16* w, int64_t O, const T* bias,
                        const T* residual, T* y, int64_t t0, int64_t t1) {
   constexpr int G = vgroup(R);
   alignas(64) float acc[G * R * TILE];
+  const unsigned csr = _mm_getcsr();
   for (int64_t n = 0; n < N; n += R) {
     int64_t t = t0;
     for (; t + G <= t1; t += G) {
-      vtiles<R, G>(x + n * K, K, w + t * K * TILE, acc);
+      vtiles_flushed<R, G>(x + n * K, K, w + t * K * TILE, acc, csr);
       for (int g = 0; g < G; ++g) finish16(acc + g * R * TILE, R, n, (t + g) * TILE, O, bias, residual, y);
     }
     const int rest = static_cast<int>(t1 - t);  // < G: the rest side by side too (3 and 2 only where G is 4)
-    if (rest == 3) vtiles<R, (G == 4 ? 3 : 1)>(x + n * K, K, w + t * K * TILE, acc);
-    else if (rest == 2) vtiles<R, (G == 4 ? 2 : 1)>(x + n * K, K, w + t * K * TILE, acc);
-    else if (rest == 1) vtiles<R, 1>(x + n * K, K, w + t * K * TILE, acc);
+    if (rest == 3) vtiles_flushed<R, (G == 4 ? 3 : 1)>(x + n * K, K, w + t * K * TILE, acc, csr);
+    else if (rest == 2) vtiles_flushed<R, (G == 4 ? 2 : 1)>(x + n * K, K, w + t * K * TILE, acc, csr);
+    else if (rest == 1) vtiles_flushed<R, 1>(x + n * K, K, w + t * K * TILE, acc, csr);
     for (int g = 0; g < rest; ++g) finish16(acc + g * R * TILE, R, n, (t + g) * TILE, O, bias, residual, y);
   }
 }
 
-// tiles [t0, t1), N <= VROWS rows on the vector form, under FTZ | DAZ
+// tiles [t0, t1), N <= VROWS rows on the vector form
 template <typename T>
 TAMX void run_vector(const bf16* x, int64_t N, int64_t K, const bf16* w, int64_t O, const T* bias,
                      const T* residual, T* y, int64_t t0, int64_t t1) {
-  const unsigned saved = _mm_getcsr();
-  _mm_setcsr(saved | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6), as tdpbf16ps computes
   switch (N) {
     case 1: run_vector_r<1>(x, N, K, w, O, bias, residual, y, t0, t1); break;
     case 2: run_vector_r<2>(x, N, K, w, O, bias, residual, y, t0, t1); break;
     case 3: run_vector_r<3>(x, N, K, w, O, bias, residual, y, t0, t1); break;
     default: run_vector_r<4>(x, N, K, w, O, bias, residual, y, t0, t1); break;
   }
-  _mm_setcsr(saved);
 }
 
 // tiles [t0, t1) of outputs, every row: up to MT rows one block per tile; more, per GROUP
