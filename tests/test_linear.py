@@ -303,6 +303,32 @@ def test_amx_vector_form_and_the_tiles_meet_at_every_threshold():
     assert ops.set_amx_vector_rows(before) == before
 
 
+def test_amx_vector_forms_finish_keeps_ieee_denormals_like_the_tiles():
+    """The vector form flushes denormals as tdpbf16ps does (MXCSR FTZ | DAZ) in its sums only: its
+    finish (+ bias, + residual, rounding) runs under the caller's MXCSR as the tiles' does, so a
+    denormal bias or residual, or a sum that rounds to a denormal, gives the tiles' bits."""
+    ops = _amx_ops(vector=True)
+    g = torch.Generator().manual_seed(14)
+    tiny = torch.finfo(torch.float32).tiny
+    w = (torch.randn(64, 64, generator=g) * 2**-62).to(torch.bfloat16)
+    x = (torch.randn(2, 64, generator=g) * 2**-62).to(torch.bfloat16)  # sums ~2^-121: normal; + denormals
+    b = (torch.randn(64, generator=g) * tiny * 0.3).to(torch.bfloat16)  # denormal bfloat16
+    r = (torch.randn(2, 64, generator=g) * tiny * 0.3).to(torch.bfloat16)
+    assert (b != 0).any() and (b.float().abs() < tiny).all()
+    lin = Linear.pack(w, b, kernel=_kernel("amx", torch.bfloat16))
+    before = ops.set_amx_vector_rows(0)
+    try:
+        tiles = [linear(x[:n], lin) for n in (1, 2)] + [linear_add(r[:n], x[:n], lin) for n in (1, 2)]
+        ops.set_amx_vector_rows(2)
+        vector = [linear(x[:n], lin) for n in (1, 2)] + [linear_add(r[:n], x[:n], lin) for n in (1, 2)]
+    finally:
+        ops.set_amx_vector_rows(before)
+    plain = Linear.pack(w, torch.zeros_like(b), kernel=_kernel("amx", torch.bfloat16))
+    assert not torch.equal(tiles[1], linear(x[:2], plain))  # the denormal bias changes outputs (no DAZ there)
+    for t, v in zip(tiles, vector):
+        assert torch.equal(t.view(torch.int16), v.view(torch.int16))
+
+
 def test_amx_vector_form_runs_only_where_its_self_check_passes(caplog):
     """Before the first AMX linear a process checks the vector form against the tiles on 4096
     float32 sums (kernels/linearamx.cpp `vector_check`); the verdict is in `kernels()` (so in the

@@ -162,15 +162,17 @@ TAMX void tile2(const bf16* x, int64_t K, const bf16* w, float* acc, bool pf) {
 // per C element, the chunk's even products summed in one float32 accumulator from +0 and its odd
 // products in another, each by FMAs in k order (products exact, round to nearest even, denormal
 // inputs as zero, denormal results flushed), then C + (even + odd), rounded and flushed alike. Not
-// the pseudo-code's interleaved even, odd FMAs into C (a quarter to half of outputs differ).
+// the older pseudo-code's interleaved even, odd FMAs into C (51% of typical outputs differ).
 // `vtiles` does exactly that with 16-lane FMAs on the widened bfloat16 (exact) under MXCSR
-// FTZ | DAZ (set around the call, then restored: the other ops keep IEEE denormals), the same
+// FTZ | DAZ (set around each call, then restored: the finish and the other ops keep IEEE
+// denormals, as after the tiles), the same
 // chunks of KC (the K % 32 tail one chunk of its own), so a row gets the tile's bits whichever
 // form runs it. At one row it streams 4 tiles side by side (2 at two rows), each prefetched.
 constexpr int VROWS = 4;  // the most rows of the vector form (its register tile)
 // a call of at most this many rows runs the vector form. Measured on the 135M target (Sapphire
-// Rapids, 2 threads, in turns in one process, load 1.8-2.0): T(1) 8.1-8.6 ms vector, 9.6-10.4
-// tile; T(2) 9.5 / 10.4-10.6; T(3) 10.3-12.3 / 10.6-10.9 (3 and 4 rows: one stream, FMA-bound)
+// Rapids, 2 threads, in turns in one process, load 1.8-2.1): T(1) 8.1-8.6 ms vector, 9.6-10.4
+// tile; T(2) 9.5 / 10.4-10.6; T(3) 12.3 / 10.6, T(4) 14.0 / 11.2 (3 and 4 rows: one stream; more
+// streams would need more than the 32 registers: 4 accumulators a row and tile)
 int g_vector_rows = 2;
 // the load-time self-check's verdict (`vector_check`): the vector form runs only where it gave
 // the tiles' float32 sums on this CPU; g_control perturbs it (C + even + odd, left to right: a
@@ -241,41 +243,48 @@ TAMX void vtiles(const bf16* x, int64_t K, const bf16* w, float* acc) {
     }
 }
 
-// tiles of G side by side per row count (registers: 6 G R accumulators and the weights)
+// tiles of G side by side per row count (registers: 6 G R accumulators, the weights, x)
 constexpr int vgroup(int R) { return R == 1 ? 4 : R == 2 ? 2 : 1; }
+
+// vtiles<R, G> under MXCSR FTZ | DAZ, as tdpbf16ps computes its sums; the finish after it runs
+// under the caller's MXCSR, as the tiles' finish does (a denormal bias, residual or result kept)
+template <int R, int G>
+TAMX void vtiles_flushed(const bf16* x, int64_t K, const bf16* w, float* acc, unsigned csr) {
+  _mm_setcsr(csr | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
+  vtiles<R, G>(x, K, w, acc);
+  _mm_setcsr(csr);
+}
 
 template <int R, typename T>
 TAMX void run_vector_r(const bf16* x, int64_t N, int64_t K, const bf16* w, int64_t O, const T* bias,
                        const T* residual, T* y, int64_t t0, int64_t t1) {
   constexpr int G = vgroup(R);
   alignas(64) float acc[G * R * TILE];
+  const unsigned csr = _mm_getcsr();
   for (int64_t n = 0; n < N; n += R) {
     int64_t t = t0;
     for (; t + G <= t1; t += G) {
-      vtiles<R, G>(x + n * K, K, w + t * K * TILE, acc);
+      vtiles_flushed<R, G>(x + n * K, K, w + t * K * TILE, acc, csr);
       for (int g = 0; g < G; ++g) finish16(acc + g * R * TILE, R, n, (t + g) * TILE, O, bias, residual, y);
     }
     const int rest = static_cast<int>(t1 - t);  // < G: the rest side by side too (3 and 2 only where G is 4)
-    if (rest == 3) vtiles<R, (G == 4 ? 3 : 1)>(x + n * K, K, w + t * K * TILE, acc);
-    else if (rest == 2) vtiles<R, (G == 4 ? 2 : 1)>(x + n * K, K, w + t * K * TILE, acc);
-    else if (rest == 1) vtiles<R, 1>(x + n * K, K, w + t * K * TILE, acc);
+    if (rest == 3) vtiles_flushed<R, (G == 4 ? 3 : 1)>(x + n * K, K, w + t * K * TILE, acc, csr);
+    else if (rest == 2) vtiles_flushed<R, (G == 4 ? 2 : 1)>(x + n * K, K, w + t * K * TILE, acc, csr);
+    else if (rest == 1) vtiles_flushed<R, 1>(x + n * K, K, w + t * K * TILE, acc, csr);
     for (int g = 0; g < rest; ++g) finish16(acc + g * R * TILE, R, n, (t + g) * TILE, O, bias, residual, y);
   }
 }
 
-// tiles [t0, t1), N <= VROWS rows on the vector form, under FTZ | DAZ
+// tiles [t0, t1), N <= VROWS rows on the vector form
 template <typename T>
 TAMX void run_vector(const bf16* x, int64_t N, int64_t K, const bf16* w, int64_t O, const T* bias,
                      const T* residual, T* y, int64_t t0, int64_t t1) {
-  const unsigned saved = _mm_getcsr();
-  _mm_setcsr(saved | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6), as tdpbf16ps computes
   switch (N) {
     case 1: run_vector_r<1>(x, N, K, w, O, bias, residual, y, t0, t1); break;
     case 2: run_vector_r<2>(x, N, K, w, O, bias, residual, y, t0, t1); break;
     case 3: run_vector_r<3>(x, N, K, w, O, bias, residual, y, t0, t1); break;
     default: run_vector_r<4>(x, N, K, w, O, bias, residual, y, t0, t1); break;
   }
-  _mm_setcsr(saved);
 }
 
 // tiles [t0, t1) of outputs, every row: up to MT rows one block per tile; more, per GROUP
