@@ -88,7 +88,7 @@ def test_a_side_whose_text_differs_is_a_mismatch():
     assert not result["goals"][-1]["met"]
 
 
-@pytest.mark.slow  # starts 3 processes a round: ~1 min on a 2-core CI machine
+@pytest.mark.slow  # starts 5 processes a round: ~1 min on a 2-core CI machine
 def test_fresh_rounds_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
     d = tiny_pool_dirs
     cfg = ServeBenchConfig(models=(str(d["draft"]), str(d["target"])), target=str(d["target"]), concurrency=(1, 4),
@@ -117,7 +117,13 @@ def test_fresh_rounds_on_a_tiny_pool(tiny_pool_dirs, tmp_path):
     # every round on its own processes: each round's server and library logs, the flag passed on
     logs = sorted(p.name for p in tmp_path.glob("fresh-r*.log"))
     ran = result["rounds"] + len(result["disturbed_rounds"])  # a round beside another process runs again
-    assert logs == [f"fresh-r{r}-{w}.log" for r in range(ran) for w in ("library", "plain", "router")]
+    assert logs == [f"fresh-r{r}-{w}.log" for r in range(ran)
+                    for w in ("library", "plain", "router-raw", "router-server", "router-whole")]
+    # the c=1 router line: every side's router had learnt from the same requests before each one
+    # (the warm-up and the round's earlier requests once each): a router server per client side.
+    # One server for the three (before) had seen (1, 4), (2, 5), (3, 6) on its sides
+    for sides in result["lines"]["c=1 router"]["rounds"]:
+        assert {tuple(x["seen"]) for x in sides.values()} == {(1, 2)}, sides
     assert "--stream-interval 2 --no-team-governor" in (tmp_path / "fresh-r1-plain.log").read_text()
     assert "--no-team-governor" in markdown_fresh(result)
     assert json.loads(json.dumps(result))["rounds"] == 2

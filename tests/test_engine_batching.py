@@ -801,3 +801,75 @@ def test_a_single_streams_draft_catch_up_is_weighed_over_the_cycles_it_has_left(
     bare = scripted_router(target, draft)
     bare.planner.alone = lambda row, decision: decision
     assert plan(3, 100, bare)[0].k > 0
+
+
+def test_the_catch_up_of_a_lone_rows_plain_steps_is_priced_over_the_request():
+    """The catch-up trap: a lone row whose draft lags on tokens the row decoded plainly
+    (`RowContext.lags_generated`) weighs that catch-up over every cycle its request has left,
+    once; the same lag on its prompt keeps the `plain_hold_max` cap (a long prompt's catch-up
+    weighed over the request speculated and lost, 20976a7). A walk over a 120-token request
+    decoding plainly, its draft's lag growing a token a step, the row's own decision the draft
+    throughout: priced per request it may speculate again until its lag is 58 tokens; capped
+    (the generated tokens counted as prompt: the negative control, main's pricing) from 26 on it
+    stays plain to its end. Near its end both decode plainly."""
+    def target(b, t, L):
+        return 0.040
+
+    def draft(b, t, L):  # a dear catch-up: 8 ms a token (a Zen 1's draft forward is ~1/12 of its target's)
+        return 0.003 + 0.008 * t
+
+    def plan(lag, remaining, generated):
+        router = scripted_router(target, draft)
+        for _ in range(50):  # the pair accepts ~40%: k=1, a small gain with the draft in step
+            router.similarity.observe_acceptance(("draft", "target"), "greedy", 1, 2)
+        row = RowContext(seq_id=0, context_len=200, batch_size=1, greedy=True, remaining=remaining,
+                         lags=(("draft", lag),), lags_generated=(("draft", lag if generated else 0),))
+        return router.plan_batch([row]).decisions[0]
+
+    walk = range(0, 112, 8)  # plain steps so far: lag 2 + s, 120 - s tokens left
+    priced = [plan(2 + s, 120 - s, True) for s in walk]
+    capped = [plan(2 + s, 120 - s, False) for s in walk]
+    assert all(d.chain == ("draft", "target") and d.k > 0 for d in priced[:8]), priced[:8]  # lag 2..58
+    assert all(d.k > 0 for d in capped[:3]) and all(d.reason == "catch-up" for d in capped[3:]), capped
+    assert all(d.k == 0 and d.reason == "catch-up" for d in priced[9:]), priced[9:]  # near its end
+
+
+def test_row_contexts_tell_a_drafts_lag_on_generated_tokens_from_its_prompt(pool):
+    """`RowContext.lags` counts every token a model below the target has not seen;
+    `lags_generated` those of them the row generated: none on a new request (its prompt), every
+    plain step's token once the draft ran, and only the generated ones of a row that started
+    plain (its prompt is lag too). Negative control: a row in step reports neither."""
+    from fixtures import QuietRouterHooks
+
+    from specrouter.records.routing import BatchPlan, Decision
+
+    class Scripted(QuietRouterHooks):
+        def __init__(self, script):
+            self.script, self.rows = iter(script), []
+
+        def plan_batch(self, rows, pinned=()):
+            chain, k = next(self.script)
+            self.rows.append(rows[0])
+            return BatchPlan([Decision(chain, k, 0.0, "scripted") for _ in rows])
+
+    plain, spec = (("target",), 0), (("draft", "target"), 1)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompt = prompts_of(1)[0]
+    for script in ([spec, plain, plain, plain, spec], [plain, plain, plain, spec]):
+        router = Scripted(script)
+        eng = Engine(pool, router=router, max_num_seqs=1, max_model_len=96)
+        eng.add_request(prompt, params)
+        for _ in script:
+            eng.step()
+        for row in router.rows:
+            lags, made = dict(row.lags), dict(row.lags_generated)
+            assert set(lags) == set(made) <= {"draft", "mid"}, row
+            if script[0] == spec:
+                if row is router.rows[0]:
+                    assert lags["draft"] == len(prompt) and made["draft"] == 0
+                elif row is router.rows[1]:  # the draft ran (1 or 2 tokens committed): in step
+                    assert "draft" not in lags, row
+                else:  # its plain steps' tokens
+                    assert made["draft"] == lags["draft"] > 1, row
+            else:
+                assert lags["draft"] == row.context_len and made["draft"] == row.context_len - len(prompt), row

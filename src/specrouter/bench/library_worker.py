@@ -18,7 +18,8 @@ answers one JSON command a line on stdin with one JSON line on stdout:
   server's level and `one` include them; `text_ms` of the reply says how long they took);
 
 each answered with `tokens`, `wall` (seconds), `texts` and `steps` ([count, seconds] of the engine
-steps inside, `StepClock`). The first line it writes is `{"ready": true}` once the pool is loaded
+steps inside, `StepClock`); `one` also with `seen`, the requests that API ran before it (its
+warm-up included: the history its router learnt from, as a router server's of the same line). The first line it writes is `{"ready": true}` once the pool is loaded
 and warm.
 
     python -m specrouter.bench.library_worker '{"models": [...], "target": null, "dtype": "auto",
@@ -61,6 +62,7 @@ class LibraryWorker:
             if api.engine.prefix_cache is not None:  # the measured prompts must not hit it
                 api.engine.prefix_cache.clear()
             self.apis[system] = (api, chain)
+        self.seen = dict.fromkeys(self.apis, 1)  # requests each API has run (the warm-up)
         self.api = self.apis["plain"][0]  # encode and decode (the target's tokenizer)
         for p, chat in prompts(4):  # every kind once: the chat template compiled, as a warmed server's
             self.api.tokenizer.decode(self.api.encode(p, chat=chat), skip_special_tokens=True)
@@ -76,8 +78,9 @@ class LibraryWorker:
             wall = time.perf_counter() - t0
         finally:
             clock.close()
+        seen, self.seen[system] = self.seen[system], self.seen[system] + 1
         return {"tokens": len(r.token_ids), "wall": wall, "texts": [r.text],
-                "steps": [clock.steps.count, clock.steps.seconds]}
+                "steps": [clock.steps.count, clock.steps.seconds], "seen": seen}
 
     def batch(self, concurrency: int, requests: int) -> dict:
         """The level from the prompts' text to the outputs' text: tokenizing (chat template

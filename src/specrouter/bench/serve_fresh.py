@@ -6,8 +6,9 @@ whole life in busy minutes (docs/serving-performance.md, ninth round). The paire
 whole run: it interleaves the minutes away but compares ONE draw of each process, and a line
 within ~10% of a goal moved across 0.69-1.07 between runs. Here every round starts its own
 processes on both sides, the same way (the same interpreter, environment and pool flags): a
-`specrouter serve` (default flags; the plain one `--static --chain target`, the router server
-only for the c=1 router line) and a library worker (`bench/library_worker.py`: `SpecRouter.generate`
+`specrouter serve` (default flags; the plain one `--static --chain target`, and for the c=1 router
+line one router server per client side, so that each server side's router learns from the same
+requests as the library's: `server_of`) and a library worker (`bench/library_worker.py`: `SpecRouter.generate`
 one request at a time, and the engine's own continuous batching at c >= 4). In a round the sides
 run in rotating order (bench/serve.py's `rotation`): at c=1 request i to the library, to the
 server through the `openai` client, through the bare client streamed ("raw") and not streamed
@@ -35,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -67,10 +69,15 @@ class Unit:
     threads: ThreadSteps | None = None  # a server side's steps by torch threads, the governor's changes
     machine: MachineCpu | None = None  # the machine's CPU over it: what else ran (bench/machine_cpu.py)
     texts: list[str] = field(default_factory=list)
+    # generation requests the side's engine had served before each unit (its warm-up included): the
+    # history a router on it had learnt from (`one_round`: equal on every side of a c=1 line)
+    seen: list[int] = field(default_factory=list)
 
     def add(self, tokens: int, wall: float, steps: Steps, texts: list[str], client_cpu: float = 0.0,
             delivery: Steps | None = None, loop_cpu: float | None = None,
-            threads: ThreadSteps | None = None, machine: MachineCpu | None = None) -> None:
+            threads: ThreadSteps | None = None, machine: MachineCpu | None = None, seen: int | None = None) -> None:
+        if seen is not None:
+            self.seen.append(seen)
         self.tokens += tokens
         self.wall += wall
         self.steps += steps
@@ -91,6 +98,7 @@ class Unit:
 
     def summary(self) -> dict:
         return {"tokens": self.tokens, "wall": self.wall, "tokens_per_s": self.tps, "units": self.units,
+                "seen": list(self.seen),
                 **split(self.wall, self.steps, self.units),
                 "client_cpu_ms": self.client_cpu / self.units * 1e3 if self.units else None,
                 "loop_cpu_ms": self.loop_cpu / self.units * 1e3 if self.units and self.loop_cpu is not None else None,
@@ -187,6 +195,15 @@ def loop_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def served_requests(text: str) -> int:
+    """Generation requests a server answered so far (its /metrics `specrouter_requests_total` on the
+    completion endpoints, status 200)."""
+    from specrouter.bench.serve_steps import samples
+
+    return int(sum(x.value for x in samples(text) if x.name == "specrouter_requests_total"
+                   and x.labels.get("endpoint", "").endswith("completions") and x.labels.get("status") == "200"))
+
+
 def measure(into: Unit, side: str, base: str, pid: int, model: str, cfg: ServeBenchConfig, reqs, c: int,
             key: str, ours=lambda: [os.getpid()]) -> None:
     """One unit of a server side into `into`, with the server's steps (by torch threads too) and chunk
@@ -207,7 +224,7 @@ def measure(into: Unit, side: str, base: str, pid: int, model: str, cfg: ServeBe
     into.add(tokens, wall, span("step_seconds"), texts, cpu,
              span("stream_delivery_seconds") if side in STREAMED else None,
              loop - loop0 if loop is not None and loop0 is not None else None,
-             ThreadSteps.parse(after) - ThreadSteps.parse(before), machine)
+             ThreadSteps.parse(after) - ThreadSteps.parse(before), machine, served_requests(before))
 
 
 def warm(base: str, model: str, cfg: ServeBenchConfig, c: int, round_: int) -> None:
@@ -232,6 +249,15 @@ def lines_of(cfg: ServeBenchConfig, with_router: bool) -> list[tuple[str, str, i
     return out
 
 
+def server_of(system: str, side: str) -> str:
+    """The server a side of a c=1 line of `system` runs on: the plain server for every side (it
+    learns nothing from its requests), a router server of the side's own (`router-<side>`) for the
+    router. One router server for three client sides learnt from three runs of each prompt where
+    the library's router learnt from one (eleventh round): each side's router now has the history
+    the library's has, the warm-up and this round's earlier requests once each."""
+    return system if system == "plain" else f"{system}-{side}"
+
+
 def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
     """Round r on fresh processes: line name -> side -> Unit."""
     out_dir = Path(cfg.out_dir)
@@ -241,33 +267,45 @@ def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
     def ours() -> list[int]:  # the bench's own processes (the bench is the client)
         return [os.getpid(), worker.proc.pid, *(p.pid for p in procs)]
 
-    def serve(system: str) -> None:
-        ports[system] = port = free_port()
-        procs.append(start_server(cfg, models, port, log, plain=system == "plain", name=f"fresh-r{r}-{system}"))
-        bases[system], pids[system] = f"http://127.0.0.1:{port}/v1", procs[-1].pid
+    def serve(names: list[str]) -> None:  # servers started side by side (each waits for its port)
+        names = list(dict.fromkeys(names))  # one server a name
+        ports.update({n: free_port() for n in names})
+        with ThreadPoolExecutor(len(names)) as pool:
+            started = {n: pool.submit(start_server, cfg, models, ports[n], log, plain=n == "plain",
+                                      name=f"fresh-r{r}-{n}") for n in names}
+        failed = None
+        for n, f in started.items():
+            try:
+                procs.append(f.result())
+            except Exception as e:  # noqa: BLE001 - the others started: stop them too (finally)
+                failed = failed or e
+                continue
+            bases[n], pids[n] = f"http://127.0.0.1:{ports[n]}/v1", procs[-1].pid
+        if failed is not None:
+            raise failed
 
     try:
-        serve("plain")
-        if 1 in cfg.concurrency and "router" in worker.ready()["systems"]:
-            serve("router")
+        with_router = 1 in cfg.concurrency and "router" in worker.ready()["systems"]
+        serve(["plain"] + ([server_of("router", side) for side in SIDES[1:]] if with_router else []))
         model = server_info(ports["plain"])["data"][0]["id"]
-        lines = lines_of(cfg, "router" in bases)
-        for system, base in bases.items():  # each server at the concurrencies of its own lines
-            for c in sorted({c for _, s, c in lines if s == system}):
+        lines = lines_of(cfg, with_router)
+        for n, base in bases.items():  # each server at the concurrencies of its own lines
+            for c in sorted({c for _, s, c in lines if n in (s, *(server_of(s, side) for side in SIDES[1:]))}):
                 warm(base, model, cfg, c, r)
         got: dict[str, dict[str, Unit]] = {}
         for name, system, c in lines:
             units = got[name] = {side: Unit() for side in SIDES}
-            base = bases[system]
             key = f"bench|fresh|{name}|{r}"
             if c == 1:  # request i to every side back to back, in rotating order
                 for i, (p, chat) in enumerate(prompts(cfg.requests)):
                     for side in rotation(r * cfg.requests + i):
                         if side == "library":
                             x, m = machine_cpu.over(lambda: worker.ask(op="one", system=system, prompt=p, chat=chat), ours)
-                            units[side].add(x["tokens"], x["wall"], Steps(*x["steps"]), x["texts"], machine=m)
+                            units[side].add(x["tokens"], x["wall"], Steps(*x["steps"]), x["texts"], machine=m,
+                                            seen=x.get("seen"))
                         else:
-                            measure(units[side], side, base, pids[system], model, cfg, [(i, p, chat)], 1,
+                            n = server_of(system, side)
+                            measure(units[side], side, bases[n], pids[n], model, cfg, [(i, p, chat)], 1,
                                     f"{key}|{side}", ours)
             else:  # a level on each side, in rotating order
                 n = max(cfg.requests, c)
@@ -277,7 +315,8 @@ def one_round(cfg: ServeBenchConfig, models: list[str], r: int, log) -> dict:
                         x, m = machine_cpu.over(lambda: worker.ask(op="batch", concurrency=c, requests=n), ours)
                         units[side].add(x["tokens"], x["wall"], Steps(*x["steps"]), x["texts"], machine=m)
                     else:
-                        measure(units[side], side, base, pids[system], model, cfg, reqs, c, f"{key}|{side}", ours)
+                        measure(units[side], side, bases[system], pids[system], model, cfg, reqs, c,
+                                f"{key}|{side}", ours)
             lib = units["library"]
             step = split(lib.wall, lib.steps, 1)["step_ms"]
             log(f"round {r + 1} {name}: library {lib.tps:.1f} tok/s (step {step:.2f} ms); "
@@ -399,7 +438,8 @@ def markdown_fresh(result: dict) -> str:
              f"Provenance: {describe_provenance(prov)}." if prov else "Provenance: not recorded.", "",
              f"load average {result['load_average']:.2f} on {result['cores']} cores; {result['rounds']} rounds, "
              "each on "
-             f"fresh processes (a server, {flags}, and a library worker); greedy", "",
+             f"fresh processes (servers with {flags}: a plain one and, for the c=1 router line, a router server "
+             "per client side, each learning from the library's history; and a library worker); greedy", "",
              "Median of the per-round ratios (lowest-highest, rounds); [at the library's step speed]:", "",
              "| line | server (openai) / library | raw / library | whole / library | streamed (raw) / whole | "
              "client CPU ms a unit: openai / raw / whole |",

@@ -403,7 +403,7 @@ class Engine:
         contexts = [RowContext(rows[i].seq_id, len(rows[i].tokens), batch_size=len(rows),
                                greedy=rows[i].params.greedy, remaining=rows[i].remaining,
                                processors=rows[i].params.has_processors,
-                               certain_rate=constrained.certain_rate(rows[i]), lags=self._lags(rows[i]))
+                               certain_rate=constrained.certain_rate(rows[i]), **self._lags(rows[i]))
                     for i in free]
         batch = self.router.plan_batch(contexts, pinned)
         self._held = batch.held
@@ -433,18 +433,20 @@ class Engine:
             except Exception:  # noqa: BLE001 - the tokens are committed: only this step's evidence is lost
                 fault_logger.exception("reporting a leased step to the router raised; its evidence is lost")
 
-    def _lags(self, seq: Sequence) -> tuple[tuple[str, int], ...]:
+    def _lags(self, seq: Sequence) -> dict:
         """`RowContext.lags`: the row's models below the target (model-free drafters aside) that
-        have not seen more than its last token (a model never run for it: none of it)."""
+        have not seen more than its last token (a model never run for it: none of it); and
+        `lags_generated`: how many of those tokens the row generated (the rest: its prompt)."""
         states, n = self.state.states_of(seq.seq_id), len(seq.tokens)
-        out = []
+        lags, generated = [], []
         for m in self.pool.order:
             if m != self.pool.target and m in self.pool.runners:
                 st = states.get(m)
-                lag = n - (st.cache_len if st is not None else 0)
-                if lag > 1:
-                    out.append((m, lag))
-        return tuple(out)
+                seen = st.cache_len if st is not None else 0
+                if n - seen > 1:
+                    lags.append((m, n - seen))
+                    generated.append((m, n - max(seen, seq.prompt_len)))
+        return {"lags": tuple(lags), "lags_generated": tuple(generated)}
 
     def _run_rows(self, rows: list[Sequence], plans: list[Plan], shadow_k: int
                   ) -> tuple[StepResult | None, dict, int]:

@@ -43,6 +43,10 @@ class RowContext:
     # token: fed at the start of the row's next cycle that runs them (a draft's catch-up after
     # plain steps, a new request's prompt); the batch planner prices it (BatchPlanner.step_seconds)
     lags: tuple[tuple[str, int], ...] = ()
+    # of those tokens, (model, how many) the row generated itself (decoded while that model did
+    # not run: plain steps), the rest being its prompt: a model lagging only on these has a
+    # catch-up that plain steps of this request made (BatchPlanner.alone prices it per request)
+    lags_generated: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -416,7 +416,15 @@ class BatchPlanner:
         tokens earlier) caught its draft up over every held step's tokens for a cycle or two, on
         a Zen 1 (avx2 kernels, serving bench greedy c=2) 41 such steps of 67 ms for 1.9 tokens
         against 21 ms a held token. A new request's prompt is its draft's catch-up too, spread
-        over the whole request."""
+        over at most `plain_hold_max` cycles (weighed over the whole request, a code request
+        with a long prompt speculated and lost: docs/router.md, 20976a7).
+
+        The tokens the row generated while its draft did not run (`RowContext.lags_generated`:
+        plain steps) are spread over every cycle the request has left: their catch-up is one
+        forward that buys the rest of the request, paid once. Capped like the prompt's, it was
+        priced again at every plain step, each time over more tokens and never over more than 16
+        cycles, so a lone request that once decoded plainly stayed plain to its end (the
+        catch-up trap, docs/serving-performance.md, eleventh round)."""
         chain, k = decision.chain, decision.k
         lags = dict(row.lags)
         if k == 0 or len(chain) < 2 or not any(lags.get(m, 1) > 1 for m in chain[:-1]):
@@ -426,9 +434,19 @@ class BatchPlanner:
         tokens = self.expected_tokens(req, chain, k)
         most = router.config.plain_hold_max
         left = row.remaining if row.remaining is not None else most * tokens
-        cycles = max(1, min(most, math.ceil(left / tokens)))
-        L, flags = max(1, row.context_len), [row.processors]
-        spec = tokens / self.step_seconds([(chain, k)], L, processors=flags, lags=[row.lags], span=cycles)
+        every = max(1, math.ceil(left / tokens))  # the cycles the request has left
+        cycles = min(most, every)
+        L, flags, plan = max(1, row.context_len), [row.processors], [(chain, k)]
+        seconds = self.step_seconds(plan, L, processors=flags, lags=[row.lags], span=cycles)
+        made = dict(row.lags_generated)
+        if every > cycles and any(made.get(m, 0) > 0 for m in lags):
+            # the catch-up term is linear in 1 / span: the prompt's share over `cycles`, the
+            # generated tokens' over `every`
+            prompt = tuple((m, lag - made.get(m, 0)) for m, lag in row.lags)
+            seconds = (self.step_seconds(plan, L, processors=flags, lags=[prompt], span=cycles)
+                       + self.step_seconds(plan, L, processors=flags, lags=[row.lags], span=every)
+                       - self.step_seconds(plan, L, processors=flags, lags=[prompt], span=every))
+        spec = tokens / seconds
         plain = 1.0 / self.step_seconds([((router.target,), 0)], L, processors=flags)
         if spec > plain:
             return decision
