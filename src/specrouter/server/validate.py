@@ -10,9 +10,8 @@ Choices written down here:
   (`max_model_len`, capped by the models); the draft length reserves nothing (it shrinks near
   the end of the context). Without `max_tokens`, chat completions get the room that is left
   (limit - prompt, as vLLM) and completions min(16, that room) (OpenAI's default).
-- Tokenizing runs off the event loop for prompts over `INLINE_TOKENIZE_BYTES` (4 KiB; shorter
-  ones on it: the thread hop costs more); a prompt whose UTF-8 size alone shows it cannot fit
-  the context is refused before it is tokenized (`check_prompt_bytes`).
+- Tokenizing runs off the event loop; a prompt whose UTF-8 size alone shows it cannot fit the
+  context is refused before it is tokenized (`check_prompt_bytes`).
 """
 
 from __future__ import annotations
@@ -296,24 +295,11 @@ def _stop_ids(pool, from_strings, req) -> tuple[int, ...]:
 # UTF-8 bytes one token may stand for, over the longest vocabulary entry: a normalizer that
 # composes characters (NFC joins three Hangul jamo of 3 bytes into one syllable of 3) shrinks text
 NORMALIZER_SLACK = 4
-# a prompt of at most this many UTF-8 bytes is tokenized on the event loop (a few hundred us at
-# most); a longer one on a worker thread. The hop costs more than a short prompt's tokenizing:
-# 8 requests arriving together queued their hops behind each other, 1-6 ms each, and the batch
-# started ~2 ms later (docs/serving-performance.md, thirteenth round)
-INLINE_TOKENIZE_BYTES = 4096
 
 
-async def off_loop_if_long(size: int, fn, *args, **kwargs):
-    """`fn(*args, **kwargs)`: here when `size` (the input's UTF-8 bytes) is at most
-    `INLINE_TOKENIZE_BYTES`, else on a worker thread (a long prompt must not hold the loop)."""
-    if size <= INLINE_TOKENIZE_BYTES:
-        return fn(*args, **kwargs)
-    return await asyncio.to_thread(fn, *args, **kwargs)
-
-
-def check_prompt_bytes(srv: Service, texts: list[str], *, param: str) -> int:
+def check_prompt_bytes(srv: Service, texts: list[str], *, param: str) -> None:
     """Refuse, without tokenizing, a prompt too long in bytes to fit any context this server
-    has (a 1 MB prompt costs seconds of tokenizing only to be refused); its UTF-8 bytes."""
+    has (a 1 MB prompt costs seconds of tokenizing only to be refused)."""
     size = sum(len(t.encode("utf-8")) for t in texts)
     limit = srv.max_model_len
     bound = limit * srv.longest_token_bytes * NORMALIZER_SLACK
@@ -323,15 +309,18 @@ def check_prompt_bytes(srv: Service, texts: list[str], *, param: str) -> int:
             f"accepts (context {limit} = prompt + at least 1 generated token; no prompt over "
             f"{bound} bytes fits): shorten the prompt", param=param,
             code="context_length_exceeded")
-    return size
 
 
 async def tokenize_prompt(srv: Service, text: str, add_special_tokens: bool = False,
                           param: str = "prompt") -> list[int]:
-    """Token ids of a completions prompt (after `check_prompt_bytes`), off the event loop when
-    long (`off_loop_if_long`)."""
-    size = check_prompt_bytes(srv, [text], param=param)
-    enc = await off_loop_if_long(size, srv.pool.tokenizer, text, add_special_tokens=add_special_tokens)
+    """Token ids of a completions prompt (after `check_prompt_bytes`), off the event loop."""
+    check_prompt_bytes(srv, [text], param=param)
+    # even a short prompt goes to a thread: tokenized on the loop (tried: prompts up to 4 KiB),
+    # a handler ran from its body to its submit without yielding, so requests sent together no
+    # longer overlapped in `AsyncEngine.arriving` and the idle engine started their batch with
+    # the first alone (an extra step in 11 of 16 levels: 65 a c=8 level, 130 a c=4; the thirteenth round
+    # of docs/serving-performance.md)
+    enc = await asyncio.to_thread(srv.pool.tokenizer, text, add_special_tokens=add_special_tokens)
     return enc["input_ids"]
 
 
@@ -339,14 +328,14 @@ async def render_chat(srv: Service, messages: list[dict], *, add_generation_prom
                       template_kwargs: dict | None = None,
                       add_special_tokens: bool = False) -> list[int]:
     """Token ids of a chat (the server's template applied, with the request's
-    `chat_template_kwargs` as extra template variables), off the event loop when long."""
+    `chat_template_kwargs` as extra template variables), off the event loop."""
     from specrouter.models.tokenizer import apply_chat_template
 
     # a template may trim each message: only the trimmed text surely reaches the tokenizer
-    size = check_prompt_bytes(srv, [m["content"].strip() for m in messages], param="messages")
+    check_prompt_bytes(srv, [m["content"].strip() for m in messages], param="messages")
     try:
-        return await off_loop_if_long(
-            size, apply_chat_template, srv.pool.tokenizer, messages,
+        return await asyncio.to_thread(
+            apply_chat_template, srv.pool.tokenizer, messages,
             add_generation_prompt=add_generation_prompt, template=srv.chat_template,
             template_kwargs=template_kwargs, add_special_tokens=add_special_tokens)
     except CheckpointError as e:
