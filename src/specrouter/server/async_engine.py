@@ -123,8 +123,8 @@ class StreamPacer:
     when made every step. So the interval is the fewest steps that keep the hand-offs within
     `budget` of the engine's time, `ceil(handoff / (budget * step))` over running means of both,
     and never more than `max_hold` seconds of steps (a chunk at least that often): 4-7 steps at
-    c=4 / c=8 there (the running mean of a step carries the batch's long prefill for a while),
-    1-2 on a CPU whose steps are 40-80 ms (a hand-off is a small part of them).
+    c=4 / c=8 there (by the chunks a level carried; the hand-offs' running mean includes the
+    heavier first and last ones of a batch), 1-2 on a CPU whose steps are 40-80 ms (a hand-off is a small part of them).
     Only the engine thread calls it."""
 
     def __init__(self, budget: float = STREAM_BUDGET, max_hold: float = MAX_HOLD_S,
