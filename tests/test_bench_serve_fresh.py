@@ -154,3 +154,20 @@ def test_a_round_beside_another_process_is_run_again_and_listed(monkeypatch, tmp
         {"round": 1, "line": "c=4 batched", "side": "library", "others_cores": pytest.approx(1.3)}]
     assert result["lines"]["c=4 batched"]["medians"]["raw"]["hi"] == pytest.approx(0.96)  # the 1.92 left out
     assert "round 2 (c=4 batched, library: 1.30 cores)" in markdown_fresh(result)
+
+
+def test_the_library_workers_learning_drafters_forget_the_warm_up(tiny_pool_dirs):
+    """The library worker warms each API with the request a server is warmed with, then drops what
+    a learning drafter (suffix) took from it: a server side's requests run under their own API key,
+    a tenant the warm-up (its own key) never fed, and the warm-up's prompt is the first measured
+    one (a suffix draft of the warm-up's output led the library's first router request astray:
+    docs/serving-performance.md, thirteenth round). The measured requests still feed it."""
+    from specrouter.bench.library_worker import LibraryWorker
+
+    d = tiny_pool_dirs
+    w = LibraryWorker({"models": [str(d["draft"]), str(d["target"])], "target": str(d["target"]),
+                       "dtype": "float64", "max_new_tokens": 4})
+    suffix = {system: api.pool.drafters["suffix"] for system, (api, _) in w.apis.items()}
+    assert suffix and all(s.memory().requests == 0 for s in suffix.values())
+    w.one("router", "a measured prompt", False)
+    assert suffix["router"].memory().requests == 1 and suffix["plain"].memory().requests == 0

@@ -2,6 +2,9 @@
 and every row count (1 included) runs one kernel whose result for a row is bitwise independent
 of the other rows, the property exact verification leans on; runners/attention.py likewise."""
 
+import logging
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -199,12 +202,17 @@ def test_the_amx_permission_is_asked_of_the_os_and_agrees_with_the_native_check(
     assert (native == "") == (k.amx_permission() is None), (native, k.amx_permission())
 
 
-def _amx_ops():
-    """torch.ops.specrouter_rowinv where the amx path runs here, else a skip naming why not."""
+def _amx_ops(vector: bool = False):
+    """torch.ops.specrouter_rowinv where the amx path runs here, else a skip naming why not;
+    vector: also skipped where the vector form's self-check turned it off on this CPU (the tiles
+    then run every row count: row invariance holds, there is no second form to compare)."""
     reason = why_not("amx") or why_not_native()
     if reason:
         pytest.skip(reason)
     assert rowinv() is not None, "the CPU has the native kernels' flags but they did not build"
+    verdict = rowinv().amx_vector_check()
+    if vector and not verdict.startswith("on"):
+        pytest.skip(f"the amx vector form is {verdict}")
     return rowinv()
 
 
@@ -239,7 +247,7 @@ def test_amx_vector_form_computes_the_tiles_float32_sums_bit_for_bit(kind):
     takes (1-4) and the tile form's 1-16 rows, at the 135M widths (qkv, o, gate|up, down), the
     draft's (hidden 192, MLP 512), a K tail (200: 8 past the last chunk; 30: no whole chunk),
     on typical, wide-exponent, denormal / flushed and exactly cancelling data."""
-    ops = _amx_ops()
+    ops = _amx_ops(vector=True)
     g = torch.Generator().manual_seed(11)
     before = ops.set_amx_vector_rows(4)
     try:
@@ -271,7 +279,7 @@ def test_amx_vector_form_and_the_tiles_meet_at_every_threshold():
     output is that of a 1-row call on the tiles, plain and residual-fused, on each side of the
     threshold (n = threshold and threshold + 1), at the LM head's width (576 -> 49152, where a
     1-token step runs it too) and a K tail; 5 rows is refused."""
-    ops = _amx_ops()
+    ops = _amx_ops(vector=True)
     g = torch.Generator().manual_seed(12)
     before = ops.set_amx_vector_rows(0)
     try:
@@ -293,6 +301,37 @@ def test_amx_vector_form_and_the_tiles_meet_at_every_threshold():
     finally:
         ops.set_amx_vector_rows(before)
     assert ops.set_amx_vector_rows(before) == before
+
+
+def test_amx_vector_form_runs_only_where_its_self_check_passes(caplog):
+    """Before the first AMX linear a process checks the vector form against the tiles on 4096
+    float32 sums (kernels/linearamx.cpp `vector_check`); the verdict is in `kernels()` (so in the
+    profile fingerprint and bench.json). Negative control: a vector form that rounds otherwise
+    (C + even + odd, left to right) fails the check, which turns it off with a warning naming the
+    count: then 1-row calls run the tiles (their bits, whatever the threshold); a rerun restores it."""
+    from specrouter.models.runners.linear import amx_vector_verdict
+
+    ops = _amx_ops()
+    verdict = ops.amx_vector_check()
+    assert verdict.startswith(("on: ", "off: ")) and "4096 float32 sums" in verdict, verdict
+    assert amx_vector_verdict() == verdict and f"+amx-vector:{verdict[:verdict.index(':')]}" in kernels()
+    g = torch.Generator().manual_seed(13)
+    lin = Linear.pack((torch.randn(96, 576, generator=g) * 0.05).to(torch.bfloat16), kernel=_kernel("amx", torch.bfloat16))
+    x = torch.randn(1, 576, generator=g).to(torch.bfloat16)
+    before = ops.set_amx_vector_rows(0)
+    try:
+        tiles = ops.linear_amx_sums(x, lin.weight, 96)
+        with caplog.at_level(logging.WARNING, logger="specrouter.models.runners.linear"):
+            off = amx_vector_verdict(control=True)
+        assert re.match(r"off: [1-9]\d* of 4096 float32 sums", off) and "the tiles run every row count" in off
+        assert "its vector form is off" in caplog.text
+        assert ops.amx_vector_check() == off and amx_vector_verdict() == off  # kept until rechecked
+        assert "+amx-vector:off" in kernels()
+        ops.set_amx_vector_rows(4)
+        assert torch.equal(ops.linear_amx_sums(x, lin.weight, 96).view(torch.int32), tiles.view(torch.int32))
+    finally:
+        assert amx_vector_verdict(recheck=True) == verdict  # restored
+        ops.set_amx_vector_rows(before)
 
 
 def _causal(q_pos: torch.Tensor, groups: int, Lp: int) -> torch.Tensor:

@@ -61,6 +61,9 @@ class LibraryWorker:
             api.generate(warm_prompt, chat=warm_chat, max_new_tokens=WARM_TOKENS, chain=chain, ignore_eos=True)
             if api.engine.prefix_cache is not None:  # the measured prompts must not hit it
                 api.engine.prefix_cache.clear()
+            for drafter in view.drafters.values():  # nor a learning drafter (suffix): a server
+                if hasattr(drafter, "clear"):  # side's requests run under their own API key, a
+                    drafter.clear()  # tenant the warm-up (its key apart) never fed
             self.apis[system] = (api, chain)
         self.seen = dict.fromkeys(self.apis, 1)  # requests each API has run (the warm-up)
         self.api = self.apis["plain"][0]  # encode and decode (the target's tokenizer)

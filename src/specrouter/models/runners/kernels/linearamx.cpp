@@ -23,7 +23,11 @@
 // A call of at most `g_vector_rows` rows (2 by default: the 1-token step and its pair) runs the vector form of
 // the same sums instead (`run_vector`, below: AVX-512 FMAs that compute what tdpbf16ps computes,
 // bit for bit), streaming 4 tiles side by side: faster where the weights stream from memory for
-// one or two rows. Either form gives a row the same bits, so the threshold is free to move.
+// one or two rows. Either form gives a row the same bits, so the threshold is free to move. That
+// equality is this CPU's (Sapphire Rapids; the SDM's older pseudo-code says otherwise), so a
+// process checks it before its first AMX linear (`vector_check`, 4096 sums of typical, wide,
+// flushed and cancelling data) and runs the vector form only where it holds
+// (`amx_vector_check`; runners/linear.py `amx_vector_verdict`, in `kernels()`).
 // Linux grants a process the tile data state on request (`amx_ready`:
 // arch_prctl ARCH_REQ_XCOMP_PERM); without it a tile instruction is SIGILL, so every entry checks
 // it first. The tile configuration is per thread: every call configures its thread's tiles and
@@ -44,6 +48,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "bf16.h"
 #include "finish16.h"
@@ -167,6 +172,10 @@ constexpr int VROWS = 4;  // the most rows of the vector form (its register tile
 // Rapids, 2 threads, in turns in one process, load 1.8-2.0): T(1) 8.1-8.6 ms vector, 9.6-10.4
 // tile; T(2) 9.5 / 10.4-10.6; T(3) 10.3-12.3 / 10.6-10.9 (3 and 4 rows: one stream, FMA-bound)
 int g_vector_rows = 2;
+// the load-time self-check's verdict (`vector_check`): the vector form runs only where it gave
+// the tiles' float32 sums on this CPU; g_control perturbs it (C + even + odd, left to right: a
+// CPU that rounds otherwise), for the negative control of the tests
+bool g_vector_ok = false, g_control = false;
 // bytes ahead each weight stream is prefetched (into L1): T(1) 8.1 ms at 1.5-3 KiB (4 streams),
 // 9.1-9.5 at 4 KiB, 10.2 at 8 KiB, 10.0 without (same runs)
 constexpr int64_t VPREFETCH = 2048;
@@ -175,6 +184,7 @@ constexpr int64_t VPREFETCH = 2048;
 template <int R, int G>
 TAMX void vtiles(const bf16* x, int64_t K, const bf16* w, float* acc) {
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const bool control = g_control;
   __m512 c[G][R][2];
 #pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
@@ -218,7 +228,9 @@ TAMX void vtiles(const bf16* x, int64_t K, const bf16* w, float* acc) {
     for (int g = 0; g < G; ++g)
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r)
-        for (int h = 0; h < 2; ++h) c[g][r][h] = _mm512_add_ps(c[g][r][h], _mm512_add_ps(e[g][r][h], o[g][r][h]));
+        for (int h = 0; h < 2; ++h)
+          c[g][r][h] = control ? _mm512_add_ps(_mm512_add_ps(c[g][r][h], e[g][r][h]), o[g][r][h])
+                               : _mm512_add_ps(c[g][r][h], _mm512_add_ps(e[g][r][h], o[g][r][h]));
   }
 #pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
@@ -276,7 +288,7 @@ thread_local int held_key = 0;
 template <typename T>
 TAMX void run_tiles_amx(const bf16* x, int64_t N, int64_t K, const bf16* w, int64_t O, const T* bias,
                         const T* residual, T* y, int64_t t0, int64_t t1) {
-  if (N <= g_vector_rows) return run_vector<T>(x, N, K, w, O, bias, residual, y, t0, t1);
+  if (N <= g_vector_rows && g_vector_ok) return run_vector<T>(x, N, K, w, O, bias, residual, y, t0, t1);
   alignas(64) float acc[2 * MT * TILE];
   const int kt = static_cast<int>(K % KC);
   int configured = held ? held_key : 0;  // the key of this thread's tile configuration (0: none yet)
@@ -320,6 +332,65 @@ const std::string& amx_state() {
   return why;
 }
 
+// The vector form's self-check: its float32 sums against the tiles' on data of every kind the
+// tests use (typical, wide exponents, denormal / flushed, exactly cancelling; K = 200: six chunks
+// and a tail of 8; 2 tiles of outputs), 1 and 2 rows at a time against 16-row tiles: 4096 sums,
+// well under a millisecond. Run once per process before the first AMX linear (outside any
+// parallel region: it configures the calling thread's tiles). Returns the differing sums.
+TAMX int64_t vector_check(int64_t* total) {
+  constexpr int64_t K = 200, O = 64, N = 16, tiles = O / TILE;
+  std::vector<bf16> w(tiles * K * TILE), x(N * K);
+  std::vector<float> st(N * O), sv(N * O);
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  auto next = [&] { state ^= state << 13, state ^= state >> 7, state ^= state << 17; return state; };
+  // bfloat16 bits of kind k: exponent range, a third zeros/denormals for "tiny", 2-bit mantissas for "cancel"
+  auto gen = [&](int kind) -> bf16 {
+    const uint64_t r = next();
+    const int lo[4] = {124, 87, 62, 126}, span[4] = {7, 61, 4, 3};
+    int e = lo[kind] + static_cast<int>((r >> 8) % span[kind]);
+    if (kind == 2 && (r >> 20) % 3 == 0) e = 0;
+    const int man = static_cast<int>((r >> 1) & (kind == 3 ? 0x3 : 0x7f));
+    return static_cast<bf16>(((r & 1) << 15) | (e << 7) | man);
+  };
+  int64_t differ = 0;
+  *total = 0;
+  for (int kind = 0; kind < 4; ++kind) {
+    for (auto& v : w) v = gen(kind);  // the packed layout directly: any bits are a weight
+    for (auto& v : x) v = gen(kind);
+    if (kind == 3)  // the odd k of a pair: x the same as the even, w its negation (even and odd sums cancel)
+      for (int64_t i = 0; i < N * K; i += 2) x[i + 1] = x[i];
+    if (kind == 3)
+      for (int64_t i = 0; i < tiles * K * TILE; i += 2) w[i + 1] = w[i] ^ 0x8000;
+    run_tiles_amx<float>(x.data(), N, K, w.data(), O, nullptr, nullptr, st.data(), 0, tiles);  // 16 rows: tiles
+    std::vector<float> two(N * O);  // the rows in pairs
+    for (int64_t n = 0; n < N; ++n)
+      run_vector<float>(x.data() + n * K, 1, K, w.data(), O, nullptr, nullptr, sv.data() + n * O, 0, tiles);
+    for (int64_t n = 0; n < N; n += 2)
+      run_vector<float>(x.data() + n * K, 2, K, w.data(), O, nullptr, nullptr, two.data() + n * O, 0, tiles);
+    for (int64_t i = 0; i < N * O; ++i)  // a sum differs where either vector call gave other bits
+      differ += std::memcmp(&st[i], &sv[i], 4) != 0 || std::memcmp(&st[i], &two[i], 4) != 0;
+    *total += N * O;
+  }
+  return differ;
+}
+
+std::string g_verdict;  // "" not checked yet
+
+// (re)run the self-check; control: with the perturbed vector form (negative control)
+void run_vector_check(bool control) {
+  g_control = control;
+  int64_t total = 0;
+  const int64_t differ = vector_check(&total);
+  g_control = false;
+  g_vector_ok = differ == 0;
+  g_verdict = differ == 0
+                  ? "on: the vector form gave the tiles' bits on all " + std::to_string(total) +
+                        " float32 sums of the self-check (1 and 2 rows a call)"
+                  : "off: " + std::to_string(differ) + " of " + std::to_string(total) +
+                        " float32 sums of the self-check differ from the tiles (tdpbf16ps rounds otherwise on this CPU); "
+                        "the tiles run every row count";
+}
+
 }  // namespace
 
 namespace specrouter {
@@ -329,6 +400,16 @@ std::string amx_ready() { return amx_state(); }
 
 void check_amx() {
   TORCH_CHECK(amx_state().empty(), "kernel path amx: ", amx_state());
+  static std::once_flag once;  // the vector form's self-check, before the first AMX linear
+  std::call_once(once, [] { if (g_verdict.empty()) run_vector_check(false); });
+}
+
+// the vector form's self-check verdict ("on: ..." / "off: ..."), run first if it has not run;
+// rerun: run it again (control: on the perturbed vector form, the tests' negative control)
+std::string amx_vector_check(bool rerun, bool control) {
+  check_amx();
+  if (rerun || control) run_vector_check(control);
+  return g_verdict;
 }
 
 // x (N, K) bfloat16; weight packed by pack_tiles (tile 32), bfloat16; bias (O,) or None; residual
@@ -422,6 +503,7 @@ TORCH_LIBRARY_FRAGMENT(specrouter_rowinv, m) {
   m.def("amx_ready() -> str", [] { return specrouter::amx_ready(); });
   m.def("set_amx_vector_rows(int rows) -> int", &specrouter::set_amx_vector_rows);
   m.def("linear_amx_sums(Tensor x, Tensor weight, int out_features) -> Tensor");
+  m.def("amx_vector_check(bool rerun=False, bool control=False) -> str", &specrouter::amx_vector_check);
 }
 
 TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) {
