@@ -449,7 +449,7 @@ class ServerConfig:
     # chunk every step). Rows with stop strings read every step (they end as soon as one appears).
     # 0 (the default): paced by what a hand-off costs on this machine, the fewest steps that keep
     # the hand-offs within 1.5% of the engine's time and a chunk at least every 100 ms
-    # (server/async_engine.py StreamPacer: 3-4 steps at c=4 / c=8 on a 2-core Sapphire Rapids,
+    # (server/async_engine.py StreamPacer: 4-7 steps at c=4 / c=8 on a 2-core Sapphire Rapids,
     # 1-2 where steps are 40-80 ms; docs/serving-performance.md)
     stream_interval: int = 0
     # the engine thread runs on fewer torch threads while another process takes one of its cores

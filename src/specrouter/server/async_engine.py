@@ -122,8 +122,9 @@ class StreamPacer:
     Sapphire Rapids (docs/serving-performance.md, thirteenth round): 4% of a 14 ms batched step
     when made every step. So the interval is the fewest steps that keep the hand-offs within
     `budget` of the engine's time, `ceil(handoff / (budget * step))` over running means of both,
-    and never more than `max_hold` seconds of steps (a chunk at least that often): 3-4 steps at
-    c=4 / c=8 there, 1-2 on a CPU whose steps are 40-80 ms (a hand-off is a small part of them).
+    and never more than `max_hold` seconds of steps (a chunk at least that often): 4-7 steps at
+    c=4 / c=8 there (by the chunks a level carried; the hand-offs' running mean includes the
+    heavier first and last ones of a batch), 1-2 on a CPU whose steps are 40-80 ms (a hand-off is a small part of them).
     Only the engine thread calls it."""
 
     def __init__(self, budget: float = STREAM_BUDGET, max_hold: float = MAX_HOLD_S,
