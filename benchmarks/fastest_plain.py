@@ -8,8 +8,10 @@ per request on the same prompts (the mixed stream of `specrouter bench`):
 - target-only on the same path (the reference its greedy output must equal, checked);
 - target-only with the target loaded on `--plain-path` (a second copy of the target's weights,
   `load_llama_runner(kernels=...)`): plain decoding on the other path, its own pool view.
-It prints tokens/s of each and SpecRouter's ratio over both baselines. The bench's target-only
-row should become the faster of the two (next step); until then this is the figure to quote.
+It prints tokens/s of each and SpecRouter's ratio over both baselines. `specrouter bench` and
+`specrouter demo` now do this themselves (bench/plain_path.py: target-only on the path with the
+fastest 1-token step, the process's path kept as the greedy reference); this script stays as the
+three-row check.
 
     python benchmarks/fastest_plain.py [--plain-path avx2] [--prompts-per-type 3] [--max-new-tokens 64]
 

@@ -1,6 +1,7 @@
 """The benchmark harness end to end on the tiny pool: files written and consistent, the greedy
 check fires on a broken system, transformers differences are reported, not fatal."""
 
+import dataclasses
 import json
 import time
 from types import SimpleNamespace
@@ -227,3 +228,39 @@ def test_multiturn_and_templated_run_with_the_prefix_cache_on_and_off_side_by_si
     assert "prefix cache: an exactly repeated request >= 3x plain decoding without cache" in goals
     assert goals["prefix cache: parked KV within the budget (fraction used at most)"]["met"]
     assert "## Prefix cache" in markdown({**result, "goals": list(goals.values())})
+
+
+def test_target_only_runs_on_the_fastest_plain_path_and_the_process_path_stays_the_greedy_reference(
+        tiny_pool_dirs, tmp_path):
+    """Where another kernel path decodes plainly faster (here forced: `plain_path`), the bench's
+    "target-only" row, the base of every "x target-only" ratio, runs there; SpecRouter's greedy
+    tokens are still checked against target-only on its own path, a row of its own."""
+    from specrouter.bench.run import setup
+    from specrouter.models.runners.kernels import kernel_path
+
+    here = kernel_path()
+    if here == "torch":
+        pytest.skip("the process already runs on torch's kernels: no second path to force")
+    d = tiny_pool_dirs
+    cfg = tiny_config(d, str(tmp_path / "profile.json"), tmp_path, dtype="float32", workloads=("code",),
+                      temperatures=(0.0,), hf="none", slowdown=False, peers=False, prefix_cache=False,
+                      plain_path="torch")
+    h = setup(cfg, progress=False, log=lambda m: None)
+    assert h.target_only.name == "target-only" and h.target_only.exact is False
+    assert h.target_only.pool.runners["target"]._ops is None  # torch's kernels
+    assert h.reference.name == f"target-only {here} (greedy reference)" and h.reference.exact
+    assert h.reference.pool.runners["target"]._ops is not None  # the native path, as SpecRouter's
+    assert set(h.plain_path.step_ms) == {here, "torch"} and all(ms > 0 for ms in h.plain_path.step_ms.values())
+    result = run_bench(cfg, progress=False, log=lambda m: None, harness=h)
+    (s,) = result["scenarios"]
+    tps = {n: e["tokens_per_second"] for n, e in s["systems"].items()}
+    assert s["ratios"]["specrouter/target_only"] == tps["SpecRouter"] / tps["target-only"]
+    assert result["meta"]["plain_path"]["path"] == "torch"
+    assert result["meta"]["plain_path"]["process_path"] == here
+    # the process's path: no second row, no second copy
+    cfg2 = dataclasses.replace(cfg, plain_path="process")
+    h2 = setup(cfg2, progress=False, log=lambda m: None)
+    assert h2.reference is h2.target_only and h2.plain_path is None
+    assert not any("greedy reference" in s.name for s in h2.systems)
+    with pytest.raises(ValueError, match="plain_path"):
+        dataclasses.replace(cfg, plain_path="sse9")

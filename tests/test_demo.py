@@ -62,3 +62,18 @@ def test_a_shared_pool_is_caught_replaying_the_baseline(tiny_pool_dirs, tmp_path
     monkeypatch.setattr(type(sr.pool), "with_fresh_drafters", lambda self: self)
     list(compare(sr, PROMPTS, max_new_tokens=24))
     assert sr.pool.drafters["suffix"].replays
+
+
+def test_the_baseline_can_run_on_another_path_and_identity_is_checked_on_sprouters(tiny_pool_dirs, tmp_path):
+    """Where plain decoding is fastest on another kernel path, the timed baseline runs there and
+    SpecRouter's greedy tokens are compared with target-only on its own path (a third run)."""
+    from specrouter.models.runners.llama import load_llama_runner
+
+    sr = named_router(tiny_pool_dirs, ["target", "draft"], profile_path=tmp_path / "profile.json")
+    ref = sr.pool.runners["target"]
+    other = load_llama_runner(ref.checkpoint_dir, name="target", dtype=ref.dtype, kernels="torch")
+    rows = list(compare(sr, PROMPTS[:2], max_new_tokens=12, plain_runner=other))
+    assert all(r.ref is not None and r.identical for r in rows)
+    assert all(r.spec.token_ids == r.ref.token_ids for r in rows)
+    broken = dataclasses.replace(rows[0], ref=dataclasses.replace(rows[0].ref, token_ids=[-1]))
+    assert not broken.identical  # identity reads the reference, not the timed baseline

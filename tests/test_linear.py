@@ -2,6 +2,9 @@
 and every row count (1 included) runs one kernel whose result for a row is bitwise independent
 of the other rows, the property exact verification leans on; runners/attention.py likewise."""
 
+import logging
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -197,6 +200,164 @@ def test_the_amx_permission_is_asked_of_the_os_and_agrees_with_the_native_check(
     assert rowinv() is not None
     native = rowinv().amx_ready()
     assert (native == "") == (k.amx_permission() is None), (native, k.amx_permission())
+
+
+def _amx_ops(vector: bool = False):
+    """torch.ops.specrouter_rowinv where the amx path runs here, else a skip naming why not;
+    vector: also skipped where the vector form's self-check turned it off on this CPU (the tiles
+    then run every row count: row invariance holds, there is no second form to compare)."""
+    reason = why_not("amx") or why_not_native()
+    if reason:
+        pytest.skip(reason)
+    assert rowinv() is not None, "the CPU has the native kernels' flags but they did not build"
+    verdict = rowinv().amx_vector_check()
+    if vector and not verdict.startswith("on"):
+        pytest.skip(f"the amx vector form is {verdict}")
+    return rowinv()
+
+
+def _bf16_bits(g: torch.Generator, shape: tuple[int, int], kind: str) -> torch.Tensor:
+    """bfloat16 values built from their bits: "normal" exponents 2^-3..2^3; "wide" 2^-40..2^20;
+    "tiny" a third zeros and denormals, the rest near 2^-63 (products near the smallest normal
+    float32: sums flushed to zero); "cancel" two mantissa bits, and each odd k the negation of the
+    even k before it on one side and the same on the other (the even and odd sums cancel
+    exactly; ties of the rounding)."""
+    n = shape[0] * shape[1]
+    sign = torch.randint(0, 2, (n,), generator=g) << 15
+    man = torch.randint(0, 128, (n,), generator=g)
+    lo, hi = {"normal": (124, 131), "wide": (87, 148), "tiny": (62, 66), "cancel": (126, 129)}[kind]
+    exp = torch.randint(lo, hi, (n,), generator=g)
+    if kind == "tiny":
+        exp = torch.where(torch.randint(0, 3, (n,), generator=g) == 0, torch.zeros_like(exp), exp)
+    if kind == "cancel":
+        man = man % 4
+    bits = sign | (exp << 7) | man
+    t = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.bfloat16).view(shape)
+    return t
+
+
+SUMS_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (1024, 192), (192, 512), (48, 200), (40, 30))
+
+
+@pytest.mark.parametrize("kind", ["normal", "wide", "tiny", "cancel"])
+def test_amx_vector_form_computes_the_tiles_float32_sums_bit_for_bit(kind):
+    """The amx path's few-row form (AVX-512 FMAs: per 32-k chunk the even and the odd products
+    in two sums, then C + (even + odd), flushed as tdpbf16ps flushes) against the AMX tiles, on
+    the float32 sums before the finish (a bfloat16 output would hide an ulp): every row count it
+    takes (1-4) and the tile form's 1-16 rows, at the 135M widths (qkv, o, gate|up, down), the
+    draft's (hidden 192, MLP 512), a K tail (200: 8 past the last chunk; 30: no whole chunk),
+    on typical, wide-exponent, denormal / flushed and exactly cancelling data."""
+    ops = _amx_ops(vector=True)
+    g = torch.Generator().manual_seed(11)
+    before = ops.set_amx_vector_rows(4)
+    try:
+        for out_f, in_f in SUMS_SHAPES:
+            w = _bf16_bits(g, (out_f, in_f), kind)
+            x = _bf16_bits(g, (16, in_f), kind)
+            if kind == "cancel":
+                w[:, 1::2] = -w[:, 0::2]
+                x[:, 1::2] = x[:, 0::2]
+            packed = Linear.pack(w, kernel=_kernel("amx", torch.bfloat16)).weight
+            ops.set_amx_vector_rows(0)
+            tiles = ops.linear_amx_sums(x, packed, out_f)  # 16 rows: one AMX row block
+            assert torch.isfinite(tiles).all()
+            for n in range(1, 17):
+                for lo in (0, 16 - n):
+                    ops.set_amx_vector_rows(0)
+                    t = ops.linear_amx_sums(x[lo : lo + n], packed, out_f)
+                    assert torch.equal(t.view(torch.int32), tiles[lo : lo + n].view(torch.int32)), (out_f, in_f, n)
+                    if n <= 4:
+                        ops.set_amx_vector_rows(4)
+                        v = ops.linear_amx_sums(x[lo : lo + n], packed, out_f)
+                        assert torch.equal(v.view(torch.int32), t.view(torch.int32)), (out_f, in_f, n, lo)
+    finally:
+        ops.set_amx_vector_rows(before)
+
+
+def test_amx_vector_form_and_the_tiles_meet_at_every_threshold():
+    """However many rows the vector form takes (set_amx_vector_rows 0-4; 2 by default), a row's
+    output is that of a 1-row call on the tiles, plain and residual-fused, on each side of the
+    threshold (n = threshold and threshold + 1), at the LM head's width (576 -> 49152, where a
+    1-token step runs it too) and a K tail; 5 rows is refused."""
+    ops = _amx_ops(vector=True)
+    g = torch.Generator().manual_seed(12)
+    before = ops.set_amx_vector_rows(0)
+    try:
+        for out_f, in_f in ((49152, 576), (48, 200)):
+            lin = Linear.pack((torch.randn(out_f, in_f, generator=g) * 0.05).to(torch.bfloat16),
+                              torch.randn(out_f, generator=g).to(torch.bfloat16), kernel=_kernel("amx", torch.bfloat16))
+            x = torch.randn(6, in_f, generator=g).to(torch.bfloat16)
+            r = torch.randn(6, out_f, generator=g).to(torch.bfloat16)
+            ops.set_amx_vector_rows(0)
+            one = torch.cat([linear(x[i : i + 1], lin) for i in range(6)])
+            one_add = torch.cat([linear_add(r[i : i + 1], x[i : i + 1], lin) for i in range(6)])
+            for rows in range(5):
+                ops.set_amx_vector_rows(rows)
+                for n in {max(rows, 1), rows + 1}:
+                    assert torch.equal(linear(x[:n], lin), one[:n]), (out_f, rows, n)
+                    assert torch.equal(linear_add(r[:n], x[:n], lin), one_add[:n]), (out_f, rows, n)
+        with pytest.raises(RuntimeError, match="0..4 rows"):
+            ops.set_amx_vector_rows(5)
+    finally:
+        ops.set_amx_vector_rows(before)
+    assert ops.set_amx_vector_rows(before) == before
+
+
+def test_amx_vector_forms_finish_keeps_ieee_denormals_like_the_tiles():
+    """The vector form flushes denormals as tdpbf16ps does (MXCSR FTZ | DAZ) in its sums only: its
+    finish (+ bias, + residual, rounding) runs under the caller's MXCSR as the tiles' does, so a
+    denormal bias or residual, or a sum that rounds to a denormal, gives the tiles' bits."""
+    ops = _amx_ops(vector=True)
+    g = torch.Generator().manual_seed(14)
+    tiny = torch.finfo(torch.float32).tiny
+    w = (torch.randn(64, 64, generator=g) * 2**-62).to(torch.bfloat16)
+    x = (torch.randn(2, 64, generator=g) * 2**-62).to(torch.bfloat16)  # sums ~2^-121: normal; + denormals
+    b = (torch.randn(64, generator=g) * tiny * 0.3).to(torch.bfloat16)  # denormal bfloat16
+    r = (torch.randn(2, 64, generator=g) * tiny * 0.3).to(torch.bfloat16)
+    assert (b != 0).any() and (b.float().abs() < tiny).all()
+    lin = Linear.pack(w, b, kernel=_kernel("amx", torch.bfloat16))
+    before = ops.set_amx_vector_rows(0)
+    try:
+        tiles = [linear(x[:n], lin) for n in (1, 2)] + [linear_add(r[:n], x[:n], lin) for n in (1, 2)]
+        ops.set_amx_vector_rows(2)
+        vector = [linear(x[:n], lin) for n in (1, 2)] + [linear_add(r[:n], x[:n], lin) for n in (1, 2)]
+    finally:
+        ops.set_amx_vector_rows(before)
+    plain = Linear.pack(w, torch.zeros_like(b), kernel=_kernel("amx", torch.bfloat16))
+    assert not torch.equal(tiles[1], linear(x[:2], plain))  # the denormal bias changes outputs (no DAZ there)
+    for t, v in zip(tiles, vector):
+        assert torch.equal(t.view(torch.int16), v.view(torch.int16))
+
+
+def test_amx_vector_form_runs_only_where_its_self_check_passes(caplog):
+    """Before the first AMX linear a process checks the vector form against the tiles on 4096
+    float32 sums (kernels/linearamx.cpp `vector_check`); the verdict is in `kernels()` (so in the
+    profile fingerprint and bench.json). Negative control: a vector form that rounds otherwise
+    (C + even + odd, left to right) fails the check, which turns it off with a warning naming the
+    count: then 1-row calls run the tiles (their bits, whatever the threshold); a rerun restores it."""
+    from specrouter.models.runners.linear import amx_vector_verdict
+
+    ops = _amx_ops()
+    verdict = ops.amx_vector_check()
+    assert verdict.startswith(("on: ", "off: ")) and "4096 float32 sums" in verdict, verdict
+    assert amx_vector_verdict() == verdict and f"+amx-vector:{verdict[:verdict.index(':')]}" in kernels()
+    g = torch.Generator().manual_seed(13)
+    lin = Linear.pack((torch.randn(96, 576, generator=g) * 0.05).to(torch.bfloat16), kernel=_kernel("amx", torch.bfloat16))
+    x = torch.randn(1, 576, generator=g).to(torch.bfloat16)
+    before = ops.set_amx_vector_rows(0)
+    try:
+        tiles = ops.linear_amx_sums(x, lin.weight, 96)
+        with caplog.at_level(logging.WARNING, logger="specrouter.models.runners.linear"):
+            off = amx_vector_verdict(control=True)
+        assert re.match(r"off: [1-9]\d* of 4096 float32 sums", off) and "the tiles run every row count" in off
+        assert "its vector form is off" in caplog.text
+        assert ops.amx_vector_check() == off and amx_vector_verdict() == off  # kept until rechecked
+        assert "+amx-vector:off" in kernels()
+        ops.set_amx_vector_rows(4)
+        assert torch.equal(ops.linear_amx_sums(x, lin.weight, 96).view(torch.int32), tiles.view(torch.int32))
+    finally:
+        assert amx_vector_verdict(recheck=True) == verdict  # restored
+        ops.set_amx_vector_rows(before)
 
 
 def _causal(q_pos: torch.Tensor, groups: int, Lp: int) -> torch.Tensor:

@@ -42,6 +42,8 @@ def test_serve_flags_and_defaults():
     assert cfg.server.stream_interval == ServerConfig().stream_interval
     a = _parser().parse_args(["serve", "--models", "x", "--stream-interval", "4"])
     assert cli_serve.config_from_args(a).server.stream_interval == 4
+    a = _parser().parse_args(["serve", "--models", "x", "--stream-interval", "auto"])
+    assert cli_serve.config_from_args(a).server.stream_interval == 0
     assert cfg.server.team_governor  # default: on (server/contention.py)
     a = _parser().parse_args(["serve", "--models", "x", "--no-team-governor"])
     assert not cli_serve.config_from_args(a).server.team_governor

@@ -19,7 +19,7 @@ import pytest
 from specrouter.config import SamplingParams, ServerConfig
 from specrouter.engine.engine import Engine
 from specrouter.models.pool import Pool
-from specrouter.server.async_engine import AsyncEngine
+from specrouter.server.async_engine import AsyncEngine, StreamPacer
 from specrouter.server.generation import reads_each_step, sse, sse_text_template, stream_interval
 from specrouter.server.protocol import (
     ChatCompletionChunk,
@@ -134,9 +134,9 @@ def test_which_rows_a_stream_interval_holds():
     assert stream_interval(srv, _prepared(), stream=True) == 4
     assert stream_interval(srv, _prepared(stops=["\n\n"]), stream=True) == 1  # ends when one appears
     assert stream_interval(srv, _prepared(), stream=False) == 1
-    assert stream_interval(SimpleNamespace(config=ServerConfig()), _prepared(), stream=True) == 2  # default
+    assert stream_interval(SimpleNamespace(config=ServerConfig()), _prepared(), stream=True) == 0  # paced
     with pytest.raises(ValueError, match="stream_interval"):
-        ServerConfig(stream_interval=0)
+        ServerConfig(stream_interval=-1)
 
 
 def _texts():
@@ -168,3 +168,98 @@ def test_the_template_control_a_changed_field_differs():
     other = sse(CompletionResponse(id="cmpl-1", created=7, model="m",
                                    choices=[CompletionChoice(index=1, text="x", finish_reason=None)]))
     assert before + json.dumps("x") + after != other
+
+
+def test_held_rows_ride_along_with_any_hand_off(engine):
+    """A row that joins while others stream (interval 3) gets its first token at once; the rows
+    held at that step go with it, and from then on the three rows share every hand-off (one
+    phase) instead of a hand-off every step or two for rows in different phases. Control: the
+    same scenario with the held rows left out of hand-offs they are not due for keeps the
+    phases apart (more hand-offs, some carrying only part of the rows)."""
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+
+    def run(ride_along: bool):
+        handoffs = []
+
+        async def main():
+            ae = AsyncEngine(engine, seed=0, admission_wait=60.0)
+            deliver, events = ae._deliver, ae._events
+            if not ride_along:  # the control: a row's tokens only when it is due itself
+                def events_alone(outputs, now, rows=1):
+                    got = []
+                    for o in outputs:
+                        got += events([o], now, rows)
+                    return got
+                ae._events = events_alone
+
+            def counted(deliveries):
+                if deliveries:
+                    handoffs.append({id(h) for h, _ in deliveries})
+                return deliver(deliveries)
+
+            ae._deliver = counted
+            ae.start()
+            try:
+                with ae.arriving():
+                    a, b = (ae.submit([5, 6, 7], params, chain=("target",), k=1, interval=3) for _ in range(2))
+                await a.events.get()  # A and B are running: C joins a later step
+                c = ae.submit([5, 6, 8], params, chain=("target",), k=1, interval=3)
+                got = {}
+                for h in (a, b, c):
+                    evs = [await h.events.get()]
+                    while not evs[-1].done:
+                        evs.append(await h.events.get())
+                    got[id(h)] = evs
+                return a, b, c, got
+            finally:
+                await asyncio.to_thread(ae.stop)
+
+        a, b, c, got = asyncio.run(main())
+        return [id(a), id(b), id(c)], handoffs, got
+
+    (ia, ib, ic), handoffs, got = run(ride_along=True)
+    first_c = next(i for i, x in enumerate(handoffs) if ic in x)
+    assert handoffs[first_c] == {ia, ib, ic}  # A and B rode along with C's first token
+    for x in handoffs[first_c:]:
+        # every later hand-off carries every row still running (A and B end before or with C)
+        assert x in ({ia, ib, ic}, {ic}), handoffs
+    # (A's first event was read before C was submitted)
+    assert sum(len(ev.token_ids) for ev in got[ia]) == 9 and sum(len(ev.token_ids) for ev in got[ic]) == 10
+    (ia, ib, ic), control, _ = run(ride_along=False)
+    first_c = next(i for i, x in enumerate(control) if ic in x)
+    assert any(x not in ({ia, ib, ic}, {ic}) for x in control[first_c:]), control
+    assert len(control) > len(handoffs)
+
+
+def test_the_pacer_keeps_hand_offs_within_its_budget_of_the_engine_time():
+    """StreamPacer (interval 0): the fewest steps whose hand-offs take at most `budget` of the
+    engine's time, never holding more than `max_hold` seconds of steps."""
+    def paced(step: float, handoff: float) -> int:
+        p = StreamPacer(budget=0.015, max_hold=0.1)
+        p.observe_handoff(handoff)
+        p.observe_step(step)
+        return p.interval
+
+    assert StreamPacer(start=2).interval == 2  # nothing measured yet
+    assert paced(0.014, 0.0006) == 3  # a Sapphire Rapids at c=4: 0.6 ms a hand-off, 14 ms steps
+    assert paced(0.015, 0.0008) == 4  # ... at c=8
+    assert paced(0.078, 0.0011) == 1  # a Zen 1 at c=8: the hand-off is 1.4% of a step already
+    assert paced(0.004, 0.0005) == 9  # ceil(8.33): short steps, ...
+    assert paced(0.001, 0.003) == 100  # ... capped by 100 ms of steps (200 by the budget)
+    assert paced(0.2, 0.05) == 1  # a step over max_hold: a chunk every step
+    p = StreamPacer(weight=0.5)  # running means
+    p.observe_handoff(0.001)
+    p.observe_handoff(0.0)
+    assert p.handoff == pytest.approx(0.0005)
+
+
+def test_paced_streams_get_fewer_events_with_the_same_tokens(engine):
+    """interval 0 (the default): the engine's pacer holds streamed rows while others run (tiny
+    steps against a hand-off: the 100 ms cap's many steps), every token arrives, in order; a lone
+    paced row is never held."""
+    (a, b, whole), handoffs = _serve(engine, [True, True, False], interval=0)
+    for streamed in (a, b):
+        assert len(streamed) < PARAMS.max_new_tokens and len(streamed[0].token_ids) == 1
+        assert [t for ev in streamed for t in ev.token_ids] == whole[0].token_ids
+    (alone,), _ = _serve(engine, [True], interval=0)
+    assert [len(ev.token_ids) for ev in alone] == [1] * 7

@@ -33,7 +33,7 @@ class GenerationResult:
     text: str  # decoded generated text (prompt excluded, special tokens skipped)
     token_ids: list[int]  # generated token ids (prompt excluded)
     prompt_tokens: int  # prompt length in tokens
-    finish_reason: str  # "stop" (stop/EOS token, complete grammar) | "length" (max_new_tokens) | "grammar" (dead end) | "abort"
+    finish_reason: str  # "stop" (stop/EOS token, complete grammar) | "length" (max_new_tokens) | "grammar" (dead end) | "abort" | "error" (a model failed on this row: engine.py)
     stats: RequestStats  # chain(s) used, acceptance per level, tokens/s
 
 

@@ -447,9 +447,11 @@ class ServerConfig:
     # batch (vLLM's --stream-interval): fewer chunks for the event loop to write and the client
     # to parse under load; a lone row, a row's first tokens and its last are never held (1: a
     # chunk every step). Rows with stop strings read every step (they end as soon as one appears).
-    # 2: at c=8 it cut streaming's time outside the engine steps from 133 to 56 ms a level (4: 37)
-    # and the openai client's CPU by 43% (4: 58%), a chunk every 2 steps (docs/serving-performance.md)
-    stream_interval: int = 2
+    # 0 (the default): paced by what a hand-off costs on this machine, the fewest steps that keep
+    # the hand-offs within 1.5% of the engine's time and a chunk at least every 100 ms
+    # (server/async_engine.py StreamPacer: 4-7 steps at c=4 / c=8 on a 2-core Sapphire Rapids,
+    # 1-2 where steps are 40-80 ms; docs/serving-performance.md)
+    stream_interval: int = 0
     # the engine thread runs on fewer torch threads while another process takes one of its cores
     # (server/contention.py `TeamGovernor`: a starved OpenMP team spins through its barriers);
     # False: always on its own count
@@ -470,8 +472,9 @@ class ServerConfig:
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "k", "max_queue", "max_body_bytes", "stream_interval"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            if not isinstance(v, int) or v < (0 if name == "stream_interval" else 1):
+                raise ValueError(f"{name} must be a positive integer{' or 0' if name == 'stream_interval' else ''}"
+                                 f", got {v!r}")
         if self.suffix_scope not in SUFFIX_SCOPES:
             raise ValueError(f"suffix_scope must be one of {SUFFIX_SCOPES}, got {self.suffix_scope!r}")
         if self.allowed_hosts is not None and (

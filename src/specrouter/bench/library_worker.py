@@ -13,7 +13,9 @@ answers one JSON command a line on stdin with one JSON line on stdout:
   made at start (it learns from this round's requests only, as a server side with its own key);
 - `{"op": "batch", "concurrency": c, "requests": n}`: the engine's own continuous batching of the
   first n mixed prompts (`bench/serve.py`'s `prompts`), at most c rows at once, on a fresh view
-  and engine warmed at that batch size (its parked warm-up prompts dropped: a fair prefill);
+  and engine warmed at that batch size (its parked warm-up prompts dropped: a fair prefill),
+  timed from the prompts' text to the outputs' text (tokenizing and decoding inside, as a
+  server's level and `one` include them; `text_ms` of the reply says how long they took);
 
 each answered with `tokens`, `wall` (seconds), `texts` and `steps` ([count, seconds] of the engine
 steps inside, `StepClock`); `one` also with `seen`, the requests that API ran before it (its
@@ -65,6 +67,8 @@ class LibraryWorker:
             self.apis[system] = (api, chain)
         self.seen = dict.fromkeys(self.apis, 1)  # requests each API has run (the warm-up)
         self.api = self.apis["plain"][0]  # encode and decode (the target's tokenizer)
+        for p, chat in prompts(4):  # every kind once: the chat template compiled, as a warmed server's
+            self.api.tokenizer.decode(self.api.encode(p, chat=chat), skip_special_tokens=True)
 
     def one(self, system: str, prompt: str, chat: bool) -> dict:
         from specrouter.bench.serve_steps import StepClock
@@ -82,13 +86,20 @@ class LibraryWorker:
                 "steps": [clock.steps.count, clock.steps.seconds], "seen": seen}
 
     def batch(self, concurrency: int, requests: int) -> dict:
+        """The level from the prompts' text to the outputs' text: tokenizing (chat template
+        included) and decoding are timed with the engine's batching, as at c=1 (`one`) and as a
+        server's level includes them; `text_ms` says how much of `wall` they were."""
         from specrouter.bench.serve import library_level, prompts
 
+        t0 = time.perf_counter()
         ids = [self.api.encode(p, chat=chat) for p, chat in prompts(requests)]
+        encode = time.perf_counter() - t0
         seqs, wall, steps = library_level(self.pool.with_fresh_drafters(), ids, self.params, concurrency)
-        return {"tokens": sum(len(s.output_ids) for s in seqs), "wall": wall,
-                "texts": [self.api.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in seqs],
-                "steps": [steps.count, steps.seconds]}
+        t0 = time.perf_counter()
+        texts = [self.api.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
+        decode = time.perf_counter() - t0
+        return {"tokens": sum(len(s.output_ids) for s in seqs), "wall": wall + encode + decode,
+                "texts": texts, "steps": [steps.count, steps.seconds], "text_ms": (encode + decode) * 1e3}
 
 
 def main(argv: list[str]) -> int:

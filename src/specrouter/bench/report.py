@@ -354,8 +354,8 @@ def scenario_section(s: dict) -> list[str]:
                       + ", ".join(f"{n} {ok}/{total}" for n, (ok, total) in valid.items()) + "."]
     mism = [(r["index"], n, d) for r in s["requests"] for n, d in (r.get("mismatches") or {}).items()]
     if mism:
-        lines += ["", "Transformers baselines differing from target-only greedy (reported, not fatal; "
-                      "fp32 near-ties): " + "; ".join(f"request {i}: {n} from token {d['first_difference']}"
+        lines += ["", "Baselines differing from the greedy reference (reported, not fatal; transformers' and "
+                      "other kernel paths' near-ties): " + "; ".join(f"request {i}: {n} from token {d['first_difference']}"
                                                       for i, n, d in mism)]
     return lines + [""]
 
@@ -394,6 +394,13 @@ def markdown(result: dict) -> str:
         sd = m["slowdown"]
         lines.append(f"- Slowdown run: {sd['model']} made {sd['factor']:g}x slower (sleep after each "
                      f"forward) from {sd['from_fraction']:.0%} of the mixed stream on.")
+    if "plain_path" in m:
+        pp = m["plain_path"]
+        steps = ", ".join(f"{p} {ms:.2f} ms" for p, ms in sorted(pp["step_ms"].items(), key=lambda kv: kv[1]))
+        where = (f"target-only ran on `{pp['path']}`, the fastest plain path; SpecRouter on `{pp['process_path']}`, "
+                 f"whose target-only is the greedy reference" if pp["path"] != pp["process_path"]
+                 else f"target-only ran on SpecRouter's path `{pp['path']}`, the fastest")
+        lines.append(f"- Plain baseline: the target's 1-token step per kernel path ({steps}); {where}.")
     for note in m["omitted"]:
         lines.append(f"- Left out: {note}.")
     lines += ["", "## Tokens/s and ratios", ""] + summary_table(result)

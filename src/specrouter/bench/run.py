@@ -91,8 +91,17 @@ class BenchConfig:
     # repetition_penalty, min_p); with any, only the native systems run (transformers and llama.cpp
     # do not apply OpenAI's penalties the same way)
     controls: tuple[tuple[str, float], ...] = ()
+    # where the "target-only" row decodes: "auto" times the target's 1-token step on every kernel
+    # path this CPU runs and takes the fastest (bench/plain_path.py: the honest plain baseline;
+    # target-only on SpecRouter's own path then stays as the greedy reference), "process" keeps
+    # SpecRouter's path, a path name forces that path
+    plain_path: str = "auto"
 
     def __post_init__(self) -> None:
+        from specrouter.models.runners.kernels import PATHS
+
+        if self.plain_path not in ("auto", "process", *PATHS):
+            raise ValueError(f"plain_path must be 'auto', 'process' or one of {PATHS}, got {self.plain_path!r}")
         if self.hf not in ("all", "greedy", "none"):
             raise ValueError(f"hf must be 'all', 'greedy' or 'none', got {self.hf!r}")
         streams = ("mixed", "templated", "multiturn", "structured")
@@ -172,13 +181,21 @@ class Harness:
     aliases: dict[str, str]
     systems: list[System]
     adaptive: AdaptiveSystem
-    target_only: System
+    target_only: System  # plain decoding on the fastest path: every "x target-only" ratio's base
     hf_models: dict  # pool name -> transformers model
     assistant: str | None  # pool name of the assistant draft
     encoded: dict[Request, list[int]]
     peers_missing: list[str] = dataclasses.field(default_factory=list)  # peer rows left out, and why
     ablations: list[AdaptiveSystem] = dataclasses.field(default_factory=list)  # SpecRouter without
     # the suffix drafter, without the draft heads
+    greedy_reference: System | None = None  # target-only on SpecRouter's kernel path, where
+    # `target_only` runs on another (None: `target_only` is it)
+    plain_path: object | None = None  # bench/plain_path.PlainPath: the paths probed
+
+    @property
+    def reference(self) -> System:
+        """The system every exact system's greedy tokens must equal."""
+        return self.greedy_reference or self.target_only
 
 
 def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
@@ -213,7 +230,18 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
                 # beside each model-draft chain: its token tree of twice the nodes (docs/trees.md)
                 nodes = min(2 * k, max_nodes)
                 systems.append(NativeSystem(pool, f"{label} tree N={nodes} w=3", chain, k, tree=(nodes, 3)))
-    target_only = systems[0]
+    target_only, greedy_reference, plain = systems[0], None, None
+    if cfg.plain_path != "process":
+        from specrouter.bench.plain_path import fastest_plain_path
+
+        forced = None if cfg.plain_path == "auto" else cfg.plain_path
+        plain = fastest_plain_path(pool, None if forced is None else [forced], force=forced, log=log)
+        if plain is not None and plain.runner is not None:  # plain decoding is faster on another path
+            greedy_reference = systems[0]
+            greedy_reference.name = f"target-only {plain.process_path} (greedy reference)"
+            target_only = NativeSystem(pool.target_only_view(plain.runner), "target-only", (pool.target,), None)
+            target_only.exact = False  # other kernels, other bits: differences are recorded
+            systems.insert(0, target_only)
     adaptive = AdaptiveSystem(pool, "SpecRouter", profile_path=cfg.profile_path, progress=progress,
                               profile=profile, router_config=cfg.router)
     systems.append(adaptive)
@@ -284,7 +312,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
         need = max(need, min(max(256, 1 << (need - 1).bit_length()), ctx))
         distinct = max(len(set(sc.workload.requests)) for sc in scenarios)
         slots += min(MAX_PARKED_SLOTS, 2 * distinct)
-    for r in pool.runners.values():
+    for r in [*pool.runners.values(), *([plain.runner] if plain is not None and plain.runner else [])]:
         r.reserve(max(r.num_slots, slots), max(r.max_len, need))
     peers_missing = ["every llama.cpp row: --no-peers"]
     if cfg.peers:
@@ -294,7 +322,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
                                             n_ctx=need + 8, draft=drafts[-1] if drafts else None, log=log)
         systems += peers
     return Harness(pool, aliases, systems, adaptive, target_only, hf_models, assistant, encoded,
-                   peers_missing, ablations)
+                   peers_missing, ablations, greedy_reference, plain)
 
 
 def warm_up(h: Harness, ids: list[int], json_schema: str | None = None) -> None:
@@ -420,7 +448,7 @@ def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown 
                   "seconds": {n: o.seconds for n, o in outs.items()},
                   "stats": {n: o.stats for n, o in outs.items() if o.stats is not None}}
         if sc.temperature == 0:
-            record["mismatches"] = check_greedy(sc, i, req, outs, systems, h.target_only.name)
+            record["mismatches"] = check_greedy(sc, i, req, outs, systems, h.reference.name)
         if req.json_schema is not None:  # every output must follow its schema (finished ones)
             schema = json.loads(req.json_schema)
             record["schema_valid"] = {n: schema_valid(h.pool.tokenizer.decode(o.token_ids, skip_special_tokens=True), schema)
@@ -506,6 +534,8 @@ def _meta(cfg: BenchConfig, h: Harness, scenarios: list[Scenario]) -> dict:
     if cfg.quick:
         omitted.append("quick: mixed stream only, one prompt per type, one k per static chain")
     meta["omitted"] = omitted
+    if h.plain_path is not None:  # the 1-token step per kernel path, and where target-only ran
+        meta["plain_path"] = h.plain_path.to_json()
     meta["peers_missing"] = list(h.peers_missing)
     meta["peers"] = {s.name: getattr(s, "gguf_path", None) for s in h.systems if s.kind == "peer"}
     meta["peer_notes"] = {s.name: s.note for s in h.systems if s.kind == "peer" and getattr(s, "note", None)}

@@ -79,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="leave out 'target-only +cache' and 'SpecRouter +cache' (the prefix cache on; "
                         "every other system runs without it)")
+    p.add_argument("--plain-path", default=None, metavar="PATH",
+                   help="where the target-only row decodes: auto (default: the kernel path with the fastest "
+                        "1-token step, timed at start; SpecRouter's own path then stays as the greedy "
+                        "reference), process (SpecRouter's path), or a kernel path name")
     p.add_argument("--no-peers", action="store_true",
                    help="leave out the llama.cpp rows (they need the peers extra: pip install 'specrouter[peers]')")
     add_pool_arguments(p, flags=BENCH_POOL_FLAGS)
@@ -93,7 +97,7 @@ def config_from_args(args: argparse.Namespace):
         over["models"] = pool.models
     for field in ("target", "out_dir", "threads", "prompts_per_type", "mixed_block",
                   "repeat", "max_new_tokens", "max_levels", "hf", "hf_assistant", "slowdown_model",
-                  "slowdown_factor", "slowdown_at", "seed", "profile_path"):
+                  "slowdown_factor", "slowdown_at", "seed", "profile_path", "plain_path"):
         if getattr(args, field) is not None:
             over[field] = getattr(args, field)
     for field in ("workloads", "kinds", "temperatures", "ks"):

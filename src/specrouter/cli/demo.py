@@ -3,7 +3,10 @@
 Honest by construction: SpecRouter and the target-only baseline each run on their own view of
 the pool (`Pool.with_fresh_drafters()`), so neither learns from the other's output (the suffix
 drafter learns from every finished request: on a shared pool, SpecRouter would replay the
-baseline's answer). Which system runs first alternates from prompt to prompt."""
+baseline's answer). Which system runs first alternates from prompt to prompt. The baseline is
+plain decoding on the kernel path with the fastest 1-token step (bench/plain_path.py); where
+that is not SpecRouter's path, target-only on SpecRouter's path also runs, untimed, as the
+reference its greedy output must equal (other kernels, other bits)."""
 
 from __future__ import annotations
 
@@ -35,10 +38,12 @@ class DemoRow:
     spec_seconds: float
     base_seconds: float
     spec_first: bool  # which system ran first on this prompt
+    ref: object | None = None  # target-only on SpecRouter's path, where `base` ran on another
 
     @property
     def identical(self) -> bool:
-        return self.spec.token_ids == self.base.token_ids
+        """SpecRouter's greedy tokens equal plain decoding's on the same kernel path."""
+        return self.spec.token_ids == (self.ref or self.base).token_ids
 
     @property
     def speedup(self) -> float:
@@ -46,19 +51,25 @@ class DemoRow:
         return (len(self.spec.token_ids) / self.spec_seconds) / max(1e-9, len(self.base.token_ids) / self.base_seconds)
 
 
-def compare(sr, prompts, max_new_tokens: int):
+def compare(sr, prompts, max_new_tokens: int, plain_runner=None):
     """Yield a `DemoRow` per (kind, prompt, chat) of `prompts`: `sr` (its router and its own
     drafters) against target-only plain decoding on a separate view of the same models with
-    fresh drafters. Greedy; the first system alternates per prompt."""
+    fresh drafters (the target `plain_runner` there, when given: the target on the fastest plain
+    kernel path; then target-only on `sr`'s path runs too, as the greedy reference). Greedy; the
+    first system alternates per prompt."""
     from specrouter.api import SpecRouter
 
     pool = sr.pool
-    baseline = SpecRouter(pool.with_fresh_drafters(), None, sr.config)
+    reference = SpecRouter(pool.with_fresh_drafters(), None, sr.config)
+    baseline = reference if plain_runner is None else SpecRouter(pool.target_only_view(plain_runner),
+                                                                 None, sr.config)
     target_only = (pool.target,)
     kw = dict(max_new_tokens=max_new_tokens, temperature=0.0)
     # warm-up (first forwards allocate), each system on its own view
     sr.generate("Hello", max_new_tokens=4)
     baseline.generate("Hello", max_new_tokens=4, chain=target_only)
+    if reference is not baseline:
+        reference.generate("Hello", max_new_tokens=4, chain=target_only)
 
     def run_spec(prompt, chat):
         t = time.perf_counter()
@@ -76,7 +87,11 @@ def compare(sr, prompts, max_new_tokens: int):
             (spec, ts), (base, tb) = run_spec(prompt, chat), run_base(prompt, chat)
         else:
             (base, tb), (spec, ts) = run_base(prompt, chat), run_spec(prompt, chat)
-        yield DemoRow(kind, prompt, spec, base, ts, tb, spec_first)
+        ref = None if reference is baseline else reference.generate(prompt, chain=target_only, chat=chat, **kw)[0]
+        for name, res in (("SpecRouter", spec), ("target-only", base), ("the greedy reference", ref)):
+            if res is not None and res.finish_reason == "error":  # a figure from a failed row is no figure
+                raise RuntimeError(f"{name} failed on the {kind} prompt (finish_reason 'error'): see the log")
+        yield DemoRow(kind, prompt, spec, base, ts, tb, spec_first, ref)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -91,9 +106,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"(loaded in {time.perf_counter() - t0:.1f}s)")
     print("each system on its own view of the pool (no shared learning state); the first to run "
           "alternates per prompt")
+    from specrouter.bench.plain_path import fastest_plain_path
+
+    plain = fastest_plain_path(pool, log=print)  # target-only: the fastest plain decoding here
     rows = []
     speculated = False
-    for row in compare(sr, DEMO_PROMPTS, args.max_new_tokens):
+    for row in compare(sr, DEMO_PROMPTS, args.max_new_tokens, plain.runner if plain else None):
         rows.append(row)
         s = row.spec.stats
         speculated |= bool(s.acceptance_rates)
@@ -101,11 +119,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(row.spec.text.strip())
         rates = ", ".join(f"{p} {r:.0%}" for p, r in s.acceptance_rates.items()) or "n/a"
         first = "SpecRouter" if row.spec_first else "target-only"
+        same = f" on {plain.process_path}" if plain is not None and plain.runner is not None else ""
         print(f"--- chain {', '.join(s.chains)} | per-token acceptance {rates} | mean acceptance "
               f"length {s.mean_acceptance_length:.2f} tokens/cycle | "
               f"{len(row.spec.token_ids) / row.spec_seconds:.1f} tok/s vs target-only "
               f"{len(row.base.token_ids) / row.base_seconds:.1f} tok/s = {row.speedup:.2f}x "
-              f"({first} ran first) | identical to target-only greedy: {row.identical}")
+              f"({first} ran first) | identical to target-only greedy{same}: {row.identical}")
     n_spec = sum(len(r.spec.token_ids) for r in rows)
     n_base = sum(len(r.base.token_ids) for r in rows)
     t_spec = sum(r.spec_seconds for r in rows)

@@ -254,6 +254,17 @@ class Pool:
         drafters = {n: d.fresh() for n, d in self.drafters.items()}  # DrafterProtocol.fresh
         return dataclasses.replace(self, drafters=drafters)
 
+    def target_only_view(self, runner: ModelRunner | None = None) -> "Pool":
+        """A view of the pool with its target alone (`runner` in its place where given: e.g. the
+        target loaded on another kernel path, benchmarks' fastest plain decoding): no drafts, no
+        drafters, and so nothing shared with this pool's other runners (a prefix cache of its own
+        where the runner is another)."""
+        import dataclasses
+
+        runner = self.runners[self.target] if runner is None else runner
+        return dataclasses.replace(self, runners={self.target: runner}, drafters={}, order=[self.target],
+                                   heads=frozenset())
+
     def without_drafters(self, names) -> "Pool":
         """A view of the pool without the drafters `names`, model-free ones or draft heads (e.g.
         SpecRouter without the suffix drafter, or without the head, side by side with it); the

@@ -17,7 +17,8 @@ asyncio queues in one `loop.call_soon_threadsafe` call (a row submitted with `pe
 whole response with no stop string and no logprobs, reads nothing before its end: it gets one
 event when it finishes, and a step none of whose rows needs a hand-off makes none, as in-process
 generation; a stream with `ServerConfig.stream_interval` n > 1 gets one every n steps while other
-rows run, its first and last tokens at once), and the engine thread waits (at most `handoff_wait`, 2 ms)
+rows run, its first and last tokens at once; n = 0, the default, paces streams by what a
+hand-off costs on this machine: `StreamPacer`), and the engine thread waits (at most `handoff_wait`, 2 ms)
 until the event loop has taken them and run what they woke (SSE chunks written): the loop's
 per-step work then runs while no forward does, instead of preempting one of the forward's
 OpenMP threads and taking the GIL from the engine thread mid-forward (with the 0.5 ms GIL
@@ -44,6 +45,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -61,6 +63,10 @@ logger = logging.getLogger("specrouter.server")
 
 HANDOFF_WAIT_S = 0.002  # the most the engine thread waits for the event loop to take a step's tokens
 ADMISSION_WAIT_S = 0.02  # the most an idle engine waits for requests still arriving before it starts
+STREAM_BUDGET = 0.015  # the share of the engine's time the hand-offs of held streams may take (StreamPacer)
+MAX_HOLD_S = 0.1  # the longest a held stream's tokens wait for their chunk (StreamPacer)
+PACE_START = 2  # StreamPacer's interval before it has measured a step and a hand-off
+PACE_EMA = 0.1  # weight of the newest step / hand-off in StreamPacer's running means
 
 
 class QueueFull(Exception):
@@ -99,11 +105,50 @@ class RequestHandle:
     admitted: float | None = None  # perf_counter time it started running
     tenant: str | None = None  # whose learned drafter statistics it uses (None: shared)
     per_step: bool = True  # an event after every step with new tokens (False: one when done)
-    # per_step rows: steps one event may hold while other rows run (ServerConfig.stream_interval)
+    # per_step rows: steps one event may hold while other rows run (ServerConfig.stream_interval;
+    # 0: the engine's StreamPacer decides)
     interval: int = 1
     held: int = 0  # steps since its last event whose tokens wait for the next (interval > 1)
     first_commit: float | None = None  # perf_counter time of the step that committed its first token
     finished: bool = False  # done event delivered, or aborted
+
+
+class StreamPacer:
+    """The stream interval when `ServerConfig.stream_interval` is 0 (the default): the steps a
+    held stream's chunk may carry while other rows run, from what a hand-off costs here.
+
+    A hand-off (the engine thread waking the event loop, the loop writing the due rows' chunks,
+    the engine thread running again) costs a fixed ~0.35-0.4 ms plus ~40 us a row on a 2-core
+    Sapphire Rapids (docs/serving-performance.md, thirteenth round): 4% of a 14 ms batched step
+    when made every step. So the interval is the fewest steps that keep the hand-offs within
+    `budget` of the engine's time, `ceil(handoff / (budget * step))` over running means of both,
+    and never more than `max_hold` seconds of steps (a chunk at least that often): 4-7 steps at
+    c=4 / c=8 there (by the chunks a level carried; the hand-offs' running mean includes the
+    heavier first and last ones of a batch), 1-2 on a CPU whose steps are 40-80 ms (a hand-off is a small part of them).
+    Only the engine thread calls it."""
+
+    def __init__(self, budget: float = STREAM_BUDGET, max_hold: float = MAX_HOLD_S,
+                 start: int = PACE_START, weight: float = PACE_EMA):
+        self.budget, self.max_hold, self.weight = budget, max_hold, weight
+        self.step: float | None = None  # running mean of an engine step's wall seconds
+        self.handoff: float | None = None  # running mean of a hand-off's (the engine thread's wait)
+        self.interval = start
+
+    def observe_step(self, seconds: float) -> None:
+        self.step = self._mean(self.step, seconds)
+        self._pace()
+
+    def observe_handoff(self, seconds: float) -> None:
+        self.handoff = self._mean(self.handoff, seconds)
+
+    def _mean(self, mean: float | None, x: float) -> float:
+        return x if mean is None else mean + self.weight * (x - mean)
+
+    def _pace(self) -> None:
+        if self.step is None or self.handoff is None or self.step <= 0:
+            return
+        n = math.ceil(self.handoff / (self.budget * self.step))
+        self.interval = max(1, min(n, int(self.max_hold / self.step)))
 
 
 class AsyncEngine:
@@ -117,6 +162,9 @@ class AsyncEngine:
         # None: always its own count). Service builds it from ServerConfig.team_governor
         self.governor = governor
         self.handoff_wait = handoff_wait  # seconds (0: hand tokens over without waiting)
+        self.pacer = StreamPacer()  # the interval of streams submitted with interval 0
+        if metrics is not None:
+            metrics.stream_interval.set(self.pacer.interval)
         self.admission_wait = admission_wait  # seconds (0: an idle engine starts at once)
         self.watch = watch  # the guarded runners' deadlines (None: no model timeout)
         self.max_queue = max_queue
@@ -340,7 +388,11 @@ class AsyncEngine:
         wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
         if self.governor is not None:
             self.governor.observe(wall, cpu)
+        pace = self.pacer.interval
+        self.pacer.observe_step(wall)
         if self.metrics is not None:
+            if self.pacer.interval != pace:
+                self.metrics.stream_interval.set(self.pacer.interval)
             self.metrics.step_seconds.observe(wall)
             self.metrics.observe_threads(threads, wall, cpu)
             if rows:
@@ -356,8 +408,14 @@ class AsyncEngine:
         """The event of each output's request (lock held); finished rows leave `_by_seq`. A
         per_step row with `interval` > 1 in a step of `rows` > 1 rows gets its tokens every
         `interval` steps (a stream interval: fewer chunks to write and parse while the batch
-        shares the cores); its first tokens, its last and a lone row's are never held."""
-        out = []
+        shares the cores); its first tokens, its last and a lone row's are never held. A held
+        row rides along whenever the step hands something over anyway (another row due, a
+        first token, a row's end): the hand-off's fixed cost (two thread wake-ups) is paid once
+        for every row it can carry, and rows that joined at different steps fall into one
+        phase at the first hand-off they share, instead of a hand-off every step for rows in
+        alternate phases."""
+        out, held = [], []
+        paced = self.pacer.interval  # the interval of rows submitted with 0
         for o in outputs:
             h = self._by_seq.get(o.seq.seq_id)
             if h is None:  # aborted meanwhile
@@ -369,32 +427,44 @@ class AsyncEngine:
                     self.metrics.generated_tokens.inc(len(o.new_token_ids))
             if not (h.per_step or o.seq.done):
                 continue  # its tokens wait in seq.tokens[h.sent:] for its end
-            if h.interval > 1 and rows > 1 and not o.seq.done and h.first_commit != now:
+            interval = h.interval or paced
+            if interval > 1 and rows > 1 and not o.seq.done and h.first_commit != now:
                 h.held += 1
-                if h.held < h.interval:
-                    continue  # held in seq.tokens[h.sent:] for the event `interval` steps on
-            new = o.seq.tokens[h.sent:]  # this step's, or every token since the last event
-            if new:
-                h.held = 0
-            h.sent = len(o.seq.tokens)
-            logprobs = StepOutput(o.seq, new).new_logprobs  # of `new` (held steps' included)
-            if o.seq.done:
-                del self._by_seq[o.seq.seq_id]
-                h.finished = True
-                err = (o.seq.error or "a model of the chain failed (see the server log)") \
-                    if o.seq.finish_reason == "error" else None
-                out.append((h, TokenEvent(list(new), True, o.seq.finish_reason,
-                                          stats=o.seq.stats.as_dict(), error=err,
-                                          committed=now, logprobs=logprobs,
-                                          prompt_logprobs=o.seq.prompt_logprobs)))
-            elif new:
-                out.append((h, TokenEvent(list(new), committed=now,
-                                          logprobs=logprobs,
-                                          prompt_logprobs=o.seq.prompt_logprobs)))
+                if h.held < interval:
+                    held.append((h, o))  # in seq.tokens[h.sent:]: the event `interval` steps on,
+                    continue  # or this step's hand-off if it makes one
+            self._event(h, o, now, out)
+        if out:  # a hand-off is made: the held rows' tokens go with it
+            for h, o in held:
+                self._event(h, o, now, out)
         return out
+
+    def _event(self, h: RequestHandle, o: StepOutput, now: float,
+               out: list[tuple[RequestHandle, TokenEvent]]) -> None:
+        """Row `h`'s event with its tokens since the last one (`o`: its output this step), if
+        it has any or it finished, onto `out` (lock held)."""
+        new = o.seq.tokens[h.sent:]  # this step's, or every token since the last event
+        if new:
+            h.held = 0
+        h.sent = len(o.seq.tokens)
+        logprobs = StepOutput(o.seq, new).new_logprobs  # of `new` (held steps' included)
+        if o.seq.done:
+            del self._by_seq[o.seq.seq_id]
+            h.finished = True
+            err = (o.seq.error or "a model of the chain failed (see the server log)") \
+                if o.seq.finish_reason == "error" else None
+            out.append((h, TokenEvent(list(new), True, o.seq.finish_reason,
+                                      stats=o.seq.stats.as_dict(), error=err,
+                                      committed=now, logprobs=logprobs,
+                                      prompt_logprobs=o.seq.prompt_logprobs)))
+        elif new:
+            out.append((h, TokenEvent(list(new), committed=now,
+                                      logprobs=logprobs,
+                                      prompt_logprobs=o.seq.prompt_logprobs)))
 
     def _deliver(self, deliveries: list[tuple[RequestHandle, TokenEvent]]) -> None:
         """Hand the events to their loops; wait until the loops took them (`handoff_wait`)."""
+        t0 = time.perf_counter()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for h, ev in deliveries:
             by_loop.setdefault(h.loop, []).append((h.events, ev))
@@ -407,9 +477,16 @@ class AsyncEngine:
                 continue
             if done is not None:
                 taken.append(done)
+        if not taken:
+            return
         deadline = time.perf_counter() + self.handoff_wait
         for done in taken:
             done.wait(max(deadline - time.perf_counter(), 0.0))
+        wall = time.perf_counter() - t0
+        self.pacer.observe_handoff(wall)
+        if self.metrics is not None:
+            self.metrics.handoffs.inc()
+            self.metrics.handoff_seconds.inc(wall)
 
     def _shutdown(self) -> None:
         with self._cv:

@@ -93,6 +93,12 @@ class ServerMetrics:
         self.steps_by_threads_cpu = Counter(p + "steps_by_threads_cpu_seconds",
                                             "The engine thread's CPU seconds in those steps", ["threads"], registry=r)
         self.engine_threads = Gauge(p + "engine_threads", "The engine thread's torch threads now", registry=r)
+        self.stream_interval = Gauge(p + "stream_interval", "Steps a paced stream's chunk may hold while other "
+                                     "rows run, now (server/async_engine.py StreamPacer)", registry=r)
+        self.handoffs = Counter(p + "handoffs", "Hand-offs of step tokens to the event loop the engine "
+                                "thread waited for", registry=r)
+        self.handoff_seconds = Counter(p + "handoff_seconds", "Seconds the engine thread spent in them",
+                                       registry=r)
         self.governor_changes = Counter(p + "governor_changes", "TeamGovernor's thread count changes",
                                         ["change"], registry=r)
         self.plan_cycles = Counter(p + "plan_cycles", "Row-cycles run with each chain and draft length",

@@ -113,12 +113,36 @@ def kernel_for_torch(dtype: torch.dtype, device: torch.device | str = "cpu") -> 
     return FALLBACK_BY_DTYPE.get(dtype, MM)
 
 
+def amx_vector_verdict(recheck: bool = False, control: bool = False) -> str:
+    """The amx path's few-row form (kernels/linearamx.cpp `run_vector`: AVX-512 FMAs that compute
+    what tdpbf16ps computes, so 1- and 2-row calls need not run the tiles) runs only where its
+    self-check, once a process before the first AMX linear, gave the tiles' float32 sums bit for
+    bit on this CPU: "on: ..." or "off: <how many sums differed> ..." (then the tiles run every
+    row count; a warning is logged); "" where the amx path does not run here. Recorded in
+    `kernels()`. recheck: run the check again; control: on a vector form that rounds otherwise
+    (the tests' negative control; a recheck without it restores the verdict)."""
+    if kernel_for(torch.bfloat16) != ROWINV_AMX:
+        return ""
+    global _amx_verdict
+    if _amx_verdict is None or recheck or control:
+        _amx_verdict = _rowinv.amx_vector_check(recheck, control)
+        if not _amx_verdict.startswith("on"):
+            log.warning("kernel path amx: its vector form is %s", _amx_verdict)
+    return _amx_verdict
+
+
+_amx_verdict: str | None = None
+
+
 def kernels() -> str:
     """The kernels of the linears and attention: part of the cost-profile fingerprint, so
-    timings swept under other kernels are not reused."""
+    timings swept under other kernels are not reused. On the amx path it names whether the
+    1-2 row vector form runs (`amx_vector_verdict`)."""
     attn = "rowinv" if rowinv() is not None else f"chunk{KEY_CHUNK}rows{MIN_ROWS}"
-    return "{}:fp32:{}+bf16:{}+rows-checked{}+attn:{}".format(
-        kernel_path(), kernel_for(torch.float32), kernel_for(torch.bfloat16), CHUNK, attn
+    verdict = amx_vector_verdict()
+    return "{}:fp32:{}+bf16:{}+rows-checked{}+attn:{}{}".format(
+        kernel_path(), kernel_for(torch.float32), kernel_for(torch.bfloat16), CHUNK, attn,
+        f"+amx-vector:{verdict.split(':')[0]}" if verdict else "",
     )
 
 
@@ -234,6 +258,8 @@ class Linear:
         if kernel in NATIVE_KERNELS:
             if rowinv() is None:
                 raise RuntimeError(f"kernel {kernel!r}: the native kernels are not available here")
+            if kernel == ROWINV_AMX:
+                amx_vector_verdict()  # the vector form's self-check, once, at load (a warning if off)
             packed = pack_tiles(weight.contiguous(), TILE[kernel])
             return Linear(packed, None if bias is None else bias.contiguous(), kernel, out_f)
         if kernel == TRITON:  # (out, in) as in the checkpoint; invariant by construction

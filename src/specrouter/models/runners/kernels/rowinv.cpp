@@ -44,6 +44,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, int64_t O, 
 void linear_amx_tiles(const void* x, int64_t N, int64_t K, const void* w, int64_t O, const void* bias,
                       const void* residual, void* y, int64_t t0, int64_t t1);
 void check_amx();
+void amx_hold(bool on);
 }
 
 namespace {
@@ -882,13 +883,14 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
         specrouter::linear512_tiles(kernel == 2 ? 2 : dt == at::kBFloat16 ? 1 : 0, xin, N, s.K, s.w, s.O, s.bias, res,
                                     y, t0, t1);
     };
-    // the tiles of a linear of O outputs among the threads, f(t0, t1) per share: units of UNIT
-    // tiles by `share`; the static schedule on linear256 (which groups tiles itself) gives each
-    // thread one contiguous range balanced to a tile (units of 8 left one thread 20 of the 36 tiles
-    // of the o and down linears at 576 outputs, the other 16)
+    // the tiles of a linear of O outputs among the threads, f(t0, t1) per share: the static
+    // schedule gives each thread one contiguous range balanced to a tile, in one call (linear256
+    // and linear_amx group tiles side by side within a call: units of 8 left one thread 20 of
+    // the 36 tiles of the o and down linears at 576 outputs, the other 16; one AMX tile per call
+    // never paired two weight streams, session 15); the others units of UNIT tiles by `share`
     auto share_tiles = [&](int64_t O, auto&& f) {
       const int64_t T = (O + TILE - 1) / TILE;
-      if (g_schedule == 0 && kernel == 0) {
+      if (g_schedule == 0) {
         const int64_t t0 = T * tid / nth, t1 = T * (tid + 1) / nth;
         if (t1 > t0) f(t0, t1);
         return;
@@ -932,6 +934,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
     };
     typename Attention<float>::Scratch* sf = nullptr;
     typename Attention<bf16>::Scratch* sb = nullptr;
+    if (kernel == 3) specrouter::amx_hold(true);  // one tile configuration per thread for the region
     for (int64_t l = 0; l < layers; ++l) {
       // RMSNorm, the qkv tiles
       const void* xin = norm(l, 0);
@@ -988,6 +991,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList params, at::IntAr
       share_tiles(H, [&](int64_t t0, int64_t t1) { tiles(l, 3, xin, xp, xp, t0, t1); });
       sync(7);
     }
+    if (kernel == 3) specrouter::amx_hold(false);
     delete sf;
     delete sb;
   }
