@@ -421,17 +421,24 @@ std::string amx_vector_check(bool rerun, bool control) {
   return g_verdict;
 }
 
-// x (N, K) bfloat16; weight packed by pack_tiles (tile 32), bfloat16; bias (O,) or None; residual
-// (N, O) or None -> (N, O) bfloat16
-at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, int64_t O, const std::optional<at::Tensor>& bias,
-                      const std::optional<at::Tensor>& residual) {
+// x (N, K) bfloat16 on the CPU and a weight packed by pack_tiles (tile 32) for it and O outputs,
+// the AMX state granted (check_amx): the weight's tile count, or an error naming `op`
+static int64_t check_amx_operands(const char* op, const at::Tensor& x, const at::Tensor& weight, int64_t O) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "linear_amx: x (N, K) bfloat16 on the CPU");
+              op, ": x (N, K) bfloat16 on the CPU");
   check_amx();
   const int64_t N = x.size(0), K = x.size(1), tiles = (O + TILE - 1) / TILE;
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == tiles * K * TILE &&
                   weight.size(0) == tiles && K % 2 == 0,
               "weight: packed by pack_tiles (tile 32) for x (", N, ", ", K, ") and O=", O);
+  return tiles;
+}
+
+// x (N, K) bfloat16; weight packed by pack_tiles (tile 32), bfloat16; bias (O,) or None; residual
+// (N, O) or None -> (N, O) bfloat16
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, int64_t O, const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& residual) {
+  const int64_t tiles = check_amx_operands("linear_amx", x, weight, O), N = x.size(0), K = x.size(1);
   at::Tensor b, r;
   if (bias && bias->defined()) {
     b = bias->contiguous();
@@ -458,13 +465,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& weight, int64_t O, 
 // the finish (no bias, no residual, no rounding to bfloat16), for tests that compare the tile
 // and vector forms bit for bit where a bfloat16 output would hide a float32 ulp
 at::Tensor linear_amx_sums(const at::Tensor& x, const at::Tensor& weight, int64_t O) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
-              "linear_amx_sums: x (N, K) bfloat16 on the CPU");
-  check_amx();
-  const int64_t N = x.size(0), K = x.size(1), tiles = (O + TILE - 1) / TILE;
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == tiles * K * TILE &&
-                  weight.size(0) == tiles && K % 2 == 0,
-              "weight: packed by pack_tiles (tile 32) for x (", N, ", ", K, ") and O=", O);
+  const int64_t tiles = check_amx_operands("linear_amx_sums", x, weight, O), N = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({N, O}, x.options().dtype(at::kFloat));
   if (N == 0) return y;
   at::Tensor xc = x.contiguous();
