@@ -21,7 +21,6 @@ Not a test: timings depend on the machine and on whoever else shares its cores.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import time
 
@@ -30,7 +29,6 @@ import torch
 from specrouter import SpecRouter
 from specrouter.bench.workloads import mixed_stream
 from specrouter.config import EngineConfig, SpecRouterConfig
-from specrouter.models.default_pool import default_pool_paths
 from specrouter.models.runners.kernels import kernel_path
 from specrouter.models.runners.llama import load_llama_runner
 
@@ -49,11 +47,10 @@ def main() -> None:
     config = SpecRouterConfig(engine=EngineConfig(prefix_cache=False))  # as the bench's systems: no parked slots
     sr = SpecRouter(pool.with_fresh_drafters(), loaded.router, config)
     ref = pool.runners[pool.target]
-    other = load_llama_runner(default_pool_paths(progress=False)[-1], name=pool.target, dtype=ref.dtype,
+    other = load_llama_runner(ref.checkpoint_dir, name=pool.target, dtype=ref.dtype,
                               num_slots=ref.num_slots, max_len=ref.max_len, kernels=args.plain_path)
     plain_here = SpecRouter(pool.with_fresh_drafters(), config=config)
-    plain_other = SpecRouter(dataclasses.replace(pool.with_fresh_drafters(), runners={**pool.runners, pool.target: other}),
-                             config=config)
+    plain_other = SpecRouter(pool.target_only_view(other), config=config)
     here, there = f"target-only {kernel_path()}", f"target-only {args.plain_path}"
     n = args.max_new_tokens
     systems = {here: lambda q: plain_here.generate(q.prompt, chat=q.chat, max_new_tokens=n, chain=(pool.target,))[0],

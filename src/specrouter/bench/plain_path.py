@@ -43,6 +43,7 @@ class PlainPath:
 def one_token_seconds(runner, *, context: int = PROBE_CONTEXT, steps: int = PROBE_STEPS, seed: int = 0) -> float:
     """The fastest of `steps` 1-token forwards of `runner` at `context` tokens of context."""
     from specrouter.models.runners.base import ForwardBatch
+    from specrouter.router.profile import _min_time
 
     rng = random.Random(seed)
     vocab = int(runner.vocab_size)
@@ -52,25 +53,19 @@ def one_token_seconds(runner, *, context: int = PROBE_CONTEXT, steps: int = PROB
         prompt = [rng.randrange(vocab) for _ in range(context)]
         runner.forward(ForwardBatch.build([slot], [0], [prompt], [[context - 1]]))
         one = ForwardBatch.build([slot], [context], [[rng.randrange(vocab)]], [[0]])
-        best = float("inf")
-        for _ in range(steps + 1):  # the first is a warm-up
-            t0 = time.perf_counter()
-            runner.forward(one)
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return _min_time(lambda: runner.forward(one), steps, 1, time.perf_counter)  # one warm-up
     finally:
         runner.free_slot(slot)
 
 
 def candidate_paths(target) -> list[str]:
     """The kernel paths other than the process's on which `target` could run here: a native
-    CPU runner (float32 / bfloat16) and paths whose CPU flags (and OS state) are present."""
+    CPU runner (float32 / bfloat16) and paths whose CPU flags (and OS state) are present (its
+    checkpoint to load them from: `fastest_plain_path`'s check)."""
     from specrouter.models.runners.kernels import PATHS, kernel_path, why_not
     from specrouter.models.runners.llama import LlamaRunner
 
     if not isinstance(target, LlamaRunner) or target.device.type != "cpu" or target._ops is None:
-        return []
-    if getattr(target, "checkpoint_dir", None) is None:
         return []
     here = kernel_path()
     return [p for p in PATHS if p != here and (p == "torch" or not why_not(p))]
