@@ -7,8 +7,8 @@ first. One router learns along the whole run (as a server's does).
 Per level: tokens/s of both and the ratio; with `--trace`, the router's steps by kind (held
 plain, planned plain, speculative): their count, mean rows, predicted and realised seconds per
 step (the planner's `step_seconds` at the plans that ran, against the executor's wall time
-plus the planning), tokens per step, target forwards per step and host seconds per step (wall
-minus forwards); the plain engine's steps beside them.
+plus the planning), tokens per step, target forwards per step, host seconds per step (wall
+minus forwards) and forward seconds per step; the plain engine's steps beside them.
 
     python benchmarks/serve_engine.py [--concurrency 2 4 8] [--temperature 0] [--requests 16]
         [--max-new-tokens 64] [--rounds 2] [--trace]
@@ -36,7 +36,8 @@ from specrouter.router.setup import build_router
 
 
 class StepLog:
-    """Every step of one engine: (kind, rows, predicted s, realised s, tokens, target forwards, host s)."""
+    """Every step of one engine: (kind, rows, predicted s, realised s, tokens, target forwards, host s,
+    forward s)."""
 
     def __init__(self, engine: Engine, planner=None):
         self.steps: list[tuple] = []
@@ -129,7 +130,7 @@ class StepLog:
         kind = self.engine.last_step_kind  # "held" on a hold or its lease (engine.step_kind)
         self.kind = kind
         self.steps.append((kind, len(plans), predicted, realised if self.planner else result.wall_time,
-                           tokens, fwd, host))
+                           tokens, fwd, host, sum(result.forward_time.values())))
 
 
 def summary(log: StepLog, label: str) -> list[str]:
@@ -141,7 +142,7 @@ def summary(log: StepLog, label: str) -> list[str]:
         mean = lambda i: statistics.fmean(x[i] for x in ss)  # noqa: E731
         out.append(f"  {label:6s} {kind:5s} rows={n} steps={len(ss):4d} pred={mean(2) * 1e3:6.1f} ms "
                    f"real={mean(3) * 1e3:6.1f} ms tok/step={mean(4):.2f} tfwd/step={mean(5):.2f} "
-                   f"host={mean(6) * 1e3:5.1f} ms  tok/s={sum(x[4] for x in ss) / sum(x[3] for x in ss):.1f}")
+                   f"host={mean(6) * 1e3:5.2f} ms fwd={mean(7) * 1e3:6.2f} ms  tok/s={sum(x[4] for x in ss) / sum(x[3] for x in ss):.1f}")
     return out
 
 
