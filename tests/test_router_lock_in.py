@@ -5,11 +5,16 @@ Two parts locked it: a probe of the draft after plain steps was vetoed by the ca
 questions), and the request's own evidence of the pair was frozen while it ran plain (nothing
 tried the draft). Now a probe runs as decided (`RouterConfig.probe_past_catch_up`) and a pair's
 request evidence fades per cycle that did not try it (`RouterConfig.request_idle_decay`).
+A third lock: a draft read slow in a stalled cycle is priced out of every plan and never timed
+again; the prober re-tries a model read slower than its usual speed after
+`RouterConfig.probe_slow_after` row-cycles (it waited for the pair evidence's `stale_after`, 200).
 
 Scripted pool and virtual clock of test_router.py, stepped through `plan_batch` as the engine
 steps a single stream (holds, the catch-up check), the draft's lag growing a token per plain step."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from test_router import L0, Sim, make_router, observe_cycle
 
@@ -17,21 +22,27 @@ from specrouter.config import RouterConfig
 from specrouter.router.policy import Decision, RowContext, fade_idle
 
 PAIR = ("d2", "T")
-BEFORE = dict(probe_past_catch_up=False, request_idle_decay=1.0)  # main a28af27's behaviour
+BEFORE = dict(probe_past_catch_up=False, request_idle_decay=1.0)  # main a28af27's behaviour (lock-in)
+STALL = {"d2": 15.0, "T": 3.0}  # one engine step in a co-tenant's stall
 
 
-def stream(first, then, refuted=10, cycles=160, seed=0, **config):
+def stream(first, then, refuted=10, cycles=160, seed=0, slow=lambda step: {}, **config):
     """One request of `cycles` engine steps: the draft agrees on `first` of the tokens for its
-    first `refuted` steps, then on `then` (a draft's agreement comes in runs). Returns (one
-    character per step: "S" speculated, "." plain; tokens per virtual second)."""
+    first `refuted` steps, then on `then` (a draft's agreement comes in runs); `slow(step)`: the
+    models' slowdown factors at that step. Returns (one character per step: "S" speculated, "."
+    plain; tokens per virtual second)."""
     router = make_router(order=["d2", "T"], timer=lambda: 0.0, config=RouterConfig(**config))
     sim = Sim({PAIR: then}, seed=seed)
     steps, tokens, seconds, lag, left = [], 0, 0.0, 1, 4 * cycles
     for i in range(cycles):
         sim.per_request[0] = {"alphas": {PAIR: first if i < refuted else then}}
+        sim.slow.clear()
+        sim.slow.update(slow(i))
         row = RowContext(0, L0 + tokens, remaining=left, lags=(("d2", lag),), lags_generated=(("d2", lag - 1),))
         d = router.plan_batch([row]).decisions[0]
         stats, outcomes, fwd, committed = sim.run(d.chain, d.k, [0], L0 + tokens)
+        # the executor reports a model draft's k steps one by one (the simulator: one record)
+        fwd = [g for f in fwd for g in [dataclasses.replace(f, seconds=f.seconds / f.count, count=1)] * f.count]
         observe_cycle(router, stats, outcomes, fwd)
         lag = 1 if len(d.chain) > 1 else lag + 1  # the draft misses every plainly decoded token
         tokens, left, seconds = tokens + committed[0], left - committed[0], seconds + stats.wall_time
@@ -110,3 +121,29 @@ def test_idle_cycles_fade_a_requests_own_model_pair_evidence():
     assert abs(req.counts[PAIR][1] - 6.0 * decay) < 1e-9 and abs(req.tv[PAIR][1] - 4.0 * decay) < 1e-9
     assert req.counts[("ngram", "T")] == [1.0, 3.0]
     assert low < router.alpha(PAIR, "greedy", req) <= prior and req.version > version
+
+
+def test_a_draft_read_slow_in_a_stall_is_retried():
+    """One stalled step (the draft 15x, the target 3x) while speculating on a draft agreeing on
+    80%: the draft's speed jumps to 15 and the stream goes plain; a probe at its usual speed
+    after `probe_slow_after` (16) row-cycles reads it anew and it speculates again, ~1.45x the
+    tokens per second. Negative control (`probe_slow_after=200`, main's wait): plain to the end."""
+    stall = {20: STALL}
+    steps, rate = stream(0.8, 0.8, slow=lambda i: stall.get(i, {}))
+    old_steps, old_rate = stream(0.8, 0.8, slow=lambda i: stall.get(i, {}), probe_slow_after=200)
+    print(f"\n{steps} {rate:.1f} tok/s\n{old_steps} {old_rate:.1f} tok/s (before)")
+    assert steps[21:30] == "." * 9 and steps[40:].count("S") >= 0.95 * len(steps[40:]), steps
+    assert old_steps[21:] == "." * len(old_steps[21:]), old_steps
+    assert rate > 1.4 * old_rate, (rate, old_rate)
+
+
+def test_a_draft_that_stays_slow_is_retried_less_and_less():
+    """Negative control: the draft 5x slower from step 20 on, for good. Re-tried at 16, then 32,
+    64, ... row-cycles (doubling while it reads slow), within 2% of main's rate, which never
+    re-tries it in these 160 steps."""
+    steps, rate = stream(0.8, 0.8, slow=lambda i: {"d2": 5.0} if i >= 20 else {})
+    _, old_rate = stream(0.8, 0.8, slow=lambda i: {"d2": 5.0} if i >= 20 else {}, probe_slow_after=200)
+    print(f"\n{steps} {rate:.2f} vs {old_rate:.2f} tok/s")
+    tries = [i for i, c in enumerate(steps) if c == "S" and i > 21]
+    assert 1 <= len(tries) <= 3 and all(b - a > 40 for a, b in zip(tries, tries[1:])), tries
+    assert rate >= 0.98 * old_rate, (rate, old_rate)

@@ -242,10 +242,17 @@ class ProfileConfig:
     shape_alpha: float = 0.05  # weight of one residual in the grid cells it touches (slow)
     jump_ratio: float = 1.5  # an observation off by more than this factor (either way) ...
     jump_after: int = 2  # ... this many times in a row, same direction, resets speed at once
+    # a model's usual speed: a slow EMA of its observations' log speed levels, each clipped to
+    # jump_ratio around it (a stall moves it by 2% at most, a lasting slowdown enters it over
+    # some tens of observations): what the prober expects of a model read slow and not run
+    # since (router/probing.py)
+    usual_alpha: float = 0.05
 
     def __post_init__(self) -> None:
         if not (0 < self.ema_alpha <= 1 and 0 <= self.shape_alpha <= 1):
             raise ValueError("ema_alpha must be in (0, 1] and shape_alpha in [0, 1]")
+        if not 0 <= self.usual_alpha <= 1:
+            raise ValueError("usual_alpha must be in [0, 1]")
         if self.jump_ratio <= 1 or self.jump_after < 1:
             raise ValueError("jump_ratio must be > 1 and jump_after >= 1")
 
@@ -298,7 +305,12 @@ class RouterConfig:
     # the catch-up check (router/batch.py `BatchPlanner.alone`) weighed it at the request's own
     # estimate, the one the probe questions, and vetoed every such probe; False: as before
     probe_past_catch_up: bool = True
-    probe_slow_speed: float = 1.1  # a model this much slower than swept, timed stale_after ago, is re-probed
+    # a model read this much slower than its usual speed (CostProfile.usual), not timed for
+    # probe_slow_after row-cycles, is re-probed at its usual speed (router/probing.py): a draft
+    # read 13.7x slow in one stalled cycle (a co-tenant) was priced out of every plan and never
+    # timed again; its re-probe waited for the pair evidence's stale_after (200 row-cycles)
+    probe_slow_speed: float = 1.1
+    probe_slow_after: int = 16
     probe_fraction: float = 0.05  # at most this fraction of row-cycles are probes
     probe_time_fraction: float | None = 0.02  # and their cost at most this fraction of wall time
     # a probe observed alone is charged its realised extra seconds over the plan, not its
