@@ -536,10 +536,11 @@ class BatchPlanner:
         same published evidence and overheads are the same seconds, computed once."""
         router = self.router
         board = router.board
-        # the version every prediction below reads (board.predict: publishing, when asked, first)
+        # the version every prediction below reads (board.predict: publishing, when asked, first;
+        # then nothing changes it until the step's predictions are made: they read it as published)
         version = (board.current() if publish or board.published is None else board.published).version
         if not self.STEP_MEMO:
-            return self._step_seconds(plans, context_len, publish, processors, lags, span)
+            return self._step_seconds(plans, context_len, processors, lags, span)
         overhead = router.overhead
         n = len(plans)
         key = (tuple(plans), context_len // router.config.context_bucket,
@@ -551,16 +552,15 @@ class BatchPlanner:
             memo = self._step_memo = (version, {})
         seconds = memo[1].get(key)
         if seconds is None:
-            seconds = memo[1][key] = self._step_seconds(plans, context_len, publish, processors, lags, span)
+            seconds = memo[1][key] = self._step_seconds(plans, context_len, processors, lags, span)
         return seconds
 
     STEP_MEMO = True  # False: step_seconds computes every call (tests compare the two)
     STEP_MEMO_SIZE = 4096  # entries kept per published version
 
-    def _step_seconds(self, plans: Sequence[Plan], context_len: int, publish: bool = True,
-                      processors: Sequence[bool] = (), lags: Sequence[Sequence[tuple[str, int]]] = (),
-                      span: int | None = None) -> float:
-        """`step_seconds`, computed."""
+    def _step_seconds(self, plans: Sequence[Plan], context_len: int, processors: Sequence[bool] = (),
+                      lags: Sequence[Sequence[tuple[str, int]]] = (), span: int | None = None) -> float:
+        """`step_seconds`, computed on the evidence as published (`step_seconds` publishes first)."""
         router = self.router
         verify: dict[str, list[int]] = {}  # model -> widths of the rows it verifies / drafts (first step)
         behind: dict[str, list[int]] = {}  # the same, each row's unseen tokens (lags) added
@@ -582,7 +582,7 @@ class BatchPlanner:
         total += router.overhead["processor"] * sum(processor_forwards(c, k, router.model_free)
                                                     for (c, k), on in zip(plans, processors) if on)
         def predict(m: str, b: int, t: float, L: int) -> float:
-            return router.board.predict(m, b, t, L, publish)
+            return router.board.predict(m, b, t, L, False)
 
         def width(m: str, widths: list[int]) -> float:  # a packing runner costs its valid tokens
             return sum(widths) / len(widths) if m in router.packed else max(widths)
