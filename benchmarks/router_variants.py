@@ -24,7 +24,13 @@ probes charged to the budget at their predicted extra seconds, as before), no-st
 (stream_hold_steps=1: a settled speculating single stream decided every step, as before),
 no-plain-hold (stream_hold_plain=False: a single stream's plain plan kept by hysteresis decided
 every step, as before), no-refute (probe_refute_wait=0: a model pair's probe that refuted its
-optimism sets no wait, as before).
+optimism sets no wait, as before), catch-up-probes (probe_past_catch_up=False: a lone row's probe of a
+lagging draft weighed by the catch-up check at the request's own estimate, as before issue 28's
+lock-in fix), no-idle-fade (request_idle_decay=1.0: a request's evidence of a model pair frozen
+while it runs plain, as before), stale (both, as before).
+
+`--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
+the pool's shipped draft and its target; k after the colon).
 """
 
 from __future__ import annotations
@@ -62,6 +68,9 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "no-stream-hold": dataclasses.replace(base, stream_hold_steps=1),
         "no-plain-hold": dataclasses.replace(base, stream_hold_plain=False),
         "no-refute": dataclasses.replace(base, probe_refute_wait=0),
+        "catch-up-probes": dataclasses.replace(base, probe_past_catch_up=False),
+        "no-idle-fade": dataclasses.replace(base, request_idle_decay=1.0),
+        "stale": dataclasses.replace(base, probe_past_catch_up=False, request_idle_decay=1.0),
     }
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -77,6 +86,7 @@ def main() -> None:
     ap.add_argument("--workload", default="mixed")
     ap.add_argument("--prompts-per-type", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--statics", nargs="*", default=[], help="static chains beside them: draft>target:4 ...")
     for name in ("presence", "frequency", "repetition"):
         ap.add_argument(f"--{name}-penalty", type=float, default=None)
     args = ap.parse_args()
@@ -89,6 +99,10 @@ def main() -> None:
     systems = {n: AdaptiveSystem(pool, n, profile=profile, progress=False, router_config=c)
                for n, c in variants(args.variants).items()}
     systems["target-only"] = NativeSystem(pool, "target-only", (pool.target,), None)
+    aliases = {"draft": pool.order[-2], "target": pool.target}
+    for spec in args.statics:
+        chain, _, k = spec.partition(":")
+        systems[spec] = NativeSystem(pool, spec, tuple(aliases.get(m, m) for m in chain.split(">")), int(k or 4))
     for s in systems.values():  # first forwards allocate
         s.run(sr.encode("hello"), Decoding(0.0, 8, 0))
     names = list(systems)

@@ -242,10 +242,17 @@ class ProfileConfig:
     shape_alpha: float = 0.05  # weight of one residual in the grid cells it touches (slow)
     jump_ratio: float = 1.5  # an observation off by more than this factor (either way) ...
     jump_after: int = 2  # ... this many times in a row, same direction, resets speed at once
+    # a model's usual speed: a slow EMA of its observations' log speed levels, each clipped to
+    # jump_ratio around it (a stall moves it by 2% at most, a lasting slowdown enters it over
+    # some tens of observations): what the prober expects of a model read slow and not run
+    # since (router/probing.py)
+    usual_alpha: float = 0.05
 
     def __post_init__(self) -> None:
         if not (0 < self.ema_alpha <= 1 and 0 <= self.shape_alpha <= 1):
             raise ValueError("ema_alpha must be in (0, 1] and shape_alpha in [0, 1]")
+        if not 0 <= self.usual_alpha <= 1:
+            raise ValueError("usual_alpha must be in [0, 1]")
         if self.jump_ratio <= 1 or self.jump_after < 1:
             raise ValueError("jump_ratio must be > 1 and jump_after >= 1")
 
@@ -262,6 +269,12 @@ class RouterConfig:
     patience: int = 16  # ... or when it was predicted slower by > persist_margin this many decisions in a row
     persist_margin: float = 0.01  # the smallest gap that counts toward patience
     request_decay: float = 0.995  # per trial: a request's own acceptance counts forget (~200 trials)
+    # ... and a model pair's (its D_TV too) by this per cycle of the request without a trial of
+    # it (plain decoding, another chain): a draft's agreement comes in runs of some tokens
+    # (prose: runs of ~15 agreeing tokens between runs of none), so what its first cycles showed
+    # is not what the request's later ones will, and the request's estimate returns toward its
+    # prior instead of keeping it plain to its end (router/policy.py `fade_idle`); 1.0: never
+    request_idle_decay: float = 0.95
     request_prior_strength: float = 8.0  # pseudo-trials of the global alpha in a request's estimate
     request_hit_prior_strength: float = 2.0  # pseudo-proposals of the global hit rate in a request's (one per cycle, not ~k trials)
     # a new request's prior for a model pair: the global alpha, or if higher this quantile of
@@ -288,7 +301,16 @@ class RouterConfig:
     # that chose it refuted) keeps that pair from the request's probes for this many of its
     # cycles, doubling with each further refutation (router/probing.py); 0: no such back-off
     probe_refute_wait: int = 32
-    probe_slow_speed: float = 1.1  # a model this much slower than swept, timed stale_after ago, is re-probed
+    # a single stream's probe of a model draft that lags (plain steps before it) runs as decided:
+    # the catch-up check (router/batch.py `BatchPlanner.alone`) weighed it at the request's own
+    # estimate, the one the probe questions, and vetoed every such probe; False: as before
+    probe_past_catch_up: bool = True
+    # a model read this much slower than its usual speed (CostProfile.usual), not timed for
+    # probe_slow_after row-cycles, is re-probed at its usual speed (router/probing.py): a draft
+    # read 13.7x slow in one stalled cycle (a co-tenant) was priced out of every plan and never
+    # timed again; its re-probe waited for the pair evidence's stale_after (200 row-cycles)
+    probe_slow_speed: float = 1.1
+    probe_slow_after: int = 16
     probe_fraction: float = 0.05  # at most this fraction of row-cycles are probes
     probe_time_fraction: float | None = 0.02  # and their cost at most this fraction of wall time
     # a probe observed alone is charged its realised extra seconds over the plan, not its
@@ -393,7 +415,7 @@ class RouterConfig:
             raise ValueError(f"probe_refute_wait must be >= 0, got {self.probe_refute_wait!r}")
         if self.switch_margin < 0 or self.patience < 1 or self.probe_k < 1:
             raise ValueError("switch_margin must be >= 0, patience and probe_k >= 1")
-        for name in ("request_decay", "request_hit_decay"):
+        for name in ("request_decay", "request_hit_decay", "request_idle_decay"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if not 0.0 < self.realized_decay <= 1.0 or not 0.0 < self.realized_fade <= 1.0 or self.realized_prior_tokens < 0 or self.realized_tolerance < 0 \

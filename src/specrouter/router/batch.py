@@ -424,10 +424,17 @@ class BatchPlanner:
         forward that buys the rest of the request, paid once. Capped like the prompt's, it was
         priced again at every plain step, each time over more tokens and never over more than 16
         cycles, so a lone request that once decoded plainly stayed plain to its end (the
-        catch-up trap, docs/serving-performance.md, eleventh round)."""
+        catch-up trap, docs/serving-performance.md, eleventh round).
+
+        A probe (router/probing.py) runs as decided: it is chosen because the request's own
+        estimate may be wrong, so weighing it at that estimate vetoed every probe of a model
+        draft after plain steps (a lagging draft), and a prose request whose draft was refuted by
+        its first two cycles decoded plainly to its end at 0.64x what draft>target k=4 ran
+        (Sapphire Rapids, stale16); its cost, catch-up included, is the probe budget's (`settle`; `RouterConfig.probe_past_catch_up`)."""
         chain, k = decision.chain, decision.k
         lags = dict(row.lags)
-        if k == 0 or len(chain) < 2 or not any(lags.get(m, 1) > 1 for m in chain[:-1]):
+        if (k == 0 or len(chain) < 2 or not any(lags.get(m, 1) > 1 for m in chain[:-1])
+                or (decision.reason == "probe" and self.router.config.probe_past_catch_up)):
             return decision
         router = self.router
         req = router.requests.get(row.seq_id)

@@ -185,6 +185,20 @@ def observe_trials(router: "Router", req: RequestState, key: tuple[str, ...], mo
         router.similarity.touch(key, mode)
 
 
+def fade_idle(router: "Router", req: RequestState, chain: Chain, mode: str) -> None:
+    """A cycle of `req` ran `chain`: its own evidence of every model pair the chain did not run
+    fades by `RouterConfig.request_idle_decay` (toward its prior, republished when that moved its
+    alpha materially). A draft's agreement comes in runs (prose greedy on Sapphire Rapids: 15
+    agreeing tokens, then 20 of none), and a request whose draft was refuted by its first two
+    cycles decoded plainly to its end: nothing it ran tried the draft again, so nothing moved its
+    estimate. Model-free drafters' pairs are left: shadow proposals score them on plain cycles."""
+    ran = set(zip(chain[:-1], chain[1:]))
+    decay = router.config.request_idle_decay
+    for pair in req.counts.keys() | req.tv.keys():
+        if len(pair) == 2 and pair not in ran and pair[0] not in router.model_free and req.fade(pair, decay):
+            router.board.note_alpha(req, pair, mode)
+
+
 # ---------------------------------------------------------------------------------------------
 # the router
 
@@ -636,6 +650,8 @@ class Router:
                 self.prober.judge(req, r)
             req.cycles += 1
             chain = tuple(r.chain)
+            if cfg.request_idle_decay < 1.0:
+                fade_idle(self, req, chain, mode)
             for j in range(1, len(chain)):
                 pair = (chain[j - 1], chain[j])
                 cand, acc = int(r.drafted[j]), int(r.accepted[j])

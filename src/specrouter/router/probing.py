@@ -1,8 +1,10 @@
 """Step 3 of a decision (policy.py): bounded probing, optimism under uncertainty within a budget.
 
 Pairs with little (or faded) evidence (`SimilarityEstimator.needs_probe`) get their optimistic
-alpha (a Wilson upper bound), and models believed slow (speed > `probe_slow_speed`) whose timing
-is stale their swept speed; when the `ProbeBudget` allows (5% of row-cycles, 2% of wall time) and
+alpha (a Wilson upper bound), and models read slow (speed > `probe_slow_speed` x their usual
+speed, `CostProfile.usual`) and not timed for `probe_slow_after` row-cycles their usual speed (a
+draft read 13.7x slow in one stalled cycle was priced out of every plan, so never timed again,
+and waited for `stale_after`, 200 row-cycles, to be re-probed at its swept speed); when the `ProbeBudget` allows (5% of row-cycles, 2% of wall time) and
 a chain measuring one of them could beat the plan in that optimistic world, one cycle runs it
 (the most promising first), at its best k up to `probe_k`; its expected extra cost over the plan
 is charged to the budget when it is chosen, and replaced by its realised extra cost once the
@@ -49,6 +51,7 @@ class Prober:
         self.next_check = 0  # row-cycle from which a probe is worth computing again
         self.probes: dict[Pair, tuple[int, float, int]] = {}  # pair -> (row-cycle, trials then, back-off)
         self.model_seen: dict[str, int] = {}  # row-cycle each model was last timed
+        self.slow_waits: dict[str, int] = {}  # model read slow -> row-cycles before its next re-probe (`_slow`)
         # seq_id -> (the plan's seconds per token, the probe's predicted extra seconds, the
         # router's seconds per cycle it was predicted with) of a probe not yet observed
         self.pending: dict[int, tuple[float, float, float]] = {}
@@ -128,8 +131,8 @@ class Prober:
         cfg, sim, now = router.config, router.similarity, router.similarity.now
         waits = {p for p, (until, _) in req.probe_waits.items() if req.cycles < until} if req is not None else ()
         busy = set(zip(running[:-1], running[1:]))
-        slow = {m for m in router.order if m in router.profile and router.profile.speed(m) > cfg.probe_slow_speed
-                and now - self.model_seen.get(m, 0) >= sim.config.stale_after}
+        slow = self._slow(now)
+        prof = router.profile
         candidates = [p for p in router.pairs if p not in busy and p not in waits
                       and (sim.needs_probe(p, mode) or slow.intersection(p))
                       and now >= self._ready(p, mode)]
@@ -143,9 +146,9 @@ class Prober:
                     if t[1:] == p:
                         hopeful[t] = max(alphas[t], hopeful[p])
         hopeful_costs = dict(costs)
-        for m in slow:  # it may have recovered while nobody looked
+        for m in slow:  # it may have recovered while nobody looked: at its usual speed
             if isinstance(costs[m], np.ndarray):
-                hopeful_costs[m] = costs[m] / router.profile.speed(m)
+                hopeful_costs[m] = costs[m] * prof.usual(m) / prof.speed(m)
         table = router.table(hopeful_costs, hopeful, overhead, k_cap)
         t = table.t_eff  # (C, K)
         if len(running) == 1 and charge.nonzero:  # a plain plan: both kinds' host seconds
@@ -160,11 +163,30 @@ class Prober:
         if best is None:
             return None
         _, p, i, j = best
+        for m in slow.intersection(router.chains[i]):  # read slow again, it waits twice as long
+            self.slow_waits[m] = 2 * self.slow_waits.get(m, cfg.probe_slow_after)
         last = self.probes.get(p)
         wait = 0 if last is None or self._taught(p, mode, last) else max(2 * last[2], cfg.probe_recheck)
         longest = int(cfg.probe_max_wait * sim.config.stale_after)
         self.probes[p] = (now, sim.stats(p, mode).trials, min(wait, longest))
         return i, min(j + 1, cfg.probe_k)
+
+    def _slow(self, now: int) -> set[str]:
+        """The models read slower than usual (`probe_slow_speed` x `CostProfile.usual`) and not
+        timed for their wait: `probe_slow_after` row-cycles, doubled at each probe that ran
+        one of them (a model that stays slow is re-tried at 16, 32, 64, ... row-cycles; one read
+        at its usual speed again starts afresh)."""
+        router, prof = self.router, self.router.profile
+        threshold, first = router.config.probe_slow_speed, router.config.probe_slow_after
+        slow = set()
+        for m in router.order:
+            if m not in prof:
+                continue
+            if prof.speed(m) <= threshold * prof.usual(m):
+                self.slow_waits.pop(m, None)
+            elif now - self.model_seen.get(m, 0) >= self.slow_waits.get(m, first):
+                slow.add(m)
+        return slow
 
     def first_pair_chains(self, pair: Pair) -> list[int]:
         """Indices of the chains that start with `pair` (module docstring); every chain that

@@ -19,6 +19,14 @@ batch rows x new tokens x context length, times one speed factor:
   (b, t, L), also those not observed (plain decoding's 1-token target step while the target only
   verifies, say). An outlier's EMA step is clipped at `jump_ratio` and it does not refine the
   grid, so a single stall moves the prediction by 1.5^0.3 ~ 13% at most.
+- A model the router stops running keeps its last speed: a draft whose forwards ran in a stall
+  (a co-tenant: one 86 ms cycle read the draft at 13.7x its sweep) is priced out of every plan
+  and so never read again. Each model also keeps its usual speed (`usual`: a slow EMA,
+  `usual_alpha` 0.05, of its observations' log levels, each clipped to `jump_ratio` around
+  it, so a stall moves it by 2% at most and a lasting slowdown enters it over some tens of
+  observations), what the prober (router/probing.py) expects of a model read slow and not run
+  since: it re-tries such a model within its budget, and one probe's forwards set the speed
+  anew (the step detector jumps on 2).
 - The residual left after the speed update refines the grid cells around the observation
   slowly (`shape_alpha`, 0.05, in log space, weighted by the interpolation weights), so a sweep
   whose shape is off (e.g. t=1 steps relatively slower in the engine than in the sweep) is
@@ -184,6 +192,7 @@ class _ModelTable:
     context_lengths: np.ndarray  # (nl,) ascending
     seconds: np.ndarray  # (nb, nt, nl) shape of T_M on the grid (speed factor excluded)
     speed: float = 1.0  # fast multiplicative correction (online)
+    usual: float = 1.0  # usual speed (slow EMA in log of clipped levels): what a probe expects of it
     streak: list[float] = field(default_factory=list)  # log speed levels of a step in progress
     streak_up: bool | None = None  # its direction
     observations: int = 0
@@ -306,6 +315,10 @@ class CostProfile:
         """The online factor over the swept shape (1: as swept; 3: three times slower)."""
         return self._table(name).speed
 
+    def usual(self, name: str) -> float:
+        """Its usual speed (module docstring): the speed its observations read over the longer run."""
+        return self._table(name).usual
+
     def _table(self, name: str) -> _ModelTable:
         try:
             return self._models[name]
@@ -347,6 +360,9 @@ class CostProfile:
         else:  # an outlier's EMA step is clipped: one stall moves the speed little
             clip = math.log(cfg.jump_ratio)
             m.speed *= math.exp(cfg.ema_alpha * min(max(log_ratio, -clip), clip))
+        if cfg.usual_alpha > 0:  # the usual speed: each level clipped to jump_ratio around it
+            clip = math.log(cfg.jump_ratio)
+            m.usual *= math.exp(cfg.usual_alpha * min(max(level - math.log(m.usual), -clip), clip))
         # 2. shape: the residual, slowly, into the cells around each observed shape (not an outlier's)
         residual = math.log(seconds / (m.speed * base))
         if cfg.shape_alpha > 0 and residual != 0.0 and not outlier:

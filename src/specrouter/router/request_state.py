@@ -45,6 +45,18 @@ class RequestState:
         c = self.counts.setdefault(pair, [0.0, 0.0])
         c[:] = decayed_add(c, (accepted, rejections), decay, accepted + rejections)
 
+    def fade(self, pair: Pair, decay: float) -> bool:
+        """A cycle passed without a trial of `pair`: its own counts and D_TV fade by `decay`
+        (its estimate returns toward its prior). Whether it had any to fade."""
+        had = False
+        for store in (self.counts, self.tv):
+            c = store.get(pair)
+            if c is not None and c[1] > 0.0:
+                c[0] *= decay
+                c[1] *= decay
+                had = True
+        return had
+
     def observe_tv(self, pair: Pair, tv: float, positions: int, decay: float) -> None:
         t = self.tv.setdefault(pair, [0.0, 0.0])
         t[:] = decayed_add(t, (tv * positions, float(positions)), decay, positions)
