@@ -101,7 +101,7 @@ def test_a_stream_interval_coalesces_steps_while_other_rows_run(engine):
     assert [len(ev.token_ids) for ev in a] == [1] * 7
 
 
-def test_a_lone_streamed_row_is_never_held(engine):
+def test_a_lone_streamed_row_with_a_fixed_interval_is_never_held(engine):
     (alone,), handoffs = _serve(engine, [True], interval=3)
     assert [len(ev.token_ids) for ev in alone] == [1] * 7 and len(handoffs) == 7
 
@@ -247,6 +247,18 @@ def test_the_pacer_keeps_hand_offs_within_its_budget_of_the_engine_time():
     assert paced(0.004, 0.0005) == 9  # ceil(8.33): short steps, ...
     assert paced(0.001, 0.003) == 100  # ... capped by 100 ms of steps (200 by the budget)
     assert paced(0.2, 0.05) == 1  # a step over max_hold: a chunk every step
+
+    def lone(step: float, handoff: float) -> int:
+        p = StreamPacer(budget=0.015, max_hold=0.1, max_hold_lone=0.05)
+        p.observe_handoff(handoff)
+        p.observe_step(step)
+        return p.lone
+
+    assert StreamPacer(start=2).lone == 2
+    assert lone(0.010, 0.00035) == 3  # c=1 on a Sapphire Rapids: a chunk every ~30 ms
+    assert lone(0.004, 0.0005) == 9  # the same rule as the batch's ...
+    assert lone(0.001, 0.003) == 50  # ... within 50 ms of steps (the batch's: 100)
+    assert lone(0.06, 0.0005) == 1  # a step over max_hold_lone: a chunk every step
     p = StreamPacer(weight=0.5)  # running means
     p.observe_handoff(0.001)
     p.observe_handoff(0.0)
@@ -256,10 +268,12 @@ def test_the_pacer_keeps_hand_offs_within_its_budget_of_the_engine_time():
 def test_paced_streams_get_fewer_events_with_the_same_tokens(engine):
     """interval 0 (the default): the engine's pacer holds streamed rows while others run (tiny
     steps against a hand-off: the 100 ms cap's many steps), every token arrives, in order; a lone
-    paced row is never held."""
+    paced row too (within 50 ms), its first token at once, its last with the row's end."""
     (a, b, whole), handoffs = _serve(engine, [True, True, False], interval=0)
     for streamed in (a, b):
         assert len(streamed) < PARAMS.max_new_tokens and len(streamed[0].token_ids) == 1
         assert [t for ev in streamed for t in ev.token_ids] == whole[0].token_ids
-    (alone,), _ = _serve(engine, [True], interval=0)
-    assert [len(ev.token_ids) for ev in alone] == [1] * 7
+    (alone,), handoffs = _serve(engine, [True], interval=0)
+    assert len(alone) < PARAMS.max_new_tokens and len(alone[0].token_ids) == 1 and alone[-1].done
+    assert [t for ev in alone for t in ev.token_ids] == whole[0].token_ids
+    assert len(handoffs) == len(alone)  # (the control, a fixed interval: 7 hand-offs, above)

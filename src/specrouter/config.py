@@ -467,12 +467,13 @@ class ServerConfig:
     max_queue: int = 64  # requests waiting for a row; beyond: 429
     # steps whose tokens one SSE chunk of a streamed row may carry while other rows run in the
     # batch (vLLM's --stream-interval): fewer chunks for the event loop to write and the client
-    # to parse under load; a lone row, a row's first tokens and its last are never held (1: a
+    # to parse under load; a row's first tokens and its last are never held, nor with n > 1 a lone row (1: a
     # chunk every step). Rows with stop strings read every step (they end as soon as one appears).
     # 0 (the default): paced by what a hand-off costs on this machine, the fewest steps that keep
     # the hand-offs within 1.5% of the engine's time and a chunk at least every 100 ms
     # (server/async_engine.py StreamPacer: 4-7 steps at c=4 / c=8 on a 2-core Sapphire Rapids,
-    # 1-2 where steps are 40-80 ms; docs/serving-performance.md)
+    # 1-2 where steps are 40-80 ms; docs/serving-performance.md); with 0 a lone stream is paced
+    # too, a chunk at least every 50 ms (3 steps at c=1 there)
     stream_interval: int = 0
     # the engine thread runs on fewer torch threads while another process takes one of its cores
     # (server/contention.py `TeamGovernor`: a starved OpenMP team spins through its barriers);

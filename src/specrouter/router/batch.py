@@ -431,7 +431,8 @@ class BatchPlanner:
         estimate may be wrong, so weighing it at that estimate vetoed every probe of a model
         draft after plain steps (a lagging draft), and a prose request whose draft was refuted by
         its first two cycles decoded plainly to its end at 0.64x what draft>target k=4 ran
-        (Sapphire Rapids, stale16); its cost, catch-up included, is the probe budget's (`settle`; `RouterConfig.probe_past_catch_up`)."""
+        (Sapphire Rapids, stale16); its cost, catch-up included, is the probe budget's
+        (`Prober.settle`; `RouterConfig.probe_past_catch_up`)."""
         chain, k = decision.chain, decision.k
         lags = dict(row.lags)
         if (k == 0 or len(chain) < 2 or not any(lags.get(m, 1) > 1 for m in chain[:-1])

@@ -18,7 +18,7 @@ whole response with no stop string and no logprobs, reads nothing before its end
 event when it finishes, and a step none of whose rows needs a hand-off makes none, as in-process
 generation; a stream with `ServerConfig.stream_interval` n > 1 gets one every n steps while other
 rows run, its first and last tokens at once; n = 0, the default, paces streams by what a
-hand-off costs on this machine: `StreamPacer`), and the engine thread waits (at most `handoff_wait`, 2 ms)
+hand-off costs on this machine, a lone stream's too: `StreamPacer`), and the engine thread waits (at most `handoff_wait`, 2 ms)
 until the event loop has taken them and run what they woke (SSE chunks written): the loop's
 per-step work then runs while no forward does, instead of preempting one of the forward's
 OpenMP threads and taking the GIL from the engine thread mid-forward (with the 0.5 ms GIL
@@ -65,6 +65,7 @@ HANDOFF_WAIT_S = 0.002  # the most the engine thread waits for the event loop to
 ADMISSION_WAIT_S = 0.02  # the most an idle engine waits for requests still arriving before it starts
 STREAM_BUDGET = 0.015  # the share of the engine's time the hand-offs of held streams may take (StreamPacer)
 MAX_HOLD_S = 0.1  # the longest a held stream's tokens wait for their chunk (StreamPacer)
+MAX_HOLD_LONE_S = 0.05  # ... a lone paced stream's (c=1: its reader waits for nobody else's tokens)
 PACE_START = 2  # StreamPacer's interval before it has measured a step and a hand-off
 PACE_EMA = 0.1  # weight of the newest step / hand-off in StreamPacer's running means
 
@@ -125,14 +126,19 @@ class StreamPacer:
     and never more than `max_hold` seconds of steps (a chunk at least that often): 4-7 steps at
     c=4 / c=8 there (by the chunks a level carried; the hand-offs' running mean includes the
     heavier first and last ones of a batch), 1-2 on a CPU whose steps are 40-80 ms (a hand-off is a small part of them).
-    Only the engine thread calls it."""
+    A lone stream (c=1) is paced by the same rule within `max_hold_lone` (`lone`): a hand-off a
+    step was ~3.5% of a 10 ms single-row step there, what streaming cost a c=1 request
+    (docs/serving-performance.md, fourteenth round); 3 steps, a chunk every ~30 ms, keep it
+    within the budget. Only the engine thread calls it."""
 
     def __init__(self, budget: float = STREAM_BUDGET, max_hold: float = MAX_HOLD_S,
-                 start: int = PACE_START, weight: float = PACE_EMA):
+                 start: int = PACE_START, weight: float = PACE_EMA, max_hold_lone: float = MAX_HOLD_LONE_S):
         self.budget, self.max_hold, self.weight = budget, max_hold, weight
+        self.max_hold_lone = max_hold_lone
         self.step: float | None = None  # running mean of an engine step's wall seconds
         self.handoff: float | None = None  # running mean of a hand-off's (the engine thread's wait)
-        self.interval = start
+        self.interval = start  # steps a paced stream's chunk may hold while other rows run
+        self.lone = start  # ... a lone paced stream's
 
     def observe_step(self, seconds: float) -> None:
         self.step = self._mean(self.step, seconds)
@@ -149,6 +155,7 @@ class StreamPacer:
             return
         n = math.ceil(self.handoff / (self.budget * self.step))
         self.interval = max(1, min(n, int(self.max_hold / self.step)))
+        self.lone = max(1, min(n, int(self.max_hold_lone / self.step)))
 
 
 class AsyncEngine:
@@ -338,7 +345,7 @@ class AsyncEngine:
         with self._cv:
             self.engine.recover_from_hang(failure)
             outputs = [StepOutput(h.seq, h.seq.tokens[h.sent:]) for h in list(self._by_seq.values())]
-            deliveries = self._events(outputs, time.perf_counter())
+            deliveries = self._events(outputs, time.perf_counter())  # rows 0: nothing held
             self._gauges()
         if deliveries:
             self._deliver(deliveries)
@@ -404,18 +411,21 @@ class AsyncEngine:
         return out
 
     def _events(self, outputs: list[StepOutput], now: float,
-                rows: int = 1) -> list[tuple[RequestHandle, TokenEvent]]:
+                rows: int = 0) -> list[tuple[RequestHandle, TokenEvent]]:
         """The event of each output's request (lock held); finished rows leave `_by_seq`. A
         per_step row with `interval` > 1 in a step of `rows` > 1 rows gets its tokens every
         `interval` steps (a stream interval: fewer chunks to write and parse while the batch
-        shares the cores); its first tokens, its last and a lone row's are never held. A held
+        shares the cores); its first tokens and its last are never held, nor a lone row's
+        unless the pacer sets its interval (interval 0: `StreamPacer.lone`, a chunk at least
+        every 50 ms; with a fixed interval a lone row gets every step's). `rows` 0 (a
+        recovery): nothing is held. A held
         row rides along whenever the step hands something over anyway (another row due, a
         first token, a row's end): the hand-off's fixed cost (two thread wake-ups) is paid once
         for every row it can carry, and rows that joined at different steps fall into one
         phase at the first hand-off they share, instead of a hand-off every step for rows in
         alternate phases."""
         out, held = [], []
-        paced = self.pacer.interval  # the interval of rows submitted with 0
+        paced = self.pacer.interval if rows > 1 else self.pacer.lone  # of rows submitted with 0
         for o in outputs:
             h = self._by_seq.get(o.seq.seq_id)
             if h is None:  # aborted meanwhile
@@ -428,7 +438,8 @@ class AsyncEngine:
             if not (h.per_step or o.seq.done):
                 continue  # its tokens wait in seq.tokens[h.sent:] for its end
             interval = h.interval or paced
-            if interval > 1 and rows > 1 and not o.seq.done and h.first_commit != now:
+            if interval > 1 and (rows > 1 or rows == 1 and not h.interval) and not o.seq.done \
+                    and h.first_commit != now:
                 h.held += 1
                 if h.held < interval:
                     held.append((h, o))  # in seq.tokens[h.sent:]: the event `interval` steps on,
