@@ -19,6 +19,7 @@ import time
 
 from router_decide import ALPHAS, COSTS, build_router
 
+from specrouter.records.routing import StepReport
 from specrouter.router.policy import ForwardRecord, RowContext, RowOutcome
 
 L0, LENGTH = 256, 512  # a row's prompt, and the tokens it generates before a new one replaces it
@@ -65,17 +66,23 @@ def run(b: int, steps: int, noise: float, seed: int = 0) -> dict[str, float]:
     plan_us, decide_us, observe_us = [], [], []
     for _ in range(steps):
         rows = [RowContext(s, L, batch_size=b, remaining=L0 + LENGTH + 64 - L) for s, L in lens.items()]
+        last = router.events[-1] if router.events else None
         t0 = time.perf_counter()
         decisions = router.plan_batch(rows).decisions
         plan_us.append(1e6 * (time.perf_counter() - t0))
-        decide_us.append(1e6 * sum(e.decide_seconds for e in list(router.events)[-b:]))
+        fresh = []  # this step's decisions only (a held step makes none)
+        for e in reversed(router.events):
+            if e is last:
+                break
+            fresh.append(e)
+        decide_us.append(1e6 * sum(e.decide_seconds for e in fresh))
         plans = [(d.chain, d.k) for d in decisions]
         results = [outcome(rng, r.seq_id, c, k, r.context_len) for r, (c, k) in zip(rows, plans)]
         L = sum(lens.values()) // b
         fwd = forwards(rng, plans, L, noise)
         seconds = sum(f.seconds for f in fwd)
         t0 = time.perf_counter()
-        router.observe_step([o for o, _ in results], fwd, seconds + 3e-4, seconds, any(k for _, k in plans))
+        router.observe_step(StepReport([o for o, _ in results], fwd, seconds + 3e-4, seconds, any(k for _, k in plans)))
         observe_us.append(1e6 * (time.perf_counter() - t0))
         for (o, committed) in results:
             lens[o.seq_id] += committed
