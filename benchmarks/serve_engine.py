@@ -7,8 +7,8 @@ first. One router learns along the whole run (as a server's does).
 Per level: tokens/s of both and the ratio; with `--trace`, the router's steps by kind (held
 plain, planned plain, speculative): their count, mean rows, predicted and realised seconds per
 step (the planner's `step_seconds` at the plans that ran, against the executor's wall time
-plus the planning), tokens per step, target forwards per step and host seconds per step (wall
-minus forwards); the plain engine's steps beside them.
+plus the planning), tokens per step, target forwards per step, host seconds per step (wall
+minus forwards) and forward seconds per step; the plain engine's steps beside them.
 
     python benchmarks/serve_engine.py [--concurrency 2 4 8] [--temperature 0] [--requests 16]
         [--max-new-tokens 64] [--rounds 2] [--trace]
@@ -36,7 +36,8 @@ from specrouter.router.setup import build_router
 
 
 class StepLog:
-    """Every step of one engine: (kind, rows, predicted s, realised s, tokens, target forwards, host s)."""
+    """Every step of one engine: (kind, rows, predicted s, realised s, tokens, target forwards, host s,
+    forward s)."""
 
     def __init__(self, engine: Engine, planner=None):
         self.steps: list[tuple] = []
@@ -46,12 +47,17 @@ class StepLog:
         def logged(rows, ran):
             result = ran[0]
             if result is not None:
+                t0 = time.perf_counter()
                 self.record(rows, result)
+                self.own_seconds += time.perf_counter() - t0  # the log's, not the engine's
             report(rows, ran)
 
         engine._report = logged
         step, execute = engine.step, engine.executor.step
         self.engine_seconds = self.executor_seconds = 0.0
+        # seconds spent recording steps (the router's predicted seconds of each: a step_seconds
+        # call): taken out of the engine's step and of the round's wall time (`main`)
+        self.own_seconds = 0.0
 
         self.kind = None  # the kind of the step being run (set by record)
         self.step_parts: dict[str, float] = defaultdict(float)  # this step's parts
@@ -60,10 +66,10 @@ class StepLog:
 
         def timed_step():
             t0 = time.perf_counter()
-            executor_before = self.executor_seconds
+            executor_before, own_before = self.executor_seconds, self.own_seconds
             self.kind, self.step_parts = None, defaultdict(float)
             out = step()
-            wall = time.perf_counter() - t0
+            wall = time.perf_counter() - t0 - (self.own_seconds - own_before)
             self.engine_seconds += wall
             if self.kind is not None:
                 k = self.by_kind[self.kind]
@@ -129,7 +135,7 @@ class StepLog:
         kind = self.engine.last_step_kind  # "held" on a hold or its lease (engine.step_kind)
         self.kind = kind
         self.steps.append((kind, len(plans), predicted, realised if self.planner else result.wall_time,
-                           tokens, fwd, host))
+                           tokens, fwd, host, sum(result.forward_time.values())))
 
 
 def summary(log: StepLog, label: str) -> list[str]:
@@ -141,7 +147,7 @@ def summary(log: StepLog, label: str) -> list[str]:
         mean = lambda i: statistics.fmean(x[i] for x in ss)  # noqa: E731
         out.append(f"  {label:6s} {kind:5s} rows={n} steps={len(ss):4d} pred={mean(2) * 1e3:6.1f} ms "
                    f"real={mean(3) * 1e3:6.1f} ms tok/step={mean(4):.2f} tfwd/step={mean(5):.2f} "
-                   f"host={mean(6) * 1e3:5.1f} ms  tok/s={sum(x[4] for x in ss) / sum(x[3] for x in ss):.1f}")
+                   f"host={mean(6) * 1e3:5.2f} ms fwd={mean(7) * 1e3:6.2f} ms  tok/s={sum(x[4] for x in ss) / sum(x[3] for x in ss):.1f}")
     return out
 
 
@@ -183,7 +189,7 @@ def main() -> None:
                                          ignore_eos=True, seed=i) for i in range(n_req)]
                 t0 = time.perf_counter()
                 seqs = run(engine, ids, params, c, chain)
-                wall = time.perf_counter() - t0
+                wall = time.perf_counter() - t0 - log.own_seconds
                 log.close()
                 tps[name][0] += sum(len(s.output_ids) for s in seqs)
                 tps[name][1] += wall

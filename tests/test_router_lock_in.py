@@ -121,6 +121,10 @@ def test_idle_cycles_fade_a_requests_own_model_pair_evidence():
     assert abs(req.counts[PAIR][1] - 6.0 * decay) < 1e-9 and abs(req.tv[PAIR][1] - 4.0 * decay) < 1e-9
     assert req.counts[("ngram", "T")] == [1.0, 3.0]
     assert low < router.alpha(PAIR, "greedy", req) <= prior and req.version > version
+    req.counts[PAIR] = [0.5, 0.0]  # accepted only: it fades too, and is dropped once negligible
+    for _ in range(120):
+        fade_idle(router, req, ("T",), "greedy")
+    assert PAIR not in req.counts and PAIR not in req.tv and router.alpha(PAIR, "greedy", req) == prior
 
 
 def test_a_draft_read_slow_in_a_stall_is_retried():

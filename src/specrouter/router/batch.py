@@ -183,6 +183,7 @@ class BatchPlanner:
         # asking (`BatchPlan.steps`); observe counts their rows as held decisions
         self.leased: tuple[int, int] | None = None
         self._plain_seconds: dict[tuple[int, int], tuple[float, int]] = {}  # plain_step_seconds' memo
+        self._step_memo: tuple[int, dict] = (-1, {})  # step_seconds' memo: (published version, key -> seconds)
         self.events: deque = deque(maxlen=router.config.log_size)  # (row-cycle, rows, reason, rate, plain rate)
 
     # -- planning ---------------------------------------------------------------------------
@@ -430,7 +431,8 @@ class BatchPlanner:
         estimate may be wrong, so weighing it at that estimate vetoed every probe of a model
         draft after plain steps (a lagging draft), and a prose request whose draft was refuted by
         its first two cycles decoded plainly to its end at 0.64x what draft>target k=4 ran
-        (Sapphire Rapids, stale16); its cost, catch-up included, is the probe budget's (`settle`; `RouterConfig.probe_past_catch_up`)."""
+        (Sapphire Rapids, stale16); its cost, catch-up included, is the probe budget's
+        (`Prober.settle`; `RouterConfig.probe_past_catch_up`)."""
         chain, k = decision.chain, decision.k
         lags = dict(row.lags)
         if (k == 0 or len(chain) < 2 or not any(lags.get(m, 1) > 1 for m in chain[:-1])
@@ -530,7 +532,36 @@ class BatchPlanner:
         catch-up is paid once per switch to speculation, so it is charged over the speculative
         hold's steps (`RouterConfig.spec_hold_steps`; `span`: over that many steps instead),
         what the switch buys at least.
-        `publish`: as `EvidenceBoard.predict`."""
+        `publish`: as `EvidenceBoard.predict`.
+        Memoized (`_step_memo`): the same plans, context bucket, flags, lags and span under the
+        same published evidence and overheads are the same seconds, computed once."""
+        router = self.router
+        board = router.board
+        # the version every prediction below reads (board.predict: publishing, when asked, first;
+        # then nothing changes it until the step's predictions are made: they read it as published)
+        version = (board.current() if publish or board.published is None else board.published).version
+        if not self.STEP_MEMO:
+            return self._step_seconds(plans, context_len, processors, lags, span)
+        overhead = router.overhead
+        n = len(plans)
+        key = (tuple(plans), context_len // router.config.context_bucket,
+               tuple(i for i, (_, on) in enumerate(zip(plans, processors)) if on),
+               tuple(tuple(lags[i]) if i < len(lags) and k > 0 and len(c) > 1 else () for i, (c, k) in enumerate(plans)),
+               span, overhead["spec"], overhead["plain"], overhead["processor"], overhead["draft_step"], n)
+        memo = self._step_memo
+        if memo[0] != version or len(memo[1]) >= self.STEP_MEMO_SIZE:
+            memo = self._step_memo = (version, {})
+        seconds = memo[1].get(key)
+        if seconds is None:
+            seconds = memo[1][key] = self._step_seconds(plans, context_len, processors, lags, span)
+        return seconds
+
+    STEP_MEMO = True  # False: step_seconds computes every call (tests compare the two)
+    STEP_MEMO_SIZE = 4096  # entries kept per published version
+
+    def _step_seconds(self, plans: Sequence[Plan], context_len: int, processors: Sequence[bool] = (),
+                      lags: Sequence[Sequence[tuple[str, int]]] = (), span: int | None = None) -> float:
+        """`step_seconds`, computed on the evidence as published (`step_seconds` publishes first)."""
         router = self.router
         verify: dict[str, list[int]] = {}  # model -> widths of the rows it verifies / drafts (first step)
         behind: dict[str, list[int]] = {}  # the same, each row's unseen tokens (lags) added
@@ -552,7 +583,7 @@ class BatchPlanner:
         total += router.overhead["processor"] * sum(processor_forwards(c, k, router.model_free)
                                                     for (c, k), on in zip(plans, processors) if on)
         def predict(m: str, b: int, t: float, L: int) -> float:
-            return router.board.predict(m, b, t, L, publish)
+            return router.board.predict(m, b, t, L, False)
 
         def width(m: str, widths: list[int]) -> float:  # a packing runner costs its valid tokens
             return sum(widths) / len(widths) if m in router.packed else max(widths)

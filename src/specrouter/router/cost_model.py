@@ -75,7 +75,7 @@ class ModelFreeDraft:
 
     def __post_init__(self) -> None:
         if isinstance(self.cost, np.ndarray):
-            if self.cost.ndim != 1 or not (np.all(np.isfinite(self.cost)) and np.all(self.cost >= 0)):
+            if self.cost.ndim != 1 or not _finite_nonnegative(self.cost):
                 raise ValueError("ModelFreeDraft.cost as an array must be 1-D, finite and >= 0")
         elif not callable(self.cost):
             _check_seconds("ModelFreeDraft.cost", self.cost)
@@ -84,9 +84,9 @@ class ModelFreeDraft:
     def costs(self, ks: np.ndarray) -> np.ndarray:
         """(K,) seconds of proposing for each draft length in `ks`."""
         if isinstance(self.cost, np.ndarray):
-            if int(np.max(ks)) >= len(self.cost):
-                raise ValueError(f"ModelFreeDraft.cost covers k < {len(self.cost)}, asked up to {int(np.max(ks))}")
-            return self.cost[ks].astype(np.float64)
+            if int(ks.max()) >= len(self.cost):
+                raise ValueError(f"ModelFreeDraft.cost covers k < {len(self.cost)}, asked up to {int(ks.max())}")
+            return self.cost[ks].astype(np.float64, copy=False)  # (fancy indexing made a copy)
         if callable(self.cost):
             out = np.array([float(self.cost(int(k))) for k in ks])
             if not (np.all(np.isfinite(out)) and np.all(out >= 0)):
@@ -136,6 +136,16 @@ class Plan:
 
 # ---------------------------------------------------------------------------------------------
 # validation
+
+
+def _finite_nonnegative(a: np.ndarray) -> bool:
+    """Every entry finite and >= 0 (NaN fails: its comparisons are false): two reductions, not
+    the four temporaries of `np.all(np.isfinite(a)) and np.all(a >= 0)` (the router validates
+    its cost rows at every decision)."""
+    return a.size == 0 or bool(_MIN(a) >= 0.0 and math.isfinite(_MAX(a)))
+
+
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # (without ndarray.min's Python wrapper)
 
 
 def _check_probability(name: str, value: float) -> None:
@@ -191,7 +201,7 @@ def cost_table(cost: CostSpec, t_max: int) -> np.ndarray:
             )
         table = given[: t_max + 1].copy()
         table[0] = 0.0
-    if not (np.all(np.isfinite(table)) and np.all(table >= 0)):
+    if not _finite_nonnegative(table):
         raise ValueError(f"forward costs must be finite and >= 0 seconds, got {table[1:]}")
     return table
 
@@ -233,9 +243,25 @@ def _confirmed_transition(beta: float, alpha: float, width: int) -> np.ndarray:
     return out
 
 
+@lru_cache(maxsize=32)
+def _proposed(k_max: int, width: int) -> np.ndarray:
+    """(K, W) read-only: row k-1 proposes k candidates (`np.eye(k_max, width, k=1)`)."""
+    out = np.eye(k_max, width, k=1)
+    out.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=32)
+def _counts(width: int) -> np.ndarray:
+    """(W,) read-only float64 0..W-1: the token counts a length distribution is over."""
+    out = np.arange(width, dtype=np.float64)
+    out.setflags(write=False)
+    return out
+
+
 def _draft_distribution(hit_rate: float, k_max: int, width: int) -> np.ndarray:
     """(K, W): row k-1 is the distribution of n_2 (candidates proposed) for draft length k."""
-    dist = hit_rate * np.eye(k_max, width, k=1)  # (K, W) k proposed
+    dist = hit_rate * _proposed(k_max, width)  # (K, W) k proposed (a new array)
     if hit_rate < 1.0:
         dist[:, 0] = 1.0 - hit_rate  # a miss proposes nothing
     return dist
@@ -269,7 +295,7 @@ def _cycle_by_k(
                 else _transition(float(alpha), width))
         dist = dist @ step  # (K, W) distribution of n_{j+1}
         dists.append(dist)
-    tokens = dist @ np.arange(width, dtype=np.float64)  # (K,) E[n_{N+1}]
+    tokens = dist @ _counts(width)  # (K,) E[n_{N+1}]
     return latency, tokens, dists
 
 
@@ -492,6 +518,7 @@ def best_plan(
     latency = np.empty((len(chains), k_max))  # (C, K)
     tokens = np.empty((len(chains), k_max))  # (C, K)
     full_draft = _draft_distribution(1.0, k_max, width)  # (K, W) shared by model drafters
+    drafts: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # drafter -> (its seconds + overhead, n_2's distribution)
     for i, chain in enumerate(chains):
         if not chain:
             raise ChainError("an empty candidate chain")
@@ -504,15 +531,18 @@ def best_plan(
             raise ChainError(f"no acceptance estimate for the pair {err.args[0]} of chain {chain}") from None
         drafter = costs.get(chain[0])
         _check_chain([drafter] + [costs.get(n) for n in chain[1:]], pair_alphas)
-        if isinstance(drafter, ModelFreeDraft):
-            draft_cost = drafter.costs(ks)
-            draft_dist = _draft_distribution(drafter.hit_rate, k_max, width)
-        else:
-            draft_cost = _draft_costs(drafter, table(chain[0]), ks, draft_catchup, draft_step_overhead)
-            draft_dist = full_draft
+        drafting = drafts.get(chain[0])  # a drafter's (cost, distribution) serves all its chains
+        if drafting is None:
+            if isinstance(drafter, ModelFreeDraft):
+                drafting = (drafter.costs(ks) + overhead, _draft_distribution(drafter.hit_rate, k_max, width))
+            else:
+                drafting = (_draft_costs(drafter, table(chain[0]), ks, draft_catchup, draft_step_overhead) + overhead,
+                            full_draft)
+            drafts[chain[0]] = drafting
+        draft_cost, draft_dist = drafting
         beta = alphas.get(chain[:3]) if len(chain) >= 3 else None
         latency[i], tokens[i], _ = _cycle_by_k(
-            draft_cost + overhead, draft_dist, [table(n) for n in chain[1:]], pair_alphas, beta
+            draft_cost, draft_dist, [table(n) for n in chain[1:]], pair_alphas, beta
         )
     t = latency / tokens  # (C, K)
     i, j = np.unravel_index(int(np.argmin(t)), t.shape)  # first minimum: earlier chain, smaller k

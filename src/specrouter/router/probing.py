@@ -1,25 +1,25 @@
 """Step 3 of a decision (policy.py): bounded probing, optimism under uncertainty within a budget.
 
-Pairs with little (or faded) evidence (`SimilarityEstimator.needs_probe`) get their optimistic
-alpha (a Wilson upper bound), and models read slow (speed > `probe_slow_speed` x their usual
-speed, `CostProfile.usual`) and not timed for `probe_slow_after` row-cycles their usual speed (a
-draft read 13.7x slow in one stalled cycle was priced out of every plan, so never timed again,
-and waited for `stale_after`, 200 row-cycles, to be re-probed at its swept speed); when the `ProbeBudget` allows (5% of row-cycles, 2% of wall time) and
-a chain measuring one of them could beat the plan in that optimistic world, one cycle runs it
-(the most promising first), at its best k up to `probe_k`; its expected extra cost over the plan
-is charged to the budget when it is chosen, and replaced by its realised extra cost once the
-cycle is observed alone (`settle`: the cycle's seconds less the plan's predicted seconds for the
-tokens it committed; `RouterConfig.probe_charge_realized`). The optimism that makes a probe
-worth running also predicts it nearly free: charged as predicted, chat's probes with penalties
-(a draft agreeing on 0-17% of tokens, predicted ~30%; a first draft cycle in a request also
-prefills the draft, 77 ms against 36 predicted) never reached the 2% time cap. A pair is probed by a chain it starts (`first_pair_chains`: its
-drafter drafts, its verifier verifies every candidate): behind a model-free drafter a miss
-teaches nothing, and behind another model it sees only what that level passed up, so a pair
-whose early trials went badly was "probed" for a whole stream without a trial (measured: at
-t=0.7 the draft>target pair stuck at alpha 0.17 after 4 early rejections, probed only through
-ngram>draft>target, where draft>target k=2 ran 1.15x target-only). A probe that taught nothing about its pair (a model-free miss) doubles
-the wait before that pair's next one, so refuted pairs stop being probed until their evidence
-fades.
+Pairs with little (or faded) evidence (`SimilarityEstimator.needs_probe`) get their optimistic alpha
+(a Wilson upper bound), and models read slow (speed > `probe_slow_speed` x their usual speed,
+`CostProfile.usual`) and not timed for `probe_slow_after` row-cycles their usual speed (a draft read
+13.7x slow in one stalled cycle was priced out of every plan, so never timed again, and waited for
+`stale_after`, 200 row-cycles, to be re-probed at its swept speed); when the `ProbeBudget` allows
+(5% of row-cycles, 2% of wall time) and a chain measuring one of them could beat the plan in that
+optimistic world, one cycle runs it (the most promising first), at its best k up to `probe_k`; its
+expected extra cost over the plan is charged to the budget when it is chosen, and replaced by its
+realised extra cost once the cycle is observed alone (`settle`: the cycle's seconds less the plan's
+predicted seconds for the tokens it committed; `RouterConfig.probe_charge_realized`). The optimism
+that makes a probe worth running also predicts it nearly free: charged as predicted, chat's probes
+with penalties (a draft agreeing on 0-17% of tokens, predicted ~30%; a first draft cycle in a
+request also prefills the draft, 77 ms against 36 predicted) never reached the 2% time cap. A pair
+is probed by a chain it starts (`first_pair_chains`: its drafter drafts, its verifier verifies every
+candidate): behind a model-free drafter a miss teaches nothing, and behind another model it sees
+only what that level passed up, so a pair whose early trials went badly was "probed" for a whole
+stream without a trial (measured: at t=0.7 the draft>target pair stuck at alpha 0.17 after 4 early
+rejections, probed only through ngram>draft>target, where draft>target k=2 ran 1.15x target-only). A
+probe that taught nothing about its pair (a model-free miss) doubles the wait before that pair's
+next one, so refuted pairs stop being probed until their evidence fades.
 
 A probe of a model pair always adds trials, so that back-off never started for one: a chat
 request with penalties probed the draft 1-3 times (+12-36 ms each over a ~20 ms plain step, on

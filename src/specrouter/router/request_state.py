@@ -47,14 +47,19 @@ class RequestState:
 
     def fade(self, pair: Pair, decay: float) -> bool:
         """A cycle passed without a trial of `pair`: its own counts and D_TV fade by `decay`
-        (its estimate returns toward its prior). Whether it had any to fade."""
+        (its estimate returns toward its prior; below a hundredth of a trial or position they
+        are dropped, the prior alone). Whether it had any to fade."""
         had = False
         for store in (self.counts, self.tv):
             c = store.get(pair)
-            if c is not None and c[1] > 0.0:
+            if c is None:
+                continue
+            had = True
+            if (c[0] + c[1] if store is self.counts else c[1]) * decay < 0.01:
+                del store[pair]
+            else:
                 c[0] *= decay
                 c[1] *= decay
-                had = True
         return had
 
     def observe_tv(self, pair: Pair, tv: float, positions: int, decay: float) -> None:
