@@ -16,8 +16,12 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from router_decide import ALPHAS, COSTS, build_router
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test fixtures
+from fixtures import iid_cycle  # noqa: E402
 
 from specrouter.records.routing import StepReport
 from specrouter.router.policy import ForwardRecord, RowContext, RowOutcome
@@ -27,19 +31,10 @@ L0, LENGTH = 256, 512  # a row's prompt, and the tokens it generates before a ne
 
 def outcome(rng: random.Random, seq_id: int, chain, k: int, L: int) -> tuple[RowOutcome, int]:
     """One row's cycle of the iid model: (its RowOutcome, tokens committed)."""
-    n = len(chain)
-    drafted, accepted = [0] * n, [0] * n
-    if n == 1:
+    drafted, accepted = iid_cycle(rng, chain, k, ALPHAS, ngram_hit=0.3)
+    if len(chain) == 1:
         return RowOutcome(seq_id, tuple(chain), 0, drafted, accepted, True, L), 1
-    m = k if chain[0] != "ngram" or rng.random() < 0.3 else 0
-    drafted[0] = m
-    for j in range(1, n):
-        a = 0
-        while a < m and rng.random() < ALPHAS[(chain[j - 1], chain[j])]:
-            a += 1
-        drafted[j], accepted[j] = m, a
-        m = a + 1
-    return RowOutcome(seq_id, tuple(chain), k, drafted, accepted, True, L), m
+    return RowOutcome(seq_id, tuple(chain), k, drafted, accepted, True, L), accepted[-1] + 1
 
 
 def forwards(rng: random.Random, plans, L: int, noise: float) -> list[ForwardRecord]:

@@ -261,3 +261,23 @@ def make_near_tie_pool(root: str | Path, *, max_position_embeddings: int) -> dic
         "mid": make_tiny_llama(root / "mid", seed=2, init_from=target, noise=0.1, **kw),
         "draft": make_tiny_llama(root / "draft", seed=3, init_from=target, noise=0.4, **kw),
     }
+
+
+def iid_cycle(rng, chain, k: int, alphas, ngram_hit: float) -> tuple[list[int], list[int]]:
+    """One row's cycle of the iid acceptance model for router simulations: per level of `chain`,
+    the tokens it was offered (`drafted`) and accepted. An n-gram drafter finds a match with
+    probability `ngram_hit` (else it drafts nothing); each level accepts every offered token with
+    its pair's alpha until its first rejection, and passes up what it accepted plus one token."""
+    n = len(chain)
+    drafted, accepted = [0] * n, [0] * n
+    if n == 1:
+        return drafted, accepted
+    m = k if chain[0] != "ngram" or rng.random() < ngram_hit else 0
+    drafted[0] = m
+    for j in range(1, n):
+        a = 0
+        while a < m and rng.random() < alphas[(chain[j - 1], chain[j])]:
+            a += 1
+        drafted[j], accepted[j] = m, a
+        m = a + 1
+    return drafted, accepted

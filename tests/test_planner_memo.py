@@ -9,6 +9,7 @@ import itertools
 import random
 
 import pytest
+from fixtures import iid_cycle
 
 from specrouter.records.routing import ForwardRecord, RowContext, RowOutcome, StepReport, speculates
 from specrouter.router.batch import BatchPlanner
@@ -68,16 +69,7 @@ def scripted_run(steps: int = 400, seed: int = 0) -> list[tuple]:
                     batch.held, batch.shadow_k, batch.steps))
         outcomes = []
         for r, (chain, k) in zip(rows, plans):
-            n = len(chain)
-            drafted, accepted = [0] * n, [0] * n
-            m = k if n > 1 and (chain[0] != "ngram" or rng.random() < 0.4) else 0
-            drafted[0] = m
-            for j in range(1, n):
-                a = 0
-                while a < m and rng.random() < ALPHAS[(chain[j - 1], chain[j])]:
-                    a += 1
-                drafted[j], accepted[j] = m, a
-                m = a + 1
+            drafted, accepted = iid_cycle(rng, chain, k, ALPHAS, ngram_hit=0.4)
             outcomes.append(RowOutcome(r.seq_id, chain, k, drafted, accepted, True, r.context_len))
         L = sum(r.context_len for r in rows) // len(rows)
         fwd = forwards_of(plans, L)
