@@ -202,7 +202,7 @@ def register(sub) -> None:
     s.add_argument("--stream-interval", type=_stream_interval, default=ServerConfig.stream_interval,
                    metavar="STEPS|auto",
                    help="while other rows run, a streamed row's SSE chunk carries the tokens of this many "
-                        "engine steps (first and last tokens are never held, nor a lone row; rows with stop "
+                        "engine steps (first and last tokens are never held, nor a lone row's with a fixed N; rows with stop "
                         "strings read every step); default auto (also 0): the fewest steps that keep the "
                         "engine's hand-offs to the HTTP side within 1.5%% of its time, a chunk at least "
                         "every 100 ms (a lone row's too, at least every 50 ms)")

@@ -89,7 +89,7 @@ class ModelFreeDraft:
             return self.cost[ks].astype(np.float64, copy=False)  # (fancy indexing made a copy)
         if callable(self.cost):
             out = np.array([float(self.cost(int(k))) for k in ks])
-            if not (np.all(np.isfinite(out)) and np.all(out >= 0)):
+            if not _finite_nonnegative(out):
                 raise ValueError(f"ModelFreeDraft.cost(k) must be finite and >= 0, got {out}")
             return out
         return np.full(len(ks), float(self.cost))
