@@ -14,6 +14,7 @@ from specrouter.router.cost_model import (
     Plan,
     best_plan,
     break_even_confidence,
+    chain_rows,
     cost_table,
     enumerate_chains,
     expected_cycle,
@@ -247,6 +248,50 @@ def test_best_plan_is_the_true_argmin_on_random_tables():
                 ) if len(c) > 1 else (costs[c[0]](1), 1.0)
                 assert plan.table.expected_latency[i, kk - 1] == pytest.approx(lat, rel=1e-12)
                 assert plan.table.expected_tokens[i, kk - 1] == pytest.approx(tok, rel=1e-12)
+
+
+def test_chain_rows_are_the_per_chain_dp_bit_for_bit_in_any_subset():
+    """The router's table (`chain_rows`: every chain's DP in stacked matmuls, shorter chains
+    padded with identity levels) equals, bit for bit, the DP run chain by chain
+    (`_cycle_by_k`, what best_plan computed before) and itself over any subset of the chains
+    (the router's decision cache reuses rows computed in other subsets), confirmed-token
+    triples included; best_plan's table is the same bits."""
+    from specrouter.router.cost_model import _cycle_by_k, _draft_costs, _draft_distribution
+
+    rng = np.random.default_rng(11)
+    names = ["ngram", "suffix", "d1", "d2", "t"]
+    chains = [c for c in enumerate_chains(names, "t") if not any(m in ("ngram", "suffix") for m in c[1:])]
+    k_max, width = 16, 16 + max(len(c) for c in chains)
+    for trial in range(10):
+        costs = {n: np.concatenate([[0.0], np.sort(rng.uniform(0.1, 1.0, 40)) * s])
+                 for n, s in (("d1", 0.002), ("d2", 0.01), ("t", 0.1))}
+        for d in ("ngram", "suffix"):
+            costs[d] = ModelFreeDraft(cost=rng.uniform(0.0, 1e-4, 40), hit_rate=round(rng.uniform(0.1, 1.0), 4))
+        alphas = {(a, b): round(rng.uniform(0.0, 1.0), 4) for a, b in itertools.combinations(names, 2)}
+        alphas.update({c[:3]: round(rng.uniform(0.0, 1.0), 4) for c in chains if len(c) >= 3 and c[0] in ("ngram", "suffix")})
+        overhead, step = rng.uniform(0.0, 0.01), rng.uniform(0.0, 0.001)
+        latency, tokens = chain_rows(chains, k_max, costs=costs, alphas=alphas, overhead=overhead,
+                                     draft_step_overhead=step, min_width=width)
+        plan = best_plan(chains, k_max, costs=costs, alphas=alphas, overhead=overhead, draft_step_overhead=step,
+                         min_width=width)
+        assert np.array_equal(plan.table.expected_latency, latency) and np.array_equal(plan.table.expected_tokens, tokens)
+        ks = np.arange(1, k_max + 1)
+        for i, c in enumerate(chains):
+            if len(c) == 1:
+                assert np.all(latency[i] == costs[c[0]][1]) and np.all(tokens[i] == 1.0)
+                continue
+            d = costs[c[0]]
+            if isinstance(d, ModelFreeDraft):
+                draft = (d.costs(ks) + overhead, _draft_distribution(d.hit_rate, k_max, width))
+            else:
+                draft = (_draft_costs(d, cost_table(d, width), ks, 0, step) + overhead, _draft_distribution(1.0, k_max, width))
+            lat, tok, _ = _cycle_by_k(*draft, [cost_table(costs[m], width) for m in c[1:]],
+                                      [alphas[p] for p in zip(c[:-1], c[1:])], alphas.get(c[:3]) if len(c) >= 3 else None)
+            assert np.array_equal(lat, latency[i]) and np.array_equal(tok, tokens[i]), c
+        for subset in ([1, 2], [3], [0, 5, 7], list(range(len(chains)))[::-1][:4]):
+            lat, tok = chain_rows([chains[i] for i in subset], k_max, costs=costs, alphas=alphas, overhead=overhead,
+                                  draft_step_overhead=step, min_width=width)
+            assert np.array_equal(lat, latency[subset]) and np.array_equal(tok, tokens[subset]), subset
 
 
 def test_scripted_slowdown_switches_chain():

@@ -217,13 +217,13 @@ def test_a_request_whose_own_estimate_moved_re_evaluates_only_the_chains_reading
     from specrouter.router.similarity import GREEDY
 
     evaluated = []
-    real = policy.best_plan
+    real = policy.chain_rows
 
     def counting(candidates, *args, **kwargs):
         evaluated.append([tuple(c) for c in candidates])
         return real(candidates, *args, **kwargs)
 
-    monkeypatch.setattr(policy, "best_plan", counting)
+    monkeypatch.setattr(policy, "chain_rows", counting)
     decisions = {}
     for on in (True, False):
         router = make_router(config=RouterConfig(decision_cache=on))

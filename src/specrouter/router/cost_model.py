@@ -217,7 +217,7 @@ def _transition_geometry(width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return rejected, all_accepted, exponent
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=1024)
 def _transition(alpha: float, width: int) -> np.ndarray:
     """(W, W) read-only: [n, m] = P(a level passes up m tokens | it received n), with iid
     acceptance alpha. The last row (n = W - 1) loses its m = W mass; a DP never reaches it."""
@@ -227,17 +227,30 @@ def _transition(alpha: float, width: int) -> np.ndarray:
     return out
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=32)
+def _confirmed_geometry(width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What `_confirmed_transition` reads besides beta and alpha (read-only): the exponent of
+    beta per cell, min(a, n - 1) (W, W) float64; where a rejection stops among the confirmed
+    tokens (a < n - 1), where at the level below's own token (a == n - 1); the reachable cells."""
+    n = np.arange(width)[:, None]  # (W, 1) candidates received
+    a = np.arange(width)[None, :] - 1  # (1, W) accepted, for next length m = a + 1
+    confirmed = np.maximum(n - 1, 0)  # (W, 1)
+    exponent = np.minimum(np.maximum(a, 0), confirmed).astype(np.float64)  # (W, W)
+    out = (exponent, a < confirmed, a == n - 1, (a >= 0) & (a <= n) & (n >= 1))
+    for x in out:
+        x.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=1024)
 def _confirmed_transition(beta: float, alpha: float, width: int) -> np.ndarray:
     """(W, W) read-only: [n, m] = P(a level passes up m tokens | it received n), the first n - 1
     of them confirmed (accepted each with beta) and the last the level below's own (alpha):
     module docstring, point 4. Equals `_transition(alpha)` when beta == alpha."""
-    n = np.arange(width)[:, None]  # (W, 1) candidates received
-    a = np.arange(width)[None, :] - 1  # (1, W) accepted, for next length m = a + 1
-    confirmed = np.maximum(n - 1, 0)  # (W, 1)
-    reach = np.power(beta, np.minimum(np.maximum(a, 0), confirmed).astype(np.float64))  # (W, W) beta^min(a, n-1)
-    stop = np.where(a < confirmed, 1.0 - beta, np.where(a == n - 1, 1.0 - alpha, alpha))  # (W, W)
-    out = np.where((a >= 0) & (a <= n) & (n >= 1), reach * stop, 0.0)
+    exponent, stop_confirmed, stop_own, reachable = _confirmed_geometry(width)
+    reach = np.power(beta, exponent)  # (W, W) beta^min(a, n-1)
+    stop = np.where(stop_confirmed, 1.0 - beta, np.where(stop_own, 1.0 - alpha, alpha))  # (W, W)
+    out = np.where(reachable, reach * stop, 0.0)
     out[0] = _transition(alpha, width)[0]  # nothing received: the level's own token
     out.setflags(write=False)
     return out
@@ -472,6 +485,101 @@ def enumerate_chains(
     return chains
 
 
+
+def _rows(chains: Sequence[tuple[str, ...]], k_max: int, width: int, tables: Mapping[str, np.ndarray],
+          drafts: Mapping[str, tuple[np.ndarray, np.ndarray]], alphas: Mapping) -> tuple[np.ndarray, np.ndarray]:
+    """(latency (C, K), tokens (C, K)) of every chain (the DP of `_cycle_by_k`), all chains at
+    once: each level of the DP is one stacked matmul over the chains (a chain shorter than the
+    longest is padded at its first levels with free identity levels: x @ I and x + 0 are exact),
+    so the router's table costs a few array operations instead of a Python loop of small ones
+    per chain and level (about 4x faster; benchmarks/router_replay.py). Stacked matmuls compute
+    each chain as the unstacked ones do, bit for bit (`tests/test_cost_model.py`). `tables`: per
+    model, its cost table indexed by new tokens (length >= width + 1); `drafts`: per drafter,
+    (seconds of drafting k = 1..k_max with the cycle's overhead, n_2's distribution (K, W))."""
+    c_all = len(chains)
+    latency = np.empty((c_all, k_max))
+    tokens = np.empty((c_all, k_max))
+    spec = [i for i, c in enumerate(chains) if len(c) > 1]
+    for i, chain in enumerate(chains):
+        if len(chain) == 1:  # plain decoding: one token per target step
+            latency[i], tokens[i] = tables[chain[0]][1], 1.0
+    if not spec:
+        return latency, tokens
+    levels = max(len(chains[i]) for i in spec) - 1  # verifier levels of the longest chain
+    n = len(spec)
+    cost = np.empty((n, k_max))
+    dist = np.empty((n, k_max, width))
+    verify = np.zeros((levels, n, width))  # level j's seconds at n_j + 1 = 1..W new tokens (0: a pad level)
+    steps = np.empty((levels, n, width, width))  # level j's transition n_j -> n_{j+1}
+    eye = _identity(width)
+    for r, i in enumerate(spec):
+        chain = chains[i]
+        cost[r], dist[r] = drafts[chain[0]]
+        pad = levels - (len(chain) - 1)
+        steps[:pad, r] = eye
+        beta = alphas.get(chain[:3]) if len(chain) >= 3 else None
+        for j, (m, pair) in enumerate(zip(chain[1:], zip(chain[:-1], chain[1:]))):
+            verify[pad + j, r] = tables[m][1 : width + 1]
+            alpha = float(alphas[pair])
+            steps[pad + j, r] = (_confirmed_transition(float(beta), alpha, width) if j == 1 and beta is not None
+                                 else _transition(alpha, width))
+    for j in range(levels):
+        cost = cost + np.matmul(dist, verify[j][:, :, None])[:, :, 0]  # (n, K) E[cost_j(n_j + 1)]
+        dist = np.matmul(dist, steps[j])  # (n, K, W) distribution of n_{j+1}
+    latency[spec], tokens[spec] = cost, np.matmul(dist, _counts(width))
+    return latency, tokens
+
+
+@lru_cache(maxsize=32)
+def _identity(width: int) -> np.ndarray:
+    """(W, W) read-only identity: a pad level's transition in `_rows`."""
+    out = np.eye(width)
+    out.setflags(write=False)
+    return out
+
+
+def chain_rows(
+    chains: Sequence[tuple[str, ...]],
+    k_max: int,
+    *,
+    costs: Mapping[str, np.ndarray | ModelFreeDraft],
+    alphas: Mapping,
+    overhead: float = 0.0,
+    draft_step_overhead: float = 0.0,
+    min_width: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(expected_latency (C, K), expected_tokens (C, K)) of `best_plan`'s table, without its
+    checks or its argmin: for the router, which evaluates its chains at every decision on cost
+    rows (arrays indexed by new tokens) and ModelFreeDrafts checked where they were built, and
+    estimates that are probabilities by construction. The same arithmetic as best_plan, bit for
+    bit (draft_catchup 0)."""
+    width = max(k_max + max(len(c) for c in chains), min_width)
+    ks = np.arange(1, k_max + 1)
+    tables: dict[str, np.ndarray] = {}
+    drafts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for chain in chains:
+        for m in chain[1:] if len(chain) > 1 else chain:
+            if m not in tables:
+                tables[m] = _table_of(costs[m], width)
+        d = chain[0]
+        if len(chain) > 1 and d not in drafts:
+            drafter = costs[d]
+            if isinstance(drafter, ModelFreeDraft):
+                drafts[d] = (drafter.costs(ks) + overhead, _draft_distribution(drafter.hit_rate, k_max, width))
+            else:
+                tables[d] = tables.get(d) if d in tables else _table_of(drafter, width)
+                drafts[d] = (_draft_costs(drafter, tables[d], ks, 0, draft_step_overhead) + overhead,
+                             _draft_distribution(1.0, k_max, width))
+    return _rows(chains, k_max, width, tables, drafts, alphas)
+
+
+def _table_of(row: np.ndarray, width: int) -> np.ndarray:
+    """`cost_table(row, width)` of a cost row known finite and >= 0: the same copy, unchecked."""
+    table = row[: width + 1].copy()
+    table[0] = 0.0
+    return table
+
+
 def best_plan(
     candidates: Sequence[Sequence[str]],
     k_max: int = MAX_DRAFT_LENGTH,
@@ -515,15 +623,12 @@ def best_plan(
             tables[name] = cost_table(costs[name], max(width, 1 + draft_catchup))
         return tables[name]
 
-    latency = np.empty((len(chains), k_max))  # (C, K)
-    tokens = np.empty((len(chains), k_max))  # (C, K)
-    full_draft = _draft_distribution(1.0, k_max, width)  # (K, W) shared by model drafters
     drafts: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # drafter -> (its seconds + overhead, n_2's distribution)
-    for i, chain in enumerate(chains):
+    for chain in chains:
         if not chain:
             raise ChainError("an empty candidate chain")
         if len(chain) == 1:  # plain decoding
-            latency[i], tokens[i] = table(chain[0])[1], 1.0
+            table(chain[0])
             continue
         try:
             pair_alphas = [alphas[pair] for pair in zip(chain[:-1], chain[1:])]
@@ -531,19 +636,15 @@ def best_plan(
             raise ChainError(f"no acceptance estimate for the pair {err.args[0]} of chain {chain}") from None
         drafter = costs.get(chain[0])
         _check_chain([drafter] + [costs.get(n) for n in chain[1:]], pair_alphas)
-        drafting = drafts.get(chain[0])  # a drafter's (cost, distribution) serves all its chains
-        if drafting is None:
+        for n in chain[1:]:
+            table(n)
+        if chain[0] not in drafts:  # a drafter's (cost, distribution) serves all its chains
             if isinstance(drafter, ModelFreeDraft):
-                drafting = (drafter.costs(ks) + overhead, _draft_distribution(drafter.hit_rate, k_max, width))
+                drafts[chain[0]] = (drafter.costs(ks) + overhead, _draft_distribution(drafter.hit_rate, k_max, width))
             else:
-                drafting = (_draft_costs(drafter, table(chain[0]), ks, draft_catchup, draft_step_overhead) + overhead,
-                            full_draft)
-            drafts[chain[0]] = drafting
-        draft_cost, draft_dist = drafting
-        beta = alphas.get(chain[:3]) if len(chain) >= 3 else None
-        latency[i], tokens[i], _ = _cycle_by_k(
-            draft_cost, draft_dist, [table(n) for n in chain[1:]], pair_alphas, beta
-        )
+                drafts[chain[0]] = (_draft_costs(drafter, table(chain[0]), ks, draft_catchup, draft_step_overhead)
+                                    + overhead, _draft_distribution(1.0, k_max, width))
+    latency, tokens = _rows(chains, k_max, width, tables, drafts, alphas)
     t = latency / tokens  # (C, K)
     i, j = np.unravel_index(int(np.argmin(t)), t.shape)  # first minimum: earlier chain, smaller k
     chain = chains[i]

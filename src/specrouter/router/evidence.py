@@ -300,6 +300,17 @@ class EvidenceBoard:
             rows = self._rows_cache[context] = {}
         return rows
 
+    def rows_for(self, row, router: float) -> dict | None:
+        """`chain_rows` of a row's cost context (batch size, context bucket, processors, certain
+        bucket, `router`: the router's seconds per cycle its plans are charged), None without
+        the decision cache."""
+        cfg = self.router.config
+        if not cfg.decision_cache:
+            return None
+        processors = row.processors and self.current().times["processor"] > 0.0
+        return self.chain_rows((max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
+                                processors, certain_bucket(row.certain_rate), router))
+
     def predict(self, model: str, b: int, t: float, L: int, publish: bool = True) -> float:
         """profile.predict, cached per (model, b, t, L bucket) until the evidence is republished.
         `publish=False` (observing a step) reads the evidence as published without checking it

@@ -79,8 +79,8 @@ from specrouter.router.batch import BatchPlanner
 from specrouter.router.cost_model import (
     ModelFreeDraft,
     PlanTable,
-    best_plan,
     break_even_confidence,
+    chain_rows,
     enumerate_chains,
     processor_costs,
     with_certain,
@@ -467,10 +467,10 @@ class Router:
             # always k = 1..k_max, cut to k_cap: a column's values do not depend on the cap
             # (CachedPlans.best), and computed alike whatever the cap or the subset of chains
             # (one DP width for all) they are equal bit for bit
-            plan = best_plan([self.chains[i] for i in todo], cfg.k_max, costs=costs, alphas=alphas,
-                             overhead=published.times["spec"] + router,
-                             draft_step_overhead=published.times["draft_step"], min_width=self.dp_width)
-            latency[todo], tokens[todo] = plan.table.expected_latency, plan.table.expected_tokens
+            latency[todo], tokens[todo] = chain_rows([self.chains[i] for i in todo], cfg.k_max, costs=costs,
+                                                     alphas=alphas, overhead=published.times["spec"] + router,
+                                                     draft_step_overhead=published.times["draft_step"],
+                                                     min_width=self.dp_width)
         if rows is not None:
             for i, key in zip(idx, keys):
                 if key in rows:
@@ -548,12 +548,8 @@ class Router:
         costs, alphas, router = self.inputs(row, req)
         cfg = self.config
         keep = self.chain_index.get(prev[0]) if prev is not None else None
-        rows = None
         times = self.board.current().times
-        if cfg.decision_cache:  # the chains whose estimates did not move keep their rows
-            processors = row.processors and times["processor"] > 0.0
-            rows = self.board.chain_rows((max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
-                                          processors, certain_bucket(row.certain_rate), router))
+        rows = self.board.rows_for(row, router)  # the chains whose estimates did not move keep their rows
         table = corrected(self.table(costs, alphas, router, cfg.k_max, keep=keep, rows=rows),
                           self.chain_index, req.corrections)
         # a single stream's (a batch's plain-vs-speculate choice is the batch planner's)

@@ -70,7 +70,8 @@ class Prober:
         with both kinds' host seconds (policy.py, step 2)."""
         router = self.router
         costs, alphas, overhead = router.inputs(row, req)
-        probe = self._probe(mode, decision.chain, decision.t_eff, costs, alphas, overhead, k_cap, charge, req)
+        probe = self._probe(mode, decision.chain, decision.t_eff, costs, alphas, overhead, k_cap, charge, req,
+                            router.board.rows_for(row, overhead))
         if probe is None:
             self.next_check = router.similarity.now + router.config.probe_recheck
             return decision
@@ -121,12 +122,16 @@ class Prober:
         req.probe_waits[pair] = (req.cycles + wait, wait)
 
     def _probe(self, mode: str, running, t_plan: float, costs, alphas, overhead: float,
-               k_cap: int, charge: PlainCharge = PlainCharge(), req=None) -> tuple[int, int] | None:
+               k_cap: int, charge: PlainCharge = PlainCharge(), req=None, rows: dict | None = None
+               ) -> tuple[int, int] | None:
         """(chain index, k) of a probe, or None (module docstring). A candidate pair is worth a
         probe when some chain measuring it beats the plan (T_eff below `t_plan`) in the
         optimistic world, a plain plan with `charge` on both sides; the most promising one goes,
         with its best chain at that chain's best k up to `probe_k`. `req`: the request's pairs
-        waiting after a refuting probe (`judge`) are not candidates."""
+        waiting after a refuting probe (`judge`) are not candidates. `rows`: the row's PlanTable
+        rows already evaluated on these costs (`EvidenceBoard.rows_for`), shared: a chain's row is keyed by
+        the estimates it reads, so the optimistic world's chains are evaluated once (not where a
+        slow model is priced at its usual speed: other costs)."""
         router = self.router
         cfg, sim, now = router.config, router.similarity, router.similarity.now
         waits = {p for p, (until, _) in req.probe_waits.items() if req.cycles < until} if req is not None else ()
@@ -149,7 +154,7 @@ class Prober:
         for m in slow:  # it may have recovered while nobody looked: at its usual speed
             if isinstance(costs[m], np.ndarray):
                 hopeful_costs[m] = costs[m] * prof.usual(m) / prof.speed(m)
-        table = router.table(hopeful_costs, hopeful, overhead, k_cap)
+        table = router.table(hopeful_costs, hopeful, overhead, k_cap, rows=None if slow else rows)
         t = table.t_eff  # (C, K)
         if len(running) == 1 and charge.nonzero:  # a plain plan: both kinds' host seconds
             t_plan += charge.plain

@@ -1,0 +1,61 @@
+"""benchmarks/router_replay.py: a run's router calls, recorded and replayed on a fresh router,
+plan exactly what the run planned (the harness the router's host-time work checks its decisions
+with: two versions of the router planned alike on a real trace when their digests are equal)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import sys
+from pathlib import Path
+
+from fixtures import iid_cycle
+from test_planner_memo import ALPHAS, build_router, forwards_of
+
+from specrouter.records.routing import RowContext, RowOutcome, StepReport, speculates
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import router_replay  # noqa: E402
+
+
+def digest_of(plans: list) -> str:
+    d = hashlib.sha256()
+    for decisions, batch in plans:
+        d.update(repr([(x.chain, x.k, x.reason, round(x.t_eff, 12) if x.t_eff == x.t_eff else None,
+                        round(x.min_confidence, 12)) for x in decisions]).encode())
+        d.update(repr(batch).encode())
+    return d.hexdigest()[:16]
+
+
+def test_a_replayed_run_plans_what_the_run_planned():
+    rng = random.Random(3)
+    router = build_router()  # a deterministic timer: its decide() seconds are the same in the replay
+    setup = router_replay.setup_of(router)
+    recorder = router_replay.Recorder(router)
+    live, ids, planned = {}, itertools.count(), []
+    for step in range(240):
+        while len(live) < (1, 4, 2)[step * 3 // 240]:
+            live[next(ids)] = [100 + rng.randrange(300), 10 + rng.randrange(40)]
+        rows = [RowContext(s, L, batch_size=len(live), remaining=left) for s, (L, left) in live.items()]
+        batch = router.plan_batch(rows)
+        planned.append((batch.decisions, (batch.held, batch.shadow_k, batch.steps)))
+        plans = [(d.chain, d.k) for d in batch.decisions]
+        outcomes = [RowOutcome(r.seq_id, c, k, *iid_cycle(rng, c, k, ALPHAS, ngram_hit=0.4), True, r.context_len)
+                    for r, (c, k) in zip(rows, plans)]
+        fwd = forwards_of(plans, sum(r.context_len for r in rows) // len(rows))
+        seconds = sum(f.seconds for f in fwd)
+        router.observe_step(StepReport(outcomes, fwd, seconds + 4e-4, seconds, speculates(plans)))
+        for o in outcomes:
+            n = int(o.accepted[-1]) + 1 if len(o.chain) > 1 and o.k > 0 else 1
+            live[o.seq_id][0] += n
+            live[o.seq_id][1] -= n
+            if live[o.seq_id][1] <= 0:
+                del live[o.seq_id]
+                router.finish_request(o.seq_id)
+    trace = {"setup": setup, "calls": recorder.calls}
+    seconds, replayed = router_replay.replay(trace, deterministic=True)
+    assert replayed == digest_of(planned)
+    assert router_replay.replay(trace, deterministic=True)[1] == replayed
+    kinds = {kind for name, kind in seconds if name == "plan_batch"}
+    assert any(k.startswith("planned rows=4") for k in kinds) and any(k.startswith("held") for k in kinds), kinds
