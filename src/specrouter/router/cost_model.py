@@ -496,38 +496,62 @@ def _rows(chains: Sequence[tuple[str, ...]], k_max: int, width: int, tables: Map
     each chain as the unstacked ones do, bit for bit (`tests/test_cost_model.py`). `tables`: per
     model, its cost table indexed by new tokens (length >= width + 1); `drafts`: per drafter,
     (seconds of drafting k = 1..k_max with the cycle's overhead, n_2's distribution (K, W))."""
-    c_all = len(chains)
-    latency = np.empty((c_all, k_max))
-    tokens = np.empty((c_all, k_max))
-    spec = [i for i, c in enumerate(chains) if len(c) > 1]
-    for i, chain in enumerate(chains):
-        if len(chain) == 1:  # plain decoding: one token per target step
-            latency[i], tokens[i] = tables[chain[0]][1], 1.0
-    if not spec:
+    layout = _layout(tuple(chains), width)
+    latency = np.empty((len(chains), k_max))
+    tokens = np.empty((len(chains), k_max))
+    for i, m in layout.plain:  # plain decoding: one token per target step
+        latency[i], tokens[i] = tables[m][1], 1.0
+    if not layout.spec:
         return latency, tokens
-    levels = max(len(chains[i]) for i in spec) - 1  # verifier levels of the longest chain
-    n = len(spec)
+    n = len(layout.spec)
     cost = np.empty((n, k_max))
     dist = np.empty((n, k_max, width))
-    verify = np.zeros((levels, n, width))  # level j's seconds at n_j + 1 = 1..W new tokens (0: a pad level)
-    steps = np.empty((levels, n, width, width))  # level j's transition n_j -> n_{j+1}
-    eye = _identity(width)
-    for r, i in enumerate(spec):
-        chain = chains[i]
-        cost[r], dist[r] = drafts[chain[0]]
-        pad = levels - (len(chain) - 1)
-        steps[:pad, r] = eye
-        beta = alphas.get(chain[:3]) if len(chain) >= 3 else None
-        for j, (m, pair) in enumerate(zip(chain[1:], zip(chain[:-1], chain[1:]))):
-            verify[pad + j, r] = tables[m][1 : width + 1]
-            alpha = float(alphas[pair])
-            steps[pad + j, r] = (_confirmed_transition(float(beta), alpha, width) if j == 1 and beta is not None
-                                 else _transition(alpha, width))
-    for j in range(levels):
+    for r, d in enumerate(layout.drafters):
+        cost[r], dist[r] = drafts[d]
+    verify = np.zeros((layout.levels, n, width))  # level j's seconds at n_j + 1 = 1..W new tokens (0: a pad level)
+    steps = layout.steps.copy()  # level j's transition n_j -> n_{j+1} (the pad levels' identities set)
+    for j, r, m, pair, triple in layout.cells:
+        verify[j, r] = tables[m][1 : width + 1]
+        beta = alphas.get(triple) if triple is not None else None
+        steps[j, r] = (_transition(float(alphas[pair]), width) if beta is None
+                       else _confirmed_transition(float(beta), float(alphas[pair]), width))
+    for j in range(layout.levels):
         cost = cost + np.matmul(dist, verify[j][:, :, None])[:, :, 0]  # (n, K) E[cost_j(n_j + 1)]
         dist = np.matmul(dist, steps[j])  # (n, K, W) distribution of n_{j+1}
-    latency[spec], tokens[spec] = cost, np.matmul(dist, _counts(width))
+    latency[layout.spec], tokens[layout.spec] = cost, np.matmul(dist, _counts(width))
     return latency, tokens
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """`_rows`' arrangement of a set of chains: which are plain, the speculative ones' drafters,
+    verifier levels (the longest chain's), and per (level, chain) its model, pair and triple
+    (its confirmed-token key, at level 3 of a chain of >= 3 levels); the transitions' array
+    with the pad levels' identities already in place."""
+
+    plain: tuple  # (chain index, its model)
+    spec: list  # chain indices of >= 2 levels
+    drafters: tuple  # their drafters, in that order
+    levels: int
+    cells: tuple  # (level, spec row, model, pair, triple or None)
+    steps: np.ndarray  # (levels, n, W, W): identities at pad levels (the others overwritten)
+
+
+@lru_cache(maxsize=256)
+def _layout(chains: tuple, width: int) -> _Layout:
+    spec = [i for i, c in enumerate(chains) if len(c) > 1]
+    levels = max((len(chains[i]) - 1 for i in spec), default=0)
+    steps = np.zeros((levels, len(spec), width, width))
+    cells = []
+    for r, i in enumerate(spec):
+        chain = chains[i]
+        pad = levels - (len(chain) - 1)
+        steps[:pad, r] = _identity(width)
+        for j, (m, pair) in enumerate(zip(chain[1:], zip(chain[:-1], chain[1:]))):
+            cells.append((pad + j, r, m, pair, chain[:3] if j == 1 else None))
+    steps.setflags(write=False)
+    return _Layout(tuple((i, c[0]) for i, c in enumerate(chains) if len(c) == 1), spec,
+                   tuple(chains[i][0] for i in spec), levels, tuple(cells), steps)
 
 
 @lru_cache(maxsize=32)

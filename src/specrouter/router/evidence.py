@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrouter.config import RouterConfig
-from specrouter.router.cost_model import PlanTable
+from specrouter.router.cost_model import ModelFreeDraft, PlanTable
 from specrouter.router.host_time import PlainCharge
 from specrouter.records.routing import Chain, Pair
 
@@ -187,6 +187,7 @@ class EvidenceBoard:
         self._changes = 0  # router-side changes of evidence since (overheads, releases, failures)
         self._cost_cache: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
         self._cost_version = -1  # the published version the cost rows are of
+        self._free_cache: dict[tuple, ModelFreeDraft] = {}  # free_draft's, as the cost rows
         self._predict_cache: dict[tuple[str, int, float, int], float] = {}
         self._predict_version = -1
         self._rows_cache: dict[tuple, dict] = {}  # chain_rows: per cost context, chain key -> (latency, tokens)
@@ -272,6 +273,7 @@ class EvidenceBoard:
         version = self.current().version
         if version != self._cost_version:
             self._cost_cache.clear()
+            self._free_cache.clear()
             self._cost_version = version
         bucket = r.config.context_bucket
         key = (b, L // bucket, width)
@@ -282,6 +284,15 @@ class EvidenceBoard:
                     else np.zeros(width + 1) for m in r.order}  # an unprofiled model-free drafter: free
             self._cost_cache[key] = rows
         return rows
+
+    def free_draft(self, rows: dict[str, np.ndarray], drafter: str, hit_rate: float) -> ModelFreeDraft:
+        """`ModelFreeDraft(rows[drafter], hit_rate)` of cost rows this board made (`cost_rows`),
+        made once per hit rate while they are cached (every decision reads them)."""
+        key = (id(rows), drafter, hit_rate)
+        draft = self._free_cache.get(key)
+        if draft is None or draft.cost is not rows[drafter]:
+            draft = self._free_cache[key] = ModelFreeDraft(cost=rows[drafter], hit_rate=hit_rate)
+        return draft
 
     def chain_rows(self, context: tuple) -> dict:
         """The PlanTable rows (latency, tokens per k) of chains already evaluated on the cost

@@ -77,7 +77,6 @@ import numpy as np
 from specrouter.config import RouterConfig
 from specrouter.router.batch import BatchPlanner
 from specrouter.router.cost_model import (
-    ModelFreeDraft,
     PlanTable,
     break_even_confidence,
     chain_rows,
@@ -252,6 +251,10 @@ class Router:
             if not any(m in self.first_only for m in c[1:])
         ]
         self.chain_index = {c: i for i, c in enumerate(self.chains)}
+        self._chains_tuple = tuple(self.chains)
+        self._ks = np.arange(1, cfg.k_max + 1)
+        # what `table` reads of each chain to prune it: (chain, its pairs, drafted model-free)
+        self._chain_reads = [(c, tuple(zip(c[:-1], c[1:])), c[0] in self.model_free) for c in self.chains]
         self.pairs: list[Pair] = sorted({p for c in self.chains for p in zip(c[:-1], c[1:])},
                                         key=lambda p: (self.order.index(p[0]), self.order.index(p[1])))
         self.pair_chains = {p: [i for i, c in enumerate(self.chains) if p in zip(c[:-1], c[1:])]
@@ -438,7 +441,7 @@ class Router:
         if rate:  # grammar-forced certain drafts widen the verifying forwards (cost_model.with_certain)
             costs.update(with_certain({m: costs[m] for m in rows if m not in self.model_free}, rate))
         for d in self.model_free:
-            costs[d] = ModelFreeDraft(cost=rows[d], hit_rate=evidence.hits[d])
+            costs[d] = self.board.free_draft(rows, d, evidence.hits[d])
         # a speculative cycle's host seconds outside the executor (table() charges a plain
         # one's): measured per step, or (charge_outside=False) decide()'s per row
         times = published.times
@@ -446,23 +449,32 @@ class Router:
         return costs, dict(evidence.alphas), outside
 
     def table(self, costs, alphas, router: float, k_cap: int, keep: int | None = None,
-              prune: bool = True, rows: dict | None = None) -> PlanTable:
+              prune: bool = True, rows: dict | None = None, only: Collection[int] | None = None) -> PlanTable:
         """best_plan over the viable chains (and `keep`), with every overhead, as a PlanTable over
         all chains: t_eff (C, K) is +inf and the expectations NaN for pruned ones and for those
         with a failed model. `router`: a speculative cycle's host seconds outside the executor
         (`inputs`); a plain cycle's are the published ones. `rows`: the chains' (latency,
         tokens) rows already evaluated on these costs and overheads (`EvidenceBoard.chain_rows`),
-        keyed by `chain_key`; only the others are evaluated (and added)."""
+        keyed by `chain_key`; only the others are evaluated (and added). `only`: the chains
+        evaluated besides plain decoding (the others +inf, as pruned ones)."""
         published = self.board.current()
         cfg = self.config
         hits = {d: costs[d].hit_rate for d in self.model_free}
-        idx = [i for i, c in enumerate(self.chains) if i == 0 or (
-            published.failed.isdisjoint(c)
-            and (not prune or i == keep or viable(c, hits, alphas, self.model_free, cfg.prune_below)))]
+        failed, lo = published.failed, cfg.prune_below
+        idx = [0]  # chains[0] is (target,)
+        for i, (chain, pairs, free) in enumerate(self._chain_reads[1:], start=1):
+            if (only is not None and i not in only) or (failed and not failed.isdisjoint(chain)):
+                continue
+            if prune and i != keep and ((free and hits[chain[0]] < lo) or any(alphas[p] < lo for p in pairs)):
+                continue  # not viable
+            idx.append(i)
         shape = (len(self.chains), cfg.k_max)
-        t, latency, tokens = np.full(shape, np.inf), np.full(shape, np.nan), np.full(shape, np.nan)
-        keys = [chain_key(i, self.chains[i], hits, alphas) for i in idx] if rows is not None else None
-        todo = idx if rows is None else [i for i, key in zip(idx, keys) if key not in rows]
+        latency, tokens = np.full(shape, np.nan), np.full(shape, np.nan)
+        todo = idx
+        if rows is not None:
+            keys = [chain_key(i, self.chains[i], hits, alphas) for i in idx]
+            got = [rows.get(key) for key in keys]
+            todo = [i for i, g in zip(idx, got) if g is None]
         if todo:
             # always k = 1..k_max, cut to k_cap: a column's values do not depend on the cap
             # (CachedPlans.best), and computed alike whatever the cap or the subset of chains
@@ -472,17 +484,21 @@ class Router:
                                                      draft_step_overhead=published.times["draft_step"],
                                                      min_width=self.dp_width)
         if rows is not None:
-            for i, key in zip(idx, keys):
-                if key in rows:
-                    latency[i], tokens[i] = rows[key]
+            for i, key, g in zip(idx, keys, got):
+                if g is not None:
+                    latency[i], tokens[i] = g
                 else:
                     rows[key] = (latency[i].copy(), tokens[i].copy())
-        t[idx] = latency[idx] / tokens[idx]  # as best_plan's t_eff, element by element
+        t = latency / tokens  # as best_plan's t_eff, element by element (NaN where not evaluated)
+        if len(idx) < len(self.chains):
+            t[np.isnan(t)] = np.inf
         plain = published.times["plain"] + (published.times["outside_plain"] if cfg.charge_outside else router)
         t[0] += plain  # chains[0] is (target,): one token per cycle
         latency[0] += plain
-        return PlanTable(chains=tuple(self.chains), ks=np.arange(1, cfg.k_max + 1)[:k_cap], t_eff=t[:, :k_cap],
-                         expected_tokens=tokens[:, :k_cap], expected_latency=latency[:, :k_cap])
+        if k_cap < cfg.k_max:
+            t, tokens, latency = t[:, :k_cap], tokens[:, :k_cap], latency[:, :k_cap]
+        return PlanTable(chains=self._chains_tuple, ks=self._ks[:k_cap], t_eff=t, expected_tokens=tokens,
+                         expected_latency=latency)
 
     def evaluate(self, row: RowContext, req: RequestState | None = None, k_cap: int | None = None,
                  prune: bool = False) -> tuple[PlanTable, dict[Pair, float]]:

@@ -154,14 +154,16 @@ class Prober:
         for m in slow:  # it may have recovered while nobody looked: at its usual speed
             if isinstance(costs[m], np.ndarray):
                 hopeful_costs[m] = costs[m] * prof.usual(m) / prof.speed(m)
-        table = router.table(hopeful_costs, hopeful, overhead, k_cap, rows=None if slow else rows)
+        probed = {p: self.first_pair_chains(p) for p in candidates}  # the chains a probe may run
+        table = router.table(hopeful_costs, hopeful, overhead, k_cap, rows=None if slow else rows,
+                             only={i for chains in probed.values() for i in chains})
         t = table.t_eff  # (C, K)
         if len(running) == 1 and charge.nonzero:  # a plain plan: both kinds' host seconds
             t_plan += charge.plain
             t = charge.t_eff(table)
         best = None  # (optimistic T_eff, pair, chain index, k index)
         for p in candidates:
-            for i in self.first_pair_chains(p):
+            for i in probed[p]:
                 j = int(np.argmin(t[i]))
                 if t[i, j] < t_plan and (best is None or t[i, j] < best[0]):
                     best = (float(t[i, j]), p, i, j)
