@@ -27,7 +27,8 @@ every step, as before), no-refute (probe_refute_wait=0: a model pair's probe tha
 optimism sets no wait, as before), catch-up-probes (probe_past_catch_up=False: a lone row's probe of a
 lagging draft weighed by the catch-up check at the request's own estimate, as before issue 28's
 lock-in fix), no-idle-fade (request_idle_decay=1.0: a request's evidence of a model pair frozen
-while it runs plain, as before), stale (both, as before).
+while it runs plain, as before), stale (both, as before), burst (burst_acceptance=True: a model draft's next
+cycle priced by its current run of accepted tokens, router/burst.py).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -71,6 +72,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "catch-up-probes": dataclasses.replace(base, probe_past_catch_up=False),
         "no-idle-fade": dataclasses.replace(base, request_idle_decay=1.0),
         "stale": dataclasses.replace(base, probe_past_catch_up=False, request_idle_decay=1.0),
+        "burst": dataclasses.replace(base, burst_acceptance=True),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -106,7 +106,7 @@ class CachedPlans:
         return hit
 
 
-KEY_FIELDS = ("batch", "context", "mode", "chain", "version", "request_version", "certain")  # decision_key's
+KEY_FIELDS = ("batch", "context", "mode", "chain", "version", "request_version", "certain", "runs")  # decision_key's
 
 
 @dataclass
@@ -163,9 +163,10 @@ def material_change(live: Published, published: Published, config: RouterConfig)
 
 
 def decision_key(batch_size: int, context_bucket: int, mode: str, chain: Chain | None,
-                 version: int, request_version: int, certain: float = 0.0) -> tuple:
-    """What step 1 depends on (module docstring): equal keys, equal PlanTables."""
-    return (batch_size, context_bucket, mode, chain, version, request_version, certain)
+                 version: int, request_version: int, certain: float = 0.0, runs: tuple = ()) -> tuple:
+    """What step 1 depends on (module docstring): equal keys, equal PlanTables. `runs`: the
+    request's runs of agreement (`RequestState.run_key`, router/burst.py)."""
+    return (batch_size, context_bucket, mode, chain, version, request_version, certain, runs)
 
 
 def certain_bucket(rate: float) -> float:

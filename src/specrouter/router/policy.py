@@ -76,7 +76,9 @@ import numpy as np
 
 from specrouter.config import RouterConfig
 from specrouter.router.batch import BatchPlanner
+from specrouter.router.burst import BurstModel
 from specrouter.router.cost_model import (
+    RUN,
     PlanTable,
     break_even_confidence,
     chain_rows,
@@ -131,9 +133,11 @@ def viable(chain: Chain, hits: Mapping[str, float], alphas, model_free: Collecti
 
 def chain_key(i: int, chain: Chain, hits: Mapping[str, float], alphas: Mapping) -> tuple:
     """What row i (`chain`) of a PlanTable reads besides the costs and overheads: its pairs'
-    alphas, its confirmed-token alpha, its model-free drafter's hit rate."""
+    alphas, its confirmed-token alpha, its first pair's schedule (runs of agreement), its
+    model-free drafter's hit rate."""
     return (i, *(alphas[p] for p in zip(chain[:-1], chain[1:])),
-            alphas.get(chain[:3]) if len(chain) >= 3 else None, hits.get(chain[0]))
+            alphas.get(chain[:3]) if len(chain) >= 3 else None,
+            alphas.get((chain[0], chain[1], RUN)) if len(chain) >= 2 else None, hits.get(chain[0]))
 
 
 def corrected(table: PlanTable, chain_index: Mapping[Chain, int], corrections: Mapping[Chain, float]) -> PlanTable:
@@ -286,6 +290,7 @@ class Router:
         self.failed: set[str] = set()  # models out of service (mark_failed)
         self.cache_stats = CacheStats()
         self.observed_steps = 0  # engine steps observed (the clock of the plain hold)
+        self.burst = BurstModel(cfg)  # acceptance per run length (burst.py)
         self.board = EvidenceBoard(self)  # published evidence, decision cache (evidence.py)
         self.prober = Prober(self)  # step 3 (probing.py)
         self.planner = BatchPlanner(self)  # the step's batch (batch.py)
@@ -446,7 +451,11 @@ class Router:
         # one's): measured per step, or (charge_outside=False) decide()'s per row
         times = published.times
         outside = times["outside_spec"] if self.config.charge_outside else times["router"] * max(row.batch_size, 1)
-        return costs, dict(evidence.alphas), outside
+        alphas = dict(evidence.alphas)
+        if req is not None and req.runs and self.config.burst_acceptance:  # its runs (burst.py)
+            globs = {p: self.similarity.alpha(p, mode) for p in req.runs}
+            alphas.update(self.burst.schedules(req.runs, mode, alphas, globs, published.version))
+        return costs, alphas, outside
 
     def table(self, costs, alphas, router: float, k_cap: int, keep: int | None = None,
               prune: bool = True, rows: dict | None = None, only: Collection[int] | None = None) -> PlanTable:
@@ -541,7 +550,8 @@ class Router:
         if kept is not None and viable(kept, evidence.hits, evidence.alphas, self.model_free, cfg.prune_below):
             kept = None
         key = decision_key(max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
-                           mode, kept, version, req.version, certain_bucket(row.certain_rate))
+                           mode, kept, version, req.version, certain_bucket(row.certain_rate),
+                           req.run_key(cfg.burst_max_run) if cfg.burst_acceptance else ())
         plans = req.cached
         if cfg.decision_cache and plans is not None and plans.key == key:
             self.cache_stats.hits += 1
@@ -664,6 +674,9 @@ class Router:
             chain = tuple(r.chain)
             if cfg.request_idle_decay < 1.0:
                 fade_idle(self, req, chain, mode)
+            if cfg.burst_acceptance:
+                self.burst.observe_row(req, chain, r.k, int(r.drafted[1]) if len(chain) > 1 else 0,
+                                       int(r.accepted[1]) if len(chain) > 1 else 0, mode, self.model_free)
             for j in range(1, len(chain)):
                 pair = (chain[j - 1], chain[j])
                 cand, acc = int(r.drafted[j]), int(r.accepted[j])

@@ -40,6 +40,13 @@ class RequestState:
     # pair -> (its cycle from which the pair may be probed again, the wait): a probe of it
     # refuted its optimism (router/probing.py, `Prober.judge`)
     probe_waits: dict[Pair, tuple[int, int]] = field(default_factory=dict)
+    # pair -> its current run: the last candidates in a row its verifier accepted, where the
+    # pair ran at its chain's first verifier in the last cycle (router/burst.py)
+    runs: dict[Pair, int] = field(default_factory=dict)
+
+    def run_key(self, top: int) -> tuple:
+        """The runs as decisions read them (runs from `top` on alike): part of the decision key."""
+        return tuple(sorted((p, min(r, top)) for p, r in self.runs.items() if r > 0)) if self.runs else ()
 
     def observe(self, pair: Pair, accepted: float, rejections: float, decay: float) -> None:
         c = self.counts.setdefault(pair, [0.0, 0.0])
