@@ -404,6 +404,7 @@ class RouterConfig:
     # default until measured better end to end, benchmarks/router_variants.py --variants burst): iid
     burst_acceptance: bool = False
     burst_max_run: int = 8  # run lengths from this on share one estimate
+    burst_min_run: int = 1  # runs shorter than this (0: after a rejection) are priced iid
     burst_prior: float = 8.0  # pseudo-trials at the pair's alpha per run length
     burst_decay: float = 0.998  # per trial: the run-length counts forget (~500 trials)
     realized_decay: float = 0.9

@@ -35,6 +35,12 @@ from specrouter.router.cost_model import RUN
 from specrouter.router.similarity import Pair, shrink
 
 
+def run_key(req, config: RouterConfig) -> tuple:
+    """A request's runs as its decisions read them (`RequestState.run_key`; () with
+    `burst_acceptance` off): in the decision key, the stream hold, hysteresis."""
+    return req.run_key(config.burst_max_run, config.burst_min_run) if config.burst_acceptance else ()
+
+
 class BurstModel:
     """Acceptance per run length of each (pair, mode) (module docstring)."""
 
@@ -102,7 +108,7 @@ class BurstModel:
         top, digits = cfg.burst_max_run, cfg.alpha_decimals
         out = {}
         for pair, run in runs.items():
-            if run < 1:  # after a rejection: the iid estimate (see the module docstring)
+            if run < self.config.burst_min_run:  # after a rejection: the iid estimate (module docstring)
                 continue
             offsets = self.offsets(pair, mode, globs[pair], version) if pair in alphas else None
             if offsets is not None:

@@ -76,7 +76,7 @@ import numpy as np
 
 from specrouter.config import RouterConfig
 from specrouter.router.batch import BatchPlanner
-from specrouter.router.burst import BurstModel
+from specrouter.router.burst import BurstModel, run_key
 from specrouter.router.cost_model import (
     RUN,
     PlanTable,
@@ -551,7 +551,7 @@ class Router:
             kept = None
         key = decision_key(max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
                            mode, kept, version, req.version, certain_bucket(row.certain_rate),
-                           req.run_key(cfg.burst_max_run) if cfg.burst_acceptance else ())
+                           run_key(req, cfg))
         plans = req.cached
         if cfg.decision_cache and plans is not None and plans.key == key:
             self.cache_stats.hits += 1
@@ -589,6 +589,7 @@ class Router:
         cfg = self.config
         (best, t_best), prev, t = plans.best(k_cap), req.plan, plans.table.t_eff
         plain = (self.target,)
+        runs = run_key(req, cfg)
         jumps = self.profile.jumps
         ci = self.chain_index.get(prev[0]) if prev is not None else None
         if prev is None:
@@ -603,6 +604,7 @@ class Router:
                 t_cur = float(plans.charged[ci, cj])
                 t_best = float(plans.charged[self.chain_index[best[0]], max(best[1], 1) - 1])
             changed = tuple(jumps.get(m, 0) for m in prev[0]) != req.epoch  # a model of the plan changed speed
+            changed = changed or runs != req.runs_seen  # or its run of agreement did (burst.py): no noise
             if current == best:
                 choice, reason = current, "same"
                 req.worse = 0
@@ -621,6 +623,7 @@ class Router:
         if choice != prev:
             req.worse = 0
         req.plan, req.epoch, req.table = choice, tuple(jumps.get(m, 0) for m in choice[0]), plans.table
+        req.runs_seen = runs
         i, j = self.chain_index[choice[0]], max(choice[1], 1) - 1
         t_eff = float(t[i, j])
         floor = plans.floors.get(choice)  # memoized with the plans

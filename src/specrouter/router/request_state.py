@@ -43,10 +43,11 @@ class RequestState:
     # pair -> its current run: the last candidates in a row its verifier accepted, where the
     # pair ran at its chain's first verifier in the last cycle (router/burst.py)
     runs: dict[Pair, int] = field(default_factory=dict)
+    runs_seen: tuple = ()  # its runs (`run_key`) at its last decision: a change is no noise (policy.py, step 2)
 
-    def run_key(self, top: int) -> tuple:
+    def run_key(self, top: int, least: int = 1) -> tuple:
         """The runs as decisions read them (runs from `top` on alike): part of the decision key."""
-        return tuple(sorted((p, min(r, top)) for p, r in self.runs.items() if r > 0)) if self.runs else ()
+        return tuple(sorted((p, min(r, top)) for p, r in self.runs.items() if r >= least)) if self.runs else ()
 
     def observe(self, pair: Pair, accepted: float, rejections: float, decay: float) -> None:
         c = self.counts.setdefault(pair, [0.0, 0.0])

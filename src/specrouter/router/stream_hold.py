@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specrouter.records.routing import BatchPlan, Chain, Decision, Plan, RowContext
+from specrouter.router.burst import run_key
 from specrouter.router.evidence import certain_bucket
 from specrouter.router.request_state import RequestState
 
@@ -60,7 +61,7 @@ class StreamHold:
     runs: tuple = ()  # the request's runs of agreement then (RequestState.run_key, router/burst.py)
 
     def holds(self, row: RowContext, req: RequestState, jumps: Mapping[str, int], now: int, patience: int,
-              top: int = 0) -> bool:
+              runs: tuple = ()) -> bool:
         """Still the same one row, before `until`, its evidence and models' speeds unchanged,
         the plan's k within the row's cap, and (`counts`) the next decision not the one that
         switches for patience (a probe due is the router's to check)."""
@@ -69,7 +70,7 @@ class StreamHold:
                 and (row.remaining is None or row.remaining - 1 >= d.k)
                 and tuple(jumps.get(m, 0) for m in d.chain) == self.epoch
                 and certain_bucket(row.certain_rate) == self.certain
-                and req.run_key(top) == self.runs
+                and runs == self.runs
                 and not (self.counts and req.worse + 1 >= patience))
 
     def last_step(self, now: int) -> bool:
@@ -102,7 +103,8 @@ class StreamHolder:
         if hold is None:
             return None
         if (len(rows) != 1 or pinned or req is None or probe_due
-                or not hold.holds(rows[0], req, jumps, now, self.router.config.patience, self._top())):
+                or not hold.holds(rows[0], req, jumps, now, self.router.config.patience,
+                                  run_key(req, self.router.config))):
             self.hold = None
             return None
         req.pending = hold.pending
@@ -120,12 +122,7 @@ class StreamHolder:
             return
         self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
                                req.version, req.epoch, certain_bucket(rows[0].certain_rate),
-                               now + self.router.config.stream_hold_steps, req.worse > 0, req.run_key(self._top()))
-
-    def _top(self) -> int:
-        """The run length from which runs are alike (0: runs not read, `burst_acceptance` off)."""
-        cfg = self.router.config
-        return cfg.burst_max_run if cfg.burst_acceptance else 0
+                               now + self.router.config.stream_hold_steps, req.worse > 0, run_key(req, self.router.config))
 
     def release(self) -> None:
         """Drop the hold (a model failed: its plan may name it)."""
