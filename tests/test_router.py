@@ -413,8 +413,11 @@ def test_profile_observation_interpolates_each_shape_once(monkeypatch):
     calls = []
     corners = profile_module._corners
     monkeypatch.setattr(profile_module, "_corners", lambda *a: calls.append(a[1:]) or corners(*a))
-    fast.observe_many("m", shapes, 1.02 * sum(cost_T(*s) for s in shapes))
-    assert sorted(calls) == [(2, 1, 300), (3, 5, 700)]  # once per distinct shape
+    fresh = [(2, 1, 301), (2, 1, 301), (3, 5, 701)]
+    fast.observe_many("m", fresh, 1.02 * sum(cost_T(*s) for s in fresh))
+    assert sorted(calls) == [(2, 1, 301), (3, 5, 701)]  # once per distinct shape
+    fast.observe_many("m", shapes + fresh, 1.02 * sum(cost_T(*s) for s in shapes + fresh))
+    assert len(calls) == 2  # and once per shape ever (`_ModelTable.corners`: they depend on the grid only)
 
 
 def test_profile_save_load_round_trip(tmp_path, monkeypatch):

@@ -200,9 +200,22 @@ class _ModelTable:
     def __post_init__(self):
         # the three axes as lists of floats, for _axis
         self.grids = tuple(a.tolist() for a in (self.batch_sizes, self.new_tokens, self.context_lengths))
+        self._corner_memo: dict[tuple[float, float, float], list] = {}  # corners: they depend on the grid only
+
+    def corners(self, b: float, t: float, L: float) -> list:
+        """`_corners` of a point, memoized (the router predicts the same points every step: the
+        evidence snapshot's one-token steps, the batch planner's bucketed contexts)."""
+        key = (b, t, L)
+        memo = self.__dict__.setdefault("_corner_memo", {})  # (a table unpickled from before it: none yet)
+        hit = memo.get(key)
+        if hit is None:
+            if len(memo) >= 4096:
+                memo.clear()
+            hit = memo[key] = list(_corners(self, b, t, L))
+        return hit
 
     def shape_at(self, b: float, t: float, L: float) -> float:
-        return self.at_corners(_corners(self, b, t, L))
+        return self.at_corners(self.corners(b, t, L))
 
     def at_corners(self, corners) -> float:
         """The shape at the point whose grid cells and weights are `corners` (`_corners`)."""
@@ -337,7 +350,7 @@ class CostProfile:
             return
         # each distinct shape interpolated once, for the base and the residual's cells (they read
         # the same corners; the router observes every forward of every step)
-        corners = {s: list(_corners(m, *s)) for s in dict.fromkeys(shapes)}
+        corners = {s: m.corners(*s) for s in dict.fromkeys(shapes)}
         base = sum(m.at_corners(corners[s]) for s in shapes)
         if base <= 0:
             return
