@@ -117,3 +117,82 @@ def test_handlers_hold_arriving_only_until_their_rows_are_submitted(tiny_pool_di
         for _ in stream:
             pass
         assert loop_engine._arriving == 0
+
+
+def _wave(ae: AsyncEngine, n: int, prompt=(5, 6, 7)):
+    return [ae.submit(list(prompt), PARAMS, chain=("target",), k=1) for _ in range(n)]
+
+
+async def _returning_clients(ae: AsyncEngine, gap: float, linger: float):
+    """A batch of 2 ends; its two clients send their next requests, the second `gap` s after
+    the first, each held in `arriving` only while it is handled (no await between its body and
+    its submit, as a handler that tokenizes on the loop)."""
+    ae.admission_linger = linger
+    await _drain(_wave(ae, 2))
+    with ae.arriving():
+        first = _wave(ae, 1)
+    await asyncio.sleep(gap)
+    with ae.arriving():
+        second = _wave(ae, 1)
+    return first + second
+
+
+def test_the_clients_of_a_batch_that_just_ended_start_together_at_once(engine):
+    """Both clients of the rows that ended are back: the batch starts together, and at once
+    (not after the linger: 8 s here)."""
+    t0 = time.perf_counter()
+    rows = _run(engine, 8.0, lambda ae: _returning_clients(ae, 0.01, 8.0))
+    assert rows == [2] * 6 + [2] * 6, rows
+    assert time.perf_counter() - t0 < 4.0
+
+
+def test_control_a_second_client_later_than_the_linger_is_not_awaited(engine):
+    rows = _run(engine, 1.0, lambda ae: _returning_clients(ae, 0.3, 0.02))
+    assert rows[6] == 1 and rows[-1] == 1, rows  # the second came too late: its row runs alone
+
+
+async def _lone_returner(ae: AsyncEngine):
+    """c=1: a request ends, its client sends the next at once: one row expected, one came."""
+    await _drain(_wave(ae, 1))
+    t0 = time.perf_counter()
+    h = _wave(ae, 1)
+    first = await h[0].events.get()
+    ae.lone_ttft = first.committed - t0
+    return h
+
+
+def test_a_lone_client_is_not_held(engine):
+    """The expectation met (one row ended, one request came), the engine starts at once: no
+    linger, no wait for arrivals that are not coming."""
+    ae_box = {}
+
+    async def scenario(ae):
+        ae_box["ae"] = ae
+        ae.admission_linger = 5.0  # would show if it applied
+        return await _lone_returner(ae)
+
+    rows = _run(engine, 30.0, scenario)
+    assert rows == [1] * 12, rows
+    assert ae_box["ae"].lone_ttft < 1.0
+
+
+async def _arrivals_apart(ae: AsyncEngine, gap: float, linger: float):
+    """Two requests from an idle engine (no batch just ended), `gap` s apart, each held in
+    `arriving` only while it is handled (no await between body and submit)."""
+    ae.admission_linger = linger
+    with ae.arriving():
+        first = _wave(ae, 1)
+    await asyncio.sleep(gap)
+    with ae.arriving():
+        second = _wave(ae, 1)
+    return first + second
+
+
+def test_an_idle_engine_lingers_for_a_request_just_behind(engine):
+    rows = _run(engine, 1.0, lambda ae: _arrivals_apart(ae, 0.02, 0.2))
+    assert rows == [2] * 6, rows
+
+
+def test_control_without_the_linger_the_first_starts_alone(engine):
+    rows = _run(engine, 1.0, lambda ae: _arrivals_apart(ae, 0.02, 0.0))
+    assert rows[0] == 1 and rows[-1] == 1, rows

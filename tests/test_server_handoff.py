@@ -277,3 +277,23 @@ def test_paced_streams_get_fewer_events_with_the_same_tokens(engine):
     assert len(alone) < PARAMS.max_new_tokens and len(alone[0].token_ids) == 1 and alone[-1].done
     assert [t for ev in alone for t in ev.token_ids] == whole[0].token_ids
     assert len(handoffs) == len(alone)  # (the control, a fixed interval: 7 hand-offs, above)
+
+
+def test_short_prompts_are_tokenized_on_the_loop_long_ones_on_a_thread(monkeypatch):
+    """off_loop_if_long: the thread hop only for inputs over INLINE_TOKENIZE_BYTES (a short prompt's
+    tokenizing costs less than the hop; a long one must not hold the event loop). Requests sent
+    together still start together without the hop's overlap: test_server_admission.py (the linger,
+    the returning clients)."""
+    from specrouter.server import validate
+
+    hops = []
+
+    async def to_thread(fn, *a, **k):
+        hops.append(fn)
+        return fn(*a, **k)
+
+    monkeypatch.setattr(validate.asyncio, "to_thread", to_thread)
+    assert asyncio.run(validate.off_loop_if_long(validate.INLINE_TOKENIZE_BYTES, len, "ab")) == 2
+    assert hops == []
+    assert asyncio.run(validate.off_loop_if_long(validate.INLINE_TOKENIZE_BYTES + 1, len, "abc")) == 3
+    assert hops == [len]

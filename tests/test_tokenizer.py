@@ -13,6 +13,7 @@ from specrouter.models.tokenizer import (
     check_same_vocabulary,
     eos_token_ids,
     load_tokenizer,
+    text_encoder,
     vocab_fingerprint,
 )
 
@@ -101,3 +102,36 @@ def test_apply_chat_template(dirs):
     tok.chat_template = None
     with pytest.raises(CheckpointError, match="no chat template"):
         apply_chat_template(tok, messages)
+
+
+TEXTS = ["", "hello world", "  two  spaces ", "<|im_start|>user\nhi<|im_end|>\n", "caf\u00e9 \u4f60\u597d \U0001f600",
+         "line\nbreaks\tand tabs", "x" * 300]
+
+
+def test_text_encoder_is_the_tokenizers_call(dirs):
+    """`text_encoder` (the server's and `apply_chat_template`'s encode): the Rust tokenizer called
+    directly gives `tokenizer(text, add_special_tokens=...)["input_ids"]` exactly, with and
+    without special tokens added (a BOS post-processor here); a tokenizer whose Rust side
+    truncates goes through `tokenizer(...)` (whose call settings turn the truncation off)."""
+    from tokenizers import processors
+
+    tok = load_tokenizer(dirs["a"])
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    encode = text_encoder(tok)
+    calls = []
+    real = type(tok).__call__
+    for add in (False, True):
+        for text in TEXTS:
+            assert encode(text, add) == tok(text, add_special_tokens=add)["input_ids"], (text, add)
+    assert encode("hi", True)[0] == bos and encode("hi", False)[0] != bos
+
+    tok.backend_tokenizer.enable_truncation(4)
+    slow = text_encoder(tok)
+    type(tok).__call__ = lambda self, *a, **k: calls.append(a) or real(self, *a, **k)
+    try:
+        assert slow("x" * 300, False) == tok("x" * 300, add_special_tokens=False)["input_ids"]
+        assert len(slow("x" * 300, False)) > 4 and calls  # not truncated: through the tokenizer's call
+    finally:
+        type(tok).__call__ = real

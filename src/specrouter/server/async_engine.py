@@ -5,13 +5,15 @@ Continuous batching: the thread loops `engine.step()` while rows exist. Between 
 2. admits waiting requests in FIFO order with `engine.add_request` until it raises
    `CapacityError` (all `max_num_seqs` slots taken): the head of the queue waits for a row to
    finish; nothing overtakes it. A batch that starts on an idle engine first waits (at most
-   `admission_wait`, 20 ms) while other requests are still ARRIVING (received, not yet
-   submitted: the handlers hold `arriving()` from reading the body to submitting the rows), so
-   requests sent together start together, in one step, as the in-process engine's batch does:
-   admitted one by one, the first ran a lone prefill step (40 ms at c=8, while the loop parsed
-   the others) and its row ran one step ahead of the rest to the end
-   (docs/serving-performance.md). Nothing waits at c=1 (no other request is arriving) or while
-   rows run (a newcomer joins at the next step).
+   `admission_wait`, 20 ms) while other requests are on their way: ARRIVING (received, not yet
+   submitted: the handlers hold `arriving()` from reading the body to submitting the rows), or
+   expected: one within `admission_linger` (2 ms) of the last arrival, unless as many requests
+   came as rows ended last (their clients' next requests: `_gather`), so requests sent together
+   start together, in one step, as the in-process engine's batch does: admitted one by one, the
+   first ran a lone prefill step (40 ms at c=8, while the loop parsed the others) and its row ran
+   one step ahead of the rest to the end (docs/serving-performance.md). Nothing waits at c=1
+   after a request (its row ended, its client's next request came) or while rows run (a
+   newcomer joins at the next step).
 After each step, the new tokens of every row that reads them step by step go to the requests'
 asyncio queues in one `loop.call_soon_threadsafe` call (a row submitted with `per_step=False`, a
 whole response with no stop string and no logprobs, reads nothing before its end: it gets one
@@ -63,6 +65,7 @@ logger = logging.getLogger("specrouter.server")
 
 HANDOFF_WAIT_S = 0.002  # the most the engine thread waits for the event loop to take a step's tokens
 ADMISSION_WAIT_S = 0.02  # the most an idle engine waits for requests still arriving before it starts
+ADMISSION_LINGER_S = 0.002  # ... and for another request after the last one arrived (no batch just ended)
 STREAM_BUDGET = 0.015  # the share of the engine's time the hand-offs of held streams may take (StreamPacer)
 MAX_HOLD_S = 0.1  # the longest a held stream's tokens wait for their chunk (StreamPacer)
 MAX_HOLD_LONE_S = 0.05  # ... a lone paced stream's (c=1: its reader waits for nobody else's tokens)
@@ -163,7 +166,8 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, *, max_queue: int = 64, metrics=None, seed: int | None = None,
                  watch: ForwardWatch | None = None, handoff_wait: float = HANDOFF_WAIT_S,
-                 admission_wait: float = ADMISSION_WAIT_S, governor: TeamGovernor | None = None):
+                 admission_wait: float = ADMISSION_WAIT_S, admission_linger: float = ADMISSION_LINGER_S,
+                 governor: TeamGovernor | None = None):
         self.engine = engine
         # the engine thread's torch threads while another process takes a core (contention.py;
         # None: always its own count). Service builds it from ServerConfig.team_governor
@@ -173,6 +177,7 @@ class AsyncEngine:
         if metrics is not None:
             metrics.stream_interval.set(self.pacer.interval)
         self.admission_wait = admission_wait  # seconds (0: an idle engine starts at once)
+        self.admission_linger = admission_linger  # seconds (`_gather`)
         self.watch = watch  # the guarded runners' deadlines (None: no model timeout)
         self.max_queue = max_queue
         self.metrics = metrics
@@ -183,6 +188,11 @@ class AsyncEngine:
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._aborts: list[RequestHandle] = []
         self._arriving = 0  # requests received and not yet submitted (`arriving`)
+        self._last_arrival = -math.inf  # perf_counter time the latest `arriving` began
+        # rows that ended within `admission_wait` of each other up to the latest end, less the
+        # requests admitted since, and when that end was: their clients' next requests are on
+        # their way (`_gather`, when the engine is empty)
+        self._returning, self._idle_since = 0, -math.inf
         self._by_seq: dict[int, RequestHandle] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -215,6 +225,7 @@ class AsyncEngine:
         it failed): an idle engine about to start a batch waits for it (`admission_wait`)."""
         with self._cv:
             self._arriving += 1
+            self._last_arrival = time.perf_counter()
         try:
             yield
         finally:
@@ -308,7 +319,7 @@ class AsyncEngine:
                         return  # retired (belt and braces: a retired forward raises Retired)
                     if self._stop:
                         break
-                    if self._waiting and not engine.running and self._arriving:
+                    if self._waiting and not engine.running:
                         self._gather(me)  # 0. a batch starting: wait for requests on their way
                     aborts, self._aborts = self._aborts, []
                     for h in aborts:  # 1. aborts
@@ -329,16 +340,36 @@ class AsyncEngine:
         self._shutdown()
 
     def _gather(self, me: threading.Thread) -> None:
-        """An idle engine with requests waiting: wait (lock held, at most `admission_wait`)
-        while others are still arriving and the batch has room, so that they start together."""
-        deadline = time.perf_counter() + self.admission_wait
-        room = self.engine.max_num_seqs or float("inf")
-        while (self._arriving and len(self._waiting) < room and not self._stop and not self._aborts
-               and self._thread is me):
-            left = deadline - time.perf_counter()
-            if left <= 0:
+        """An idle engine with requests waiting: wait (lock held, at most `admission_wait`) while
+        more are on their way and the batch has room, so that requests sent together start
+        together. On their way: requests whose handlers hold `arriving`, and another request
+        within `admission_linger` of the last arrival (requests sent together reach the handlers
+        ~1 ms apart: the event loop accepts, parses and tokenizes them one after another), unless
+        as many requests came as rows ended last (`_returning`: rows that ended within
+        `admission_wait` of each other, less the requests admitted since; a closed-loop client
+        sends its next request when its response arrives): then the batch starts at once. So
+        nothing waits at c=1 after a request (its one row ended, one request came) nor while
+        rows run (a newcomer joins at the next step); a request after a pause waits
+        `admission_linger` at most beyond its own handling."""
+        now = time.perf_counter()
+        deadline = now + self.admission_wait
+        expected = self._returning if now - self._idle_since < self.admission_wait else 0
+        self._returning = 0  # one batch's clients are awaited once
+        room = self.engine.max_num_seqs or math.inf
+        while not self._stop and not self._aborts and self._thread is me:
+            queued = len(self._waiting)
+            now = time.perf_counter()
+            if queued >= room or now >= deadline or not queued:
                 return
-            self._cv.wait(left)
+            if self._arriving:
+                until = deadline
+            elif expected and queued >= expected:
+                return  # the clients of the rows that ended last are back
+            else:
+                until = min(self._last_arrival + self.admission_linger, deadline)
+            if now >= until:
+                return
+            self._cv.wait(until - now)
 
     def _recover(self, failure: ModelFailure) -> None:
         """Take over from a thread retired in a hung forward (see the module docstring)."""
@@ -371,6 +402,7 @@ class AsyncEngine:
                 refused.append((h, f"{type(e).__name__}: {e}"))
                 continue
             self._waiting.popleft()
+            self._returning = max(self._returning - 1, 0)  # one client of the rows that ended is back
             h.seq_id, h.seq, h.sent, h.admitted = seq.seq_id, seq, len(seq.tokens), time.perf_counter()
             self._by_seq[seq.seq_id] = h
         return refused
@@ -406,7 +438,12 @@ class AsyncEngine:
                 self.metrics.observe_step(engine.last_step_kind, rows, wall,
                                           sum(len(o.new_token_ids) for o in outputs))
         with self._cv:
-            out = self._events(outputs, time.perf_counter(), rows)
+            now = time.perf_counter()
+            out = self._events(outputs, now, rows)
+            ended = sum(1 for o in outputs if o.seq.done)
+            if ended:  # their clients' next requests may be on their way (`_gather`)
+                recent = self._returning if now - self._idle_since < self.admission_wait else 0
+                self._returning, self._idle_since = recent + ended, now
             self._gauges()
         return out
 

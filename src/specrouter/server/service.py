@@ -12,6 +12,7 @@ from specrouter.config import ServerConfig, kv_cache_bytes
 from specrouter.engine.engine import Engine
 from specrouter.engine.faults import ForwardWatch, guard_runners
 from specrouter.models.pool import Pool
+from specrouter.models.tokenizer import text_encoder
 from specrouter.server.async_engine import AsyncEngine
 from specrouter.server.contention import TeamGovernor
 from specrouter.server.metrics import ServerMetrics
@@ -59,6 +60,8 @@ class Service:
         self.model_name = config.served_model_name or self.pool.target
         self.served_names = (self.model_name, *config.model_aliases)  # names /v1/models lists
         self.chat_template = config.chat_template  # None: the target tokenizer's
+        self.encode = text_encoder(self.pool.tokenizer)  # (text, add_special_tokens) -> ids
+        self.longest_token_bytes  # read the vocabulary here, not on the event loop at the first request (~45 ms)
         self.created = int(time.time())
         # the caller's thread loaded, profiled and reserved: its OpenMP team would make the
         # engine thread's barriers sleep for as long as the caller lives (server/threads.py)

@@ -10,8 +10,9 @@ Choices written down here:
   (`max_model_len`, capped by the models); the draft length reserves nothing (it shrinks near
   the end of the context). Without `max_tokens`, chat completions get the room that is left
   (limit - prompt, as vLLM) and completions min(16, that room) (OpenAI's default).
-- Tokenizing runs off the event loop; a prompt whose UTF-8 size alone shows it cannot fit the
-  context is refused before it is tokenized (`check_prompt_bytes`).
+- Tokenizing runs off the event loop for prompts over `INLINE_TOKENIZE_BYTES` (4 KiB; shorter
+  ones on it: the thread hop costs more); a prompt whose UTF-8 size alone shows it cannot fit
+  the context is refused before it is tokenized (`check_prompt_bytes`).
 """
 
 from __future__ import annotations
@@ -295,11 +296,27 @@ def _stop_ids(pool, from_strings, req) -> tuple[int, ...]:
 # UTF-8 bytes one token may stand for, over the longest vocabulary entry: a normalizer that
 # composes characters (NFC joins three Hangul jamo of 3 bytes into one syllable of 3) shrinks text
 NORMALIZER_SLACK = 4
+# a prompt of at most this many UTF-8 bytes is tokenized on the event loop (20-170 us for the
+# bench's prompts, chat template included, on a Sapphire Rapids); a longer one on a worker thread.
+# The hop cost more than a short prompt's tokenizing: four requests arriving together spent 3-4 ms
+# in their hops (the loop, the executor's threads and the engine thread taking turns on the GIL)
+# before their batch could start (docs/serving-performance.md, fifteenth round). Requests sent
+# together still start together without the hop's overlap: the idle engine's gather waits for
+# requests on their way by its own rules (server/async_engine.py `AsyncEngine._gather`)
+INLINE_TOKENIZE_BYTES = 4096
 
 
-def check_prompt_bytes(srv: Service, texts: list[str], *, param: str) -> None:
+async def off_loop_if_long(size: int, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`: here when `size` (the input's UTF-8 bytes) is at most
+    `INLINE_TOKENIZE_BYTES`, else on a worker thread (a long prompt must not hold the loop)."""
+    if size <= INLINE_TOKENIZE_BYTES:
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def check_prompt_bytes(srv: Service, texts: list[str], *, param: str) -> int:
     """Refuse, without tokenizing, a prompt too long in bytes to fit any context this server
-    has (a 1 MB prompt costs seconds of tokenizing only to be refused)."""
+    has (a 1 MB prompt costs seconds of tokenizing only to be refused); its UTF-8 bytes."""
     size = sum(len(t.encode("utf-8")) for t in texts)
     limit = srv.max_model_len
     bound = limit * srv.longest_token_bytes * NORMALIZER_SLACK
@@ -309,33 +326,29 @@ def check_prompt_bytes(srv: Service, texts: list[str], *, param: str) -> None:
             f"accepts (context {limit} = prompt + at least 1 generated token; no prompt over "
             f"{bound} bytes fits): shorten the prompt", param=param,
             code="context_length_exceeded")
+    return size
 
 
 async def tokenize_prompt(srv: Service, text: str, add_special_tokens: bool = False,
                           param: str = "prompt") -> list[int]:
-    """Token ids of a completions prompt (after `check_prompt_bytes`), off the event loop."""
-    check_prompt_bytes(srv, [text], param=param)
-    # even a short prompt goes to a thread: tokenized on the loop (tried: prompts up to 4 KiB),
-    # a handler ran from its body to its submit without yielding, so requests sent together no
-    # longer overlapped in `AsyncEngine.arriving` and the idle engine started their batch with
-    # the first alone (an extra step in 11 of 16 levels: 65 a c=8 level, 130 a c=4; the thirteenth round
-    # of docs/serving-performance.md)
-    enc = await asyncio.to_thread(srv.pool.tokenizer, text, add_special_tokens=add_special_tokens)
-    return enc["input_ids"]
+    """Token ids of a completions prompt (after `check_prompt_bytes`), off the event loop when
+    long (`off_loop_if_long`)."""
+    size = check_prompt_bytes(srv, [text], param=param)
+    return await off_loop_if_long(size, srv.encode, text, add_special_tokens)
 
 
 async def render_chat(srv: Service, messages: list[dict], *, add_generation_prompt: bool = True,
                       template_kwargs: dict | None = None,
                       add_special_tokens: bool = False) -> list[int]:
     """Token ids of a chat (the server's template applied, with the request's
-    `chat_template_kwargs` as extra template variables), off the event loop."""
+    `chat_template_kwargs` as extra template variables), off the event loop when long."""
     from specrouter.models.tokenizer import apply_chat_template
 
     # a template may trim each message: only the trimmed text surely reaches the tokenizer
-    check_prompt_bytes(srv, [m["content"].strip() for m in messages], param="messages")
+    size = check_prompt_bytes(srv, [m["content"].strip() for m in messages], param="messages")
     try:
-        return await asyncio.to_thread(
-            apply_chat_template, srv.pool.tokenizer, messages,
+        return await off_loop_if_long(
+            size, apply_chat_template, srv.pool.tokenizer, messages,
             add_generation_prompt=add_generation_prompt, template=srv.chat_template,
             template_kwargs=template_kwargs, add_special_tokens=add_special_tokens)
     except CheckpointError as e:
