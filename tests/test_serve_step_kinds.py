@@ -40,3 +40,45 @@ def test_steps_by_kind_and_plans_round_trip_through_metrics():
     assert s["kinds"]["spec"]["tokens_per_step"] == 5
     assert {(p["chain"], p["k"]): p["tokens_per_cycle"] for p in s["plans"]} == {
         ("draft>target", 4): pytest.approx(8 / 3), ("target", 0): 1.0}
+
+
+def _sample(page: str, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise KeyError(name)
+
+
+def test_the_engine_threads_observations_are_folded_in_when_metrics_is_scraped(monkeypatch):
+    """engine_step / engine_cycle / handoff / observe_governor (the engine thread, every step) only
+    queue a record: the counters move at the next render() (a scrape), summed as observe_step and
+    observe_cycle would have counted them, engine_threads the last value in order; a queue that
+    nobody scrapes is folded in by the engine thread itself at PENDING_MAX records."""
+    from specrouter.server import metrics as mt
+
+    m = ServerMetrics()
+    m.engine_step("held", 4, 0.010, 4, 2, 0.009, 4)
+    m.engine_step("held", 4, 0.012, 4, 2, 0.011, 3)
+    m.engine_cycle(cycle(("draft", "target"), 4, 2, 5))
+    m.observe_governor("drop", 1)
+    m.engine_step("plain", 0, 0.001, 0, 1, 0.001, 0)  # an empty step: counted by threads only
+    m.handoff(0.0005)
+    assert m.steps_by_kind.labels("held", "4")._value.get() == 0  # not yet: queued
+    page = m.render().decode()
+    assert _sample(page, "specrouter_steps_by_kind_total", kind="held", rows="4") == 2
+    assert _sample(page, "specrouter_steps_by_kind_seconds_total", kind="held", rows="4") == pytest.approx(0.022)
+    assert _sample(page, "specrouter_steps_by_threads_total", threads="2") == 2
+    assert _sample(page, "specrouter_steps_by_threads_total", threads="1") == 1
+    assert _sample(page, "specrouter_step_seconds_count") == 3
+    assert _sample(page, "specrouter_generated_tokens_total") == 7
+    assert _sample(page, "specrouter_plan_cycles_total", chain="draft>target", k="4") == 2
+    assert _sample(page, "specrouter_governor_changes_total", change="drop") == 1
+    assert _sample(page, "specrouter_engine_threads") == 1
+    assert _sample(page, "specrouter_handoffs_total") == 1
+    monkeypatch.setattr(mt, "PENDING_MAX", 3)
+    for _ in range(3):
+        m.engine_step("spec", 2, 0.02, 5, 2, 0.02, 5)
+    assert m.steps_by_kind.labels("spec", "2")._value.get() == 3 and not m._pending  # folded in by itself

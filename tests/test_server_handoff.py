@@ -186,10 +186,11 @@ def test_held_rows_ride_along_with_any_hand_off(engine):
             deliver, events = ae._deliver, ae._events
             if not ride_along:  # the control: a row's tokens only when it is due itself
                 def events_alone(outputs, now, rows=1):
-                    got = []
+                    got, tokens = [], 0
                     for o in outputs:
-                        got += events([o], now, rows)
-                    return got
+                        out, n = events([o], now, rows)
+                        got, tokens = got + out, tokens + n
+                    return got, tokens
                 ae._events = events_alone
 
             def counted(deliveries):

@@ -194,6 +194,7 @@ class AsyncEngine:
         # their way (`_gather`, when the engine is empty)
         self._returning, self._idle_since = 0, -math.inf
         self._by_seq: dict[int, RequestHandle] = {}
+        self._gauged: tuple[int, int] | None = None  # the gauges' values last set (`_gauges`)
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # set if the loop itself died
@@ -295,9 +296,12 @@ class AsyncEngine:
 
     # -- engine thread ----------------------------------------------------------------------
     def _gauges(self) -> None:
-        if self.metrics is not None:
-            self.metrics.queue_depth.set(len(self._waiting))
-            self.metrics.running_rows.set(len(self.engine.running))
+        """queue_depth and running_rows, set when they changed (lock held; twice a step)."""
+        now = (len(self._waiting), len(self.engine.running))
+        if self.metrics is not None and now != self._gauged:
+            self._gauged = now
+            self.metrics.queue_depth.set(now[0])
+            self.metrics.running_rows.set(now[1])
 
     def _run(self, recover: ModelFailure | None) -> None:
         engine = self.engine
@@ -376,7 +380,9 @@ class AsyncEngine:
         with self._cv:
             self.engine.recover_from_hang(failure)
             outputs = [StepOutput(h.seq, h.seq.tokens[h.sent:]) for h in list(self._by_seq.values())]
-            deliveries = self._events(outputs, time.perf_counter())  # rows 0: nothing held
+            deliveries, generated = self._events(outputs, time.perf_counter())  # rows 0: nothing held
+            if self.metrics is not None:
+                self.metrics.generated_tokens.inc(generated)
             self._gauges()
         if deliveries:
             self._deliver(deliveries)
@@ -429,17 +435,14 @@ class AsyncEngine:
             self.governor.observe(wall, cpu)
         pace = self.pacer.interval
         self.pacer.observe_step(wall)
-        if self.metrics is not None:
-            if self.pacer.interval != pace:
-                self.metrics.stream_interval.set(self.pacer.interval)
-            self.metrics.step_seconds.observe(wall)
-            self.metrics.observe_threads(threads, wall, cpu)
-            if rows:
-                self.metrics.observe_step(engine.last_step_kind, rows, wall,
-                                          sum(len(o.new_token_ids) for o in outputs))
+        if self.metrics is not None and self.pacer.interval != pace:
+            self.metrics.stream_interval.set(self.pacer.interval)
         with self._cv:
             now = time.perf_counter()
-            out = self._events(outputs, now, rows)
+            out, generated = self._events(outputs, now, rows)
+            if self.metrics is not None:  # folded in when /metrics is scraped (ServerMetrics.flush)
+                self.metrics.engine_step(engine.last_step_kind, rows, wall,
+                                         sum(len(o.new_token_ids) for o in outputs), threads, cpu, generated)
             ended = sum(1 for o in outputs if o.seq.done)
             if ended:  # their clients' next requests may be on their way (`_gather`)
                 recent = self._returning if now - self._idle_since < self.admission_wait else 0
@@ -448,8 +451,9 @@ class AsyncEngine:
         return out
 
     def _events(self, outputs: list[StepOutput], now: float,
-                rows: int = 0) -> list[tuple[RequestHandle, TokenEvent]]:
-        """The event of each output's request (lock held); finished rows leave `_by_seq`. A
+                rows: int = 0) -> tuple[list[tuple[RequestHandle, TokenEvent]], int]:
+        """The event of each output's request (lock held), and the tokens the requests got (the
+        rows still theirs); finished rows leave `_by_seq`. A
         per_step row with `interval` > 1 in a step of `rows` > 1 rows gets its tokens every
         `interval` steps (a stream interval: fewer chunks to write and parse while the batch
         shares the cores); its first tokens and its last are never held, nor a lone row's
@@ -461,7 +465,7 @@ class AsyncEngine:
         for every row it can carry, and rows that joined at different steps fall into one
         phase at the first hand-off they share, instead of a hand-off every step for rows in
         alternate phases."""
-        out, held = [], []
+        out, held, generated = [], [], 0
         paced = self.pacer.interval if rows > 1 else self.pacer.lone  # of rows submitted with 0
         for o in outputs:
             h = self._by_seq.get(o.seq.seq_id)
@@ -470,8 +474,7 @@ class AsyncEngine:
             if o.new_token_ids:
                 if h.first_commit is None:
                     h.first_commit = now
-                if self.metrics is not None:
-                    self.metrics.generated_tokens.inc(len(o.new_token_ids))
+                generated += len(o.new_token_ids)
             if not (h.per_step or o.seq.done):
                 continue  # its tokens wait in seq.tokens[h.sent:] for its end
             interval = h.interval or paced
@@ -485,7 +488,7 @@ class AsyncEngine:
         if out:  # a hand-off is made: the held rows' tokens go with it
             for h, o in held:
                 self._event(h, o, now, out)
-        return out
+        return out, generated
 
     def _event(self, h: RequestHandle, o: StepOutput, now: float,
                out: list[tuple[RequestHandle, TokenEvent]]) -> None:
@@ -533,8 +536,7 @@ class AsyncEngine:
         wall = time.perf_counter() - t0
         self.pacer.observe_handoff(wall)
         if self.metrics is not None:
-            self.metrics.handoffs.inc()
-            self.metrics.handoff_seconds.inc(wall)
+            self.metrics.handoff(wall)
 
     def _shutdown(self) -> None:
         with self._cv:

@@ -50,7 +50,7 @@ class Service:
         self.metrics = ServerMetrics()
         self.metrics.learning_drafters = {n: d for n, d in self.pool.drafters.items() if hasattr(d, "memory")}
         self.metrics.prefix_cache = self.engine.prefix_cache
-        self.engine.on_cycle = self.metrics.observe_cycle
+        self.engine.on_cycle = self.metrics.engine_cycle  # folded in when /metrics is scraped
         self.engine.on_model_failure = self.metrics.observe_failure
         # the engine thread runs every forward (the process's one OpenMP team: server/threads.py);
         # a hung forward hands its loop to a new thread (async_engine.py)
