@@ -573,7 +573,7 @@ class BatchPlanner:
                 behind.setdefault(chain[-1], []).append(1)
                 continue
             speculative = True
-            lag = dict(lags[i]) if i < len(lags) else {}
+            lag = dict(lags[i]) if i < len(lags) and lags[i] else {}
             draft.setdefault(chain[0], []).append(k)
             for j, m in enumerate(chain[1:], start=1):
                 verify.setdefault(m, []).append(k + j)
@@ -582,8 +582,10 @@ class BatchPlanner:
         total = router.overhead["spec" if speculative else "plain"]
         total += router.overhead["processor"] * sum(processor_forwards(c, k, router.model_free)
                                                     for (c, k), on in zip(plans, processors) if on)
+        board_predict = router.board.predict
+
         def predict(m: str, b: int, t: float, L: int) -> float:
-            return router.board.predict(m, b, t, L, False)
+            return board_predict(m, b, t, L, False)
 
         def width(m: str, widths: list[int]) -> float:  # a packing runner costs its valid tokens
             return sum(widths) / len(widths) if m in router.packed else max(widths)
@@ -601,8 +603,10 @@ class BatchPlanner:
                 caught = width(m, behind[m])
                 total += first if caught <= width(m, widths) else \
                     first + (predict(m, len(widths), caught, context_len) - first) / span
-            for i in range(2, max(ks, default=0) + 1):
-                total += predict(m, sum(1 for k in ks if k >= i), 1, context_len) + router.overhead["draft_step"]
+            if ks:
+                step_host = router.overhead["draft_step"]
+                for i in range(2, max(ks) + 1):  # the draft's later steps, over the rows still drafting
+                    total += predict(m, sum(1 for k in ks if k >= i), 1, context_len) + step_host
         return max(total, 1e-9)
 
     PLAIN_PREDICTION_STEPS = 16  # a plain step's predicted seconds are reused this many steps
