@@ -45,9 +45,8 @@ from specrouter.decoding import certain_drafts as certain
 from specrouter.drafters.base import ModelFreeDrafter
 from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.logprobs import generated_logprobs, prompt_logprobs
-from specrouter.decoding.noise import check_tokens, position_keys
 from specrouter.decoding.processors import PenaltyMemo, RowHistory, process_rows
-from specrouter.decoding.sampling import SamplingTensors, choose_tokens
+from specrouter.decoding.sampling import SamplingTensors, choose_at
 from specrouter.decoding.tv import level_tv
 from specrouter.models.device import synchronize
 from specrouter.decoding.verification import verify_tokens
@@ -504,24 +503,16 @@ class ChainExecutor:
 
     def _sample(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0,
                 offsets: list[list[int]] | None = None) -> torch.Tensor:
-        """`_choose` on logits already processed (`_process`)."""
-        dev = logits.device  # the pool's device: every tensor of the choice lives there
-        if len(work) != len(sampling):
-            st = sampling.select(torch.tensor([w.b for w in work], dtype=torch.long, device=sampling.temperature.device))
+        """`_choose` on logits already processed (`_process`): (B, G) host tokens
+        (`sampling.choose_at`: one native call on the CPU)."""
+        G = logits.shape[1]
+        if sampling.all_greedy:
+            positions = []
+        elif offsets is None:
+            positions = [w.start + offset + g for w in work for g in range(G)]
         else:
-            st = sampling
-        keys = None
-        if not st.all_greedy:
-            G = logits.shape[1]
-            seeds = torch.tensor([[w.seq.seed_key] for w in work], dtype=torch.long, device=dev)  # (B, 1)
-            starts = torch.tensor([[w.start + offset] for w in work], dtype=torch.long, device=dev)  # (B, 1)
-            steps = (torch.arange(G, device=dev)[None, :] if offsets is None
-                     else torch.tensor(offsets, dtype=torch.long, device=dev))  # (1 or B, G)
-            keys = position_keys(seeds, starts + steps)  # (B, G)
-        # the tokens come to the host once per forward (the next level's feed is built from them);
-        # the GPU's noise marks a row with NaN scores -1 rather than sync to raise: raised here
-        tokens = choose_tokens(logits, st, keys).cpu()
-        return tokens if keys is None else check_tokens(tokens)
+            positions = [w.start + o for w, offs in zip(work, offsets) for o in offs]
+        return choose_at(logits, sampling, [w.b for w in work], [w.seq.seed_key for w in work], positions)
 
     # -- log-probabilities (decoding/logprobs.py) -------------------------------------------
     def _logprobs(self, work: list[RowWork], processed: torch.Tensor, sampling: SamplingTensors) -> None:
