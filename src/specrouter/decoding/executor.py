@@ -115,6 +115,7 @@ class RowWork:
     forcing: bool = False
     forced: list[int] = field(default_factory=list)
     certain: int = 0
+    processors: bool = False  # the row's parameters have logits processors (SamplingParams.has_processors)
 
     def level(self, model: str) -> int:
         """Index of `model` in the row's chain (-1: not in it)."""
@@ -252,7 +253,8 @@ class ChainExecutor:
         n = len(chain)
         return RowWork(b=b, seq=seq, chain=chain, k=k, cap=cap, start=len(seq.tokens),
                        drafted=[0] * n, accepted=[0] * n, tv=[math.nan] * n,
-                       forcing=k > 0 and self.certain_drafts and certain.forcing(seq))
+                       forcing=k > 0 and self.certain_drafts and certain.forcing(seq),
+                       processors=seq.params.has_processors)
 
     def measures_tv(self, w: RowWork) -> bool:
         """Row w's D_TV is measured this cycle: measuring is on, and the row is sampled or
@@ -491,12 +493,12 @@ class ChainExecutor:
         row has any), the history at position g being the committed tokens plus
         w.cand[: offset + g] (`offset`: one for every row, or one per row). Its seconds and rows are the step's `processor_seconds` / `_rows`
         (the router charges them per row-forward)."""
-        rows = sum(1 for w in work if w.seq.params.has_processors)
+        rows = sum(1 for w in work if w.processors)
         if not rows:
             return logits
         t0 = self.clock()
         for w in work:
-            if w.seq.params.has_processors and w.seq.penalty_memo is None:
+            if w.processors and w.seq.penalty_memo is None:
                 w.seq.penalty_memo = PenaltyMemo()
         offsets = offset if isinstance(offset, list) else [offset] * len(work)
         on_host = logits.device.type == "cpu"  # penalties etc. run on host tensors

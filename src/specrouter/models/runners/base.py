@@ -91,19 +91,19 @@ class ForwardBatch:
                 if n < T:
                     flat += [-1] * (T - n)
         buf = torch.tensor(flat, dtype=torch.long)
-        if torch.device(device).type != "cpu":
+        if device != "cpu" and torch.device(device).type != "cpu":
             buf = buf.to(device)
-        o = 3 * B + B * T  # where logit positions start
+        parts = buf.split([B, B, B, B * T, B * G] + ([B * T] if parents is not None else []))
         return ForwardBatch(
-            slots=buf[:B],
-            starts=buf[B : 2 * B],
-            tokens=buf[3 * B : o].view(B, T),
-            num_tokens=buf[2 * B : 3 * B],
-            logit_positions=buf[o : o + B * G].view(B, G),
+            slots=parts[0],
+            starts=parts[1],
+            tokens=parts[3].view(B, T),
+            num_tokens=parts[2],
+            logit_positions=parts[4].view(B, G),
             slots_list=list(slots),
             starts_list=list(starts),
             num_tokens_list=num,
-            parents=None if parents is None else buf[o + B * G :].view(B, T),
+            parents=None if parents is None else parts[5].view(B, T),
         )
 
 

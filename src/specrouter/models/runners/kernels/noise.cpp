@@ -246,23 +246,35 @@ int64_t sample_row(const T* x, int64_t V, T temp, uint32_t key, Scratch& sc) {
   if (sc.smax[top] == NEG_INF) return 0;  // every score -inf: index 0, as argmax over the whole row
   double best = NEG_INF;
   int64_t token = -1;
-  auto visit = [&](int64_t b) {
-    const int64_t lo = b * BLOCK, hi = std::min(V, lo + BLOCK);
-    int64_t arg = static_cast<int64_t>(uniform(key, STREAM_ARG, b) * BLOCK);
-    arg = std::min(arg, BLOCK - 1);
-    for (int64_t v = lo; v < hi; ++v) {
-      const double s = static_cast<double>(static_cast<T>(x[v] / temp));
-      if (s == NEG_INF) continue;  // filtered: never sampled
-      const double extra = (v - lo == arg) ? 0.0 : -vlog(uniform(key, STREAM_TOKEN, v));
-      const double score = s - vlog(sc.minima[b] + extra);
-      if (score > best || token < 0 || (score == best && v < token)) {
-        best = score;
-        token = v;
-      }
+  // token v of block b (log M_b = lm): its noisy score against the best so far. A token whose
+  // score cannot reach `best` even with the block's smallest noise (s - log M_b, its extra
+  // noise being >= 0; a margin of 1e-9 covers the logarithms' last bits) is skipped unhashed:
+  // in a visited block, most tokens
+  auto consider = [&](int64_t b, int64_t v, double lm, int64_t arg) {
+    const double s = static_cast<double>(static_cast<T>(x[v] / temp));
+    if (s == NEG_INF || s - lm < best - 1e-9) return;  // filtered (never sampled), or cannot win
+    const double extra = (v - b * BLOCK == arg) ? 0.0 : -vlog(uniform(key, STREAM_TOKEN, v));
+    const double score = s - vlog(sc.minima[b] + extra);
+    if (score > best || token < 0 || (score == best && v < token)) {
+      best = score;
+      token = v;
     }
   };
+  auto visit = [&](int64_t b, int64_t first) {  // `first`: a token to score before the others (-1: none)
+    const int64_t lo = b * BLOCK, hi = std::min(V, lo + BLOCK);
+    const int64_t arg = std::min(static_cast<int64_t>(uniform(key, STREAM_ARG, b) * BLOCK), BLOCK - 1);
+    const double lm = vlog(sc.minima[b]);
+    if (first >= 0) consider(b, first, lm, arg);
+    for (int64_t v = lo; v < hi; ++v) consider(b, v, lm, arg);
+  };
   sc.minima[top] = -vlog(uniform(key, STREAM_MIN, top)) / BLOCK;
-  visit(top);
+  {  // the top block's largest logit first: a good `best` early skips most of the block's tokens
+    const int64_t lo = top * BLOCK, hi = std::min(V, lo + BLOCK);
+    int64_t first = lo;
+    for (int64_t v = lo; v < hi; ++v)
+      if (x[v] > x[first]) first = v;
+    visit(top, first);
+  }
   // the other blocks that could hold a token scoring >= best, by their exact bound
   int64_t n = 0;
   for (int64_t b = 0; b < nb; ++b) {
@@ -276,7 +288,7 @@ int64_t sample_row(const T* x, int64_t V, T temp, uint32_t key, Scratch& sc) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t b = sc.order[i];
     if (best > sc.bound[b]) break;  // no token of this or a later block can reach it
-    visit(b);
+    visit(b, -1);
   }
   return token < 0 ? 0 : token;
 }
