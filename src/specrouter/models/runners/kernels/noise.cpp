@@ -209,18 +209,19 @@ inline double span_max(const double* x, int64_t n, bool& nan) {
   return mx;
 }
 
-// torch's max(dim).indices of x[0, V): the first maximal index, the first NaN if any
+// torch's max(dim).indices of x[0, V): the first maximal index, the first NaN if any; from the
+// row's block maxima `bm` and NaN flags `bn` (nb blocks of BLOCK)
 template <typename T>
-int64_t greedy_row(const T* x, int64_t V) {
-  bool nan = false;
-  const T mx = span_max(x, V, nan);
-  if (nan) {
-    for (int64_t v = 0; v < V; ++v)
-      if (std::isnan(x[v])) return v;
+int64_t greedy_row(const T* x, int64_t V, const T* bm, const uint8_t* bn, int64_t nb) {
+  int64_t top = 0, first_nan = -1;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (bn[b] && first_nan < 0) first_nan = b;
+    if (bm[b] > bm[top]) top = b;
   }
-  for (int64_t v = 0; v < V; ++v)
-    if (x[v] == mx) return v;
-  return 0;
+  const int64_t b = first_nan >= 0 ? first_nan : top, lo = b * BLOCK, hi = std::min(V, lo + BLOCK);
+  for (int64_t v = lo; v < hi; ++v)
+    if (first_nan >= 0 ? std::isnan(x[v]) : x[v] == bm[top]) return v;
+  return lo;  // (every value -inf: the block's first)
 }
 
 struct Scratch {
@@ -231,15 +232,14 @@ struct Scratch {
 
 // the coupled sample of a row: argmax_v fl(x_v / temp) - log E_v(key), ties to the lowest index
 template <typename T>
-int64_t sample_row(const T* x, int64_t V, T temp, uint32_t key, Scratch& sc) {
+int64_t sample_row(const T* x, int64_t V, T temp, uint32_t key, const T* bm, const uint8_t* bn, Scratch& sc) {
   constexpr double NEG_INF = -std::numeric_limits<double>::infinity();
   const int64_t nb = (V + BLOCK - 1) / BLOCK;
   bool nan = false;
   int64_t top = 0;
   for (int64_t b = 0; b < nb; ++b) {
-    const int64_t lo = b * BLOCK, hi = std::min(V, lo + BLOCK);
-    const T mx = span_max(x + lo, hi - lo, nan);
-    sc.smax[b] = static_cast<double>(static_cast<T>(mx / temp));  // = max of fl(x / temp) over the block
+    nan |= bn[b] != 0;
+    sc.smax[b] = static_cast<double>(static_cast<T>(bm[b] / temp));  // = max of fl(x / temp) over the block
     if (sc.smax[b] > sc.smax[top]) top = b;
   }
   TORCH_CHECK(!nan, "invalid distribution: NaN scores (non-finite logits or temperature)");
@@ -297,16 +297,33 @@ template <typename T>
 void choose_rows(const at::Tensor& x, const float* temp, const int64_t* rows, const int64_t* seeds,
                  const int64_t* pos, int64_t* out, int64_t B, int64_t G, int64_t V) {
   const T* base = x.data_ptr<T>();
-  const int64_t sb = x.stride(0), sg = x.stride(1), nb = (V + BLOCK - 1) / BLOCK;
-  // grain: a row costs a few microseconds (greedy) to ~10-20 (sampling), about a thread's wake-up
-  at::parallel_for(0, B * G, 4, [&](int64_t begin, int64_t end) {
+  const int64_t sb = x.stride(0), sg = x.stride(1), nb = (V + BLOCK - 1) / BLOCK, R = B * G;
+  auto row_of = [&](int64_t r) { return base + (r / G) * sb + (r % G) * sg; };
+  // 1. every block's maximum and NaN flag, over both threads in contiguous halves of the logits:
+  // the halves that the two threads of the forward's last op (the float32 conversion of the LM
+  // head's output) wrote, so each thread reads from its own core's cache (a core reading the
+  // other's half paid ~40 us for a 49k row on this machine)
+  std::vector<T> bmax(R * nb);
+  std::vector<uint8_t> bnan(R * nb);
+  at::parallel_for(0, R * nb, 128, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i % nb, lo = b * BLOCK, hi = std::min(V, lo + BLOCK);
+      bool nan = false;
+      bmax[i] = span_max(row_of(i / nb) + lo, hi - lo, nan);
+      bnan[i] = nan;
+    }
+  });
+  // 2. each row's token from them: a few blocks read again (in cache now)
+  // grain: a row costs about a microsecond (greedy) to ~10 (sampling), a thread's wake-up
+  at::parallel_for(0, R, 4, [&](int64_t begin, int64_t end) {
     Scratch sc(nb);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / G, g = i % G;
-      const T* row = base + b * sb + g * sg;
-      const float t = temp[rows[b]];
-      out[i] = t == 0.0f ? greedy_row(row, V)
-                         : sample_row(row, V, static_cast<T>(t), position_key(static_cast<uint32_t>(seeds[b]), pos[i]), sc);
+      const T *row = row_of(i), *bm = bmax.data() + i * nb;
+      const uint8_t* bn = bnan.data() + i * nb;
+      const float t = temp[rows[i / G]];
+      out[i] = t == 0.0f ? greedy_row(row, V, bm, bn, nb)
+                         : sample_row(row, V, static_cast<T>(t), position_key(static_cast<uint32_t>(seeds[i / G]), pos[i]),
+                                      bm, bn, sc);
     }
   });
 }
