@@ -98,6 +98,19 @@ def test_nan_scores_raise_in_sampling_rows_only(ops):
     sampled = SamplingTensors.from_params([SamplingParams(), SamplingParams(temperature=0.5)])
     with pytest.raises(RuntimeError, match="NaN"):
         choose_at(logits, sampled, [0, 1], [1, 2], [0, 0])
+    # a NaN temperature (params corrupted past validation): NaN scores, as the torch path raises
+    sampled.temperature[1] = float("nan")
+    with pytest.raises(RuntimeError, match="NaN"):
+        choose_at(torch.zeros(2, 1, 100), sampled, [0, 1], [1, 2], [0, 0])
+    with pytest.raises(RuntimeError, match="NaN"):
+        unfused(torch.zeros(2, 1, 100), sampled, [0, 1], [1, 2], [0, 0])
+    # an infinite one: uniform over finite logits (as torch), NaN over an infinite logit
+    sampled.temperature[1] = float("inf")
+    flat = torch.zeros(2, 1, 100)
+    assert torch.equal(choose_at(flat, sampled, [0, 1], [1, 2], [0, 0]), unfused(flat, sampled, [0, 1], [1, 2], [0, 0]))
+    flat[1, 0, 7] = -float("inf")
+    with pytest.raises(RuntimeError, match="NaN"):
+        choose_at(flat, sampled, [0, 1], [1, 2], [0, 0])
 
 
 def test_filters_take_the_torch_path():

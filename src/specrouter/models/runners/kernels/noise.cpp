@@ -235,7 +235,12 @@ template <typename T>
 int64_t sample_row(const T* x, int64_t V, T temp, uint32_t key, const T* bm, const uint8_t* bn, Scratch& sc) {
   constexpr double NEG_INF = -std::numeric_limits<double>::infinity();
   const int64_t nb = (V + BLOCK - 1) / BLOCK;
-  bool nan = false;
+  // the scores x / temp are NaN where the torch path's are: a NaN temperature, or an infinite
+  // one over an infinite logit (and the block maxima below need temp > 0: x / temp monotone)
+  bool nan = std::isnan(temp);
+  TORCH_CHECK(nan || temp > 0, "choose_tokens: a sampling row's temperature must be > 0, got ", temp);
+  if (std::isinf(temp))
+    for (int64_t v = 0; v < V; ++v) nan |= std::isinf(x[v]);
   int64_t top = 0;
   for (int64_t b = 0; b < nb; ++b) {
     nan |= bn[b] != 0;
