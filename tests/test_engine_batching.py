@@ -173,8 +173,7 @@ def test_per_row_seeds_in_one_batch_keep_the_distribution(v8_pool):
 def test_negative_control_noise_without_position(v8_pool, monkeypatch):
     """Noise keyed by the seed only (the same at every position): tokens are no longer
     independent across positions, and the same test must fail."""
-    real = executor_module.position_keys
-    monkeypatch.setattr(executor_module, "position_keys", lambda seeds, positions: real(seeds, positions * 0))
+    monkeypatch.setattr(executor_module, "token_positions", lambda work, G, *a: [0] * (len(work) * G))
     exact = target_joint(v8_pool)
     seqs = mixed_batch(v8_pool, 40_000)
     tv = 0.5 * (joint_of(seqs) - exact).abs().sum().item()

@@ -14,7 +14,7 @@ from reference_verification import (
 
 from specrouter.config import SamplingParams as SP
 from specrouter.decoding.sampling import SamplingTensors, greedy, process_logits, sample
-from specrouter.decoding.verification import PAD_TOKEN_ID, verify_tokens
+from specrouter.decoding.verification import PAD_TOKEN_ID, verify_rows, verify_tokens
 
 
 def st_of(*params: SP) -> SamplingTensors:
@@ -173,6 +173,22 @@ def test_verify_tokens_all_accepted_mismatch_and_ragged():
     ]
     assert out.num_accepted.tolist() == [3, 0, 1, 1, 0] and out.lengths.tolist() == [4, 1, 2, 2, 1]
     assert out.probs is None and out.tokens.dtype == torch.long
+    # the host path the executor takes: the same rows, as lists (ragged candidates, no padding)
+    rows = [c[:m] for c, m in zip(candidates.tolist(), num_candidates.tolist())]
+    expected = [t[:m] for t, m in zip(out.tokens.tolist(), out.lengths.tolist())]
+    assert verify_rows(rows, verifier.argmax(-1).tolist()) == expected
+
+
+def test_verify_rows_equals_verify_tokens_on_random_rows():
+    g = torch.Generator().manual_seed(4)
+    B, n = 200, 5
+    verifier = torch.randint(0, 3, (B, n + 1), generator=g)
+    candidates = torch.where(torch.rand(B, n, generator=g) < 0.8, verifier[:, :n], torch.randint(0, 3, (B, n), generator=g))
+    num = torch.randint(0, n + 1, (B,), generator=g)
+    out = verify_tokens(candidates, num, verifier)
+    expected = [t[:m] for t, m in zip(out.tokens.tolist(), out.lengths.tolist())]
+    assert verify_rows([c[:m] for c, m in zip(candidates.tolist(), num.tolist())], verifier.tolist()) == expected
+    assert len({len(e) for e in expected}) == n + 1  # every acceptance length occurs
 
 
 # ----------------------------------------------------------------------------- the reference sampler (tests/)

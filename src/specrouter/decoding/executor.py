@@ -45,12 +45,11 @@ from specrouter.decoding import certain_drafts as certain
 from specrouter.drafters.base import ModelFreeDrafter
 from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.logprobs import generated_logprobs, prompt_logprobs
-from specrouter.decoding.noise import check_tokens, position_keys
 from specrouter.decoding.processors import PenaltyMemo, RowHistory, process_rows
-from specrouter.decoding.sampling import SamplingTensors, choose_tokens
+from specrouter.decoding.sampling import SamplingTensors, choose_at
 from specrouter.decoding.tv import level_tv
 from specrouter.models.device import synchronize
-from specrouter.decoding.verification import verify_tokens
+from specrouter.decoding.verification import verify_rows
 from specrouter.decoding.tree import TokenTree, feed_parents, path_independent, token_offsets, walk
 from specrouter.decoding.free_tree import free_tree_ok, take_free_tree
 from specrouter.decoding.tree_drafting import DraftTree, draft_tree
@@ -60,6 +59,19 @@ from specrouter.records.routing import ForwardRecord, RowOutcome
 from specrouter.state.features import after_forward
 from specrouter.state.manager import StateManager
 from specrouter.state.sequence import Sequence
+
+
+def cut(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """Logits cut to the pool's common width (themselves when they have it already)."""
+    return logits if logits.shape[-1] == width else logits[..., :width]
+
+
+def token_positions(work: list["RowWork"], G: int, offset: int = 0, offsets: list[list[int]] | None = None) -> list[int]:
+    """The sequence position of each of G logits per row (row-major, B*G): start + offset + g,
+    or start + offsets[b][g] (a tree's nodes); a row's noise there is keyed by (its seed, it)."""
+    if offsets is None:
+        return [w.start + offset + g for w in work for g in range(G)]
+    return [w.start + o for w, offs in zip(work, offsets) for o in offs]
 
 
 @dataclass
@@ -103,6 +115,7 @@ class RowWork:
     forcing: bool = False
     forced: list[int] = field(default_factory=list)
     certain: int = 0
+    processors: bool = False  # the row's parameters have logits processors (SamplingParams.has_processors)
 
     def level(self, model: str) -> int:
         """Index of `model` in the row's chain (-1: not in it)."""
@@ -240,7 +253,8 @@ class ChainExecutor:
         n = len(chain)
         return RowWork(b=b, seq=seq, chain=chain, k=k, cap=cap, start=len(seq.tokens),
                        drafted=[0] * n, accepted=[0] * n, tv=[math.nan] * n,
-                       forcing=k > 0 and self.certain_drafts and certain.forcing(seq))
+                       forcing=k > 0 and self.certain_drafts and certain.forcing(seq),
+                       processors=seq.params.has_processors)
 
     def measures_tv(self, w: RowWork) -> bool:
         """Row w's D_TV is measured this cycle: measuring is on, and the row is sampled or
@@ -371,7 +385,8 @@ class ChainExecutor:
             G = logits.shape[1]
             offsets = [token_offsets(t) + [0] * (G - len(t) - 1) if t is not None else list(range(G)) for t in trees]
         processed = self._process(logits, rows)  # after the rows' logits processors (never a tree row's)
-        tokens = self._sample(processed, rows, sampling, offsets=offsets)  # (B, n_max + 1): the token each row samples there
+        # (B, n_max + 1): the token each row samples there, as host lists (one read of the tensor)
+        tokens = self._sample(processed, rows, sampling, offsets=offsets).tolist()
         if verify:
             if self.measure_tv:
                 self._measure_tv(name, verify, logits[: len(verify)], sampling)
@@ -382,11 +397,11 @@ class ChainExecutor:
                 self._verify(name, verify, tokens[: len(verify)], logits)
             elif chains:
                 sel = torch.tensor(chains, dtype=torch.long)
-                self._verify(name, [verify[i] for i in chains], tokens.index_select(0, sel), logits.index_select(0, sel))
+                self._verify(name, [verify[i] for i in chains], [tokens[i] for i in chains], logits.index_select(0, sel))
             if name == self.target:
                 self._logprobs(verify, processed, sampling)  # (no tree row asks: `_tree_ok`)
         if draft:
-            first, first_logits = tokens[len(verify):, 0].tolist(), logits[len(verify):, 0]  # (B', V)
+            first, first_logits = [t[0] for t in tokens[len(verify):]], logits[len(verify):, 0]  # (B', V)
             grow = [i for i, w in enumerate(draft) if w.tree_budget]
             chain = [i for i, w in enumerate(draft) if not w.tree_budget]
             if len(chain) == len(draft):
@@ -420,16 +435,12 @@ class ChainExecutor:
             work[i].tv[work[i].level(name)] = d
         self._tv_seconds += self.clock() - t0
 
-    def _verify(self, name: str, work: list[RowWork], tokens: torch.Tensor, logits: torch.Tensor) -> None:
-        """Level `name` verifies each row's candidates against its own tokens (B, n + 1); what a
-        row passes up carries this level's logits at its positions (`logits` (B', n + 1, V), the
-        verifying rows first)."""
-        n = tokens.shape[1] - 1
-        num = torch.tensor([len(w.cand) for w in work], dtype=torch.long)
-        cand = torch.tensor([w.cand + [0] * (n - len(w.cand)) for w in work], dtype=torch.long).view(len(work), n)
-        res = verify_tokens(cand, num, tokens)
-        for w_i, (w, toks, m, a) in enumerate(zip(work, res.tokens.tolist(), res.lengths.tolist(),
-                                                  res.num_accepted.tolist())):
+    def _verify(self, name: str, work: list[RowWork], tokens: list[list[int]], logits: torch.Tensor) -> None:
+        """Level `name` verifies each row's candidates against its own tokens (B lists of n + 1,
+        `verification.verify_rows`); what a row passes up carries this level's logits at its
+        positions (`logits` (B', n + 1, V), the verifying rows first)."""
+        for w_i, (w, out) in enumerate(zip(work, verify_rows([w.cand for w in work], tokens))):
+            a = len(out) - 1  # candidates accepted
             j = w.level(name)
             if w.forced:
                 certain.count(self.certain_counts, w, a)
@@ -438,7 +449,6 @@ class ChainExecutor:
             if j == len(w.chain) - 1:
                 w.certain = a - w.accepted[j]
             certain.keep_prefix(w, a)
-            out = toks[:m]
             if j == 1 and j < len(w.chain) - 1 and w.proposal is None and not w.forcing:
                 w.proposal = list(out)  # a model-free drafter's verifier: its own tokens (RowWork.proposal)
             w.cand = out if j == len(w.chain) - 1 else out[: w.cap]  # the target's output is committed
@@ -454,7 +464,7 @@ class ChainExecutor:
         runner = self.runners[name]
         for w, toks in rows:
             tree, dt = w.tree, w.draft_tree
-            target = toks[: len(tree) + 1].tolist()
+            target = toks[: len(tree) + 1]
             nodes, final = walk(tree, target)
             runner.move_kv(self.state.state(w.seq.seq_id, name).slot, w.start, nodes)
             self.state.state(w.seq.seq_id, name).speculative = [tree.tokens[i] for i in nodes]
@@ -483,12 +493,12 @@ class ChainExecutor:
         row has any), the history at position g being the committed tokens plus
         w.cand[: offset + g] (`offset`: one for every row, or one per row). Its seconds and rows are the step's `processor_seconds` / `_rows`
         (the router charges them per row-forward)."""
-        rows = sum(1 for w in work if w.seq.params.has_processors)
+        rows = sum(1 for w in work if w.processors)
         if not rows:
             return logits
         t0 = self.clock()
         for w in work:
-            if w.seq.params.has_processors and w.seq.penalty_memo is None:
+            if w.processors and w.seq.penalty_memo is None:
                 w.seq.penalty_memo = PenaltyMemo()
         offsets = offset if isinstance(offset, list) else [offset] * len(work)
         on_host = logits.device.type == "cpu"  # penalties etc. run on host tensors
@@ -504,24 +514,10 @@ class ChainExecutor:
 
     def _sample(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0,
                 offsets: list[list[int]] | None = None) -> torch.Tensor:
-        """`_choose` on logits already processed (`_process`)."""
-        dev = logits.device  # the pool's device: every tensor of the choice lives there
-        if len(work) != len(sampling):
-            st = sampling.select(torch.tensor([w.b for w in work], dtype=torch.long, device=sampling.temperature.device))
-        else:
-            st = sampling
-        keys = None
-        if not st.all_greedy:
-            G = logits.shape[1]
-            seeds = torch.tensor([[w.seq.seed_key] for w in work], dtype=torch.long, device=dev)  # (B, 1)
-            starts = torch.tensor([[w.start + offset] for w in work], dtype=torch.long, device=dev)  # (B, 1)
-            steps = (torch.arange(G, device=dev)[None, :] if offsets is None
-                     else torch.tensor(offsets, dtype=torch.long, device=dev))  # (1 or B, G)
-            keys = position_keys(seeds, starts + steps)  # (B, G)
-        # the tokens come to the host once per forward (the next level's feed is built from them);
-        # the GPU's noise marks a row with NaN scores -1 rather than sync to raise: raised here
-        tokens = choose_tokens(logits, st, keys).cpu()
-        return tokens if keys is None else check_tokens(tokens)
+        """`_choose` on logits already processed (`_process`): (B, G) host tokens
+        (`sampling.choose_at`: one native call on the CPU)."""
+        positions = [] if sampling.all_greedy else token_positions(work, logits.shape[1], offset, offsets)
+        return choose_at(logits, sampling, [w.b for w in work], [w.seq.seed_key for w in work], positions)
 
     # -- log-probabilities (decoding/logprobs.py) -------------------------------------------
     def _logprobs(self, work: list[RowWork], processed: torch.Tensor, sampling: SamplingTensors) -> None:
@@ -602,7 +598,7 @@ class ChainExecutor:
                                            lambda: runner.forward_with_features(batch))
             self.state.features.ensure(runner.num_slots, runner.max_len)
             self.state.features.write(batch, features)
-            logits = logits[..., : self.vocab_width]
+            logits = cut(logits, self.vocab_width)
         else:
             logits = self._timed_forward(name, batch, len(work), width, context)
         for st, start, feed in zip(states, starts, feeds):
@@ -615,7 +611,7 @@ class ChainExecutor:
         features (B, T, H))."""
         logits, predicted = self._timed(name, batch, rows, self._width(name, batch, rows), None,
                                         lambda: self.runners[name].step(batch, features))
-        return logits[..., : self.vocab_width], predicted
+        return cut(logits, self.vocab_width), predicted
 
     def _width(self, name: str, batch: ForwardBatch, rows: int) -> float:
         """The new tokens a forward of `batch` costs per row: its widest row, or the mean of
@@ -624,13 +620,15 @@ class ChainExecutor:
 
     def _timed_forward(self, name: str, batch: ForwardBatch, rows: int, width: float, context: int | None = None) -> torch.Tensor:
         logits = self._timed(name, batch, rows, width, context, lambda: self.runners[name].forward(batch))
-        return logits[..., : self.vocab_width]
+        return cut(logits, self.vocab_width)
 
     def _timed(self, name: str, batch: ForwardBatch, rows: int, width: float, context: int | None, call):
         """`call()`'s result, its seconds recorded as a forward of model `name` over `batch`."""
         t0 = self.clock()
         out = call()
-        synchronize(self.runners[name].device)  # a GPU's forward is timed to its end (CPU: no-op)
+        device = self.runners[name].device
+        if str(device) != "cpu":
+            synchronize(device)  # a GPU's forward is timed to its end
         dt = self.clock() - t0
         self._ftime[name] = self._ftime.get(name, 0.0) + dt
         self._fsum += dt

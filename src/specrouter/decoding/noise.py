@@ -177,6 +177,12 @@ def _native():
     return rowinv()
 
 
+def native_ops():
+    """The native kernels' ops (`coupled_argmax`, `choose_tokens`: kernels/noise.cpp) where they
+    are built, else None."""
+    return _native()
+
+
 def coupled_argmax_torch(scores: torch.Tensor, keys: torch.Tensor, first_blocks: int = 8) -> torch.Tensor:
     """`coupled_argmax` in torch ops (the portable path; ~100 small ops per call)."""
     N, V = scores.shape

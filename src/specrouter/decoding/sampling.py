@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from specrouter.config import SamplingParams
-from specrouter.decoding.noise import coupled_argmax
+from specrouter.decoding.noise import check_tokens, coupled_argmax, native_ops, position_keys
 
 
 @dataclass
@@ -162,6 +162,35 @@ def choose_tokens(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor 
     noisy = coupled_argmax(scores, keys[rows].reshape(-1)).view(len(rows), M)
     tokens[rows] = noisy
     return tokens
+
+
+def choose_at(logits: torch.Tensor, st: SamplingTensors, rows: list[int], seed_keys: list[int],
+              positions: list[int]) -> torch.Tensor:
+    """`choose_tokens` with each position's key given by its row's seed key and its position, on
+    the host: logits (B, M, V), row b of them being row `rows[b]` of `st` (a sub-batch without
+    `select`), `seed_keys` (B) 32-bit keys, `positions` (B*M, row-major) each token's position
+    -> (B, M) int64 host tokens. One native call (kernels/noise.cpp `choose_tokens`: the keys,
+    the temperature and the coupled argmax fused, the same tokens as below) for CPU logits where
+    no row of `st` filters with top-k / top-p / min_p; else the keys are hashed here and
+    `choose_tokens` serves (a NaN score raises in both)."""
+    B, M, _ = logits.shape
+    ops = None if st.needs_sort or st.needs_min_p else native_ops()
+    if (ops is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64)
+            and logits.stride(-1) == 1 and st.temperature.device.type == "cpu"):
+        return ops.choose_tokens(logits, st.temperature, rows, seed_keys, [] if st.all_greedy else positions)
+    dev = logits.device
+    if rows == list(range(len(st))):
+        sub = st
+    else:
+        sub = st.select(torch.tensor(rows, dtype=torch.long, device=st.temperature.device))
+    keys = None
+    if not sub.all_greedy:
+        seeds = torch.tensor(seed_keys, dtype=torch.long, device=dev)[:, None]  # (B, 1)
+        keys = position_keys(seeds, torch.tensor(positions, dtype=torch.long, device=dev).view(B, M))  # (B, M)
+    # the tokens come to the host once per forward (the next level's feed is built from them);
+    # the GPU's noise marks a row with NaN scores -1 rather than sync to raise: raised here
+    tokens = choose_tokens(logits, sub, keys).cpu()
+    return tokens if keys is None else check_tokens(tokens)
 
 
 def process_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -84,3 +84,20 @@ def verify_tokens(candidates: torch.Tensor, num_candidates: torch.Tensor, verifi
     num_accepted = _num_accepted(candidates == verifier_tokens[:, :n], num_candidates)  # (B,)
     final_token = verifier_tokens.gather(1, num_accepted[:, None]).squeeze(1)  # (B,)
     return _finish(candidates, num_accepted, final_token, None)
+
+
+def verify_rows(candidates: list[list[int]], verifier_tokens: list[list[int]]) -> list[list[int]]:
+    """`verify_tokens` on host lists (the executor's path: a few rows of a few tokens, where
+    plain Python beats a dozen small tensor ops): per row, `verifier_tokens[b][: a + 1]` with `a`
+    the accepted prefix of `candidates[b]`, i.e. the accepted candidates (equal to the
+    verifier's tokens there) then the recovered or bonus token. Row b's verifier tokens hold at
+    least len(candidates[b]) + 1 entries (position i: where candidate i stands)."""
+    out = []
+    for cand, ver in zip(candidates, verifier_tokens):
+        a = 0
+        for c, v in zip(cand, ver):
+            if c != v:
+                break
+            a += 1
+        out.append(ver[: a + 1])
+    return out

@@ -72,37 +72,39 @@ class ForwardBatch:
         num = [len(t) for t in new_tokens]
         npos = [len(g) for g in logit_positions]
         assert min(num) >= 1 and min(npos) >= 1, "every row feeds a token and wants a logit"
-        tok = _pad(new_tokens, num, 0)
-        pos = _pad(logit_positions, npos, None)
+        # ONE tensor construction for the small tensors and the padded rows (views into it): a
+        # torch.tensor call and a pad cost 5-10 us each on a CPU, the executor builds 2-6
+        # batches a step, and rows are few (Python padding of short rows is cheaper)
+        T, G = max(num), max(npos)
+        flat = [*slots, *starts, *num]
+        for row, n in zip(new_tokens, num):
+            flat += row
+            if n < T:
+                flat += [0] * (T - n)
+        for row, n in zip(logit_positions, npos):
+            flat += row
+            if n < G:
+                flat += [row[-1]] * (G - n)  # padding repeats the last index
+        if parents is not None:
+            for row, n in zip(parents, num):
+                flat += row
+                if n < T:
+                    flat += [-1] * (T - n)
+        buf = torch.tensor(flat, dtype=torch.long)
+        if device != "cpu" and torch.device(device).type != "cpu":
+            buf = buf.to(device)
+        parts = buf.split([B, B, B, B * T, B * G] + ([B * T] if parents is not None else []))
         return ForwardBatch(
-            slots=torch.tensor(slots, dtype=torch.long, device=device),
-            starts=torch.tensor(starts, dtype=torch.long, device=device),
-            tokens=tok.to(device),
-            num_tokens=torch.tensor(num, dtype=torch.long, device=device),
-            logit_positions=pos.to(device),
+            slots=parts[0],
+            starts=parts[1],
+            tokens=parts[3].view(B, T),
+            num_tokens=parts[2],
+            logit_positions=parts[4].view(B, G),
             slots_list=list(slots),
             starts_list=list(starts),
             num_tokens_list=num,
-            parents=None if parents is None else _pad(parents, num, -1).to(device),
+            parents=None if parents is None else parts[5].view(B, T),
         )
-
-
-def _pad(rows: list[list[int]], lengths: list[int], pad: int | None) -> torch.Tensor:
-    """Right-pad ragged rows into (B, max_len) with one tensor construction (no per-row tensor
-    ops: batches can be large). pad=None repeats each row's last value."""
-    width = max(lengths)
-    flat = torch.tensor([x for r in rows for x in r], dtype=torch.long)
-    if min(lengths) == width:
-        return flat.view(len(rows), width)
-    lens = torch.tensor(lengths, dtype=torch.long)
-    valid = torch.arange(width)[None, :] < lens[:, None]  # (B, W)
-    if pad is None:
-        last = flat[torch.cumsum(lens, 0) - 1]  # (B,)
-        out = last[:, None].expand(-1, width).clone()
-    else:
-        out = torch.full((len(rows), width), pad, dtype=torch.long)
-    out[valid] = flat
-    return out
 
 
 class ModelRunner(ABC):
