@@ -97,3 +97,23 @@ def test_serve_subprocess(tiny_pool_dirs):
     finally:
         stop_server(proc)
     assert proc.returncode in (0, 130, -signal.SIGINT), proc.returncode
+
+
+def test_serve_freezes_the_set_up_heap_before_serving(monkeypatch):
+    """cmd_serve freezes what set-up left (server/threads.py `freeze_heap`) before uvicorn runs:
+    a full collection then walks only what serving creates."""
+    import gc
+
+    import uvicorn
+
+    from specrouter.server import threads
+
+    seen = {}
+    monkeypatch.setattr(threads, "on_passing_thread", lambda fn: object())  # no pool: a stand-in app
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("frozen", gc.get_freeze_count()))
+    try:
+        assert cli_serve.cmd_serve(_parser().parse_args(["serve", "--models", "x"])) == 0
+        assert seen["frozen"] > 1000  # everything alive at set-up's end
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0

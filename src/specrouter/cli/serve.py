@@ -63,7 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         from specrouter.server import create_app
         from specrouter.server.http11 import http_protocol
-        from specrouter.server.threads import on_passing_thread
+        from specrouter.server.threads import freeze_heap, on_passing_thread
     except ImportError as e:
         print(f"specrouter serve needs the serve extra: pip install 'specrouter[serve]' ({e})",
               file=sys.stderr)
@@ -97,6 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # all torch work of the set-up (checkpoint headers, weights, router profile) runs on a thread
     # that ends, so its OpenMP team goes with it; the main thread runs none (server/threads.py)
     app = on_passing_thread(setup)
+    freeze_heap()  # no full collection walks the set-up's objects again (120 ms each: threads.py)
     # two threads take turns on the GIL for every step (the engine thread, the event loop): hand
     # it over within 0.5 ms instead of 5 (docs/serving-performance.md)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
