@@ -298,3 +298,28 @@ def test_short_prompts_are_tokenized_on_the_loop_long_ones_on_a_thread(monkeypat
     assert hops == []
     assert asyncio.run(validate.off_loop_if_long(validate.INLINE_TOKENIZE_BYTES + 1, len, "abc")) == 3
     assert hops == [len]
+
+
+def test_a_chat_of_many_empty_messages_is_rendered_on_a_thread(monkeypatch):
+    """render_chat decides by the work the loop would do, not the content bytes alone: many
+    empty messages are 0 content bytes yet the template renders text around each (30,000 of
+    them held the loop ~480 ms); a short chat still renders on the loop."""
+    from types import SimpleNamespace
+
+    from specrouter.models import tokenizer as tok
+    from specrouter.server import validate
+
+    hops = []
+
+    async def to_thread(fn, *a, **k):
+        hops.append(fn)
+        return fn(*a, **k)
+
+    monkeypatch.setattr(validate.asyncio, "to_thread", to_thread)
+    monkeypatch.setattr(tok, "apply_chat_template", lambda *a, **k: [1, 2])
+    srv = SimpleNamespace(max_model_len=2048, longest_token_bytes=16, pool=SimpleNamespace(tokenizer=None),
+                          chat_template=None)
+    short = [{"role": "user", "content": "hi"}]
+    assert asyncio.run(validate.render_chat(srv, short)) == [1, 2] and hops == []
+    empty = [{"role": "user" if i % 2 == 0 else "assistant", "content": ""} for i in range(3000)]
+    assert asyncio.run(validate.render_chat(srv, empty)) == [1, 2] and len(hops) == 1

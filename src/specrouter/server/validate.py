@@ -304,6 +304,7 @@ NORMALIZER_SLACK = 4
 # together still start together without the hop's overlap: the idle engine's gather waits for
 # requests on their way by its own rules (server/async_engine.py `AsyncEngine._gather`)
 INLINE_TOKENIZE_BYTES = 4096
+CHAT_MESSAGE_BYTES = 64  # a chat template's text around one message, counted against the above
 
 
 async def off_loop_if_long(size: int, fn, *args, **kwargs):
@@ -346,9 +347,13 @@ async def render_chat(srv: Service, messages: list[dict], *, add_generation_prom
 
     # a template may trim each message: only the trimmed text surely reaches the tokenizer
     size = check_prompt_bytes(srv, [m["content"].strip() for m in messages], param="messages")
+    # what the loop would render and encode: the contents, the template's text around each
+    # message (a chat of 30,000 empty messages is 0 content bytes yet ~480 ms of work) and the
+    # request's template variables
+    work = size + CHAT_MESSAGE_BYTES * len(messages) + len(repr(template_kwargs or ""))
     try:
         return await off_loop_if_long(
-            size, apply_chat_template, srv.pool.tokenizer, messages,
+            work, apply_chat_template, srv.pool.tokenizer, messages,
             add_generation_prompt=add_generation_prompt, template=srv.chat_template,
             template_kwargs=template_kwargs, add_special_tokens=add_special_tokens)
     except CheckpointError as e:
