@@ -82,24 +82,17 @@ def setup_of(router: Router) -> dict:
 def record(args) -> None:
     import torch
 
-    from specrouter.api import SpecRouter
-    from specrouter.bench.serve import continuous_batching, prompts
-    from specrouter.config import PoolConfig, SamplingParams
+    from specrouter.bench.serve import continuous_batching
+    from specrouter.config import SamplingParams
     from specrouter.engine.engine import Engine
-    from specrouter.models.default_pool import default_pool_paths
-    from specrouter.models.pool import Pool, preview_pool
     from specrouter.router.setup import build_router
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from serve_engine import run
+    from serve_engine import load_stream, run
 
     torch.set_grad_enabled(False)
-    pcfg = PoolConfig(models=tuple(str(p) for p in default_pool_paths()))
-    pool = Pool.from_config(pcfg, paths=list(preview_pool(pcfg).paths))
-    sr = SpecRouter(pool)
-    n_req = max(args.requests, *args.concurrency)
-    ids = [sr.encode(p, chat=chat) for p, chat in prompts(n_req)]
-    max_len = max(len(x) for x in ids) + args.max_new_tokens + 16
+    pool, ids, max_len = load_stream(args.requests, args.concurrency, args.max_new_tokens)
+    n_req = len(ids)
     router = build_router(pool, progress=False)
     setup = setup_of(router)
     rec = Recorder(router)  # from its first call (the warm-ups' too)

@@ -151,6 +151,16 @@ def summary(log: StepLog, label: str) -> list[str]:
     return out
 
 
+def load_stream(requests: int, concurrency: list[int], max_new_tokens: int):
+    """The default pool, the serving bench's request stream (max(requests, concurrency)
+    prompts, token ids) and the context length its rows need."""
+    pcfg = PoolConfig(models=tuple(str(p) for p in default_pool_paths()))
+    pool = Pool.from_config(pcfg, paths=list(preview_pool(pcfg).paths))
+    sr = SpecRouter(pool)
+    ids = [sr.encode(p, chat=chat) for p, chat in prompts(max(requests, *concurrency))]
+    return pool, ids, max(len(x) for x in ids) + max_new_tokens + 16
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[2, 4, 8])
@@ -163,12 +173,8 @@ def main() -> None:
                     help="RouterConfig overrides, e.g. plain_hold_max=0 batch_plain_margin=0.05")
     args = ap.parse_args()
 
-    pcfg = PoolConfig(models=tuple(str(p) for p in default_pool_paths()))
-    pool = Pool.from_config(pcfg, paths=list(preview_pool(pcfg).paths))
-    sr = SpecRouter(pool)
-    n_req = max(args.requests, *args.concurrency)
-    ids = [sr.encode(p, chat=chat) for p, chat in prompts(n_req)]
-    max_len = max(len(x) for x in ids) + args.max_new_tokens + 16
+    pool, ids, max_len = load_stream(args.requests, args.concurrency, args.max_new_tokens)
+    n_req = len(ids)
     over = {k: type(getattr(RouterConfig(), k))(v) for k, v in (a.split("=", 1) for a in args.set)}
     router = build_router(pool, progress=False, config=RouterConfig(**over))
     print(f"cpu: {os.cpu_count()} cores, load {os.getloadavg()}, t={args.temperature}, "

@@ -50,6 +50,27 @@ def forwards_of(plans, L: int) -> list[ForwardRecord]:
     return [ForwardRecord(m, rows[m], widths[m], L, COSTS[m](rows[m], widths[m], L)) for m in widths]
 
 
+def play_step(router, rows, plans, rng, live: dict[int, list[int]]) -> None:
+    """One scripted step after `plan_batch`: each row's cycle of the iid model (`iid_cycle`, rows
+    in order), the step observed at its forwards' seconds, the rows advanced by what they
+    committed (`live`: seq_id -> [context length, tokens left]), the finished ones finished."""
+    outcomes = []
+    for r, (chain, k) in zip(rows, plans):
+        drafted, accepted = iid_cycle(rng, chain, k, ALPHAS, ngram_hit=0.4)
+        outcomes.append(RowOutcome(r.seq_id, chain, k, drafted, accepted, True, r.context_len))
+    L = sum(r.context_len for r in rows) // len(rows)
+    fwd = forwards_of(plans, L)
+    seconds = sum(f.seconds for f in fwd)
+    router.observe_step(StepReport(outcomes, fwd, seconds + 4e-4, seconds, speculates(plans)))
+    for o in outcomes:
+        committed = int(o.accepted[-1]) + 1 if len(o.chain) > 1 and o.k > 0 else 1
+        live[o.seq_id][0] += committed
+        live[o.seq_id][1] -= committed
+        if live[o.seq_id][1] <= 0:
+            del live[o.seq_id]
+            router.finish_request(o.seq_id)
+
+
 def scripted_run(steps: int = 400, seed: int = 0) -> list[tuple]:
     """Every step's plans (with their reasons and predicted T_eff), hold flags, shadow k and
     lease, as planned; concurrency moves 1 -> 8 -> 2 -> 4 over the run."""
@@ -67,21 +88,7 @@ def scripted_run(steps: int = 400, seed: int = 0) -> list[tuple]:
         plans = [(d.chain, d.k) for d in batch.decisions]
         log.append((tuple((d.chain, d.k, d.reason, d.t_eff) for d in batch.decisions),
                     batch.held, batch.shadow_k, batch.steps))
-        outcomes = []
-        for r, (chain, k) in zip(rows, plans):
-            drafted, accepted = iid_cycle(rng, chain, k, ALPHAS, ngram_hit=0.4)
-            outcomes.append(RowOutcome(r.seq_id, chain, k, drafted, accepted, True, r.context_len))
-        L = sum(r.context_len for r in rows) // len(rows)
-        fwd = forwards_of(plans, L)
-        seconds = sum(f.seconds for f in fwd)
-        router.observe_step(StepReport(outcomes, fwd, seconds + 4e-4, seconds, speculates(plans)))
-        for o in outcomes:
-            committed = int(o.accepted[-1]) + 1 if len(o.chain) > 1 and o.k > 0 else 1
-            live[o.seq_id][0] += committed
-            live[o.seq_id][1] -= committed
-            if live[o.seq_id][1] <= 0:
-                del live[o.seq_id]
-                router.finish_request(o.seq_id)
+        play_step(router, rows, plans, rng, live)
     return log
 
 

@@ -10,10 +10,9 @@ import random
 import sys
 from pathlib import Path
 
-from fixtures import iid_cycle
-from test_planner_memo import ALPHAS, build_router, forwards_of
+from test_planner_memo import build_router, play_step
 
-from specrouter.records.routing import RowContext, RowOutcome, StepReport, speculates
+from specrouter.records.routing import RowContext
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import router_replay  # noqa: E402
@@ -41,18 +40,7 @@ def test_a_replayed_run_plans_what_the_run_planned():
         batch = router.plan_batch(rows)
         planned.append((batch.decisions, (batch.held, batch.shadow_k, batch.steps)))
         plans = [(d.chain, d.k) for d in batch.decisions]
-        outcomes = [RowOutcome(r.seq_id, c, k, *iid_cycle(rng, c, k, ALPHAS, ngram_hit=0.4), True, r.context_len)
-                    for r, (c, k) in zip(rows, plans)]
-        fwd = forwards_of(plans, sum(r.context_len for r in rows) // len(rows))
-        seconds = sum(f.seconds for f in fwd)
-        router.observe_step(StepReport(outcomes, fwd, seconds + 4e-4, seconds, speculates(plans)))
-        for o in outcomes:
-            n = int(o.accepted[-1]) + 1 if len(o.chain) > 1 and o.k > 0 else 1
-            live[o.seq_id][0] += n
-            live[o.seq_id][1] -= n
-            if live[o.seq_id][1] <= 0:
-                del live[o.seq_id]
-                router.finish_request(o.seq_id)
+        play_step(router, rows, plans, rng, live)
     trace = {"setup": setup, "calls": recorder.calls}
     seconds, replayed = router_replay.replay(trace, deterministic=True)
     assert replayed == digest_of(planned)

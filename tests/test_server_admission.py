@@ -127,14 +127,8 @@ async def _returning_clients(ae: AsyncEngine, gap: float, linger: float):
     """A batch of 2 ends; its two clients send their next requests, the second `gap` s after
     the first, each held in `arriving` only while it is handled (no await between its body and
     its submit, as a handler that tokenizes on the loop)."""
-    ae.admission_linger = linger
     await _drain(_wave(ae, 2))
-    with ae.arriving():
-        first = _wave(ae, 1)
-    await asyncio.sleep(gap)
-    with ae.arriving():
-        second = _wave(ae, 1)
-    return first + second
+    return await _arrivals_apart(ae, gap, linger)
 
 
 def test_the_clients_of_a_batch_that_just_ended_start_together_at_once(engine):
