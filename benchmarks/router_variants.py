@@ -28,7 +28,9 @@ optimism sets no wait, as before), catch-up-probes (probe_past_catch_up=False: a
 lagging draft weighed by the catch-up check at the request's own estimate, as before issue 28's
 lock-in fix), no-idle-fade (request_idle_decay=1.0: a request's evidence of a model pair frozen
 while it runs plain, as before), stale (both, as before), burst (burst_acceptance=True: a model draft's next
-cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on).
+cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on),
+firm (stream_hold_firm=True: a single stream's speculative hold after every decided plan, not released by its
+own evidence moving, shadows on its last step), firm8 (the same, 8 steps).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -74,6 +76,8 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "stale": dataclasses.replace(base, probe_past_catch_up=False, request_idle_decay=1.0),
         "burst": dataclasses.replace(base, burst_acceptance=True),
         "burst2": dataclasses.replace(base, burst_acceptance=True, burst_min_run=2),
+        "firm": dataclasses.replace(base, stream_hold_firm=True),
+        "firm8": dataclasses.replace(base, stream_hold_firm=True, stream_hold_steps=8),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -364,6 +364,14 @@ class RouterConfig:
     # switch_margin) is held alike (False: decided every step, as before; a settled plain plan,
     # kept as the best, is the batch planner's plain hold either way)
     stream_hold_plain: bool = True
+    # a firm stream hold (router/stream_hold.py, lean18): the hold starts after every decided
+    # speculative plan but a probe (a switch too) and lasts its `stream_hold_steps` whatever the
+    # request's own evidence does meanwhile (it moved nearly every cycle: 148 of 246 holds on a
+    # t=0.7 trace were released by it, most within a step), and a probe falling due waits for
+    # its end; its shadow proposals run on its last step only (the decision after it reads
+    # them). Released early still by a row change, the k cap, a model's speed jump, the
+    # certain-draft bucket and patience. False: as before
+    stream_hold_firm: bool = False
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
     # batching by this fraction (a speculating row slows every row of the step; acceptance is
     # an estimate, and under-estimating plain's rate costs every row)

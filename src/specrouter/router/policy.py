@@ -332,8 +332,9 @@ class Router:
         batch = self.planner.plan(rows, pinned)
         if self.planner.held_decisions > held:  # a hold planned the step: no decide
             self.outside.held()
-        elif seq is not None:
-            self.stream.keep(rows, pinned, batch.decisions[0], self.requests.get(seq), self.observed_steps)
+        elif seq is not None and self.stream.keep(rows, pinned, batch.decisions[0], self.requests.get(seq),
+                                                  self.observed_steps):
+            return dataclasses.replace(batch, shadow_k=0)  # a firm hold's last step runs them
         return batch
 
     def take_confident_drafts(self, rows: Sequence[RowContext], plans: list[Plan],
