@@ -60,6 +60,10 @@ class StreamHold:
     counts: bool = False  # kept by hysteresis counting toward patience: each held cycle counts too
     runs: tuple = ()  # the request's runs of agreement then (RequestState.run_key, router/burst.py)
     firm: bool = False  # not released by the request's evidence moving (`RouterConfig.stream_hold_firm`)
+    # the models whose speed jumps release it (`epoch`: their counts then): the plan's; a firm
+    # hold's leaves out model-free drafters (their proposals take tens of microseconds of a
+    # ~10 ms step: their step detector fired ~30 times a run, each a decision for nothing)
+    watched: tuple[str, ...] | None = None
 
     def holds(self, row: RowContext, req: RequestState, jumps: Mapping[str, int], now: int, patience: int,
               runs: tuple = ()) -> bool:
@@ -69,7 +73,7 @@ class StreamHold:
         d = self.decision
         return (row.seq_id == self.seq_id and now < self.until and (self.firm or req.version == self.version)
                 and (row.remaining is None or row.remaining - 1 >= (1 if self.firm else d.k))
-                and tuple(jumps.get(m, 0) for m in d.chain) == self.epoch
+                and tuple(jumps.get(m, 0) for m in (d.chain if self.watched is None else self.watched)) == self.epoch
                 and certain_bucket(row.certain_rate) == self.certain
                 and runs == self.runs
                 and not (self.counts and req.worse + 1 >= patience))
@@ -106,6 +110,8 @@ class StreamHolder:
         hold = self.hold
         if hold is None:
             return None
+        if req is not None and not hold.firm:
+            req.settle(self.router.board)  # its version, as the observations since moved it
         if (len(rows) != 1 or pinned or req is None or (probe_due and not hold.firm)
                 or not hold.holds(rows[0], req, jumps, now, self.router.config.patience,
                                   run_key(req, self.router.config))):
@@ -131,9 +137,11 @@ class StreamHolder:
                 or decision.reason not in (self.FIRM if firm else self.KEPT if decision.k > 0 else
                                            self.PLAIN_KEPT if cfg.stream_hold_plain else ())):
             return False
+        watched = tuple(m for m in decision.chain if m not in self.router.model_free) if firm else None
+        epoch = req.epoch if not firm else tuple(self.router.profile.jumps.get(m, 0) for m in watched)
         self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
-                               req.version, req.epoch, certain_bucket(rows[0].certain_rate),
-                               now + cfg.stream_hold_steps, req.worse > 0, run_key(req, cfg), firm)
+                               req.version, epoch, certain_bucket(rows[0].certain_rate),
+                               now + cfg.stream_hold_steps, req.worse > 0, run_key(req, cfg), firm, watched)
         return firm
 
     def release(self) -> None:
