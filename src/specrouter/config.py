@@ -372,6 +372,10 @@ class RouterConfig:
     # them). Released early still by a row change, the k cap, a model's speed jump, the
     # certain-draft bucket and patience. False: as before
     stream_hold_firm: bool = False
+    # ... a firm hold's span doubles, up to this many steps, while the decision at each hold's
+    # end keeps the same plan, and falls back to stream_hold_steps on any other
+    # (stream_hold_steps or less: no stretching)
+    stream_hold_max: int = 4
     # model-free drafters' forwards (tens of microseconds: a lookup) reach the cost profile this
     # many at a time, their seconds summed (router/policy.py `observe_forwards`): one at a time
     # their timing noise fired the step detector ~25-60 times a run, each republishing the

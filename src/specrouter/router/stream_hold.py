@@ -100,6 +100,9 @@ class StreamHolder:
         self.router = router  # policy.Router: its settings (read at every step, as the planner's)
         self.hold: StreamHold | None = None
         self.held = 0  # cycles planned by a hold (no decide, no DecisionEvent)
+        # the last firm hold's (row, plan, span): a decision at its end that keeps the same plan
+        # doubles the next one's span up to `RouterConfig.stream_hold_max` (`span`)
+        self.last: tuple[int, tuple, int] | None = None
 
     def plan(self, rows: Sequence[RowContext], pinned: Sequence[Plan], req: RequestState | None,
              probe_due: bool, jumps: Mapping[str, int], now: int) -> BatchPlan | None:
@@ -139,10 +142,23 @@ class StreamHolder:
             return False
         watched = tuple(m for m in decision.chain if m not in self.router.model_free) if firm else None
         epoch = req.epoch if not firm else tuple(self.router.profile.jumps.get(m, 0) for m in watched)
+        span = self.span(rows[0].seq_id, decision) if firm else cfg.stream_hold_steps
         self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
                                req.version, epoch, certain_bucket(rows[0].certain_rate),
-                               now + cfg.stream_hold_steps, req.worse > 0, run_key(req, cfg), firm, watched)
+                               now + span, req.worse > 0, run_key(req, cfg), firm, watched)
         return firm
+
+    def span(self, seq_id: int, decision: Decision) -> int:
+        """A firm hold's span: `stream_hold_steps`, doubled up to `stream_hold_max` each time the
+        decision that ends a hold keeps its plan (the same chain and k, kept as "same" or by
+        "hysteresis"), back to `stream_hold_steps` on any other (a switch, another request)."""
+        cfg = self.router.config
+        plan, last = (decision.chain, decision.k), self.last
+        span = cfg.stream_hold_steps
+        if last is not None and last[0] == seq_id and last[1] == plan and decision.reason in self.KEPT:
+            span = min(2 * last[2], max(cfg.stream_hold_max, span))
+        self.last = (seq_id, plan, span)
+        return span
 
     def release(self) -> None:
         """Drop the hold (a model failed: its plan may name it)."""
