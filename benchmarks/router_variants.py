@@ -28,7 +28,8 @@ optimism sets no wait, as before), catch-up-probes (probe_past_catch_up=False: a
 lagging draft weighed by the catch-up check at the request's own estimate, as before issue 28's
 lock-in fix), no-idle-fade (request_idle_decay=1.0: a request's evidence of a model pair frozen
 while it runs plain, as before), stale (both, as before), burst (burst_acceptance=True: a model draft's next
-cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on).
+cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on),
+tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -74,6 +75,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "stale": dataclasses.replace(base, probe_past_catch_up=False, request_idle_decay=1.0),
         "burst": dataclasses.replace(base, burst_acceptance=True),
         "burst2": dataclasses.replace(base, burst_acceptance=True, burst_min_run=2),
+        "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
     }
     unknown = [n for n in names if n not in known]
     if unknown:
