@@ -32,7 +32,8 @@ cycle priced by its current run of accepted tokens, router/burst.py), burst2 (th
 firm (stream_hold_firm=True: a single stream's speculative hold after every decided plan, not released by its
 own evidence moving, shadows on its last step), firm8 (the same, 8 steps), free16 (free_timing_batch=16: model-free
 drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
-steps while the decision at its end keeps the plan).
+steps while the decision at its end keeps the plan),
+tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -83,6 +84,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "free16": dataclasses.replace(base, free_timing_batch=16),
         "lean": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16),
         "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),
+        "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -185,6 +185,13 @@ class SimilarityConfig:
     # ... at a row's first this many candidates of each level (a softmax over the vocabulary per
     # position and level: all 8 cost 2% of the step on the default pool, measured)
     tv_positions: int = 2
+    # ... in which steps (router/evidence.py `TvSchedule`): a step with a row in its first
+    # `tv_first_cycles` cycles (its own SimScore is its prior from its first cycle), and every
+    # `tv_every`-th step with a row it measures besides (the calibration, drift and the global
+    # SimScores). Measured in every step, D_TV cost a sampled single stream 0.5-0.6 ms of a
+    # ~12 ms cycle on a Sapphire Rapids (2026-12-06, docs/router.md); 1 / 0: every step
+    tv_every: int = 8
+    tv_first_cycles: int = 4
     # greedy rows' D_TV feeds the estimator too. Off: a greedy row accepts on an argmax match,
     # which the temperature-1 D_TV only proxies (through the learned calibration), and on the
     # mixed stream it cost greedy SpecRouter 10-20% against acceptance counts alone (three
@@ -222,6 +229,9 @@ class SimilarityConfig:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if self.tv_positions < 1:
             raise ValueError(f"tv_positions must be >= 1, got {self.tv_positions!r}")
+        if self.tv_every < 1 or self.tv_first_cycles < 0:
+            raise ValueError(f"tv_every must be >= 1 and tv_first_cycles >= 0, got {self.tv_every!r}, "
+                             f"{self.tv_first_cycles!r}")
         if not 0.0 < self.tv_alpha <= 1.0:
             raise ValueError(f"tv_alpha must be in (0, 1], got {self.tv_alpha!r}")
         if self.prior_strength < 0 or self.min_evidence < 0 or self.calib_strength < 0 or self.stale_after < 1:

@@ -86,7 +86,7 @@ from specrouter.router.cost_model import (
     processor_costs,
     with_certain,
 )
-from specrouter.router.evidence import CachedPlans, CacheStats, EvidenceBoard, certain_bucket, decision_key
+from specrouter.router.evidence import CachedPlans, CacheStats, EvidenceBoard, certain_bucket, decision_key, TvSchedule
 from specrouter.router.host_time import OutsideClock, PlainCharge
 from specrouter.router.probing import Prober
 from specrouter.router.profile import CostProfile
@@ -261,7 +261,7 @@ class Router:
             raise ValueError(f"no cost profile for {unprofiled}: run specrouter.router.profile.sweep() or CostProfile.load()")
         self.profile = profile
         self.similarity = similarity or SimilarityEstimator(sizes, self.model_free, cfg.similarity)
-        self.measure_tv = self.similarity.config.measure_tv  # RouterProtocol: the executor measures D_TV
+        self.measure_tv = self.similarity.config.measure_tv  # RouterProtocol: the executor measures D_TV (this step)
         self.tv_positions = self.similarity.config.tv_positions  # ... at this many candidates per level
         self.tv_greedy_rows = self.similarity.config.greedy_tv  # ... in greedy rows only when it reads them
         self.on_decision = on_decision
@@ -315,6 +315,8 @@ class Router:
         self.observed_steps = 0  # engine steps observed (the clock of the plain hold)
         self.burst = BurstModel(cfg)  # acceptance per run length (burst.py)
         self.board = EvidenceBoard(self)  # published evidence, decision cache (evidence.py)
+        sc = self.similarity.config  # the steps that measure D_TV (evidence.py)
+        self.tv_schedule = TvSchedule(sc.measure_tv, sc.tv_every, sc.tv_first_cycles, sc.greedy_tv)
         self.prober = Prober(self)  # step 3 (probing.py)
         self.planner = BatchPlanner(self)  # the step's batch (batch.py)
         self.stream = StreamHolder(self)  # a single stream's kept speculative plan (stream_hold.py)
@@ -332,6 +334,7 @@ class Router:
     def plan_batch(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> BatchPlan:
         """The plans of a step's rows, chosen for the batch the step really runs
         (`BatchPlanner.plan`)."""
+        self.measure_tv = self.tv_schedule.wants(rows, self.requests)  # the step measures D_TV
         measured = None if self.step_clock is None else self.outside.planning(
             self.step_clock(), self.observed_steps, rows, pinned)
         # the last step's host seconds outside the executor, a single stream's the router plans
