@@ -29,10 +29,11 @@ lagging draft weighed by the catch-up check at the request's own estimate, as be
 lock-in fix), no-idle-fade (request_idle_decay=1.0: a request's evidence of a model pair frozen
 while it runs plain, as before), stale (both, as before), burst (burst_acceptance=True: a model draft's next
 cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on),
-firm (stream_hold_firm=True: a single stream's speculative hold after every decided plan, not released by its
-own evidence moving, shadows on its last step), firm8 (the same, 8 steps), free16 (free_timing_batch=16: model-free
+firm (stream_hold_firm=True, the default since lean18: a single stream's speculative hold after every decided
+plan, not released by its own evidence moving unless against the plan, shadows on its last step), no-firm
+(stream_hold_firm=False: the stream hold as before), firm8 (the same, 8 steps), free16 (free_timing_batch=16: model-free
 drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
-steps while the decision at its end keeps the plan),
+steps while the decision at its end keeps the plan), firm16s (firm, its span doubling up to 16),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
@@ -80,10 +81,12 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "burst": dataclasses.replace(base, burst_acceptance=True),
         "burst2": dataclasses.replace(base, burst_acceptance=True, burst_min_run=2),
         "firm": dataclasses.replace(base, stream_hold_firm=True),
+        "no-firm": dataclasses.replace(base, stream_hold_firm=False),
         "firm8": dataclasses.replace(base, stream_hold_firm=True, stream_hold_steps=8),
         "free16": dataclasses.replace(base, free_timing_batch=16),
         "lean": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16),
         "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),
+        "firm16s": dataclasses.replace(base, stream_hold_firm=True, stream_hold_max=16),
         "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
     }
     unknown = [n for n in names if n not in known]

@@ -381,7 +381,7 @@ class RouterConfig:
     # its end; its shadow proposals run on its last step only (the decision after it reads
     # them). Released early still by a row change, the k cap, a model's speed jump, the
     # certain-draft bucket and patience. False: as before
-    stream_hold_firm: bool = False
+    stream_hold_firm: bool = True
     # ... a firm hold's span doubles, up to this many steps, while the decision at each hold's
     # end keeps the same plan, and falls back to stream_hold_steps on any other
     # (stream_hold_steps or less: no stretching)

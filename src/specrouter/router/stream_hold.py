@@ -32,7 +32,18 @@ check compares each with the prediction it was decided at. Shadow proposals run 
 last step only (their evidence is read by the decision that ends it), confident drafts are not
 offered (the step is `BatchPlan.held`), and no DecisionEvent is logged (`StreamHolder.held`
 counts the held cycles). The global evidence published between (other streams' moves, the
-refresh) is read when the hold ends, at most `stream_hold_steps - 1` cycles late."""
+refresh) is read when the hold ends, at most `stream_hold_steps - 1` cycles late.
+
+A firm hold (`RouterConfig.stream_hold_firm`, lean18): the request's own evidence moved nearly
+every cycle (on a t=0.7 single-stream trace 148 of 246 holds were released by it, most after one
+step, and 63 more by a probe falling due, of which 14 ran), so the hold held little. A firm hold
+starts after every decided speculative plan but a probe or a request's first (a switch too),
+lasts its span whatever the request's evidence does, lets a due probe wait for its end, caps k
+near the request's end instead of ending, and watches only the plan's models' speed jumps (a
+model-free drafter's timing noise fired its step detector ~25 times a run); its shadow proposals
+run on its last step only (`keep` returns True: the decided step that starts it has none). Its
+span may double while the decision at each end keeps the plan (`RouterConfig.stream_hold_max`,
+`StreamHolder.span`)."""
 
 from __future__ import annotations
 
@@ -117,7 +128,8 @@ class StreamHolder:
             req.settle(self.router.board)  # its version, as the observations since moved it
         if (len(rows) != 1 or pinned or req is None or (probe_due and not hold.firm)
                 or not hold.holds(rows[0], req, jumps, now, self.router.config.patience,
-                                  run_key(req, self.router.config))):
+                                  run_key(req, self.router.config))
+                or (hold.firm and self.refuted(hold, req))):
             self.hold = None
             return None
         req.pending = hold.pending
@@ -126,7 +138,28 @@ class StreamHolder:
         decision, cap = hold.decision, rows[0].remaining
         if cap is not None and cap - 1 < decision.k:  # a firm hold near the request's end: k capped
             decision = dataclasses.replace(decision, k=cap - 1)
-        return BatchPlan([decision], True, self.router.config.shadow_k if hold.last_step(now) else 0)
+        # a firm hold's steps are offered confident drafts as decided ones are (`BatchPlan.held`
+        # False: a greedy row's suffix drafter may offer one, checked every PEEK_BACKOFF steps):
+        # held three steps in four, a copied span's long confident draft waited for the decision
+        return BatchPlan([decision], not hold.firm, self.router.config.shadow_k if hold.last_step(now) else 0)
+
+    def refuted(self, hold: StreamHold, req: RequestState) -> bool:
+        """A firm hold's plan lost ground in the request's own evidence since it was decided:
+        its first pair's alpha (a model-free drafter's hit rate too) fell by more than
+        `decision_tolerance` (`decision_hit_tolerance`) below the published value it was decided
+        on. Evidence that moved for other pairs, or up, does not end it; evidence against the
+        plan does (a draft refuted in a request's first cycles ran three more: plain decoding is
+        the safe default). Read only when the pair was observed since (`RequestState.notes`)."""
+        router, evidence, chain = self.router, req.evidence, hold.decision.chain
+        pair, free = chain[:2], chain[0] in router.model_free
+        if evidence is None or not (pair in req.notes or (free and chain[0] in req.notes)):
+            return False
+        cfg, mode = router.config, evidence.stamp[2]
+        published = evidence.alphas.get(pair)
+        if published is not None and router.alpha(pair, mode, req) < published - cfg.decision_tolerance:
+            return True
+        hit = evidence.hits.get(chain[0]) if free else None
+        return hit is not None and router.hit_rate(chain[0], req) < hit - cfg.decision_hit_tolerance
 
     def keep(self, rows: Sequence[RowContext], pinned: Sequence[Plan], decision: Decision,
              req: RequestState | None, now: int) -> bool:
