@@ -29,7 +29,8 @@ lagging draft weighed by the catch-up check at the request's own estimate, as be
 lock-in fix), no-idle-fade (request_idle_decay=1.0: a request's evidence of a model pair frozen
 while it runs plain, as before), stale (both, as before), burst (burst_acceptance=True: a model draft's next
 cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on),
-tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule).
+tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
+raw-profile (the default router on the cost profile as saved, without `profile.monotone`'s repair).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -76,11 +77,25 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "burst": dataclasses.replace(base, burst_acceptance=True),
         "burst2": dataclasses.replace(base, burst_acceptance=True, burst_min_run=2),
         "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
+        "raw-profile": base,  # the default router on the profile as saved (`raw_profile`)
     }
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; use some of {list(known)}")
     return {"default": base, **{n: known[n] for n in names}}
+
+
+def raw_profile(pool):
+    """The machine's cost profile as saved, without `profile.monotone`'s repair (as before it)."""
+    import numpy as np
+
+    import specrouter.router.profile as profile_module
+
+    repair, profile_module.monotone = profile_module.monotone, lambda s: np.array(s, dtype=np.float64)
+    try:
+        return load_or_sweep_profile(pool, progress=False)
+    finally:
+        profile_module.monotone = repair
 
 
 def main() -> None:
@@ -101,7 +116,8 @@ def main() -> None:
     sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
     pool = sr.pool
     profile = load_or_sweep_profile(pool, progress=False)
-    systems = {n: AdaptiveSystem(pool, n, profile=profile, progress=False, router_config=c)
+    systems = {n: AdaptiveSystem(pool, n, profile=raw_profile(pool) if n == "raw-profile" else profile,
+                                 progress=False, router_config=c)
                for n, c in variants(args.variants).items()}
     systems["target-only"] = NativeSystem(pool, "target-only", (pool.target,), None)
     aliases = {"draft": pool.order[-2], "target": pool.target}
