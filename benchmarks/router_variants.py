@@ -30,7 +30,8 @@ lock-in fix), no-idle-fade (request_idle_decay=1.0: a request's evidence of a mo
 while it runs plain, as before), stale (both, as before), burst (burst_acceptance=True: a model draft's next
 cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
-raw-profile (the default router on the cost profile as saved, without `profile.monotone`'s repair).
+raw-profile (the default router on the cost profile as saved, without `profile.monotone`'s repair),
+before18 (both: tv_every=1 on the profile as saved, the router of main fa6869b).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -78,6 +79,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "burst2": dataclasses.replace(base, burst_acceptance=True, burst_min_run=2),
         "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
         "raw-profile": base,  # the default router on the profile as saved (`raw_profile`)
+        "before18": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),  # and raw
     }
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -116,7 +118,7 @@ def main() -> None:
     sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
     pool = sr.pool
     profile = load_or_sweep_profile(pool, progress=False)
-    systems = {n: AdaptiveSystem(pool, n, profile=raw_profile(pool) if n == "raw-profile" else profile,
+    systems = {n: AdaptiveSystem(pool, n, profile=raw_profile(pool) if n in ("raw-profile", "before18") else profile,
                                  progress=False, router_config=c)
                for n, c in variants(args.variants).items()}
     systems["target-only"] = NativeSystem(pool, "target-only", (pool.target,), None)
