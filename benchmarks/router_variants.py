@@ -29,6 +29,10 @@ lagging draft weighed by the catch-up check at the request's own estimate, as be
 lock-in fix), no-idle-fade (request_idle_decay=1.0: a request's evidence of a model pair frozen
 while it runs plain, as before), stale (both, as before), burst (burst_acceptance=True: a model draft's next
 cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on),
+firm (stream_hold_firm=True: a single stream's speculative hold after every decided plan, not released by its
+own evidence moving, shadows on its last step), firm8 (the same, 8 steps), free16 (free_timing_batch=16: model-free
+drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
+steps while the decision at its end keeps the plan),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
 raw-profile (the default router on the cost profile as saved, without `profile.monotone`'s repair),
 before18 (both: tv_every=1 on the profile as saved, the router of main fa6869b).
@@ -77,6 +81,11 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "stale": dataclasses.replace(base, probe_past_catch_up=False, request_idle_decay=1.0),
         "burst": dataclasses.replace(base, burst_acceptance=True),
         "burst2": dataclasses.replace(base, burst_acceptance=True, burst_min_run=2),
+        "firm": dataclasses.replace(base, stream_hold_firm=True),
+        "firm8": dataclasses.replace(base, stream_hold_firm=True, stream_hold_steps=8),
+        "free16": dataclasses.replace(base, free_timing_batch=16),
+        "lean": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16),
+        "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),
         "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
         "raw-profile": base,  # the default router on the profile as saved (`raw_profile`)
         "before18": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),  # and raw

@@ -374,6 +374,23 @@ class RouterConfig:
     # switch_margin) is held alike (False: decided every step, as before; a settled plain plan,
     # kept as the best, is the batch planner's plain hold either way)
     stream_hold_plain: bool = True
+    # a firm stream hold (router/stream_hold.py, lean18): the hold starts after every decided
+    # speculative plan but a probe (a switch too) and lasts its `stream_hold_steps` whatever the
+    # request's own evidence does meanwhile (it moved nearly every cycle: 148 of 246 holds on a
+    # t=0.7 trace were released by it, most within a step), and a probe falling due waits for
+    # its end; its shadow proposals run on its last step only (the decision after it reads
+    # them). Released early still by a row change, the k cap, a model's speed jump, the
+    # certain-draft bucket and patience. False: as before
+    stream_hold_firm: bool = False
+    # ... a firm hold's span doubles, up to this many steps, while the decision at each hold's
+    # end keeps the same plan, and falls back to stream_hold_steps on any other
+    # (stream_hold_steps or less: no stretching)
+    stream_hold_max: int = 4
+    # model-free drafters' forwards (tens of microseconds: a lookup) reach the cost profile this
+    # many at a time, their seconds summed (router/policy.py `observe_forwards`): one at a time
+    # their timing noise fired the step detector ~25-60 times a run, each republishing the
+    # evidence (every cached decision a miss) for a cost ~0.2% of a step. 1: one at a time
+    free_timing_batch: int = 1
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
     # batching by this fraction (a speculating row slows every row of the step; acceptance is
     # an estimate, and under-estimating plain's rate costs every row)
@@ -453,12 +470,12 @@ class RouterConfig:
             raise ValueError("overhead_alpha must be in (0, 1], context_bucket and log_size >= 1")
         if min(self.decision_tolerance, self.decision_hit_tolerance, self.decision_time_tolerance) < 0 \
                 or self.decision_refresh < 1 or self.plain_hold_max < 0 or self.batch_plain_margin < 0 \
-                or self.spec_hold_steps < 1 or self.stream_hold_steps < 1 \
+                or self.spec_hold_steps < 1 or self.stream_hold_steps < 1 or self.free_timing_batch < 1 \
                 or self.sampling_spec_max_batch < 1 or self.batch_calibration_prior < 0 \
                 or not 0.0 < self.batch_calibration_discount < 1.0 \
                 or not 0.0 < self.batch_calibration_forget <= 1.0:
             raise ValueError("decision tolerances, plain_hold_max, batch_plain_margin and batch_calibration_prior "
-                             "must be >= 0, decision_refresh, spec_hold_steps, stream_hold_steps and sampling_spec_max_batch >= 1, "
+                             "must be >= 0, decision_refresh, spec_hold_steps, stream_hold_steps, free_timing_batch and sampling_spec_max_batch >= 1, "
                              "batch_calibration_discount in (0, 1), batch_calibration_forget in (0, 1]")
         if not isinstance(self.similarity, SimilarityConfig) or not isinstance(self.profile, ProfileConfig):
             raise ValueError("similarity and profile must be a SimilarityConfig and a ProfileConfig")
