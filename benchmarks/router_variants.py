@@ -34,8 +34,7 @@ own evidence moving, shadows on its last step), firm8 (the same, 8 steps), free1
 drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
 steps while the decision at its end keeps the plan),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
-raw-profile (the default router on the cost profile as saved, without `profile.monotone`'s repair),
-before18 (both: tv_every=1 on the profile as saved, the router of main fa6869b).
+monotone (the default router on the cost profile repaired: ProfileConfig.monotone, router/profile.py).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -51,7 +50,7 @@ import torch
 from specrouter.api import SpecRouter
 from specrouter.bench.run import BenchConfig, build_scenarios
 from specrouter.bench.systems import AdaptiveSystem, Decoding, NativeSystem
-from specrouter.config import RouterConfig
+from specrouter.config import ProfileConfig, RouterConfig
 from specrouter.models.default_pool import default_pool_paths
 from specrouter.router.setup import load_or_sweep_profile
 
@@ -87,8 +86,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "lean": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16),
         "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),
         "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
-        "raw-profile": base,  # the default router on the profile as saved (`raw_profile`)
-        "before18": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),  # and raw
+        "monotone": base,  # the default router on the repaired profile (`repaired_profile`)
     }
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -96,17 +94,9 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
     return {"default": base, **{n: known[n] for n in names}}
 
 
-def raw_profile(pool):
-    """The machine's cost profile as saved, without `profile.monotone`'s repair (as before it)."""
-    import numpy as np
-
-    import specrouter.router.profile as profile_module
-
-    repair, profile_module.monotone = profile_module.monotone, lambda s: np.array(s, dtype=np.float64)
-    try:
-        return load_or_sweep_profile(pool, progress=False)
-    finally:
-        profile_module.monotone = repair
+def repaired_profile(pool):
+    """The machine's cost profile made monotone (`ProfileConfig.monotone`, router/profile.py)."""
+    return load_or_sweep_profile(pool, progress=False, config=ProfileConfig(monotone=True))
 
 
 def main() -> None:
@@ -127,7 +117,7 @@ def main() -> None:
     sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
     pool = sr.pool
     profile = load_or_sweep_profile(pool, progress=False)
-    systems = {n: AdaptiveSystem(pool, n, profile=raw_profile(pool) if n in ("raw-profile", "before18") else profile,
+    systems = {n: AdaptiveSystem(pool, n, profile=repaired_profile(pool) if n == "monotone" else profile,
                                  progress=False, router_config=c)
                for n, c in variants(args.variants).items()}
     systems["target-only"] = NativeSystem(pool, "target-only", (pool.target,), None)

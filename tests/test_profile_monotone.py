@@ -1,4 +1,5 @@
-"""A cost profile never prices a forward below a smaller one (router/profile.py `monotone`): the
+"""A cost profile never prices a forward below a smaller one (router/profile.py `monotone`, with
+`ProfileConfig.monotone`, off by default): the
 sweep's first timed cell, right after the runner's first prefill, read the Sapphire Rapids
 target's 1-token forward at 13.9 ms where its 2-token one read 9.6 (the engine's plain step ran
 ~8.5), and a router that speculates never runs the 1-token forward that would correct it, so
@@ -12,7 +13,10 @@ import numpy as np
 import pytest
 from test_router import FakeRunner, VClock, cost_T
 
+from specrouter.config import ProfileConfig
 from specrouter.router.profile import CostProfile, ModelIdentity, fingerprint_key, machine_fingerprint, monotone, sweep
+
+ON = ProfileConfig(monotone=True)
 
 
 def test_monotone_is_the_largest_table_below_the_input_that_never_decreases():
@@ -49,11 +53,17 @@ class StallingRunner(FakeRunner):
 def test_a_sweep_whose_first_cell_stalled_prices_the_one_token_forward_as_it_runs():
     clock = VClock()
     runner = StallingRunner("T", cost_T, clock, 1000)
-    prof = sweep({"T": runner}, repeats=3, warmup=1, progress=False, clock=clock, wider_tokens=())
+    prof = sweep({"T": runner}, repeats=3, warmup=1, progress=False, clock=clock, wider_tokens=(),
+                 profile=CostProfile(ON))
     assert min(runner.first) == pytest.approx(1.6 * cost_T(1, 1, 128))  # what the first cell read
     for L in (128, 1024):
         assert prof.predict("T", 1, 1, L) == pytest.approx(cost_T(1, 1, L), rel=1e-9)
         assert prof.predict("T", 1, 1, L) <= prof.predict("T", 1, 2, L)
+    # off (the default), the stalled reading stays: a 1-token forward above a 2-token one
+    runner = StallingRunner("T", cost_T, clock, 1000)
+    prof = sweep({"T": runner}, repeats=3, warmup=1, progress=False, clock=clock, wider_tokens=())
+    assert prof.predict("T", 1, 1, 128) == pytest.approx(1.6 * cost_T(1, 1, 128))
+    assert prof.predict("T", 1, 1, 128) > prof.predict("T", 1, 2, 128)
 
 
 def test_a_saved_profile_with_a_slow_one_token_cell_loads_repaired(tmp_path):
@@ -67,7 +77,8 @@ def test_a_saved_profile_with_a_slow_one_token_cell_loads_repaired(tmp_path):
         "batch_sizes": [1], "new_tokens": [1, 2, 4], "context_lengths": [128, 1024], "seconds": seconds}}}}}
     path = tmp_path / "profiles.json"
     path.write_text(json.dumps(doc))
-    prof = CostProfile.load(path, [ident])
+    assert CostProfile.load(path, [ident]).predict("T", 1, 1, 128) == pytest.approx(0.01393)  # off: as saved
+    prof = CostProfile.load(path, [ident], config=ON)
     assert prof.predict("T", 1, 1, 128) == pytest.approx(0.00958)
     assert prof.predict("T", 1, 2, 128) == pytest.approx(0.00958)
     assert prof.predict("T", 1, 1, 1024) == pytest.approx(0.01170)
