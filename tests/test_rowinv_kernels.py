@@ -165,3 +165,45 @@ def test_rope_attention_bits_do_not_depend_on_the_threads_sharing_it(dtype):
         alone = ops.rope_attention(qkv[r : r + 1], nh, cos, sin, kc, vc, torch.tensor(sl[r : r + 1]),
                                    torch.tensor(st[r : r + 1]), torch.tensor(nu[r : r + 1]))
         assert torch.equal(alone[0], outs[(2, 1)][0][r]), r
+
+
+# The kernels' loader in a fresh process, torch's builder faked: a Ctrl-C during the build that
+# reaches the loader as another error (CPython turned a KeyboardInterrupt into
+# TypeError("expected a message argument"): kernels._InterruptNoted), and a plain build failure.
+_LOADER = r"""
+import signal, sys
+import torch.utils.cpp_extension as ce
+from specrouter.models.runners import kernels
+def fake_load(**kw):
+    if sys.argv[1] == "interrupted":
+        try:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C: the handler in place raises here
+        except KeyboardInterrupt:
+            pass
+    raise TypeError("expected a message argument")
+ce.load = fake_load
+kernels.kernel_path = lambda: "avx2"
+kernels._cpu_supported = lambda: True
+try:
+    print("returned", kernels.rowinv())
+except KeyboardInterrupt as e:
+    print("interrupted", type(e.__cause__).__name__)
+print("handler restored", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+@pytest.mark.parametrize("mode", ["interrupted", "broken"])
+def test_a_ctrl_c_during_the_kernels_build_stays_an_interrupt(tmp_path, mode):
+    """A Ctrl-C while the kernels build raises KeyboardInterrupt from the loader even when it
+    arrived as another error; a build that fails without one falls back to torch's kernels
+    (None) as before; the SIGINT handler is the caller's again afterwards."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TORCH_EXTENSIONS_DIR=str(tmp_path))
+    env.pop("SPECROUTER_KERNELS", None)
+    out = subprocess.run([sys.executable, "-c", _LOADER, mode], capture_output=True, text=True, env=env,
+                         timeout=120, check=True).stdout.split("\n")
+    assert out[0] == ("interrupted TypeError" if mode == "interrupted" else "returned None"), out
+    assert out[1] == "handler restored True", out

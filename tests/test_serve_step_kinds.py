@@ -82,3 +82,65 @@ def test_the_engine_threads_observations_are_folded_in_when_metrics_is_scraped(m
     for _ in range(3):
         m.engine_step("spec", 2, 0.02, 5, 2, 0.02, 5)
     assert m.steps_by_kind.labels("spec", "2")._value.get() == 3 and not m._pending  # folded in by itself
+
+
+def test_observe_all_counts_as_observe_does():
+    """`observe_all` (the flush's histograms: one inc per bucket) renders what observe() per value
+    renders, values on a bucket's bound and past the last one included, with labels or without."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from specrouter.server.metrics import observe_all
+
+    values = [0.0005, 0.001, 0.0011, 0.3, 0.3, 7.0, 99.0, 0.0]
+
+    def page(bulk: bool) -> list[str]:
+        r = CollectorRegistry()
+        h = Histogram("h", "x", buckets=(0.0005, 0.001, 0.25, 5.0), registry=r)
+        g = Histogram("g", "x", ["model"], buckets=(1.0, 2.0), registry=r)
+        for hist, vs in ((h, values), (g.labels("a"), [0.5, 2.0, 3.0])):
+            if bulk:
+                observe_all(hist, vs)
+            else:
+                for v in vs:
+                    hist.observe(v)
+        return [line for line in generate_latest(r).decode().splitlines() if "_created" not in line]
+
+    assert page(True) == page(False)
+
+
+def test_an_idle_engine_folds_its_metrics_in(tiny_pool_dirs, monkeypatch):
+    """AsyncEngine: an engine idle for IDLE_FOLD_S folds its queued step records in itself
+    (nobody scraped /metrics), outside its lock; the control, a longer idle threshold, leaves
+    them queued."""
+    import asyncio
+
+    from specrouter.config import SamplingParams
+    from specrouter.engine.engine import Engine
+    from specrouter.models.pool import Pool
+    from specrouter.server import async_engine as ae
+
+    pool = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float64")
+
+    def run(idle_fold: float) -> ServerMetrics:
+        monkeypatch.setattr(ae, "IDLE_FOLD_S", idle_fold)
+        m = ServerMetrics()
+
+        async def main():
+            loop_engine = ae.AsyncEngine(Engine(pool, max_num_seqs=2, max_model_len=64), seed=0, metrics=m)
+            loop_engine.start()
+            try:
+                h = loop_engine.submit([1, 2, 3], SamplingParams(max_new_tokens=5, ignore_eos=True),
+                                       chain=("target",), k=1, per_step=False)
+                while not (await h.events.get()).done:
+                    pass
+                await asyncio.sleep(0.3)
+            finally:
+                await asyncio.to_thread(loop_engine.stop)
+
+        asyncio.run(main())
+        return m
+
+    folded = run(0.05)
+    assert not folded.pending() and folded.generated_tokens._value.get() == 5
+    kept = run(60.0)
+    assert kept.pending() and kept.generated_tokens._value.get() == 0

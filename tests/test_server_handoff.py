@@ -323,3 +323,77 @@ def test_a_chat_of_many_empty_messages_is_rendered_on_a_thread(monkeypatch):
     assert asyncio.run(validate.render_chat(srv, short)) == [1, 2] and hops == []
     empty = [{"role": "user" if i % 2 == 0 else "assistant", "content": ""} for i in range(3000)]
     assert asyncio.run(validate.render_chat(srv, empty)) == [1, 2] and len(hops) == 1
+
+
+def _asgi_post(app, path: str, body: dict) -> list[dict]:
+    """POST `body` to `path` through the ASGI app itself (engine started as its lifespan does):
+    every message the app sent."""
+    data = json.dumps(body).encode()
+    sent: list[dict] = []
+
+    async def main():
+        srv = app.state.server
+        srv.loop_engine.start()
+        given = False
+
+        async def receive():
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": data, "more_body": False}
+            await asyncio.Event().wait()  # the client stays
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                 "root_path": "", "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                                              (b"content-length", str(len(data)).encode())],
+                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+        try:
+            await app(scope, receive, send)
+        finally:
+            await asyncio.to_thread(srv.close)
+
+    asyncio.run(main())
+    return sent
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_writes_once_an_event_and_ends_in_its_last_write(tiny_pool_dirs, chat):
+    """EventStream (server/streaming.py): one body message (one socket write) per engine event of
+    the row, its chunks joined; the last carries the finish chunk, the usage chunk and `[DONE]`
+    and ends the body (more_body False) - Starlette's StreamingResponse sent those four apart; the
+    text is the whole response's."""
+    from specrouter.server import create_app
+
+    pool = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float64")
+    config = ServerConfig(max_num_seqs=2, max_model_len=64, adaptive=False, stream_interval=1)
+    ask = {"max_tokens": 6, "temperature": 0, "ignore_eos": True,
+           **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "def add(a, b):"})}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    msgs = _asgi_post(create_app(pool, config), path,
+                      dict(ask, stream=True, stream_options={"include_usage": True}))
+    assert msgs[0]["type"] == "http.response.start" and msgs[0]["status"] == 200
+    bodies = msgs[1:]
+    assert all(m["type"] == "http.response.body" for m in bodies)
+    assert [m["more_body"] for m in bodies] == [True] * (len(bodies) - 1) + [False]
+    texts = [m["body"].decode() for m in bodies]
+    events = [[e for e in t.split("\n\n") if e] for t in texts]
+    last = events[-1]
+    assert last[-1] == "data: [DONE]" and '"usage"' in last[-2] and '"finish_reason":"length"' in last[-3]
+    first_text = 1 if chat else 0  # a chat opens with its role chunk, alone (before any token)
+    if chat:
+        assert events[0] == [e for e in events[0] if '"role":"assistant"' in e] and len(events[0]) == 1
+    assert all(len(e) == 1 for e in events[first_text:-1])  # one text chunk a write (one row, no parser)
+    assert len(last) in (3, 4)  # the last tokens' text chunk (if any), finish, usage, [DONE]: one write
+
+    def piece(event: str) -> str:
+        c = json.loads(event[len("data: "):])["choices"]
+        return "".join(((x.get("delta") or {}).get("content") or "") if chat else x.get("text", "") for x in c)
+
+    streamed = "".join(piece(e) for es in events for e in es if e != "data: [DONE]")
+    whole = json.loads(b"".join(m.get("body", b"") for m in _asgi_post(create_app(pool, config), path, ask)
+                                if m["type"] == "http.response.body"))
+    assert streamed == (whole["choices"][0]["message"]["content"] if chat else whole["choices"][0]["text"])

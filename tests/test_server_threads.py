@@ -181,3 +181,46 @@ def test_the_engine_thread_hands_each_steps_tokens_over_before_the_next_step(tin
     asyncio.run(run(0.0, lag=0.05))
     kinds = [k for k, _ in log]
     assert kinds.count("step") == 12 and kinds != ["step", "took"] * 12, log
+
+
+# `specrouter serve`'s default threads on a machine of k CPUs, faked by the affinity mask set before
+# torch is imported (torch's default intra-op threads, libgomp's CPU count: the CPUs it may use)
+_CORES = r"""
+import os, sys, threading
+os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:int(sys.argv[1])]))
+import openai, torch
+from specrouter.config import ServerConfig
+from specrouter.models.pool import Pool
+from specrouter.server import create_app
+from specrouter.server.live import LiveServer
+from specrouter.server.threads import on_passing_thread
+ran = set()
+def setup():
+    pool = Pool.load([sys.argv[2]], names=["target"], target="target", dtype="float64")
+    for r in pool.runners.values():
+        def spy(batch, _inner=r.forward):
+            ran.add((threading.current_thread().name, torch.get_num_threads()))
+            return _inner(batch)
+        r.forward = spy
+    return create_app(pool, ServerConfig(max_num_seqs=2, max_model_len=64, adaptive=False))
+app = on_passing_thread(setup)
+with LiveServer(app) as srv:
+    openai.OpenAI(base_url=srv.base_url, api_key="-", max_retries=0, timeout=60).completions.create(
+        model="target", prompt=[5, 6, 7, 8], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+print(len(os.sched_getaffinity(0)), sorted(ran))
+"""
+
+
+@pytest.mark.parametrize("cores", sorted({1, 2, CPUS} & set(range(1, CPUS + 1))))
+def test_default_threads_one_team_as_wide_as_the_cores_on_any_core_count(tiny_pool_dirs, cores):
+    """The default flags on a machine of `cores` CPUs (faked: the affinity mask of a fresh
+    process; on a many-core machine this runs at its full count too): the set-up on a thread
+    that ends (as `specrouter serve`), then every forward on the engine thread with torch's
+    default threads, which are the CPUs: ONE team of as many threads as cores, so libgomp's
+    throttle (managed threads > CPUs: server/threads.py) never holds, for any core count."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("OMP_NUM_THREADS", None)
+    out = subprocess.run([sys.executable, "-c", _CORES, str(cores), str(tiny_pool_dirs["target"])],
+                         capture_output=True, text=True, env=env, timeout=180, check=True)
+    got = out.stdout.strip().splitlines()[-1]
+    assert got == f"{cores} {[('specrouter-engine', cores)]}", out.stderr[-2000:]

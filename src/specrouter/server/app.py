@@ -44,7 +44,7 @@ import uuid
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specrouter.config import ServerConfig
@@ -63,7 +63,7 @@ from specrouter.server.protocol import (
     error_body,
 )
 from specrouter.server.service import Service
-from specrouter.server.streaming import stream
+from specrouter.server.streaming import EventStream, stream
 from specrouter.server.tokenize import tokenize_routes
 from specrouter.server.tools import ToolRequest, chat_messages, tool_request
 from specrouter.server.validate import (
@@ -212,10 +212,9 @@ async def _respond(srv: Service, request: Request, req, gens: list[Generation], 
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     ignored = req.ignored_fields()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return StreamingResponse(stream(srv, gens, rid, int(time.time()), chat, include_usage, req, tools, echo),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                      **({IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {})})
+    return EventStream(stream(srv, gens, rid, int(time.time()), chat, include_usage, req, tools, echo), gens,
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                **({IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {})})
 
 
 def _error_response(e: RequestError) -> Response:

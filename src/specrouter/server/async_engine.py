@@ -71,6 +71,7 @@ MAX_HOLD_S = 0.1  # the longest a held stream's tokens wait for their chunk (Str
 MAX_HOLD_LONE_S = 0.05  # ... a lone paced stream's (c=1: its reader waits for nobody else's tokens)
 PACE_START = 2  # StreamPacer's interval before it has measured a step and a hand-off
 PACE_EMA = 0.1  # weight of the newest step / hand-off in StreamPacer's running means
+IDLE_FOLD_S = 0.05  # an engine idle this long folds its queued metrics in (ServerMetrics.flush)
 
 
 class QueueFull(Exception):
@@ -316,7 +317,14 @@ class AsyncEngine:
                     paused = False
                     while not (self._stop or self._waiting or self._aborts or engine.has_unfinished()):
                         paused = True
-                        self._cv.wait()
+                        if self.metrics is None or not self.metrics.pending():
+                            self._cv.wait()
+                        elif not self._cv.wait(IDLE_FOLD_S):  # idle a while: fold the step records
+                            self._cv.release()  # in now (lock released: a submit never waits for it),
+                            try:  # not at a queue's cap between two steps (metrics.PENDING_MAX)
+                                self.metrics.flush()
+                            finally:
+                                self._cv.acquire()
                     if paused and self.governor is not None:
                         self.governor.wake()  # reduced: were the cores free in the pause? (contention.py)
                     if self._thread is not me:

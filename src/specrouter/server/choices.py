@@ -91,7 +91,7 @@ async def respond_whole(srv: Service, request: Request, req, gens: list[Generati
             parts.append(delta)
         return "".join(parts), finish
 
-    watcher = asyncio.create_task(watch_disconnect(request, gens))
+    watcher = asyncio.create_task(watch_disconnect(request.receive, gens))
     try:
         results = await asyncio.gather(*(collect(g) for g in gens))
     except ClientGone:

@@ -9,8 +9,6 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 
-from fastapi import Request
-
 from specrouter.server.async_engine import QueueFull, RequestHandle, TokenEvent
 from specrouter.server.logprobs import CompletionLogprobWriter, TokenIds, chat_logprobs, vllm_prompt_logprobs
 from specrouter.server.protocol import RequestError, Usage
@@ -155,10 +153,10 @@ class Generation:
                 yield delta, None
 
 
-async def watch_disconnect(request: Request, gens: list[Generation]) -> None:
-    """Abort every row of a request as soon as the client goes away (after the body was read,
-    the next ASGI message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
+async def watch_disconnect(receive, gens: list[Generation]) -> None:
+    """Abort every row of a request as soon as the client goes away (`receive`: the request's
+    ASGI receive; after the body was read, the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
         pass
     for g in gens:
         g.abort()

@@ -18,7 +18,10 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+from starlette.responses import StreamingResponse
+
 from specrouter.server.generation import (
+    ClientGone,
     Generation,
     asks_logprobs,
     choice_logprobs,
@@ -26,6 +29,7 @@ from specrouter.server.generation import (
     sse_text_template,
     token_namer,
     usage_of_rows,
+    watch_disconnect,
 )
 from specrouter.server.logprobs import CompletionLogprobWriter
 from specrouter.server.protocol import (
@@ -38,6 +42,40 @@ from specrouter.server.protocol import (
 )
 from specrouter.server.service import Service
 from specrouter.server.tools import ToolCallParser, ToolRequest, finish_message
+
+
+DONE = "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A request's SSE response (`stream`'s writes): one `send`, so one socket write, per engine
+    event of a row (its chunks joined; the rows' last event carries the usage chunk, `[DONE]` and
+    the end of the chunked body too); the client gone, `watch_disconnect` aborts the rows, as for
+    a whole response. Starlette's StreamingResponse, with the ASGI 2.3 that uvicorn speaks, runs
+    an anyio task group per response to listen for the disconnect, and a stream's end took four
+    writes after its last tokens (finish chunk, usage, `[DONE]`, end of body), each a loopback
+    send of ~0.1 ms that wakes the client, inside the engine thread's hand-off wait at c=8
+    (docs/serving-performance.md, sixteenth round)."""
+
+    def __init__(self, content: AsyncIterator[str], gens: list[Generation], headers: dict[str, str]):
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.gens = gens
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        watcher = asyncio.create_task(watch_disconnect(receive, self.gens))
+        ended = False
+        try:
+            async for text in self.body_iterator:  # resumed after each send: `stream` times it
+                ended = text.endswith(DONE)
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": not ended})
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except ClientGone:
+            pass  # nobody reads it: its rows were aborted
+        finally:
+            watcher.cancel()
+            await self.body_iterator.aclose()  # a stream left early aborts its rows (`stream`)
 
 
 async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, str, str | None, list]]:
@@ -113,38 +151,38 @@ async def stream(srv: Service, gens: list[Generation], rid: str, created: int, c
 
     try:
         if chat:
-            for i in range(n):
-                yield sse(chunk(i, None, None, role=True))
+            yield "".join(sse(chunk(i, None, None, role=True)) for i in range(n))
         delivery = srv.metrics.stream_delivery_seconds
+        running = n  # rows not finished
         async for i, delta, finish, logprobs in merged(gens):
             g, parser = gens[i], parsers[i]
             carried[i] += logprobs
+            out = []  # this event's SSE events: one write
             if echoes[i] is not None:  # the prompt first (its logprobs came with the first tokens)
                 first = choice_logprobs(srv, req, g, chat, echoes[i], [], writers[i])
-                yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[
-                    CompletionChoice(index=i, text=echoes[i], finish_reason=None, **first)]))
+                out.append(sse(CompletionResponse(id=rid, created=created, model=model, choices=[
+                    CompletionChoice(index=i, text=echoes[i], finish_reason=None, **first)])))
                 echoes[i] = None
             if delta:
-                for d in (parser.feed(delta) if parser is not None else [delta]):
-                    yield text_sse(i, d)
-                # resumed once the chunk was handed to the socket (StreamingResponse's send)
+                out += [text_sse(i, d) for d in (parser.feed(delta) if parser is not None else [delta])]
+            if finish is not None:
+                if parser is not None:
+                    out += [text_sse(i, d) for d in parser.finish()]
+                    finish = finish_message(parser, finish)[1]
+                out.append(sse(chunk(i, None, finish)))
+                running -= 1
+            if not running:  # the last event: usage (if asked) and the end in the same write
+                if include_usage:  # usage once, on a last chunk with no choices (OpenAI)
+                    last = (ChatCompletionChunk if chat else CompletionResponse)(
+                        id=rid, created=created, model=model, choices=[], usage=usage_of_rows(gens))
+                    out.append(sse(last))
+                out.append(DONE)
+            if out:
+                yield "".join(out)
+            if delta:  # resumed once the write was handed to the socket (EventStream)
                 delivery.observe(time.perf_counter() - g.committed)
-            if finish is None:
-                continue
-            if parser is not None:
-                for d in parser.finish():
-                    yield text_sse(i, d)
-                finish = finish_message(parser, finish)[1]
-            yield sse(chunk(i, None, finish))
-        if include_usage:  # usage once, on a last chunk with no choices (OpenAI)
-            usage = usage_of_rows(gens)
-            last = (ChatCompletionChunk if chat else CompletionResponse)(
-                id=rid, created=created, model=model, choices=[], usage=usage)
-            yield sse(last)
-        yield "data: [DONE]\n\n"
     except RequestError as e:  # the response has started: report in the stream, as OpenAI does
-        yield f"data: {json.dumps(error_body(e.message, e.type, e.param, e.code))}\n\n"
-        yield "data: [DONE]\n\n"
+        yield f"data: {json.dumps(error_body(e.message, e.type, e.param, e.code))}\n\n" + DONE
     finally:  # also on client disconnect (the generator is cancelled or closed)
         for g in gens:
             if not g.handle.finished:

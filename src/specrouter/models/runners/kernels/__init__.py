@@ -24,6 +24,8 @@ import logging
 import os
 import platform
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -156,33 +158,79 @@ def auto_dtype() -> torch.dtype:
     return torch.bfloat16 if rowinv() is not None else torch.float32
 
 
+class _InterruptNoted:
+    """Notes a Ctrl-C (SIGINT) that arrives while the kernels load: on the main thread the SIGINT
+    handler in place is wrapped for the duration (and still runs); elsewhere the signal goes to the
+    main thread, which raises it there.
+
+    Why: the first load imports torch's extension builder (setuptools and the rest), runs ninja
+    and loads the library, and CPython can turn a KeyboardInterrupt into another error on its way
+    up: a failing `from m import name` (which libraries catch as ImportError) formats its message
+    with PyObject_Repr, which runs a pending signal's handler; the handler's KeyboardInterrupt
+    leaves the message NULL, and PyErr_SetImportError(NULL) raises TypeError("expected a message
+    argument") in its place, which no `except ImportError` stops. `rowinv`'s `except Exception`
+    took it for a broken toolchain and the command ran on to exit 0 (tests/test_cli.py's Ctrl-C
+    during start-up, seen once while the kernels rebuilt; the conversion reproduced with a loop of
+    failing from-imports under repeated SIGINTs: 10 of 351 interrupts, Python 3.11.7)."""
+
+    def __init__(self):
+        self.seen = False
+        self._prev = self._mine = None
+
+    def __enter__(self) -> _InterruptNoted:
+        prev = signal.getsignal(signal.SIGINT)
+        if threading.current_thread() is threading.main_thread() and callable(prev):
+            def note(signum, frame):
+                self.seen = True
+                return prev(signum, frame)
+
+            self._prev, self._mine = prev, note
+            signal.signal(signal.SIGINT, note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._mine is not None and signal.getsignal(signal.SIGINT) is self._mine:
+            signal.signal(signal.SIGINT, self._prev)
+
+
 @functools.cache
 def rowinv():
-    """torch.ops.specrouter_rowinv, built on first use; None where it cannot run here."""
+    """torch.ops.specrouter_rowinv, built on first use; None where it cannot run here. A Ctrl-C
+    during the build stays an interrupt, whatever error it became on its way up
+    (`_InterruptNoted`)."""
     if kernel_path() == "torch" or not _cpu_supported():
         return None
+    interrupt = _InterruptNoted()
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load
-
-        # one build folder per source, flags and checkout: torch's builder re-runs ninja in
-        # every new process, and ninja rebuilds when the source paths change, so two checkouts
-        # sharing a folder would rebuild over each other (and wait on each other's lock)
-        digest = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(FLAGS).encode()
-                              + str(SOURCES[0].resolve().parent).encode()).hexdigest()[:12]
-        name = f"specrouter_rowinv_{digest}"
-        build = Path(_get_build_directory(name, verbose=False))
-        if not any(build.glob("*.so")):
-            log.warning("compiling SpecRouter's row-invariant CPU kernels (first use only, about 30 s)")
-        _ninja_on_path()
-        load(
-            name=name,
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-        return torch.ops.specrouter_rowinv
+        with interrupt:
+            return _build_and_load()
     except Exception as e:  # noqa: BLE001 (no compiler, no ninja, a broken toolchain: torch kernels serve)
+        if interrupt.seen:
+            raise KeyboardInterrupt from e
         log.warning("row-invariant CPU kernels unavailable (%s); using torch's kernels", str(e).splitlines()[0][:200])
         return None
+
+
+def _build_and_load():
+    """Build the kernels (once per source, flags and checkout) and load them: torch.ops.specrouter_rowinv."""
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    # one build folder per source, flags and checkout: torch's builder re-runs ninja in
+    # every new process, and ninja rebuilds when the source paths change, so two checkouts
+    # sharing a folder would rebuild over each other (and wait on each other's lock)
+    digest = hashlib.sha1(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(FLAGS).encode()
+                          + str(SOURCES[0].resolve().parent).encode()).hexdigest()[:12]
+    name = f"specrouter_rowinv_{digest}"
+    build = Path(_get_build_directory(name, verbose=False))
+    if not any(build.glob("*.so")):
+        log.warning("compiling SpecRouter's row-invariant CPU kernels (first use only, about 30 s)")
+    _ninja_on_path()
+    load(
+        name=name,
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=FLAGS,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    return torch.ops.specrouter_rowinv
