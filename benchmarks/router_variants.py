@@ -34,7 +34,9 @@ own evidence moving, shadows on its last step), firm8 (the same, 8 steps), free1
 drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
 steps while the decision at its end keeps the plan),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
-monotone (the default router on the cost profile repaired: ProfileConfig.monotone, router/profile.py).
+monotone (the default router on the cost profile repaired: ProfileConfig.monotone, router/profile.py),
+prior-global (request_prior_quantile=None: a new request's prior for a model pair is the global alpha, not the
+upper quartile of finished requests' own alphas when higher).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -87,6 +89,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),
         "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
         "monotone": base,  # the default router on the repaired profile (`repaired_profile`)
+        "prior-global": dataclasses.replace(base, request_prior_quantile=None),
     }
     unknown = [n for n in names if n not in known]
     if unknown:
