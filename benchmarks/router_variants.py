@@ -35,7 +35,11 @@ plan, not released by its own evidence moving unless against the plan, shadows o
 drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
 steps while the decision at its end keeps the plan), firm16s (firm, its span doubling up to 16),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
-monotone (the default router on the cost profile repaired: ProfileConfig.monotone, router/profile.py).
+monotone (the default router on the cost profile repaired: ProfileConfig.monotone, router/profile.py),
+prior-global (request_prior_quantile=None: a new request's prior for a model pair is the global alpha, not the
+upper quartile of finished requests' own alphas when higher), prior-16 (request_prior_strength=16: a request's
+own acceptance counts shrunk toward its prior by 16 pseudo-trials, not 8), tv-lean (tv_first_cycles=2,
+tv_every=16: D_TV in a request's first 2 cycles and every 16th step).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -90,6 +94,9 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "firm16s": dataclasses.replace(base, stream_hold_firm=True, stream_hold_max=16),
         "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
         "monotone": base,  # the default router on the repaired profile (`repaired_profile`)
+        "prior-global": dataclasses.replace(base, request_prior_quantile=None),
+        "prior-16": dataclasses.replace(base, request_prior_strength=16.0),
+        "tv-lean": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_first_cycles=2, tv_every=16)),
     }
     unknown = [n for n in names if n not in known]
     if unknown:
