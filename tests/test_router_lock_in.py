@@ -59,9 +59,7 @@ def test_a_stream_refuted_early_returns_to_its_draft():
         steps, rate = stream(0.05, 0.9, seed=seed)
         old_steps, old_rate = stream(0.05, 0.9, seed=seed, **BEFORE)
         print(f"\n{steps} {rate:.1f} tok/s\n{old_steps} {old_rate:.1f} tok/s (before)")
-        run = steps[30:].rstrip(".")  # a plain tail: the request's last tokens (k capped at 0)
-        assert len(steps) - 30 - len(run) <= 10, steps
-        assert "." in steps[:10] and run.count("S") >= 0.95 * len(run), steps
+        assert "." in steps[:10] and steps[30:].count("S") >= 0.95 * len(steps[30:]), steps
         assert old_steps[10:] == "." * 150, old_steps
         assert rate > 1.6 * old_rate, (rate, old_rate)
 
@@ -148,12 +146,11 @@ def test_a_draft_read_slow_in_a_stall_is_retried():
 
 def test_a_draft_that_stays_slow_is_retried_less_and_less():
     """Negative control: the draft 5x slower from step 20 on, for good. Re-tried at 16, then 32,
-    64, ... row-cycles (doubling while it reads slow), within 2.5% of main's rate, which never
-    re-tries it in these 160 steps (0.990x with the stream hold of before, 0.980x with the firm
-    hold: its first 20 steps' k held)."""
+    64, ... row-cycles (doubling while it reads slow), within 2% of main's rate, which never
+    re-tries it in these 160 steps."""
     steps, rate = stream(0.8, 0.8, slow=lambda i: {"d2": 5.0} if i >= 20 else {})
     _, old_rate = stream(0.8, 0.8, slow=lambda i: {"d2": 5.0} if i >= 20 else {}, probe_slow_after=200)
     print(f"\n{steps} {rate:.2f} vs {old_rate:.2f} tok/s")
     tries = [i for i, c in enumerate(steps) if c == "S" and i > 21]
     assert 1 <= len(tries) <= 3 and all(b - a > 40 for a, b in zip(tries, tries[1:])), tries
-    assert rate >= 0.975 * old_rate, (rate, old_rate)
+    assert rate >= 0.98 * old_rate, (rate, old_rate)

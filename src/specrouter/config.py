@@ -189,7 +189,7 @@ class SimilarityConfig:
     # `tv_first_cycles` cycles (its own SimScore is its prior from its first cycle), and every
     # `tv_every`-th step with a row it measures besides (the calibration, drift and the global
     # SimScores). Measured in every step, D_TV cost a sampled single stream 0.5-0.6 ms of a
-    # ~12 ms cycle on a Sapphire Rapids (2026-12-06, docs/router.md); 1 / 0: every step
+    # ~12 ms cycle on a Sapphire Rapids (2026-12-06, docs/router.md); 1: every step
     tv_every: int = 8
     tv_first_cycles: int = 4
     # greedy rows' D_TV feeds the estimator too. Off: a greedy row accepts on an argmax match,
@@ -260,7 +260,7 @@ class ProfileConfig:
     # a swept or loaded grid made monotone on every axis (router/profile.py `monotone`: no cell
     # above a larger forward's) and the sweep's first cell timed again. Off: on the Sapphire
     # Rapids the saved profile prices the target's 1-token forward 45% too dear (13.9 ms vs 9.6
-    # for 2 tokens, ~8.5 run), and repaired the router ran greedy streams 2-5% slower in 6 of 6
+    # for 2 tokens, ~8.5 run), and repaired the router ran greedy streams 2-5% slower in 8 of 10
     # side-by-side runs (more model-free cycles in open text, whose misses it then prices as a
     # plain step really costs) and t=0.7 ones ~1% faster (docs/router.md, 2026-12-06)
     monotone: bool = False
@@ -388,7 +388,7 @@ class RouterConfig:
     # its end; its shadow proposals run on its last step only (the decision after it reads
     # them). Released early still by a row change, the k cap, a model's speed jump, the
     # certain-draft bucket and patience. False: as before
-    stream_hold_firm: bool = True
+    stream_hold_firm: bool = False
     # ... a firm hold's span doubles, up to this many steps, while the decision at each hold's
     # end keeps the same plan, and falls back to stream_hold_steps on any other
     # (stream_hold_steps or less: no stretching)

@@ -172,6 +172,7 @@ class ServerMetrics:
         # a record takes ~1 us / ~15 us (docs/serving-performance.md, fifteenth round)
         self._pending: list[tuple] = []
         self._pending_lock = threading.Lock()
+        self._fold_lock = threading.Lock()  # a flush's whole fold: a scrape waits for one in progress
         self._forward_children: dict = {}  # model -> forward_seconds.labels(model)
 
     # -- the engine thread's observations (deferred) -------------------------------------------
@@ -207,11 +208,16 @@ class ServerMetrics:
         and the engine thread when its queue is full or it has been idle a while): counters
         summed per label set, one inc each; each histogram's values counted into its buckets at
         once (`observe_all`). 4,096 records took 11 ms (plain chain) to 16 ms (router) with a
-        histogram observe() each, 6-8 with this (docs/serving-performance.md, sixteenth round)."""
-        with self._pending_lock:
-            items, self._pending = self._pending, []
-        if not items:
-            return
+        histogram observe() each, 6-8 with this (docs/serving-performance.md, sixteenth round).
+        One flush at a time (`_fold_lock`): a scrape during the engine thread's idle fold waits for
+        it, so it renders every record taken before it (review18)."""
+        with self._fold_lock:
+            with self._pending_lock:
+                items, self._pending = self._pending, []
+            if items:
+                self._fold(items)
+
+    def _fold(self, items: list) -> None:
         sums: dict[tuple, float] = collections.defaultdict(float)  # (counter, labels) -> amount
         values: dict = collections.defaultdict(list)  # histogram (child) -> observed values
         threads = None
