@@ -144,3 +144,38 @@ def test_an_idle_engine_folds_its_metrics_in(tiny_pool_dirs, monkeypatch):
     assert not folded.pending() and folded.generated_tokens._value.get() == 5
     kept = run(60.0)
     assert kept.pending() and kept.generated_tokens._value.get() == 0
+
+
+def test_a_scrape_during_an_idle_fold_waits_for_it():
+    """The engine thread's idle fold has taken the queue and is still folding when /metrics is
+    scraped: the scrape waits for that fold and renders its records (review18). Negative control:
+    with the fold lock made a no-op, the same scrape renders without them."""
+    import contextlib
+    import threading
+    import time
+
+    def scrape_during_fold(lock: bool) -> float | None:
+        m = ServerMetrics()
+        if not lock:
+            m._fold_lock = contextlib.nullcontext()
+        m.engine_step("spec", 2, 0.02, 5, 2, 0.02, 5)
+        started, fold = threading.Event(), m._fold
+
+        def slow_fold(items):
+            started.set()
+            time.sleep(0.2)
+            fold(items)
+
+        m._fold = slow_fold
+        folding = threading.Thread(target=m.flush)  # the engine thread's idle fold
+        folding.start()
+        assert started.wait(5)
+        page = m.render().decode()  # the scrape
+        folding.join()
+        try:
+            return _sample(page, "specrouter_steps_by_kind_total", kind="spec", rows="2")
+        except KeyError:
+            return None
+
+    assert scrape_during_fold(lock=True) == 1
+    assert scrape_during_fold(lock=False) is None
