@@ -386,8 +386,11 @@ class RouterConfig:
     # request's own evidence does meanwhile (it moved nearly every cycle: 148 of 246 holds on a
     # t=0.7 trace were released by it, most within a step), and a probe falling due waits for
     # its end; its shadow proposals run on its last step only (the decision after it reads
-    # them). Released early still by a row change, the k cap, a model's speed jump, the
-    # certain-draft bucket and patience. False: as before
+    # them); near the request's end its k is capped instead of the hold ending. Released early
+    # by the plan's own first pair falling by more than decision_tolerance in the request's
+    # evidence (StreamHolder.refuted), a row change, a model's speed jump, the certain-draft
+    # bucket and patience. Off: its per-step saving is measured (router share 0.75 -> 0.56 ms a
+    # single-stream speculative step), its end-to-end gain is not (docs/router.md, lean18)
     stream_hold_firm: bool = False
     # ... a firm hold's span doubles, up to this many steps, while the decision at each hold's
     # end keeps the same plan, and falls back to stream_hold_steps on any other
