@@ -6,12 +6,16 @@ the tree policy, shadow proposals and their judging, confident-draft checks); Sp
 steps apart, against target-only's steps (what a settled-plain cycle costs over target-only).
 
     python benchmarks/router_overhead.py [--workload mixed|chat|...] [--temperature 0] [--prompts-per-type 3]
-        [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R]
+        [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R] [--set FIELD=VALUE ...]
+
+`--set`: RouterConfig fields of SpecRouter's router (a Python literal: stream_hold_firm=True).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import time
 from collections import defaultdict
 
@@ -20,6 +24,7 @@ import torch
 from specrouter.api import SpecRouter
 from specrouter.bench.run import BenchConfig, build_scenarios
 from specrouter.bench.systems import AdaptiveSystem, Decoding, NativeSystem
+from specrouter.config import RouterConfig
 from specrouter.engine import engine as engine_module
 from specrouter.models.default_pool import default_pool_paths
 from specrouter.router.setup import load_or_sweep_profile
@@ -93,7 +98,10 @@ def main() -> None:
     ap.add_argument("--presence-penalty", type=float, default=0.0)
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE")
     args = ap.parse_args()
+    config = dataclasses.replace(RouterConfig(), **{k: ast.literal_eval(v) for k, _, v in
+                                                   (a.partition("=") for a in args.set)})
     controls = tuple((name, value) for name, value, off in (
         ("presence_penalty", args.presence_penalty, 0.0), ("frequency_penalty", args.frequency_penalty, 0.0),
         ("repetition_penalty", args.repetition_penalty, 1.0)) if value != off)
@@ -104,7 +112,7 @@ def main() -> None:
     pool = sr.pool
     profile = load_or_sweep_profile(pool, progress=False)
     systems = [NativeSystem(pool, "target-only", (pool.target,), None),
-               AdaptiveSystem(pool, "SpecRouter", profile=profile, progress=False)]
+               AdaptiveSystem(pool, "SpecRouter", profile=profile, progress=False, router_config=config)]
     for s in systems:
         s.reset()
         s.run(sr.encode("hello"), Decoding(0.0, 8, 0))  # first forwards allocate

@@ -3,7 +3,7 @@
 
     python benchmarks/router_replay.py record TRACE [--concurrency 1 4 8] [--temperature 0]
         [--requests 16] [--max-new-tokens 64]
-    python benchmarks/router_replay.py replay TRACE [TRACE ...] [--repeat 3] [--digest]
+    python benchmarks/router_replay.py replay TRACE [TRACE ...] [--repeat 3] [--digest] [--set FIELD=VALUE ...]
 
 `record` runs the serving bench's mixed stream through the engine's own continuous batching
 (the default pool, one router learning along every level, as `serve_engine.py`) and pickles the
@@ -26,7 +26,9 @@ No torch model runs in `replay`: it measures the router alone, on the evidence o
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -113,20 +115,21 @@ def record(args) -> None:
     print(f"{len(rec.calls)} calls -> {args.trace}")
 
 
-def fresh_router(setup: dict, deterministic: bool) -> Router:
+def fresh_router(setup: dict, deterministic: bool, changes: dict | None = None) -> Router:
     """A router as the recorded one started (its profile and estimates as they were at the
-    first call)."""
+    first call); `changes`: RouterConfig fields replaced (a variant replayed on the same calls)."""
     clock = itertools.count()
     kwargs = {"timer": (lambda: next(clock) * 1e-5)} if deterministic else {}
+    config = dataclasses.replace(setup["config"], **changes) if changes else setup["config"]
     return Router(setup["order"], setup["target"], copy.deepcopy(setup["profile"]), copy.deepcopy(setup.get("similarity")),
                   model_free=setup["model_free"], first_only=setup["first_only"], packed=setup["packed"],
-                  sizes=setup["sizes"], config=setup["config"],
+                  sizes=setup["sizes"], config=config,
                   step_clock=time.perf_counter if setup.get("clock", True) else None, **kwargs)
 
 
-def replay(trace: dict, deterministic: bool = False) -> tuple[dict, str]:
+def replay(trace: dict, deterministic: bool = False, changes: dict | None = None) -> tuple[dict, str]:
     """Replays the calls; returns ({(call, kind): [seconds]}, digest of the plans returned)."""
-    router = fresh_router(trace["setup"], deterministic)
+    router = fresh_router(trace["setup"], deterministic, changes)
     digest = hashlib.sha256()
     seconds: dict = defaultdict(list)
     kind = "?"
@@ -170,17 +173,20 @@ def main(argv=None) -> int:
     rep.add_argument("traces", nargs="+")
     rep.add_argument("--repeat", type=int, default=3, help="replays timed (the median of each call's mean)")
     rep.add_argument("--digest", action="store_true", help="deterministic timer and clock; print the plans' digest")
+    rep.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                     help="RouterConfig fields changed for the replay (a Python literal: stream_hold_firm=True)")
     args = ap.parse_args(argv)
     if args.cmd == "record":
         record(args)
         return 0
+    changes = {k: ast.literal_eval(v) for k, _, v in (s.partition("=") for s in args.set)}
     for path in args.traces:
         with open(path, "rb") as f:
             trace = pickle.load(f)
         if args.digest:
-            print(f"{path}: plans digest {replay(trace, deterministic=True)[1]}")
+            print(f"{path}: plans digest {replay(trace, True, changes)[1]}")
             continue
-        runs = [replay(trace)[0] for _ in range(args.repeat)]
+        runs = [replay(trace, False, changes)[0] for _ in range(args.repeat)]
         print(f"{path}: {len(trace['calls'])} calls, load {os.getloadavg()[0]:.2f}; us per call "
               f"(median over {args.repeat} replays of the mean), calls")
         for key in sorted(runs[0]):

@@ -28,7 +28,13 @@ optimism sets no wait, as before), catch-up-probes (probe_past_catch_up=False: a
 lagging draft weighed by the catch-up check at the request's own estimate, as before issue 28's
 lock-in fix), no-idle-fade (request_idle_decay=1.0: a request's evidence of a model pair frozen
 while it runs plain, as before), stale (both, as before), burst (burst_acceptance=True: a model draft's next
-cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on).
+cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on),
+firm (stream_hold_firm=True: a single stream's speculative hold after every decided plan, not released by its
+own evidence moving, shadows on its last step), firm8 (the same, 8 steps), free16 (free_timing_batch=16: model-free
+drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
+steps while the decision at its end keeps the plan),
+tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
+monotone (the default router on the cost profile repaired: ProfileConfig.monotone, router/profile.py).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -44,7 +50,7 @@ import torch
 from specrouter.api import SpecRouter
 from specrouter.bench.run import BenchConfig, build_scenarios
 from specrouter.bench.systems import AdaptiveSystem, Decoding, NativeSystem
-from specrouter.config import RouterConfig
+from specrouter.config import ProfileConfig, RouterConfig
 from specrouter.models.default_pool import default_pool_paths
 from specrouter.router.setup import load_or_sweep_profile
 
@@ -74,11 +80,23 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "stale": dataclasses.replace(base, probe_past_catch_up=False, request_idle_decay=1.0),
         "burst": dataclasses.replace(base, burst_acceptance=True),
         "burst2": dataclasses.replace(base, burst_acceptance=True, burst_min_run=2),
+        "firm": dataclasses.replace(base, stream_hold_firm=True),
+        "firm8": dataclasses.replace(base, stream_hold_firm=True, stream_hold_steps=8),
+        "free16": dataclasses.replace(base, free_timing_batch=16),
+        "lean": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16),
+        "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),
+        "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
+        "monotone": base,  # the default router on the repaired profile (`repaired_profile`)
     }
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; use some of {list(known)}")
     return {"default": base, **{n: known[n] for n in names}}
+
+
+def repaired_profile(pool):
+    """The machine's cost profile made monotone (`ProfileConfig.monotone`, router/profile.py)."""
+    return load_or_sweep_profile(pool, progress=False, config=ProfileConfig(monotone=True))
 
 
 def main() -> None:
@@ -99,7 +117,8 @@ def main() -> None:
     sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
     pool = sr.pool
     profile = load_or_sweep_profile(pool, progress=False)
-    systems = {n: AdaptiveSystem(pool, n, profile=profile, progress=False, router_config=c)
+    systems = {n: AdaptiveSystem(pool, n, profile=repaired_profile(pool) if n == "monotone" else profile,
+                                 progress=False, router_config=c)
                for n, c in variants(args.variants).items()}
     systems["target-only"] = NativeSystem(pool, "target-only", (pool.target,), None)
     aliases = {"draft": pool.order[-2], "target": pool.target}

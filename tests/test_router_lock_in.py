@@ -104,7 +104,8 @@ def test_idle_cycles_fade_a_requests_own_model_pair_evidence():
     """A plain cycle fades the request's counts and D_TV of every model pair by
     `request_idle_decay`; a cycle that runs the pair, and a model-free drafter's pair (shadow
     proposals score it on plain cycles), do not fade; the request's estimate moves back toward
-    its prior and its evidence version moves once that is material."""
+    its prior and its evidence version moves once that is material (checked where the version
+    is read: `RequestState.settle`)."""
     router = make_router(order=["ngram", "d2", "T"], timer=lambda: 0.0)
     req = router.request(0, True)
     prior = router.alpha(PAIR, "greedy", req)
@@ -114,12 +115,14 @@ def test_idle_cycles_fade_a_requests_own_model_pair_evidence():
     router.board.request_evidence(req, "greedy")  # published: the fade's moves are measured from it
     low, version = router.alpha(PAIR, "greedy", req), req.version
     fade_idle(router, req, PAIR, "greedy")  # the pair ran: nothing fades
+    req.settle(router.board)
     assert req.counts[PAIR] == [0.0, 6.0] and req.version == version
     for _ in range(20):
         fade_idle(router, req, ("T",), "greedy")
     decay = router.config.request_idle_decay ** 20
     assert abs(req.counts[PAIR][1] - 6.0 * decay) < 1e-9 and abs(req.tv[PAIR][1] - 4.0 * decay) < 1e-9
     assert req.counts[("ngram", "T")] == [1.0, 3.0]
+    req.settle(router.board)
     assert low < router.alpha(PAIR, "greedy", req) <= prior and req.version > version
     req.counts[PAIR] = [0.5, 0.0]  # accepted only: it fades too, and is dropped once negligible
     for _ in range(120):

@@ -11,7 +11,7 @@ import pytest
 from test_router import ALPHAS, L0, Sim, make_router, observe_cycle
 
 from specrouter.config import RouterConfig
-from specrouter.router.policy import RowContext
+from specrouter.router.policy import Decision, RowContext
 
 STRONG = {**ALPHAS, ("d1", "T"): 0.8}  # d1 > T wins clearly: the stream settles on it
 
@@ -241,3 +241,108 @@ def test_a_plain_hold_kept_by_hysteresis_switches_when_patience_runs_out():
     (held_at, held_decided), (control_at, control_decided) = first.values()
     assert held_at == control_at
     assert held_decided < control_decided / 2, first
+
+
+# -- the firm hold (RouterConfig.stream_hold_firm, lean18) -------------------------------------
+
+
+@pytest.mark.parametrize("release", ["version", "probe", "remaining", "jump", "other-row", "pinned"])
+def test_a_firm_hold_outlasts_its_requests_evidence_moving_and_a_due_probe(release):
+    """A firm hold is kept while the request's evidence version moves and while a probe is due
+    (it waits for the hold's end), and near the request's end its k is capped rather than the
+    hold released; a row change, a pinned row or a model's speed jump still release it.
+    Negative control: the same moves release a hold that is not firm (the first three)."""
+    for firm in (True, False):
+        router, sim = settled(stream_hold_firm=firm)
+        hold = _fresh_hold(router, sim)
+        assert hold.firm == firm
+        row, rows, pinned = RowContext(0, L0), None, []
+        if release == "version":
+            router.requests[0].version += 1
+        elif release == "probe":
+            router.prober.next_check = 0
+            router.prober.budget = copy.deepcopy(router.prober.budget)
+            router.prober.budget.allow = lambda: True
+        elif release == "remaining":
+            row = dataclasses.replace(row, remaining=hold.decision.k)  # one token short of k + 1
+        elif release == "jump":
+            router.profile.jumps["d1"] = router.profile.jumps.get("d1", 0) + 1
+        elif release == "other-row":
+            row = RowContext(7, L0)
+        elif release == "pinned":
+            pinned = [(("T",), 0)]
+        events = len(router.events)
+        batch = router.plan_batch(rows or [row], pinned)
+        kept = len(router.events) == events
+        if firm and release in ("version", "probe", "remaining"):
+            assert kept and router.stream.hold is hold
+            d = batch.decisions[0]
+            assert d.reason == "held" and d.chain == hold.decision.chain
+            assert d.k == (hold.decision.k - 1 if release == "remaining" else hold.decision.k)
+        else:
+            assert not kept and router.stream.hold is not hold, (firm, release)
+
+
+def test_a_firm_stream_is_decided_once_per_hold_and_shadows_on_its_last_step_only():
+    """Under a firm hold a settled stream is decided once per `stream_hold_steps` steps (a
+    switch starts a hold too), and shadow proposals run on each hold's last step only: the
+    decided step that starts a hold has none. Negative control: the default hold, released by
+    the request's moving evidence, decides more often and shadows on its decided steps."""
+    counts = {}
+    for firm in (True, False):
+        router, sim = settled(stream_hold_firm=firm)
+        router.prober.next_check = 10 ** 9  # no probe due
+        events = len(router.events)
+        plans = stream(router, sim, 200)
+        decided = len(router.events) - events
+        shadowed = sum(p.shadow_k > 0 for p in plans)
+        counts[firm] = (decided, shadowed)
+        if firm:
+            assert 200 // 4 - 2 <= decided <= 200 // 4 + 2, decided
+            for p, nxt in zip(plans, plans[1:]):
+                if p.decisions[0].reason != "held":  # a decided step that started a hold
+                    assert p.shadow_k == 0 and nxt.decisions[0].reason == "held"
+            assert shadowed <= decided + 1
+    assert counts[True][0] < counts[False][0] and counts[True][1] < counts[False][1], counts
+
+
+def test_a_firm_hold_follows_a_fading_draft_within_its_span():
+    """The draft stops agreeing (alpha 0.8 -> 0.05; the request's own estimate fades over its
+    ~200-trial window): the firm stream shortens its draft to k <= 2 at most two spans of
+    `stream_hold_steps` after the default one (which decides whenever the request's evidence
+    moved), and keeps deciding as the default does: a quarter of its steps or fewer decided."""
+    down, decided = {}, {}
+    for firm in (True, False):
+        router, sim = settled(stream_hold_firm=firm)
+        events = len(router.events)
+        plans = stream(router, sim, 200, alphas_after={("d1", "T"): 0.05}, switch_at=0)
+        decided[firm] = len(router.events) - events
+        down[firm] = next(i for i, p in enumerate(plans) if p.decisions[0].chain == ("d1", "T")
+                          and p.decisions[0].k <= 2 and p.decisions[0].reason != "probe")
+    assert down[True] <= down[False] + 2 * router.config.stream_hold_steps, down
+    assert decided[True] <= 200 // 4 + 10 and decided[True] < decided[False], decided
+
+
+def test_a_firm_holds_span_doubles_while_its_plan_is_kept_and_snaps_back_on_a_switch():
+    """`stream_hold_max` 16: settled, each decision at a firm hold's end that keeps the same
+    plan doubles the next hold's span (4, 8, 16, 16 ...), so the stream is decided far less
+    often than with spans of 4 (the negative control, stream_hold_max 4); a switch starts the
+    next hold at 4 again."""
+    decided = {}
+    for top in (16, 4):
+        router, sim = settled(stream_hold_firm=True, stream_hold_max=top)
+        router.prober.next_check = 10 ** 9  # no probe due
+        events = len(router.events)
+        stream(router, sim, 200)
+        decided[top] = len(router.events) - events
+        spans = []
+        for _ in range(3):
+            hold = _fresh_hold(router, sim)
+            spans.append(hold.until - router.observed_steps + 1)  # decided at the step before
+        assert max(spans) <= top and (top == 4 or max(spans) > 4), (top, spans)
+    assert decided[16] < decided[4] * 0.6, decided
+    holder = router.stream
+    plan = holder.last[1]
+    d = router.events[-1]
+    switched = dataclasses.replace(Decision(plan[0], plan[1] + 1, d.t_eff, "better"))
+    assert holder.span(0, switched) == router.config.stream_hold_steps

@@ -185,6 +185,13 @@ class SimilarityConfig:
     # ... at a row's first this many candidates of each level (a softmax over the vocabulary per
     # position and level: all 8 cost 2% of the step on the default pool, measured)
     tv_positions: int = 2
+    # ... in which steps (router/evidence.py `TvSchedule`): a step with a row in its first
+    # `tv_first_cycles` cycles (its own SimScore is its prior from its first cycle), and every
+    # `tv_every`-th step with a row it measures besides (the calibration, drift and the global
+    # SimScores). Measured in every step, D_TV cost a sampled single stream 0.5-0.6 ms of a
+    # ~12 ms cycle on a Sapphire Rapids (2026-12-06, docs/router.md); 1 / 0: every step
+    tv_every: int = 8
+    tv_first_cycles: int = 4
     # greedy rows' D_TV feeds the estimator too. Off: a greedy row accepts on an argmax match,
     # which the temperature-1 D_TV only proxies (through the learned calibration), and on the
     # mixed stream it cost greedy SpecRouter 10-20% against acceptance counts alone (three
@@ -222,6 +229,9 @@ class SimilarityConfig:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if self.tv_positions < 1:
             raise ValueError(f"tv_positions must be >= 1, got {self.tv_positions!r}")
+        if self.tv_every < 1 or self.tv_first_cycles < 0:
+            raise ValueError(f"tv_every must be >= 1 and tv_first_cycles >= 0, got {self.tv_every!r}, "
+                             f"{self.tv_first_cycles!r}")
         if not 0.0 < self.tv_alpha <= 1.0:
             raise ValueError(f"tv_alpha must be in (0, 1], got {self.tv_alpha!r}")
         if self.prior_strength < 0 or self.min_evidence < 0 or self.calib_strength < 0 or self.stale_after < 1:
@@ -247,6 +257,13 @@ class ProfileConfig:
     # some tens of observations): what the prober expects of a model read slow and not run
     # since (router/probing.py)
     usual_alpha: float = 0.05
+    # a swept or loaded grid made monotone on every axis (router/profile.py `monotone`: no cell
+    # above a larger forward's) and the sweep's first cell timed again. Off: on the Sapphire
+    # Rapids the saved profile prices the target's 1-token forward 45% too dear (13.9 ms vs 9.6
+    # for 2 tokens, ~8.5 run), and repaired the router ran greedy streams 2-5% slower in 6 of 6
+    # side-by-side runs (more model-free cycles in open text, whose misses it then prices as a
+    # plain step really costs) and t=0.7 ones ~1% faster (docs/router.md, 2026-12-06)
+    monotone: bool = False
 
     def __post_init__(self) -> None:
         if not (0 < self.ema_alpha <= 1 and 0 <= self.shape_alpha <= 1):
@@ -364,6 +381,23 @@ class RouterConfig:
     # switch_margin) is held alike (False: decided every step, as before; a settled plain plan,
     # kept as the best, is the batch planner's plain hold either way)
     stream_hold_plain: bool = True
+    # a firm stream hold (router/stream_hold.py, lean18): the hold starts after every decided
+    # speculative plan but a probe (a switch too) and lasts its `stream_hold_steps` whatever the
+    # request's own evidence does meanwhile (it moved nearly every cycle: 148 of 246 holds on a
+    # t=0.7 trace were released by it, most within a step), and a probe falling due waits for
+    # its end; its shadow proposals run on its last step only (the decision after it reads
+    # them). Released early still by a row change, the k cap, a model's speed jump, the
+    # certain-draft bucket and patience. False: as before
+    stream_hold_firm: bool = False
+    # ... a firm hold's span doubles, up to this many steps, while the decision at each hold's
+    # end keeps the same plan, and falls back to stream_hold_steps on any other
+    # (stream_hold_steps or less: no stretching)
+    stream_hold_max: int = 4
+    # model-free drafters' forwards (tens of microseconds: a lookup) reach the cost profile this
+    # many at a time, their seconds summed (router/policy.py `observe_forwards`): one at a time
+    # their timing noise fired the step detector ~25-60 times a run, each republishing the
+    # evidence (every cached decision a miss) for a cost ~0.2% of a step. 1: one at a time
+    free_timing_batch: int = 1
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
     # batching by this fraction (a speculating row slows every row of the step; acceptance is
     # an estimate, and under-estimating plain's rate costs every row)
@@ -443,12 +477,12 @@ class RouterConfig:
             raise ValueError("overhead_alpha must be in (0, 1], context_bucket and log_size >= 1")
         if min(self.decision_tolerance, self.decision_hit_tolerance, self.decision_time_tolerance) < 0 \
                 or self.decision_refresh < 1 or self.plain_hold_max < 0 or self.batch_plain_margin < 0 \
-                or self.spec_hold_steps < 1 or self.stream_hold_steps < 1 \
+                or self.spec_hold_steps < 1 or self.stream_hold_steps < 1 or self.free_timing_batch < 1 \
                 or self.sampling_spec_max_batch < 1 or self.batch_calibration_prior < 0 \
                 or not 0.0 < self.batch_calibration_discount < 1.0 \
                 or not 0.0 < self.batch_calibration_forget <= 1.0:
             raise ValueError("decision tolerances, plain_hold_max, batch_plain_margin and batch_calibration_prior "
-                             "must be >= 0, decision_refresh, spec_hold_steps, stream_hold_steps and sampling_spec_max_batch >= 1, "
+                             "must be >= 0, decision_refresh, spec_hold_steps, stream_hold_steps, free_timing_batch and sampling_spec_max_batch >= 1, "
                              "batch_calibration_discount in (0, 1), batch_calibration_forget in (0, 1]")
         if not isinstance(self.similarity, SimilarityConfig) or not isinstance(self.profile, ProfileConfig):
             raise ValueError("similarity and profile must be a SimilarityConfig and a ProfileConfig")

@@ -150,8 +150,8 @@ class Engine:
         self.state = StateManager(pool.runners, features=_feature_store(pool))
         self.executor = ChainExecutor(pool.runners, pool.drafters, self.state, pool.vocab_width,
                                       order=list(pool.order), heads=pool.heads, clock=clock)
-        self.executor.measure_tv = router is not None and router.measure_tv
-        if self.executor.measure_tv:
+        self.executor.measure_tv = router is not None and router.measure_tv  # (again after each plan_batch)
+        if router is not None:
             self.executor.tv_positions = router.tv_positions
             self.executor.tv_greedy_rows = router.tv_greedy_rows
         self.rng = torch.Generator()  # seeds of requests without one (AsyncEngine reseeds it)
@@ -406,6 +406,7 @@ class Engine:
                                certain_rate=constrained.certain_rate(rows[i]), **self._lags(rows[i]))
                     for i in free]
         batch = self.router.plan_batch(contexts, pinned)
+        self.executor.measure_tv = self.router.measure_tv  # per step (router/evidence.py TvSchedule)
         self._held = batch.held
         for i, d in zip(free, batch.decisions):
             plans[i] = (d.chain, d.k)

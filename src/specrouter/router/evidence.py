@@ -339,3 +339,37 @@ class EvidenceBoard:
         if v is None:
             v = self._predict_cache[key] = r.profile.predict(model, b, t, (L // bucket) * bucket + bucket // 2)
         return v
+
+
+class TvSchedule:
+    """Which steps measure D_TV (`RouterProtocol.measure_tv`, set by every `plan_batch` for the
+    step it plans): measuring it at a row's first `tv_positions` candidates is a softmax over the
+    vocabulary per position and level, 0.5-0.6 ms of a sampled single stream's ~12 ms cycle on a
+    Sapphire Rapids, paid by every speculative cycle while nothing read from it moved a decision
+    after a request's first cycles (docs/router.md, 2026-12-06). So a step measures it when one
+    of its rows is in its first `tv_first_cycles` cycles (a request's own SimScore is its prior
+    from its first cycle, `Router.alpha`), and every `tv_every`-th step with a row it would
+    measure besides (the calibration, the drift and the global SimScores keep learning).
+    `tv_every` 1: every step, as before. A step of pinned rows only counts as one with a row
+    to measure (their D_TV feeds the estimator too)."""
+
+    def __init__(self, measure: bool, every: int, first_cycles: int, greedy_rows: bool):
+        self.measure, self.every, self.first, self.greedy_rows = measure, every, first_cycles, greedy_rows
+        self.steps = 0  # steps with a row it would measure
+
+    def wants(self, rows, requests: Mapping) -> bool:
+        """Whether the step of `rows` (RowContext) measures D_TV; `requests`: the router's."""
+        if not self.measure:
+            return False
+        free = bool(rows)
+        rows = [r for r in rows if self.greedy_rows or not r.greedy]
+        if free and not rows:  # greedy rows only, whose D_TV is not read
+            return False
+        self.steps += 1
+        if self.every <= 1 or self.steps % self.every == 0:
+            return True
+        for r in rows:
+            req = requests.get(r.seq_id)
+            if req is None or req.cycles <= self.first:  # (its first observed cycle is its prefill)
+                return True
+        return False

@@ -86,7 +86,7 @@ from specrouter.router.cost_model import (
     processor_costs,
     with_certain,
 )
-from specrouter.router.evidence import CachedPlans, CacheStats, EvidenceBoard, certain_bucket, decision_key
+from specrouter.router.evidence import CachedPlans, CacheStats, EvidenceBoard, certain_bucket, decision_key, TvSchedule
 from specrouter.router.host_time import OutsideClock, PlainCharge
 from specrouter.router.probing import Prober
 from specrouter.router.profile import CostProfile
@@ -183,7 +183,7 @@ def observe_trials(router: "Router", req: RequestState, key: tuple[str, ...], mo
     if accepted + rejections:
         router.similarity.observe_acceptance(key, mode, accepted, rejections, sim)
         req.observe(key, accepted, rejections, router.config.request_decay)
-        router.board.note_alpha(req, key, mode)
+        req.note(key, mode)
     else:
         router.similarity.touch(key, mode)
 
@@ -199,7 +199,28 @@ def fade_idle(router: "Router", req: RequestState, chain: Chain, mode: str) -> N
     decay = router.config.request_idle_decay
     for pair in req.counts.keys() | req.tv.keys():
         if len(pair) == 2 and pair not in ran and pair[0] not in router.model_free and req.fade(pair, decay):
-            router.board.note_alpha(req, pair, mode)
+            req.note(pair, mode)
+
+
+def observe_forwards(router: "Router", forwards: Sequence[ForwardRecord]) -> None:
+    """A step's forwards: each model seen now (the prober's staleness), their timings into the
+    cost profile; a model-free drafter's `RouterConfig.free_timing_batch` at a time, shapes
+    and seconds summed (`CostProfile.observe_many`: one observation of their total)."""
+    now, batch, pending = router.similarity.now, router.config.free_timing_batch, router.free_timings
+    for f in forwards:
+        router.prober.model_seen[f.model] = now
+        if f.model not in router.profile:
+            continue
+        if batch <= 1 or f.model not in router.model_free:
+            router.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
+            continue
+        shapes, seconds = pending.get(f.model) or ([], 0.0)
+        shapes = shapes + [(f.rows, f.new_tokens, f.context_len)] * f.count
+        if len(shapes) >= batch:
+            router.profile.observe_many(f.model, shapes, seconds + f.seconds)
+            pending.pop(f.model, None)
+        else:
+            pending[f.model] = (shapes, seconds + f.seconds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +261,7 @@ class Router:
             raise ValueError(f"no cost profile for {unprofiled}: run specrouter.router.profile.sweep() or CostProfile.load()")
         self.profile = profile
         self.similarity = similarity or SimilarityEstimator(sizes, self.model_free, cfg.similarity)
-        self.measure_tv = self.similarity.config.measure_tv  # RouterProtocol: the executor measures D_TV
+        self.measure_tv = self.similarity.config.measure_tv  # RouterProtocol: the executor measures D_TV (this step)
         self.tv_positions = self.similarity.config.tv_positions  # ... at this many candidates per level
         self.tv_greedy_rows = self.similarity.config.greedy_tv  # ... in greedy rows only when it reads them
         self.on_decision = on_decision
@@ -281,6 +302,8 @@ class Router:
         self.overhead = {"plain": 0.0, "spec": 0.0, "draft_step": 0.0, "processor": 0.0,
                          "outside_plain": 0.0, "outside_spec": 0.0}
         self.outside = OutsideClock()  # measures "outside_plain" / "outside_spec"
+        # model-free drafters' forwards not yet in the profile: drafter -> (shapes, seconds) (`observe_forwards`)
+        self.free_timings: dict[str, tuple[list, float]] = {}
         self.decide_seconds = 0.0  # EMA of decide() wall time
         self.t_width = cfg.k_max + cfg.max_levels + 2  # cost rows' widths (tokens per forward)
         self.dp_width = cfg.k_max + max(len(c) for c in self.chains)  # best_plan's length axis, any subset
@@ -292,6 +315,8 @@ class Router:
         self.observed_steps = 0  # engine steps observed (the clock of the plain hold)
         self.burst = BurstModel(cfg)  # acceptance per run length (burst.py)
         self.board = EvidenceBoard(self)  # published evidence, decision cache (evidence.py)
+        sc = self.similarity.config  # the steps that measure D_TV (evidence.py)
+        self.tv_schedule = TvSchedule(sc.measure_tv, sc.tv_every, sc.tv_first_cycles, sc.greedy_tv)
         self.prober = Prober(self)  # step 3 (probing.py)
         self.planner = BatchPlanner(self)  # the step's batch (batch.py)
         self.stream = StreamHolder(self)  # a single stream's kept speculative plan (stream_hold.py)
@@ -309,6 +334,7 @@ class Router:
     def plan_batch(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> BatchPlan:
         """The plans of a step's rows, chosen for the batch the step really runs
         (`BatchPlanner.plan`)."""
+        self.measure_tv = self.tv_schedule.wants(rows, self.requests)  # the step measures D_TV
         measured = None if self.step_clock is None else self.outside.planning(
             self.step_clock(), self.observed_steps, rows, pinned)
         # the last step's host seconds outside the executor, a single stream's the router plans
@@ -332,8 +358,9 @@ class Router:
         batch = self.planner.plan(rows, pinned)
         if self.planner.held_decisions > held:  # a hold planned the step: no decide
             self.outside.held()
-        elif seq is not None:
-            self.stream.keep(rows, pinned, batch.decisions[0], self.requests.get(seq), self.observed_steps)
+        elif seq is not None and self.stream.keep(rows, pinned, batch.decisions[0], self.requests.get(seq),
+                                                  self.observed_steps):
+            return dataclasses.replace(batch, shadow_k=0)  # a firm hold's last step runs them
         return batch
 
     def take_confident_drafts(self, rows: Sequence[RowContext], plans: list[Plan],
@@ -350,11 +377,7 @@ class Router:
                               widened(report.outcomes, report.forwards))
         self.planner.observe(report.outcomes, report.forwards, report.wall_time - report.processor_seconds)
         self._observe_rows(report.outcomes, report.wall_time)
-        now = self.similarity.now
-        for f in report.forwards:
-            self.prober.model_seen[f.model] = now
-            if f.model in self.profile:
-                self.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
+        observe_forwards(self, report.forwards)
         self._observe_overhead(report)
         self._observe_processors(report)
         self.similarity.tick(len(report.outcomes))
@@ -528,6 +551,7 @@ class Router:
         t0 = self.timer()
         cfg = self.config
         req = self.request(row.seq_id, row.greedy)
+        req.settle(self.board)  # its estimates noted since its last decision
         mode = GREEDY if row.greedy else SAMPLING
         if mode not in self.board.modes:
             self.board.modes.add(mode)
@@ -688,7 +712,7 @@ class Router:
                     hit = int(r.drafted[0]) > 0
                     sim.observe_hits(chain[0], int(hit), 1)
                     req.observe_hit(chain[0], hit, cfg.request_hit_decay)
-                    self.board.note_hit(req, chain[0])
+                    req.note(chain[0])
                     proposal_len = r.k
                 tv = float(r.tv[j]) if (r.tv is not None and j < len(r.tv) and r.tv[j] is not None
                                         and (not r.greedy or sim.config.greedy_tv)) else math.nan
@@ -773,7 +797,7 @@ class Router:
         if count_hit:
             self.similarity.observe_hits(drafter, int(hit), 1)
             req.observe_hit(drafter, hit, cfg.request_hit_decay)
-            self.board.note_hit(req, drafter)
+            req.note(drafter)
         pair = (drafter, verifier or self.target)
         if pair not in self.pair_chains:
             return

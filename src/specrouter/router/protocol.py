@@ -17,7 +17,9 @@ class RouterProtocol(Protocol):
     # (`Engine.busy_clock`: the engine's own time, not its caller's between steps); None: the
     # router times nothing (a scripted router, a simulated pool)
     step_clock: Callable[[], float] | None
-    measure_tv: bool  # the executor measures D_TV at verified positions for it (RowOutcome.tv)
+    # the executor measures D_TV at verified positions for it (RowOutcome.tv): read at start and
+    # again after each plan_batch, for the step it planned (a lease's steps keep it)
+    measure_tv: bool
     tv_positions: int  # ... at each row's first this many candidates per level
     tv_greedy_rows: bool  # ... in greedy rows too (False: sampled rows only; greedy rows skip it)
 

@@ -195,6 +195,17 @@ class SimilarityEstimator:
         self.hits: dict[str, list[float]] = {}  # model-free drafter -> [hits, proposals], decayed
         self.now = 0  # row-cycles seen (tick)
         self.version = 0  # increases with every observation, for callers that cache estimates
+        # alpha_detail per (pair, mode) at `version` (a pure function of the observations: the
+        # evidence snapshot, a request's alphas and the probes read the same pairs many times
+        # per decision, ~40 calls each, transitive fallbacks and triples included)
+        self._alphas: dict[tuple, tuple[float, str]] = {}
+        self._alphas_version = -1
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (a recorded router's starting estimates, benchmarks/router_replay.py): the
+        memo starts empty whatever the pickle holds."""
+        self.__dict__.update(state)
+        self._alphas, self._alphas_version = {}, -1
 
     def stats(self, pair: Pair, mode: str) -> PairStats:
         key = (tuple(pair), _check_mode(mode))
@@ -300,8 +311,18 @@ class SimilarityEstimator:
 
     def alpha_detail(self, pair: Pair, mode: str) -> tuple[float, str]:
         """(alpha, source): source is "observed" (MLE alone), "blend" (MLE with the fallback's
-        fading pseudo-trials) or the fallback's source."""
-        s = self.pairs.get((tuple(pair), _check_mode(mode)))
+        fading pseudo-trials) or the fallback's source. Memoized per `version`."""
+        key = (tuple(pair), _check_mode(mode))
+        if self._alphas_version != self.version:
+            self._alphas.clear()
+            self._alphas_version = self.version
+        hit = self._alphas.get(key)
+        if hit is None:
+            hit = self._alphas[key] = self._alpha_detail(key[0], mode)
+        return hit
+
+    def _alpha_detail(self, pair: Pair, mode: str) -> tuple[float, str]:
+        s = self.pairs.get((pair, mode))
         cfg = self.config
         if s is not None and s.trials >= cfg.min_evidence:
             return self.drifted(s, pair, mode, s.accepted / s.trials), "observed"

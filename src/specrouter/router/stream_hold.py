@@ -59,6 +59,11 @@ class StreamHold:
     until: int  # observed step at which the row is decided again
     counts: bool = False  # kept by hysteresis counting toward patience: each held cycle counts too
     runs: tuple = ()  # the request's runs of agreement then (RequestState.run_key, router/burst.py)
+    firm: bool = False  # not released by the request's evidence moving (`RouterConfig.stream_hold_firm`)
+    # the models whose speed jumps release it (`epoch`: their counts then): the plan's; a firm
+    # hold's leaves out model-free drafters (their proposals take tens of microseconds of a
+    # ~10 ms step: their step detector fired ~30 times a run, each a decision for nothing)
+    watched: tuple[str, ...] | None = None
 
     def holds(self, row: RowContext, req: RequestState, jumps: Mapping[str, int], now: int, patience: int,
               runs: tuple = ()) -> bool:
@@ -66,9 +71,9 @@ class StreamHold:
         the plan's k within the row's cap, and (`counts`) the next decision not the one that
         switches for patience (a probe due is the router's to check)."""
         d = self.decision
-        return (row.seq_id == self.seq_id and now < self.until and req.version == self.version
-                and (row.remaining is None or row.remaining - 1 >= d.k)
-                and tuple(jumps.get(m, 0) for m in d.chain) == self.epoch
+        return (row.seq_id == self.seq_id and now < self.until and (self.firm or req.version == self.version)
+                and (row.remaining is None or row.remaining - 1 >= (1 if self.firm else d.k))
+                and tuple(jumps.get(m, 0) for m in (d.chain if self.watched is None else self.watched)) == self.epoch
                 and certain_bucket(row.certain_rate) == self.certain
                 and runs == self.runs
                 and not (self.counts and req.worse + 1 >= patience))
@@ -87,11 +92,17 @@ class StreamHolder:
     # the batch planner's (PlainHold, spans growing to plain_hold_max); one kept while
     # speculation is predicted faster by less than switch_margin is this hold's
     PLAIN_KEPT = ("hysteresis",)
+    # ... of a speculative plan under a firm hold (`RouterConfig.stream_hold_firm`): every decided
+    # one but a probe, whose one cycle measures a pair (the request's first decision is not held)
+    FIRM = ("same", "hysteresis", "better", "changed", "persistent")
 
     def __init__(self, router):
         self.router = router  # policy.Router: its settings (read at every step, as the planner's)
         self.hold: StreamHold | None = None
         self.held = 0  # cycles planned by a hold (no decide, no DecisionEvent)
+        # the last firm hold's (row, plan, span): a decision at its end that keeps the same plan
+        # doubles the next one's span up to `RouterConfig.stream_hold_max` (`span`)
+        self.last: tuple[int, tuple, int] | None = None
 
     def plan(self, rows: Sequence[RowContext], pinned: Sequence[Plan], req: RequestState | None,
              probe_due: bool, jumps: Mapping[str, int], now: int) -> BatchPlan | None:
@@ -102,7 +113,9 @@ class StreamHolder:
         hold = self.hold
         if hold is None:
             return None
-        if (len(rows) != 1 or pinned or req is None or probe_due
+        if req is not None and not hold.firm:
+            req.settle(self.router.board)  # its version, as the observations since moved it
+        if (len(rows) != 1 or pinned or req is None or (probe_due and not hold.firm)
                 or not hold.holds(rows[0], req, jumps, now, self.router.config.patience,
                                   run_key(req, self.router.config))):
             self.hold = None
@@ -110,19 +123,42 @@ class StreamHolder:
         req.pending = hold.pending
         req.worse += hold.counts
         self.held += 1
-        return BatchPlan([hold.decision], True, self.router.config.shadow_k if hold.last_step(now) else 0)
+        decision, cap = hold.decision, rows[0].remaining
+        if cap is not None and cap - 1 < decision.k:  # a firm hold near the request's end: k capped
+            decision = dataclasses.replace(decision, k=cap - 1)
+        return BatchPlan([decision], True, self.router.config.shadow_k if hold.last_step(now) else 0)
 
     def keep(self, rows: Sequence[RowContext], pinned: Sequence[Plan], decision: Decision,
-             req: RequestState | None, now: int) -> None:
+             req: RequestState | None, now: int) -> bool:
         """After a step planned by decide(): a single stream whose speculative plan was kept
-        (`KEPT`) is held until observed step now + `stream_hold_steps`."""
-        if (len(rows) != 1 or pinned or self.router.config.stream_hold_steps < 2 or req is None
-                or decision.reason not in (self.KEPT if decision.k > 0 else
-                                           self.PLAIN_KEPT if self.router.config.stream_hold_plain else ())):
-            return
+        (`KEPT`; under a firm hold any decided one, `FIRM`) is held until observed step now +
+        `stream_hold_steps`. True when a firm hold started (the step's own shadow proposals are
+        left out: the hold's last step runs them, before the decision that reads them)."""
+        cfg = self.router.config
+        firm = cfg.stream_hold_firm and decision.k > 0
+        if (len(rows) != 1 or pinned or cfg.stream_hold_steps < 2 or req is None
+                or decision.reason not in (self.FIRM if firm else self.KEPT if decision.k > 0 else
+                                           self.PLAIN_KEPT if cfg.stream_hold_plain else ())):
+            return False
+        watched = tuple(m for m in decision.chain if m not in self.router.model_free) if firm else None
+        epoch = req.epoch if not firm else tuple(self.router.profile.jumps.get(m, 0) for m in watched)
+        span = self.span(rows[0].seq_id, decision) if firm else cfg.stream_hold_steps
         self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
-                               req.version, req.epoch, certain_bucket(rows[0].certain_rate),
-                               now + self.router.config.stream_hold_steps, req.worse > 0, run_key(req, self.router.config))
+                               req.version, epoch, certain_bucket(rows[0].certain_rate),
+                               now + span, req.worse > 0, run_key(req, cfg), firm, watched)
+        return firm
+
+    def span(self, seq_id: int, decision: Decision) -> int:
+        """A firm hold's span: `stream_hold_steps`, doubled up to `stream_hold_max` each time the
+        decision that ends a hold keeps its plan (the same chain and k, kept as "same" or by
+        "hysteresis"), back to `stream_hold_steps` on any other (a switch, another request)."""
+        cfg = self.router.config
+        plan, last = (decision.chain, decision.k), self.last
+        span = cfg.stream_hold_steps
+        if last is not None and last[0] == seq_id and last[1] == plan and decision.reason in self.KEPT:
+            span = min(2 * last[2], max(cfg.stream_hold_max, span))
+        self.last = (seq_id, plan, span)
+        return span
 
     def release(self) -> None:
         """Drop the hold (a model failed: its plan may name it)."""
