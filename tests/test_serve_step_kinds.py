@@ -19,18 +19,18 @@ def cycle(chain, k, rows, committed):
 def test_steps_by_kind_and_plans_round_trip_through_metrics():
     """Counted steps and row-cycles come back from the rendered page as counted; a later
     reading minus an earlier one is the span between them (kinds absent from it dropped)."""
-    m = ServerMetrics()
-    m.observe_step("held", 4, 0.010, 4)
-    m.observe_step("held", 4, 0.012, 4)
-    m.observe_step("spec", 2, 0.020, 5)
-    m.observe_cycle(cycle(("draft", "target"), 4, 2, 5))
-    m.observe_cycle(cycle(("target",), 0, 4, 4))
+    m = ServerMetrics()  # the engine thread's path: queued, folded in at render()
+    m.engine_step("held", 4, 0.010, 4, 2, 0.010, 4)
+    m.engine_step("held", 4, 0.012, 4, 2, 0.012, 4)
+    m.engine_step("spec", 2, 0.020, 5, 2, 0.020, 5)
+    m.engine_cycle(cycle(("draft", "target"), 4, 2, 5))
+    m.engine_cycle(cycle(("target",), 0, 4, 4))
     before = StepKinds.parse(m.render().decode())
     assert before.steps[("held", 4)] == pytest.approx([2, 0.022, 8])
     assert before.steps[("spec", 2)] == pytest.approx([1, 0.020, 5])
     assert before.plans[("draft>target", 4)] == [2, 5] and before.plans[("target", 0)] == [4, 4]
-    m.observe_step("plain", 3, 0.009, 3)
-    m.observe_cycle(cycle(("draft", "target"), 4, 1, 3))
+    m.engine_step("plain", 3, 0.009, 3, 2, 0.009, 3)
+    m.engine_cycle(cycle(("draft", "target"), 4, 1, 3))
     span = StepKinds.parse(m.render().decode()) - before
     assert span.steps == {("plain", 3): pytest.approx([1, 0.009, 3])}
     assert span.plans == {("draft>target", 4): [1, 3]}
@@ -54,8 +54,8 @@ def _sample(page: str, name: str, **labels) -> float:
 
 def test_the_engine_threads_observations_are_folded_in_when_metrics_is_scraped(monkeypatch):
     """engine_step / engine_cycle / handoff / observe_governor (the engine thread, every step) only
-    queue a record: the counters move at the next render() (a scrape), summed as observe_step and
-    observe_cycle would have counted them, engine_threads the last value in order; a queue that
+    queue a record: the counters move at the next render() (a scrape), summed per label set,
+    engine_threads the last value in order; a queue that
     nobody scrapes is folded in by the engine thread itself at PENDING_MAX records."""
     from specrouter.server import metrics as mt
 

@@ -188,15 +188,15 @@ class ServerMetrics:
         return bool(self._pending)
 
     def engine_cycle(self, s: CycleStats) -> None:
-        """Engine.on_cycle hook (engine thread): `observe_cycle(s)` at the next `flush`."""
+        """Engine.on_cycle hook (engine thread): the cycle's counts (`_cycle_into`) at the next `flush`."""
         self._defer(("cycle", s))
 
     def engine_step(self, kind: str, rows: int, seconds: float, tokens: int, threads: int, cpu: float,
                     generated: int) -> None:
         """One engine step (AsyncEngine, engine thread), folded in at the next `flush`: its seconds
-        (step_seconds), `observe_threads(threads, seconds, cpu)`, `observe_step(kind, rows,
-        seconds, tokens)` if it ran rows (steps_by_kind_*), the steps by torch threads
-        (steps_by_threads_*, engine_threads) and the `generated` tokens handed to requests."""
+        (step_seconds), its kind, rows, seconds and tokens if it ran rows (steps_by_kind_*), its
+        torch threads, seconds and CPU seconds (steps_by_threads_*, engine_threads) and the
+        `generated` tokens handed to requests."""
         self._defer(("step", kind, rows, seconds, tokens, threads, cpu, generated))
 
     def handoff(self, seconds: float) -> None:
@@ -256,7 +256,7 @@ class ServerMetrics:
             observe_all(hist, vs)
 
     def _cycle_into(self, s: CycleStats, sums: dict, values: dict) -> None:
-        """`observe_cycle(s)`: its counters added to `sums`, its histograms' values to `values`."""
+        """One cycle's counters added to `sums`, its histograms' values to `values`."""
         chain = ">".join(s.chain)
         for j in range(1, len(s.chain)):
             pair = (s.chain[j - 1], s.chain[j])
@@ -276,21 +276,6 @@ class ServerMetrics:
             values[child].append(t)
         for model, n in s.forward_tokens.items():
             sums[self.forward_tokens, (model,)] += n
-
-    def observe_cycle(self, s: CycleStats) -> None:
-        """One cycle's counts, now (the engine's hook defers them: `engine_cycle`)."""
-        sums: dict[tuple, float] = collections.defaultdict(float)
-        values: dict = collections.defaultdict(list)
-        self._cycle_into(s, sums, values)
-        self._apply(sums, values)
-
-    def observe_step(self, kind: str, rows: int, seconds: float, tokens: int) -> None:
-        """One engine step of `rows` rows (AsyncEngine, engine thread): its kind
-        (`Engine.last_step_kind`), wall seconds and committed tokens."""
-        labels = (kind, str(rows))
-        self.steps_by_kind.labels(*labels).inc()
-        self.steps_by_kind_seconds.labels(*labels).inc(seconds)
-        self.steps_by_kind_tokens.labels(*labels).inc(tokens)
 
     def observe_governor(self, change: str, threads: int) -> None:
         """TeamGovernor.on_change (engine thread): it dropped to or restored `threads` threads (in
