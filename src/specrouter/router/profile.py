@@ -288,6 +288,11 @@ class CostProfile:
         self._models[name] = _ModelTable(identity or ModelIdentity(name), *axes, table.copy())
         self.version += 1
 
+    def as_configured(self, seconds) -> np.ndarray:
+        """A swept or loaded grid as this profile installs it: made `monotone` with
+        `ProfileConfig.monotone`, else as timed (hand-made tables, `set_function`, stay as given)."""
+        return monotone(seconds) if self.config.monotone else np.asarray(seconds, dtype=np.float64)
+
     def set_function(
         self,
         name: str,
@@ -435,7 +440,7 @@ class CostProfile:
                 continue
             ident = ModelIdentity(**e["identity"])  # (a file swept before `monotone`: repaired here)
             prof.set_table(ident.name, e["batch_sizes"], e["new_tokens"], e["context_lengths"],
-                           monotone(e["seconds"]) if prof.config.monotone else e["seconds"], ident)
+                           prof.as_configured(e["seconds"]), ident)
         return prof
 
 
@@ -512,8 +517,7 @@ def sweep(
             wide = sorted(t for t in set(wider_tokens) if ts[-1] < t <= runner.max_context // 4)
             Ls, ts_kept, table = _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, bar,
                                                wide, wider_bound, retime=prof.config.monotone)
-            prof.set_table(name, bs, ts_kept, Ls, monotone(table) if prof.config.monotone else table,
-                           identity_of(runner))
+            prof.set_table(name, bs, ts_kept, Ls, prof.as_configured(table), identity_of(runner))
         for name, drafter in drafters.items():
             if bar is not None:
                 bar.set_postfix_str(name)
@@ -526,7 +530,7 @@ def sweep(
                         table[ib, it, il] = _min_time(lambda: drafter.propose(ctx, t), repeats, warmup, clock)
                         if bar is not None:
                             bar.update(1)
-            prof.set_table(name, bs, ts, Ls, monotone(table) if prof.config.monotone else table, identity_of(drafter))
+            prof.set_table(name, bs, ts, Ls, prof.as_configured(table), identity_of(drafter))
     finally:
         if bar is not None:
             bar.close()

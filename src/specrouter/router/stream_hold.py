@@ -41,7 +41,8 @@ starts after every decided speculative plan but a probe or a request's first (a 
 lasts its span whatever the request's evidence does, lets a due probe wait for its end, caps k
 near the request's end instead of ending, and watches only the plan's models' speed jumps (a
 model-free drafter's timing noise fired its step detector ~25 times a run); its shadow proposals
-run on its last step only (`keep` returns True: the decided step that starts it has none). Its
+run on its last step only (`keep` returns True: the decided step that starts it has none), and
+its steps are offered confident drafts as decided ones are (`BatchPlan.held` False). Its
 span may double while the decision at each end keeps the plan (`RouterConfig.stream_hold_max`,
 `StreamHolder.span`)."""
 
