@@ -129,3 +129,47 @@ def test_the_comparison_sees_a_fold_that_does_not_restore_its_steps_planning(mon
     _, on = scripted(True, 4)
     on.deferral.fold()
     assert state(on) != state(off)
+
+
+def test_a_report_whose_fold_raises_loses_its_evidence_only(monkeypatch, caplog):
+    """A queued report whose fold raises is logged ('evidence lost', as engine/isolation.py
+    `_report` logs an observe_step that raises), the reports after it are folded, the fold
+    returns normally and the planning's state is restored (the observed-step count; the row's
+    cycle count less the lost report's, as an observe_step that raised would have left it).
+    Negative control: the guard re-raising (the fold as it was) leaves the reports after the
+    failing one unfolded, and the error escapes."""
+    import logging
+
+    from specrouter.router import deferred
+
+    def queued():
+        router, sim = settled(stream_hold_firm=True, defer_observations=True)
+        while len(router.deferral.queue) < 3:
+            stream(router, sim, 1)
+        fold, bad, done = router.deferral.fold_step, router.deferral.queue[1].report, []
+
+        def failing(r, report):
+            if report is bad:
+                raise RuntimeError("boom")
+            fold(r, report)
+            done.append(report)
+        router.deferral.fold_step = failing
+        return router, [item.report for item in router.deferral.queue], done
+
+    router, reports, done = queued()
+    steps, cycles = router.observed_steps, router.requests[0].cycles
+    with caplog.at_level(logging.ERROR, logger="specrouter.router.deferred"):
+        router.deferral.fold()
+    assert "its evidence is lost" in caplog.text
+    assert done == [reports[0]] + reports[2:] and not router.deferral.queue
+    assert router.observed_steps == steps and router.requests[0].cycles == cycles - 1
+
+    router, reports, done = queued()
+    steps = router.observed_steps
+
+    def reraise(*args, **kwargs):
+        raise RuntimeError("unguarded")
+    monkeypatch.setattr(deferred.logger, "exception", reraise)
+    with pytest.raises(RuntimeError):
+        router.deferral.fold()
+    assert done == [reports[0]] and router.observed_steps == steps

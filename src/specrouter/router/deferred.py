@@ -12,7 +12,9 @@ step clock's pairing, the observed-step count, each row's cycle count, the reali
 pending plan as the fold will consume it, the firm hold's trials) and queues the report; the
 queue is folded, in order and exactly as step by step, where the evidence is next read: a step
 not planned by one of those holds, a confident draft taken, a request finished, a model
-failed. Folded back to back, the reports after the first run warm.
+failed. Folded back to back, the reports after the first run warm. A report whose fold raises
+loses its evidence, logged, as an observe_step that raises in the engine does; the others fold
+and the planning's state is restored all the same.
 
 What the fold reads of the planning between is restored per report (the observed-step count,
 the batch planner's planning seconds and planned rows, each row's pending realized check), so a
@@ -23,10 +25,13 @@ folded estimate, and by its models' speed jumps only when folded (at its end).""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from specrouter.records.routing import StepReport, widened
+
+logger = logging.getLogger("specrouter.router.deferred")
 
 
 @dataclass
@@ -87,19 +92,27 @@ class Deferral:
                 if req is not None:
                     req.cycles -= 1
                     current.setdefault(seq, req.pending)
-        for item in queue:
-            router.observed_steps = item.step
-            planner.plan_seconds, planner.planned, planner.leased = item.plan_seconds, item.planned, item.leased
-            for seq, p in item.pending.items():
+        try:
+            for item in queue:
+                router.observed_steps = item.step
+                planner.plan_seconds, planner.planned, planner.leased = item.plan_seconds, item.planned, item.leased
+                for seq, p in item.pending.items():
+                    req = router.requests.get(seq)
+                    if req is not None:
+                        req.pending = p
+                try:
+                    self.fold_step(router, item.report)
+                except Exception:  # noqa: BLE001 - the step's tokens are committed: only its evidence is lost
+                    # as an observe_step that raises in the engine (engine/isolation.py `_report`):
+                    # logged, what it folded before stays, the next reports fold after it
+                    logger.exception("folding a deferred step's report (observed step %d, %d row(s)) raised; "
+                                     "its evidence is lost, its tokens stand", item.step, len(item.report.outcomes))
+        finally:  # the planning's state as it was, whatever a report did
+            self.folded += len(queue)
+            self.folds += 1
+            router.observed_steps = now
+            planner.plan_seconds, planner.planned, planner.leased = plan_seconds, planned, leased
+            for seq, p in current.items():
                 req = router.requests.get(seq)
                 if req is not None:
                     req.pending = p
-            self.fold_step(router, item.report)
-        self.folded += len(queue)
-        self.folds += 1
-        router.observed_steps = now
-        planner.plan_seconds, planner.planned, planner.leased = plan_seconds, planned, leased
-        for seq, p in current.items():
-            req = router.requests.get(seq)
-            if req is not None:
-                req.pending = p
