@@ -5,8 +5,9 @@
 // temperature T (0: greedy, compared at temperature 1) and its min-p offset log(min_p) (-inf:
 // none; computed by the caller with torch's log, as sampling.py's `_min_p_mask`). The scaled
 // logits are s = x * (1 / T) (the torch path divides: the two differ in the last bit of a few
-// scores, far below the signal's resolution), min-p drops s < max(s) + log(min_p), and
-// p = exp(s - max) / Z over the survivors. Three passes over the vocabulary: the two maxima (raw,
+// scores, far below the signal's resolution), min-p drops s < max(s) + log(min_p) (as
+// s - max < log(min_p), s - max in one fused rounding), and p = exp(s - max) / Z over the
+// survivors. Three passes over the vocabulary: the two maxima (raw,
 // then scaled once: x -> x / T is monotone), the exponentials (stored) and their sums, and
 // sum |e_x / Z_x - e_y / Z_y|. A position with a NaN logit or an infinite maximum is NaN (the
 // torch path's softmax gives NaN there too). Top-k / top-p rows are the caller's: tv.py sends
@@ -15,9 +16,9 @@
 // Threads: positions are split among the threads; with fewer positions than threads each
 // position's vocabulary is split in chunks too, the passes then three parallel regions (the
 // chunks' maxima and sums combined between them). Sums: float32 lanes over blocks of 512 tokens,
-// the blocks added in float64 (the torch path sums float32 pairwise: both within ~1e-6 of exact).
-// exp: a degree-6 polynomial on the reduced argument (Cephes' expf, within ~2 ulp), 0 below -87.3
-// (a probability under 1e-38 of the top token's).
+// the blocks added in float64: within ~1e-7 of a float64 reference (the torch path, float32
+// softmaxes and sums: ~3e-6). exp: 2^round(t) times a degree-5 polynomial of the rest, 0 below
+// 2^CUT (below).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,14 +36,19 @@ namespace {
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int64_t LANES = 8, SUM_BLOCK = 512;
 constexpr float LOG2E = 1.44269504088896341f;
+// exp2 is 0 below 2^CUT (a probability under 1e-30 of the top token's: a vocabulary's worth of them
+// is far below float rounding), which keeps every value and product of the passes normal: a
+// subnormal costs a microcode assist per instruction (measured: real logits, whose tail reaches
+// 2^-126 at temperature 0.7, took 155 us a position instead of 26)
+constexpr float CUT = -100.0f;
 constexpr float C1 = 6.931469776e-01f, C2 = 2.402224208e-01f, C3 = 5.550733759e-02f, C4 = 9.671512969e-03f,
                 C5 = 1.326472245e-03f;
 
 // 2^t on 8 lanes, t <= 0 (the exponent in base 2): 2^round(t) times a degree-5 polynomial of the
 // rest (within 2e-7 relative: a least-squares fit of 2^f on [-1/2, 1/2] weighted to minimax);
-// 0 below -126 and for -inf / NaN
+// 0 below CUT and for -inf / NaN
 inline __m256 exp2_8(__m256 t) {
-  const __m256 lo = _mm256_set1_ps(-126.0f);
+  const __m256 lo = _mm256_set1_ps(CUT);
   const __m256 keep = _mm256_cmp_ps(t, lo, _CMP_GE_OQ);  // false for NaN and -inf
   t = _mm256_max_ps(t, lo);
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -154,8 +160,9 @@ inline double span_absdiff(const float* ex, const float* ey, float a, float b, i
 // instruction; exp scales by 2^n with vscalefps, which flushes below -104 to 0)
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
-T512 inline __m512 exp2_16(__m512 t) {  // exp2_8 on 16 lanes; vscalefps flushes below -150 to 0
-  t = _mm512_max_ps(t, _mm512_set1_ps(-150.0f));  // (and -inf, NaN -> -150)
+T512 inline __m512 exp2_16(__m512 t) {  // exp2_8 on 16 lanes
+  const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(CUT), _CMP_GE_OQ);  // false for NaN and -inf
+  t = _mm512_max_ps(t, _mm512_set1_ps(CUT));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(C5);
@@ -164,7 +171,7 @@ T512 inline __m512 exp2_16(__m512 t) {  // exp2_8 on 16 lanes; vscalefps flushes
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(C2));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(C1));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 T512 inline __mmask16 lanes16(int64_t v, int64_t end) {
@@ -335,6 +342,7 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
     if (static_cast<int64_t>(ebuf.size()) < P * 2 * V) ebuf.resize(P * 2 * V);
     float* eb = ebuf.data();
     std::vector<Part> parts(P * C);
+    auto kof = [&](int64_t u) { return u / C; };  // unit u: chunk u % C of position u / C
     auto bounds = [&](int64_t u, int64_t& lo, int64_t& hi) {
       lo = (u % C) * chunk;
       hi = std::min(V, lo + chunk);
@@ -353,9 +361,10 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
     auto maxima = [&](int64_t k, float& mx, float& my, bool& nan) {
       float rx = NEG_INF, ry = NEG_INF;
       for (int64_t c = 0; c < C; ++c) {
-        rx = std::max(rx, parts[k * C + c].mx);
-        ry = std::max(ry, parts[k * C + c].my);
-        nan |= parts[k * C + c].nan;
+        const Part& q = parts[k * C + c];
+        rx = std::max(rx, q.mx);
+        ry = std::max(ry, q.my);
+        nan |= q.nan;
       }
       mx = rx * pos[k].inv;  // the scaled maxima: x -> x / T is monotone
       my = ry * pos[k].inv;
@@ -366,12 +375,12 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
       bounds(u, lo, hi);
       Part& q = parts[u];
       if (HAS_AVX512)
-        span_max2_512(pos[u / C].x, pos[u / C].y, lo, hi, q.mx, q.my, q.nan);
+        span_max2_512(pos[kof(u)].x, pos[kof(u)].y, lo, hi, q.mx, q.my, q.nan);
       else
-        span_max2(pos[u / C].x, pos[u / C].y, lo, hi, q.mx, q.my, q.nan);
+        span_max2(pos[kof(u)].x, pos[kof(u)].y, lo, hi, q.mx, q.my, q.nan);
     };
     auto pass2 = [&](int64_t u) {
-      const int64_t k = u / C;
+      const int64_t k = kof(u);
       const Position& p = pos[k];
       float mx, my;
       bool nan = false;
@@ -386,7 +395,7 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
       parts[u].zy = exps(p.y, p.inv, my, p.lmp, ex + V, lo, hi);
     };
     auto pass3 = [&](int64_t u) {
-      const int64_t k = u / C;
+      const int64_t k = kof(u);
       float mx, my;
       bool nan = false;
       maxima(k, mx, my, nan);
