@@ -39,7 +39,9 @@ monotone (the default router on the cost profile repaired: ProfileConfig.monoton
 prior-global (request_prior_quantile=None: a new request's prior for a model pair is the global alpha, not the
 upper quartile of finished requests' own alphas when higher), prior-16 (request_prior_strength=16: a request's
 own acceptance counts shrunk toward its prior by 16 pseudo-trials, not 8), tv-lean (tv_first_cycles=2,
-tv_every=16: D_TV in a request's first 2 cycles and every 16th step).
+tv_every=16: D_TV in a request's first 2 cycles and every 16th step), stand-in (calibrate_stand_in=True: trials
+without their row's own D_TV teach the calibration with the pair's global SimScore, as before session 19),
+tv-always-stand-in (both), tv-first-8 (tv_first_cycles=8), tv-every-4 (tv_every=4).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -97,6 +99,11 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "prior-global": dataclasses.replace(base, request_prior_quantile=None),
         "prior-16": dataclasses.replace(base, request_prior_strength=16.0),
         "tv-lean": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_first_cycles=2, tv_every=16)),
+        "stand-in": dataclasses.replace(base, similarity=dataclasses.replace(sim, calibrate_stand_in=True)),
+        "tv-always-stand-in": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1,
+                                                                                       calibrate_stand_in=True)),
+        "tv-first-8": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_first_cycles=8)),
+        "tv-every-4": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=4)),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

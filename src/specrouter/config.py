@@ -197,6 +197,10 @@ class SimilarityConfig:
     # mixed stream it cost greedy SpecRouter 10-20% against acceptance counts alone (three
     # side-by-side runs, docs/router.md); a sampled row's acceptance is 1 - D_TV exactly
     greedy_tv: bool = False
+    # trials without their row's own D_TV (steps the schedule skips) teach the calibration with
+    # the pair's global SimScore as the stand-in (the behaviour before session 19; review18's
+    # risk 2). Off: only measured trials teach it (docs/router.md, TvSchedule)
+    calibrate_stand_in: bool = False
     tv_alpha: float = 0.1  # EMA weight of one observation's mean D_TV (after the first few)
     drift: bool = True  # shift the observed acceptance by f(SimScore now) - f(SimScore of its trials)
     drift_decay: float = 0.95  # per trial: "SimScore now" forgets (~20 trials; the counts: ~500)
