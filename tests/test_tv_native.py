@@ -3,7 +3,8 @@ decoding/tv.py `tv_rows` / `level_tv`) against the torch path (`level_tv_torch`)
 float rounding for rows with and without temperature, min-p and greedy rows, in mixed batches,
 sub-batches of a sampling table and rows of 0..n candidates, on one thread and two (the split
 vocabulary); closer to a float64 reference than the torch path; NaN where the torch path is NaN;
-rows with top-k / top-p on the torch path exactly; and without the kernels, the torch path."""
+rows with top-k / top-p (their thresholds found from candidates, not a sort) equal too; and
+without the kernels, the torch path."""
 
 from __future__ import annotations
 
@@ -118,17 +119,24 @@ def test_identical_distributions_are_zero_and_disjoint_are_one(native):
     assert level_tv(a, b, torch.tensor([1]), st).item() == pytest.approx(1.0, abs=1e-6)
 
 
-@pytest.mark.parametrize("filtered", [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.1, top_k=20),
-                                      SamplingParams(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02)])
-def test_top_k_top_p_rows_take_the_torch_path(native, filtered):
-    """Rows with top-k or top-p: the torch path's values exactly; the other rows native."""
-    V, n = 5000, 2
-    params = [SamplingParams(temperature=0.7), filtered, SamplingParams(temperature=0.0, top_k=5)]
-    d, v = logits_pair(3, n, V, seed=11)
-    num = torch.tensor([2, 2, 1])
+FILTERED = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.1, top_k=20),
+            SamplingParams(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02), SamplingParams(temperature=0.5, top_p=0.01),
+            SamplingParams(temperature=1.0, top_k=3, min_p=0.9), SamplingParams(temperature=2.0, top_p=0.999)]
+
+
+@pytest.mark.parametrize("V", [100, 5000, 49152])
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])
+def test_top_k_and_top_p_rows_equal_the_torch_path(native, threads, V, scale):
+    """Rows with top-k / top-p (with min-p, a top_p of 0.01: the top token; more min-p survivors
+    than k and fewer) beside plain and greedy rows, flat to peaked logits, and logits in
+    bfloat16's steps (ties, as a bfloat16 model's): the torch path's values."""
+    params = FILTERED + [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, top_k=5)]
+    n = 2
+    d, v = logits_pair(len(params), n, V, seed=V + int(scale * 10), scale=scale)
+    d, v = d.bfloat16().float(), v.bfloat16().float()
+    num = torch.tensor([2, 1, 2, 2, 1, 2, 2, 1])
     st = SamplingTensors.from_params(params)
     got, want = level_tv(d, v, num, st), level_tv_torch(d, v, num, st)
-    assert got[1].item() == want[1].item()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
