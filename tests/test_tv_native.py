@@ -9,6 +9,9 @@ without the kernels, the torch path."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -161,3 +164,28 @@ def test_greedy_rows_are_unfiltered_at_temperature_one():
     alone = SamplingTensors.from_params([SamplingParams(temperature=0.0)])
     assert level_tv_torch(d, v, num, mixed)[0].item() == pytest.approx(
         level_tv_torch(d[:1], v[:1], num[:1], alone).item(), abs=1e-7)
+
+
+def test_the_avx2_passes_equal_the_torch_path_too(native):
+    """SPECROUTER_KERNELS=avx2 (read when the library loads: a fresh process) forces the 8-lane
+    passes on a CPU with AVX-512: the same values within float rounding, filters included."""
+    code = """
+import torch
+from specrouter.config import SamplingParams
+from specrouter.decoding.sampling import SamplingTensors
+from specrouter.decoding.tv import level_tv, level_tv_torch
+g = torch.Generator().manual_seed(2)
+params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, min_p=0.05),
+          SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, top_k=20)]
+for V in (13, 4097, 49152):
+    d = (torch.randn(5, 2, V, generator=g) * 3).bfloat16().float()
+    v = (torch.randn(5, 3, V, generator=g) * 3).bfloat16().float()
+    v[:, :2] = 0.6 * v[:, :2] + 0.4 * d
+    num = torch.tensor([2, 1, 2, 2, 1])
+    st = SamplingTensors.from_params(params)
+    assert (level_tv(d, v, num, st) - level_tv_torch(d, v, num, st)).abs().max() < 1e-5, V
+print("ok")
+"""
+    env = dict(os.environ, SPECROUTER_KERNELS="avx2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

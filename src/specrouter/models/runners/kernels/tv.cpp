@@ -28,6 +28,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <utility>
@@ -271,8 +273,14 @@ T512 double span_absdiff_512(const float* ex, const float* ey, float a, float b,
   return total;
 }
 
-const bool HAS_AVX512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+// the 16-lane passes where the CPU has AVX-512, unless SPECROUTER_KERNELS=avx2 forces the
+// 8-lane ones (as it forces the linears' path; read when the library loads)
+const bool HAS_AVX512 = [] {
+  const char* forced = std::getenv("SPECROUTER_KERNELS");
+  if (forced != nullptr && std::strstr(forced, "avx2") != nullptr) return false;
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+         && __builtin_cpu_supports("avx512dq");
+}();
 
 struct Position {
   const float* x;  // the drafter's logits
