@@ -31,7 +31,8 @@ while it runs plain, as before), stale (both, as before), burst (burst_acceptanc
 cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on),
 firm (stream_hold_firm=True, the default since lean18: a single stream's speculative hold after every decided
 plan, not released by its own evidence moving unless against the plan, shadows on its last step), no-firm
-(stream_hold_firm=False: the stream hold as before), firm8 (the same, 8 steps), free16 (free_timing_batch=16: model-free
+(stream_hold_firm=False: the stream hold as before), firm8 (the same, 8 steps), lazy (firm, observations deferred while held: router/deferred.py), lazy8 (the
+same, 8 steps), free16 (free_timing_batch=16: model-free
 drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
 steps while the decision at its end keeps the plan), firm16s (firm, its span doubling up to 16),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
@@ -93,6 +94,8 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "firm": dataclasses.replace(base, stream_hold_firm=True),
         "no-firm": dataclasses.replace(base, stream_hold_firm=False),
         "firm8": dataclasses.replace(base, stream_hold_firm=True, stream_hold_steps=8),
+        "lazy": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True),
+        "lazy8": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True, stream_hold_steps=8),
         "free16": dataclasses.replace(base, free_timing_batch=16),
         "lean": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16),
         "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),

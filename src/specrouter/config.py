@@ -410,6 +410,12 @@ class RouterConfig:
     # end keeps the same plan, and falls back to stream_hold_steps on any other
     # (stream_hold_steps or less: no stretching)
     stream_hold_max: int = 4
+    # observations folded when read (router/deferred.py, lean19): a step planned by a multi-row
+    # batch's speculative hold or a single stream's firm hold queues its report, folded in order
+    # where the evidence is next read (a step planned afresh, a confident draft, a finished
+    # request); a firm hold is then released by its first pair's trials as it counts them
+    # (StreamHolder.tally), not by the request's folded estimate
+    defer_observations: bool = False
     # model-free drafters' forwards (tens of microseconds: a lookup) reach the cost profile this
     # many at a time, their seconds summed (router/policy.py `observe_forwards`): one at a time
     # their timing noise fired the step detector ~25-60 times a run, each republishing the
