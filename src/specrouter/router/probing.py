@@ -37,6 +37,7 @@ import numpy as np
 
 from specrouter.records.routing import Decision, Pair, RowContext, RowOutcome
 from specrouter.router.cost_model import best_plan
+from specrouter.router.evidence import decision_z
 from specrouter.router.host_time import PlainCharge
 from specrouter.router.similarity import ProbeBudget, acceptance_trials
 
@@ -85,8 +86,11 @@ class Prober:
         self.budget.charge(extra)
         if router.config.probe_charge_realized:
             self.pending[row.seq_id] = (decision.t_eff, extra, overhead)
-        if router.config.probe_refute_wait > 0:
-            self.testing[row.seq_id] = (chain[:2], alphas[chain[:2]])
+        if router.config.probe_refute_wait > 0:  # judged against its estimate without the decision margin
+            pair = chain[:2]
+            estimate = alphas[pair] if decision_z(router.config, mode) <= 0.0 or req is None else \
+                round(router.alpha(pair, mode, req), router.config.alpha_decimals)
+            self.testing[row.seq_id] = (pair, estimate)
         return Decision(chain, pk, latency / tokens, "probe",
                         router.confidence_floor(chain, pk, latency / tokens, costs))
 
