@@ -45,7 +45,8 @@ without their row's own D_TV teach the calibration with the pair's global SimSco
 tv-always-stand-in (both), tv-first-8 (tv_first_cycles=8), tv-every-4 (tv_every=4), no-margin (decision_margin_sampling=0: a
 sampled request's alphas and hit rates read as estimated, as before floor19), margin05 / margin1 / margin2 / m075 (z
 0.5 / 1 / 2 / 0.75 standard errors off them), margin1g / margin05g (greedy rows too), monotone-m1g / monotone-m1
-(the repaired profile with those margins), probe-k2 (probe_k=2), m05-pk2 (z 0.5 and probe_k=2).
+(the repaired profile with those margins), probe-k2 (probe_k=2), m05-pk2 (z 0.5 and probe_k=2),
+refute-global (probe_refute_global=True: a pair whose probe was refuted waits in every request's probes).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -121,6 +122,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "probe-k2": dataclasses.replace(base, probe_k=2),
         "m05-pk2": dataclasses.replace(base, decision_margin_sampling=0.5, probe_k=2),
         "m075": dataclasses.replace(base, decision_margin_sampling=0.75),
+        "refute-global": dataclasses.replace(base, probe_refute_global=True),
     }
     unknown = [n for n in names if n not in known]
     if unknown:
