@@ -40,7 +40,13 @@ monotone (the default router on the cost profile repaired: ProfileConfig.monoton
 prior-global (request_prior_quantile=None: a new request's prior for a model pair is the global alpha, not the
 upper quartile of finished requests' own alphas when higher), prior-16 (request_prior_strength=16: a request's
 own acceptance counts shrunk toward its prior by 16 pseudo-trials, not 8), tv-lean (tv_first_cycles=2,
-tv_every=16: D_TV in a request's first 2 cycles and every 16th step).
+tv_every=16: D_TV in a request's first 2 cycles and every 16th step), stand-in (calibrate_stand_in=True: trials
+without their row's own D_TV teach the calibration with the pair's global SimScore, as before session 19),
+tv-always-stand-in (both), tv-first-8 (tv_first_cycles=8), tv-every-4 (tv_every=4), no-margin (decision_margin_sampling=0: a
+sampled request's alphas and hit rates read as estimated, as before floor19), margin05 / margin1 / margin2 / m075 (z
+0.5 / 1 / 2 / 0.75 standard errors off them), margin1g / margin05g (greedy rows too), monotone-m1g / monotone-m1
+(the repaired profile with those margins), probe-k2 (probe_k=2), m05-pk2 (z 0.5 and probe_k=2),
+refute-global (probe_refute_global=True: a pair whose probe was refuted waits in every request's probes).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -100,6 +106,23 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "prior-global": dataclasses.replace(base, request_prior_quantile=None),
         "prior-16": dataclasses.replace(base, request_prior_strength=16.0),
         "tv-lean": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_first_cycles=2, tv_every=16)),
+        "stand-in": dataclasses.replace(base, similarity=dataclasses.replace(sim, calibrate_stand_in=True)),
+        "tv-always-stand-in": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1,
+                                                                                       calibrate_stand_in=True)),
+        "tv-first-8": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_first_cycles=8)),
+        "tv-every-4": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=4)),
+        "margin05": dataclasses.replace(base, decision_margin_sampling=0.5),
+        "margin1": dataclasses.replace(base, decision_margin_sampling=1.0),
+        "margin2": dataclasses.replace(base, decision_margin_sampling=2.0),
+        "margin1g": dataclasses.replace(base, decision_margin_sampling=1.0, decision_margin_greedy=1.0),
+        "margin05g": dataclasses.replace(base, decision_margin_sampling=0.5, decision_margin_greedy=0.5),
+        "no-margin": dataclasses.replace(base, decision_margin_sampling=0.0, decision_margin_greedy=0.0),
+        "monotone-m1g": dataclasses.replace(base, decision_margin_sampling=1.0, decision_margin_greedy=1.0),
+        "monotone-m1": dataclasses.replace(base, decision_margin_sampling=1.0),
+        "probe-k2": dataclasses.replace(base, probe_k=2),
+        "m05-pk2": dataclasses.replace(base, decision_margin_sampling=0.5, probe_k=2),
+        "m075": dataclasses.replace(base, decision_margin_sampling=0.75),
+        "refute-global": dataclasses.replace(base, probe_refute_global=True),
     }
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -130,7 +153,7 @@ def main() -> None:
     sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
     pool = sr.pool
     profile = load_or_sweep_profile(pool, progress=False)
-    systems = {n: AdaptiveSystem(pool, n, profile=repaired_profile(pool) if n == "monotone" else profile,
+    systems = {n: AdaptiveSystem(pool, n, profile=repaired_profile(pool) if n.startswith("monotone") else profile,
                                  progress=False, router_config=c)
                for n, c in variants(args.variants).items()}
     systems["target-only"] = NativeSystem(pool, "target-only", (pool.target,), None)

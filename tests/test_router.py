@@ -565,7 +565,7 @@ def test_greedy_calibration_learns_from_observed_acceptance():
         for pair, sim in ((("a", "t"), 0.9), (("b", "t"), 0.6), (("c", "t"), 0.4)):
             est.observe_tv(pair, GREEDY, 1 - sim, 16)
             alpha = 0.9 * sim - 0.1
-            est.observe_acceptance(pair, GREEDY, 10 * alpha, 10 * (1 - alpha))
+            est.observe_acceptance(pair, GREEDY, 10 * alpha, 10 * (1 - alpha), sim)  # with its own SimScore
     for sim in (0.5, 0.8):
         assert est.calibrate(sim, GREEDY) == pytest.approx(0.9 * sim - 0.1, abs=0.02)
     # a fourth pair measured only by D_TV gets the calibrated value
@@ -1036,7 +1036,7 @@ def test_a_step_that_prefilled_is_not_a_cycle_of_the_outside_clock():
 def test_sampling_rows_feed_similarity_from_tv():
     """Sampling-mode rows carry per-level D_TV: the active pairs' SimScore is measured for free."""
     sim = Sim(ALPHAS, seed=13)
-    router = make_router()
+    router = make_router(config=RouterConfig(decision_margin_sampling=0.0))  # the estimates as they are
     for _ in range(20):
         stats, outcomes, fwd, _ = sim.run(("d1", "d2", "T"), 4, [0, 1], L0, greedy=False)
         tv = (math.nan, 1 - ALPHAS[("d1", "d2")], 1 - ALPHAS[("d2", "T")])

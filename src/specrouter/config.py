@@ -189,7 +189,8 @@ class SimilarityConfig:
     # `tv_first_cycles` cycles (its own SimScore is its prior from its first cycle), and every
     # `tv_every`-th step with a row it measures besides (the calibration, drift and the global
     # SimScores). Measured in every step, D_TV cost a sampled single stream 0.5-0.6 ms of a
-    # ~12 ms cycle on a Sapphire Rapids (2026-12-06, docs/router.md); 1: every step
+    # ~12 ms cycle on a Sapphire Rapids (2026-12-06, docs/router.md); natively (kernels/tv.cpp)
+    # ~0.1 ms, and every step was still no faster than this schedule (tv19); 1: every step
     tv_every: int = 8
     tv_first_cycles: int = 4
     # greedy rows' D_TV feeds the estimator too. Off: a greedy row accepts on an argmax match,
@@ -197,6 +198,10 @@ class SimilarityConfig:
     # mixed stream it cost greedy SpecRouter 10-20% against acceptance counts alone (three
     # side-by-side runs, docs/router.md); a sampled row's acceptance is 1 - D_TV exactly
     greedy_tv: bool = False
+    # trials without their row's own D_TV (steps the schedule skips) teach the calibration with
+    # the pair's global SimScore as the stand-in (the behaviour before session 19; review18's
+    # risk 2). Off: only measured trials teach it (docs/router.md, TvSchedule)
+    calibrate_stand_in: bool = False
     tv_alpha: float = 0.1  # EMA weight of one observation's mean D_TV (after the first few)
     drift: bool = True  # shift the observed acceptance by f(SimScore now) - f(SimScore of its trials)
     drift_decay: float = 0.95  # per trial: "SimScore now" forgets (~20 trials; the counts: ~500)
@@ -306,6 +311,16 @@ class RouterConfig:
     # worth this many pseudo-trials per measured position, up to request_tv_cap pseudo-trials
     request_tv_weight: float = 4.0  # (a measured position gives a probability, a trial one 0/1 outcome)
     request_tv_cap: float = 32.0
+    # decisions read a request's alphas and hit rates less this many standard errors of its own
+    # estimate (sqrt(p (1 - p) / n), n its own decayed trials plus the prior's pseudo-trials),
+    # per mode (router/evidence.py `decision_margin`): a plan chosen where its estimate is high
+    # by chance delivers less (the winner's curse), and a new request's prior is the least
+    # certain of all; probes keep their optimistic estimates. 0: the estimates as they are.
+    # Sampling 0.5 (floor19, SPR, t=0.7: +1.2% geometric mean over 14 side-by-side lines, 12
+    # higher); greedy 0 (1.0 cost the greedy lines 4-8%: the suffix / n-gram wins on code and
+    # the mixed stream start from thin evidence)
+    decision_margin_sampling: float = 0.5
+    decision_margin_greedy: float = 0.0
     shadow_k: int = MAX_DRAFT_LENGTH  # tokens asked of model-free drafters when shadow-scoring rows not running them
     probe_k: int = 8  # longest draft of a probe cycle
     # probe a pair with a chain it starts (router/probing.py; False: the optimistic best of
@@ -318,6 +333,12 @@ class RouterConfig:
     # that chose it refuted) keeps that pair from the request's probes for this many of its
     # cycles, doubling with each further refutation (router/probing.py); 0: no such back-off
     probe_refute_wait: int = 32
+    # ... and (True) keeps it from every request's probes for as many row-cycles, doubling with
+    # each further refutation in any request up to probe_max_wait stale_after periods, until a
+    # probe of it is not refuted (router/probing.py `Prober.judge`): a pair that stays as good as
+    # estimated is otherwise re-probed each time its evidence goes stale (~1.5 requests of 64
+    # tokens on a stream that decodes plainly: 12 probes, 1-1.5% of chat's time at t=0.7)
+    probe_refute_global: bool = False
     # a single stream's probe of a model draft that lags (plain steps before it) runs as decided:
     # the catch-up check (router/batch.py `BatchPlanner.alone`) weighed it at the request's own
     # estimate, the one the probe questions, and vetoed every such probe; False: as before
@@ -478,6 +499,8 @@ class RouterConfig:
                              ">= 0, realized_clip a (low <= 1 <= high) pair above 0")
         if self.request_prior_strength < 0 or self.request_hit_prior_strength < 0:
             raise ValueError("request prior strengths must be >= 0")
+        if self.decision_margin_sampling < 0 or self.decision_margin_greedy < 0:
+            raise ValueError("decision margins must be >= 0")
         if self.request_prior_quantile is not None and not 0.0 <= self.request_prior_quantile <= 1.0:
             raise ValueError(f"request_prior_quantile must be in [0, 1] or None, got {self.request_prior_quantile!r}")
         if self.request_history < 1 or self.request_min_finished < 1 or self.shadow_k < 1:

@@ -7,12 +7,22 @@ verifier passing its output up). `level_tv` compares them for every row of a lev
 row's distributions are its processed ones (`sampling.scaled_logits`: temperature, min-p, top-k,
 top-p); a greedy row's processed distribution is a one-hot, which would make D_TV a mismatch
 indicator, so greedy rows compare the temperature-1 distributions instead (the router maps each
-mode's SimScore to acceptance with its own calibration).
+mode's SimScore to acceptance with its own calibration), unfiltered: a greedy row's min-p, top-k
+and top-p are ignored here, whatever the other rows of its batch use.
+
+`tv_rows` (the executor's entry) computes it natively where the kernels are built
+(kernels/tv.cpp `tv_rows`: the scaling, min-p, top-k, top-p, both softmaxes and the distance in
+three passes over the vocabulary, ~25 us a position on a Sapphire Rapids instead of ~170, and
+without the torch path's sort of the vocabulary for top-k / top-p rows); non-CPU logits and
+processes without the kernels take the torch path (`level_tv_torch`). The two agree within
+float rounding (tests/test_tv_native.py), but for a top-p nucleus whose boundary the two
+paths' rounding decides (a prefix's mass within ~1e-6 of top_p).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -62,7 +72,76 @@ def level_tv(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, num_cand
     distributions at the row's candidates (module docstring). draft_logits (B, n, V) at the
     candidate positions (right-padded), verifier_logits (B, >= n, V) from the same positions on,
     num_candidates (B,), st: the rows' sampling parameters. NaN for a row without candidates."""
+    B, n = draft_logits.shape[:2]
+    counts = [min(c, n) for c in num_candidates.tolist()]
+    drafts = [[draft_logits[b, i] for i in range(c)] for b, c in enumerate(counts)]
+    rows = list(range(B))
+    return torch.tensor(tv_rows(drafts, verifier_logits, rows, st, rows), dtype=torch.float64)
+
+
+def tv_rows(drafts: Sequence[Sequence[torch.Tensor]], verifier: torch.Tensor, vrows: Sequence[int],
+            st: SamplingTensors, srows: Sequence[int]) -> list[float]:
+    """Per row r, the mean D_TV between `drafts[r][i]` (the drafter's logits (V,) at its
+    candidate i) and `verifier[vrows[r], i]` (verifier (B, G, V)) over its candidates, with row
+    `srows[r]` of `st`'s sampling parameters: `level_tv` without the stacking and the `select`
+    (the executor's entry). NaN for a row without candidates."""
+    R = len(drafts)
+    assert len(vrows) == R and len(srows) == R, "vrows and srows: one per row"
+    ops = _native_ops()
+    if ops is not None and verifier.device.type == "cpu" and st.temperature.device.type == "cpu":
+        v = verifier if verifier.dtype == torch.float32 and verifier.stride(-1) == 1 else verifier.float().contiguous()
+        flat = [d if d.dtype == torch.float32 and d.is_contiguous() else d.float().contiguous()
+                for ds in drafts for d in ds]
+        lmp = torch.log(st.min_p) if st.needs_min_p and not st.all_greedy else _EMPTY
+        top_k, top_p = (st.top_k, st.top_p) if st.needs_sort and not st.all_greedy else (_EMPTY_LONG, _EMPTY)
+        return ops.tv_rows(flat, v, list(vrows), [len(ds) for ds in drafts], st.temperature, lmp, top_k, top_p,
+                           list(srows)).tolist()
+    if R == 0:
+        return []
+    n = max(len(ds) for ds in drafts)
+    draft = verifier.new_zeros((R, max(n, 1), verifier.shape[-1]))  # (R, n, V)
+    for r, ds in enumerate(drafts):
+        if ds:
+            draft[r, : len(ds)] = torch.stack(list(ds))
+    rows = torch.tensor(list(vrows), dtype=torch.long, device=verifier.device)
+    num = torch.tensor([len(ds) for ds in drafts], dtype=torch.long)
+    sub = st.select(torch.tensor(list(srows), dtype=torch.long))
+    return level_tv_torch(draft[:, :n], verifier[rows], num, sub).tolist()
+
+
+def level_tv_torch(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, num_candidates: torch.Tensor,
+                   st: SamplingTensors) -> torch.Tensor:
+    """`level_tv` in torch ops (the portable path): `scaled_logits`, two softmaxes over the
+    vocabulary and `tv_distance`; greedy rows at temperature 1, unfiltered."""
     n = draft_logits.shape[1]
+    st = _greedy_unfiltered(st)
     d = torch.softmax(scaled_logits(draft_logits.float(), st), dim=-1)  # (B, n, V)
     v = torch.softmax(scaled_logits(verifier_logits[:, :n].float(), st), dim=-1)  # (B, n, V)
     return tv_distance(d, v, candidate_mask(num_candidates.to(d.device), n))
+
+
+_EMPTY = torch.empty(0, dtype=torch.float32)
+_EMPTY_LONG = torch.empty(0, dtype=torch.long)
+
+
+def _native_ops():
+    """The native kernels' ops (kernels/tv.cpp `tv_rows`) where they are built, else None."""
+    from specrouter.models.runners.kernels import rowinv
+
+    return rowinv()
+
+
+def _greedy_unfiltered(st: SamplingTensors) -> SamplingTensors:
+    """`st` with its greedy rows at temperature 1 and without min-p, top-k or top-p
+    (`scaled_logits` filters a greedy row by them when another row of the batch needs the
+    filter); the sampling rows unchanged."""
+    if st.all_greedy or not st.any_greedy:
+        return st
+    greedy = st.temperature == 0
+    return SamplingTensors(
+        temperature=torch.where(greedy, 1.0, st.temperature),
+        top_k=torch.where(greedy, 0, st.top_k),
+        top_p=torch.where(greedy, 1.0, st.top_p),
+        min_p=torch.where(greedy, 0.0, st.min_p),
+        all_greedy=False, any_greedy=False, needs_sort=st.needs_sort, needs_min_p=st.needs_min_p,
+    )

@@ -33,6 +33,11 @@ while both are unchanged.
   shrinking near a request's end was a quarter of the misses on the mixed stream.
   Hysteresis (step 2) is a few comparisons on that table and runs at every call, so its
   counters and switches are exactly those of an uncached router.
+- **A margin of uncertainty** (`decision_margin`, `RouterConfig.decision_margin_sampling` /
+  `_greedy`): a request's alphas and hit rates are published less z standard errors of its own
+  estimate (its decayed trials plus its prior's pseudo-trials): a plan is chosen where its
+  estimate is high, and at t=0.7 that estimate was often high by chance. Probes add their own
+  optimism on top (router/probing.py).
 - **Exploration is not cached.** Probing (step 3) runs after the lookup on its own schedule,
   hit or miss, exactly as without the cache; shadow scoring is the engine's and unaffected.
 """
@@ -40,6 +45,7 @@ while both are unchanged.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -169,6 +175,36 @@ def decision_key(batch_size: int, context_bucket: int, mode: str, chain: Chain |
     return (batch_size, context_bucket, mode, chain, version, request_version, certain, runs)
 
 
+def decision_z(config: RouterConfig, mode: str) -> float:
+    """Standard errors a decision takes off a request's estimates in `mode` (RouterConfig)."""
+    return config.decision_margin_greedy if mode == "greedy" else config.decision_margin_sampling
+
+
+def decision_margin(p: float, n: float, z: float) -> float:
+    """`p` less `z` standard errors of a rate estimated from `n` trials (its prior's included),
+    sqrt(p (1 - p) / n); at least 0. Why (docs/router.md, floor19): at t=0.7 the plans the router
+    chose at draft length 2-3 were predicted at a draft acceptance of 0.36-0.43 where 0.22-0.27
+    came (chat, prose; static draft>target accepts ~iid at 0.25-0.29 per position there): a
+    plan is chosen where its estimate is high, and the estimate is often high by chance."""
+    if z <= 0.0 or n <= 0.0:
+        return p
+    return max(0.0, p - z * math.sqrt(max(p * (1.0 - p), 0.0) / n))
+
+
+def own_trials(router, req, key: tuple) -> float:
+    """The trials behind a request's estimate of a pair or a triple (`Router.alpha`): its own
+    decayed trials, the prior's pseudo-trials and, for a model pair whose D_TV the request
+    measured, its SimScore's (`request_tv_weight` per position, up to `request_tv_cap`)."""
+    cfg = router.config
+    c = req.counts.get(key)
+    n = cfg.request_prior_strength + (c[0] + c[1] if c is not None else 0.0)
+    if len(key) == 2 and key[0] not in router.model_free:
+        own = req.sim_score(key)
+        if own is not None:
+            n += min(cfg.request_tv_cap, cfg.request_tv_weight * own[1])
+    return n
+
+
 def certain_bucket(rate: float) -> float:
     """A row's certain-draft rate (RowContext.certain_rate) as planned: quarters, at most 4."""
     return min(round(rate * 4) / 4, 4.0) if rate > 0.0 else 0.0
@@ -241,11 +277,32 @@ class EvidenceBoard:
         if req is not None and req.evidence is not None and req.evidence.stamp == stamp:
             return req.evidence
         digits = r.config.alpha_decimals  # rounding: plan cache hits
-        evidence = RequestEvidence(stamp, {p: round(r.alpha(p, mode, req), digits) for p in [*r.pairs, *r.triples]},
-                                   {d: r.hit_rate(d, req) for d in r.model_free})
+        evidence = RequestEvidence(stamp, {p: round(self.alpha(req, p, mode), digits) for p in [*r.pairs, *r.triples]},
+                                   {d: self.hit_rate(req, d) for d in r.model_free})
         if req is not None:
             req.evidence = evidence
         return evidence
+
+    def alpha(self, req, pair: Pair, mode: str) -> float:
+        """A request's alpha of `pair` (or a triple) as decisions read it: `Router.alpha` less
+        the mode's `decision_margin` standard errors (`decision_margin`, `own_trials`)."""
+        r = self.router
+        value = r.alpha(pair, mode, req)
+        z = decision_z(r.config, mode)
+        if req is None or z <= 0.0:
+            return value
+        return decision_margin(value, own_trials(r, req, pair), z)
+
+    def hit_rate(self, req, drafter: str) -> float:
+        """A request's hit rate of a model-free drafter as decisions read it (`alpha`): its own
+        decayed proposals plus the prior's pseudo-proposals."""
+        r = self.router
+        value = r.hit_rate(drafter, req)
+        z = decision_z(r.config, "greedy" if req is None or req.greedy else "sampling")
+        if req is None or z <= 0.0:
+            return value
+        h = req.hits.get(drafter)
+        return decision_margin(value, (h[1] if h is not None else 0.0) + r.config.request_hit_prior_strength, z)
 
     def note_alpha(self, req, pair: Pair, mode: str) -> None:
         """The request's own alpha of `pair` was updated: a new request version if it moved
@@ -255,7 +312,7 @@ class EvidenceBoard:
             return
         published = evidence.alphas.get(pair)
         if (published is None or evidence.stamp[2] != mode
-                or crossed(self.router.alpha(pair, mode, req), published, cfg.decision_tolerance, cfg.prune_below)):
+                or crossed(self.alpha(req, pair, mode), published, cfg.decision_tolerance, cfg.prune_below)):
             req.version += 1
 
     def note_hit(self, req, drafter: str) -> None:
@@ -264,7 +321,7 @@ class EvidenceBoard:
         if evidence is None:
             return
         published = evidence.hits.get(drafter)
-        if published is None or crossed(self.router.hit_rate(drafter, req), published,
+        if published is None or crossed(self.hit_rate(req, drafter), published,
                                         cfg.decision_hit_tolerance, cfg.prune_below):
             req.version += 1
 
