@@ -17,6 +17,7 @@ minus forwards) and forward seconds per step; the plain engine's steps beside th
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import statistics
 import time
@@ -175,7 +176,9 @@ def main() -> None:
 
     pool, ids, max_len = load_stream(args.requests, args.concurrency, args.max_new_tokens)
     n_req = len(ids)
-    over = {k: type(getattr(RouterConfig(), k))(v) for k, v in (a.split("=", 1) for a in args.set)}
+    # a Python literal, as router_overhead.py / router_replay.py take it (the field's type called
+    # on the text read "False" as True)
+    over = {k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in args.set)}
     router = build_router(pool, progress=False, config=RouterConfig(**over))
     print(f"cpu: {os.cpu_count()} cores, load {os.getloadavg()}, t={args.temperature}, "
           f"{n_req} requests x {args.max_new_tokens} tokens, router config {over}")
