@@ -31,7 +31,8 @@ while it runs plain, as before), stale (both, as before), burst (burst_acceptanc
 cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on),
 firm (stream_hold_firm=True, the default since lean18: a single stream's speculative hold after every decided
 plan, not released by its own evidence moving unless against the plan, shadows on its last step), no-firm
-(stream_hold_firm=False: the stream hold as before), firm8 (the same, 8 steps), free16 (free_timing_batch=16: model-free
+(stream_hold_firm=False: the stream hold as before), firm8 (the same, 8 steps), lazy (firm, observations deferred while held: router/deferred.py), lazy8 (the
+same, 8 steps), free16 (free_timing_batch=16: model-free
 drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
 steps while the decision at its end keeps the plan), firm16s (firm, its span doubling up to 16),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
@@ -39,7 +40,9 @@ monotone (the default router on the cost profile repaired: ProfileConfig.monoton
 prior-global (request_prior_quantile=None: a new request's prior for a model pair is the global alpha, not the
 upper quartile of finished requests' own alphas when higher), prior-16 (request_prior_strength=16: a request's
 own acceptance counts shrunk toward its prior by 16 pseudo-trials, not 8), tv-lean (tv_first_cycles=2,
-tv_every=16: D_TV in a request's first 2 cycles and every 16th step), no-margin (decision_margin_sampling=0: a
+tv_every=16: D_TV in a request's first 2 cycles and every 16th step), stand-in (calibrate_stand_in=True: trials
+without their row's own D_TV teach the calibration with the pair's global SimScore, as before session 19),
+tv-always-stand-in (both), tv-first-8 (tv_first_cycles=8), tv-every-4 (tv_every=4), no-margin (decision_margin_sampling=0: a
 sampled request's alphas and hit rates read as estimated, as before floor19), margin05 / margin1 / margin2 / m075 (z
 0.5 / 1 / 2 / 0.75 standard errors off them), margin1g / margin05g (greedy rows too), monotone-m1g / monotone-m1
 (the repaired profile with those margins), probe-k2 (probe_k=2), m05-pk2 (z 0.5 and probe_k=2),
@@ -92,6 +95,8 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "firm": dataclasses.replace(base, stream_hold_firm=True),
         "no-firm": dataclasses.replace(base, stream_hold_firm=False),
         "firm8": dataclasses.replace(base, stream_hold_firm=True, stream_hold_steps=8),
+        "lazy": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True),
+        "lazy8": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True, stream_hold_steps=8),
         "free16": dataclasses.replace(base, free_timing_batch=16),
         "lean": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16),
         "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),
@@ -101,6 +106,11 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "prior-global": dataclasses.replace(base, request_prior_quantile=None),
         "prior-16": dataclasses.replace(base, request_prior_strength=16.0),
         "tv-lean": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_first_cycles=2, tv_every=16)),
+        "stand-in": dataclasses.replace(base, similarity=dataclasses.replace(sim, calibrate_stand_in=True)),
+        "tv-always-stand-in": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1,
+                                                                                       calibrate_stand_in=True)),
+        "tv-first-8": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_first_cycles=8)),
+        "tv-every-4": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=4)),
         "margin05": dataclasses.replace(base, decision_margin_sampling=0.5),
         "margin1": dataclasses.replace(base, decision_margin_sampling=1.0),
         "margin2": dataclasses.replace(base, decision_margin_sampling=2.0),

@@ -574,7 +574,9 @@ def test_sampled_batches_are_calibrated_apart_from_greedy_ones(monkeypatch):
     carries the sampled batches' factor into the greedy ones, which then decode plainly."""
     def run():
         router = scripted_router(calibration_target)
-        router.config = dataclasses.replace(router.config, sampling_spec_max_batch=2)  # 2-row sampled batches may speculate
+        # 2-row sampled batches may speculate, read at their estimates (no decision margin: the negative
+        # control needs the sampled batches' slow steps to reach the shared calibration)
+        router.config = dataclasses.replace(router.config, sampling_spec_max_batch=2, decision_margin_sampling=0.0)
         for _ in range(50):
             router.similarity.observe_acceptance(("draft", "target"), "sampling", 4, 1)
         greedy_before = run_calibrated(router, 1.0, 10)

@@ -565,7 +565,7 @@ def test_greedy_calibration_learns_from_observed_acceptance():
         for pair, sim in ((("a", "t"), 0.9), (("b", "t"), 0.6), (("c", "t"), 0.4)):
             est.observe_tv(pair, GREEDY, 1 - sim, 16)
             alpha = 0.9 * sim - 0.1
-            est.observe_acceptance(pair, GREEDY, 10 * alpha, 10 * (1 - alpha))
+            est.observe_acceptance(pair, GREEDY, 10 * alpha, 10 * (1 - alpha), sim)  # with its own SimScore
     for sim in (0.5, 0.8):
         assert est.calibrate(sim, GREEDY) == pytest.approx(0.9 * sim - 0.1, abs=0.02)
     # a fourth pair measured only by D_TV gets the calibrated value

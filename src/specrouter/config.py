@@ -197,6 +197,10 @@ class SimilarityConfig:
     # mixed stream it cost greedy SpecRouter 10-20% against acceptance counts alone (three
     # side-by-side runs, docs/router.md); a sampled row's acceptance is 1 - D_TV exactly
     greedy_tv: bool = False
+    # trials without their row's own D_TV (steps the schedule skips) teach the calibration with
+    # the pair's global SimScore as the stand-in (the behaviour before session 19; review18's
+    # risk 2). Off: only measured trials teach it (docs/router.md, TvSchedule)
+    calibrate_stand_in: bool = False
     tv_alpha: float = 0.1  # EMA weight of one observation's mean D_TV (after the first few)
     drift: bool = True  # shift the observed acceptance by f(SimScore now) - f(SimScore of its trials)
     drift_decay: float = 0.95  # per trial: "SimScore now" forgets (~20 trials; the counts: ~500)
@@ -412,6 +416,12 @@ class RouterConfig:
     # end keeps the same plan, and falls back to stream_hold_steps on any other
     # (stream_hold_steps or less: no stretching)
     stream_hold_max: int = 4
+    # observations folded when read (router/deferred.py, lean19): a step planned by a multi-row
+    # batch's speculative hold or a single stream's firm hold queues its report, folded in order
+    # where the evidence is next read (a step planned afresh, a confident draft, a finished
+    # request); a firm hold is then released by its first pair's trials as it counts them
+    # (StreamHolder.tally), not by the request's folded estimate
+    defer_observations: bool = False
     # model-free drafters' forwards (tens of microseconds: a lookup) reach the cost profile this
     # many at a time, their seconds summed (router/policy.py `observe_forwards`): one at a time
     # their timing noise fired the step detector ~25-60 times a run, each republishing the

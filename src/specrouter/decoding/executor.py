@@ -47,7 +47,7 @@ from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.logprobs import generated_logprobs, prompt_logprobs
 from specrouter.decoding.processors import PenaltyMemo, RowHistory, process_rows
 from specrouter.decoding.sampling import SamplingTensors, choose_at
-from specrouter.decoding.tv import level_tv
+from specrouter.decoding.tv import tv_rows
 from specrouter.models.device import synchronize
 from specrouter.decoding.verification import verify_rows
 from specrouter.decoding.tree import TokenTree, feed_parents, path_independent, token_offsets, walk
@@ -424,13 +424,8 @@ class ChainExecutor:
             return
         t0 = self.clock()
         # <= tv_positions; a tree row's: the root's only (the draft's root logits)
-        num = [min(len(work[i].cand), len(work[i].cand_logits)) for i in idx]
-        draft = logits.new_zeros((len(idx), max(num), logits.shape[-1]))  # (R, n, V)
-        for r, (i, m) in enumerate(zip(idx, num)):
-            draft[r, :m] = torch.stack(work[i].cand_logits[:m])
-        rows = torch.tensor([work[i].b for i in idx], dtype=torch.long, device=sampling.temperature.device)
-        num = torch.tensor(num, dtype=torch.long)
-        tv = level_tv(draft, logits[idx], num, sampling.select(rows)).tolist()
+        drafts = [work[i].cand_logits[: min(len(work[i].cand), len(work[i].cand_logits))] for i in idx]
+        tv = tv_rows(drafts, logits, idx, sampling, [work[i].b for i in idx])
         for i, d in zip(idx, tv):
             work[i].tv[work[i].level(name)] = d
         self._tv_seconds += self.clock() - t0

@@ -251,6 +251,17 @@ class BatchPlanner:
         steps = self._lease(now, self.hold.until - 1 - now) if held and n > 1 else 1
         return BatchPlan(decisions, held, shadow, steps)
 
+    def spec_holds(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> bool:
+        """Will `plan` plan this step by the speculative hold (`SpecHold`: no evidence read, so
+        deferred observations stay queued: router/deferred.py)?"""
+        spec = self.spec_hold
+        if spec is None or not rows:
+            return False
+        n = len(rows) + len(pinned)
+        if n > self.router.config.sampling_spec_max_batch and not any(r.greedy for r in rows):
+            return False  # `plan` plans it all plain (deferred reports folded, harmlessly)
+        return spec.holds(rows, len(pinned), self.router.observed_steps)
+
     STANDING_HOLD = 4  # a plain hold's longest span is this many times plain_hold_max while speculation's error stands
 
     def hold_limit(self, n: int, sampled: bool) -> int:

@@ -77,6 +77,7 @@ import numpy as np
 from specrouter.config import RouterConfig
 from specrouter.router.batch import BatchPlanner
 from specrouter.router.burst import BurstModel, run_key
+from specrouter.router.deferred import Deferral
 from specrouter.router.cost_model import (
     RUN,
     PlanTable,
@@ -223,6 +224,25 @@ def observe_forwards(router: "Router", forwards: Sequence[ForwardRecord]) -> Non
             pending[f.model] = (shapes, seconds + f.seconds)
 
 
+def fold_step(router: "Router", report: StepReport) -> None:
+    """One engine step's observation (`Router.observe_step`), after the step clock's pairing:
+    the batch calibration, every row's outcome, every forward's timing, the step's overheads,
+    the clocks, the shadow proposals."""
+    router.planner.observe(report.outcomes, report.forwards, report.wall_time - report.processor_seconds)
+    router._observe_rows(report.outcomes, report.wall_time)
+    observe_forwards(router, report.forwards)
+    router._observe_overhead(report)
+    router._observe_processors(report)
+    router.similarity.tick(len(report.outcomes))
+    router.prober.budget.tick(len(report.outcomes), report.wall_time)
+    router.observed_steps += 1
+    router.board.changed()
+    rows = {o.seq_id: o for o in report.outcomes} if router.triples else {}
+    for s in report.shadow:
+        router.observe_shadow(s.seq_id, s.drafter, s.proposal, s.judged_by, s.k, s.greedy, s.verifier,
+                              s.count_hit, below_target(rows.get(s.seq_id), s.verifier, router.target))
+
+
 # ---------------------------------------------------------------------------------------------
 # the router
 
@@ -320,6 +340,7 @@ class Router:
         self.prober = Prober(self)  # step 3 (probing.py)
         self.planner = BatchPlanner(self)  # the step's batch (batch.py)
         self.stream = StreamHolder(self)  # a single stream's kept speculative plan (stream_hold.py)
+        self.deferral = Deferral(self, fold_step)  # observations folded when read (deferred.py)
 
     @classmethod
     def from_pool(cls, pool, profile: CostProfile, **kwargs) -> "Router":
@@ -334,6 +355,9 @@ class Router:
     def plan_batch(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> BatchPlan:
         """The plans of a step's rows, chosen for the batch the step really runs
         (`BatchPlanner.plan`)."""
+        hold = self.stream.hold
+        if self.deferral.queue and not ((hold is not None and hold.firm) or self.planner.spec_holds(rows, pinned)):
+            self.deferral.fold()  # the step reads the evidence (deferred.py)
         self.measure_tv = self.tv_schedule.wants(rows, self.requests)  # the step measures D_TV
         measured = None if self.step_clock is None else self.outside.planning(
             self.step_clock(), self.observed_steps, rows, pinned)
@@ -354,6 +378,8 @@ class Router:
         if batch is not None:  # a single stream's kept plan (stream_hold.py): no decide
             self.outside.held()  # a held plain step is what plain decoding costs (outside_plain)
             return batch
+        if self.deferral.queue and not self.planner.spec_holds(rows, pinned):
+            self.deferral.fold()  # a firm hold ended: its steps' evidence before the decision
         held = self.planner.held_decisions
         batch = self.planner.plan(rows, pinned)
         if self.planner.held_decisions > held:  # a hold planned the step: no decide
@@ -368,30 +394,24 @@ class Router:
                               pinned: Sequence[Plan] = ()) -> list[Plan]:
         """Rows whose model-free drafter offers a confident draft now run it when the step
         gains (`BatchPlanner.take_confident_drafts`)."""
+        self.deferral.fold()
         return self.planner.take_confident_drafts(rows, plans, dict(offers), pinned)
 
     def observe_step(self, report: StepReport) -> None:
         """Learn from one engine step: every row's outcome, every forward's timing, the step's
-        overhead, the batch calibration, the shadow proposals."""
+        overhead, the batch calibration, the shadow proposals (`fold_step`); with
+        `RouterConfig.defer_observations`, queued and folded where next read (router/deferred.py)."""
+        if self.config.defer_observations:
+            self.deferral.defer(report)
+            return
         self.outside.observed(self.observed_steps, report.wall_time, report.speculative,
                               widened(report.outcomes, report.forwards))
-        self.planner.observe(report.outcomes, report.forwards, report.wall_time - report.processor_seconds)
-        self._observe_rows(report.outcomes, report.wall_time)
-        observe_forwards(self, report.forwards)
-        self._observe_overhead(report)
-        self._observe_processors(report)
-        self.similarity.tick(len(report.outcomes))
-        self.prober.budget.tick(len(report.outcomes), report.wall_time)
-        self.observed_steps += 1
-        self.board.changed()
-        rows = {o.seq_id: o for o in report.outcomes} if self.triples else {}
-        for s in report.shadow:
-            self.observe_shadow(s.seq_id, s.drafter, s.proposal, s.judged_by, s.k, s.greedy, s.verifier,
-                                s.count_hit, below_target(rows.get(s.seq_id), s.verifier, self.target))
+        fold_step(self, report)
 
     def finish_request(self, seq_id: int) -> None:
         """Forget a finished request, remembering the alphas it reached on its own evidence
         (pairs with >= 4 trials) for new requests' priors."""
+        self.deferral.fold()
         req = self.requests.pop(seq_id, None)
         self.prober.testing.pop(seq_id, None)
         if req is not None and self.config.request_prior_quantile is not None:
@@ -401,6 +421,7 @@ class Router:
     def mark_failed(self, model: str) -> None:
         """`model` is out of service (engine/faults.py): no plan uses it from now on, and every
         cached decision is dropped at once (the evidence is republished)."""
+        self.deferral.fold()
         if model != self.target and model not in self.failed:
             self.failed.add(model)
             self.stream.release()

@@ -18,6 +18,7 @@ Per ordered pair (drafter, verifier) and decoding mode (greedy / sampling) it ke
   online by ridge-regularized weighted least squares from (SimScore, observed acceptance) pairs.
   Priors: identity for sampling (the acceptance of speculative sampling is exactly 1 - D_TV);
   `1.25 * S - 0.25` for greedy (greedy accepts less than 1 - D_TV at temperature 1 predicts).
+  Only trials with their row's own measured SimScore teach it (`observe_acceptance`).
 
 `alpha(pair, mode)` prefers the observed acceptance: with n trials of evidence it returns
 (accepted + w * fallback) / (n + w), w = prior_strength * max(0, 1 - n / min_evidence): the
@@ -232,7 +233,10 @@ class SimilarityEstimator:
                            sim: float | None = None) -> None:
         """Trials of the iid model (see `acceptance_trials`), summed over rows. `sim`: the
         SimScore (1 - mean D_TV) measured at these very trials (one row's cycle): it teaches the
-        mode's calibration f with the row's own similarity, and dates the counts (`drift`)."""
+        mode's calibration f with the row's own similarity, and dates the counts (`drift`).
+        Trials without it (a step the TvSchedule skipped, a shadow-scored proposal) teach the
+        calibration nothing (with `calibrate_stand_in`: with the pair's global SimScore as the
+        row's stand-in, as before)."""
         trials = accepted + rejections
         if trials <= 0:
             return
@@ -246,7 +250,8 @@ class SimilarityEstimator:
             s.recent = tuple(decayed_add(s.recent, (trials, sim * trials), cfg.drift_decay, trials))
         s.last_measured = self.now
         self.version += 1
-        sim = self.sim_score(pair, mode) if sim is None else sim
+        if sim is None and cfg.calibrate_stand_in:
+            sim = self.sim_score(pair, mode)
         if sim is not None:
             self.calibrations[mode].add(sim, accepted, trials, cfg.calib_decay)
 

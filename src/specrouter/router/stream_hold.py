@@ -49,6 +49,7 @@ span may double while the decision at each end keeps the plan (`RouterConfig.str
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ from specrouter.records.routing import BatchPlan, Chain, Decision, Plan, RowCont
 from specrouter.router.burst import run_key
 from specrouter.router.evidence import certain_bucket
 from specrouter.router.request_state import RequestState
+from specrouter.router.similarity import acceptance_trials, decayed_add, shrink
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,9 @@ class StreamHolder:
         # the last firm hold's (row, plan, span): a decision at its end that keeps the same plan
         # doubles the next one's span up to `RouterConfig.stream_hold_max` (`span`)
         self.last: tuple[int, tuple, int] | None = None
+        # a firm hold's first-pair trials as it counts them, with deferred observations
+        # (`RouterConfig.defer_observations`, router/deferred.py): `HoldTrials`
+        self.trials: HoldTrials | None = None
 
     def plan(self, rows: Sequence[RowContext], pinned: Sequence[Plan], req: RequestState | None,
              probe_due: bool, jumps: Mapping[str, int], now: int) -> BatchPlan | None:
@@ -130,7 +135,7 @@ class StreamHolder:
         if (len(rows) != 1 or pinned or req is None or (probe_due and not hold.firm)
                 or not hold.holds(rows[0], req, jumps, now, self.router.config.patience,
                                   run_key(req, self.router.config))
-                or (hold.firm and self.refuted(hold, req))):
+                or (hold.firm and (self.trials.refuted() if self.trials is not None else self.refuted(hold, req)))):
             self.hold = None
             return None
         req.pending = hold.pending
@@ -177,6 +182,7 @@ class StreamHolder:
         watched = tuple(m for m in decision.chain if m not in self.router.model_free) if firm else None
         epoch = req.epoch if not firm else tuple(self.router.profile.jumps.get(m, 0) for m in watched)
         span = self.span(rows[0].seq_id, decision) if firm else cfg.stream_hold_steps
+        self.trials = HoldTrials.start(self.router, decision.chain, req) if firm and cfg.defer_observations else None
         self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
                                req.version, epoch, certain_bucket(rows[0].certain_rate),
                                now + span, req.worse > 0, run_key(req, cfg), firm, watched)
@@ -197,3 +203,77 @@ class StreamHolder:
     def release(self) -> None:
         """Drop the hold (a model failed: its plan may name it)."""
         self.hold = None
+
+    def tally(self, report) -> None:
+        """A step's report, queued unfolded (router/deferred.py): a firm hold's row's trials of
+        its first pair counted (`HoldTrials`)."""
+        hold, trials = self.hold, self.trials
+        if hold is not None and trials is not None and len(report.outcomes) == 1 \
+                and report.outcomes[0].seq_id == hold.seq_id:
+            trials.count(report.outcomes[0])
+
+
+@dataclass
+class HoldTrials:
+    """A firm hold's release with deferred observations: the request's own estimate of the
+    plan's first pair (and its model-free drafter's hit rate) carried forward from the decision
+    by the hold's own trials, as the request's decayed counts take them, over the prior the
+    request had then (the global estimate and the request's similarity held where they were).
+    Refuted as `StreamHolder.refuted` is: below the published value by more than the tolerance,
+    once a trial moved it."""
+
+    pair: tuple
+    free: bool  # the first level is a model-free drafter (its hit rate watched too)
+    counts: list  # the request's [accepted, rejections] of the pair, decayed, from the decision on
+    prior: float  # the request's prior of the pair then (its estimate without its own counts)
+    line: float  # refuted below this (the published alpha less decision_tolerance)
+    hits: list  # the request's [hits, proposals] of the drafter, decayed
+    hit_prior: float
+    hit_line: float
+    decay: float
+    hit_decay: float
+    strength: float
+    hit_strength: float
+    moved: bool = False
+
+    @classmethod
+    def start(cls, router, chain, req: RequestState) -> "HoldTrials":
+        cfg, evidence = router.config, req.evidence
+        pair, free = tuple(chain[:2]), chain[0] in router.model_free
+        mode = evidence.stamp[2]
+        n0, h0 = cfg.request_prior_strength, cfg.request_hit_prior_strength
+        c = list(req.counts.get(pair, (0.0, 0.0)))
+        live = router.alpha(pair, mode, req)
+        prior = (live * (c[0] + c[1] + n0) - c[0]) / n0 if n0 > 0 else live  # shrink's inverse
+        published = evidence.alphas.get(pair)
+        h = list(req.hits.get(chain[0], (0.0, 0.0))) if free else [0.0, 0.0]
+        hit_prior, hit_line = 0.0, -math.inf
+        if free:
+            live_h = router.hit_rate(chain[0], req)
+            hit_prior = (live_h * (h[1] + h0) - h[0]) / h0 if h0 > 0 else live_h
+            pub = evidence.hits.get(chain[0])
+            hit_line = pub - cfg.decision_hit_tolerance if pub is not None else -math.inf
+        return cls(pair, free, c, prior, published - cfg.decision_tolerance if published is not None else -math.inf,
+                   h, hit_prior, hit_line, cfg.request_decay, cfg.request_hit_decay, n0, h0)
+
+    def count(self, outcome) -> None:
+        """One held cycle's outcome (as `Router._observe_rows` takes it into the request)."""
+        chain = tuple(outcome.chain)
+        if chain[:2] != self.pair:
+            return
+        if self.free:
+            hit = int(outcome.drafted[0]) > 0
+            self.hits = decayed_add(self.hits, (float(hit), 1.0), self.hit_decay, 1.0)
+            self.moved = True
+        a, r = acceptance_trials(int(outcome.drafted[1]), int(outcome.accepted[1]), outcome.k if self.free else None)
+        if a + r:
+            self.counts = decayed_add(self.counts, (a, r), self.decay, a + r)
+            self.moved = True
+
+    def refuted(self) -> bool:
+        if not self.moved:
+            return False
+        c = self.counts
+        if shrink(c[0], c[0] + c[1], self.prior, self.strength) < self.line:
+            return True
+        return self.free and shrink(self.hits[0], self.hits[1], self.hit_prior, self.hit_strength) < self.hit_line

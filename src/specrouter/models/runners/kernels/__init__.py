@@ -3,7 +3,8 @@
 region; `set_stack_schedule` and `stack_profile` steer and time it); linear256.cpp:
 `linear`, the AVX2 linear; linear512.cpp: `linear512`, the AVX-512 and AVX-512-BF16 linears;
 linearamx.cpp: `linear_amx`, the bfloat16 linear on AMX tiles) and the sampling noise
-(noise.cpp: `coupled_argmax`, decoding/noise.py's lazy Gumbel-max in one call); bf16.h holds
+(noise.cpp: `coupled_argmax`, decoding/noise.py's lazy Gumbel-max in one call) and the router's
+similarity signal (tv.cpp: `tv_rows`, decoding/tv.py's D_TV in one call); bf16.h holds
 the bfloat16 widening and rounding both linears and the other ops share.
 
 `rowinv()` returns `torch.ops.specrouter_rowinv` (all of those ops) or None where
@@ -33,7 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(f) for f in ("rowinv.cpp", "linear256.cpp", "linear512.cpp", "linearamx.cpp",
-                                                 "noise.cpp")]
+                                                 "noise.cpp", "tv.cpp")]
 HEADERS = [Path(__file__).with_name(f) for f in ("bf16.h", "finish16.h")]  # included by rowinv.cpp and the linears
 ENV = "SPECROUTER_KERNELS"  # a path of PATHS: force it ("torch": never build or use the native kernels)
 # the kernel paths, fastest first, and the CPU flags (Linux's names) each needs; the native

@@ -1,0 +1,105 @@
+"""Observations folded when read (lean19, `RouterConfig.defer_observations`).
+
+An engine step's observation (policy.py `fold_step`: every row's trials, D_TV, hit rates, shadow
+proposals, every forward's timing into the cost profile, the overheads, the batch calibration)
+took ~0.13-0.15 ms of a single stream's ~12 ms step in the engine on a Sapphire Rapids, ~0.06 ms
+replayed alone: the step's forwards evict the router's working set, so every step's fold starts
+from a cold cache (`benchmarks/router_replay.py replay --evict`). A step planned by a hold reads
+none of it: a multi-row batch's speculative hold (batch.py `SpecHold`) reads only which rows run,
+and a single stream's firm hold (stream_hold.py) only its row and the trials of its own first
+pair. So with deferral on, `observe_step` does at once only what the next planning reads (the
+step clock's pairing, the observed-step count, each row's cycle count, the realized check's
+pending plan as the fold will consume it, the firm hold's trials) and queues the report; the
+queue is folded, in order and exactly as step by step, where the evidence is next read: a step
+not planned by one of those holds, a confident draft taken, a request finished, a model
+failed. Folded back to back, the reports after the first run warm.
+
+What the fold reads of the planning between is restored per report (the observed-step count,
+the batch planner's planning seconds and planned rows, each row's pending realized check), so a
+multi-row batch's deferred steps plan and learn exactly as without deferral (the plans' digest
+on a recorded trace is the same). A single stream's firm hold is released by its first pair's
+trials during the hold as the hold counts them (`StreamHolder.tally`), not by the request's
+folded estimate, and by its models' speed jumps only when folded (at its end)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specrouter.records.routing import StepReport, widened
+
+
+@dataclass
+class Deferred:
+    """A queued report and what its fold reads of the state at its time."""
+
+    report: StepReport
+    step: int  # the router's observed steps when it was observed
+    plan_seconds: float  # the batch planner's planning seconds of its step (BatchPlanner.observe)
+    planned: frozenset  # the rows the planner planned then
+    leased: tuple | None  # the planner's lease then
+    pending: dict  # seq_id -> the row's pending realized check then (RequestState.pending)
+
+
+class Deferral:
+    """The queue of one `Router` (module docstring); `fold_step(router, report)` folds one."""
+
+    def __init__(self, router, fold_step: Callable):
+        self.router = router
+        self.fold_step = fold_step
+        self.queue: list[Deferred] = []
+        self.folded = 0  # reports folded from the queue
+        self.folds = 0  # folds of a non-empty queue
+
+    def defer(self, report: StepReport) -> None:
+        """`observe_step` with deferral on: the eager part, and the report queued."""
+        router = self.router
+        router.outside.observed(router.observed_steps, report.wall_time, report.speculative,
+                                widened(report.outcomes, report.forwards))
+        planner = router.planner
+        plan_seconds, planner.plan_seconds = planner.plan_seconds, 0.0
+        pending = {}
+        single = len(report.outcomes) == 1 and router.config.realized_check
+        for o in report.outcomes:
+            req = router.requests.get(o.seq_id)
+            if req is None:
+                continue
+            pending[o.seq_id] = req.pending
+            req.cycles += 1  # TvSchedule reads it (undone and redone by the fold)
+            if single:
+                req.pending = None  # the realized check consumes it (`Router._observe_realized`)
+        self.queue.append(Deferred(report, router.observed_steps, plan_seconds, planner.planned,
+                                   planner.leased, pending))
+        router.observed_steps += 1
+        router.stream.tally(report)
+
+    def fold(self) -> None:
+        """Fold every queued report, in order, as `observe_step` would have one by one."""
+        if not self.queue:
+            return
+        router, planner = self.router, self.router.planner
+        queue, self.queue = self.queue, []
+        now, plan_seconds, planned, leased = router.observed_steps, planner.plan_seconds, planner.planned, planner.leased
+        current = {}
+        for item in queue:
+            for seq in item.pending:
+                req = router.requests.get(seq)
+                if req is not None:
+                    req.cycles -= 1
+                    current.setdefault(seq, req.pending)
+        for item in queue:
+            router.observed_steps = item.step
+            planner.plan_seconds, planner.planned, planner.leased = item.plan_seconds, item.planned, item.leased
+            for seq, p in item.pending.items():
+                req = router.requests.get(seq)
+                if req is not None:
+                    req.pending = p
+            self.fold_step(router, item.report)
+        self.folded += len(queue)
+        self.folds += 1
+        router.observed_steps = now
+        planner.plan_seconds, planner.planned, planner.leased = plan_seconds, planned, leased
+        for seq, p in current.items():
+            req = router.requests.get(seq)
+            if req is not None:
+                req.pending = p
