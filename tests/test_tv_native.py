@@ -3,11 +3,15 @@ decoding/tv.py `tv_rows` / `level_tv`) against the torch path (`level_tv_torch`)
 float rounding for rows with and without temperature, min-p and greedy rows, in mixed batches,
 sub-batches of a sampling table and rows of 0..n candidates, on one thread and two (the split
 vocabulary); closer to a float64 reference than the torch path; NaN where the torch path is NaN;
-rows with top-k / top-p on the torch path exactly; and without the kernels, the torch path."""
+rows with top-k / top-p (their thresholds found from candidates, not a sort) equal too; and
+without the kernels, the torch path."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -118,17 +122,24 @@ def test_identical_distributions_are_zero_and_disjoint_are_one(native):
     assert level_tv(a, b, torch.tensor([1]), st).item() == pytest.approx(1.0, abs=1e-6)
 
 
-@pytest.mark.parametrize("filtered", [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.1, top_k=20),
-                                      SamplingParams(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02)])
-def test_top_k_top_p_rows_take_the_torch_path(native, filtered):
-    """Rows with top-k or top-p: the torch path's values exactly; the other rows native."""
-    V, n = 5000, 2
-    params = [SamplingParams(temperature=0.7), filtered, SamplingParams(temperature=0.0, top_k=5)]
-    d, v = logits_pair(3, n, V, seed=11)
-    num = torch.tensor([2, 2, 1])
+FILTERED = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.1, top_k=20),
+            SamplingParams(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02), SamplingParams(temperature=0.5, top_p=0.01),
+            SamplingParams(temperature=1.0, top_k=3, min_p=0.9), SamplingParams(temperature=2.0, top_p=0.999)]
+
+
+@pytest.mark.parametrize("V", [100, 5000, 49152])
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])
+def test_top_k_and_top_p_rows_equal_the_torch_path(native, threads, V, scale):
+    """Rows with top-k / top-p (with min-p, a top_p of 0.01: the top token; more min-p survivors
+    than k and fewer) beside plain and greedy rows, flat to peaked logits, and logits in
+    bfloat16's steps (ties, as a bfloat16 model's): the torch path's values."""
+    params = FILTERED + [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, top_k=5)]
+    n = 2
+    d, v = logits_pair(len(params), n, V, seed=V + int(scale * 10), scale=scale)
+    d, v = d.bfloat16().float(), v.bfloat16().float()
+    num = torch.tensor([2, 1, 2, 2, 1, 2, 2, 1])
     st = SamplingTensors.from_params(params)
     got, want = level_tv(d, v, num, st), level_tv_torch(d, v, num, st)
-    assert got[1].item() == want[1].item()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
@@ -153,3 +164,28 @@ def test_greedy_rows_are_unfiltered_at_temperature_one():
     alone = SamplingTensors.from_params([SamplingParams(temperature=0.0)])
     assert level_tv_torch(d, v, num, mixed)[0].item() == pytest.approx(
         level_tv_torch(d[:1], v[:1], num[:1], alone).item(), abs=1e-7)
+
+
+def test_the_avx2_passes_equal_the_torch_path_too(native):
+    """SPECROUTER_KERNELS=avx2 (read when the library loads: a fresh process) forces the 8-lane
+    passes on a CPU with AVX-512: the same values within float rounding, filters included."""
+    code = """
+import torch
+from specrouter.config import SamplingParams
+from specrouter.decoding.sampling import SamplingTensors
+from specrouter.decoding.tv import level_tv, level_tv_torch
+g = torch.Generator().manual_seed(2)
+params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, min_p=0.05),
+          SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, top_k=20)]
+for V in (13, 4097, 49152):
+    d = (torch.randn(5, 2, V, generator=g) * 3).bfloat16().float()
+    v = (torch.randn(5, 3, V, generator=g) * 3).bfloat16().float()
+    v[:, :2] = 0.6 * v[:, :2] + 0.4 * d
+    num = torch.tensor([2, 1, 2, 2, 1])
+    st = SamplingTensors.from_params(params)
+    assert (level_tv(d, v, num, st) - level_tv_torch(d, v, num, st)).abs().max() < 1e-5, V
+print("ok")
+"""
+    env = dict(os.environ, SPECROUTER_KERNELS="avx2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

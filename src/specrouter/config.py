@@ -189,7 +189,8 @@ class SimilarityConfig:
     # `tv_first_cycles` cycles (its own SimScore is its prior from its first cycle), and every
     # `tv_every`-th step with a row it measures besides (the calibration, drift and the global
     # SimScores). Measured in every step, D_TV cost a sampled single stream 0.5-0.6 ms of a
-    # ~12 ms cycle on a Sapphire Rapids (2026-12-06, docs/router.md); 1: every step
+    # ~12 ms cycle on a Sapphire Rapids (2026-12-06, docs/router.md); natively (kernels/tv.cpp)
+    # ~0.1 ms, and every step was still no faster than this schedule (tv19); 1: every step
     tv_every: int = 8
     tv_first_cycles: int = 4
     # greedy rows' D_TV feeds the estimator too. Off: a greedy row accepts on an argmax match,

@@ -11,10 +11,12 @@ mode's SimScore to acceptance with its own calibration), unfiltered: a greedy ro
 and top-p are ignored here, whatever the other rows of its batch use.
 
 `tv_rows` (the executor's entry) computes it natively where the kernels are built
-(kernels/tv.cpp `tv_rows`: the scaling, min-p, both softmaxes and the distance in three passes
-over the vocabulary, ~25 us a position on a Sapphire Rapids instead of ~170); rows with top-k or
-top-p, non-float32 or non-CPU logits, and processes without the kernels take the torch path
-(`level_tv_torch`). The two agree within float rounding (tests/test_tv_native.py).
+(kernels/tv.cpp `tv_rows`: the scaling, min-p, top-k, top-p, both softmaxes and the distance in
+three passes over the vocabulary, ~25 us a position on a Sapphire Rapids instead of ~170, and
+without the torch path's sort of the vocabulary for top-k / top-p rows); non-CPU logits and
+processes without the kernels take the torch path (`level_tv_torch`). The two agree within
+float rounding (tests/test_tv_native.py), but for a top-p nucleus whose boundary the two
+paths' rounding decides (a prefix's mass within ~1e-6 of top_p).
 """
 
 from __future__ import annotations
@@ -87,34 +89,24 @@ def tv_rows(drafts: Sequence[Sequence[torch.Tensor]], verifier: torch.Tensor, vr
     assert len(vrows) == R and len(srows) == R, "vrows and srows: one per row"
     ops = _native_ops()
     if ops is not None and verifier.device.type == "cpu" and st.temperature.device.type == "cpu":
-        torch_rows = _filtered_rows(st, srows)
-    else:
-        ops, torch_rows = None, list(range(R))
-    out = [math.nan] * R
-    native = [r for r in range(R) if r not in set(torch_rows)]
-    if native:
         v = verifier if verifier.dtype == torch.float32 and verifier.stride(-1) == 1 else verifier.float().contiguous()
         flat = [d if d.dtype == torch.float32 and d.is_contiguous() else d.float().contiguous()
-                for r in native for d in drafts[r]]
+                for ds in drafts for d in ds]
         lmp = torch.log(st.min_p) if st.needs_min_p and not st.all_greedy else _EMPTY
-        tv = ops.tv_rows(flat, v, [vrows[r] for r in native], [len(drafts[r]) for r in native], st.temperature,
-                         lmp, [srows[r] for r in native]).tolist()
-        for r, d in zip(native, tv):
-            out[r] = d
-    if torch_rows:
-        n = max(len(drafts[r]) for r in torch_rows)
-        V = verifier.shape[-1]
-        draft = verifier.new_zeros((len(torch_rows), max(n, 1), V))  # (R', n, V)
-        for j, r in enumerate(torch_rows):
-            if drafts[r]:
-                draft[j, : len(drafts[r])] = torch.stack(list(drafts[r]))
-        rows = torch.tensor([vrows[r] for r in torch_rows], dtype=torch.long, device=verifier.device)
-        num = torch.tensor([len(drafts[r]) for r in torch_rows], dtype=torch.long)
-        sub = st.select(torch.tensor([srows[r] for r in torch_rows], dtype=torch.long))
-        tv = level_tv_torch(draft[:, :n], verifier[rows], num, sub).tolist()
-        for r, d in zip(torch_rows, tv):
-            out[r] = d
-    return out
+        top_k, top_p = (st.top_k, st.top_p) if st.needs_sort and not st.all_greedy else (_EMPTY_LONG, _EMPTY)
+        return ops.tv_rows(flat, v, list(vrows), [len(ds) for ds in drafts], st.temperature, lmp, top_k, top_p,
+                           list(srows)).tolist()
+    if R == 0:
+        return []
+    n = max(len(ds) for ds in drafts)
+    draft = verifier.new_zeros((R, max(n, 1), verifier.shape[-1]))  # (R, n, V)
+    for r, ds in enumerate(drafts):
+        if ds:
+            draft[r, : len(ds)] = torch.stack(list(ds))
+    rows = torch.tensor(list(vrows), dtype=torch.long, device=verifier.device)
+    num = torch.tensor([len(ds) for ds in drafts], dtype=torch.long)
+    sub = st.select(torch.tensor(list(srows), dtype=torch.long))
+    return level_tv_torch(draft[:, :n], verifier[rows], num, sub).tolist()
 
 
 def level_tv_torch(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, num_candidates: torch.Tensor,
@@ -129,6 +121,7 @@ def level_tv_torch(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, nu
 
 
 _EMPTY = torch.empty(0, dtype=torch.float32)
+_EMPTY_LONG = torch.empty(0, dtype=torch.long)
 
 
 def _native_ops():
@@ -136,14 +129,6 @@ def _native_ops():
     from specrouter.models.runners.kernels import rowinv
 
     return rowinv()
-
-
-def _filtered_rows(st: SamplingTensors, srows: Sequence[int]) -> list[int]:
-    """The rows (indices into srows) that sample with top-k or top-p: the torch path's."""
-    if not st.needs_sort:
-        return []
-    flt = ((st.temperature != 0) & ((st.top_k > 0) | (st.top_p < 1.0))).tolist()
-    return [r for r, s in enumerate(srows) if flt[s]]
 
 
 def _greedy_unfiltered(st: SamplingTensors) -> SamplingTensors:

@@ -35,7 +35,8 @@ pool order (cheapest first, target last) and the names of model-free drafters.
    whose trials refuted that optimism keeps its pair from the request's probes for a while.
 4. `observe_step(StepReport)`, once per engine step: acceptance trials (global and per
    request), D_TV, hit rates, shadow proposals, forward timings into the profile, step
-   overheads, the batch calibration.
+   overheads, the batch calibration. With `RouterConfig.defer_observations` a step planned by a
+   hold is queued and folded where the evidence is next read (router/deferred.py).
 5. The decision cache (router/evidence.py, `EvidenceBoard`): decide() reads the evidence as
    published, which changes only when the live estimates move materially (or a model fails or
    slows down), and step 1 (the PlanTable, the expensive part) is reused per row while its key

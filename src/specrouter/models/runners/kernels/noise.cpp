@@ -4,13 +4,17 @@
 // position key key[n], token v of vocabulary block b (BLOCK tokens, the vocabulary padded with
 // -inf) gets E_v = M_b + (v is the block's argmin ? 0 : -log U(key, "token", v)), with
 // M_b = -log U(key, "block_min", b) / BLOCK, and the row samples argmax_v scores[v] - log E_v.
-// Blocks are visited in decreasing order of their bound max(scores in b) - log M_b until the
-// best score found beats the next bound, so a peaked distribution costs one or two blocks. The
-// hash is the same 32-bit mixing on the same counters; logs are float64 (std::log here, torch's
-// vectorized log there: they agree to the last bit or one ulp, so the two paths choose the same
-// token unless two noisy scores tie to within ~1e-16).
+// Blocks are visited lazily by their bound max(scores in b) - log M_b (`sample_row` below), so a
+// peaked distribution costs one or two blocks. The hash is the same 32-bit mixing on the same
+// counters; logs are float64 (std::log here, torch's vectorized log there: they agree to the last
+// bit or one ulp, so the two paths choose the same token unless two noisy scores tie to within
+// ~1e-16).
 //
-// One Python call per step instead of ~100 small torch ops (the torch path's cost on CPU).
+// One implementation, two entries: `choose_tokens` (raw logits and the temperature, fused: rows
+// without top-k, top-p or min_p) and `coupled_argmax` (scores the torch path scaled and filtered:
+// the other rows), which is `sample_row` at temperature 1. (Until session 19 `coupled_argmax`
+// had its own loop, which took every block's two logarithms: 50-190 us where it now takes 20-65,
+// the same tokens.) One Python call per step instead of ~100 small torch ops.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -62,82 +66,6 @@ inline double vlog(double x) {
   _mm256_zeroupper();
 #endif
   return std::log(x);
-}
-
-template <typename T>
-int64_t row_argmax(const T* s, int64_t V, uint32_t key, std::vector<double>& bound,
-                   std::vector<double>& minima, std::vector<int64_t>& order) {
-  const int64_t nb = (V + BLOCK - 1) / BLOCK;
-  constexpr double NEG_INF = -std::numeric_limits<double>::infinity();
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t lo = b * BLOCK, hi = std::min(V, lo + BLOCK);
-    double mx = NEG_INF;
-    bool nan = false;
-    for (int64_t v = lo; v < hi; ++v) {
-      const double x = static_cast<double>(s[v]);
-      nan |= std::isnan(x);
-      mx = x > mx ? x : mx;
-    }
-    TORCH_CHECK(!nan, "invalid distribution: NaN scores (non-finite logits or temperature)");
-    minima[b] = -vlog(uniform(key, STREAM_MIN, b)) / BLOCK;
-    bound[b] = mx - vlog(minima[b]);
-  }
-  std::iota(order.begin(), order.begin() + nb, int64_t{0});
-  // the most promising blocks first; a partial sort of the head usually suffices
-  const int64_t head = std::min<int64_t>(nb, 16);
-  auto by_bound = [&](int64_t a, int64_t b) { return bound[a] > bound[b] || (bound[a] == bound[b] && a < b); };
-  std::partial_sort(order.begin(), order.begin() + head, order.begin() + nb, by_bound);
-  double best = NEG_INF;
-  int64_t token = -1;
-  for (int64_t i = 0; i < nb; ++i) {
-    if (i == head) std::sort(order.begin() + head, order.begin() + nb, by_bound);
-    const int64_t b = order[i];
-    if (token >= 0 && best > bound[b]) break;  // no token of this or a later block can win
-    const int64_t lo = b * BLOCK, hi = std::min(V, lo + BLOCK);
-    int64_t arg = static_cast<int64_t>(uniform(key, STREAM_ARG, b) * BLOCK);
-    arg = std::min(arg, BLOCK - 1);
-    for (int64_t v = lo; v < hi; ++v) {
-      const double x = static_cast<double>(s[v]);
-      if (x == NEG_INF) continue;  // filtered: never sampled
-      const double extra = (v - lo == arg) ? 0.0 : -vlog(uniform(key, STREAM_TOKEN, v));
-      const double score = x - vlog(minima[b] + extra);
-      if (score > best || token < 0) {
-        best = score;
-        token = v;
-      }
-    }
-  }
-  return token < 0 ? 0 : token;  // every score -inf: index 0, as argmax over the whole row
-}
-
-// scores (N, V) float32 or float64 (scaled logits, -inf = filtered), keys (N,) int64 position
-// keys (32-bit values) -> (N,) int64 tokens
-at::Tensor coupled_argmax(const at::Tensor& scores, const at::Tensor& keys) {
-  TORCH_CHECK(scores.dim() == 2 && scores.device().is_cpu(), "scores: (N, V) on the CPU");
-  TORCH_CHECK(keys.dim() == 1 && keys.size(0) == scores.size(0) && keys.scalar_type() == at::kLong,
-              "keys: (N,) int64");
-  const auto dt = scores.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble, "coupled_argmax: float32 or float64 scores, got ", dt);
-  at::Tensor s = scores.contiguous();
-  at::Tensor k = keys.contiguous();
-  const int64_t N = s.size(0), V = s.size(1);
-  at::Tensor out = at::empty({N}, keys.options());
-  if (N == 0) return out;
-  TORCH_CHECK(V > 0, "scores: empty vocabulary");
-  const int64_t nb = (V + BLOCK - 1) / BLOCK;
-  const int64_t* kp = k.data_ptr<int64_t>();
-  int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> bound(nb), minima(nb);
-    std::vector<int64_t> order(nb);
-    for (int64_t n = begin; n < end; ++n) {
-      const uint32_t key = static_cast<uint32_t>(kp[n]);
-      op[n] = dt == at::kFloat
-                  ? row_argmax(s.data_ptr<float>() + n * V, V, key, bound, minima, order)
-                  : row_argmax(s.data_ptr<double>() + n * V, V, key, bound, minima, order);
-    }
-  });
-  return out;
 }
 
 // ---- choose_tokens: the token every position samples, from raw logits, in one call ------------
@@ -362,6 +290,54 @@ at::Tensor choose_tokens(const at::Tensor& logits, const at::Tensor& temperature
     choose_rows<float>(logits, temp, rows.data(), seed_keys.data(), pos, op, B, G, V);
   else
     choose_rows<double>(logits, temp, rows.data(), seed_keys.data(), pos, op, B, G, V);
+  return out;
+}
+
+template <typename T>
+void argmax_rows(const T* scores, const int64_t* keys, int64_t* out, int64_t N, int64_t V) {
+  const int64_t nb = (V + BLOCK - 1) / BLOCK;
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    Scratch sc(nb);
+    std::vector<T> bm(nb);
+    std::vector<uint8_t> bn(nb);
+    for (int64_t n = begin; n < end; ++n) {
+      const T* row = scores + n * V;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t lo = b * BLOCK, hi = std::min(V, lo + BLOCK);
+        bool nan = false;
+        bm[b] = span_max(row + lo, hi - lo, nan);
+        bn[b] = nan;
+      }
+      out[n] = sample_row(row, V, T(1), static_cast<uint32_t>(keys[n]), bm.data(), bn.data(), sc);
+    }
+  });
+}
+
+// ---- coupled_argmax: the same sample from scores already scaled and filtered ------------------
+// (sampling.py `choose_tokens` for rows with top-k, top-p or min_p: their scores are the torch
+// path's `scaled_logits`.) A row is `sample_row` at temperature 1 (fl(x / 1) = x), from its
+// blocks' maxima: the same lazy bounds, the same noise, ties to the lowest index.
+//
+// scores (N, V) float32 or float64 (scaled logits, -inf = filtered), keys (N,) int64 position
+// keys (32-bit values) -> (N,) int64 tokens
+at::Tensor coupled_argmax(const at::Tensor& scores, const at::Tensor& keys) {
+  TORCH_CHECK(scores.dim() == 2 && scores.device().is_cpu(), "scores: (N, V) on the CPU");
+  TORCH_CHECK(keys.dim() == 1 && keys.size(0) == scores.size(0) && keys.scalar_type() == at::kLong,
+              "keys: (N,) int64");
+  const auto dt = scores.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble, "coupled_argmax: float32 or float64 scores, got ", dt);
+  at::Tensor s = scores.contiguous();
+  at::Tensor k = keys.contiguous();
+  const int64_t N = s.size(0), V = s.size(1);
+  at::Tensor out = at::empty({N}, keys.options());
+  if (N == 0) return out;
+  TORCH_CHECK(V > 0, "scores: empty vocabulary");
+  const int64_t* kp = k.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  if (dt == at::kFloat)
+    argmax_rows<float>(s.data_ptr<float>(), kp, op, N, V);
+  else
+    argmax_rows<double>(s.data_ptr<double>(), kp, op, N, V);
   return out;
 }
 

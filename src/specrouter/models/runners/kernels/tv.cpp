@@ -10,8 +10,8 @@
 // survivors. Three passes over the vocabulary: the two maxima (raw,
 // then scaled once: x -> x / T is monotone), the exponentials (stored) and their sums, and
 // sum |e_x / Z_x - e_y / Z_y|. A position with a NaN logit or an infinite maximum is NaN (the
-// torch path's softmax gives NaN there too). Top-k / top-p rows are the caller's: tv.py sends
-// them to the torch path.
+// torch path's softmax gives NaN there too). Top-k and top-p: thresholds on t found between
+// passes 1 and 2 (`filter_threshold`).
 //
 // Threads: positions are split among the threads; with fewer positions than threads each
 // position's vocabulary is split in chunks too, the passes then three parallel regions (the
@@ -28,7 +28,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -269,15 +273,108 @@ T512 double span_absdiff_512(const float* ex, const float* ey, float a, float b,
   return total;
 }
 
-const bool HAS_AVX512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+// the 16-lane passes where the CPU has AVX-512, unless SPECROUTER_KERNELS=avx2 forces the
+// 8-lane ones (as it forces the linears' path; read when the library loads)
+const bool HAS_AVX512 = [] {
+  const char* forced = std::getenv("SPECROUTER_KERNELS");
+  if (forced != nullptr && std::strstr(forced, "avx2") != nullptr) return false;
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+         && __builtin_cpu_supports("avx512dq");
+}();
 
 struct Position {
   const float* x;  // the drafter's logits
   const float* y;  // the verifier's
   float inv;       // 1 / T (1 for a greedy row)
   float lmp;       // log(min_p), -inf: none
+  int64_t k;       // top-k, 0: none
+  float p;         // top-p, 1: none
+  float thx = NEG_INF, thy = NEG_INF;  // each side's threshold on t = x * inv - max (filter_threshold)
 };
+
+// ---- top-k and top-p (sampling.py `_top_k_top_p_mask`): each a threshold on t ------------------
+// A side keeps the tokens with t >= its threshold: max(log(min_p), the k-th largest t of the
+// min-p survivors, the smallest t of the nucleus), the nucleus being, in descending order of t,
+// the tokens whose mass before them (of the top-k survivors' distribution) is < top_p, at least
+// one (ties with the smallest kept value kept, as the torch path). Found from candidates (the
+// tokens with t >= a cut, the cut lowered until they hold k tokens or the mass top_p) sorted or
+// selected, instead of a sort of the vocabulary (the torch path's 2.4 ms a position). The masses
+// are the float32 exponentials pass 2 computes, summed in float64 (the torch path: its float32
+// softmax, cumulated): the nucleus can differ where a prefix's mass is within ~1e-6 of top_p.
+
+// t >= cut among [0, V): how many
+inline int64_t count_at_least(const float* x, int64_t V, float inv, float m, float cut) {
+  const __m256 vi = _mm256_set1_ps(inv), vm = _mm256_set1_ps(-m), vc = _mm256_set1_ps(cut);
+  int64_t n = 0;
+  for (int64_t v = 0; v < V; v += LANES) {
+    const __m256 t = _mm256_fmadd_ps(load8(x, v, V), vi, vm);
+    n += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(t, vc, _CMP_GE_OQ)));
+  }
+  return n;
+}
+
+// calls f(v, t) for every v with t >= cut, in order; t as pass 2 computes it (one fused rounding)
+template <typename F>
+inline void each_at_least(const float* x, int64_t V, float inv, float m, float cut, F f) {
+  const __m256 vi = _mm256_set1_ps(inv), vm = _mm256_set1_ps(-m), vc = _mm256_set1_ps(cut);
+  alignas(32) float ts[LANES];
+  for (int64_t v = 0; v < V; v += LANES) {
+    const __m256 t = _mm256_fmadd_ps(load8(x, v, V), vi, vm);
+    unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(t, vc, _CMP_GE_OQ)));
+    if (!bits) continue;  // most of the vocabulary
+    _mm256_store_ps(ts, t);
+    for (; bits; bits &= bits - 1) {
+      const int i = __builtin_ctz(bits);
+      f(v + i, ts[i]);
+    }
+  }
+}
+
+// the threshold of one side: x its logits, m its scaled maximum, e a buffer of V for its
+// exponentials (written)
+float filter_threshold(const float* x, int64_t V, const Position& p, float m, float* e) {
+  float thr = p.lmp;
+  std::vector<std::pair<float, float>> cand;  // (t, exp t)
+  if (p.k > 0 && p.k < V) {
+    float cut = -2.0f;  // lowered until it holds k (a counting pass each: cheap), else everything
+    while (count_at_least(x, V, p.inv, m, std::max(cut, thr)) < p.k) {
+      if (cut == NEG_INF) break;
+      cut = cut < -100.0f ? NEG_INF : 2.0f * cut;
+    }
+    std::vector<float> ts;
+    each_at_least(x, V, p.inv, m, std::max(cut, thr), [&](int64_t, float t) { ts.push_back(t); });
+    if (static_cast<int64_t>(ts.size()) >= p.k) {  // (fewer min-p survivors than k: no cut)
+      std::nth_element(ts.begin(), ts.begin() + (p.k - 1), ts.end(), std::greater<float>());
+      thr = std::max(thr, ts[p.k - 1]);
+    }
+  }
+  if (p.p < 1.0f) {
+    const double Z = (HAS_AVX512 ? span_exp_512<true> : span_exp<true>)(x, p.inv, m, thr, e, 0, V);
+    const double need = static_cast<double>(p.p) * Z * (1.0 + 1e-6);
+    for (float cut = -4.0f;; cut *= 2.0f) {  // candidates holding the nucleus' mass
+      if (cut < -128.0f) cut = NEG_INF;
+      cand.clear();
+      double mass = 0.0;
+      each_at_least(x, V, p.inv, m, std::max(cut, thr), [&](int64_t v, float t) {
+        cand.emplace_back(t, e[v]);
+        mass += e[v];
+      });
+      if (mass >= need || cut == NEG_INF) break;
+    }
+    std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    double before = 0.0;
+    int64_t kept = 0;
+    const double target = static_cast<double>(p.p) * Z;
+    for (const auto& c : cand) {
+      if (!(before < target)) break;
+      before += c.second;
+      ++kept;
+    }
+    kept = std::max<int64_t>(kept, 1);  // the top token at least (top_p 0)
+    if (kept <= static_cast<int64_t>(cand.size())) thr = std::max(thr, cand[kept - 1].first);
+  }
+  return thr;
+}
 
 // per (position, chunk) partial results
 struct Part {
@@ -292,7 +389,8 @@ struct Part {
 // float32 (0: greedy), log_min_p (S,) float32 or empty (none), srows (R) the table row of each
 // row -> (R,) float64: the mean D_TV over the row's positions, NaN for a row without any
 at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArrayRef vrows, at::IntArrayRef counts,
-                   const at::Tensor& temperature, const at::Tensor& log_min_p, at::IntArrayRef srows) {
+                   const at::Tensor& temperature, const at::Tensor& log_min_p, const at::Tensor& top_k,
+                   const at::Tensor& top_p, at::IntArrayRef srows) {
   TORCH_CHECK(verifier.dim() == 3 && verifier.device().is_cpu() && verifier.scalar_type() == at::kFloat
               && verifier.stride(2) == 1, "verifier: (B, G, V) float32 on the CPU, the last dim contiguous");
   const int64_t R = static_cast<int64_t>(vrows.size()), B = verifier.size(0), G = verifier.size(1),
@@ -304,8 +402,14 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
   const bool min_p = log_min_p.numel() > 0;
   TORCH_CHECK(!min_p || (log_min_p.dim() == 1 && log_min_p.size(0) == S && log_min_p.scalar_type() == at::kFloat
                          && log_min_p.is_contiguous()), "log_min_p: (S,) float32 or empty");
+  const bool filters = top_k.numel() > 0;
+  TORCH_CHECK(!filters || (top_k.dim() == 1 && top_k.size(0) == S && top_k.scalar_type() == at::kLong && top_k.is_contiguous()
+                           && top_p.dim() == 1 && top_p.size(0) == S && top_p.scalar_type() == at::kFloat
+                           && top_p.is_contiguous()), "top_k, top_p: (S,) int64 and float32, or both empty");
   const float* temp = temperature.data_ptr<float>();
   const float* lmp = min_p ? log_min_p.data_ptr<float>() : nullptr;
+  const int64_t* tk = filters ? top_k.data_ptr<int64_t>() : nullptr;
+  const float* tp = filters ? top_p.data_ptr<float>() : nullptr;
   std::vector<Position> pos;
   std::vector<int64_t> first(R + 1, 0);  // row r's positions: [first[r], first[r + 1])
   const float* vbase = verifier.data_ptr<float>();
@@ -322,8 +426,10 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
       const at::Tensor& d = drafts[k];
       TORCH_CHECK(d.device().is_cpu() && d.scalar_type() == at::kFloat && d.numel() == V && d.is_contiguous(),
                   "drafts: (V,) float32 contiguous on the CPU");
+      const bool f = filters && !greedy;
       pos.push_back({d.data_ptr<float>(), vbase + vrows[r] * verifier.stride(0) + i * verifier.stride(1),
-                     greedy ? 1.0f : 1.0f / t, (greedy || !min_p) ? NEG_INF : lmp[srows[r]]});
+                     greedy ? 1.0f : 1.0f / t, (greedy || !min_p) ? NEG_INF : lmp[srows[r]],
+                     f && tk[srows[r]] > 0 && tk[srows[r]] < V ? tk[srows[r]] : 0, f ? tp[srows[r]] : 1.0f});
     }
     first[r + 1] = static_cast<int64_t>(pos.size());
   }
@@ -379,6 +485,18 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
       else
         span_max2(pos[kof(u)].x, pos[kof(u)].y, lo, hi, q.mx, q.my, q.nan);
     };
+    // between passes 1 and 2: each side's threshold (min-p, and top-k / top-p where the row has them)
+    auto thresholds = [&](int64_t k) {
+      Position& p = pos[k];
+      p.thx = p.thy = p.lmp;
+      if (p.k == 0 && !(p.p < 1.0f)) return;
+      float mx, my;
+      bool nan = false;
+      maxima(k, mx, my, nan);
+      if (nan) return;
+      p.thx = filter_threshold(p.x, V, p, mx, eb + k * 2 * V);
+      p.thy = filter_threshold(p.y, V, p, my, eb + k * 2 * V + V);
+    };
     auto pass2 = [&](int64_t u) {
       const int64_t k = kof(u);
       const Position& p = pos[k];
@@ -389,10 +507,12 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
       int64_t lo, hi;
       bounds(u, lo, hi);
       float* ex = eb + k * 2 * V;
-      const bool mp = !std::isinf(p.lmp);
-      auto exps = HAS_AVX512 ? (mp ? span_exp_512<true> : span_exp_512<false>) : (mp ? span_exp<true> : span_exp<false>);
-      parts[u].zx = exps(p.x, p.inv, mx, p.lmp, ex, lo, hi);
-      parts[u].zy = exps(p.y, p.inv, my, p.lmp, ex + V, lo, hi);
+      auto exps = [](float thr) {
+        const bool cut = !std::isinf(thr);
+        return HAS_AVX512 ? (cut ? span_exp_512<true> : span_exp_512<false>) : (cut ? span_exp<true> : span_exp<false>);
+      };
+      parts[u].zx = exps(p.thx)(p.x, p.inv, mx, p.thx, ex, lo, hi);
+      parts[u].zy = exps(p.thy)(p.y, p.inv, my, p.thy, ex + V, lo, hi);
     };
     auto pass3 = [&](int64_t u) {
       const int64_t k = kof(u);
@@ -410,12 +530,14 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
       at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
         for (int64_t u = begin; u < end; ++u) {
           pass1(u);
+          thresholds(u);
           pass2(u);
           pass3(u);
         }
       });
     } else {
       at::parallel_for(0, P * C, 1, [&](int64_t begin, int64_t end) { for (int64_t u = begin; u < end; ++u) pass1(u); });
+      at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) { for (int64_t k = begin; k < end; ++k) thresholds(k); });
       at::parallel_for(0, P * C, 1, [&](int64_t begin, int64_t end) { for (int64_t u = begin; u < end; ++u) pass2(u); });
       at::parallel_for(0, P * C, 1, [&](int64_t begin, int64_t end) { for (int64_t u = begin; u < end; ++u) pass3(u); });
     }
@@ -439,7 +561,7 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
 
 TORCH_LIBRARY_FRAGMENT(specrouter_rowinv, m) {
   m.def("tv_rows(Tensor[] drafts, Tensor verifier, int[] vrows, int[] counts, Tensor temperature, Tensor log_min_p, "
-        "int[] srows) -> Tensor");
+        "Tensor top_k, Tensor top_p, int[] srows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) { m.impl("tv_rows", &tv_rows); }
