@@ -109,8 +109,9 @@ def test_negative_controls_an_off_by_one_cut_fails_the_check():
 
 
 def test_flat_rows_and_nan_fall_back_to_the_sort_path():
-    x = _logits("flat", 1, 1, seed=0)
-    assert sampling._top_k_top_p_mask_candidates(x, torch.tensor([0]), torch.tensor([0.9])) is None
+    x = _logits("flat", 1, 1, seed=0)  # a nucleus past V / 4: the row is sorted
+    got = sampling._top_k_top_p_mask_candidates(x, torch.tensor([0]), torch.tensor([0.9]))
+    assert torch.equal(got, sampling._top_k_top_p_mask_sort(x, torch.tensor([0]), torch.tensor([0.9])))
     y = _logits("peaked", 1, 1, seed=0)
     y[0, 0, 5] = float("nan")
     assert sampling._top_k_top_p_mask_candidates(y, torch.tensor([0]), torch.tensor([0.9])) is None
@@ -142,3 +143,46 @@ def test_non_contiguous_logits():
     top_k, top_p = torch.tensor([40, 0]), torch.tensor([0.9, 0.9])
     got = sampling._top_k_top_p_mask(x, top_k, top_p)
     _check_same(x.contiguous(), top_k, top_p, got)
+
+
+@pytest.mark.parametrize("controls", ["top_p", "top_k", "both"])
+def test_a_rows_output_does_not_depend_on_the_batch(controls):
+    """Row-invariance: a row's output, bit for bit, is the same computed alone (plain decoding:
+    1 x 1) and inside batches of 1/3/8 rows x 1/5 positions (verification) beside rows that force
+    widening (a wide nucleus needing K = 1024 or 4096, a top-k of 1000) or the sort (flat rows)."""
+    g = torch.Generator().manual_seed(1)
+    kinds = ["peaked", "bf16", "random", "tied", "flat", "peaked", "random", "bf16"]
+    k_of = {"top_p": 0, "top_k": 40, "both": 50}[controls]
+    p_of = {"top_p": 0.9, "top_k": 1.0, "both": 0.95}[controls]
+    for B in (1, 3, 8):
+        for M in (1, 5):
+            x = torch.cat([_logits(kinds[b], 1, M, seed=100 + b) for b in range(B)])
+            x[:, :, :] += 0.0 * torch.rand(B, M, 1, generator=g)
+            top_k = torch.tensor([k_of if b % 3 == 0 else [0, 1000, 7][b % 3] for b in range(B)])
+            top_p = torch.tensor([p_of if b % 3 == 0 else [0.999, 1.0, 0.5][b % 3] for b in range(B)])
+            got = sampling._top_k_top_p_mask(x, top_k, top_p)
+            for b in range(B):
+                for m in range(M):
+                    alone = sampling._top_k_top_p_mask(x[b:b + 1, m:m + 1], top_k[b:b + 1], top_p[b:b + 1])
+                    assert torch.equal(got[b, m], alone[0, 0]), (B, M, b, m)
+
+
+def test_row_invariance_where_top_p_sits_on_a_rounding_boundary():
+    """top_p set to the float mass before a candidate (and the float above it), where one ulp of
+    the mass flips the cut: the row alone and beside a row that widens the set (top_k 1000) keep
+    the same tokens. (9c9e322 summed the mass' denominator over the batch's candidates: 68 of
+    these 240 cases flipped.)"""
+    for seed in range(40):
+        x = _logits("peaked", 1, 1, seed=seed)
+        vals = x[0, 0].topk(64).values
+        e = torch.exp(vals - vals[0])
+        probs = e / torch.exp(x[0, 0] - vals[0]).sum()
+        before = probs.cumsum(0) - probs
+        other = _logits("random", 1, 1, seed=999)
+        for j in (3, 5, 8):
+            for p in (before[j], torch.nextafter(before[j], torch.tensor(1.0))):
+                top_p = torch.tensor([float(p)])
+                alone = sampling._top_k_top_p_mask(x, torch.tensor([0]), top_p)
+                both = sampling._top_k_top_p_mask(torch.cat([x, other]), torch.tensor([0, 1000]),
+                                                  torch.cat([top_p, torch.tensor([0.999])]))
+                assert torch.equal(both[0, 0], alone[0, 0]), (seed, j)

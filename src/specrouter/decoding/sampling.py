@@ -21,8 +21,9 @@ Processing order (the transformers / vLLM order), per row:
 5. softmax over the survivors (renormalized); filtered tokens get exactly 0.
 Steps 3-4 on CPU tensors find the two thresholds from each row's top 64 values (`topk`, widened
 x4 while under a quarter of the vocabulary), not a sort of the vocabulary (2.4-3.4 ms a row of
-49152 sorted; `_top_k_top_p_mask_candidates`); elsewhere, and for cuts past that, the sort
-(`_top_k_top_p_mask_sort`, the reference). The nucleus mass is summed differently by the two, so
+49152 sorted; `_top_k_top_p_mask_candidates`, row-invariant: a row's output does not depend on
+the other rows and positions of the call); elsewhere, and for a row whose cuts lie past that,
+the sort (`_top_k_top_p_mask_sort`, the reference). The nucleus mass is summed differently by the two, so
 the kept sets may differ where a mass before a token lies within float rounding of top_p (seen:
 1e-5 near 0.95 over ~1300 tokens; the sort path's float32 softmax is itself that far from the
 float64 mass). Every level of a chain and plain decoding call the same function on the same
@@ -131,57 +132,82 @@ def _top_k_top_p_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return _top_k_top_p_mask_sort(x, top_k, top_p)
 
 
+def _exp_rows(t: torch.Tensor) -> torch.Tensor:
+    """exp of (N, K) t, each row's values the same whatever N: one call while it is one chunk of
+    torch's elementwise loop (no thread split; K a multiple of the vector width), else a call per
+    row (a split can put a row's elements in a chunk's scalar tail, whose exp may differ by an ulp)."""
+    N, K = t.shape
+    if N * K <= 32768 or N == 1:  # at::internal::GRAIN_SIZE
+        return torch.exp(t)
+    return torch.stack([torch.exp(row) for row in t])
+
+
 def _top_k_top_p_mask_candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
     """`_top_k_top_p_mask_sort`'s kept set from each row's top K values (`topk`), K widened (x4)
-    until every row's cuts lie inside them; None (take the sort path) past V / 4
-    (`_CANDIDATE_SHARE`). The top-k threshold is the k-th candidate; top-p's mass is the candidates' exp(t - max) over the sum of
-    exp(t - max) over the top-k survivors of the whole row, cumulated over the candidates in the
-    sort path's formula (mass before = cumsum - p). That sum runs in another order than the sort
-    path's softmax: the kept set can differ from the sort path's only where a mass before a token
-    lands within float rounding (~1e-6) of top_p. Every CPU call takes this path (FORCE_SORT
-    aside), so plain decoding and every level of a chain filter identically."""
+    until every row's cuts lie inside them; rows whose cuts are not inside by K = V / 4
+    (`_CANDIDATE_SHARE`) take the sort path, alone. The top-k threshold is the k-th candidate;
+    top-p's mass is the candidates' exp(t - max) over z, cumulated (mass before = cumsum - p, the
+    sort path's formula); z is the sum of exp(t - max) over the row's top-k survivors: the
+    candidates' prefix sum at the last survivor (cumsum: sequential per row) for top-k rows, else
+    the whole row's sum, one row at a time. Each row's result is thus ROW-INVARIANT: bit for bit
+    the same whatever K and whatever other rows or positions share the call (plain decoding calls
+    it with 1 x 1, verification with R rows x k+1 positions). The kept set can differ from the
+    sort path's only where a mass before a token lands within float rounding of top_p (module
+    docstring). Every CPU call takes this path (FORCE_SORT aside), so plain decoding and every
+    level of a chain filter identically. None (the sort path for the whole call) on NaN scores."""
     B, M, V = x.shape
-    k = top_k.view(B, 1, 1)
-    k_on = (k > 0) & (k < V)  # (B, 1, 1)
-    p = top_p.to(x.dtype).view(B, 1, 1)
+    N = B * M
+    xr = x.reshape(N, V).contiguous()  # (N, V): every row contiguous
+    k = top_k.view(B, 1).expand(B, M).reshape(N, 1)
+    k_on = (k > 0) & (k < V)  # (N, 1)
+    p = top_p.to(x.dtype).view(B, 1).expand(B, M).reshape(N, 1)
     p_on = p < 1.0
+    neg_inf = torch.tensor(float("-inf"), dtype=x.dtype)
     kmax = int(torch.where(k_on, k, 0).max())  # one host sync (CPU: free)
     K = _CANDIDATES
-    while K < kmax:
+    while K < kmax and _CANDIDATE_SHARE * 4 * K <= V:
         K *= 4
-    neg_inf = torch.tensor(float("-inf"), dtype=x.dtype)
-    while _CANDIDATE_SHARE * min(K, V) <= V:
+    whole_z = None  # (N, 1): the whole row's sum of exp(t - max) for top-p rows without top-k
+    while True:
         K = min(K, V)
-        vals = x.topk(K, dim=-1).values  # (B, M, K), descending
-        mx = vals[..., :1]  # (B, M, 1)
+        vals = xr.topk(K, dim=-1).values  # (N, K), descending: its prefix does not depend on K
+        mx = vals[:, :1]  # (N, 1)
         if bool(mx.isnan().any()):
             return None  # NaN scores: the sort path keeps them (and the sampler raises)
-        thr_k = torch.where(k_on, vals.gather(-1, (k.clamp(1, K) - 1).expand(B, M, 1)), neg_inf)  # (B, M, 1)
-        survives = (vals >= thr_k) & (vals > neg_inf)  # (B, M, K)
-        covered = ~survives[..., -1:] | (K == V)  # every survivor of top-k (and min-p) is a candidate
-        e = torch.exp(vals - mx).masked_fill_(~survives, 0.0)  # (B, M, K)
-        # the mass' denominator: over the candidates where they hold every survivor (top-k rows
-        # must: else widened), else over the whole row
-        z = torch.where(covered, e.sum(-1, keepdim=True),
-                        torch.exp(x - mx).sum(-1, keepdim=True) if bool((p_on & ~covered).any()) else 1.0)
+        thr_k = torch.where(k_on, vals.gather(-1, k.clamp(1, K) - 1), neg_inf)  # (N, 1)
+        survives = (vals >= thr_k) & (vals > neg_inf)  # (N, K)
+        covered = ~survives[:, -1:] | (K == V)  # every survivor of top-k (and min-p) is a candidate
+        e = _exp_rows(vals - mx).masked_fill_(~survives, 0.0)  # (N, K)
+        last = (survives.sum(-1, keepdim=True) - 1).clamp(min=0)  # (N, 1): the last survivor among them
+        z = e.cumsum(dim=-1).gather(-1, last)  # top-k rows (covered): the survivors' sum
+        whole = p_on & ~k_on
+        if bool(whole.any()):
+            if whole_z is None:
+                whole_z = torch.ones(N, 1, dtype=x.dtype)
+                for i in torch.nonzero(whole.view(-1)).flatten().tolist():  # per row: its reduction
+                    whole_z[i] = torch.exp(xr[i] - mx[i]).sum()  # split the same way in any batch
+            z = torch.where(whole, whole_z, z)
         probs = e / z
         mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 at i = 0
-        num_kept = (mass_before < p).sum(dim=-1, keepdim=True).clamp(1, K)  # (B, M, 1)
-        resolved = (~k_on | ((k <= K) & covered)) & (~p_on | (num_kept < K) | covered)  # (B, M, 1)
-        if bool(resolved.all()):
-            thr_p = torch.where(p_on, vals.gather(-1, num_kept - 1), neg_inf)  # the smallest kept value
-            # keep t >= thr as t > the float below thr (F.threshold: a per-row scalar, ~10x faster
-            # than a compare and masked_fill over the row)
-            below = torch.nextafter(torch.maximum(thr_k, thr_p), neg_inf).reshape(-1).tolist()
-            out = x.clone(memory_format=torch.contiguous_format).view(B * M, V)
-            for i, th in enumerate(below):
-                if th != float("-inf"):
-                    torch.nn.functional.threshold_(out[i], th, float("-inf"))
-            return out.view(B, M, V)
-        if K == V:
+        num_kept = (mass_before < p).sum(dim=-1, keepdim=True).clamp(1, K)  # (N, 1)
+        resolved = (~k_on | ((k <= K) & covered)) & (~p_on | (num_kept < K) | covered)  # (N, 1)
+        widen = _CANDIDATE_SHARE * min(4 * K, V) <= V and K < V
+        if bool(resolved.all()) or not widen:
             break
         K *= 4
-    return None
+    thr_p = torch.where(p_on, vals.gather(-1, num_kept - 1), neg_inf)  # the smallest kept value
+    # keep t >= thr as t > the float below thr (F.threshold: a per-row scalar, ~10x faster than
+    # a compare and masked_fill over the row)
+    below = torch.nextafter(torch.maximum(thr_k, thr_p), neg_inf).view(-1).tolist()
+    out = xr.clone()
+    for i, th in enumerate(below):
+        if th != float("-inf"):
+            torch.nn.functional.threshold_(out[i], th, float("-inf"))
+    rest = torch.nonzero(~resolved.view(-1)).flatten()
+    if len(rest):  # cuts past the widest set: those rows sorted, each alone
+        for i in rest.tolist():
+            out[i] = _top_k_top_p_mask_sort(xr[i].view(1, 1, V), k[i], p[i].to(top_p.dtype))[0, 0]
+    return out.view(B, M, V)
 
 
 def _top_k_top_p_mask_sort(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
