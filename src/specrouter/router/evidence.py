@@ -54,6 +54,7 @@ import numpy as np
 from specrouter.config import RouterConfig
 from specrouter.router.cost_model import ModelFreeDraft, PlanTable
 from specrouter.router.host_time import PlainCharge
+from specrouter.router.similarity import GREEDY, SAMPLING
 from specrouter.records.routing import Chain, Pair
 
 
@@ -298,7 +299,7 @@ class EvidenceBoard:
         decayed proposals plus the prior's pseudo-proposals."""
         r = self.router
         value = r.hit_rate(drafter, req)
-        z = decision_z(r.config, "greedy" if req is None or req.greedy else "sampling")
+        z = decision_z(r.config, GREEDY if req is None or req.greedy else SAMPLING)
         if req is None or z <= 0.0:
             return value
         h = req.hits.get(drafter)
@@ -402,7 +403,8 @@ class TvSchedule:
     """Which steps measure D_TV (`RouterProtocol.measure_tv`, set by every `plan_batch` for the
     step it plans): measuring it at a row's first `tv_positions` candidates is a softmax over the
     vocabulary per position and level, 0.5-0.6 ms of a sampled single stream's ~12 ms cycle on a
-    Sapphire Rapids, paid by every speculative cycle while nothing read from it moved a decision
+    Sapphire Rapids through torch (~0.1 ms a measuring step since session 19's native kernel,
+    kernels/tv.cpp; measuring every step was still no faster end to end), paid by every speculative cycle while nothing read from it moved a decision
     after a request's first cycles (docs/router.md, 2026-12-06). So a step measures it when one
     of its rows is in its first `tv_first_cycles` cycles (a request's own SimScore is its prior
     from its first cycle, `Router.alpha`), and every `tv_every`-th step with a row it would
