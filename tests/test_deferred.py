@@ -5,37 +5,20 @@ stream's firm hold is released by its own first pair's trials as it counts them.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import random
 
 import pytest
-from test_planner_memo import build_router, play_step
+from test_planner_memo import build_router, scripted_run
 from test_stream_hold import settled, stream
 
-from specrouter.records.routing import RowContext
 from specrouter.router.similarity import GREEDY
 
 
 def scripted(defer: bool, spec_hold_steps: int, steps: int = 400, seed: int = 1):
     """The planner-memo test's scripted serving run (concurrency 1 -> 8 -> 2 -> 4): every
     step's plans as planned, and the router."""
-    rng = random.Random(seed)
     router = build_router()
     router.config = dataclasses.replace(router.config, defer_observations=defer, spec_hold_steps=spec_hold_steps)
-    live: dict[int, list[int]] = {}
-    ids = itertools.count()
-    log = []
-    for step in range(steps):
-        want = (1, 8, 2, 4)[step * 4 // steps]
-        while len(live) < want:
-            live[next(ids)] = [100 + rng.randrange(400), 20 + rng.randrange(60)]
-        rows = [RowContext(s, L, batch_size=len(live), remaining=left) for s, (L, left) in live.items()]
-        batch = router.plan_batch(rows)
-        plans = [(d.chain, d.k) for d in batch.decisions]
-        log.append(([(d.chain, d.k, d.reason, d.t_eff) for d in batch.decisions], batch.held, batch.shadow_k,
-                    batch.steps))
-        play_step(router, rows, plans, rng, live)
-    return log, router
+    return scripted_run(steps, seed, router), router
 
 
 def state(router) -> tuple:

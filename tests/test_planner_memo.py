@@ -71,11 +71,12 @@ def play_step(router, rows, plans, rng, live: dict[int, list[int]]) -> None:
             router.finish_request(o.seq_id)
 
 
-def scripted_run(steps: int = 400, seed: int = 0) -> list[tuple]:
+def scripted_run(steps: int = 400, seed: int = 0, router: Router | None = None) -> list[tuple]:
     """Every step's plans (with their reasons and predicted T_eff), hold flags, shadow k and
-    lease, as planned; concurrency moves 1 -> 8 -> 2 -> 4 over the run."""
+    lease, as planned; concurrency moves 1 -> 8 -> 2 -> 4 over the run. `router`: the one to
+    run (default `build_router()`)."""
     rng = random.Random(seed)
-    router = build_router()
+    router = build_router() if router is None else router
     live: dict[int, list[int]] = {}  # seq_id -> [context length, tokens left]
     ids = itertools.count()
     log = []
