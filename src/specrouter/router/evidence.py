@@ -178,7 +178,7 @@ def decision_key(batch_size: int, context_bucket: int, mode: str, chain: Chain |
 
 def decision_z(config: RouterConfig, mode: str) -> float:
     """Standard errors a decision takes off a request's estimates in `mode` (RouterConfig)."""
-    return config.decision_margin_greedy if mode == "greedy" else config.decision_margin_sampling
+    return config.decision_margin_greedy if mode == GREEDY else config.decision_margin_sampling
 
 
 def decision_margin(p: float, n: float, z: float) -> float:
