@@ -356,3 +356,47 @@ def test_a_firm_holds_span_doubles_while_its_plan_is_kept_and_snaps_back_on_a_sw
     d = router.events[-1]
     switched = dataclasses.replace(Decision(plan[0], plan[1] + 1, d.t_eff, "better"))
     assert holder.span(0, switched) == router.config.stream_hold_steps
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_firm_holds_refutation_compares_like_with_like(deferred):
+    """review19 R1: a sampled request's published alpha is its estimate less the decision
+    margin (0.07 at alpha 0.4 with 4 own trials); a firm hold compared the raw estimate with it,
+    so it was released only once the pair fell by 0.12, not by `decision_tolerance` (0.05).
+    Both sides now carry the margin (`EvidenceBoard.alpha`; with deferred observations
+    `HoldTrials.estimate`): three rejections (raw 0.40 -> 0.32, margined 0.329 -> 0.26) refute
+    it, as they move the request's version. Negative controls: one rejection (raw 0.369) does
+    not, and the raw estimate after three stays above the old line (published - tolerance)."""
+    from types import SimpleNamespace
+
+    from specrouter.router.similarity import SAMPLING
+
+    pair = ("d1", "T")
+    for rejections, refuted in ((3, True), (1, False)):
+        router = make_router(order=["d1", "T"], config=RouterConfig(
+            stream_hold_firm=True, defer_observations=deferred, probe_fraction=0.0))
+        router.similarity.observe_acceptance(pair, SAMPLING, 4e5, 6e5)
+        req = router.request(1, False)
+        req.counts[pair] = [1.6, 2.4]
+        start = router.alpha(pair, SAMPLING, req)
+        assert start == pytest.approx(0.4, abs=0.002)
+        published = router.board.request_evidence(req, SAMPLING).alphas[pair]
+        assert start - published > 0.06  # the margin (z 0.5, 12 trials)
+        row = RowContext(1, L0, greedy=False)
+        assert router.stream.keep([row], [], Decision(pair, 2, 0.01, "same"), req, router.observed_steps)
+        hold = router.stream.hold
+        for _ in range(rejections):
+            if deferred:
+                router.stream.tally(SimpleNamespace(outcomes=[SimpleNamespace(
+                    seq_id=1, chain=pair, k=2, drafted=[2, 2], accepted=[0, 0])]))
+            req.observe(pair, 0.0, 1.0, router.config.request_decay)  # the fold's, for the raw value
+            req.note(pair, SAMPLING)
+        raw = router.alpha(pair, SAMPLING, req)
+        assert start - raw < start - published + router.config.decision_tolerance  # the old line: kept
+        if deferred:
+            assert router.stream.trials.estimate() == pytest.approx(router.board.alpha(req, pair, SAMPLING))
+        got = router.stream.trials.refuted() if deferred else router.stream.refuted(hold, req)
+        assert got == refuted, (rejections, start, raw, published)
+        probe = copy.deepcopy(req)
+        probe.settle(router.board)
+        assert (probe.version != req.version) == refuted  # the same line as the version's move

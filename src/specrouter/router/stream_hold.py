@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from specrouter.records.routing import BatchPlan, Chain, Decision, Plan, RowContext
 from specrouter.router.burst import run_key
-from specrouter.router.evidence import certain_bucket
+from specrouter.router.evidence import certain_bucket, decision_margin, decision_z, own_trials
 from specrouter.router.request_state import RequestState
 from specrouter.router.similarity import acceptance_trials, decayed_add, shrink
 
@@ -151,21 +151,25 @@ class StreamHolder:
 
     def refuted(self, hold: StreamHold, req: RequestState) -> bool:
         """A firm hold's plan lost ground in the request's own evidence since it was decided:
-        its first pair's alpha (a model-free drafter's hit rate too) fell by more than
+        its first pair's alpha (a model-free drafter's hit rate too), as decisions read it (less
+        the decision margin, evidence.py `EvidenceBoard.alpha`), fell by more than
         `decision_tolerance` (`decision_hit_tolerance`) below the published value it was decided
-        on. Evidence that moved for other pairs, or up, does not end it; evidence against the
-        plan does (a draft refuted in a request's first cycles ran three more: plain decoding is
-        the safe default). Read only when the pair was observed since (`RequestState.notes`)."""
+        on: like with like, as the request's version moves (review19 R1: the raw estimate
+        against the margined published value had to fall by the margin too, 0.12 instead of
+        0.05 at alpha 0.4 with 4 own trials). Evidence that moved for other pairs, or up, does
+        not end it; evidence against the plan does (a draft refuted in a request's first cycles
+        ran three more: plain decoding is the safe default). Read only when the pair was
+        observed since (`RequestState.notes`)."""
         router, evidence, chain = self.router, req.evidence, hold.decision.chain
         pair, free = chain[:2], chain[0] in router.model_free
         if evidence is None or not (pair in req.notes or (free and chain[0] in req.notes)):
             return False
         cfg, mode = router.config, evidence.stamp[2]
         published = evidence.alphas.get(pair)
-        if published is not None and router.alpha(pair, mode, req) < published - cfg.decision_tolerance:
+        if published is not None and router.board.alpha(req, pair, mode) < published - cfg.decision_tolerance:
             return True
         hit = evidence.hits.get(chain[0]) if free else None
-        return hit is not None and router.hit_rate(chain[0], req) < hit - cfg.decision_hit_tolerance
+        return hit is not None and router.board.hit_rate(req, chain[0]) < hit - cfg.decision_hit_tolerance
 
     def keep(self, rows: Sequence[RowContext], pinned: Sequence[Plan], decision: Decision,
              req: RequestState | None, now: int) -> bool:
@@ -219,8 +223,9 @@ class HoldTrials:
     plan's first pair (and its model-free drafter's hit rate) carried forward from the decision
     by the hold's own trials, as the request's decayed counts take them, over the prior the
     request had then (the global estimate and the request's similarity held where they were).
-    Refuted as `StreamHolder.refuted` is: below the published value by more than the tolerance,
-    once a trial moved it."""
+    Refuted as `StreamHolder.refuted` is: less the decision margin (its trials: the counts', the
+    prior's and the SimScore's it had then, `own_trials`), below the published value by more
+    than the tolerance, once a trial moved it."""
 
     pair: tuple
     free: bool  # the first level is a model-free drafter (its hit rate watched too)
@@ -234,6 +239,8 @@ class HoldTrials:
     hit_decay: float
     strength: float
     hit_strength: float
+    z: float = 0.0  # the mode's decision margin (evidence.py `decision_z`)
+    extra: float = 0.0  # the pair's SimScore pseudo-trials at the decision (`own_trials`), held
     moved: bool = False
 
     @classmethod
@@ -254,7 +261,8 @@ class HoldTrials:
             pub = evidence.hits.get(chain[0])
             hit_line = pub - cfg.decision_hit_tolerance if pub is not None else -math.inf
         return cls(pair, free, c, prior, published - cfg.decision_tolerance if published is not None else -math.inf,
-                   h, hit_prior, hit_line, cfg.request_decay, cfg.request_hit_decay, n0, h0)
+                   h, hit_prior, hit_line, cfg.request_decay, cfg.request_hit_decay, n0, h0,
+                   decision_z(cfg, mode), own_trials(router, req, pair) - n0 - c[0] - c[1])
 
     def count(self, outcome) -> None:
         """One held cycle's outcome (as `Router._observe_rows` takes it into the request)."""
@@ -270,10 +278,19 @@ class HoldTrials:
             self.counts = decayed_add(self.counts, (a, r), self.decay, a + r)
             self.moved = True
 
+    def estimate(self) -> float:
+        """The request's alpha of the pair as the hold's trials carried it forward, less the
+        decision margin (as `EvidenceBoard.alpha` reads it)."""
+        c = self.counts
+        n = c[0] + c[1]
+        return decision_margin(shrink(c[0], n, self.prior, self.strength), n + self.strength + self.extra, self.z)
+
+    def hit_estimate(self) -> float:
+        """Its hit rate of the model-free drafter alike (`EvidenceBoard.hit_rate`)."""
+        h = self.hits
+        return decision_margin(shrink(h[0], h[1], self.hit_prior, self.hit_strength), h[1] + self.hit_strength, self.z)
+
     def refuted(self) -> bool:
         if not self.moved:
             return False
-        c = self.counts
-        if shrink(c[0], c[0] + c[1], self.prior, self.strength) < self.line:
-            return True
-        return self.free and shrink(self.hits[0], self.hits[1], self.hit_prior, self.hit_strength) < self.hit_line
+        return self.estimate() < self.line or (self.free and self.hit_estimate() < self.hit_line)
