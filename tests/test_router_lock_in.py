@@ -154,3 +154,27 @@ def test_a_draft_that_stays_slow_is_retried_less_and_less():
     tries = [i for i, c in enumerate(steps) if c == "S" and i > 21]
     assert 1 <= len(tries) <= 3 and all(b - a > 40 for a, b in zip(tries, tries[1:])), tries
     assert rate >= 0.98 * old_rate, (rate, old_rate)
+
+
+LAZY8 = dict(stream_hold_firm=True, defer_observations=True, stream_hold_steps=8)
+
+
+def test_a_lazy_stream_refuted_early_returns_to_its_draft(monkeypatch):
+    """With the firm 8-step hold and deferred observations (lean19's lazy8) the refuted draft is
+    left as soon as the per-step router leaves it and the stream returns as early: a firm hold is
+    released when its pair's estimate falls past the plan's break-even with plain decoding
+    (`StreamHolder.break_even`), not only by `decision_tolerance`. Negative control: without the
+    break-even (only the tolerance) the k=1 plan decided at break-even ran two more refuted
+    cycles, and the request's estimate after the probe kept plain by hysteresis until patience
+    ran out: back at step ~37 (lean19)."""
+    from specrouter.router.stream_hold import StreamHolder
+
+    for seed in range(3):
+        steps, _ = stream(0.05, 0.9, seed=seed, **LAZY8)
+        old, _ = stream(0.05, 0.9, seed=seed, stream_hold_firm=False, defer_observations=False, stream_hold_steps=4)
+        print(f"\n{steps} lazy8\n{old} per-step")
+        assert steps.index(".") == old.index(".") <= 10, (steps, old)
+        assert steps[30:].count("S") >= 0.95 * len(steps[30:]), steps
+    monkeypatch.setattr(StreamHolder, "break_even", lambda self, decision, req: float("-inf"))
+    steps, _ = stream(0.05, 0.9, seed=0, **LAZY8)
+    assert steps.index(".") > 4 and "S" not in steps[22:35], steps

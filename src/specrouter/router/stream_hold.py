@@ -78,6 +78,9 @@ class StreamHold:
     # hold's leaves out model-free drafters (their proposals take tens of microseconds of a
     # ~10 ms step: their step detector fired ~30 times a run, each a decision for nothing)
     watched: tuple[str, ...] | None = None
+    # a firm hold's break-even: its first pair's alpha (as decisions read it) below which the plan
+    # is predicted no faster than plain decoding (`StreamHolder.break_even`; -inf: none)
+    floor: float = -math.inf
 
     def holds(self, row: RowContext, req: RequestState, jumps: Mapping[str, int], now: int, patience: int,
               runs: tuple = ()) -> bool:
@@ -166,7 +169,8 @@ class StreamHolder:
             return False
         cfg, mode = router.config, evidence.stamp[2]
         published = evidence.alphas.get(pair)
-        if published is not None and router.board.alpha(req, pair, mode) < published - cfg.decision_tolerance:
+        if published is not None and router.board.alpha(req, pair, mode) < max(published - cfg.decision_tolerance,
+                                                                              hold.floor):
             return True
         hit = evidence.hits.get(chain[0]) if free else None
         return hit is not None and router.board.hit_rate(req, chain[0]) < hit - cfg.decision_hit_tolerance
@@ -186,11 +190,45 @@ class StreamHolder:
         watched = tuple(m for m in decision.chain if m not in self.router.model_free) if firm else None
         epoch = req.epoch if not firm else tuple(self.router.profile.jumps.get(m, 0) for m in watched)
         span = self.span(rows[0].seq_id, decision) if firm else cfg.stream_hold_steps
-        self.trials = HoldTrials.start(self.router, decision.chain, req) if firm and cfg.defer_observations else None
+        floor = self.break_even(decision, req) if firm else -math.inf
+        self.trials = HoldTrials.start(self.router, decision.chain, req, floor) \
+            if firm and cfg.defer_observations else None
         self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
                                req.version, epoch, certain_bucket(rows[0].certain_rate),
-                               now + span, req.worse > 0, run_key(req, cfg), firm, watched)
+                               now + span, req.worse > 0, run_key(req, cfg), firm, watched, floor)
         return firm
+
+    def break_even(self, decision: Decision, req: RequestState) -> float:
+        """The alpha of a firm hold's first pair (a model draft's; as decisions read it) at which
+        its plan is predicted as slow as plain decoding less `persist_margin`, where the
+        decision would fall back ("fallback", policy.py step 2): the plan's T_eff scaled by its
+        expected tokens per cycle at the published alpha over those at a lower one (the iid
+        model, 1 + a + ... + a^k; the plan's seconds per cycle held). A fall of the request's
+        estimate within `decision_tolerance` but across it releases the hold: near break-even
+        a refuted draft ran the rest of its hold (the lock-in's return, lean20); a plan decided
+        within `persist_margin` of plain decoding, the published alpha itself (any fall). -inf
+        where the plan leads with a model-free drafter, or no table is at hand."""
+        router, plans, evidence = self.router, req.cached, req.evidence
+        chain, k = decision.chain, decision.k
+        ci = router.chain_index.get(chain)
+        if plans is None or evidence is None or ci is None or chain[0] in router.model_free or k < 1 \
+                or k > plans.charged.shape[1]:
+            return -math.inf
+        a0 = evidence.alphas.get(chain[:2])
+        t_cur, t_plain = float(plans.charged[ci, k - 1]), float(plans.charged[0, 0])
+        line = t_plain / (1.0 + router.config.persist_margin)
+        if a0 is None or t_cur <= 0.0:
+            return -math.inf
+        need = expected_tokens(a0, k) * t_cur / line  # tokens a cycle at which T_eff reaches the line
+        if need <= 1.0:
+            return -math.inf
+        if need >= expected_tokens(a0, k):  # decided within persist_margin of plain: any fall releases it
+            return a0
+        lo, hi = 0.0, a0
+        for _ in range(30):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if expected_tokens(mid, k) < need else (lo, mid)
+        return hi
 
     def span(self, seq_id: int, decision: Decision) -> int:
         """A firm hold's span: `stream_hold_steps`, doubled up to `stream_hold_max` each time the
@@ -215,6 +253,11 @@ class StreamHolder:
         if hold is not None and trials is not None and len(report.outcomes) == 1 \
                 and report.outcomes[0].seq_id == hold.seq_id:
             trials.count(report.outcomes[0])
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a cycle of k iid candidates accepted with probability a commits: 1 + a + ... + a^k."""
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 @dataclass
@@ -244,7 +287,7 @@ class HoldTrials:
     moved: bool = False
 
     @classmethod
-    def start(cls, router, chain, req: RequestState) -> "HoldTrials":
+    def start(cls, router, chain, req: RequestState, floor: float = -math.inf) -> "HoldTrials":
         cfg, evidence = router.config, req.evidence
         pair, free = tuple(chain[:2]), chain[0] in router.model_free
         mode = evidence.stamp[2]
@@ -260,7 +303,7 @@ class HoldTrials:
             hit_prior = (live_h * (h[1] + h0) - h[0]) / h0 if h0 > 0 else live_h
             pub = evidence.hits.get(chain[0])
             hit_line = pub - cfg.decision_hit_tolerance if pub is not None else -math.inf
-        return cls(pair, free, c, prior, published - cfg.decision_tolerance if published is not None else -math.inf,
+        return cls(pair, free, c, prior, max(published - cfg.decision_tolerance, floor) if published is not None else -math.inf,
                    h, hit_prior, hit_line, cfg.request_decay, cfg.request_hit_decay, n0, h0,
                    decision_z(cfg, mode), own_trials(router, req, pair) - n0 - c[0] - c[1])
 
