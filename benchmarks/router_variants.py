@@ -32,7 +32,9 @@ cycle priced by its current run of accepted tokens, router/burst.py), burst2 (th
 firm (stream_hold_firm=True, off by default: a single stream's speculative hold after every decided
 plan, not released by its own evidence moving unless against the plan, shadows on its last step), no-firm
 (stream_hold_firm=False: the stream hold as before), firm8 (the same, 8 steps), lazy (firm, observations deferred while held: router/deferred.py), lazy8 (the
-same, 8 steps), free16 (free_timing_batch=16: model-free
+same, 8 steps), lazy8-nobe (lazy8 released by decision_tolerance only, not its plan's break-even: before
+lean20), per-step (stream_hold_firm=False, defer_observations=False, stream_hold_steps=4: the hold before lean20's
+default), free16 (free_timing_batch=16: model-free
 drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
 steps while the decision at its end keeps the plan), firm16s (firm, its span doubling up to 16),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
@@ -97,6 +99,9 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "firm8": dataclasses.replace(base, stream_hold_firm=True, stream_hold_steps=8),
         "lazy": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True),
         "lazy8": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True, stream_hold_steps=8),
+        "lazy8-nobe": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True, stream_hold_steps=8,
+                                          stream_hold_break_even=False),
+        "per-step": dataclasses.replace(base, stream_hold_firm=False, defer_observations=False, stream_hold_steps=4),
         "free16": dataclasses.replace(base, free_timing_batch=16),
         "lean": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16),
         "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),

@@ -8,6 +8,8 @@ import random
 import numpy as np
 import pytest
 
+from test_router import PER_STEP
+
 from specrouter.config import RouterConfig
 from specrouter.records.routing import ForwardRecord, RowContext, RowOutcome, StepReport
 from specrouter.router.burst import BurstModel
@@ -67,7 +69,7 @@ def markov_world(seed: int, burst: bool, cycles: int = 400) -> tuple[float, list
                              context_lengths=(128, 1024))
     clock = itertools.count()
     router = Router(list(COSTS), "T", profile, model_free={"ngram"}, timer=lambda: next(clock) * 1e-5,
-                    config=RouterConfig(burst_acceptance=burst))
+                    config=RouterConfig(burst_acceptance=burst, **PER_STEP))  # a run prices the next cycle: decided each cycle
     router.similarity.observe_hits("ngram", 0, 100)
     rng = random.Random(seed)
     state, L, tokens, seconds, ks, run = True, 200, 0, 0.0, [], 0

@@ -69,6 +69,7 @@ def test_the_router_learns_seconds_per_row_forward_apart_from_the_step_overhead(
     for _ in range(200):
         router.observe_step(StepReport(outcomes=[], forwards=[], wall_time=0.050, forward_time=0.045,
                                        speculative=True, processor_seconds=0.003, processor_rows=6))
+    router.deferral.fold()  # deferred observations (lean20's default) are folded where read
     assert router.overhead["processor"] == pytest.approx(0.0005, rel=1e-3)
     assert router.overhead["spec"] == pytest.approx(0.002, rel=1e-3)  # 50 - 45 - 3 ms
 

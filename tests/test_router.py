@@ -81,6 +81,9 @@ ALPHAS = {("d1", "T"): 0.65, ("d2", "T"): 0.85, ("d1", "d2"): 0.9,
           ("ngram", "T"): 0.5, ("ngram", "d1"): 0.5, ("ngram", "d2"): 0.5}
 HIT = 0.3  # n-gram hit rate
 L0 = 256  # context length of the simulated rows
+# the stream hold before lean20's default (lazy8: firm 8-step holds, observations deferred):
+# tests of what a per-step (or 4-step, evidence-released) hold does pin it (docs/router.md, lean20)
+PER_STEP = dict(stream_hold_firm=False, defer_observations=False, stream_hold_steps=4)
 
 
 class VClock:
@@ -1042,6 +1045,7 @@ def test_sampling_rows_feed_similarity_from_tv():
         tv = (math.nan, 1 - ALPHAS[("d1", "d2")], 1 - ALPHAS[("d2", "T")])
         router.observe_step(StepReport([RowOutcome(o.seq_id, o.chain, o.k, o.drafted, o.accepted, False, L0, tv)
                                         for o in outcomes], fwd, stats.wall_time, sum(stats.forward_time.values()), True))
+    router.deferral.fold()  # deferred observations (lean20's default) are folded where read
     est = router.similarity
     assert est.sim_score(("d1", "d2"), SAMPLING) == pytest.approx(0.9)
     assert est.sim_score(("d2", "T"), SAMPLING) == pytest.approx(0.85)

@@ -8,7 +8,7 @@ import copy
 import dataclasses
 
 import pytest
-from test_router import ALPHAS, L0, Sim, make_router, observe_cycle
+from test_router import ALPHAS, PER_STEP, L0, Sim, make_router, observe_cycle
 
 from specrouter.config import RouterConfig
 from specrouter.router.policy import Decision, RowContext
@@ -36,8 +36,10 @@ def stream(router, sim, steps, seq_id=0, remaining=None, alphas_after=None, swit
 def settled(steps=60, **config):
     """A router whose single stream settled on a speculative plan under a hold (released by its
     request's evidence moving unless `stream_hold_firm=True` is asked: the tests before the firm
-    hold's describe that hold)."""
-    config.setdefault("stream_hold_firm", False)
+    hold's describe that hold; the firm hold's read the request's folded estimate over 4-step
+    spans unless asked otherwise: router/deferred.py's form is test_deferred.py's)."""
+    for name, value in PER_STEP.items():
+        config.setdefault(name, value)
     router = make_router(order=["ngram", "d1", "T"], config=RouterConfig(**config))
     sim = Sim(STRONG, seed=3)
     stream(router, sim, steps)
@@ -387,7 +389,7 @@ def test_a_firm_holds_refutation_compares_like_with_like(deferred):
         hold = router.stream.hold
         for _ in range(rejections):
             if deferred:
-                router.stream.tally(SimpleNamespace(outcomes=[SimpleNamespace(
+                router.stream.tally(SimpleNamespace(forwards=[], outcomes=[SimpleNamespace(
                     seq_id=1, chain=pair, k=2, drafted=[2, 2], accepted=[0, 0])]))
             req.observe(pair, 0.0, 1.0, router.config.request_decay)  # the fold's, for the raw value
             req.note(pair, SAMPLING)

@@ -417,6 +417,9 @@ class RouterConfig:
     # end keeps the same plan, and falls back to stream_hold_steps on any other
     # (stream_hold_steps or less: no stretching)
     stream_hold_max: int = 4
+    # ... a firm hold is released when its first pair's estimate falls past its plan's break-even
+    # with plain decoding (StreamHolder.break_even, lean20), not only by decision_tolerance
+    stream_hold_break_even: bool = True
     # observations folded when read (router/deferred.py, lean19): a step planned by a multi-row
     # batch's speculative hold or a single stream's firm hold queues its report, folded in order
     # where the evidence is next read (a step planned afresh, a confident draft, a finished

@@ -570,6 +570,8 @@ class Router:
     def decide(self, row: RowContext) -> Decision:
         """The (chain, k) this row runs next cycle (module docstring, steps 1-3); step 1 (the
         PlanTable) is reused while the row's decision key holds (router/evidence.py)."""
+        if self.deferral.queue:  # a caller outside plan_batch (which folds first): read what was observed
+            self.deferral.fold()
         t0 = self.timer()
         cfg = self.config
         req = self.request(row.seq_id, row.greedy)

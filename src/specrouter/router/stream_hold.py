@@ -123,6 +123,10 @@ class StreamHolder:
         # a firm hold's first-pair trials as it counts them, with deferred observations
         # (`RouterConfig.defer_observations`, router/deferred.py): `HoldTrials`
         self.trials: HoldTrials | None = None
+        # ... and its models' forwards against the profile's speed then (`watch`): (model, new
+        # tokens) -> predicted seconds of one forward; model -> its streak of outliers (+1 slow, -1 fast)
+        self.expected: dict[tuple[str, float], float] = {}
+        self.streaks: dict[str, int] = {}
 
     def plan(self, rows: Sequence[RowContext], pinned: Sequence[Plan], req: RequestState | None,
              probe_due: bool, jumps: Mapping[str, int], now: int) -> BatchPlan | None:
@@ -190,9 +194,10 @@ class StreamHolder:
         watched = tuple(m for m in decision.chain if m not in self.router.model_free) if firm else None
         epoch = req.epoch if not firm else tuple(self.router.profile.jumps.get(m, 0) for m in watched)
         span = self.span(rows[0].seq_id, decision) if firm else cfg.stream_hold_steps
-        floor = self.break_even(decision, req) if firm else -math.inf
+        floor = self.break_even(decision, req) if firm and cfg.stream_hold_break_even else -math.inf
         self.trials = HoldTrials.start(self.router, decision.chain, req, floor) \
             if firm and cfg.defer_observations else None
+        self.expected, self.streaks = {}, {}
         self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
                                req.version, epoch, certain_bucket(rows[0].certain_rate),
                                now + span, req.worse > 0, run_key(req, cfg), firm, watched, floor)
@@ -253,6 +258,34 @@ class StreamHolder:
         if hold is not None and trials is not None and len(report.outcomes) == 1 \
                 and report.outcomes[0].seq_id == hold.seq_id:
             trials.count(report.outcomes[0])
+            if not self.watch(hold, report.forwards):
+                self.hold = self.trials = None  # released: the next step folds and decides
+
+    def watch(self, hold: StreamHold, forwards) -> bool:
+        """A deferred firm hold's models' speeds, as the profile's step detector would read them
+        (router/profile.py: `jump_after` forwards in a row off by more than `jump_ratio`, the same
+        way): False once one jumped. Folded only at the hold's end, a draft that slowed 5x for
+        good ran the rest of an 8-step span (-4.8% in test_router_lock_in's world); each forward
+        is compared with the profile's prediction of its shape when the hold first saw it."""
+        profile, watched = self.router.profile, hold.watched or ()
+        cfg = profile.config
+        for f in forwards:
+            if f.model not in watched or f.seconds <= 0.0 or f.count < 1:
+                continue
+            key = (f.model, f.new_tokens)
+            expected = self.expected.get(key)
+            if expected is None:
+                expected = self.expected[key] = profile.predict(f.model, f.rows, f.new_tokens, f.context_len)
+            if expected <= 0.0:
+                continue
+            ratio = f.seconds / f.count / expected
+            side = 1 if ratio > cfg.jump_ratio else -1 if ratio * cfg.jump_ratio < 1.0 else 0
+            streak = self.streaks.get(f.model, 0)
+            streak = 0 if side == 0 else streak + side if streak * side > 0 else side
+            self.streaks[f.model] = streak
+            if abs(streak) >= cfg.jump_after:
+                return False
+        return True
 
 
 def expected_tokens(a: float, k: int) -> float:
