@@ -21,7 +21,8 @@
 // - thr = max(min-p's, thr_k, thr_p); the row keeps ms >= thr.
 // A cut past K_MAX(V) candidates (sampling.py: top 64 widened x4 while 16 x the set fits in V;
 // 4096 of 49152) is not found here (status SORT): the torch path sorts such a row, and so must
-// its caller. A NaN logit: status NAN (the torch path then sorts the whole call; the sampler raises).
+// its caller (or, `Filter::unbounded`, found from more candidates). A NaN logit: status NAN (the
+// torch path then sorts the whole call; the sampler raises).
 
 #pragma once
 
@@ -78,6 +79,8 @@ struct Filter {
   float lmp = NEG_INF;    // log(min_p) as torch computes it; -inf: no min-p
   int64_t k = 0;          // top-k, 0 (or >= V): none
   float p = 1.0f;         // top-p, >= 1: none
+  bool unbounded = false; // find a cut past K_MAX candidates too (the D_TV: where the torch path
+                          // sorts, the candidates' cut, which differs only on a rounding boundary)
 };
 
 struct Cut {
@@ -212,7 +215,7 @@ inline Cut find_cut(const float* x, int64_t V, const Filter& f, Scratch& sc) {
   const bool k_on = f.k > 0 && f.k < V, p_on = f.p < 1.0f;
   out.thr = thr_m;
   if ((!k_on && !p_on) || mx == NEG_INF) return out;
-  const int64_t KM = k_max(V);
+  const int64_t KM = f.unbounded ? V : k_max(V);
   const bool all = KM == V;  // every value a candidate: every cut resolves
   const float x_m = raw_cut(thr_m, T);  // x >= x_m: not masked by min-p
   float thr_k = NEG_INF, thr_p = NEG_INF;
