@@ -22,8 +22,12 @@ Processing order (the transformers / vLLM order), per row:
 Steps 3-4 on CPU tensors find the two thresholds from each row's top 64 values (`topk`, widened
 x4 while under a quarter of the vocabulary), not a sort of the vocabulary (2.4-3.4 ms a row of
 49152 sorted; `_top_k_top_p_mask_candidates`, row-invariant: a row's output does not depend on
-the other rows and positions of the call); elsewhere, and for a row whose cuts lie past that,
-the sort (`_top_k_top_p_mask_sort`, the reference). The nucleus mass is summed differently by the two, so
+the other rows and positions of the call); where the native kernels are built, the same cut bit
+for bit in one native call (kernels/cut.h: `_top_k_top_p_mask_native`, and fused with the
+sampling in `choose_at`; torch's float32 exp is MKL's, which the kernel calls too; a top-p row's
+mass denominator is the whole row's in fixed point, `_row_mass`, exact in any order); elsewhere,
+and for a row whose cuts lie past that, the sort (`_top_k_top_p_mask_sort`, the reference). The
+nucleus mass is summed differently by the candidates and the sort, so
 the kept sets may differ where a mass before a token lies within float rounding of top_p (seen:
 1e-5 near 0.95 over ~1300 tokens; the sort path's float32 softmax is itself that far from the
 float64 mass). Every level of a chain and plain decoding call the same function on the same
