@@ -180,3 +180,19 @@ def test_in_place_processing_equals_a_copy_and_leaves_other_rows():
         for b, h in enumerate(rows):
             if not h.params.has_processors:
                 assert_bits_equal(logits[b], before[b], (case, b))
+
+
+def test_in_place_on_inference_tensors_outside_inference_mode():
+    """The executor's logits come from forwards under inference_mode and are processed outside
+    it: in place, penalties and masks alike."""
+    g = torch.Generator().manual_seed(4)
+    params = SamplingParams(max_new_tokens=8, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+                            logit_bias=((3, 2.0),), min_tokens=2)
+    h = fast.RowHistory(params, [1, 2, 3, 4, 3], 2, STOPS, [5, 6, 7], 1)
+    base = random_logits(g, 1, 3, 50, torch.float32)
+    with torch.inference_mode():
+        logits = base.clone()
+    want = fast.process_rows(base, [h])
+    got = fast.process_rows(logits, [h], inplace=True)
+    assert got.data_ptr() == logits.data_ptr()
+    assert_bits_equal(got, want, "inference")

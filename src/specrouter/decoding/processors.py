@@ -331,9 +331,6 @@ def process_rows(logits: torch.Tensor, rows: list[RowHistory], inplace: bool = F
         out = logits
     else:
         out = logits.clone()
-    if out.is_inference() and not torch.is_inference_mode_enabled():
-        with torch.inference_mode():  # (the forward's logits are inference tensors: written here)
-            return _process_into(out, rows)
     return _process_into(out, rows)
 
 
@@ -349,7 +346,11 @@ def _process_into(out: torch.Tensor, rows: list[RowHistory]) -> torch.Tensor:
         memos.add(id(memo))  # (one memo per row: its scratch columns are the row's)
         p = h.params
         if h.grammar is not None or p.allowed_token_ids is not None or p.logit_bias or p.min_tokens:
-            out[b] = mask_row(out[b], h, memo)
+            if out.is_inference() and not torch.is_inference_mode_enabled():
+                with torch.inference_mode():  # (the forward's logits are inference tensors: written here)
+                    out[b] = mask_row(out[b], h, memo)
+            else:
+                out[b] = mask_row(out[b], h, memo)
         if h.penalized:
             memo.update(h.tokens, h.prompt_len)
             penalized.append((b, h, memo))
