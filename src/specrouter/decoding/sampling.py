@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from specrouter.config import SamplingParams
+from specrouter.decoding import noise as noise_module
 from specrouter.decoding.noise import check_tokens, coupled_argmax, native_ops, position_keys
 
 
@@ -340,6 +341,8 @@ def choose_at(logits: torch.Tensor, st: SamplingTensors, rows: list[int], seed_k
     B, M, _ = logits.shape
     filters = st.needs_sort or st.needs_min_p
     ops = native_filters() if filters and logits.dtype == torch.float32 else None if filters else native_ops()
+    if filters and noise_module._use_triton(logits):
+        ops = None  # the Triton noise (CUDA; tests force it on the CPU): `choose_tokens` below
     if (ops is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64)
             and logits.stride(-1) == 1 and st.temperature.device.type == "cpu"):
         cut = ()
