@@ -1,9 +1,11 @@
-"""End to end: top-p / top-k through the candidate path vs the sort path (sampling.FORCE_SORT),
-target-only and SpecRouter side by side in one process (order rotated per request), the bench's
-prompts. Prints tokens/s per request and summed, and whether each pair's tokens are equal.
+"""End to end: top-p / top-k through the native cut (kernels/cut.h) vs the torch candidate path
+(sampling.NATIVE = False; `--against sort`: the sort path, sampling.FORCE_SORT), target-only and
+SpecRouter side by side in one process (order rotated per request), the bench's prompts, optionally
+with penalties. Prints tokens/s per request and summed, and whether each pair's tokens are equal.
 
-    python benchmarks/topp_e2e.py [--temperature 0.7] [--top-p 0.9] [--top-k 0] [--workload mixed]
-        [--prompts-per-type 2] [--max-new-tokens 64]
+    python benchmarks/topp_e2e.py [--temperature 0.7] [--top-p 0.9] [--top-k 0] [--min-p 0] [--workload mixed]
+        [--prompts-per-type 2] [--max-new-tokens 64] [--against torch|sort]
+        [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R]
 """
 
 from __future__ import annotations
@@ -25,20 +27,28 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--against", choices=("torch", "sort"), default="torch")
+    for name in ("presence", "frequency", "repetition"):
+        ap.add_argument(f"--{name}-penalty", type=float, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workload", default="mixed")
     ap.add_argument("--prompts-per-type", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    controls = tuple((n, v) for n, v in (("top_p", args.top_p), ("top_k", args.top_k)) if v not in (1.0, 0))
+    controls = tuple((n, v) for n, v in (("top_p", args.top_p), ("top_k", args.top_k), ("min_p", args.min_p))
+                     if v not in (1.0, 0))
+    controls += tuple((f"{n}_penalty", v) for n in ("presence", "frequency", "repetition")
+                      if (v := getattr(args, f"{n}_penalty")) is not None)
+    ref = args.against
     sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
     pool = sr.pool
     profile = load_or_sweep_profile(pool, progress=False)
     target = NativeSystem(pool, "target-only", (pool.target,), None)
-    systems = {"target-only/sort": (target, True), "target-only/cand": (target, False),
-               "SR/sort": (AdaptiveSystem(pool, "sr-sort", profile=profile, progress=False), True),
-               "SR/cand": (AdaptiveSystem(pool, "sr-cand", profile=profile, progress=False), False)}
+    systems = {f"target-only/{ref}": (target, True), "target-only/native": (target, False),
+               f"SR/{ref}": (AdaptiveSystem(pool, f"sr-{ref}", profile=profile, progress=False), True),
+               "SR/native": (AdaptiveSystem(pool, "sr-native", profile=profile, progress=False), False)}
     for s, _ in systems.values():
         s.run(sr.encode("hello"), Decoding(0.0, 8, 0))
         s.reset()
@@ -54,18 +64,19 @@ def main() -> None:
         row, toks = {}, {}
         for j in range(len(names)):
             n = names[(i + j) % len(names)]
-            system, force = systems[n]
-            sampling.FORCE_SORT = force
+            system, against = systems[n]
+            if against:
+                setattr(sampling, "FORCE_SORT" if ref == "sort" else "NATIVE", ref == "sort")
             try:
                 out = system.run(ids, Decoding(args.temperature, cfg.max_new_tokens, cfg.seed + i, controls))
             finally:
-                sampling.FORCE_SORT = False
+                sampling.FORCE_SORT, sampling.NATIVE = False, True
             total[n][0] += len(out.token_ids)
             total[n][1] += out.seconds
             row[n], toks[n] = len(out.token_ids) / out.seconds, list(out.token_ids)
-        same["target-only"] += toks["target-only/sort"] == toks["target-only/cand"]
-        same["SR"] += toks["SR/sort"] == toks["SR/cand"]
-        same["target-only vs SR"] += toks["target-only/cand"] == toks["SR/cand"]
+        same["target-only"] += toks[f"target-only/{ref}"] == toks["target-only/native"]
+        same["SR"] += toks[f"SR/{ref}"] == toks["SR/native"]
+        same["target-only vs SR"] += toks["target-only/native"] == toks["SR/native"]
         print(f"#{i} {req.kind:10s} " + " ".join(f"{n} {v:.1f}" for n, v in row.items()), flush=True)
     n_req = len(scenario.workload.requests)
     print(f"t={args.temperature:g} {controls} total tokens/s: "

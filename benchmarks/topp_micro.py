@@ -1,6 +1,7 @@
 """Micro: scaled_logits / choose_tokens / choose_at with top-k / top-p / min-p (float32, V 49152).
 
-Usage: PYTHONPATH=src python benchmarks/topp_micro.py [--threads 2] [--reps 30]
+Usage: PYTHONPATH=src python benchmarks/topp_micro.py [--threads 2] [--reps 30] [--sort | --torch]
+(--sort: the vocabulary sort, the reference; --torch: the torch candidate path; default: the native cut where built)
 Logits: a peaked LM-like row (a Gumbel-ish spread scaled to ~8 nats), temperature 0.7.
 """
 from __future__ import annotations
@@ -33,10 +34,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--sort", action="store_true", help="force the sort path (reference)")
+    ap.add_argument("--torch", action="store_true", help="the torch candidate path (not the native cut)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.sort:
         sampling.FORCE_SORT = True
+    if a.torch:
+        sampling.NATIVE = False
     V = 49152
     g = torch.Generator().manual_seed(0)
     controls = [("top_p 0.9", dict(top_p=0.9)), ("top_p 0.95", dict(top_p=0.95)), ("top_k 40", dict(top_k=40)),

@@ -237,10 +237,10 @@ def test_processors_at_the_target_only_stay_exact_but_lose_acceptance(pool, prom
         current[0] = name
         return orig_run_model(self, name, work, sampling)
 
-    def target_only(logits, rows):
+    def target_only(logits, rows, **kw):
         if current[0] != "target":
             return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
-        return real(logits, rows)
+        return real(logits, rows, **kw)
 
     monkeypatch.setattr(executor_mod, "process_rows", target_only)
     monkeypatch.setattr(executor_mod.ChainExecutor, "_run_model", run_model)

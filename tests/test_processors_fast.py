@@ -19,6 +19,17 @@ from specrouter.decoding import processors as fast
 STOPS = frozenset({2, 5})
 
 
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def penalize_path(request, monkeypatch):
+    """Every test on both paths of `penalize`: the native kernel (kernels/penalty.cpp, where
+    built) and numpy."""
+    if request.param == "numpy":
+        monkeypatch.setattr(fast, "NATIVE", False)
+    elif fast._native_penalize() is None:
+        pytest.skip("native kernels unavailable here")
+    return request.param
+
+
 def random_params(rng: random.Random, V: int) -> SamplingParams:
     kind = rng.choice(["none", "presence", "frequency", "repetition", "all", "negative", "bias", "mixed"])
     kw = {}
@@ -145,3 +156,43 @@ def test_rows_sharing_one_memo_keep_their_own_path_columns():
     logits = random_logits(g, 2, G, V, torch.float32)
     got = fast.process_rows(logits, [fast.RowHistory(*a, memo=memo) for a in rows])
     assert_bits_equal(got, ref.process_rows(logits, [ref.RowHistory(*a) for a in rows]), "shared memo")
+
+
+def test_in_place_processing_equals_a_copy_and_leaves_other_rows():
+    """`process_rows(inplace=True)` (the executor: the forward's fresh logits) returns the logits
+    themselves, processed as a copy would be; rows without processors keep their bits."""
+    rng, g = random.Random(3), torch.Generator().manual_seed(3)
+    V = 300
+    for case in range(20):
+        B, G = rng.choice([1, 3]), rng.choice([1, 4])
+        logits = random_logits(g, B, G, V, torch.float32)
+        rows = []
+        for b in range(B):
+            params = random_params(rng, V) if b or case % 2 else SamplingParams(max_new_tokens=8)
+            tokens = [rng.randrange(V) for _ in range(rng.randrange(3, 30))]
+            rows.append(fast.RowHistory(params, tokens, rng.randrange(1, 3), STOPS,
+                                        [rng.randrange(V) for _ in range(G + 2)], rng.choice([0, 2])))
+        want = fast.process_rows(logits, rows)
+        before = logits.clone()
+        got = fast.process_rows(logits, rows, inplace=True)
+        assert got.data_ptr() == logits.data_ptr()
+        assert_bits_equal(got, want, case)
+        for b, h in enumerate(rows):
+            if not h.params.has_processors:
+                assert_bits_equal(logits[b], before[b], (case, b))
+
+
+def test_in_place_on_inference_tensors_outside_inference_mode():
+    """The executor's logits come from forwards under inference_mode and are processed outside
+    it: in place, penalties and masks alike."""
+    g = torch.Generator().manual_seed(4)
+    params = SamplingParams(max_new_tokens=8, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+                            logit_bias=((3, 2.0),), min_tokens=2)
+    h = fast.RowHistory(params, [1, 2, 3, 4, 3], 2, STOPS, [5, 6, 7], 1)
+    base = random_logits(g, 1, 3, 50, torch.float32)
+    with torch.inference_mode():
+        logits = base.clone()
+    want = fast.process_rows(base, [h])
+    got = fast.process_rows(logits, [h], inplace=True)
+    assert got.data_ptr() == logits.data_ptr()
+    assert_bits_equal(got, want, "inference")

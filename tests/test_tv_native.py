@@ -189,3 +189,36 @@ print("ok")
     env = dict(os.environ, SPECROUTER_KERNELS="avx2")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_min_p_one_keeps_the_top_token(native):
+    """min_p = 1 keeps the top token (and its ties) on both sides: a value, as the torch path's
+    (review19 N1: the fused compare s - max < log(min_p) dropped the top token itself where
+    x * (1 / T) - max rounded below 0, and the position read NaN)."""
+    st = SamplingTensors.from_params([SamplingParams(temperature=0.7, min_p=1.0),
+                                      SamplingParams(temperature=0.3, min_p=0.9999999)] * 2)
+    d, v = logits_pair(4, 2, 4097, seed=21, scale=3.0)
+    num = torch.tensor([2, 2, 1, 2])
+    got, want = level_tv(d, v, num, st), level_tv_torch(d, v, num, st)
+    assert got.isfinite().all(), got
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_each_side_keeps_the_samplers_set(native):
+    """Each side's distribution is over exactly the tokens the sampler may draw: D_TV between a
+    row's logits and themselves with the tokens the sampler's top-k / min-p cut removes lowered
+    (a cut that does not depend on their mass, unlike top-p's) is 0."""
+    from specrouter.decoding.sampling import native_filters, scaled_logits
+    if native_filters() is None:
+        pytest.skip("no native cut here")
+    params = [SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.1, top_k=20),
+              SamplingParams(temperature=0.9, top_k=50, min_p=0.02), SamplingParams(temperature=0.8, min_p=0.2)]
+    st = SamplingTensors.from_params(params)
+    d, _ = logits_pair(4, 2, 49152, seed=3, scale=3.0)
+    kept = scaled_logits(d, st).isfinite()
+    v = torch.where(kept, d, d - 5.0)  # the filtered tokens moved: the same processed distribution
+    v = torch.cat([v, v[:, :1]], 1)
+    assert level_tv(d, v, torch.tensor([2, 2, 2, 2]), st).abs().max() < 1e-6
+    w = torch.where(kept, d, d + 5.0).clone()  # negative control: raising them moves some into the cut
+    w = torch.cat([w, w[:, :1]], 1)
+    assert level_tv(d, w, torch.tensor([2, 2, 2, 2]), st).max() > 1e-3

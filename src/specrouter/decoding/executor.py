@@ -497,10 +497,11 @@ class ChainExecutor:
                 w.seq.penalty_memo = PenaltyMemo()
         offsets = offset if isinstance(offset, list) else [offset] * len(work)
         on_host = logits.device.type == "cpu"  # penalties etc. run on host tensors
+        # in place: the forward's logits of a row with processors are read processed from here on
         out = process_rows(logits if on_host else logits.cpu(), [
             RowHistory(w.seq.params, w.seq.tokens, w.seq.prompt_len, w.seq.stop_ids, w.cand, o,
                        w.seq.grammar, w.seq.penalty_memo)
-            for w, o in zip(work, offsets)])
+            for w, o in zip(work, offsets)], inplace=True)
         if not on_host:
             out = out.to(logits.device)
         self._proc_seconds += self.clock() - t0

@@ -23,19 +23,22 @@ Order and definitions (vLLM's), per row, on raw logits:
 Then sampling.py: temperature, min_p, top-k, top-p (greedy rows: the argmax of the processed
 logits). Computation is float32 (float64 for float64 logits).
 
-Cost (issue 31): steps 4-5 touch only the columns of tokens in a row's history, and run for
-every position of every row in ONE pass (`penalize`: a flat (G, N) layout of all rows' history
-columns, N = their sum, numpy take/put on the host tensor's flat view: a handful of array
-operations whatever the rows and positions). A row's committed history is kept on its Sequence
-as a `PenaltyMemo`, brought up to date incrementally (a cycle appends a few tokens); the draft
-path's tokens get scratch columns on it (no array rebuilt); the path tokens before a row's
-first position (a drafter's own earlier tokens) are added to the counts, the later ones (a
-verifier's candidates) from their position on. A single row reads its memo's arrays as they
-are and every penalty as one number. In the engine these calls run between model forwards,
-with the caches cold: each numpy or torch call costs ~10-30 us there against ~1 us in a loop,
-so what counts is how FEW calls a step makes (benchmarks/processors_micro.py `--cold`). Steps
-0-3 are per row (only rows that have them). tests/processors_reference.py keeps the
-per-position reference this equals bit for bit (tests/test_processors_fast.py).
+Cost (issue 31): steps 4-5 touch only the columns of tokens in a row's history. Where the native
+kernels are built, every penalized row at every position is ONE native call in place
+(`penalize_native`: kernels/penalty.cpp, reading each row's PenaltyMemo arrays through torch
+views and its draft path; the path tokens before a row's first position, a drafter's own earlier
+tokens, counted at every position, the later ones, a verifier's candidates, from their position
+on), and the executor processes the forward's logits in place (`process_rows(inplace=True)`: no
+copy of the vocabulary). Elsewhere the numpy pass (`penalty_columns` + `penalize`: a flat (G, N)
+layout of all rows' history columns, numpy take/put on the host tensor's flat view), the
+native call's reference, bit for bit. A row's committed history is kept on its Sequence as a
+`PenaltyMemo`, brought up to date incrementally (a cycle appends a few tokens). In the engine
+these calls run between model forwards, with the caches cold: each numpy or torch call costs
+~5-30 us there against ~1 us in a loop, so what counts is how FEW calls a step makes
+(benchmarks/processors_micro.py `--cold`): one row, one position, cold, SPR: ~185 us a call
+with the copy and the numpy pass, ~35 us in place and native (session 20). Steps 0-3 are per
+row (only rows that have them). tests/processors_reference.py keeps the per-position reference
+this equals bit for bit (tests/test_processors_fast.py, both paths).
 """
 
 from __future__ import annotations
@@ -63,6 +66,15 @@ class PenaltyMemo:
         self.counted = 0  # committed tokens accounted for
         self.last: int | None = None  # tokens[counted - 1] when counted
         self.add_term: dict[tuple[int, torch.dtype], torch.Tensor | None] = {}  # (V, dtype) -> step 1-2 term
+        self._views: tuple | None = None  # torch views of (cols, in_prompt, counts), while they are these arrays
+
+    def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """torch views (no copy) of `cols`, `in_prompt`, `counts` (the native penalties' input);
+        new ones after the arrays grew."""
+        if self._views is None or self._views[0] is not self.cols:
+            self._views = (self.cols, torch.from_numpy(self.cols), torch.from_numpy(self.in_prompt),
+                           torch.from_numpy(self.counts))
+        return self._views[1:]
 
     def _grow(self, need: int) -> None:
         """Capacity for `need` columns (x2 steps; new slots: not in the prompt, count 0)."""
@@ -275,13 +287,57 @@ def penalize(flat: np.ndarray, G: int, V: int, c: PenaltyColumns) -> None:
     flat.put(at, x)
 
 
-def process_rows(logits: torch.Tensor, rows: list[RowHistory]) -> torch.Tensor:
+NATIVE = True  # tests / benchmarks: False keeps `penalize` on numpy (the native kernel's reference)
+
+
+def _native_penalize():
+    """kernels/penalty.cpp's `penalize_rows` where the kernels are built, else None."""
+    if not NATIVE:
+        return None
+    from specrouter.models.runners.kernels import rowinv
+
+    ops = rowinv()
+    return None if ops is None else ops.penalize_rows
+
+
+def penalize_native(native, out: torch.Tensor, rows: list[tuple[int, RowHistory, PenaltyMemo]]) -> None:
+    """Steps 4-5 for every (logits row b, history, up-to-date memo) of `rows` at every position,
+    in place on contiguous host logits `out` (B, G, V): ONE native call (kernels/penalty.cpp, the
+    same operations as `penalty_columns` + `penalize`, bit for bit), reading the memos' arrays
+    where they are (torch views) and each row's draft path."""
+    G = out.shape[1]
+    path, starts = [], [0]
+    for _, h, _ in rows:
+        path += h.path[: h.offset + G - 1]
+        starts.append(len(path))
+    views = [m.views() for _, _, m in rows]
+    native(out, [b for b, _, _ in rows], [v[0] for v in views], [v[1] for v in views], [v[2] for v in views],
+           [m.size for _, _, m in rows], path, starts, [h.offset for _, h, _ in rows],
+           [float(h.params.presence_penalty) for _, h, _ in rows], [float(h.params.frequency_penalty) for _, h, _ in rows],
+           [float(h.params.repetition_penalty) for _, h, _ in rows])
+
+
+def process_rows(logits: torch.Tensor, rows: list[RowHistory], inplace: bool = False) -> torch.Tensor:
     """logits (B, G, V) on the host -> processed logits (B, G, V), float32 (float64 for
-    float64 logits); rows without processors are only cast. Row b uses rows[b]."""
+    float64 logits); rows without processors are only cast. Row b uses rows[b]. `inplace`: a
+    float32 / float64 contiguous `logits` is processed where it is (its rows with processors
+    changed; no copy of the vocabulary: the executor's fresh forward output) and returned."""
     B, G = logits.shape[:2]
     assert len(rows) == B, f"{len(rows)} histories for {B} logit rows"
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    out = logits.clone() if logits.dtype == dtype else logits.to(dtype)
+    if logits.dtype != dtype:
+        out = logits.to(dtype)
+    elif inplace and logits.is_contiguous():
+        out = logits
+    else:
+        out = logits.clone()
+    return _process_into(out, rows)
+
+
+def _process_into(out: torch.Tensor, rows: list[RowHistory]) -> torch.Tensor:
+    """`process_rows` on `out`, its own (B, G, V) float32 / float64 logits: changed in place (a
+    contiguous copy first if it is not contiguous) and returned."""
+    G = out.shape[1]
     penalized, memos = [], set()
     for b, h in enumerate(rows):
         if not h.params.has_processors:
@@ -290,14 +346,22 @@ def process_rows(logits: torch.Tensor, rows: list[RowHistory]) -> torch.Tensor:
         memos.add(id(memo))  # (one memo per row: its scratch columns are the row's)
         p = h.params
         if h.grammar is not None or p.allowed_token_ids is not None or p.logit_bias or p.min_tokens:
-            out[b] = mask_row(out[b], h, memo)
+            if out.is_inference() and not torch.is_inference_mode_enabled():
+                with torch.inference_mode():  # (the forward's logits are inference tensors: written here)
+                    out[b] = mask_row(out[b], h, memo)
+            else:
+                out[b] = mask_row(out[b], h, memo)
         if h.penalized:
             memo.update(h.tokens, h.prompt_len)
             penalized.append((b, h, memo))
     if penalized:
         if not out.is_contiguous():
             out = out.contiguous()
-        penalize(out.numpy().reshape(-1), G, out.shape[2], penalty_columns(penalized, G, out.shape[2]))
+        native = _native_penalize()
+        if native is not None:
+            penalize_native(native, out, penalized)
+        else:
+            penalize(out.numpy().reshape(-1), G, out.shape[2], penalty_columns(penalized, G, out.shape[2]))
     return out
 
 

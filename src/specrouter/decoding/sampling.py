@@ -22,8 +22,12 @@ Processing order (the transformers / vLLM order), per row:
 Steps 3-4 on CPU tensors find the two thresholds from each row's top 64 values (`topk`, widened
 x4 while under a quarter of the vocabulary), not a sort of the vocabulary (2.4-3.4 ms a row of
 49152 sorted; `_top_k_top_p_mask_candidates`, row-invariant: a row's output does not depend on
-the other rows and positions of the call); elsewhere, and for a row whose cuts lie past that,
-the sort (`_top_k_top_p_mask_sort`, the reference). The nucleus mass is summed differently by the two, so
+the other rows and positions of the call); where the native kernels are built, the same cut bit
+for bit in one native call (kernels/cut.h: `_top_k_top_p_mask_native`, and fused with the
+sampling in `choose_at`; torch's float32 exp is MKL's, which the kernel calls too; a top-p row's
+mass denominator is the whole row's in fixed point, `_row_mass`, exact in any order); elsewhere,
+and for a row whose cuts lie past that, the sort (`_top_k_top_p_mask_sort`, the reference). The
+nucleus mass is summed differently by the candidates and the sort, so
 the kept sets may differ where a mass before a token lies within float rounding of top_p (seen:
 1e-5 near 0.95 over ~1300 tokens; the sort path's float32 softmax is itself that far from the
 float64 mass). Every level of a chain and plain decoding call the same function on the same
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from specrouter.config import SamplingParams
+from specrouter.decoding import noise as noise_module
 from specrouter.decoding.noise import check_tokens, coupled_argmax, native_ops, position_keys
 
 
@@ -117,6 +122,7 @@ def _min_p_mask(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 FORCE_SORT = False  # tests / benchmarks: every call takes the sort path (the reference)
+NATIVE = True  # tests / benchmarks: False keeps CPU calls on the torch candidate path (the native cut's reference)
 _CANDIDATES = 64  # the candidate path's first set (the top 64 of a row), widened x4
 _CANDIDATE_SHARE = 4  # ... while 4 x the set fits in the row (else the sort path: it is faster there)
 
@@ -126,10 +132,62 @@ def _top_k_top_p_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     candidate path on CPU tensors (no sort of the vocabulary), the sort path elsewhere (CUDA:
     no host sync) or where a row's cut is not within a quarter of the vocabulary."""
     if not FORCE_SORT and x.device.type == "cpu":
-        out = _top_k_top_p_mask_candidates(x, top_k, top_p)
+        ops = native_filters() if x.dtype == torch.float32 else None
+        out = (_top_k_top_p_mask_native(ops, x, top_k, top_p) if ops is not None
+               else _top_k_top_p_mask_candidates(x, top_k, top_p))
         if out is not None:
             return out
     return _top_k_top_p_mask_sort(x, top_k, top_p)
+
+
+_EXP_CHECKED: dict[int, bool] = {}
+
+
+def native_filters():
+    """The native kernels' ops where they compute the candidate path's cut (kernels/cut.h: it
+    needs torch's own float32 exp, MKL's, checked once against torch.exp here), else None."""
+    if not NATIVE:
+        return None
+    ops = native_ops()
+    if ops is None:
+        return None
+    key = id(ops)
+    if key not in _EXP_CHECKED:
+        ok = bool(ops.has_torch_exp())
+        if ok:
+            g = torch.Generator().manual_seed(0)
+            t = torch.cat([(torch.randn(4093, generator=g) * 12.0 - 8.0).clamp(max=0.0),
+                           torch.tensor([0.0, -0.0, float("-inf"), -87.5, -103.9, -104.0, -150.0])])
+            ok = torch.equal(ops.torch_exp(t), torch.exp(t))
+        _EXP_CHECKED[key] = ok
+    return ops if _EXP_CHECKED[key] else None
+
+
+def _top_k_top_p_mask_native(ops, x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """`_top_k_top_p_mask_candidates` in one native call (kernels/cut.h: the same cut, bit for
+    bit; each row on its own: row-invariant); rows whose cut the candidate path finds by sorting
+    are sorted here alone, as there. None (the sort path for the whole call) on NaN scores."""
+    B, M, V = x.shape
+    N = B * M
+    xr = x.reshape(N, V)
+    k = top_k.view(B, 1).expand(B, M).reshape(N).contiguous()
+    p = top_p.to(torch.float32).view(B, 1).expand(B, M).reshape(N).contiguous()
+    out, status = ops.top_k_top_p_mask(xr, k, p)
+    if bool((status != 0).any()):
+        if bool((status == 2).any()):
+            return None
+        for i in torch.nonzero(status == 1).flatten().tolist():
+            out[i] = _top_k_top_p_mask_sort(xr[i].view(1, 1, V), k[i:i + 1], p[i:i + 1].to(top_p.dtype))[0, 0]
+    return out.view(B, M, V)
+
+
+def _row_mass(e: torch.Tensor) -> torch.Tensor:
+    """sum(e) of a row's exponentials e (V,) in fixed point: round(e * 2^S) summed as int64 (exact,
+    so the same in any order: torch's and kernels/cut.h's `row_mass`), times 2^-S; S = 62 - the
+    bit length of V (the rounding adds at most V * 2^-(S+1): 3.5e-10 of a mass >= 1 at V = 49152)."""
+    S = 62 - e.shape[-1].bit_length()
+    total = (e * 2.0 ** S).round().to(torch.int64).sum()
+    return (total.to(torch.float64) * 2.0 ** -S).to(e.dtype)
 
 
 def _exp_rows(t: torch.Tensor) -> torch.Tensor:
@@ -184,12 +242,14 @@ def _top_k_top_p_mask_candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: to
         if bool(whole.any()):
             if whole_z is None:
                 whole_z = torch.ones(N, 1, dtype=x.dtype)
-                for i in torch.nonzero(whole.view(-1)).flatten().tolist():  # per row: its reduction
-                    whole_z[i] = torch.exp(xr[i] - mx[i]).sum()  # split the same way in any batch
+                for i in torch.nonzero(whole.view(-1)).flatten().tolist():  # per row: its own exp
+                    whole_z[i] = _row_mass(torch.exp(xr[i] - mx[i]))
             z = torch.where(whole, whole_z, z)
         probs = e / z
         mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 at i = 0
-        num_kept = (mass_before < p).sum(dim=-1, keepdim=True).clamp(1, K)  # (N, 1)
+        # the prefix before the first mass >= p (not a count: a mass one ulp under p after it, in
+        # float rounding, must not move the cut, nor make it depend on K)
+        num_kept = (mass_before < p).cumprod(dim=-1).sum(dim=-1, keepdim=True).clamp(1, K)  # (N, 1)
         resolved = (~k_on | ((k <= K) & covered)) & (~p_on | (num_kept < K) | covered)  # (N, 1)
         widen = _CANDIDATE_SHARE * min(4 * K, V) <= V and K < V
         if bool(resolved.all()) or not widen:
@@ -274,14 +334,24 @@ def choose_at(logits: torch.Tensor, st: SamplingTensors, rows: list[int], seed_k
     the host: logits (B, M, V), row b of them being row `rows[b]` of `st` (a sub-batch without
     `select`), `seed_keys` (B) 32-bit keys, `positions` (B*M, row-major) each token's position
     -> (B, M) int64 host tokens. One native call (kernels/noise.cpp `choose_tokens`: the keys,
-    the temperature and the coupled argmax fused, the same tokens as below) for CPU logits where
-    no row of `st` filters with top-k / top-p / min_p; else the keys are hashed here and
-    `choose_tokens` serves (a NaN score raises in both)."""
+    the temperature, the rows' top-k / top-p / min-p cut (kernels/cut.h, the candidate path's,
+    bit for bit) and the coupled argmax fused, the same tokens as below) for CPU logits, float32
+    where a row of `st` filters; else (or where a row's cut needs the sort) the keys are hashed
+    here and `choose_tokens` serves (a NaN score raises in both)."""
     B, M, _ = logits.shape
-    ops = None if st.needs_sort or st.needs_min_p else native_ops()
+    filters = st.needs_sort or st.needs_min_p
+    ops = native_filters() if filters and logits.dtype == torch.float32 else None if filters else native_ops()
+    if filters and noise_module._use_triton(logits):
+        ops = None  # the Triton noise (CUDA; tests force it on the CPU): `choose_tokens` below
     if (ops is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64)
             and logits.stride(-1) == 1 and st.temperature.device.type == "cpu"):
-        return ops.choose_tokens(logits, st.temperature, rows, seed_keys, [] if st.all_greedy else positions)
+        cut = ()
+        if filters:
+            cut = (torch.log(st.min_p) if st.needs_min_p else None,
+                   st.top_k if st.needs_sort else None, st.top_p if st.needs_sort else None)
+        tokens = ops.choose_tokens(logits, st.temperature, rows, seed_keys, [] if st.all_greedy else positions, *cut)
+        if not filters or not bool((tokens < 0).any()):
+            return tokens
     dev = logits.device
     if rows == list(range(len(st))):
         sub = st

@@ -14,9 +14,10 @@ and top-p are ignored here, whatever the other rows of its batch use.
 (kernels/tv.cpp `tv_rows`: the scaling, min-p, top-k, top-p, both softmaxes and the distance in
 three passes over the vocabulary, ~25 us a position on a Sapphire Rapids instead of ~170, and
 without the torch path's sort of the vocabulary for top-k / top-p rows); non-CPU logits and
-processes without the kernels take the torch path (`level_tv_torch`). The two agree within
-float rounding (tests/test_tv_native.py), but for a top-p nucleus whose boundary the two
-paths' rounding decides (a prefix's mass within ~1e-6 of top_p).
+processes without the kernels take the torch path (`level_tv_torch`). Each side's kept set is
+the sampler's, bit for bit (kernels/cut.h, shared with sampling.py's native cut; where the
+sampler sorts, a nucleus past 4096 of 49152 tokens, the candidates' cut, which may differ only
+on a rounding boundary); the distances agree within float rounding (tests/test_tv_native.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specrouter.decoding.sampling import SamplingTensors, scaled_logits
+from specrouter.decoding.sampling import SamplingTensors, native_filters, scaled_logits
 
 
 def candidate_mask(num_candidates: torch.Tensor, n: int) -> torch.Tensor:
@@ -88,6 +89,8 @@ def tv_rows(drafts: Sequence[Sequence[torch.Tensor]], verifier: torch.Tensor, vr
     R = len(drafts)
     assert len(vrows) == R and len(srows) == R, "vrows and srows: one per row"
     ops = _native_ops()
+    if ops is not None and (st.needs_sort or st.needs_min_p) and not st.all_greedy and native_filters() is None:
+        ops = None  # (the native cut needs torch's own exp: kernels/cut.h)
     if ops is not None and verifier.device.type == "cpu" and st.temperature.device.type == "cpu":
         v = verifier if verifier.dtype == torch.float32 and verifier.stride(-1) == 1 else verifier.float().contiguous()
         flat = [d if d.dtype == torch.float32 and d.is_contiguous() else d.float().contiguous()

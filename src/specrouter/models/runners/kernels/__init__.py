@@ -4,7 +4,9 @@ region; `set_stack_schedule` and `stack_profile` steer and time it); linear256.c
 `linear`, the AVX2 linear; linear512.cpp: `linear512`, the AVX-512 and AVX-512-BF16 linears;
 linearamx.cpp: `linear_amx`, the bfloat16 linear on AMX tiles) and the sampling noise
 (noise.cpp: `coupled_argmax`, decoding/noise.py's lazy Gumbel-max in one call) and the router's
-similarity signal (tv.cpp: `tv_rows`, decoding/tv.py's D_TV in one call); bf16.h holds
+similarity signal (tv.cpp: `tv_rows`, decoding/tv.py's D_TV in one call), the sampler's
+top-k / top-p / min-p cut (cut.h, shared by noise.cpp's `top_k_top_p_mask` / `choose_tokens` and
+tv.cpp) and the penalties (penalty.cpp: `penalize`, decoding/processors.py's in one call); bf16.h holds
 the bfloat16 widening and rounding both linears and the other ops share.
 
 `rowinv()` returns `torch.ops.specrouter_rowinv` (all of those ops) or None where
@@ -34,8 +36,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(f) for f in ("rowinv.cpp", "linear256.cpp", "linear512.cpp", "linearamx.cpp",
-                                                 "noise.cpp", "tv.cpp")]
-HEADERS = [Path(__file__).with_name(f) for f in ("bf16.h", "finish16.h")]  # included by rowinv.cpp and the linears
+                                                 "noise.cpp", "tv.cpp", "penalty.cpp")]
+HEADERS = [Path(__file__).with_name(f) for f in ("bf16.h", "finish16.h", "cut.h")]  # included by rowinv.cpp and the linears (cut.h: noise.cpp and tv.cpp)
 ENV = "SPECROUTER_KERNELS"  # a path of PATHS: force it ("torch": never build or use the native kernels)
 # the kernel paths, fastest first, and the CPU flags (Linux's names) each needs; the native
 # ops other than the linear (attention, norms, silu) are AVX2 + FMA on every native path

@@ -23,13 +23,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+
+#include "cut.h"
 
 namespace {
 
@@ -158,9 +163,12 @@ struct Scratch {
   explicit Scratch(int64_t nb) : smax(nb), minima(nb), bound(nb), order(nb) {}
 };
 
-// the coupled sample of a row: argmax_v fl(x_v / temp) - log E_v(key), ties to the lowest index
+// the coupled sample of a row: argmax_v fl(x_v / temp) - log E_v(key), ties to the lowest index,
+// over the tokens whose fl(x_v / temp) >= thr (the row's top-k / top-p / min-p cut, cut.h; -inf:
+// every token): the others are the torch path's -inf scores, never sampled
 template <typename T>
-int64_t sample_row(const T* x, int64_t V, T temp, uint32_t key, const T* bm, const uint8_t* bn, Scratch& sc) {
+int64_t sample_row(const T* x, int64_t V, T temp, uint32_t key, const T* bm, const uint8_t* bn, Scratch& sc,
+                   double thr = -std::numeric_limits<double>::infinity()) {
   constexpr double NEG_INF = -std::numeric_limits<double>::infinity();
   const int64_t nb = (V + BLOCK - 1) / BLOCK;
   // the scores x / temp are NaN where the torch path's are: a NaN temperature, or an infinite
@@ -173,6 +181,7 @@ int64_t sample_row(const T* x, int64_t V, T temp, uint32_t key, const T* bm, con
   for (int64_t b = 0; b < nb; ++b) {
     nan |= bn[b] != 0;
     sc.smax[b] = static_cast<double>(static_cast<T>(bm[b] / temp));  // = max of fl(x / temp) over the block
+    if (sc.smax[b] < thr) sc.smax[b] = NEG_INF;  // the whole block filtered
     if (sc.smax[b] > sc.smax[top]) top = b;
   }
   TORCH_CHECK(!nan, "invalid distribution: NaN scores (non-finite logits or temperature)");
@@ -185,7 +194,7 @@ int64_t sample_row(const T* x, int64_t V, T temp, uint32_t key, const T* bm, con
   // in a visited block, most tokens
   auto consider = [&](int64_t b, int64_t v, double lm, int64_t arg) {
     const double s = static_cast<double>(static_cast<T>(x[v] / temp));
-    if (s == NEG_INF || s - lm < best - 1e-9) return;  // filtered (never sampled), or cannot win
+    if (s == NEG_INF || s < thr || s - lm < best - 1e-9) return;  // filtered (never sampled), or cannot win
     const double extra = (v - b * BLOCK == arg) ? 0.0 : -vlog(uniform(key, STREAM_TOKEN, v));
     const double score = s - vlog(sc.minima[b] + extra);
     if (score > best || token < 0 || (score == best && v < token)) {
@@ -226,9 +235,20 @@ int64_t sample_row(const T* x, int64_t V, T temp, uint32_t key, const T* bm, con
   return token < 0 ? 0 : token;
 }
 
+// the filters of the sampling table (cut.h), where a row has them: log(min_p) (-inf: none), top-k,
+// top-p; null tables: no row filters
+struct Filters {
+  const float* lmp = nullptr;
+  const int64_t* k = nullptr;
+  const float* p = nullptr;
+  bool on(int64_t r, int64_t V) const {
+    return (lmp && lmp[r] != cut::NEG_INF) || (k && k[r] > 0 && k[r] < V) || (p && p[r] < 1.0f);
+  }
+};
+
 template <typename T>
 void choose_rows(const at::Tensor& x, const float* temp, const int64_t* rows, const int64_t* seeds,
-                 const int64_t* pos, int64_t* out, int64_t B, int64_t G, int64_t V) {
+                 const int64_t* pos, int64_t* out, int64_t B, int64_t G, int64_t V, const Filters& fl = {}) {
   const T* base = x.data_ptr<T>();
   const int64_t sb = x.stride(0), sg = x.stride(1), nb = (V + BLOCK - 1) / BLOCK, R = B * G;
   auto row_of = [&](int64_t r) { return base + (r / G) * sb + (r % G) * sg; };
@@ -250,13 +270,31 @@ void choose_rows(const at::Tensor& x, const float* temp, const int64_t* rows, co
   // grain: a row costs about a microsecond (greedy) to ~10 (sampling), a thread's wake-up
   at::parallel_for(0, R, 4, [&](int64_t begin, int64_t end) {
     Scratch sc(nb);
+    cut::Scratch cs;
     for (int64_t i = begin; i < end; ++i) {
       const T *row = row_of(i), *bm = bmax.data() + i * nb;
       const uint8_t* bn = bnan.data() + i * nb;
-      const float t = temp[rows[i / G]];
+      const int64_t r = rows[i / G];
+      const float t = temp[r];
+      double thr = -std::numeric_limits<double>::infinity();
+      if (t != 0.0f && fl.on(r, V)) {  // (float32 only: `choose_tokens` checks)
+        cut::Filter f;
+        f.T = t;
+        f.lmp = fl.lmp ? fl.lmp[r] : cut::NEG_INF;
+        f.k = fl.k ? fl.k[r] : 0;
+        f.p = fl.p ? fl.p[r] : 1.0f;
+        TORCH_CHECK(!std::isnan(t) && t > 0, "choose_tokens: a sampling row's temperature must be > 0, got ", t);
+        const cut::Cut c = cut::find_cut(reinterpret_cast<const float*>(row), V, f, cs);
+        TORCH_CHECK(c.status != cut::NAN_SCORES, "invalid distribution: NaN scores (non-finite logits or temperature)");
+        if (c.status == cut::SORT) {  // the torch path sorts this row: the caller does
+          out[i] = -2;
+          continue;
+        }
+        thr = c.thr;
+      }
       out[i] = t == 0.0f ? greedy_row(row, V, bm, bn, nb)
                          : sample_row(row, V, static_cast<T>(t), position_key(static_cast<uint32_t>(seeds[i / G]), pos[i]),
-                                      bm, bn, sc);
+                                      bm, bn, sc, thr);
     }
   });
 }
@@ -264,8 +302,14 @@ void choose_rows(const at::Tensor& x, const float* temp, const int64_t* rows, co
 // logits (B, G, V) float32 / float64 (last dim contiguous), temperature (R,) float32 (the
 // sampling table: 0 = greedy), rows (B) indices into it, seed_keys (B) 32-bit seed keys,
 // positions (B*G) each token's position ([] when every row is greedy) -> (B, G) int64 tokens
+// With filters (log_min_p, top_k, top_p: (R,) float32, int64, float32 tables beside temperature,
+// as sampling.py's SamplingTensors; log_min_p torch's log of min_p): each sampling row's tokens
+// under its cut (cut.h) are never sampled, the torch path's `choose_tokens` on `scaled_logits`;
+// float32 logits only. A row whose cut the torch path finds by sorting gets -2 (the caller
+// decides it).
 at::Tensor choose_tokens(const at::Tensor& logits, const at::Tensor& temperature, at::IntArrayRef rows,
-                         at::IntArrayRef seed_keys, at::IntArrayRef positions) {
+                         at::IntArrayRef seed_keys, at::IntArrayRef positions, const std::optional<at::Tensor>& log_min_p,
+                         const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p) {
   TORCH_CHECK(logits.dim() == 3 && logits.device().is_cpu() && logits.stride(2) == 1,
               "logits: (B, G, V) on the CPU, the last dim contiguous");
   const auto dt = logits.scalar_type();
@@ -286,8 +330,22 @@ at::Tensor choose_tokens(const at::Tensor& logits, const at::Tensor& temperature
   TORCH_CHECK(V > 0, "logits: empty vocabulary");
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t* pos = sampled ? positions.data() : nullptr;
+  Filters fl;
+  auto table = [&](const std::optional<at::Tensor>& t, at::ScalarType type, const char* name) -> const void* {
+    if (!t.has_value() || t->numel() == 0) return nullptr;
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == R && t->scalar_type() == type && t->is_contiguous() && t->device().is_cpu(),
+                name, ": (R,) on the CPU, contiguous, beside temperature");
+    return t->data_ptr();
+  };
+  fl.lmp = static_cast<const float*>(table(log_min_p, at::kFloat, "log_min_p"));
+  fl.k = static_cast<const int64_t*>(table(top_k, at::kLong, "top_k"));
+  fl.p = static_cast<const float*>(table(top_p, at::kFloat, "top_p"));
+  if (fl.lmp || fl.k || fl.p) {
+    TORCH_CHECK(dt == at::kFloat, "choose_tokens: filters need float32 logits");
+    TORCH_CHECK(cut::exp_ok(), "choose_tokens: filters need torch's MKL exp (this torch has none)");
+  }
   if (dt == at::kFloat)
-    choose_rows<float>(logits, temp, rows.data(), seed_keys.data(), pos, op, B, G, V);
+    choose_rows<float>(logits, temp, rows.data(), seed_keys.data(), pos, op, B, G, V, fl);
   else
     choose_rows<double>(logits, temp, rows.data(), seed_keys.data(), pos, op, B, G, V);
   return out;
@@ -341,14 +399,83 @@ at::Tensor coupled_argmax(const at::Tensor& scores, const at::Tensor& keys) {
   return out;
 }
 
+// ---- top_k_top_p_mask: sampling.py `_top_k_top_p_mask` on the CPU (cut.h) ---------------------
+// x (N, V) float32 scaled logits (min-p applied), top_k (N,) int64, top_p (N,) float32 ->
+// (x with the values under each row's cut set to -inf, (N,) int8 status: 0 done, 1 the row's cut
+// lies past the candidates (the torch path sorts it; its output row is x's), 2 NaN scores)
+std::tuple<at::Tensor, at::Tensor> top_k_top_p_mask(const at::Tensor& x, const at::Tensor& top_k, const at::Tensor& top_p) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat, "x: (N, V) float32 on the CPU");
+  TORCH_CHECK(cut::exp_ok(), "top_k_top_p_mask: needs torch's MKL exp (this torch has none)");
+  const int64_t N = x.size(0), V = x.size(1);
+  TORCH_CHECK(top_k.dim() == 1 && top_k.size(0) == N && top_k.scalar_type() == at::kLong, "top_k: (N,) int64");
+  TORCH_CHECK(top_p.dim() == 1 && top_p.size(0) == N && top_p.scalar_type() == at::kFloat, "top_p: (N,) float32");
+  const at::Tensor xs = x.contiguous(), ks = top_k.contiguous(), ps = top_p.contiguous();
+  at::Tensor out = at::empty({N, V}, x.options());
+  at::Tensor status = at::zeros({N}, x.options().dtype(at::kChar));
+  const float* xp = xs.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  int8_t* st = status.data_ptr<int8_t>();
+  const int64_t* kp = ks.data_ptr<int64_t>();
+  const float* pp = ps.data_ptr<float>();
+  auto one = [&](int64_t n, cut::Scratch& sc) {
+    cut::Filter f;
+    f.k = kp[n];
+    f.p = pp[n];
+    const float* row = xp + n * V;
+    float* o = op + n * V;
+    const cut::Cut c = cut::find_cut(row, V, f, sc);
+    st[n] = c.status;
+    const float thr = c.status == cut::OK ? c.thr : cut::NEG_INF;
+    if (thr == cut::NEG_INF) {
+      std::memcpy(o, row, V * sizeof(float));
+      return;
+    }
+    const __m256 vt = _mm256_set1_ps(thr), ninf = _mm256_set1_ps(cut::NEG_INF);
+    int64_t v = 0;
+    for (; v + 8 <= V; v += 8) {
+      const __m256 a = _mm256_loadu_ps(row + v);
+      _mm256_storeu_ps(o + v, _mm256_blendv_ps(ninf, a, _mm256_cmp_ps(a, vt, _CMP_GE_OQ)));
+    }
+    for (; v < V; ++v) o[v] = row[v] >= thr ? row[v] : cut::NEG_INF;
+  };
+  if (N == 1) {  // one row: outside a parallel region (torch's exp may use the threads)
+    cut::Scratch sc;
+    one(0, sc);
+  } else {
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+      cut::Scratch sc;
+      for (int64_t n = begin; n < end; ++n) one(n, sc);
+    });
+  }
+  return {out, status};
+}
+
+// torch's float32 exp as cut.h computes it (a self-check against torch.exp: sampling.py)
+at::Tensor torch_exp(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "x: (n,) float32 contiguous on the CPU");
+  TORCH_CHECK(cut::exp_ok(), "torch_exp: this torch has no MKL exp");
+  at::Tensor out = at::empty_like(x);
+  cut::torch_exp(x.data_ptr<float>(), out.data_ptr<float>(), x.numel());
+  return out;
+}
+
+bool has_torch_exp() { return cut::exp_ok(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specrouter_rowinv, m) {
   m.def("coupled_argmax(Tensor scores, Tensor keys) -> Tensor");
-  m.def("choose_tokens(Tensor logits, Tensor temperature, int[] rows, int[] seed_keys, int[] positions) -> Tensor");
+  m.def("choose_tokens(Tensor logits, Tensor temperature, int[] rows, int[] seed_keys, int[] positions, "
+        "Tensor? log_min_p=None, Tensor? top_k=None, Tensor? top_p=None) -> Tensor");
+  m.def("top_k_top_p_mask(Tensor x, Tensor top_k, Tensor top_p) -> (Tensor, Tensor)");
+  m.def("torch_exp(Tensor x) -> Tensor");
+  m.def("has_torch_exp() -> bool", &has_torch_exp);
 }
 
 TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) {
   m.impl("coupled_argmax", &coupled_argmax);
   m.impl("choose_tokens", &choose_tokens);
+  m.impl("top_k_top_p_mask", &top_k_top_p_mask);
+  m.impl("torch_exp", &torch_exp);
 }

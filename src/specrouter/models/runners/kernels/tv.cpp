@@ -2,16 +2,18 @@
 // between two levels' processed next-token distributions at the same positions) in one call.
 //
 // Per position: the drafter's logits x and the verifier's y (float32, V each), the row's
-// temperature T (0: greedy, compared at temperature 1) and its min-p offset log(min_p) (-inf:
-// none; computed by the caller with torch's log, as sampling.py's `_min_p_mask`). The scaled
-// logits are s = x * (1 / T) (the torch path divides: the two differ in the last bit of a few
-// scores, far below the signal's resolution), min-p drops s < max(s) + log(min_p) (as
-// s - max < log(min_p), s - max in one fused rounding), and p = exp(s - max) / Z over the
-// survivors. Three passes over the vocabulary: the two maxima (raw,
-// then scaled once: x -> x / T is monotone), the exponentials (stored) and their sums, and
+// temperature T (0: greedy, compared at temperature 1, unfiltered) and its filters: min-p
+// (log(min_p), -inf: none; computed by the caller with torch's log, as sampling.py's
+// `_min_p_mask`), top-k, top-p. Each side keeps exactly the tokens the sampler keeps (cut.h
+// `find_cut`, the candidate path's cut bit for bit, as a cut on the raw logits: x >= x0; so
+// min_p = 1 keeps the top token, where a fused s - max < log(min_p) could drop it: review19 N1);
+// where the torch path would find the cut by sorting (a nucleus past 4096 of 49152 tokens), the
+// candidates' cut (which differs from the sort's only on a rounding boundary). p = exp(s - max) / Z over the kept tokens, s = x * (1 / T) (the
+// torch path divides: the two differ in the last bit of a few scores, far below the signal's
+// resolution). Three passes over the vocabulary: the two maxima (raw, then scaled once:
+// x -> x / T is monotone), the exponentials (stored) and their sums, and
 // sum |e_x / Z_x - e_y / Z_y|. A position with a NaN logit or an infinite maximum is NaN (the
-// torch path's softmax gives NaN there too). Top-k and top-p: thresholds on t found between
-// passes 1 and 2 (`filter_threshold`).
+// torch path's softmax gives NaN there too). The cuts: between passes 1 and 2.
 //
 // Threads: positions are split among the threads; with fewer positions than threads each
 // position's vocabulary is split in chunks too, the passes then three parallel regions (the
@@ -34,6 +36,8 @@
 #include <limits>
 #include <utility>
 #include <vector>
+
+#include "cut.h"
 
 namespace {
 
@@ -105,21 +109,22 @@ inline void span_max2(const float* x, const float* y, int64_t lo, int64_t hi, fl
   nan |= _mm256_movemask_ps(u) != 0;
 }
 
-// pass 2 over [lo, hi): e = exp(t) where t = x * inv - m >= lmp (else 0; MINP: lmp is finite),
-// stored; returns sum e. (x * inv - m in one rounding, fused: within an ulp of the scaled logit
-// minus the maximum in two)
-template <bool MINP>
-double span_exp(const float* x, float inv, float m, float lmp, float* e, int64_t lo, int64_t hi) {
-  const __m256 vi = _mm256_set1_ps(inv), vm = _mm256_set1_ps(-m), vl = _mm256_set1_ps(lmp),
+// pass 2 over [lo, hi): e = exp(t), t = x * inv - m, where x >= x0 (else 0; CUT: x0 is the
+// side's cut), stored; returns sum e. (x * inv - m in one rounding, fused: within an ulp of the
+// scaled logit minus the maximum in two)
+template <bool CUT>
+double span_exp(const float* x, float inv, float m, float x0, float* e, int64_t lo, int64_t hi) {
+  const __m256 vi = _mm256_set1_ps(inv), vm = _mm256_set1_ps(-m), vl = _mm256_set1_ps(x0),
                l2 = _mm256_set1_ps(LOG2E);
   double total = 0.0;
   for (int64_t b = lo; b < hi; b += SUM_BLOCK) {
     const int64_t end = std::min(hi, b + SUM_BLOCK);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     for (int64_t v = b; v < end; v += LANES) {
-      const __m256 t = _mm256_fmadd_ps(load8(x, v, end), vi, vm);
+      const __m256 xv = load8(x, v, end);
+      const __m256 t = _mm256_fmadd_ps(xv, vi, vm);
       __m256 p = exp2_8(_mm256_mul_ps(t, l2));
-      if (MINP) p = _mm256_and_ps(p, _mm256_cmp_ps(t, vl, _CMP_GE_OQ));
+      if (CUT) p = _mm256_and_ps(p, _mm256_cmp_ps(xv, vl, _CMP_GE_OQ));
       if ((v - b) & LANES)
         acc1 = _mm256_add_ps(acc1, p);
       else
@@ -214,9 +219,9 @@ T512 void span_max2_512(const float* x, const float* y, int64_t lo, int64_t hi, 
   nan |= u != 0;
 }
 
-template <bool MINP>
-T512 double span_exp_512(const float* x, float inv, float m, float lmp, float* e, int64_t lo, int64_t hi) {
-  const __m512 vi = _mm512_set1_ps(inv), vm = _mm512_set1_ps(-m), vl = _mm512_set1_ps(lmp),
+template <bool CUT>
+T512 double span_exp_512(const float* x, float inv, float m, float x0, float* e, int64_t lo, int64_t hi) {
+  const __m512 vi = _mm512_set1_ps(inv), vm = _mm512_set1_ps(-m), vl = _mm512_set1_ps(x0),
                l2 = _mm512_set1_ps(LOG2E);
   double total = 0.0;
   for (int64_t b = lo; b < hi; b += SUM_BLOCK) {
@@ -224,12 +229,13 @@ T512 double span_exp_512(const float* x, float inv, float m, float lmp, float* e
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
     int64_t v = b;
     for (; v + 32 <= end; v += 32) {
-      const __m512 t0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + v), vi, vm);
-      const __m512 t1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + v + 16), vi, vm);
+      const __m512 x0v = _mm512_loadu_ps(x + v), x1v = _mm512_loadu_ps(x + v + 16);
+      const __m512 t0 = _mm512_fmadd_ps(x0v, vi, vm);
+      const __m512 t1 = _mm512_fmadd_ps(x1v, vi, vm);
       __m512 p0 = exp2_16(_mm512_mul_ps(t0, l2)), p1 = exp2_16(_mm512_mul_ps(t1, l2));
-      if (MINP) {
-        p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(t0, vl, _CMP_GE_OQ), p0);
-        p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(t1, vl, _CMP_GE_OQ), p1);
+      if (CUT) {
+        p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0v, vl, _CMP_GE_OQ), p0);
+        p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x1v, vl, _CMP_GE_OQ), p1);
       }
       acc0 = _mm512_add_ps(acc0, p0);
       acc1 = _mm512_add_ps(acc1, p1);
@@ -238,9 +244,10 @@ T512 double span_exp_512(const float* x, float inv, float m, float lmp, float* e
     }
     for (; v < end; v += 16) {
       const __mmask16 k = lanes16(v, end);
-      const __m512 t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, x + v), vi, vm);
+      const __m512 xv = _mm512_maskz_loadu_ps(k, x + v);
+      const __m512 t = _mm512_fmadd_ps(xv, vi, vm);
       __mmask16 keep = k;
-      if (MINP) keep &= _mm512_cmp_ps_mask(t, vl, _CMP_GE_OQ);
+      if (CUT) keep &= _mm512_cmp_ps_mask(xv, vl, _CMP_GE_OQ);
       const __m512 p = _mm512_maskz_mov_ps(keep, exp2_16(_mm512_mul_ps(t, l2)));
       acc0 = _mm512_add_ps(acc0, p);
       _mm512_mask_storeu_ps(e + v, k, p);
@@ -285,96 +292,14 @@ const bool HAS_AVX512 = [] {
 struct Position {
   const float* x;  // the drafter's logits
   const float* y;  // the verifier's
-  float inv;       // 1 / T (1 for a greedy row)
+  float T;         // the temperature (1 for a greedy row)
+  float inv;       // 1 / T
   float lmp;       // log(min_p), -inf: none
   int64_t k;       // top-k, 0: none
   float p;         // top-p, 1: none
-  float thx = NEG_INF, thy = NEG_INF;  // each side's threshold on t = x * inv - max (filter_threshold)
+  float thx = NEG_INF, thy = NEG_INF;  // each side's cut on its raw logits: keep x >= it (cut.h)
+  bool lost = false;  // no cut found (NaN scores): no signal
 };
-
-// ---- top-k and top-p (sampling.py `_top_k_top_p_mask`): each a threshold on t ------------------
-// A side keeps the tokens with t >= its threshold: max(log(min_p), the k-th largest t of the
-// min-p survivors, the smallest t of the nucleus), the nucleus being, in descending order of t,
-// the tokens whose mass before them (of the top-k survivors' distribution) is < top_p, at least
-// one (ties with the smallest kept value kept, as the torch path). Found from candidates (the
-// tokens with t >= a cut, the cut lowered until they hold k tokens or the mass top_p) sorted or
-// selected, instead of a sort of the vocabulary (the torch path's 2.4 ms a position). The masses
-// are the float32 exponentials pass 2 computes, summed in float64 (the torch path: its float32
-// softmax, cumulated): the nucleus can differ where a prefix's mass is within ~1e-6 of top_p.
-
-// t >= cut among [0, V): how many
-inline int64_t count_at_least(const float* x, int64_t V, float inv, float m, float cut) {
-  const __m256 vi = _mm256_set1_ps(inv), vm = _mm256_set1_ps(-m), vc = _mm256_set1_ps(cut);
-  int64_t n = 0;
-  for (int64_t v = 0; v < V; v += LANES) {
-    const __m256 t = _mm256_fmadd_ps(load8(x, v, V), vi, vm);
-    n += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(t, vc, _CMP_GE_OQ)));
-  }
-  return n;
-}
-
-// calls f(v, t) for every v with t >= cut, in order; t as pass 2 computes it (one fused rounding)
-template <typename F>
-inline void each_at_least(const float* x, int64_t V, float inv, float m, float cut, F f) {
-  const __m256 vi = _mm256_set1_ps(inv), vm = _mm256_set1_ps(-m), vc = _mm256_set1_ps(cut);
-  alignas(32) float ts[LANES];
-  for (int64_t v = 0; v < V; v += LANES) {
-    const __m256 t = _mm256_fmadd_ps(load8(x, v, V), vi, vm);
-    unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(t, vc, _CMP_GE_OQ)));
-    if (!bits) continue;  // most of the vocabulary
-    _mm256_store_ps(ts, t);
-    for (; bits; bits &= bits - 1) {
-      const int i = __builtin_ctz(bits);
-      f(v + i, ts[i]);
-    }
-  }
-}
-
-// the threshold of one side: x its logits, m its scaled maximum, e a buffer of V for its
-// exponentials (written)
-float filter_threshold(const float* x, int64_t V, const Position& p, float m, float* e) {
-  float thr = p.lmp;
-  std::vector<std::pair<float, float>> cand;  // (t, exp t)
-  if (p.k > 0 && p.k < V) {
-    float cut = -2.0f;  // lowered until it holds k (a counting pass each: cheap), else everything
-    while (count_at_least(x, V, p.inv, m, std::max(cut, thr)) < p.k) {
-      if (cut == NEG_INF) break;
-      cut = cut < -100.0f ? NEG_INF : 2.0f * cut;
-    }
-    std::vector<float> ts;
-    each_at_least(x, V, p.inv, m, std::max(cut, thr), [&](int64_t, float t) { ts.push_back(t); });
-    if (static_cast<int64_t>(ts.size()) >= p.k) {  // (fewer min-p survivors than k: no cut)
-      std::nth_element(ts.begin(), ts.begin() + (p.k - 1), ts.end(), std::greater<float>());
-      thr = std::max(thr, ts[p.k - 1]);
-    }
-  }
-  if (p.p < 1.0f) {
-    const double Z = (HAS_AVX512 ? span_exp_512<true> : span_exp<true>)(x, p.inv, m, thr, e, 0, V);
-    const double need = static_cast<double>(p.p) * Z * (1.0 + 1e-6);
-    for (float cut = -4.0f;; cut *= 2.0f) {  // candidates holding the nucleus' mass
-      if (cut < -128.0f) cut = NEG_INF;
-      cand.clear();
-      double mass = 0.0;
-      each_at_least(x, V, p.inv, m, std::max(cut, thr), [&](int64_t v, float t) {
-        cand.emplace_back(t, e[v]);
-        mass += e[v];
-      });
-      if (mass >= need || cut == NEG_INF) break;
-    }
-    std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-    double before = 0.0;
-    int64_t kept = 0;
-    const double target = static_cast<double>(p.p) * Z;
-    for (const auto& c : cand) {
-      if (!(before < target)) break;
-      before += c.second;
-      ++kept;
-    }
-    kept = std::max<int64_t>(kept, 1);  // the top token at least (top_p 0)
-    if (kept <= static_cast<int64_t>(cand.size())) thr = std::max(thr, cand[kept - 1].first);
-  }
-  return thr;
-}
 
 // per (position, chunk) partial results
 struct Part {
@@ -406,6 +331,7 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
   TORCH_CHECK(!filters || (top_k.dim() == 1 && top_k.size(0) == S && top_k.scalar_type() == at::kLong && top_k.is_contiguous()
                            && top_p.dim() == 1 && top_p.size(0) == S && top_p.scalar_type() == at::kFloat
                            && top_p.is_contiguous()), "top_k, top_p: (S,) int64 and float32, or both empty");
+  TORCH_CHECK(!(min_p || filters) || cut::exp_ok(), "tv_rows: filters need torch's MKL exp (this torch has none)");
   const float* temp = temperature.data_ptr<float>();
   const float* lmp = min_p ? log_min_p.data_ptr<float>() : nullptr;
   const int64_t* tk = filters ? top_k.data_ptr<int64_t>() : nullptr;
@@ -428,7 +354,7 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
                   "drafts: (V,) float32 contiguous on the CPU");
       const bool f = filters && !greedy;
       pos.push_back({d.data_ptr<float>(), vbase + vrows[r] * verifier.stride(0) + i * verifier.stride(1),
-                     greedy ? 1.0f : 1.0f / t, (greedy || !min_p) ? NEG_INF : lmp[srows[r]],
+                     greedy ? 1.0f : t, greedy ? 1.0f : 1.0f / t, (greedy || !min_p) ? NEG_INF : lmp[srows[r]],
                      f && tk[srows[r]] > 0 && tk[srows[r]] < V ? tk[srows[r]] : 0, f ? tp[srows[r]] : 1.0f});
     }
     first[r + 1] = static_cast<int64_t>(pos.size());
@@ -488,14 +414,22 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
     // between passes 1 and 2: each side's threshold (min-p, and top-k / top-p where the row has them)
     auto thresholds = [&](int64_t k) {
       Position& p = pos[k];
-      p.thx = p.thy = p.lmp;
-      if (p.k == 0 && !(p.p < 1.0f)) return;
+      if (p.lmp == NEG_INF && p.k == 0 && !(p.p < 1.0f)) return;
       float mx, my;
       bool nan = false;
       maxima(k, mx, my, nan);
       if (nan) return;
-      p.thx = filter_threshold(p.x, V, p, mx, eb + k * 2 * V);
-      p.thy = filter_threshold(p.y, V, p, my, eb + k * 2 * V + V);
+      thread_local cut::Scratch sc;
+      cut::Filter f;
+      f.T = p.T;
+      f.lmp = p.lmp;
+      f.k = p.k;
+      f.p = p.p;
+      f.unbounded = true;
+      const cut::Cut cx = cut::find_cut(p.x, V, f, sc), cy = cut::find_cut(p.y, V, f, sc);
+      p.lost = cx.status != cut::OK || cy.status != cut::OK;
+      p.thx = cut::raw_cut(cx.thr, p.T);
+      p.thy = cut::raw_cut(cy.thr, p.T);
     };
     auto pass2 = [&](int64_t u) {
       const int64_t k = kof(u);
@@ -545,7 +479,7 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
       float mx, my;
       bool nan = false;
       maxima(k, mx, my, nan);
-      if (!nan) tv[k] = 0.5 * finish(k).diff;
+      if (!nan && !pos[k].lost) tv[k] = 0.5 * finish(k).diff;
     }
   }
   for (int64_t r = 0; r < R; ++r) {
