@@ -81,7 +81,6 @@ from specrouter.router.burst import BurstModel, run_key
 from specrouter.router.deferred import Deferral
 from specrouter.router.cost_model import (
     RUN,
-    PlanTable,
     break_even_confidence,
     chain_rows,
     enumerate_chains,
@@ -90,6 +89,7 @@ from specrouter.router.cost_model import (
 )
 from specrouter.router.evidence import CachedPlans, CacheStats, EvidenceBoard, certain_bucket, decision_key, TvSchedule
 from specrouter.router.host_time import OutsideClock, PlainCharge
+from specrouter.router.plan_table import PlanTable
 from specrouter.router.probing import Prober
 from specrouter.router.profile import CostProfile
 from specrouter.records.routing import (  # noqa: F401  (re-exported: the router's public boundary)
