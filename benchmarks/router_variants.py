@@ -29,8 +29,9 @@ lagging draft weighed by the catch-up check at the request's own estimate, as be
 lock-in fix), no-idle-fade (request_idle_decay=1.0: a request's evidence of a model pair frozen
 while it runs plain, as before), stale (both, as before), burst (burst_acceptance=True: a model draft's next
 cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on),
-firm (stream_hold_firm=True, off by default: a single stream's speculative hold after every decided
-plan, not released by its own evidence moving unless against the plan, shadows on its last step), no-firm
+firm (stream_hold_firm=True: a single stream's speculative hold after every decided
+plan, not released by its own evidence moving unless against the plan, shadows on its last step; the default
+since lean20, with lazy8's fields: "per-step" measures the router before), no-firm
 (stream_hold_firm=False: the stream hold as before), firm8 (the same, 8 steps), lazy (firm, observations deferred while held: router/deferred.py), lazy8 (the
 same, 8 steps), lazy8-nobe (lazy8 released by decision_tolerance only, not its plan's break-even: before
 lean20), per-step (stream_hold_firm=False, defer_observations=False, stream_hold_steps=4: the hold before lean20's

@@ -156,3 +156,39 @@ def test_a_report_whose_fold_raises_loses_its_evidence_only(monkeypatch, caplog)
     with pytest.raises(RuntimeError):
         router.deferral.fold()
     assert done == [reports[0]] and router.observed_steps == steps
+
+
+def test_a_plain_held_stream_defers_its_observations_and_plans_as_without(monkeypatch):
+    """A single stream whose plain plan settled is held by the batch planner's plain hold
+    (spans 2, 4, ... 16), which reads no evidence: its steps' reports queue and are folded at the
+    hold's end (lean20: on chat at t=0.7 most steps are plain, each observed cold at ~0.1 ms).
+    The same plans and the same learned state as without deferral. Negative control:
+    `BatchPlanner.plain_holds` never true, the queue is folded every step."""
+    from test_router import make_router, Sim, observe_cycle, L0, PER_STEP
+    from specrouter.config import RouterConfig
+    from specrouter.router.batch import BatchPlanner
+    from specrouter.router.policy import RowContext
+
+    def run(defer):
+        router = make_router(order=["d1", "T"], config=RouterConfig(defer_observations=defer, **{
+            k: v for k, v in PER_STEP.items() if k != "defer_observations"}))
+        sim = Sim({("d1", "T"): 0.05}, seed=2)
+        plans, queued = [], []
+        for _ in range(120):
+            d = router.plan_batch([RowContext(0, L0)]).decisions[0]
+            plans.append((d.chain, d.k, d.reason))
+            stats, outcomes, fwd, _ = sim.run(d.chain, d.k, [0], L0)
+            observe_cycle(router, stats, outcomes, fwd)
+            queued.append(len(router.deferral.queue))
+        return plans, queued, router
+
+    off_plans, _, off = run(False)
+    on_plans, queued, on = run(True)
+    assert on_plans == off_plans
+    assert sum(r == "batch-plain" or r == "same" for _, _, r in on_plans) > 80  # settled plain, held
+    assert max(queued) >= 8, queued  # a hold's steps queued together
+    on.deferral.fold()
+    assert state(on) == state(off)
+    monkeypatch.setattr(BatchPlanner, "plain_holds", lambda self, rows, pinned=(): False)
+    _, queued, _ = run(True)
+    assert max(queued) <= 1, queued

@@ -9,7 +9,7 @@ import pytest
 from test_router import PER_STEP, L0, Sim, make_router, observe_cycle, true_plan
 
 from specrouter.config import RouterConfig
-from specrouter.router.cost_model import PlanTable
+from specrouter.router.plan_table import PlanTable
 from specrouter.router.host_time import PlainCharge
 from specrouter.router.policy import RowContext
 

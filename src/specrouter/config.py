@@ -396,8 +396,9 @@ class RouterConfig:
     # a single stream's speculative hold (router/stream_hold.py): a speculative plan decide()
     # kept ("same" or "hysteresis") runs this many steps without decide() unless its evidence,
     # its models' speeds or a due probe release it first (1: decided every step); deciding cost
-    # 1.5-2.6 ms of a ~20-35 ms speculative step on a Zen 1 (avx2)
-    stream_hold_steps: int = 4
+    # 1.5-2.6 ms of a ~20-35 ms speculative step on a Zen 1 (avx2). 8 since lean20 (with the
+    # firm hold and deferred observations: "lazy8", docs/router.md); 4 before
+    stream_hold_steps: int = 8
     # ... and a plain plan decide() kept by hysteresis (speculation predicted faster by less than
     # switch_margin) is held alike (False: decided every step, as before; a settled plain plan,
     # kept as the best, is the batch planner's plain hold either way)
@@ -410,9 +411,10 @@ class RouterConfig:
     # them); near the request's end its k is capped instead of the hold ending. Released early
     # by the plan's own first pair falling by more than decision_tolerance in the request's
     # evidence (StreamHolder.refuted), a row change, a model's speed jump, the certain-draft
-    # bucket and patience. Off: its per-step saving is measured (router share 0.75 -> 0.56 ms a
-    # single-stream speculative step), its end-to-end gain is not (docs/router.md, lean18)
-    stream_hold_firm: bool = False
+    # bucket and patience. On since lean20 (with 8-step spans and deferred observations:
+    # router share of a single-stream speculative step 0.95 -> 0.64 ms at t=0.7, +1.9% tokens/s
+    # over 40 side-by-side ratios, SPR; docs/router.md, lean20); off before (lean18, lean19)
+    stream_hold_firm: bool = True
     # ... a firm hold's span doubles, up to this many steps, while the decision at each hold's
     # end keeps the same plan, and falls back to stream_hold_steps on any other
     # (stream_hold_steps or less: no stretching)
@@ -424,8 +426,9 @@ class RouterConfig:
     # batch's speculative hold or a single stream's firm hold queues its report, folded in order
     # where the evidence is next read (a step planned afresh, a confident draft, a finished
     # request); a firm hold is then released by its first pair's trials as it counts them
-    # (StreamHolder.tally), not by the request's folded estimate
-    defer_observations: bool = False
+    # (StreamHolder.tally) and its models' forwards (StreamHolder.watch), not by the request's
+    # folded estimate; the batch planner's plain hold defers too (lean20). On since lean20
+    defer_observations: bool = True
     # model-free drafters' forwards (tens of microseconds: a lookup) reach the cost profile this
     # many at a time, their seconds summed (router/policy.py `observe_forwards`): one at a time
     # their timing noise fired the step detector ~25-60 times a run, each republishing the

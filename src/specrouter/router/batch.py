@@ -262,6 +262,15 @@ class BatchPlanner:
             return False  # `plan` plans it all plain (deferred reports folded, harmlessly)
         return spec.holds(rows, len(pinned), self.router.observed_steps)
 
+    def plain_holds(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> bool:
+        """Will `plan` plan this step by the plain hold, no row joining (`PlainHold`: no
+        evidence read, so deferred observations stay queued: router/deferred.py, lean20)?"""
+        hold = self.hold
+        if hold is None or not rows:
+            return False
+        n = len(rows) + len(pinned)
+        return hold.valid(n, self.router.observed_steps) and not hold.joined(rows, n)
+
     STANDING_HOLD = 4  # a plain hold's longest span is this many times plain_hold_max while speculation's error stands
 
     def hold_limit(self, n: int, sampled: bool) -> int:

@@ -66,6 +66,7 @@ import numpy as np
 
 from specrouter.config import MAX_DRAFT_LENGTH
 from specrouter.errors import ChainError
+from specrouter.router.plan_table import PlanTable
 
 # Seconds of one forward of a model over t new tokens: a number (the same for every t), a
 # callable t -> seconds, or an array-like indexed by t (entry 0 unused).
@@ -99,33 +100,6 @@ class ModelFreeDraft:
                 raise ValueError(f"ModelFreeDraft.cost(k) must be finite and >= 0, got {out}")
             return out
         return np.full(len(ks), float(self.cost))
-
-
-@dataclass(frozen=True)
-class PlanTable:
-    """Every (chain, k) the router evaluated, for display and metrics. Row i is chains[i]."""
-
-    chains: tuple[tuple[str, ...], ...]  # candidate chains, in the order given
-    ks: np.ndarray  # (K,) draft lengths 1..k_max
-    t_eff: np.ndarray  # (C, K) predicted seconds per committed target token
-    expected_tokens: np.ndarray  # (C, K) expected target tokens committed per cycle
-    expected_latency: np.ndarray  # (C, K) expected seconds per cycle
-
-    def format(self, scale: float = 1e3, unit: str = "ms") -> str:
-        """One line per chain: its best k, T_eff there and the speed-up over plain decoding
-        (when the target-only chain is among the candidates)."""
-        plain = [i for i, c in enumerate(self.chains) if len(c) == 1]
-        base = float(self.t_eff[plain[0], 0]) if plain else math.nan
-        lines = [f"{'chain':<40} {'k':>3} {'T_eff ' + unit:>12} {'tok/cycle':>9} {'speedup':>8}"]
-        for i, chain in enumerate(self.chains):
-            j = int(np.argmin(self.t_eff[i]))
-            k = 0 if len(chain) == 1 else int(self.ks[j])
-            t = float(self.t_eff[i, j])
-            lines.append(
-                f"{' -> '.join(chain):<40} {k:>3} {t * scale:>12.4g} "
-                f"{float(self.expected_tokens[i, j]):>9.3f} {base / t:>7.2f}x"
-            )
-        return "\n".join(lines)
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,6 @@ from specrouter.router.burst import BurstModel, run_key
 from specrouter.router.deferred import Deferral
 from specrouter.router.cost_model import (
     RUN,
-    PlanTable,
     break_even_confidence,
     chain_rows,
     enumerate_chains,
@@ -90,6 +89,7 @@ from specrouter.router.cost_model import (
 )
 from specrouter.router.evidence import CachedPlans, CacheStats, EvidenceBoard, certain_bucket, decision_key, TvSchedule
 from specrouter.router.host_time import OutsideClock, PlainCharge
+from specrouter.router.plan_table import PlanTable
 from specrouter.router.probing import Prober
 from specrouter.router.profile import CostProfile
 from specrouter.records.routing import (  # noqa: F401  (re-exported: the router's public boundary)
@@ -357,7 +357,8 @@ class Router:
         """The plans of a step's rows, chosen for the batch the step really runs
         (`BatchPlanner.plan`)."""
         hold = self.stream.hold
-        if self.deferral.queue and not ((hold is not None and hold.firm) or self.planner.spec_holds(rows, pinned)):
+        if self.deferral.queue and not ((hold is not None and hold.firm) or self.planner.spec_holds(rows, pinned)
+                                        or (hold is None and self.planner.plain_holds(rows, pinned))):
             self.deferral.fold()  # the step reads the evidence (deferred.py)
         self.measure_tv = self.tv_schedule.wants(rows, self.requests)  # the step measures D_TV
         measured = None if self.step_clock is None else self.outside.planning(
@@ -379,7 +380,7 @@ class Router:
         if batch is not None:  # a single stream's kept plan (stream_hold.py): no decide
             self.outside.held()  # a held plain step is what plain decoding costs (outside_plain)
             return batch
-        if self.deferral.queue and not self.planner.spec_holds(rows, pinned):
+        if self.deferral.queue and not (self.planner.spec_holds(rows, pinned) or self.planner.plain_holds(rows, pinned)):
             self.deferral.fold()  # a firm hold ended: its steps' evidence before the decision
         held = self.planner.held_decisions
         batch = self.planner.plan(rows, pinned)
