@@ -162,15 +162,16 @@ def test_a_plain_held_stream_defers_its_observations_and_plans_as_without(monkey
     """A single stream whose plain plan settled is held by the batch planner's plain hold
     (spans 2, 4, ... 16), which reads no evidence: its steps' reports queue and are folded at the
     hold's end (lean20: on chat at t=0.7 most steps are plain, each observed cold at ~0.1 ms).
-    The same plans and the same learned state as without deferral. Negative control:
-    `BatchPlanner.plain_holds` never true, the queue is folded every step."""
+    The same plans and the same learned state as without deferral (`RouterConfig.defer_plain_holds`,
+    off by default: not shown cheaper end to end). Negative control: `BatchPlanner.plain_holds`
+    never true, the queue is folded every step."""
     from test_router import make_router, Sim, observe_cycle, L0, PER_STEP
     from specrouter.config import RouterConfig
     from specrouter.router.batch import BatchPlanner
     from specrouter.router.policy import RowContext
 
     def run(defer):
-        router = make_router(order=["d1", "T"], config=RouterConfig(defer_observations=defer, **{
+        router = make_router(order=["d1", "T"], config=RouterConfig(defer_observations=defer, defer_plain_holds=True, **{
             k: v for k, v in PER_STEP.items() if k != "defer_observations"}))
         sim = Sim({("d1", "T"): 0.05}, seed=2)
         plans, queued = [], []

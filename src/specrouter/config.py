@@ -427,8 +427,12 @@ class RouterConfig:
     # where the evidence is next read (a step planned afresh, a confident draft, a finished
     # request); a firm hold is then released by its first pair's trials as it counts them
     # (StreamHolder.tally) and its models' forwards (StreamHolder.watch), not by the request's
-    # folded estimate; the batch planner's plain hold defers too (lean20). On since lean20
+    # folded estimate. On since lean20
     defer_observations: bool = True
+    # ... and through the batch planner's plain hold (BatchPlanner.plain_holds, lean20): exact
+    # (replay digests unchanged), but not shown cheaper end to end (chat t=0.7, one run: a plain
+    # step's router seconds 0.47 either way, the folds moved into plan_batch): off
+    defer_plain_holds: bool = False
     # model-free drafters' forwards (tens of microseconds: a lookup) reach the cost profile this
     # many at a time, their seconds summed (router/policy.py `observe_forwards`): one at a time
     # their timing noise fired the step detector ~25-60 times a run, each republishing the

@@ -6,7 +6,8 @@ took ~0.13-0.15 ms of a single stream's ~12 ms step in the engine on a Sapphire 
 replayed alone: the step's forwards evict the router's working set, so every step's fold starts
 from a cold cache (`benchmarks/router_replay.py replay --evict`). A step planned by a hold reads
 none of it: a multi-row batch's speculative hold (batch.py `SpecHold`) and the batch planner's
-plain hold (`PlainHold`, a settled plain single stream's too, lean20: `BatchPlanner.plain_holds`)
+plain hold (`PlainHold`, a settled plain single stream's too, lean20: `BatchPlanner.plain_holds`,
+with `RouterConfig.defer_plain_holds`)
 read only which rows run, and a single stream's firm hold (stream_hold.py) only its row and the
 trials of its own first pair. So with deferral on, `observe_step` does at once only what the next planning reads (the
 step clock's pairing, the observed-step count, each row's cycle count, the realized check's

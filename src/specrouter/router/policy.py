@@ -357,8 +357,9 @@ class Router:
         """The plans of a step's rows, chosen for the batch the step really runs
         (`BatchPlanner.plan`)."""
         hold = self.stream.hold
+        plain_held = self.config.defer_plain_holds and self.planner.plain_holds(rows, pinned)
         if self.deferral.queue and not ((hold is not None and hold.firm) or self.planner.spec_holds(rows, pinned)
-                                        or (hold is None and self.planner.plain_holds(rows, pinned))):
+                                        or (hold is None and plain_held)):
             self.deferral.fold()  # the step reads the evidence (deferred.py)
         self.measure_tv = self.tv_schedule.wants(rows, self.requests)  # the step measures D_TV
         measured = None if self.step_clock is None else self.outside.planning(
@@ -380,7 +381,7 @@ class Router:
         if batch is not None:  # a single stream's kept plan (stream_hold.py): no decide
             self.outside.held()  # a held plain step is what plain decoding costs (outside_plain)
             return batch
-        if self.deferral.queue and not (self.planner.spec_holds(rows, pinned) or self.planner.plain_holds(rows, pinned)):
+        if self.deferral.queue and not (self.planner.spec_holds(rows, pinned) or plain_held):
             self.deferral.fold()  # a firm hold ended: its steps' evidence before the decision
         held = self.planner.held_decisions
         batch = self.planner.plan(rows, pinned)
