@@ -23,7 +23,8 @@ the batch planner's planning seconds and planned rows, each row's pending realiz
 multi-row batch's deferred steps plan and learn exactly as without deferral (the plans' digest
 on a recorded trace is the same). A single stream's firm hold is released by its first pair's
 trials during the hold as the hold counts them (`StreamHolder.tally`), not by the request's
-folded estimate, and by its models' speed jumps only when folded (at its end)."""
+folded estimate, and by its models' speed jumps as each held forward is read
+(`StreamHolder.watch`)."""
 
 from __future__ import annotations
 
