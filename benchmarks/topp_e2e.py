@@ -1,5 +1,6 @@
 """End to end: top-p / top-k through the native cut (kernels/cut.h) vs the torch candidate path
-(sampling.NATIVE = False; `--against sort`: the sort path, sampling.FORCE_SORT), target-only and
+(sampling.NATIVE = False, penalties on numpy: processors.NATIVE = False; `--against sort`: the sort path,
+sampling.FORCE_SORT), each SpecRouter on its own pool view (`Pool.with_fresh_drafters()`), target-only and
 SpecRouter side by side in one process (order rotated per request), the bench's prompts, optionally
 with penalties. Prints tokens/s per request and summed, and whether each pair's tokens are equal.
 
@@ -17,7 +18,7 @@ import torch
 from specrouter.api import SpecRouter
 from specrouter.bench.run import BenchConfig, build_scenarios
 from specrouter.bench.systems import AdaptiveSystem, Decoding, NativeSystem
-from specrouter.decoding import sampling
+from specrouter.decoding import processors, sampling
 from specrouter.models.default_pool import default_pool_paths
 from specrouter.router.setup import load_or_sweep_profile
 
@@ -47,8 +48,8 @@ def main() -> None:
     profile = load_or_sweep_profile(pool, progress=False)
     target = NativeSystem(pool, "target-only", (pool.target,), None)
     systems = {f"target-only/{ref}": (target, True), "target-only/native": (target, False),
-               f"SR/{ref}": (AdaptiveSystem(pool, f"sr-{ref}", profile=profile, progress=False), True),
-               "SR/native": (AdaptiveSystem(pool, "sr-native", profile=profile, progress=False), False)}
+               f"SR/{ref}": (AdaptiveSystem(pool.with_fresh_drafters(), f"sr-{ref}", profile=profile, progress=False), True),
+               "SR/native": (AdaptiveSystem(pool.with_fresh_drafters(), "sr-native", profile=profile, progress=False), False)}
     for s, _ in systems.values():
         s.run(sr.encode("hello"), Decoding(0.0, 8, 0))
         s.reset()
@@ -67,10 +68,11 @@ def main() -> None:
             system, against = systems[n]
             if against:
                 setattr(sampling, "FORCE_SORT" if ref == "sort" else "NATIVE", ref == "sort")
+                processors.NATIVE = False  # the penalties on numpy too (the native kernel's reference)
             try:
                 out = system.run(ids, Decoding(args.temperature, cfg.max_new_tokens, cfg.seed + i, controls))
             finally:
-                sampling.FORCE_SORT, sampling.NATIVE = False, True
+                sampling.FORCE_SORT, sampling.NATIVE, processors.NATIVE = False, True, True
             total[n][0] += len(out.token_ids)
             total[n][1] += out.seconds
             row[n], toks[n] = len(out.token_ids) / out.seconds, list(out.token_ids)
