@@ -422,16 +422,21 @@ class RouterConfig:
     # ... a firm hold is released when its first pair's estimate falls past its plan's break-even
     # with plain decoding (StreamHolder.break_even, lean20), not only by decision_tolerance
     stream_hold_break_even: bool = True
-    # observations folded when read (router/deferred.py, lean19): a step planned by a multi-row
-    # batch's speculative hold or a single stream's firm hold queues its report, folded in order
-    # where the evidence is next read (a step planned afresh, a confident draft, a finished
-    # request); a firm hold is then released by its first pair's trials as it counts them
-    # (StreamHolder.tally) and its models' forwards (StreamHolder.watch), not by the request's
-    # folded estimate. On since lean20
+    # observations folded when read (router/deferred.py, lean19): a step of a single stream's
+    # firm hold queues its report, folded in order where the evidence is next read (the decision
+    # at the hold's end, a confident draft, a finished request, a step not of the hold); the hold
+    # is then released by its first pair's trials as it counts them (StreamHolder.tally) and its
+    # models' forwards (StreamHolder.watch), not by the request's folded estimate. On since lean20
     defer_observations: bool = True
-    # ... and through the batch planner's plain hold (BatchPlanner.plain_holds, lean20): exact
-    # (replay digests unchanged), but not shown cheaper end to end (chat t=0.7, one run: a plain
-    # step's router seconds 0.47 either way, the folds moved into plan_batch): off
+    # ... every step's report queued, not only a firm hold's (lean19-20, defer21: off): a
+    # multi-row batch's speculative-hold steps stay queued through the hold (and with
+    # defer_plain_holds its plain-hold steps), every other report until the next plan_batch.
+    # Exact, but under load not shown to pay (serve_engine c=4/8, docs/router.md defer21)
+    defer_every_step: bool = False
+    # ... and (with defer_every_step) through the batch planner's plain hold
+    # (BatchPlanner.plain_holds, lean20): exact (replay digests unchanged), but not shown cheaper
+    # end to end (chat t=0.7, one run: a plain step's router seconds 0.47 either way, the folds
+    # moved into plan_batch): off
     defer_plain_holds: bool = False
     # model-free drafters' forwards (tens of microseconds: a lookup) reach the cost profile this
     # many at a time, their seconds summed (router/policy.py `observe_forwards`): one at a time

@@ -253,7 +253,7 @@ class BatchPlanner:
 
     def spec_holds(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> bool:
         """Will `plan` plan this step by the speculative hold (`SpecHold`: no evidence read, so
-        deferred observations stay queued: router/deferred.py)?"""
+        deferred observations stay queued with `RouterConfig.defer_every_step`: router/deferred.py)?"""
         spec = self.spec_hold
         if spec is None or not rows:
             return False
@@ -264,7 +264,7 @@ class BatchPlanner:
 
     def plain_holds(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> bool:
         """Will `plan` plan this step by the plain hold, no row joining (`PlainHold`: no
-        evidence read, so deferred observations stay queued: router/deferred.py, lean20)?"""
+        evidence read, so with `RouterConfig.defer_every_step` deferred observations stay queued: router/deferred.py, lean20)?"""
         hold = self.hold
         if hold is None or not rows:
             return False
