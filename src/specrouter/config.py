@@ -463,6 +463,16 @@ class RouterConfig:
     batch_calibration_discount: float = 0.9
     batch_calibration_prior: float = 1.0
     batch_calibration_forget: float = 0.98
+    # ... a speculative try that lost is found failed (its correction standing, plain holds
+    # STANDING_HOLD times longer) only once the tries that lost in a row ran at least this many
+    # steps; a shorter loss's evidence ages as any other (defer21; 0: any try, as before: a
+    # 2-step shortfall at 4 rows stood for the run)
+    batch_failed_min_steps: int = 0
+    # joint options of a multi-row batch (router/batch.py `plan_afresh`, defer21): every row on
+    # one model draft > target at each of these k (a shared draft: one batched draft forward for
+    # every row, where each row decided alone mostly picks a model-free chain); the draft's
+    # catch-up priced over the cycles the rows have left, at most plain_hold_max. (): none
+    batch_shared_ks: tuple[int, ...] = ()
     # the realized check (router/policy.py, step 1b): in a one-row step, each chain drafted by a
     # model-free drafter that a request ran has its predicted seconds per token scaled by what
     # it realized there (every chain's sums decayed by this per cycle of the request, shrunk
@@ -522,6 +532,10 @@ class RouterConfig:
             raise ValueError("request_history, request_min_finished and shadow_k must be >= 1")
         if not 0.0 < self.overhead_alpha <= 1.0 or self.context_bucket < 1 or self.log_size < 1:
             raise ValueError("overhead_alpha must be in (0, 1], context_bucket and log_size >= 1")
+        if any(not isinstance(k, int) or not 1 <= k <= self.k_max for k in self.batch_shared_ks):
+            raise ValueError(f"batch_shared_ks must be draft lengths in 1..k_max, got {self.batch_shared_ks!r}")
+        if self.batch_failed_min_steps < 0:
+            raise ValueError(f"batch_failed_min_steps must be >= 0, got {self.batch_failed_min_steps!r}")
         if min(self.decision_tolerance, self.decision_hit_tolerance, self.decision_time_tolerance) < 0 \
                 or self.decision_refresh < 1 or self.plain_hold_max < 0 or self.batch_plain_margin < 0 \
                 or self.spec_hold_steps < 1 or self.stream_hold_steps < 1 or self.free_timing_batch < 1 \

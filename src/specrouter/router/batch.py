@@ -103,6 +103,8 @@ class StepCalibration:
     # relative to plain steps of the same minutes, which `BatchPlanner.calibration` applies to
     # the plain factor of the moment (None: not failed)
     relative: float | None = None
+    try_steps: int = 0  # steps of the current (or last) try of this kind
+    lost_steps: int = 0  # steps of the tries in a row that lost by the plain margin (`BatchPlanner.observe`)
 
     def add(self, realised_tokens: float, realised_seconds: float, predicted_tokens: float,
             predicted_seconds: float, discount: float) -> None:
@@ -389,16 +391,18 @@ class BatchPlanner:
         flags = [r.processors for r in rows]  # pinned rows: not charged (their plan is fixed)
         lags = [r.lags for r in rows]
 
-        def option(plans: list[Plan]) -> tuple[float, list[Plan]]:
+        def option(plans: list[Plan], span: int | None = None) -> tuple[float, list[Plan]]:
             tokens = sum(self.expected_tokens(req, c, k) for req, (c, k) in zip(reqs, plans))
             tokens += len(pinned)  # pinned rows commit >= 1 token each, whatever we choose
-            return self.rate(list(plans) + list(pinned), tokens, L, factors, flags, lags), plans
+            return self.rate(list(plans) + list(pinned), tokens, L, factors, flags, lags, span), plans
 
         own = [(d.chain, d.k) for d in decisions]
-        if all(len(c) == 1 for c, _ in own):
+        shared = self.shared_options(rows, reqs) if all(r.greedy for r in rows) or n <= cfg.sampling_spec_max_batch else []
+        if all(len(c) == 1 for c, _ in own) and not shared:
             return decisions
         options = [option(own), option([(plain, 0)] * len(rows))]
-        ks = sorted({k for _, k in own if k > 0})
+        options += [option(plans, span) for plans, span in shared]
+        ks = sorted({k for _, k in own if k > 0}) or [0]
         for cap in (1, 2, 3, 4, 6, 8):
             if cap < ks[-1]:
                 options.append(option([(c, min(k, cap)) if k else (c, k) for c, k in own]))
@@ -425,6 +429,38 @@ class BatchPlanner:
             if (c, k) != (d.chain, d.k):
                 d = Decision(c, k, d.t_eff, reason, d.min_confidence if c == d.chain else 0.0)
             out.append(d)
+        return out
+
+    def shared_options(self, rows: Sequence[RowContext], reqs: Sequence[RequestState | None]
+                       ) -> list[tuple[list[Plan], int]]:
+        """The shared-draft joint options of a multi-row batch (`RouterConfig.batch_shared_ks`):
+        every row on one model draft > target at k, for each model drafter in service and each
+        such k, with the span its catch-up is priced over (`step_seconds`' `span`).
+
+        Each row decided alone mostly picks a model-free chain (its own lookup, no forward to
+        share), and the joint options built from the rows' own plans never put every row on one
+        draft, where one batched draft forward serves them all (pinned, every row draft > target
+        k=1 ran 1.14x plain batching at 2 rows and 1.06-1.15x at 4 in the serving bench, SPR,
+        session 20). A draft that has not run lags by the rows' prompts and tokens since: that
+        catch-up is paid once and buys the rest of the requests while the batch speculates, so
+        it is spread as `alone` spreads a single stream's: over the cycles the rows have left at
+        the plan's expected tokens (the fewest of any row's), at most `plain_hold_max`, at least
+        `spec_hold_steps`."""
+        router, cfg = self.router, self.router.config
+        if not cfg.batch_shared_ks or len(rows) < 2:
+            return []
+        target = router.target
+        out = []
+        for m in router.order:
+            chain = (m, target)
+            if m == target or m in router.model_free or m in router.failed or chain not in router.chain_index:
+                continue
+            for k in cfg.batch_shared_ks:
+                tokens = min(self.expected_tokens(req, chain, k) for req in reqs)
+                left = [r.remaining for r in rows if r.remaining is not None]
+                cycles = math.ceil(min(left) / tokens) if left else cfg.plain_hold_max
+                span = max(cfg.spec_hold_steps, min(cfg.plain_hold_max, cycles))
+                out.append(([(chain, k)] * len(rows), span))
         return out
 
     def alone(self, row: RowContext, decision: Decision) -> Decision:
@@ -667,12 +703,12 @@ class BatchPlanner:
 
     def rate(self, plans: Sequence[Plan], tokens: float, context_len: int,
              factors: tuple[float, float], processors: Sequence[bool] = (),
-             lags: Sequence[Sequence[tuple[str, int]]] = ()) -> float:
+             lags: Sequence[Sequence[tuple[str, int]]] = (), span: int | None = None) -> float:
         """Predicted committed tokens per second of a step running `plans` (every row's, pinned
         ones included) that commits `tokens`, scaled by what such steps realised (`calibration`);
-        `processors`, `lags`: as `step_seconds`."""
+        `processors`, `lags`, `span`: as `step_seconds`."""
         return factors[0 if speculates(plans) else 1] * tokens / self.step_seconds(
-            plans, context_len, processors=processors, lags=lags)
+            plans, context_len, processors=processors, lags=lags, span=span)
 
     # -- observing --------------------------------------------------------------------------
     def observe(self, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord], wall_time: float) -> None:
@@ -713,6 +749,7 @@ class BatchPlanner:
         cal = self.calibrations.setdefault((n, spec, mode), StepCalibration())
         cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, predicted_seconds,
                 cfg.batch_calibration_discount)
+        cal.try_steps = cal.try_steps + 1 if cal.running else 1
         cal.running = True
         if spec:  # a try runs: its verdict is made again when it ends
             cal.failed, cal.relative = False, None
@@ -723,7 +760,11 @@ class BatchPlanner:
                 # steps realised (with what was left of the older evidence) still loses to plain
                 # batching by the margin; a failed try's correction stands (`forget`)
                 prior = cfg.batch_calibration_prior
-                other.failed = other.factor(prior) * (1.0 + cfg.batch_plain_margin) < 1.0
+                # (`RouterConfig.batch_failed_min_steps`: once the tries that lost in a row ran
+                # that many steps; a shorter loss ages as any evidence)
+                lost = other.factor(prior) * (1.0 + cfg.batch_plain_margin) < 1.0
+                other.lost_steps = other.lost_steps + other.try_steps if lost else 0
+                other.failed = lost and other.lost_steps >= cfg.batch_failed_min_steps
                 other.relative = other.factor(prior) / cal.factor(prior) if other.failed else None
             other.running = False
             other.forget(cfg.batch_calibration_forget)

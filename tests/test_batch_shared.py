@@ -1,0 +1,109 @@
+"""The batch planner under load (router/batch.py, defer21): the shared-draft joint option
+(`RouterConfig.batch_shared_ks`: every row on one model draft > target at k, one batched draft
+forward for all) and a failed try of speculation weighed by its evidence
+(`RouterConfig.batch_failed_min_steps`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from test_engine_batching import calibration_target, run_calibrated, scripted_router
+from test_planner_memo import build_router
+
+from specrouter.config import RouterConfig
+from specrouter.records.routing import Decision
+from specrouter.router.policy import Router, RowContext
+
+
+def lookup_minded(router: Router, monkeypatch) -> None:
+    """Each row decided alone picks the n-gram chain at k=4 (as rows of the serving bench mostly
+    pick a model-free chain), its PlanTable as decide() made it (the planner's expected tokens)."""
+    decide = Router.decide
+
+    def decide_lookup(self, row):
+        d = decide(self, row)
+        return Decision(("ngram", "T"), 4, d.t_eff, "better")
+    monkeypatch.setattr(Router, "decide", decide_lookup)
+
+
+def rows(n: int, remaining: int | None = 48) -> list[RowContext]:
+    return [RowContext(seq_id=i, context_len=200, batch_size=n, greedy=True, remaining=remaining) for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_shared_draft_is_weighed_where_rows_alone_pick_lookups(monkeypatch, n):
+    """test_planner_memo's world (the target's forward steep in rows x tokens, d1 > T accepts
+    75%, the n-gram drafter hits 40%): rows that each pick n-gram > T k=4 alone are planned, with
+    the shared option, all on d1 > T at k=1 (one batched d1 forward; predicted faster than every
+    option built from the rows' own plans and than plain batching by the margin). Negative
+    control: without it (the default) no row runs d1."""
+    def plan(ks):
+        router = build_router()
+        router.config = dataclasses.replace(router.config, batch_shared_ks=ks)
+        lookup_minded(router, monkeypatch)
+        out = router.plan_batch(rows(n)).decisions
+        monkeypatch.undo()
+        return out, router
+
+    shared, router = plan((1, 2))
+    assert all(d.chain == ("d1", "T") and d.k in (1, 2) and d.reason == "batch" for d in shared), shared
+    plain = router.planner.step_seconds([(("T",), 0)] * n, 200)
+    spec = router.planner.step_seconds([(d.chain, d.k) for d in shared], 200)
+    tokens = sum(router.planner.expected_tokens(router.requests[i], d.chain, d.k) for i, d in enumerate(shared))
+    assert tokens / spec > n / plain * (1 + router.config.batch_plain_margin)
+    alone, _ = plan(())
+    assert not any(d.chain[0] == "d1" for d in alone), alone
+
+
+def test_the_shared_options_skip_failed_and_model_free_drafters_and_price_the_catch_up_over_the_rows_left():
+    """One option per model drafter in service and k; its catch-up span is the fewest cycles a
+    row has left at its expected tokens, between spec_hold_steps and plain_hold_max."""
+    router = build_router()
+    router.config = dataclasses.replace(router.config, batch_shared_ks=(1, 2))
+    rs = rows(2, remaining=6)
+    for r in rs:
+        router.decide(r)
+    reqs = [router.requests[r.seq_id] for r in rs]
+    opts = router.planner.shared_options(rs, reqs)
+    assert [(p[0], len(p)) for p, _ in opts] == [((("d1", "T"), 1), 2), ((("d1", "T"), 2), 2)]
+    for (plans, span), k in zip(opts, (1, 2)):
+        tokens = router.planner.expected_tokens(reqs[0], ("d1", "T"), k)
+        assert span == max(router.config.spec_hold_steps, -(-6 // tokens))
+    long = router.planner.shared_options(rows(2, remaining=None), reqs)
+    assert all(span == router.config.plain_hold_max for _, span in long)
+    router.mark_failed("d1")
+    assert router.planner.shared_options(rs, reqs) == []
+    assert router.planner.shared_options(rs[:1], reqs[:1]) == []  # a single stream: its own decision
+
+
+def test_bad_shared_ks_and_failed_weight_are_refused():
+    with pytest.raises(ValueError, match="batch_shared_ks"):
+        RouterConfig(batch_shared_ks=(0,))
+    with pytest.raises(ValueError, match="batch_shared_ks"):
+        RouterConfig(batch_shared_ks=(RouterConfig().k_max + 1,))
+    with pytest.raises(ValueError, match="batch_failed_min_steps"):
+        RouterConfig(batch_failed_min_steps=-1)
+
+
+def test_a_short_failed_try_is_weighed_by_its_evidence():
+    """A 2-row batch whose speculation realises half its predicted rate. With
+    `batch_failed_min_steps` 6, the first try (4 steps: two speculative holds) is too little
+    evidence to stand for the run: it ages, speculation is tried again, and once the tries that
+    lost in a row ran 6 steps the verdict stands (no try after that over 700 steps). Negative
+    control: the default (any try) stands after the first one."""
+    def tries(chosen):
+        return [i for i, spec in enumerate(chosen) if spec and (i == 0 or not chosen[i - 1])]
+
+    def run(steps):
+        router = scripted_router(calibration_target)
+        router.config = dataclasses.replace(router.config, batch_failed_min_steps=steps)
+        return run_calibrated(router, 2.0, 700), router
+
+    first, router = run(0)
+    assert tries(first) == [0] and sum(first) < 6, first[:8]
+    weighed, router = run(6)
+    assert len(tries(weighed)) == 2, tries(weighed)
+    assert sum(weighed) >= 6 and sum(weighed) <= 12, sum(weighed)
+    cal = router.planner.calibrations[(2, True, False)]
+    assert cal.failed and cal.lost_steps >= 6
