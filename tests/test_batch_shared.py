@@ -107,3 +107,49 @@ def test_a_short_failed_try_is_weighed_by_its_evidence():
     assert sum(weighed) >= 6 and sum(weighed) <= 12, sum(weighed)
     cal = router.planner.calibrations[(2, True, False)]
     assert cal.failed and cal.lost_steps >= 6
+
+
+def run_host(router, steps, host_ratio, n=2):
+    """`steps` steps of n rows through plan_batch / observe_step on a step clock: the executor's
+    wall at the planner's predicted seconds, committing the predicted tokens; a speculative
+    step's host work outside the executor `host_ratio` times its wall (a plain step's none).
+    Whether each speculated."""
+    from specrouter.records.routing import RowOutcome, StepReport
+
+    now = [0.0]
+    router.step_clock = lambda: now[0]
+    chosen = []
+    for _ in range(steps):
+        rs = rows(n, remaining=None)
+        plans = [(d.chain, d.k) for d in router.plan_batch(rs).decisions]
+        outcomes = []
+        for r, (c, k) in zip(rs, plans):
+            accepted = max(0, round(router.planner.expected_tokens(router.requests.get(r.seq_id), c, k)) - 1)
+            outcomes.append(RowOutcome(r.seq_id, c, k, [k] * len(c), [0] + [accepted] * (len(c) - 1), True,
+                                       r.context_len))
+        spec = any(k > 0 for _, k in plans)
+        wall = router.planner.step_seconds(plans, 200)
+        now[0] += wall * (1.0 + (host_ratio if spec else 0.0))
+        router.observe_step(StepReport(outcomes, [], wall, wall, spec))
+        chosen.append(spec)
+    return chosen
+
+
+def test_the_calibration_counts_a_speculative_steps_host_work_outside_the_executor():
+    """A 2-row batch whose speculative steps run as predicted in the executor but take as long
+    again outside it (planning, observing, shadows: the engine's step, not the executor's):
+    with `batch_calibration_host` the calibration sees the whole step (realised ~half the
+    predicted rate) and the batch turns plain; at no host work it keeps speculating. Negative
+    control: without it (the default) the calibration reads the executor's wall only and the
+    batch speculates throughout."""
+    def run(host, ratio):
+        router = scripted_router(calibration_target)
+        router.config = dataclasses.replace(router.config, batch_calibration_host=host)
+        return run_host(router, 60, ratio), router
+
+    counted, router = run(True, 1.0)
+    assert counted[0] and not any(counted[20:]), counted
+    factor = router.planner.calibrations[(2, True, False)].factor(router.config.batch_calibration_prior)
+    assert factor < 0.75, factor
+    assert all(run(True, 0.0)[0])
+    assert all(run(False, 1.0)[0])

@@ -473,6 +473,11 @@ class RouterConfig:
     # every row, where each row decided alone mostly picks a model-free chain); the draft's
     # catch-up priced over the cycles the rows have left, at most plain_hold_max. (): none
     batch_shared_ks: tuple[int, ...] = ()
+    # ... the batch calibration's realised seconds count the whole step's host seconds outside
+    # the executor (OutsideClock, measured from one plan_batch to the next: its observation,
+    # shadow proposals, confident offers, the engine's bookkeeping), not only its planning
+    # (BatchPlanner.host_seconds, defer21; False: the executor's wall and the planning)
+    batch_calibration_host: bool = False
     # the realized check (router/policy.py, step 1b): in a one-row step, each chain drafted by a
     # model-free drafter that a request ran has its predicted seconds per token scaled by what
     # it realized there (every chain's sums decayed by this per cycle of the request, shrunk

@@ -184,6 +184,9 @@ class BatchPlanner:
         # the observed steps (first, last) the engine runs on the last plan's lease without
         # asking (`BatchPlan.steps`); observe counts their rows as held decisions
         self.leased: tuple[int, int] | None = None
+        # the calibration the last multi-row step was added to: (it, speculative, that step's
+        # planning seconds, the observed step it was) (`host_seconds`)
+        self.calibrated: tuple[StepCalibration, bool, float, int] | None = None
         self._plain_seconds: dict[tuple[int, int], tuple[float, int]] = {}  # plain_step_seconds' memo
         self._step_memo: tuple[int, dict] = (-1, {})  # step_seconds' memo: (published version, key -> seconds)
         self.events: deque = deque(maxlen=router.config.log_size)  # (row-cycle, rows, reason, rate, plain rate)
@@ -711,6 +714,22 @@ class BatchPlanner:
             plans, context_len, processors=processors, lags=lags, span=span)
 
     # -- observing --------------------------------------------------------------------------
+    def host_seconds(self, seconds: float, speculative: bool) -> None:
+        """The last observed step's host seconds outside the executor (`Router.plan_batch`:
+        `OutsideClock`, measured at the next planning, from one plan_batch to the next), counted
+        into its calibration's realised seconds beyond the planning `observe` added
+        (`RouterConfig.batch_calibration_host`, defer21): a 4-row speculative step's observation,
+        shadow proposals, confident offers and engine bookkeeping were ~1.4 ms of a ~10 ms step
+        on a Sapphire Rapids against ~0.3 ms of a held plain one (serve_engine --trace), which the
+        executor's wall and the planning leave out, so speculation was calibrated faster than it
+        ran. Only for the step observed last (the same kind): none is added otherwise."""
+        last, self.calibrated = self.calibrated, None
+        if last is None:
+            return
+        cal, spec, plan_seconds, step = last
+        if spec == speculative and step == self.router.observed_steps - 1:
+            cal.realised_seconds += max(0.0, seconds - plan_seconds)
+
     def observe(self, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord], wall_time: float) -> None:
         """Calibrate the planner on one multi-row step: the tokens it committed and its seconds
         (the executor's `wall_time` plus the planning of the step) against the rates the planner
@@ -749,6 +768,7 @@ class BatchPlanner:
         cal = self.calibrations.setdefault((n, spec, mode), StepCalibration())
         cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, predicted_seconds,
                 cfg.batch_calibration_discount)
+        self.calibrated = (cal, spec, plan_seconds, router.observed_steps)
         cal.try_steps = cal.try_steps + 1 if cal.running else 1
         cal.running = True
         if spec:  # a try runs: its verdict is made again when it ends

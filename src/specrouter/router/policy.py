@@ -372,6 +372,8 @@ class Router:
         key = None if measured is None or len(rows) != 1 or pinned else (
             "outside_spec" if measured[1] else
             "outside_plain" if measured[2] or not self.config.outside_plain_held else None)
+        if measured is not None and len(rows) + len(pinned) > 1 and self.config.batch_calibration_host:
+            self.planner.host_seconds(measured[0], measured[1])  # the batch calibration's whole step
         if key is not None:
             last = self.overhead[key]  # 0.0: the first measurement (an EMA from 0 would under-charge ~20 steps)
             self.overhead[key] = last + self.config.overhead_alpha * (measured[0] - last) if last else measured[0]
