@@ -203,6 +203,7 @@ def main() -> None:
         tps = {name: [0, 0.0] for name in systems}
         logs = {name: [] for name in systems}
         outputs = {name: {} for name in systems}
+        per_round = {name: [] for name in systems}  # tok/s of each round (a co-tenant's stall hits one)
         for r in range(args.rounds):
             turn = r % len(systems)
             for name in systems[turn:] + systems[:turn]:
@@ -220,6 +221,7 @@ def main() -> None:
                 log.close()
                 tps[name][0] += sum(len(s.output_ids) for s in seqs)
                 tps[name][1] += wall
+                per_round[name].append(sum(len(s.output_ids) for s in seqs) / wall)
                 logs[name].append(log)
                 for i, s in enumerate(seqs):
                     outputs[name].setdefault(i, []).append(list(s.output_ids))
@@ -228,7 +230,9 @@ def main() -> None:
         rate = {k: v[0] / v[1] for k, v in tps.items()}
         for name in routers:
             print(f"c={c} t={args.temperature}: {name} {rate[name]:.1f} tok/s, plain {rate['plain']:.1f} tok/s, "
-                  f"ratio {rate[name] / rate['plain']:.3f}  (load {os.getloadavg()[0]:.2f})", flush=True)
+                  f"ratio {rate[name] / rate['plain']:.3f}; of the rounds' medians "
+                  f"{statistics.median(per_round[name]) / statistics.median(per_round['plain']):.3f}"
+                  f"  (load {os.getloadavg()[0]:.2f})", flush=True)
         if args.temperature == 0.0:
             plain_out = {i: outs[0] for i, outs in outputs["plain"].items()}
             differ = {name: sum(o != plain_out[i] for i, outs in outputs[name].items() for o in outs)

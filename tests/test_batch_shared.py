@@ -153,3 +153,55 @@ def test_the_calibration_counts_a_speculative_steps_host_work_outside_the_execut
     assert factor < 0.75, factor
     assert all(run(True, 0.0)[0])
     assert all(run(False, 1.0)[0])
+
+
+def run_versus_plain(router, ratio: float, steps: int) -> list[bool]:
+    """`steps` planned 2-row steps (as `run_calibrated`) whose speculative steps realise `ratio`
+    times plain batching's predicted rate (their seconds set by the tokens they commit), plain
+    steps as predicted; whether each speculated."""
+    from test_engine_batching import rows_of
+
+    from specrouter.records.routing import RowOutcome
+
+    chosen = []
+    plain = 2 / router.planner.step_seconds([(("target",), 0)] * 2, 200)
+    for _ in range(steps):
+        rows = rows_of(2)
+        plans = [(d.chain, d.k) for d in router.plan_batch(rows).decisions]
+        outcomes, tokens = [], 0
+        for r, (c, k) in zip(rows, plans):
+            accepted = max(0, round(router.planner.expected_tokens(router.requests.get(r.seq_id), c, k)) - 1)
+            tokens += accepted + 1 if k > 0 else 1
+            outcomes.append(RowOutcome(r.seq_id, c, k, [k] * len(c), [0] + [accepted] * (len(c) - 1), True,
+                                       r.context_len))
+        spec = any(k > 0 for _, k in plans)
+        seconds = tokens / (ratio * plain) if spec else router.planner.step_seconds(plans, 200)
+        router.planner.observe(outcomes, [], seconds)
+        router.observed_steps += 1
+        chosen.append(spec)
+    return chosen
+
+
+@pytest.mark.parametrize("against", [False, True])
+def test_a_try_that_beat_plain_batching_is_not_found_failed_against_plain(against):
+    """A 2-row batch whose speculation is predicted ~1.8x plain batching and realises 1.02x:
+    calibrated, the plan no longer clears the plain margin, so the try ends. The default verdict
+    finds it failed (short of its prediction by the margin): no try again over 700 steps.
+    Against plain (`batch_failed_against_plain`) it did not lose, so its evidence ages and
+    speculation is tried again. Where speculation realises 0.8x plain, both verdicts find it
+    failed (one try)."""
+    def tries(chosen):
+        return [i for i, spec in enumerate(chosen) if spec and (i == 0 or not chosen[i - 1])]
+
+    def run(ratio):
+        router = scripted_router(calibration_target)
+        router.config = dataclasses.replace(router.config, batch_failed_against_plain=against)
+        return run_versus_plain(router, ratio, 700), router
+
+    won, router = run(1.02)
+    assert (len(tries(won)) >= 3) == against, tries(won)
+    assert router.planner.calibrations[(2, True, False)].failed != against
+    if not against:
+        assert sum(won) < 50, sum(won)  # the first try only
+    lost, router = run(0.8)
+    assert tries(lost) == [0] and router.planner.calibrations[(2, True, False)].failed

@@ -468,6 +468,10 @@ class RouterConfig:
     # steps; a shorter loss's evidence ages as any other (defer21; 0: any try, as before: a
     # 2-step shortfall at 4 rows stood for the run)
     batch_failed_min_steps: int = 0
+    # ... a try lost when its realised rate fell below plain batching's for the same rows (their
+    # predicted plain rate scaled by what plain steps realised), not when it fell short of its own
+    # prediction by the plain margin (StepCalibration.lost, defer21; False: as before)
+    batch_failed_against_plain: bool = False
     # joint options of a multi-row batch (router/batch.py `plan_afresh`, defer21): every row on
     # one model draft > target at each of these k (a shared draft: one batched draft forward for
     # every row, where each row decided alone mostly picks a model-free chain); the draft's

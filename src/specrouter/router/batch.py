@@ -103,15 +103,21 @@ class StepCalibration:
     # relative to plain steps of the same minutes, which `BatchPlanner.calibration` applies to
     # the plain factor of the moment (None: not failed)
     relative: float | None = None
+    # speculative steps: plain batching's predicted tokens and seconds for the same rows, over the
+    # same discounted steps (`BatchPlanner.observe`; `RouterConfig.batch_failed_against_plain`)
+    plain_tokens: float = 0.0
+    plain_seconds: float = 0.0
     try_steps: int = 0  # steps of the current (or last) try of this kind
     lost_steps: int = 0  # steps of the tries in a row that lost by the plain margin (`BatchPlanner.observe`)
 
     def add(self, realised_tokens: float, realised_seconds: float, predicted_tokens: float,
-            predicted_seconds: float, discount: float) -> None:
+            predicted_seconds: float, discount: float, plain_tokens: float = 0.0, plain_seconds: float = 0.0) -> None:
         self.realised_tokens = discount * self.realised_tokens + realised_tokens
         self.realised_seconds = discount * self.realised_seconds + realised_seconds
         self.predicted_tokens = discount * self.predicted_tokens + predicted_tokens
         self.predicted_seconds = discount * self.predicted_seconds + predicted_seconds
+        self.plain_tokens = discount * self.plain_tokens + plain_tokens
+        self.plain_seconds = discount * self.plain_seconds + plain_seconds
         self.weight = discount * self.weight + 1.0
 
     def forget(self, factor: float) -> None:
@@ -129,6 +135,8 @@ class StepCalibration:
         self.realised_seconds *= factor
         self.predicted_tokens *= factor
         self.predicted_seconds *= factor
+        self.plain_tokens *= factor
+        self.plain_seconds *= factor
         self.weight *= factor
 
     def factor(self, prior: float) -> float:
@@ -138,6 +146,18 @@ class StepCalibration:
             return 1.0
         ratio = (self.realised_tokens * self.predicted_seconds) / (self.realised_seconds * self.predicted_tokens)
         return 1.0 + (ratio - 1.0) * self.weight / (self.weight + prior)
+
+    def lost(self, prior: float, margin: float, plain: "StepCalibration | None", against_plain: bool) -> bool:
+        """Did the speculative steps summed here lose to plain batching? By default: their
+        realised rate fell short of their prediction by the plain margin (`factor`). Against
+        plain (`RouterConfig.batch_failed_against_plain`): their realised rate is below plain
+        batching's for the same rows, its predicted rate scaled by what plain steps realised
+        (`plain`'s factor). A speculative plan predicted 1.6x plain that realises 1.35x fell
+        short of its prediction by 16% and was found failed, though it beat plain batching."""
+        if not against_plain or self.plain_seconds <= 0.0 or self.realised_seconds <= 0.0:
+            return self.factor(prior) * (1.0 + margin) < 1.0
+        plain_factor = plain.factor(prior) if plain is not None else 1.0
+        return self.realised_tokens / self.realised_seconds < plain_factor * self.plain_tokens / self.plain_seconds
 
 
 def sampled(rows: Sequence[RowContext] | Sequence[RowOutcome]) -> bool:
@@ -761,13 +781,15 @@ class BatchPlanner:
             realised_tokens = sum(int(r.accepted[len(c) - 1]) + 1 if len(c) > 1 and k > 0 else 1
                                   for r, (c, k) in zip(rows, plans))
             predicted_seconds = self.step_seconds(plans, L, publish=False)
+            plain_tokens, plain_seconds = n, self.plain_step_seconds(n, L)  # plain batching of the rows
         else:  # every row commits its one token
             predicted_tokens = realised_tokens = n
             predicted_seconds = self.plain_step_seconds(n, L)
+            plain_tokens = plain_seconds = 0.0
         mode = sampled(rows)
         cal = self.calibrations.setdefault((n, spec, mode), StepCalibration())
         cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, predicted_seconds,
-                cfg.batch_calibration_discount)
+                cfg.batch_calibration_discount, plain_tokens, plain_seconds)
         self.calibrated = (cal, spec, plan_seconds, router.observed_steps)
         cal.try_steps = cal.try_steps + 1 if cal.running else 1
         cal.running = True
@@ -782,7 +804,7 @@ class BatchPlanner:
                 prior = cfg.batch_calibration_prior
                 # (`RouterConfig.batch_failed_min_steps`: once the tries that lost in a row ran
                 # that many steps; a shorter loss ages as any evidence)
-                lost = other.factor(prior) * (1.0 + cfg.batch_plain_margin) < 1.0
+                lost = other.lost(prior, cfg.batch_plain_margin, cal, cfg.batch_failed_against_plain)
                 other.lost_steps = other.lost_steps + other.try_steps if lost else 0
                 other.failed = lost and other.lost_steps >= cfg.batch_failed_min_steps
                 other.relative = other.factor(prior) / cal.factor(prior) if other.failed else None
