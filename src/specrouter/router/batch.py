@@ -781,7 +781,8 @@ class BatchPlanner:
             realised_tokens = sum(int(r.accepted[len(c) - 1]) + 1 if len(c) > 1 and k > 0 else 1
                                   for r, (c, k) in zip(rows, plans))
             predicted_seconds = self.step_seconds(plans, L, publish=False)
-            plain_tokens, plain_seconds = n, self.plain_step_seconds(n, L)  # plain batching of the rows
+            plain_tokens, plain_seconds = (n, self.plain_step_seconds(n, L)) if cfg.batch_failed_against_plain \
+                else (0.0, 0.0)  # plain batching of the rows (read by `StepCalibration.lost` only)
         else:  # every row commits its one token
             predicted_tokens = realised_tokens = n
             predicted_seconds = self.plain_step_seconds(n, L)
