@@ -72,6 +72,10 @@ def test_the_shared_options_skip_failed_and_model_free_drafters_and_price_the_ca
         assert span == max(router.config.spec_hold_steps, -(-6 // tokens))
     long = router.planner.shared_options(rows(2, remaining=None), reqs)
     assert all(span == router.config.plain_hold_max for _, span in long)
+    router.config = dataclasses.replace(router.config, batch_shared_min_rows=3)
+    assert router.planner.shared_options(rs, reqs) == []  # 2 rows: below the minimum
+    assert len(router.planner.shared_options(rows(3, remaining=6), reqs + reqs[:1])) == 2
+    router.config = dataclasses.replace(router.config, batch_shared_min_rows=2)
     router.mark_failed("d1")
     assert router.planner.shared_options(rs, reqs) == []
     assert router.planner.shared_options(rs[:1], reqs[:1]) == []  # a single stream: its own decision
@@ -82,6 +86,8 @@ def test_bad_shared_ks_and_failed_weight_are_refused():
         RouterConfig(batch_shared_ks=(0,))
     with pytest.raises(ValueError, match="batch_shared_ks"):
         RouterConfig(batch_shared_ks=(RouterConfig().k_max + 1,))
+    with pytest.raises(ValueError, match="batch_shared_min_rows"):
+        RouterConfig(batch_shared_min_rows=1)
     with pytest.raises(ValueError, match="batch_failed_min_steps"):
         RouterConfig(batch_failed_min_steps=-1)
 

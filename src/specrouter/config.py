@@ -477,6 +477,9 @@ class RouterConfig:
     # every row, where each row decided alone mostly picks a model-free chain); the draft's
     # catch-up priced over the cycles the rows have left, at most plain_hold_max. (): none
     batch_shared_ks: tuple[int, ...] = ()
+    # ... weighed in batches of at least this many rows (defer21: at c=2 the shared draft read
+    # below the default in four side-by-side runs of four, at c=4 above it in four of four)
+    batch_shared_min_rows: int = 2
     # ... the batch calibration's realised seconds count the whole step's host seconds outside
     # the executor (OutsideClock, measured from one plan_batch to the next: its observation,
     # shadow proposals, confident offers, the engine's bookkeeping), not only its planning
@@ -543,6 +546,8 @@ class RouterConfig:
             raise ValueError("overhead_alpha must be in (0, 1], context_bucket and log_size >= 1")
         if any(not isinstance(k, int) or not 1 <= k <= self.k_max for k in self.batch_shared_ks):
             raise ValueError(f"batch_shared_ks must be draft lengths in 1..k_max, got {self.batch_shared_ks!r}")
+        if self.batch_shared_min_rows < 2:
+            raise ValueError(f"batch_shared_min_rows must be >= 2, got {self.batch_shared_min_rows!r}")
         if self.batch_failed_min_steps < 0:
             raise ValueError(f"batch_failed_min_steps must be >= 0, got {self.batch_failed_min_steps!r}")
         if min(self.decision_tolerance, self.decision_hit_tolerance, self.decision_time_tolerance) < 0 \

@@ -470,7 +470,7 @@ class BatchPlanner:
         the plan's expected tokens (the fewest of any row's), at most `plain_hold_max`, at least
         `spec_hold_steps`."""
         router, cfg = self.router, self.router.config
-        if not cfg.batch_shared_ks or len(rows) < 2:
+        if not cfg.batch_shared_ks or len(rows) < max(2, cfg.batch_shared_min_rows):
             return []
         target = router.target
         out = []
