@@ -740,7 +740,7 @@ class BatchPlanner:
         into its calibration's realised seconds beyond the planning `observe` added
         (`RouterConfig.batch_calibration_host`, defer21): a 4-row speculative step's observation,
         shadow proposals, confident offers and engine bookkeeping were ~1.4 ms of a ~10 ms step
-        on a Sapphire Rapids against ~0.3 ms of a held plain one (serve_engine --trace), which the
+        on an AMD EPYC (AVX-512, 2 cores) against ~0.3 ms of a held plain one (serve_engine --trace), which the
         executor's wall and the planning leave out, so speculation was calibrated faster than it
         ran. Only for the step observed last (the same kind): none is added otherwise."""
         last, self.calibrated = self.calibrated, None
