@@ -433,6 +433,13 @@ class RouterConfig:
     # (replay digests unchanged), but not shown cheaper end to end (chat t=0.7, one run: a plain
     # step's router seconds 0.47 either way, the folds moved into plan_batch): off
     defer_plain_holds: bool = False
+    # a settled plain single stream's hold on an engine lease (floor21, router/batch.py
+    # `BatchPlanner.plan`, `BatchPlan.steps`), as a multi-row batch's is: the engine runs its
+    # held steps without planning them (no row context, no plan_batch) and reports them when the
+    # lease ends; its shadow proposals run on the hold's last step only (planned, as a batch's)
+    # and `OutsideClock` prices plain decoding at the span's mean outside seconds. False: every
+    # held step planned, shadows every BatchPlanner.SHADOW_EVERY_HELD-th step, as before
+    plain_lease: bool = False
     # model-free drafters' forwards (tens of microseconds: a lookup) reach the cost profile this
     # many at a time, their seconds summed (router/policy.py `observe_forwards`): one at a time
     # their timing noise fired the step detector ~25-60 times a run, each republishing the
