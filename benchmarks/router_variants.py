@@ -50,7 +50,9 @@ sampled request's alphas and hit rates read as estimated, as before floor19), ma
 0.5 / 1 / 2 / 0.75 standard errors off them), margin1g / margin05g (greedy rows too), monotone-m1g / monotone-m1
 (the repaired profile with those margins), probe-k2 (probe_k=2), m05-pk2 (z 0.5 and probe_k=2),
 refute-global (probe_refute_global=True: a pair whose probe was refuted waits in every request's probes),
-plain-lease (plain_lease=True: a settled plain single stream's held steps run on an engine lease, unplanned).
+plain-lease (plain_lease=True: a settled plain single stream's held steps run on an engine lease, unplanned),
+spec-held (outside_spec_held=True: leaving plain priced at a speculative cycle's held steps' outside seconds,
+as plain decoding is at its held steps'), lease-held (both).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -131,6 +133,8 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "m075": dataclasses.replace(base, decision_margin_sampling=0.75),
         "refute-global": dataclasses.replace(base, probe_refute_global=True),
         "plain-lease": dataclasses.replace(base, plain_lease=True),
+        "spec-held": dataclasses.replace(base, outside_spec_held=True),
+        "lease-held": dataclasses.replace(base, plain_lease=True, outside_spec_held=True),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -374,6 +374,13 @@ class RouterConfig:
     # (~4.6 against ~0.8 ms held, Zen 1); False: every plain step counts (before issue 31's
     # second chat fix), and a cold router priced plain decoding at its decided steps
     outside_plain_held: bool = True
+    # ... and a speculative cycle's where it leaves plain decoding (`PlainCharge`), on its held
+    # steps only (a firm stream hold's; every speculative step's until one is measured), as plain
+    # decoding's are (floor21): a stream that rarely speculates runs mostly decided speculative
+    # steps (probes, a request's first), so the EMA over every one read 0.76 ms against 0.45 ms
+    # a held step (AMD EPYC, chat t=0.7) and priced leaving plain ~0.3 ms a cycle too high.
+    # False: every speculative step counts, as before
+    outside_spec_held: bool = False
     context_bucket: int = 32  # cost rows are cached per (b, L // context_bucket)
     prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
     alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)
