@@ -53,7 +53,9 @@ refute-global (probe_refute_global=True: a pair whose probe was refuted waits in
 plain-lease (plain_lease=True: a settled plain single stream's held steps run on an engine lease, unplanned),
 spec-held (outside_spec_held=True: leaving plain priced at a speculative cycle's held steps' outside seconds,
 as plain decoding is at its held steps'), lease-held (both), margin-noise (decision_margin_noise=True: the
-margin of a request's own trials' noise only), floor21 (all three), lease-held-nm (lease-held without the margin).
+margin of a request's own trials' noise only), floor21 (all three), lease-held-nm (lease-held without the margin),
+pre-floor21 (plain_lease=False, outside_spec_held=False: the router before floor21's default; lease-held is the
+default since).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -139,6 +141,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "margin-noise": dataclasses.replace(base, decision_margin_noise=True),
         "floor21": dataclasses.replace(base, plain_lease=True, outside_spec_held=True, decision_margin_noise=True),
         "lease-held-nm": dataclasses.replace(base, plain_lease=True, outside_spec_held=True, decision_margin_sampling=0.0),
+        "pre-floor21": dataclasses.replace(base, plain_lease=False, outside_spec_held=False),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

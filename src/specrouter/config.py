@@ -386,8 +386,10 @@ class RouterConfig:
     # decoding's are (floor21): a stream that rarely speculates runs mostly decided speculative
     # steps (probes, a request's first), so the EMA over every one read 0.76 ms against 0.45 ms
     # a held step (AMD EPYC, chat t=0.7) and priced leaving plain ~0.3 ms a cycle too high.
-    # False: every speculative step counts, as before
-    outside_spec_held: bool = False
+    # On since floor21 with plain_lease ("lease-held": t=0.7 chat / prose, with and without
+    # penalties, 15 of 16 side-by-side ratios >= 1.0, geometric mean 1.040; mixed +3.1 / +4.2%;
+    # docs/router.md). False: every speculative step counts, as before
+    outside_spec_held: bool = True
     context_bucket: int = 32  # cost rows are cached per (b, L // context_bucket)
     prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
     alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)
@@ -452,8 +454,10 @@ class RouterConfig:
     # held steps without planning them (no row context, no plan_batch) and reports them when the
     # lease ends; its shadow proposals run on the hold's last step only (planned, as a batch's)
     # and `OutsideClock` prices plain decoding at the span's mean outside seconds. False: every
-    # held step planned, shadows every BatchPlanner.SHADOW_EVERY_HELD-th step, as before
-    plain_lease: bool = False
+    # held step planned, shadows every BatchPlanner.SHADOW_EVERY_HELD-th step, as before. On
+    # since floor21 (with outside_spec_held: a held plain step's host seconds 0.31 -> 0.22 ms
+    # against target-only's 0.06, AMD EPYC, chat t=0.7 with penalties)
+    plain_lease: bool = True
     # model-free drafters' forwards (tens of microseconds: a lookup) reach the cost profile this
     # many at a time, their seconds summed (router/policy.py `observe_forwards`): one at a time
     # their timing noise fired the step detector ~25-60 times a run, each republishing the
