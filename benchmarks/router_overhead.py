@@ -1,9 +1,11 @@
 """Where an engine step's host time goes around the executor (docs/router.md, "The router's own
 time"): SpecRouter and target-only, request by request in turn on the same prompts (the bench's
 mixed stream, or one workload), each engine part timed per step. Per system: ms per step of the
-whole step, the executor, and each part outside it (the router's plan_batch and observe_step,
-the tree policy, shadow proposals and their judging, confident-draft checks); SpecRouter's plain
-steps apart, against target-only's steps (what a settled-plain cycle costs over target-only).
+whole step, its host time (the step less the executor), the executor, and each part outside it
+(the router's plan_batch and observe_step, the tree policy, shadow proposals and their judging,
+confident-draft checks, the engine's own planning, reporting and collecting); SpecRouter's steps
+by kind (held plain, decided plain, speculative), against target-only's steps (what a settled-plain
+cycle costs over target-only).
 
     python benchmarks/router_overhead.py [--workload mixed|chat|...] [--temperature 0] [--prompts-per-type 3]
         [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R] [--set FIELD=VALUE ...]
@@ -31,6 +33,11 @@ from specrouter.router.setup import load_or_sweep_profile
 
 PARTS = ("plan_batch", "observe_step", "tree_shapes", "tree_observe", "shadow_proposals", "judge_shadows",
          "confident_offers", "executor")
+# the engine's own parts around them (Engine._plan_step, ._report, ._collect: each less the parts
+# above it calls), shown after the parts: "engine_plan" the row contexts and plan bookkeeping,
+# "engine_report" the StepReport, "collect" the outputs and a finished request's end (drafters
+# indexing it, the prefix cache, the router's finish_request)
+ENGINE = ("_plan_step", "_report", "_collect")
 INSIDE = ("decide", "plans", "board")  # inside plan_batch: decide(), its PlanTables (cache misses), board.current()
 
 
@@ -61,13 +68,15 @@ def instrument(system, timers: Timers) -> None:
         engine.router.decide = timers.wrap("decide", engine.router.decide)
         engine.router._plans = timers.wrap("plans", engine.router._plans)
         engine.router.board.current = timers.wrap("board", engine.router.board.current)
+    for name in ENGINE:
+        setattr(engine, name, timers.wrap(name, getattr(engine, name)))
     if engine.tree_policy is not None:
         engine.tree_policy.shapes = timers.wrap("tree_shapes", engine.tree_policy.shapes)
         engine.tree_policy.observe = timers.wrap("tree_observe", engine.tree_policy.observe)
     executor_step = engine.executor.step
 
     def step(rows, plans, *args, **kwargs):
-        timers.current["plain" if all(len(c) == 1 or k == 0 for c, k in plans) else "spec"] += 1
+        timers.current["ran"] += 1
         return timers.wrap("executor", executor_step)(rows, plans, *args, **kwargs)
 
     engine.executor.step = step
@@ -75,14 +84,17 @@ def instrument(system, timers: Timers) -> None:
 
     def whole():
         timers.current.clear()
+        first = any(len(s.tokens) == s.prompt_len for s in engine.running.values())  # a prefill
         t0 = time.perf_counter()
         out = engine_step()
         wall = time.perf_counter() - t0
-        kind = "plain" if timers.current.get("plain") else "spec" if timers.current.get("spec") else "none"
+        # the engine's step kind (engine.STEP_KINDS): "held" a plain step planned by a hold (no
+        # decide), "plain" a decided one (or target-only's), "spec"; "first" a request's first step
+        kind = "first" if first else engine.last_step_kind if timers.current.get("ran") else "none"
         key = f"{system.name} {kind}"
         timers.steps[key] += 1
         timers.seconds[(key, "step")] += wall
-        for part in PARTS + INSIDE:
+        for part in PARTS + INSIDE + ENGINE:
             timers.seconds[(key, part)] += timers.current.get(part, 0.0)
         return out
 
@@ -130,12 +142,17 @@ def main() -> None:
             totals[s.name][1] += out.seconds
     print(f"{scenario.name}, t={args.temperature:g}: tokens/s " + ", ".join(
         f"{n} {t / s:.1f}" for n, (t, s) in totals.items()))
-    print(f"{'ms per step':24s} {'steps':>6s} {'step':>6s} " + " ".join(f"{p[:12]:>12s}" for p in PARTS)
-          + f" {'other':>7s}")
+    print(f"{'ms per step':24s} {'steps':>6s} {'step':>6s} {'host':>6s} " + " ".join(f"{p[:12]:>12s}" for p in PARTS)
+          + " " + " ".join(f"{p:>13s}" for p in ("engine_plan", "engine_report", "collect")) + f" {'other':>7s}")
     for key, n in sorted(TIMERS.steps.items()):
-        ms = {p: 1e3 * TIMERS.seconds[(key, p)] / n for p in ("step", *PARTS)}
-        other = ms["step"] - sum(ms[p] for p in PARTS)
-        print(f"{key:24s} {n:6d} {ms['step']:6.2f} " + " ".join(f"{ms[p]:12.3f}" for p in PARTS) + f" {other:7.3f}")
+        ms = {p: 1e3 * TIMERS.seconds[(key, p)] / n for p in ("step", *PARTS, *ENGINE)}
+        own = {"engine_plan": ms["_plan_step"] - ms["plan_batch"] - ms["confident_offers"],
+               "engine_report": ms["_report"] - ms["observe_step"] - ms["judge_shadows"] - ms["tree_observe"],
+               "collect": ms["_collect"]}
+        other = ms["step"] - sum(ms[p] for p in PARTS) - sum(own.values())
+        print(f"{key:24s} {n:6d} {ms['step']:6.2f} {ms['step'] - ms['executor']:6.3f} "
+              + " ".join(f"{ms[p]:12.3f}" for p in PARTS) + " " + " ".join(f"{v:13.3f}" for v in own.values())
+              + f" {other:7.3f}")
     for key, n in sorted(TIMERS.steps.items()):
         if key.startswith("SpecRouter"):
             print(f"{key:24s} inside plan_batch, ms per step: " + " ".join(

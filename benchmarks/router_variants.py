@@ -49,7 +49,13 @@ tv-always-stand-in (both), tv-first-8 (tv_first_cycles=8), tv-every-4 (tv_every=
 sampled request's alphas and hit rates read as estimated, as before floor19), margin05 / margin1 / margin2 / m075 (z
 0.5 / 1 / 2 / 0.75 standard errors off them), margin1g / margin05g (greedy rows too), monotone-m1g / monotone-m1
 (the repaired profile with those margins), probe-k2 (probe_k=2), m05-pk2 (z 0.5 and probe_k=2),
-refute-global (probe_refute_global=True: a pair whose probe was refuted waits in every request's probes).
+refute-global (probe_refute_global=True: a pair whose probe was refuted waits in every request's probes),
+plain-lease (plain_lease=True: a settled plain single stream's held steps run on an engine lease, unplanned),
+spec-held (outside_spec_held=True: leaving plain priced at a speculative cycle's held steps' outside seconds,
+as plain decoding is at its held steps'), lease-held (both), margin-noise (decision_margin_noise=True: the
+margin of a request's own trials' noise only), floor21 (all three), lease-held-nm (lease-held without the margin),
+pre-floor21 (plain_lease=False, outside_spec_held=False: the router before floor21's default; lease-held is the
+default since).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -130,6 +136,13 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "m05-pk2": dataclasses.replace(base, decision_margin_sampling=0.5, probe_k=2),
         "m075": dataclasses.replace(base, decision_margin_sampling=0.75),
         "refute-global": dataclasses.replace(base, probe_refute_global=True),
+        "plain-lease": dataclasses.replace(base, plain_lease=True),
+        "spec-held": dataclasses.replace(base, outside_spec_held=True),
+        "lease-held": dataclasses.replace(base, plain_lease=True, outside_spec_held=True),
+        "margin-noise": dataclasses.replace(base, decision_margin_noise=True),
+        "floor21": dataclasses.replace(base, plain_lease=True, outside_spec_held=True, decision_margin_noise=True),
+        "lease-held-nm": dataclasses.replace(base, plain_lease=True, outside_spec_held=True, decision_margin_sampling=0.0),
+        "pre-floor21": dataclasses.replace(base, plain_lease=False, outside_spec_held=False),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -203,3 +203,38 @@ def test_plain_decoding_is_priced_at_its_held_steps():
     assert router_off.overhead["outside_plain"] > 2 * OUTSIDE[False]
     assert spec <= 20 and spec_off >= 150
     assert rate > 1.015 * rate_off  # measured 1.022x
+
+
+def test_leaving_plain_is_priced_at_a_speculative_streams_held_steps():
+    """`RouterConfig.outside_spec_held` (floor21): plan_batch measures a speculative single
+    stream's held steps (its firm hold's) apart, and where a decision weighs plain decoding
+    against speculation a speculative cycle pays those, as plain decoding pays its held steps':
+    a stream that rarely speculates runs mostly decided speculative steps (probes), whose
+    decide() priced leaving plain too high. With held speculative steps as cheap as plain ones
+    and decided ones 4.3 ms, the router speculates on a draft the table finds ~3% faster; the
+    negative control (every speculative step's mean) stays plain."""
+    now = [0.0]
+    router = make_router(order=["d1", "T"], step_clock=lambda: now[0], timer=lambda: 0.0,
+                         config=RouterConfig(overhead_alpha=0.2))
+    sim = Sim({("d1", "T"): 0.6}, seed=5)
+    row = RowContext(0, L0)
+    for _ in range(120):  # a speculating stream: each firm hold decided once, then held
+        held = router.stream.held
+        d = router.plan_batch([row]).decisions[0]
+        stats, outcomes, fwd, _ = sim.run(d.chain, d.k, [0], L0, True)
+        observe_cycle(router, stats, outcomes, fwd)
+        now[0] += stats.wall_time + (OUTSIDE[False] if d.k == 0 or router.stream.held > held else OUTSIDE[True])
+    assert router.stream.held > 30
+    assert router.overhead["outside_spec_held"] == pytest.approx(OUTSIDE[False])
+    assert router.overhead["outside_spec"] > 1.5 * OUTSIDE[False]  # decided steps among them
+
+    def decides(held_spec: bool):
+        r = make_router(order=["d1", "T"], timer=lambda: 0.0, config=RouterConfig(outside_spec_held=held_spec))
+        for _ in range(400):
+            r.similarity.observe_acceptance(("d1", "T"), "greedy", 15, 85)
+        r.overhead.update(outside_plain=OUTSIDE[False], outside_spec=OUTSIDE[True], outside_spec_held=OUTSIDE[False])
+        r.board.changed()
+        return r.decide(RowContext(7, L0))
+
+    assert decides(True).k > 0
+    assert decides(False).k == 0

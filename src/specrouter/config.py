@@ -321,6 +321,13 @@ class RouterConfig:
     # suffix / n-gram wins on code and the mixed stream start from thin evidence)
     decision_margin_sampling: float = 0.5
     decision_margin_greedy: float = 0.0
+    # ... of the noise of the request's own evidence only (floor21): sqrt(p (1 - p) own) / n, own
+    # its own trials (n less the prior's pseudo-trials; `decision_margin`'s `prior`). A request at
+    # its prior has no chance highs of its own to select (the winner's curse needs them), and the
+    # full margin kept every new chat request at t=0.7 plain (0.30 read 0.22 with 8 pseudo-trials)
+    # where the draft pays (static draft>target k=1 +13% over target-only, AMD EPYC); plain, it
+    # gathers no own trials, so the margin never shrinks. False: the full standard error, as before
+    decision_margin_noise: bool = False
     shadow_k: int = MAX_DRAFT_LENGTH  # tokens asked of model-free drafters when shadow-scoring rows not running them
     probe_k: int = 8  # longest draft of a probe cycle
     # probe a pair with a chain it starts (router/probing.py; False: the optimistic best of
@@ -374,6 +381,15 @@ class RouterConfig:
     # (~4.6 against ~0.8 ms held, Zen 1); False: every plain step counts (before issue 31's
     # second chat fix), and a cold router priced plain decoding at its decided steps
     outside_plain_held: bool = True
+    # ... and a speculative cycle's where it leaves plain decoding (`PlainCharge`), on its held
+    # steps only (a firm stream hold's; every speculative step's until one is measured), as plain
+    # decoding's are (floor21): a stream that rarely speculates runs mostly decided speculative
+    # steps (probes, a request's first), so the EMA over every one read 0.76 ms against 0.45 ms
+    # a held step (AMD EPYC, chat t=0.7) and priced leaving plain ~0.3 ms a cycle too high.
+    # On since floor21 with plain_lease ("lease-held": t=0.7 chat / prose, with and without
+    # penalties, 15 of 16 side-by-side ratios >= 1.0, geometric mean 1.040; mixed +3.1 / +4.2%;
+    # docs/router.md). False: every speculative step counts, as before
+    outside_spec_held: bool = True
     context_bucket: int = 32  # cost rows are cached per (b, L // context_bucket)
     prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
     alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)
@@ -438,6 +454,15 @@ class RouterConfig:
     # end to end (chat t=0.7, one run: a plain step's router seconds 0.47 either way, the folds
     # moved into plan_batch): off
     defer_plain_holds: bool = False
+    # a settled plain single stream's hold on an engine lease (floor21, router/batch.py
+    # `BatchPlanner.plan`, `BatchPlan.steps`), as a multi-row batch's is: the engine runs its
+    # held steps without planning them (no row context, no plan_batch) and reports them when the
+    # lease ends; its shadow proposals run on the hold's last step only (planned, as a batch's)
+    # and `OutsideClock` prices plain decoding at the span's mean outside seconds. False: every
+    # held step planned, shadows every BatchPlanner.SHADOW_EVERY_HELD-th step, as before. On
+    # since floor21 (with outside_spec_held: a held plain step's host seconds 0.31 -> 0.22 ms
+    # against target-only's 0.06, AMD EPYC, chat t=0.7 with penalties)
+    plain_lease: bool = True
     # model-free drafters' forwards (tens of microseconds: a lookup) reach the cost profile this
     # many at a time, their seconds summed (router/policy.py `observe_forwards`): one at a time
     # their timing noise fired the step detector ~25-60 times a run, each republishing the

@@ -29,6 +29,9 @@ class PlainHold:
     until: int  # observed step at which the batch is planned again
     span: int  # steps of this hold (doubles while the verdict repeats)
     members: frozenset[int] = frozenset()  # seq_ids of the rows it was found for
+    # shadow proposals on the hold's last step only (a multi-row batch's; a single stream's on a
+    # lease, `RouterConfig.plain_lease`), else every SHADOW_EVERY_HELD-th step
+    last_only: bool = False
 
     def valid(self, n: int, now: int) -> bool:
         """Does it still hold for a step of n rows (pinned ones included) at observed step
@@ -56,8 +59,8 @@ class PlainHold:
         """Shadow proposals at observed step `now` of the hold: a multi-row batch's on the last
         step of the hold only (one per span: their evidence is read when the hold ends; every
         4th step they were ~0.6 ms of a ~10 ms 4-row step, measured), a single stream's every
-        SHADOW_EVERY_HELD-th step."""
-        if self.rows > 1:
+        SHADOW_EVERY_HELD-th step (on the hold's last step too when leased: `last_only`)."""
+        if self.rows > 1 or self.last_only:
             return now == self.until - 1
         return now % BatchPlanner.SHADOW_EVERY_HELD == 0
 
@@ -267,13 +270,17 @@ class BatchPlanner:
             settled = n > 1 or (len(rows) == 1 and decisions[0].reason in ("same", "catch-up"))
             if limit > 0 and not spec and settled:
                 span = min(limit, 2 * hold.span if hold is not None else 2)
-                self.hold = PlainHold(n, now + span, span, frozenset(r.seq_id for r in rows))
+                self.hold = PlainHold(n, now + span, span, frozenset(r.seq_id for r in rows),
+                                      last_only=router.config.plain_lease)
             else:
                 self.hold = None
         held = self.hold is not None
         shadow = 0 if held and not self.hold.shadow_due(now) else router.config.shadow_k
-        # a held batch's plans stand until the step before its hold ends (that one shadows)
-        steps = self._lease(now, self.hold.until - 1 - now) if held and n > 1 else 1
+        # a held batch's plans stand until the step before its hold ends (that one shadows); a
+        # single stream's too with `RouterConfig.plain_lease` (floor21: a held plain step planned
+        # cost ~0.3 ms over target-only's ~0.06 ms of host time, AMD EPYC, chat t=0.7)
+        leased = held and (n > 1 or router.config.plain_lease)
+        steps = self._lease(now, self.hold.until - 1 - now) if leased else 1
         return BatchPlan(decisions, held, shadow, steps)
 
     def spec_holds(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> bool:

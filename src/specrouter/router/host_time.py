@@ -36,35 +36,44 @@ class OutsideClock:
     """Pairs each plan_batch call with the step it planned (module docstring)."""
 
     def __init__(self):
-        # the last planning: (its start, observed steps then, its rows' ids and pinned count,
-        # the executor's wall time of its step once observed, whether that step speculated,
-        # whether a hold planned it without deciding)
-        self._last: tuple | None = None
+        # the last planning: [its start, observed steps then, its rows' ids and pinned count,
+        # the executor's wall time of the steps observed since (its step, then a lease's), how
+        # many, whether one speculated, whether a hold planned it without deciding]
+        self._last: list | None = None
 
     def planning(self, now: float, steps: int, rows: Sequence, pinned: Sequence = ()) -> tuple[float, bool, bool] | None:
         """A step is being planned at `now` (observed steps so far: `steps`); returns (host
         seconds outside the executor, speculative, held) of the step planned last, when
-        measurable."""
+        measurable. The steps the engine ran on that plan's lease (`BatchPlan.steps`, a held
+        plain stream's with `RouterConfig.plain_lease`) are measured with it: the period's
+        seconds outside the executor per step (at most the steps' mean wall)."""
         ids = (tuple(r.seq_id for r in rows), len(pinned))
-        last, self._last = self._last, (now, steps, ids, None, False, False)
-        if last is None or last[3] is None or last[1] + 1 != steps or last[2] != ids:
+        last, self._last = self._last, [now, steps, ids, 0.0, 0, False, False]
+        if last is None or not last[4] or last[1] + last[4] != steps or last[2] != ids:
             return None
-        start, _, _, wall, speculative, held = last
-        return min(max(now - start - wall, 0.0), wall), speculative, held
+        start, _, _, wall, count, speculative, held = last
+        return min(max((now - start - wall) / count, 0.0), wall / count), speculative, held
 
     def held(self) -> None:
         """The step being planned was planned by a hold, without deciding."""
         if self._last is not None:
-            self._last = (*self._last[:5], True)
+            self._last[6] = True
 
     def observed(self, steps: int, wall_time: float, speculative: bool, widened: bool = False) -> None:
-        """The step planned last was observed (before the router counts it: `steps` as then).
-        A `widened` step (records/routing.py: it prefilled a prompt or caught a model up) is not
-        measured: its host work outside the executor (the drafters indexing the prompt, a
-        server's first chunk of a response) grows with the prompt, not per cycle, and a cold
-        first step of a process (a warm-up's prefill) once seeded the EMA at 2-10x a cycle's."""
-        if self._last is not None and self._last[1] == steps:
-            self._last = None if widened else (*self._last[:3], wall_time, speculative, self._last[5])
+        """The step planned last, or the next step of its lease, was observed (before the router
+        counts it: `steps` as then). A `widened` step (records/routing.py: it prefilled a prompt
+        or caught a model up) is not measured: its host work outside the executor (the drafters
+        indexing the prompt, a server's first chunk of a response) grows with the prompt, not
+        per cycle, and a cold first step of a process (a warm-up's prefill) once seeded the EMA
+        at 2-10x a cycle's."""
+        last = self._last
+        if last is not None and last[1] + last[4] == steps:
+            if widened:
+                self._last = None
+            else:
+                last[3] += wall_time
+                last[4] += 1
+                last[5] = last[5] or speculative
 
 
 @dataclass(frozen=True)
@@ -85,13 +94,16 @@ class PlainCharge:
     plain: float = 0.0  # seconds per plain cycle (outside_plain - what the table charges)
 
     @classmethod
-    def measured(cls, times: Mapping[str, float], charged: float) -> "PlainCharge":
+    def measured(cls, times: Mapping[str, float], charged: float, held_spec: bool = False) -> "PlainCharge":
         """From the published times ("outside_spec", "outside_plain": 0.0 until measured, e.g.
         never in a simulated pool) and the seconds per cycle the table already charges. Plain
         decoding's are a held step's (`OutsideClock`): where speculative steps are measured but
         no held plain step yet (a cold router speculating from its first step), plain decoding
         is charged none of decide()'s seconds, which its held steps do not pay: the safe default
-        is not priced at the cost of a step that decides."""
+        is not priced at the cost of a step that decides. `held_spec`: a speculative cycle's are its
+        held steps' ("outside_spec_held", `RouterConfig.outside_spec_held`) once measured."""
+        if held_spec and times.get("outside_spec_held", 0.0) > 0.0:
+            times = {**times, "outside_spec": times["outside_spec_held"]}
         spec = times["outside_spec"] - charged if times["outside_spec"] > 0.0 else 0.0
         if times["outside_plain"] > 0.0:
             return cls(spec, times["outside_plain"] - charged)

@@ -321,7 +321,7 @@ class Router:
         # "outside_plain", "outside_spec": per engine step of a single stream, its host seconds
         # outside the executor (router/host_time.py: measured from one plan_batch to the next)
         self.overhead = {"plain": 0.0, "spec": 0.0, "draft_step": 0.0, "processor": 0.0,
-                         "outside_plain": 0.0, "outside_spec": 0.0}
+                         "outside_plain": 0.0, "outside_spec": 0.0, "outside_spec_held": 0.0}
         self.outside = OutsideClock()  # measures "outside_plain" / "outside_spec"
         # model-free drafters' forwards not yet in the profile: drafter -> (shapes, seconds) (`observe_forwards`)
         self.free_timings: dict[str, tuple[list, float]] = {}
@@ -374,9 +374,12 @@ class Router:
             "outside_plain" if measured[2] or not self.config.outside_plain_held else None)
         if measured is not None and len(rows) + len(pinned) > 1 and self.config.batch_calibration_host:
             self.planner.host_seconds(measured[0], measured[1])  # the batch calibration's whole step
-        if key is not None:
-            last = self.overhead[key]  # 0.0: the first measurement (an EMA from 0 would under-charge ~20 steps)
-            self.overhead[key] = last + self.config.overhead_alpha * (measured[0] - last) if last else measured[0]
+        # a held speculative step's apart (`RouterConfig.outside_spec_held`: what a speculating
+        # stream pays between its decisions, as plain decoding is priced at its held steps)
+        for k in (key, "outside_spec_held" if key == "outside_spec" and measured[2] else None):
+            if k is not None:
+                last = self.overhead[k]  # 0.0: the first measurement (an EMA from 0 would under-charge ~20 steps)
+                self.overhead[k] = last + self.config.overhead_alpha * (measured[0] - last) if last else measured[0]
         seq = rows[0].seq_id if len(rows) == 1 else None
         batch = self.stream.plan(rows, pinned, self.requests.get(seq), self.prober.due(), self.profile.jumps,
                                  self.observed_steps) if self.stream.hold is not None else None
@@ -634,7 +637,7 @@ class Router:
         table = corrected(self.table(costs, alphas, router, cfg.k_max, keep=keep, rows=rows),
                           self.chain_index, req.corrections)
         # a single stream's (a batch's plain-vs-speculate choice is the batch planner's)
-        charge = (PlainCharge.measured(times, router)
+        charge = (PlainCharge.measured(times, router, cfg.outside_spec_held)
                   if cfg.charge_leaving_plain and not cfg.charge_outside and row.batch_size <= 1 else PlainCharge())
         return CachedPlans(key, table, costs, float(table.t_eff[0, 0]), charge)
 
