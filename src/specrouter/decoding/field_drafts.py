@@ -26,6 +26,8 @@ drafter's proposal when longer (`ChainExecutor.field_drafts`).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import re
 import time
 
@@ -43,6 +45,8 @@ SMALL = frozenset("and of the in on for to or a an".split())  # kept lower-case 
 STRING_ENDS = ('",', '"}}', '"}', '"]', '"')  # a copied string's end: the first the grammar allows
 NUMBER_ENDS = (",", "},", "}}", "}", "]}", "]")
 NEAR = 12  # a string value's first word: a capitalised one among the next this many candidates
+WINDOW = 256  # the output's last this many tokens are what a piece reads (keys, values so far)
+REACH = 200  # characters of the source a copy reads after its match
 ROUNDS = 8  # pieces per draft at most
 
 
@@ -65,6 +69,7 @@ class FieldDrafter:
         self.message_end = len(decode(prompt_ids[:end]))
         self.words = [(m.start(), m.end(), m.group())
                       for m in WORD.finditer(self.source, self.message_start, self.message_end)]
+        self.lower_words = [w[2].lower() for w in self.words]
         # the data of an instruction ("... from this record: Ada ...") follows its last colon
         colon = self.source.rfind(": ", self.message_start, self.message_end)
         self.data_start = colon + 2 if colon >= 0 else self.message_start
@@ -114,7 +119,7 @@ class FieldDrafter:
                 return self._enc(forced.decode("utf-8"))
             except UnicodeDecodeError:
                 return []
-        text = self.decode(tokens)
+        text = self.decode(tokens[-WINDOW:])
         last = None
         for last in STRUCTURAL.finditer(text):
             pass
@@ -131,7 +136,7 @@ class FieldDrafter:
         at = self._find(value.lower())
         if at < 0:
             return []
-        rest = self.source[at + len(value):]
+        rest = self.source[at + len(value): at + len(value) + REACH]
         if quoted:
             stop = min((p.start() for p in (DELIMITER.search(rest), CLAUSE.search(rest)) if p), default=len(rest))
             rest = rest[:stop].rstrip()
@@ -178,14 +183,14 @@ class FieldDrafter:
             return (w[0].isdigit() != quoted and lw not in SKIP and lw != key
                     and not (quoted and any(lw.startswith(u) for u in used if len(u) > 2 or u == lw)))
 
-        words = self.words
+        words, lower = self.words, self.lower_words
         key_words = key.replace("_", " ").split()
         if key_words:  # key-anchored: the key's words, then the value (only KEY_GAP between)
             n = len(key_words)
             for i in range(len(words) - n):
-                if [w[2].lower() for w in words[i:i + n]] == key_words:
+                if lower[i] == key_words[0] and lower[i:i + n] == key_words:
                     j = i + n
-                    while j < len(words) and words[j][2].lower() in KEY_GAP:
+                    while j < len(words) and lower[j] in KEY_GAP:
                         j += 1
                     if (j < len(words) and fits(words[j][2])
                             and GAP.fullmatch(self.source[words[j - 1][1]:words[j][0]])):
@@ -196,14 +201,20 @@ class FieldDrafter:
             p = self._find(v.lower())
             if p >= self.message_start:
                 span = (p, p + len(v))
-        cands = [w for w in words if fits(w[2])]
-        if not cands:
-            return None
+        at = bisect.bisect_left(words, (span[1],))  # the first word after the last value
         if not quoted:  # a number: the nearest to the last value (`2 apples, 3 bananas`)
-            return min(cands, key=lambda w: min(abs(w[1] - span[0]), abs(w[0] - span[1])))[2]
-        after = [w for w in cands if w[0] >= span[1]] or cands
-        named = [w for w in after[:NEAR] if w[2][0].isupper() and not w[2].isupper()]
-        return self._cased((named or after)[0][2], values)
+            near = [w for w in words[max(0, at - NEAR): at + NEAR] if fits(w[2])]
+            if not near:
+                return None
+            return min(near, key=lambda w: min(abs(w[1] - span[0]), abs(w[0] - span[1])))[2]
+        after = []
+        for w in itertools.chain(words[at:], words[:at]):  # after the last value, else from the start
+            if fits(w[2]):
+                after.append(w)
+                if len(after) == NEAR:
+                    break
+        named = [w for w in after if w[2][0].isupper() and not w[2].isupper() and w[0] >= span[1]]
+        return self._cased((named or after)[0][2], values) if after else None
 
     @staticmethod
     def _cased(word: str, values: list[str]) -> str:
