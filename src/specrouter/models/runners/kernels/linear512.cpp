@@ -13,8 +13,8 @@
 // contiguous block. The 16 lanes of an accumulator are 16 outputs of one row; each output of
 // each row has its own accumulator, fed by one fixed sequence of instructions over k = 0, 1, ...
 // (a broadcast activation times the weights), and is finished by one add of the bias, one of the
-// residual and one rounding. A register tile is up to ROWS rows x 32 outputs: the weights of a k
-// step are loaded once for all its rows. The row count decides only how many rows share those
+// residual and one rounding. A register tile is up to ROWS rows x 32 outputs (N rows in balanced
+// blocks, `block_rows`): the weights of a k step are loaded once for all its rows. The row count decides only how many rows share those
 // loads, never the sequence of an output: a row's bits do not depend on the other rows (1 row
 // included) nor on the threads, which split tiles of outputs.
 
@@ -34,6 +34,15 @@ namespace {
 using namespace specrouter_bf16;  // bf16, load16, store16 (bf16.h), TILE, finish16 (finish16.h)
 
 constexpr int64_t ROWS = 12;  // rows of a register tile: <= 24 accumulators (2 x 16 output lanes)
+
+// The rows of a register tile for N rows: the fewest blocks of <= ROWS rows, balanced (17 rows:
+// 9 + 8, not 12 + 5; 13: 7 + 6). A block of few rows is latency-bound (2 R accumulator chains,
+// vdpbf16ps ~6 cycles): on a Zen 5 a 5-row remainder ran at ~250 GMAC/s where 9 rows ran at
+// ~360 (docs/kernels.md, session 21). How rows are blocked changes no output's sequence.
+inline int64_t block_rows(int64_t N) {
+  const int64_t blocks = (N + ROWS - 1) / ROWS;
+  return (N + blocks - 1) / blocks;
+}
 
 // float32 x (R rows of K, row stride K) times one tile (K, 32) float32 -> acc (R, 32)
 template <int R>
@@ -123,15 +132,16 @@ T512BF void tile_bf16_dp(const bf16* x, int64_t K, const bf16* w, float* acc) {
     default: fn<12>(__VA_ARGS__); break;                           \
   }
 
-// tiles [t0, t1) of outputs, every row: for each tile, rows ROWS at a time
+// tiles [t0, t1) of outputs, every row: for each tile, rows in blocks of block_rows(N)
 template <typename T>
 T512BF void run_tiles_dp(const bf16* x, int64_t N, int64_t K, const bf16* w, int64_t O, const T* bias,
                          const T* residual, T* y, int64_t t0, int64_t t1) {
   alignas(64) float acc[ROWS * TILE];
+  const int64_t B = block_rows(N);
   for (int64_t t = t0; t < t1; ++t) {
     const bf16* wt = w + t * K * TILE;
-    for (int64_t n = 0; n < N; n += ROWS) {
-      const int R = static_cast<int>(N - n < ROWS ? N - n : ROWS);
+    for (int64_t n = 0; n < N; n += B) {
+      const int R = static_cast<int>(N - n < B ? N - n : B);
       DISPATCH_ROWS(tile_bf16_dp, R, x + n * K, K, wt, acc)
       finish16(acc, R, n, t * TILE, O, bias, residual, y);
     }
@@ -142,10 +152,11 @@ template <typename T, typename W>
 T512 void run_tiles_fma(const float* x, int64_t N, int64_t K, const W* w, int64_t O, const T* bias,
                         const T* residual, T* y, int64_t t0, int64_t t1) {
   alignas(64) float acc[ROWS * TILE];
+  const int64_t B = block_rows(N);
   for (int64_t t = t0; t < t1; ++t) {
     const W* wt = w + t * K * TILE;
-    for (int64_t n = 0; n < N; n += ROWS) {
-      const int R = static_cast<int>(N - n < ROWS ? N - n : ROWS);
+    for (int64_t n = 0; n < N; n += B) {
+      const int R = static_cast<int>(N - n < B ? N - n : B);
       if constexpr (sizeof(W) == 4) {
         DISPATCH_ROWS(tile_f32, R, x + n * K, K, wt, acc)
       } else {
