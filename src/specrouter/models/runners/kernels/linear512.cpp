@@ -48,8 +48,8 @@ inline int64_t block_rows(int64_t N) {
 // cache lines per k step (a tile streams one contiguous block and the tiles of a thread follow
 // each other, so 8 KiB ahead runs into the next tile). On a Zen 5 (AMD EPYC, session 21,
 // in-process A/B) bf16 135M T(17) 10.0 -> 8.2 ms, T(33) 16.1 -> 13.8, fp32 T(17) 17.1 -> 15.1,
-// T(1) unchanged (4 KiB: 8.9 ms at 17 rows; 16-32 KiB equal to 8 KiB); on Zen 4 it gained nothing
-// (docs/kernels.md). Prefetches change no bits.
+// T(1) unchanged (4 KiB: 8.9 ms at 17 rows; 16 KiB as 8, 32-64 KiB 0.3-0.5 ms slower there); on
+// Zen 4 it gained nothing (docs/kernels.md). Prefetches change no bits.
 constexpr int64_t PREFETCH = 8192;
 
 // float32 x (R rows of K, row stride K) times one tile (K, 32) float32 -> acc (R, 32)
