@@ -20,6 +20,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/specrouter demo
 
+# the default suite, serial (CI: .ci/run): about 5 minutes on 2 cores once installed; keep it so
+# (a test over a few seconds that is not essential is marked slow)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
@@ -48,6 +50,8 @@ $(VENV)/.installed-clients: $(STAMP)
 test-clients: $(VENV)/.installed-clients
 	$(BIN)/python -m pytest -q -m clients
 
+# real-model conversion, long runs, the float64 Monte Carlo of test_verification_distribution.py
+# (about 8 minutes on 2 cores of its own; the default run has its float32 cases)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 

@@ -11,7 +11,14 @@ plus the planning), tokens per step, target forwards per step, host seconds per 
 minus forwards) and forward seconds per step; the plain engine's steps beside them.
 
     python benchmarks/serve_engine.py [--concurrency 2 4 8] [--temperature 0] [--requests 16]
-        [--max-new-tokens 64] [--rounds 2] [--trace]
+        [--max-new-tokens 64] [--rounds 2] [--trace] [--set FIELD=VALUE ...]
+        [--arm NAME FIELD=VALUE ... [--arm ...]]
+
+`--arm` adds a router of its own config (the `--set` fields, then its own) beside the first,
+in the same process and rounds (each on its own pool view, the order rotating each round), so
+two configs are compared side by side, each against the same plain rounds. At temperature 0
+every router's outputs are checked token for token against plain decoding's (a line says
+whether they are identical).
 """
 
 from __future__ import annotations
@@ -172,28 +179,40 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="RouterConfig overrides, e.g. plain_hold_max=0 batch_plain_margin=0.05")
+    ap.add_argument("--arm", nargs="+", action="append", default=[], metavar="NAME [FIELD=VALUE ...]",
+                    help="another router beside the first: its name, then its RouterConfig overrides")
     args = ap.parse_args()
 
     pool, ids, max_len = load_stream(args.requests, args.concurrency, args.max_new_tokens)
     n_req = len(ids)
-    # a Python literal, as router_overhead.py / router_replay.py take it (the field's type called
-    # on the text read "False" as True)
-    over = {k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in args.set)}
-    router = build_router(pool, progress=False, config=RouterConfig(**over))
+
+    def literal(pairs):  # a Python literal, as router_overhead.py / router_replay.py take it (the
+        # field's type called on the text read "False" as True)
+        return {k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in pairs)}
+
+    over = literal(args.set)
+    configs = {"router": over, **{a[0]: {**over, **literal(a[1:])} for a in args.arm}}
+    if "plain" in configs or len(configs) != 1 + len(args.arm):
+        raise SystemExit("--arm names must be distinct, not 'router' or 'plain'")
+    routers = {name: build_router(pool, progress=False, config=RouterConfig(**cfg)) for name, cfg in configs.items()}
     print(f"cpu: {os.cpu_count()} cores, load {os.getloadavg()}, t={args.temperature}, "
-          f"{n_req} requests x {args.max_new_tokens} tokens, router config {over}")
+          f"{n_req} requests x {args.max_new_tokens} tokens, router config {over}"
+          + "".join(f"; {a[0]} {configs[a[0]]}" for a in args.arm))
+    systems = [*routers, "plain"]
     for c in args.concurrency:
-        tps = {"router": [0, 0.0], "plain": [0, 0.0]}
-        logs = {"router": [], "plain": []}
+        tps = {name: [0, 0.0] for name in systems}
+        logs = {name: [] for name in systems}
+        outputs = {name: {} for name in systems}
+        per_round = {name: [] for name in systems}  # tok/s of each round (a co-tenant's stall hits one)
         for r in range(args.rounds):
-            for name in (("router", "plain") if r % 2 == 0 else ("plain", "router")):
+            turn = r % len(systems)
+            for name in systems[turn:] + systems[:turn]:
                 view = pool.with_fresh_drafters()
-                engine = Engine(view, max_num_seqs=c, max_model_len=max_len,
-                                router=router if name == "router" else None)
-                chain = None if name == "router" else (view.target,)
+                engine = Engine(view, max_num_seqs=c, max_model_len=max_len, router=routers.get(name))
+                chain = None if name in routers else (view.target,)
                 warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
                 continuous_batching(engine, [x[:8] for x in ids[:c]], warm, c, chain)
-                log = StepLog(engine, router.planner if name == "router" else None)
+                log = StepLog(engine, routers[name].planner if name in routers else None)
                 params = [SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                          ignore_eos=True, seed=i) for i in range(n_req)]
                 t0 = time.perf_counter()
@@ -202,12 +221,24 @@ def main() -> None:
                 log.close()
                 tps[name][0] += sum(len(s.output_ids) for s in seqs)
                 tps[name][1] += wall
+                per_round[name].append(sum(len(s.output_ids) for s in seqs) / wall)
                 logs[name].append(log)
+                for i, s in enumerate(seqs):
+                    outputs[name].setdefault(i, []).append(list(s.output_ids))
                 print(f"c={c} round {r + 1} {name}: {len(log.steps)} steps, "
                       f"{sum(len(s.output_ids) for s in seqs) / wall:.1f} tok/s", flush=True)
         rate = {k: v[0] / v[1] for k, v in tps.items()}
-        print(f"c={c} t={args.temperature}: router {rate['router']:.1f} tok/s, plain {rate['plain']:.1f} tok/s, "
-              f"ratio {rate['router'] / rate['plain']:.3f}  (load {os.getloadavg()[0]:.2f})", flush=True)
+        for name in routers:
+            print(f"c={c} t={args.temperature}: {name} {rate[name]:.1f} tok/s, plain {rate['plain']:.1f} tok/s, "
+                  f"ratio {rate[name] / rate['plain']:.3f}; of the rounds' medians "
+                  f"{statistics.median(per_round[name]) / statistics.median(per_round['plain']):.3f}"
+                  f"  (load {os.getloadavg()[0]:.2f})", flush=True)
+        if args.temperature == 0.0:
+            plain_out = {i: outs[0] for i, outs in outputs["plain"].items()}
+            differ = {name: sum(o != plain_out[i] for i, outs in outputs[name].items() for o in outs)
+                      for name in systems}
+            print(f"c={c} greedy outputs identical to plain's: " + ", ".join(
+                f"{name} {'yes' if not n else f'NO ({n} differ)'}" for name, n in differ.items()), flush=True)
         if args.trace:
             for name, ls in logs.items():
                 merged = StepLog.__new__(StepLog)
@@ -230,17 +261,18 @@ def main() -> None:
                 for kind, (n, sec, parts) in sorted(kinds.items()):
                     print(f"  {name:6s} {kind:5s} steps={n:4d} outside the executor {sec / n * 1e3:.3f} ms/step" +
                           "".join(f"; {k} {v / n * 1e3:.3f}" for k, v in sorted(parts.items())))
-            events = list(router.planner.events)[-2000:]
-            reasons = defaultdict(int)
-            for e in events:
-                reasons[(e[1], e[2])] += 1
-            print("  planner events (rows, reason): " + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())))
-            cal = {k: (v.factor(router.config.batch_calibration_prior), round(v.weight, 1))
-                   for k, v in router.planner.calibrations.items()}
-            print(f"  calibrations (rows, spec, sampled): {cal}")
-            cs = router.cache_stats
-            print(f"  decision cache: {cs.hits} hits, {cs.misses} misses, by reason {dict(cs.reasons)}; "
-                  f"publications {dict(router.board.publications)}")
+            for name, router in routers.items():
+                events = list(router.planner.events)[-2000:]
+                reasons = defaultdict(int)
+                for e in events:
+                    reasons[(e[1], e[2])] += 1
+                print(f"  {name} planner events (rows, reason): " + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())))
+                cal = {k: (round(float(v.factor(router.config.batch_calibration_prior)), 3), round(v.weight, 1))
+                       for k, v in router.planner.calibrations.items()}
+                print(f"  {name} calibrations (rows, spec, sampled): {cal}")
+                cs = router.cache_stats
+                print(f"  {name} decision cache: {cs.hits} hits, {cs.misses} misses, by reason {dict(cs.reasons)}; "
+                      f"publications {dict(router.board.publications)}")
 
 
 def run(engine, ids, params, concurrency, chain):

@@ -6,8 +6,11 @@ Requests (chat template, greedy): extract a record's fields into a schema, produ
 - plain: the target alone, the grammar mask each step, no jump forward (plain constrained decoding);
 - plain+jf: the target alone with grammar-forced tokens committed without a forward;
 - specrouter-nocertain: the router, jump forward on, forced tokens NOT put into the drafts;
-- specrouter: the router picks chain and k per request every cycle, jump forward on, forced
-  tokens in the drafts as certain candidates (decoding/certain_drafts.py).
+- specrouter-nofields: the router, jump forward on, forced tokens in the drafts as certain
+  candidates (decoding/certain_drafts.py), no field drafts;
+- specrouter: the router picks chain and k per request every cycle, jump forward on, certain
+  candidates, and a constrained row's model-free drafts may be field drafts (the text the
+  grammar forces, values copied from the prompt: decoding/field_drafts.py).
 Every round runs every system on fresh pool views (a learning drafter never sees an earlier
 round's answers; the first round warms up). Every output must validate against its schema and
 equal plain's token for token. Reported: tokens/s per system (generated tokens over wall time,
@@ -16,7 +19,7 @@ the mask's share of the wall time (seconds in RowGrammar: masks and forced token
 seconds per target forward against the mean target forward, and tokens committed by jump
 forward / as certain drafts.
 
-Run: `python benchmarks/structured.py [--rounds 2] [--pool default]`.
+Run: `python benchmarks/structured.py [--rounds 2] [--pool default] [--requests original|reworded|all]`.
 """
 
 from __future__ import annotations
@@ -29,14 +32,18 @@ import time
 
 # the requests and the validator are the `structured` workload's (`specrouter bench --workloads
 # structured` runs them beside the other workloads, against every static chain)
-from specrouter.bench.structured import STRUCTURED as REQUESTS  # noqa: E402
+from specrouter.bench.structured import REWORDED, STRUCTURED  # noqa: E402
 from specrouter.bench.structured import schema_valid as valid  # noqa: E402
 
 
-def run_system(sr, name, chain, jump_forward, max_new, certain=True):
+REQUESTS = STRUCTURED
+
+
+def run_system(sr, name, chain, jump_forward, max_new, certain=True, fields=True):
     sr.engine.jump_forward = jump_forward
     sr.engine.executor.certain_drafts = jump_forward and certain
-    outs, tokens, mask_s = [], 0, 0.0
+    sr.engine.executor.field_drafts = fields
+    outs, tokens, mask_s, fields_s = [], 0, 0.0, 0.0
     steps = []  # per step: the target's forward seconds
 
     def on_cycle(stats):
@@ -62,11 +69,13 @@ def run_system(sr, name, chain, jump_forward, max_new, certain=True):
         finally:
             sr.engine.add_request = real_add
         mask_s += seq_box[0].grammar.mask_seconds
+        fields_s += seq_box[0].grammar.fields.seconds if seq_box[0].grammar.fields is not None else 0.0
         outs.append(r)
         tokens += len(r.token_ids)
     wall = time.perf_counter() - t0
     sr.engine.generate_ids = real_generate_ids
-    return dict(name=name, outs=outs, tokens=tokens, wall=wall, mask_s=mask_s, target_steps=len(steps),
+    return dict(name=name, outs=outs, tokens=tokens, wall=wall, mask_s=mask_s, fields_s=fields_s,
+                target_steps=len(steps),
                 target_s=sum(steps), jumped=sum(o.stats.jumped for o in outs),
                 certain=sum(o.stats.certain for o in outs))
 
@@ -76,7 +85,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="passes over the requests (the first warms up)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--pool", nargs="+", default=["default"])
+    ap.add_argument("--requests", choices=["original", "reworded", "all"], default="original",
+                    help="the bench's 9 requests, the 6 reworded ones (bench/structured.py REWORDED), or both")
     args = ap.parse_args()
+    global REQUESTS
+    REQUESTS = {"original": STRUCTURED, "reworded": REWORDED, "all": STRUCTURED + REWORDED}[args.requests]
     from specrouter import SpecRouter
     from specrouter.router.policy import Router
 
@@ -94,19 +107,21 @@ def main() -> None:
             "plain": SpecRouter(sr.pool.with_fresh_drafters(), None, sr.config),
             "plain+jf": SpecRouter(sr.pool.with_fresh_drafters(), None, sr.config),
             "specrouter-nocertain": router_view(),
+            "specrouter-nofields": router_view(),
             "specrouter": router_view(),
         }
 
-    plan = {"plain": ((target,), False, False), "plain+jf": ((target,), True, False),
-            "specrouter-nocertain": (None, True, False), "specrouter": (None, True, True)}
+    plan = {"plain": ((target,), False, False, False), "plain+jf": ((target,), True, False, False),
+            "specrouter-nocertain": (None, True, False, False), "specrouter-nofields": (None, True, True, False),
+            "specrouter": (None, True, True, True)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"pool {' < '.join(sr.pool.order)}; commit {commit}; {platform.processor() or platform.machine()}; "
           f"load {open('/proc/loadavg').read().split()[:3]}")
     results = {}
     for r in range(args.rounds):
         for name, view in views().items():
-            chain, jf, certain = plan[name]
-            results[name] = run_system(view, name, chain, jf, args.max_new_tokens, certain)
+            chain, jf, certain, fields = plan[name]
+            results[name] = run_system(view, name, chain, jf, args.max_new_tokens, certain, fields)
         print(f"round {r + 1}: " + ", ".join(f"{n} {v['tokens'] / v['wall']:.1f} tok/s" for n, v in results.items()))
     base = results["plain"]["outs"]
     fastest_plain = max(results[n]["tokens"] / results[n]["wall"] for n in ("plain", "plain+jf"))
@@ -114,11 +129,12 @@ def main() -> None:
         same = all(a.token_ids == b.token_ids for a, b in zip(res["outs"], base))
         ok = sum(valid(o.text, s) for o, (_, s, _) in zip(res["outs"], REQUESTS))
         tps = res["tokens"] / res["wall"]
-        print(f"{name:11s} {res['tokens']:4d} tokens {res['wall']:6.2f} s {tps:6.1f} tok/s "
+        print(f"{name:20s} {res['tokens']:4d} tokens {res['wall']:6.2f} s {tps:6.1f} tok/s "
               f"x{tps / fastest_plain:.2f} vs fastest plain; identical to plain {same}; "
               f"valid {ok}/{len(REQUESTS)}; target forwards {res['target_steps']}; mask "
               f"{100 * res['mask_s'] / res['wall']:.2f}% of wall, {1e3 * res['mask_s'] / max(res['target_steps'], 1):.2f} ms "
               f"per target forward of {1e3 * res['target_s'] / max(res['target_steps'], 1):.1f} ms; "
+              f"field drafts {100 * res['fields_s'] / res['wall']:.2f}% of wall; "
               f"jumped {res['jumped']}, certain {res['certain']}")
     for (kind, _, _), o in zip(REQUESTS, results["specrouter"]["outs"]):
         print(f"  {kind:8s} {o.finish_reason:6s} {o.text[:110]!r}  chains {dict(o.stats.chains)}")

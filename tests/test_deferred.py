@@ -1,6 +1,8 @@
 """Observations folded when read (router/deferred.py, `RouterConfig.defer_observations`): a
-multi-row batch's speculative hold plans and learns exactly as without deferral; a single
-stream's firm hold is released by its own first pair's trials as it counts them."""
+single stream's firm hold's steps are queued, and released by its own first pair's trials as it
+counts them; other steps are folded at once (defer21), and with `RouterConfig.defer_every_step`
+(every report queued, lean19-20) a multi-row batch's speculative hold plans and learns exactly as
+without deferral."""
 
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ from test_stream_hold import settled, stream
 from specrouter.router.similarity import GREEDY
 
 
-def scripted(defer: bool, spec_hold_steps: int, steps: int = 400, seed: int = 1):
+def scripted(defer: bool, spec_hold_steps: int, steps: int = 400, seed: int = 1, every: bool = True):
     """The planner-memo test's scripted serving run (concurrency 1 -> 8 -> 2 -> 4): every
-    step's plans as planned, and the router."""
+    step's plans as planned, and the router (`every`: `RouterConfig.defer_every_step`)."""
     router = build_router()
-    router.config = dataclasses.replace(router.config, defer_observations=defer, spec_hold_steps=spec_hold_steps)
+    router.config = dataclasses.replace(router.config, defer_observations=defer, spec_hold_steps=spec_hold_steps,
+                                        defer_every_step=every)
     return scripted_run(steps, seed, router), router
 
 
@@ -45,6 +48,37 @@ def test_deferred_observations_plan_a_batch_as_observed_step_by_step(span):
     assert on.deferral.folds <= on.deferral.folded - 10, (on.deferral.folds, on.deferral.folded)
     held = sum(1 for _, h, _, _ in on_log if h)
     assert held > 20, held  # the run has speculative holds to defer through
+
+
+def test_by_default_a_batchs_steps_are_folded_at_once_and_plan_as_without(monkeypatch):
+    """defer21: with deferral on, only a single stream's firm hold queues its reports; a
+    multi-row batch's (its speculative hold's included) are folded as they are observed, so the
+    queue never outlives its observe_step by more than a firm hold's steps, and the run plans and
+    learns as without deferral. Negative control: every report queued (`defer_every_step`, the
+    rule before) keeps a speculative hold's steps queued to the next plan_batch."""
+    from specrouter.router.policy import Router
+
+    def run(every):
+        depths = []
+        observe = Router.observe_step
+
+        def observed(self, report):
+            observe(self, report)
+            if len(report.outcomes) > 1:
+                depths.append(len(self.deferral.queue))
+        monkeypatch.setattr(Router, "observe_step", observed)
+        log, router = scripted(True, 4, every=every)
+        monkeypatch.undo()
+        return log, router, depths
+
+    off_log, off = scripted(False, 4)
+    log, router, depths = run(False)
+    assert log == off_log
+    router.deferral.fold()
+    assert state(router) == state(off)
+    assert depths and max(depths) == 0, depths  # multi-row steps: nothing left queued
+    _, _, depths = run(True)
+    assert max(depths) >= 2, depths  # the rule before: a speculative hold's steps queued together
 
 
 def test_deferral_off_queues_nothing():
@@ -171,7 +205,7 @@ def test_a_plain_held_stream_defers_its_observations_and_plans_as_without(monkey
     from specrouter.router.policy import RowContext
 
     def run(defer):
-        router = make_router(order=["d1", "T"], config=RouterConfig(defer_observations=defer, defer_plain_holds=True, **{
+        router = make_router(order=["d1", "T"], config=RouterConfig(defer_observations=defer, defer_every_step=True, defer_plain_holds=True, **{
             k: v for k, v in PER_STEP.items() if k != "defer_observations"}))
         sim = Sim({("d1", "T"): 0.05}, seed=2)
         plans, queued = [], []

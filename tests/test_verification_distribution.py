@@ -15,6 +15,22 @@ same keys) and calls `verify_tokens`, passing its output up; the target's output
 Negative controls: a verifier that accepts every candidate, and one that recovers with the
 candidate's token instead of its own, fail the same check.
 
+Power: under the null (an exact sampler) the empirical two-token joint of R rows (36 cells) has
+E[TV] ~ 0.5 * sum_i sqrt(2 p_i (1 - p_i) / (pi R)) <= 0.5 * 6 * sqrt(2 / (pi R)) = 0.0054 at
+R = 200k; for these tables 0.0022-0.0032, standard deviation 0.0007 (400 exact multinomial
+draws of R rows per table: largest 0.0061), so the 0.01 line is >= 10 sd above the null's mean.
+The controls measure TV 0.40-0.78 (first token 0.40 / 0.61 at 2 / 3 levels), 20x their 0.02 line
+and more.
+
+Cost: the Monte Carlo logits are float32 (`MC_DTYPE`), as the runners return them for every model
+but a float64 one (runners/llama.py, hf.py), so the
+cut takes the production CPU path, the native one (kernels/cut.h, bit for bit the torch candidate
+path: tests/test_sampling_native.py): about 1 s a case. In float64 the torch candidate path
+loops over the 200k x (k+1) rows in Python (30-75 s a case, 8 minutes for the family); those
+float64 cases are marked slow (`make test-slow`), the same checks and thresholds. The float32
+tables are the float64 ones within 1e-6, on the same support (`test_float32_tables_...`), so
+the float64 target is the reference for both.
+
 REFERENCE (tests/reference_verification.py, not on the production path): classic speculative
 sampling (`verify_speculative`), proven exactly by enumerating all drafts and accept/reject
 outcomes (float64, 1e-12); a sampler that draws the recovered token from verifier_probs instead
@@ -43,6 +59,9 @@ PARAMS = SamplingParams(temperature=0.7, top_p=0.9)
 TOP_K = SamplingParams(temperature=0.9, top_k=3)  # at most 3 of the 6 tokens survive
 GREEDY = SamplingParams(temperature=0.0)  # processed distributions are one-hot at the argmax
 R = 200_000  # Monte Carlo draws (rows of one batched cycle)
+MC_DTYPE = torch.float32  # the Monte Carlo's logits (docstring: cost); float64 cases are slow
+FLOAT64 = pytest.param(torch.float64, marks=pytest.mark.slow, id="float64")
+DTYPES = [pytest.param(torch.float32, id="float32"), FLOAT64]
 TABLE_SEEDS = (121, 221, 321, 421)  # one table per level, M1 first; chosen so the broken sampler is far off
 _tables_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -190,10 +209,10 @@ def tv(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def monte_carlo_tv(num_levels: int, k: int, params: SamplingParams = PARAMS, one_hot_drafter: bool = False,
-                   seed: int = 0) -> tuple[float, float]:
+                   seed: int = 0, dtype: torch.dtype = MC_DTYPE) -> tuple[float, float]:
     """TV distances (first token, first two tokens) between one batched production cycle of R
-    seeded rows and the target's exact (processed) distribution."""
-    logits = [log_table(s) for s in TABLE_SEEDS[:num_levels]]
+    seeded rows (logits in `dtype`) and the target's exact (processed, float64) distribution."""
+    logits = [log_table(s).to(dtype) for s in TABLE_SEEDS[:num_levels]]
     st = SamplingTensors.from_params([params] * R)
     keys = row_keys(R, k + num_levels + 1, seed)
     guess = (2 * torch.arange(V) + 1) % V if one_hot_drafter else None
@@ -204,22 +223,25 @@ def monte_carlo_tv(num_levels: int, k: int, params: SamplingParams = PARAMS, one
     return tv(two.sum(1), target_joint(target, 1)), tv(two, target_joint(target, 2))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_levels,k", [(2, 2), (2, 4), (3, 2), (3, 4)])
-def test_monte_carlo_is_lossless(num_levels, k):
-    tv1, tv2 = monte_carlo_tv(num_levels, k)
+def test_monte_carlo_is_lossless(num_levels, k, dtype):
+    tv1, tv2 = monte_carlo_tv(num_levels, k, dtype=dtype)
     assert tv1 < 0.01 and tv2 < 0.01, (tv1, tv2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_levels", [2, 3])
-def test_monte_carlo_with_one_hot_drafter_is_lossless(num_levels):
+def test_monte_carlo_with_one_hot_drafter_is_lossless(num_levels, dtype):
     """A model-free drafter (n-gram style guesses) is a valid proposal."""
-    tv1, tv2 = monte_carlo_tv(num_levels, 4, one_hot_drafter=True)
+    tv1, tv2 = monte_carlo_tv(num_levels, 4, one_hot_drafter=True, dtype=dtype)
     assert tv1 < 0.01 and tv2 < 0.01, (tv1, tv2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("params", [TOP_K, GREEDY], ids=["top_k", "greedy"])
-def test_monte_carlo_is_lossless_with_top_k_and_greedy(params):
-    tv1, tv2 = monte_carlo_tv(3, 3, params=params)
+def test_monte_carlo_is_lossless_with_top_k_and_greedy(params, dtype):
+    tv1, tv2 = monte_carlo_tv(3, 3, params=params, dtype=dtype)
     assert tv1 < 0.01 and tv2 < 0.01, (tv1, tv2)
 
 
@@ -243,23 +265,25 @@ REAL_VERIFY = verification.verify_tokens
 
 @pytest.mark.parametrize("broken", [_accept_all, _recover_with_candidate], ids=["accept_all", "recover_with_candidate"])
 @pytest.mark.parametrize("num_levels", [2, 3])
-def test_monte_carlo_catches_a_broken_verifier(num_levels, broken, monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_monte_carlo_catches_a_broken_verifier(num_levels, broken, dtype, monkeypatch):
     """The same check, same seeds, with a broken `verify_tokens`, must fail: the Monte Carlo
     test has teeth."""
     monkeypatch.setattr(verification, "verify_tokens", broken)
-    tv1, tv2 = monte_carlo_tv(num_levels, 2)
+    tv1, tv2 = monte_carlo_tv(num_levels, 2, dtype=dtype)
     assert tv1 > 0.02 and tv2 > 0.02, (tv1, tv2)
 
 
 MIXED = (GREEDY, TOP_K, PARAMS)  # row r runs MIXED[r % 3]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_levels,k", [(2, 3), (3, 2)])
-def test_monte_carlo_mixed_greedy_and_sampling_rows(num_levels, k):
+def test_monte_carlo_mixed_greedy_and_sampling_rows(num_levels, k, dtype):
     """Greedy, top-k and top-p rows in one batch (one `choose_tokens` call per level over the
     mixed rows): greedy rows all commit the target's greedy sequence, sampling rows follow their
     own processed target."""
-    logits = [log_table(s) for s in TABLE_SEEDS[:num_levels]]
+    logits = [log_table(s).to(dtype) for s in TABLE_SEEDS[:num_levels]]
     modes = torch.arange(R) % len(MIXED)
     st = SamplingTensors.from_params([MIXED[m] for m in modes.tolist()])
     keys = row_keys(R, k + num_levels + 1, 1)
@@ -295,6 +319,19 @@ def test_production_verifier_equals_the_reference_on_one_hot_rows():
 
 
 # ----------------------------------------------------------------------------- exact enumeration (reference)
+
+
+@pytest.mark.parametrize("params", [PARAMS, TOP_K], ids=["top_p", "top_k"])
+def test_float32_tables_are_the_float64_ones_on_the_same_support(params):
+    """The Monte Carlo runs float32 logits against the float64 target: processed in float32, every
+    table keeps the float64 table's support (no top-p / top-k cut moved by rounding) and its
+    probabilities within 1e-6, far under the Monte Carlo's 0.01 line."""
+    for seed in TABLE_SEEDS:
+        t64 = processed_table(seed, params)
+        logits = log_table(seed).float()[None]  # (1, V, V)
+        t32 = process_logits(logits, SamplingTensors.from_params([params]))[0].double()
+        assert torch.equal(t32 > 0, t64 > 0)
+        assert (t32 - t64).abs().max().item() < 1e-6
 
 
 def test_tables_are_nontrivial():

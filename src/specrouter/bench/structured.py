@@ -50,6 +50,26 @@ STRUCTURED = [
 ]
 PER_KIND = len(STRUCTURED) // 3
 
+# differently worded records (issue 30, session 21): written after the field drafts
+# (decoding/field_drafts.py) to check that the original requests are not tuned to them: the
+# fields in another order than the schema's, labels instead of sentences, values before their
+# keys, other words for the keys; reported beside the original set (benchmarks/structured.py
+# --requests reworded), not part of the bench's `structured` workload
+REWORDED = [
+    ("extract", PERSON, "Read the note and give me JSON with name, born (year), city and occupation. "
+     "Note: In 1879 a boy was born in Ulm; his name was Albert Einstein and he became a theoretical physicist."),
+    ("tool", WEATHER_CALL, "Use get_weather. Location = Tokyo. Forecast length: four days (use 4). "
+     "Temperature scale: fahrenheit."),
+    ("list", SHOPPING, "Our camping trip needs: bread x2, cheese x3, apples x6 and water x4. "
+     "Give the JSON shopping list."),
+    ("extract", PERSON, "Profile card | Name: Nikola Tesla | Year of birth: 1856 | Hometown: Smiljan | "
+     "Job: inventor and electrical engineer. Return the JSON."),
+    ("tool", WEATHER_CALL, "My sister lives in Buenos Aires; check the weather there for a week (7 days), "
+     "celsius please, with the weather function."),
+    ("list", SHOPPING, "For the cake I still have to buy sugar (1 bag), three lemons and a dozen eggs. "
+     "JSON list please."),
+]
+
 
 def schema_valid(doc: str, schema: dict) -> bool:
     """Whether `doc` is JSON that follows `schema` (the subset these schemas use)."""

@@ -32,6 +32,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 
 FREE_ROUNDS = 2  # a model-free drafter is asked again after forced tokens at most this often
+FIELD_ROUNDS = 8  # ... with field drafts (one a field: a draft may span this many)
 
 
 def forcing(seq) -> bool:
@@ -53,12 +54,15 @@ def extend(w) -> int:
     return len(forced)
 
 
-def propose_after_forced(drafter, w) -> None:
+def propose_after_forced(drafter, w, fields: bool = False) -> None:
     """A model-free draft (`w.cand`) followed by the tokens its grammar forces, and the drafter
-    asked again after them for what remains of k, FREE_ROUNDS times at most."""
+    asked again after them for what remains of k, FREE_ROUNDS times at most; with `fields`, a
+    longer field draft replaces each answer (decoding/field_drafts.py) and the rounds go on
+    while field drafts come (FIELD_ROUNDS at most: one draft spans several fields)."""
     sized = drafter.sized_by_confidence and w.min_confidence
-    for r in range(FREE_ROUNDS + 1):
-        if not extend(w) or r == FREE_ROUNDS:
+    rounds = FIELD_ROUNDS if fields and w.seq.grammar.fields is not None else FREE_ROUNDS
+    for r in range(rounds + 1):
+        if not extend(w) or r == rounds:
             return
         own = own_count(w, len(w.cand))
         if own >= w.k or len(w.cand) >= w.cap:
@@ -67,9 +71,28 @@ def propose_after_forced(drafter, w) -> None:
                                           [w.seq.tenant], **({"min_confidence": [w.min_confidence]} if sized else {}))
         more = tokens[0, : int(lengths[0])].tolist()
         more = more[: w.seq.grammar.valid_prefix(w.seq.output_ids, more, w.cand)]
-        if not more:
-            return
+        n = len(w.cand)
         w.cand.extend(more)
+        if fields:
+            take_field_draft(w, n)
+        if len(w.cand) == n:
+            return
+
+
+def take_field_draft(w, at: int = 0) -> None:
+    """Replace the model-free candidates after position `at` of `w.cand` (the drafter's
+    proposal there) by the row's field draft from that position when it is longer (the same
+    budget: what remains of k own tokens, up to the row's cap)."""
+    fields = w.seq.grammar.fields
+    if fields is None:
+        return
+    budget = min(w.k - own_count(w, at), w.cap - at)
+    if budget <= len(w.cand) - at:
+        return
+    draft = fields.propose(w.seq.grammar, w.seq.output_ids, w.cand[:at], budget)
+    if len(draft) > len(w.cand) - at:
+        del w.cand[at:]
+        w.cand.extend(draft)
 
 
 def own_count(w, n: int) -> int:

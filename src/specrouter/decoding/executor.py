@@ -187,6 +187,8 @@ class ChainExecutor:
         self.tv_positions = 2  # ... at each row's first this many candidates per level
         self.tv_greedy_rows = True  # ... in greedy rows too (False: in sampled rows only)
         self.certain_drafts = True  # grammar-forced tokens join the drafts (certain_drafts.py)
+        # a constrained row's model-free drafts may be field drafts (field_drafts.py; needs certain_drafts)
+        self.field_drafts = True
         # how many of a model-free tree proposal's nodes a row verifies: (RowWork, TreeProposal)
         # -> n (0, or a chain of nodes: the main path as a chain); None: all (engine/tree_policy.py)
         self.prune_tree = None
@@ -313,8 +315,10 @@ class ChainExecutor:
             w.cand = toks[: min(m, w.cap)]
             if w.seq.grammar is not None:  # only what the grammar allows goes up the chain
                 w.cand = w.cand[: w.seq.grammar.valid_prefix(w.seq.output_ids, w.cand)]
+            if w.forcing and self.field_drafts:  # a longer field draft replaces it (field_drafts.py)
+                certain.take_field_draft(w, 0)
             if w.forcing and w.cand:  # (before any proposal, jump forward took the forced tokens)
-                certain.propose_after_forced(drafter, w)
+                certain.propose_after_forced(drafter, w, self.field_drafts)
             w.drafted[0] = certain.own_count(w, len(w.cand))
         work = work + grow
         dt = self.clock() - t0

@@ -105,6 +105,7 @@ class RowGrammar:
         self.consumed: list[int] = []  # generated tokens the matcher has consumed
         self.mask_seconds = 0.0  # time spent computing masks (reported against the step)
         self.masks_computed = 0
+        self.fields = None  # its FieldDrafter (decoding/field_drafts.py), set by the engine at admission
 
     # -- following the committed tokens -----------------------------------------------------
     def sync(self, generated: list[int]) -> None:

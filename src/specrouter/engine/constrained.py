@@ -17,8 +17,12 @@ built at admission, and before every step each constrained row
 
 from __future__ import annotations
 
+import functools
+
+from specrouter.decoding.field_drafts import FieldDrafter
 from specrouter.decoding.grammar import GrammarSpec, RowGrammar, check_grammar
 from specrouter.models.pool import Pool
+from specrouter.models.tokenizer import text_decoder, text_encoder
 from specrouter.state.sequence import Sequence
 
 DEAD_END = "grammar"  # finish_reason of a row whose grammar allows no continuation
@@ -35,6 +39,15 @@ def attach(pool: Pool, seq: Sequence) -> None:
     if spec is not None:
         seq.stop_ids = seq.stop_ids | frozenset(pool.eos_ids)  # step 1: a complete grammar ends the row
         seq.grammar = RowGrammar(spec, pool.tokenizer, tuple(pool.eos_ids), pool.vocab_width, seq.stop_ids)
+        encode, decode, special = _text_codec(pool.tokenizer)
+        seq.grammar.fields = FieldDrafter(encode, decode, seq.tokens[: seq.prompt_len], special)
+
+
+@functools.lru_cache(maxsize=4)
+def _text_codec(tokenizer):
+    """A pool's (encode, decode, special token ids) for field drafts."""
+    special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+    return text_encoder(tokenizer), text_decoder(tokenizer)[0], special
 
 
 def certain_rate(seq: Sequence) -> float:

@@ -57,15 +57,30 @@ def confident_offers(rows: Sequence[Row], plans: Sequence[Plan], drafters: Mappi
 
 
 def shadow_proposals(rows: Sequence[Row], plans: Sequence[Plan], drafters: Mapping[str, DrafterProtocol],
-                     k: int) -> dict[str, dict[int, list[int]]]:
-    """drafter -> row index -> what it proposes (asked for k tokens) for the rows not running it."""
+                     k: int, fields: bool = False) -> dict[str, dict[int, list[int]]]:
+    """drafter -> row index -> what it proposes (asked for k tokens) for the rows not running it.
+    With `fields` (the executor's field drafts on), a constrained row's proposal is what the
+    executor would draft first: the drafter's, cut where the grammar refuses it, or the row's
+    field draft when longer (decoding/field_drafts.py; up to the first grammar-forced token)."""
     out = {}
+    field = {}  # row index -> its field draft (one per row, whichever drafter)
     for name, drafter in drafters.items():
         idx = [b for b, (chain, _) in enumerate(plans) if chain[0] != name]
         if not idx:
             continue
         tokens, lengths = drafter.propose([rows[b].tokens for b in idx], k, [rows[b].tenant for b in idx])
         out[name] = {b: t[:m] for b, t, m in zip(idx, tokens.tolist(), lengths.tolist())}
+        if not fields:
+            continue
+        for b in idx:
+            g = rows[b].grammar
+            if g is None or g.fields is None or rows[b].params.allowed_token_ids is not None:
+                continue
+            own = out[name][b]
+            own = own[: g.valid_prefix(rows[b].output_ids, own)]
+            if b not in field:
+                field[b] = g.fields.propose(g, rows[b].output_ids, [], k)
+            out[name][b] = field[b] if len(field[b]) > len(own) else own
     return out
 
 

@@ -454,7 +454,8 @@ class Engine:
         """One executor step over `rows`, row b running `plans[b]`: its result (None when the
         target failed and the rows ended), the shadow proposals made before it and their k."""
         sampling = self._sampling_of(rows)
-        shadow = shadow_proposals(rows, plans, self.pool.drafters, shadow_k) if shadow_k else {}
+        fields = self.executor.field_drafts and self.executor.certain_drafts
+        shadow = shadow_proposals(rows, plans, self.pool.drafters, shadow_k, fields) if shadow_k else {}
         # a model that raised or timed out is out of every chain; on a failure the rows are
         # rolled back to their committed tokens and the step is retried without it (the
         # target failing ends the rows with "error"): faults.py

@@ -4,19 +4,23 @@ An engine step's observation (policy.py `fold_step`: every row's trials, D_TV, h
 proposals, every forward's timing into the cost profile, the overheads, the batch calibration)
 took ~0.13-0.15 ms of a single stream's ~12 ms step in the engine on a Sapphire Rapids, ~0.06 ms
 replayed alone: the step's forwards evict the router's working set, so every step's fold starts
-from a cold cache (`benchmarks/router_replay.py replay --evict`). A step planned by a hold reads
-none of it: a multi-row batch's speculative hold (batch.py `SpecHold`) and the batch planner's
-plain hold (`PlainHold`, a settled plain single stream's too, lean20: `BatchPlanner.plain_holds`,
-with `RouterConfig.defer_plain_holds`)
-read only which rows run, and a single stream's firm hold (stream_hold.py) only its row and the
-trials of its own first pair. So with deferral on, `observe_step` does at once only what the next planning reads (the
-step clock's pairing, the observed-step count, each row's cycle count, the realized check's
-pending plan as the fold will consume it, the firm hold's trials) and queues the report; the
-queue is folded, in order and exactly as step by step, where the evidence is next read: a step
-not planned by one of those holds, a confident draft taken, a request finished, a model
-failed. Folded back to back, the reports after the first run warm. A report whose fold raises
-loses its evidence, logged, as an observe_step that raises in the engine does; the others fold
-and the planning's state is restored all the same.
+from a cold cache (`benchmarks/router_replay.py replay --evict`). A single stream's firm hold
+(stream_hold.py) reads none of it but its row and the trials of its own first pair, so with
+deferral on, `observe_step` does at once for a firm hold's step (`StreamHolder.firm_step`) only
+what the next planning reads (the step clock's pairing, the observed-step count, each row's cycle
+count, the realized check's pending plan as the fold will consume it, the firm hold's trials) and
+queues the report; the queue is folded, in order and exactly as step by step, where the evidence
+is next read: the decision at the hold's end, a confident draft taken, a request finished, a
+model failed, a report not of the hold (folded after the queue). Folded back to back, the reports
+after the first run warm. A report whose fold raises loses its evidence, logged, as an
+observe_step that raises in the engine does; the others fold and the planning's state is restored
+all the same.
+
+`RouterConfig.defer_every_step` (lean19-20's rule, off since defer21) queues every report, so a
+multi-row batch's speculative hold (batch.py `SpecHold`) and, with `RouterConfig.defer_plain_holds`,
+the batch planner's plain hold (`PlainHold`, `BatchPlanner.plain_holds`), which read only which
+rows run, keep theirs queued through the hold. Exact, but under load it did not pay: the serving
+bench read router / plain lower at c=4 and c=8 with it (docs/router.md, defer21).
 
 What the fold reads of the planning between is restored per report (the observed-step count,
 the batch planner's planning seconds and planned rows, each row's pending realized check), so a

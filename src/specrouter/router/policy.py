@@ -35,8 +35,8 @@ pool order (cheapest first, target last) and the names of model-free drafters.
    whose trials refuted that optimism keeps its pair from the request's probes for a while.
 4. `observe_step(StepReport)`, once per engine step: acceptance trials (global and per
    request), D_TV, hit rates, shadow proposals, forward timings into the profile, step
-   overheads, the batch calibration. With `RouterConfig.defer_observations` a step planned by a
-   hold is queued and folded where the evidence is next read (router/deferred.py).
+   overheads, the batch calibration. With `RouterConfig.defer_observations` a step of a single
+   stream's firm hold is queued and folded where the evidence is next read (router/deferred.py).
 5. The decision cache (router/evidence.py, `EvidenceBoard`): decide() reads the evidence as
    published, which changes only when the live estimates move materially (or a model fails or
    slows down), and step 1 (the PlanTable, the expensive part) is reused per row while its key
@@ -372,6 +372,8 @@ class Router:
         key = None if measured is None or len(rows) != 1 or pinned else (
             "outside_spec" if measured[1] else
             "outside_plain" if measured[2] or not self.config.outside_plain_held else None)
+        if measured is not None and len(rows) + len(pinned) > 1 and self.config.batch_calibration_host:
+            self.planner.host_seconds(measured[0], measured[1])  # the batch calibration's whole step
         if key is not None:
             last = self.overhead[key]  # 0.0: the first measurement (an EMA from 0 would under-charge ~20 steps)
             self.overhead[key] = last + self.config.overhead_alpha * (measured[0] - last) if last else measured[0]
@@ -403,10 +405,13 @@ class Router:
     def observe_step(self, report: StepReport) -> None:
         """Learn from one engine step: every row's outcome, every forward's timing, the step's
         overhead, the batch calibration, the shadow proposals (`fold_step`); with
-        `RouterConfig.defer_observations`, queued and folded where next read (router/deferred.py)."""
-        if self.config.defer_observations:
+        `RouterConfig.defer_observations`, a firm hold's step queued and folded where next read
+        (router/deferred.py; every step with `RouterConfig.defer_every_step`)."""
+        if self.config.defer_observations and (self.config.defer_every_step or self.stream.firm_step(report)):
             self.deferral.defer(report)
             return
+        if self.deferral.queue:  # a firm hold's steps before this one, in order
+            self.deferral.fold()
         self.outside.observed(self.observed_steps, report.wall_time, report.speculative,
                               widened(report.outcomes, report.forwards))
         fold_step(self, report)

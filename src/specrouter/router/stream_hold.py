@@ -251,6 +251,13 @@ class StreamHolder:
         """Drop the hold (a model failed: its plan may name it)."""
         self.hold = None
 
+    def firm_step(self, report) -> bool:
+        """Is `report` a step of the firm hold now held (its one row)? Its observation is what
+        deferral defers (router/deferred.py, `RouterConfig.defer_observations`)."""
+        hold = self.hold
+        return (hold is not None and hold.firm and len(report.outcomes) == 1
+                and report.outcomes[0].seq_id == hold.seq_id)
+
     def tally(self, report) -> None:
         """A step's report, queued unfolded (router/deferred.py): a firm hold's row's trials of
         its first pair counted (`HoldTrials`)."""

@@ -1,0 +1,214 @@
+"""Field drafts: likely (not certain) drafts of a constrained row from its grammar and its
+prompt's text (issue 30). Model-free drafters copy token runs of the context, and a JSON value
+is rarely one: the prompt says `born 1815` or `record: Ada Lovelace,` where the output writes
+`"born": 1815` and `"name": "Ada Lovelace"`, a value's text takes other tokens without the
+space before it (`Ad|a` against ` Ada`), and the text before a value (`"born": `) occurs
+nowhere in the prompt. A field draft works on text instead, and proposes, one piece after
+another up to k tokens (each piece cut where the grammar refuses it):
+1. forced text: the bytes the grammar forces next where they are no forced token (several
+   tokenizations allow them: ` "` before a string value, also ` "A...`), in the tokenizer's own
+   (canonical) tokens, the ones the model writes;
+2. value copy: inside a value, the prompt text that follows the value's text so far (found
+   case-insensitively at a word start; the words title-cased when the value capitalised a
+   lower-case source word), up to a delimiter, tokenized together with what the value has
+   already (the tokens a model writes for the whole value), then the value's end (`",`, `"}`,
+   `,`, `},` ...: the first the grammar allows);
+3. value start: at a value's first character, a guess of its first word from the prompt's last
+   message: after the key's own words (`born 1815`: key-anchored), else the first word not yet
+   used after the previous value's place there (the record's next field), a number for a number.
+The grammar-forced tokens between pieces are not field drafts: the executor puts them in as
+certain candidates (decoding/certain_drafts.py) and asks again after them, so one draft spans
+several fields (`", "city": "London", "occupation": "` holds 3 drafted tokens). A field draft is
+verified like any candidate (exact: the target's tokens are committed, whatever is proposed);
+what it changes is how much a cycle commits. The executor offers it in place of a model-free
+drafter's proposal when longer (`ChainExecutor.field_drafts`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+STRUCTURAL = re.compile(r'["{}\[\]:]')  # JSON's structural characters: a value's text starts after the last
+WORD = re.compile(r"[^\W\d_][\w'\-]*|\d+(?:\.\d+)?")  # words and numbers of the source text
+DELIMITER = re.compile(r"[,.;:!?()\[\]{}|=\n\"]")  # a copied value ends before one of these ...
+CLAUSE = re.compile(r"\s(?:who|which|that|where|when|in|at|from|for|with|on|over|to|was|is|born)\b|\s\S*\d", re.I)
+MAX_WORDS = 4  # ... and after this many words
+SKIP = frozenset("a an the of in on at for to and or is was are with by as from over next use it its be "
+                 "will i you me my we our please this that what how can could would make write turn "
+                 "extract give call read return list json".split())  # never a value's first word
+KEY_GAP = frozenset("is was are of".split())  # words that may stand between a key's words and its value
+GAP = re.compile(r"[\s:=\-]*")  # and the characters
+SMALL = frozenset("and of the in on for to or a an".split())  # kept lower-case in a title-cased copy
+STRING_ENDS = ('",', '"}}', '"}', '"]', '"')  # a copied string's end: the first the grammar allows
+NUMBER_ENDS = (",", "},", "}}", "}", "]}", "]")
+NEAR = 12  # a string value's first word: a capitalised one among the next this many candidates
+ROUNDS = 8  # pieces per draft at most
+
+
+class FieldDrafter:
+    """One constrained row's field drafts: its prompt's text, the tokenizer's encode/decode."""
+
+    def __init__(self, encode, decode, prompt_ids: list[int], special_ids: frozenset[int]):
+        self.encode = encode  # text -> canonical token ids (models/tokenizer.py text_encoder)
+        self.decode = decode  # ids -> text (special tokens skipped)
+        self.source = decode(prompt_ids)  # where values are copied from
+        self.low = self.source.lower()
+        # the last message (the text after the prompt's last special token that has words): where
+        # a value's first word is guessed (not the system prompt, not the assistant's header)
+        cut, start = [i for i, t in enumerate(prompt_ids) if t in special_ids], 0
+        for a, b in zip([-1, *cut], [*cut, len(prompt_ids)]):
+            if len(WORD.findall(decode(prompt_ids[a + 1: b]))) >= 3:
+                start = a + 1
+        end = next((c for c in cut if c >= start), len(prompt_ids))
+        self.message_start = len(decode(prompt_ids[:start]))
+        self.message_end = len(decode(prompt_ids[:end]))
+        self.words = [(m.start(), m.end(), m.group())
+                      for m in WORD.finditer(self.source, self.message_start, self.message_end)]
+        # the data of an instruction ("... from this record: Ada ...") follows its last colon
+        colon = self.source.rfind(": ", self.message_start, self.message_end)
+        self.data_start = colon + 2 if colon >= 0 else self.message_start
+        self._encoded: dict[str, list[int]] = {}
+        self.seconds = 0.0  # time spent proposing
+        self.proposed = 0  # tokens proposed (drafts and the router's shadow proposals)
+
+    def _enc(self, text: str) -> list[int]:
+        ids = self._encoded.get(text)
+        if ids is None:
+            ids = self._encoded[text] = list(self.encode(text))
+        return ids
+
+    # -- the draft --------------------------------------------------------------------------
+    def propose(self, grammar, generated: list[int], path: list[int], k: int) -> list[int]:
+        """Up to k field-draft tokens after `generated` + `path` (a draft path the grammar
+        accepts), stopping where the grammar forces tokens (the executor's certain candidates)."""
+        t0 = time.perf_counter()
+        grammar.sync(generated)
+        m = grammar.matcher
+        steps, ok = grammar._advance(path)
+        out: list[int] = []
+        try:
+            if ok:
+                for _ in range(ROUNDS):
+                    if len(out) >= k or m.is_stopped() or m.compute_ff_tokens():
+                        break
+                    piece = self._piece(m, generated + list(path) + out)
+                    piece = piece[: m.validate_tokens(piece)] if piece else piece
+                    if not piece:
+                        break
+                    m.consume_tokens(piece)
+                    steps += len(piece)
+                    out += piece
+        finally:
+            if steps:
+                m.rollback(steps)
+            self.seconds += time.perf_counter() - t0
+        self.proposed += min(len(out), k)
+        return out[:k]
+
+    def _piece(self, m, tokens: list[int]) -> list[int]:
+        """The next piece (steps 1-3 of the module docstring) after `tokens` (the output so far)."""
+        forced = bytes(m.compute_ff_bytes())
+        if forced:
+            try:
+                return self._enc(forced.decode("utf-8"))
+            except UnicodeDecodeError:
+                return []
+        text = self.decode(tokens)
+        last = None
+        for last in STRUCTURAL.finditer(text):
+            pass
+        quoted = last is not None and last.group() == '"'
+        fragment = text[last.end() if last else 0:]
+        value = fragment.lstrip(" ")
+        if value:
+            return self._copy(m, tokens, fragment, value, quoted)
+        word = self._first_word(text, quoted)
+        return self._enc(word) if word else []
+
+    def _copy(self, m, tokens: list[int], fragment: str, value: str, quoted: bool) -> list[int]:
+        """Step 2: the rest of the value being written, copied from the source, and its end."""
+        at = self._find(value.lower())
+        if at < 0:
+            return []
+        rest = self.source[at + len(value):]
+        if quoted:
+            stop = min((p.start() for p in (DELIMITER.search(rest), CLAUSE.search(rest)) if p), default=len(rest))
+            rest = rest[:stop].rstrip()
+            words = list(re.finditer(r"\S+", rest))
+            if len(words) > MAX_WORDS - len(value.split()) + (not rest[:1].isspace()):
+                keep = max(MAX_WORDS - len(value.split()) + (not rest[:1].isspace()), 0)
+                rest = rest[: words[keep - 1].end()] if keep else ""
+            if value[:1].isupper() and self.source[at:at + 1].islower():  # title-cased by the model
+                rest = re.sub(r"(?<= )(\w+)", lambda w: w.group(1) if w.group(1) in SMALL else w.group(1).capitalize(), rest)
+        else:
+            rest = re.match(r"\d*", rest).group()
+        whole, own = self._enc(fragment + rest), self._enc(fragment)
+        if whole[: len(own)] == own and tokens[len(tokens) - len(own):] == own:
+            ids = whole[len(own):]  # the value tokenized whole, less what it has already
+        else:
+            ids = self._enc(rest) if rest else []
+        for end in (STRING_ENDS if quoted else NUMBER_ENDS):
+            tail = self._enc(end)
+            if m.validate_tokens(ids + tail) == len(ids) + len(tail):
+                return ids + tail
+        return ids
+
+    def _find(self, f: str) -> int:
+        """Where `f` first occurs at a word start: in the last message, else anywhere (-1: nowhere)."""
+        for lo, hi in ((self.message_start, self.message_end), (0, len(self.low))):
+            at = self.low.find(f, lo, hi)
+            while at >= 0:
+                if at == 0 or not self.low[at - 1].isalnum():
+                    return at
+                at = self.low.find(f, at + 1, hi)
+        return -1
+
+    def _first_word(self, text: str, quoted: bool) -> str | None:
+        """Step 3: a guess of the first word of the value starting here (None: none)."""
+        if not (quoted or text.endswith((": ", "["))):
+            return None
+        keys = re.findall(r'"([^"]*)":', text)
+        key = keys[-1].lower() if keys else ""
+        values = re.findall(r'"([^"]+)"[,}\]]', text)  # the string values written so far
+        used = {w.lower() for w in WORD.findall(" ".join(re.findall(r'"([^"]*)"', text)))}
+
+        def fits(w: str) -> bool:
+            lw = w.lower()
+            return (w[0].isdigit() != quoted and lw not in SKIP and lw != key
+                    and not (quoted and any(lw.startswith(u) for u in used if len(u) > 2 or u == lw)))
+
+        words = self.words
+        key_words = key.replace("_", " ").split()
+        if key_words:  # key-anchored: the key's words, then the value (only KEY_GAP between)
+            n = len(key_words)
+            for i in range(len(words) - n):
+                if [w[2].lower() for w in words[i:i + n]] == key_words:
+                    j = i + n
+                    while j < len(words) and words[j][2].lower() in KEY_GAP:
+                        j += 1
+                    if (j < len(words) and fits(words[j][2])
+                            and GAP.fullmatch(self.source[words[j - 1][1]:words[j][0]])):
+                        return self._cased(words[j][2], values)
+        # the cursor: the span of the last value of the output found in the source
+        span = (self.data_start, self.data_start)
+        for v in values:  # (numbers are too ambiguous to place)
+            p = self._find(v.lower())
+            if p >= self.message_start:
+                span = (p, p + len(v))
+        cands = [w for w in words if fits(w[2])]
+        if not cands:
+            return None
+        if not quoted:  # a number: the nearest to the last value (`2 apples, 3 bananas`)
+            return min(cands, key=lambda w: min(abs(w[1] - span[0]), abs(w[0] - span[1])))[2]
+        after = [w for w in cands if w[0] >= span[1]] or cands
+        named = [w for w in after[:NEAR] if w[2][0].isupper() and not w[2].isupper()]
+        return self._cased((named or after)[0][2], values)
+
+    @staticmethod
+    def _cased(word: str, values: list[str]) -> str:
+        """`word` capitalised when every string value so far starts with a capital (a model
+        writing `"Ada Lovelace", "London"` writes `"Mathematician"` for `mathematician`)."""
+        if values and all(v[:1].isupper() for v in values):
+            return word[:1].upper() + word[1:]
+        return word
