@@ -13,8 +13,8 @@
 // contiguous block. The 16 lanes of an accumulator are 16 outputs of one row; each output of
 // each row has its own accumulator, fed by one fixed sequence of instructions over k = 0, 1, ...
 // (a broadcast activation times the weights), and is finished by one add of the bias, one of the
-// residual and one rounding. A register tile is up to ROWS rows x 32 outputs: the weights of a k
-// step are loaded once for all its rows. The row count decides only how many rows share those
+// residual and one rounding. A register tile is up to ROWS rows x 32 outputs (N rows in balanced
+// blocks, `block_rows`): the weights of a k step are loaded once for all its rows. The row count decides only how many rows share those
 // loads, never the sequence of an output: a row's bits do not depend on the other rows (1 row
 // included) nor on the threads, which split tiles of outputs.
 
@@ -35,6 +35,23 @@ using namespace specrouter_bf16;  // bf16, load16, store16 (bf16.h), TILE, finis
 
 constexpr int64_t ROWS = 12;  // rows of a register tile: <= 24 accumulators (2 x 16 output lanes)
 
+// The rows of a register tile for N rows: the fewest blocks of <= ROWS rows, balanced (17 rows:
+// 9 + 8, not 12 + 5; 13: 7 + 6). A block of few rows is latency-bound (2 R accumulator chains,
+// vdpbf16ps ~6 cycles): on a Zen 5 a 5-row remainder ran at ~250 GMAC/s where 9 rows ran at
+// ~360 (docs/kernels.md, session 21). How rows are blocked changes no output's sequence.
+inline int64_t block_rows(int64_t N) {
+  const int64_t blocks = (N + ROWS - 1) / ROWS;
+  return (N + blocks - 1) / blocks;
+}
+
+// How far ahead (bytes) the float32 and the vdpbf16ps tiles prefetch their weight stream: two
+// cache lines per k step (a tile streams one contiguous block and the tiles of a thread follow
+// each other, so 8 KiB ahead runs into the next tile). On a Zen 5 (AMD EPYC, session 21,
+// in-process A/B) bf16 135M T(17) 10.0 -> 8.2 ms, T(33) 16.1 -> 13.8, fp32 T(17) 17.1 -> 15.1,
+// T(1) unchanged (4 KiB: 8.9 ms at 17 rows; 16 KiB as 8, 32-64 KiB 0.3-0.5 ms slower there); on
+// Zen 4 it gained nothing (docs/kernels.md). Prefetches change no bits.
+constexpr int64_t PREFETCH = 8192;
+
 // float32 x (R rows of K, row stride K) times one tile (K, 32) float32 -> acc (R, 32)
 template <int R>
 T512 void tile_f32(const float* x, int64_t K, const float* w, float* acc) {
@@ -43,6 +60,8 @@ T512 void tile_f32(const float* x, int64_t K, const float* w, float* acc) {
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k, w += TILE) {
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH + 64, _MM_HINT_T0);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * K + k]);
@@ -90,6 +109,8 @@ T512BF void tile_bf16_dp(const bf16* x, int64_t K, const bf16* w, float* acc) {
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2, w += 2 * TILE) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH + 64, _MM_HINT_T0);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       int32_t pair;
@@ -123,15 +144,16 @@ T512BF void tile_bf16_dp(const bf16* x, int64_t K, const bf16* w, float* acc) {
     default: fn<12>(__VA_ARGS__); break;                           \
   }
 
-// tiles [t0, t1) of outputs, every row: for each tile, rows ROWS at a time
+// tiles [t0, t1) of outputs, every row: for each tile, rows in blocks of block_rows(N)
 template <typename T>
 T512BF void run_tiles_dp(const bf16* x, int64_t N, int64_t K, const bf16* w, int64_t O, const T* bias,
                          const T* residual, T* y, int64_t t0, int64_t t1) {
   alignas(64) float acc[ROWS * TILE];
+  const int64_t B = block_rows(N);
   for (int64_t t = t0; t < t1; ++t) {
     const bf16* wt = w + t * K * TILE;
-    for (int64_t n = 0; n < N; n += ROWS) {
-      const int R = static_cast<int>(N - n < ROWS ? N - n : ROWS);
+    for (int64_t n = 0; n < N; n += B) {
+      const int R = static_cast<int>(N - n < B ? N - n : B);
       DISPATCH_ROWS(tile_bf16_dp, R, x + n * K, K, wt, acc)
       finish16(acc, R, n, t * TILE, O, bias, residual, y);
     }
@@ -142,10 +164,11 @@ template <typename T, typename W>
 T512 void run_tiles_fma(const float* x, int64_t N, int64_t K, const W* w, int64_t O, const T* bias,
                         const T* residual, T* y, int64_t t0, int64_t t1) {
   alignas(64) float acc[ROWS * TILE];
+  const int64_t B = block_rows(N);
   for (int64_t t = t0; t < t1; ++t) {
     const W* wt = w + t * K * TILE;
-    for (int64_t n = 0; n < N; n += ROWS) {
-      const int R = static_cast<int>(N - n < ROWS ? N - n : ROWS);
+    for (int64_t n = 0; n < N; n += B) {
+      const int R = static_cast<int>(N - n < B ? N - n : B);
       if constexpr (sizeof(W) == 4) {
         DISPATCH_ROWS(tile_f32, R, x + n * K, K, wt, acc)
       } else {
