@@ -40,6 +40,7 @@ constexpr int64_t ROWS = 12;  // rows of a register tile: <= 24 accumulators (2 
 // vdpbf16ps ~6 cycles): on a Zen 5 a 5-row remainder ran at ~250 GMAC/s where 9 rows ran at
 // ~360 (docs/kernels.md, session 21). How rows are blocked changes no output's sequence.
 inline int64_t block_rows(int64_t N) {
+  if (N <= 0) return ROWS;  // no rows: the row loops run zero times (and no division by zero blocks)
   const int64_t blocks = (N + ROWS - 1) / ROWS;
   return (N + blocks - 1) / blocks;
 }
