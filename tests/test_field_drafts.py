@@ -8,16 +8,23 @@
 2. Exact: with field drafts (the default), greedy and seeded outputs of model-free chains equal
    plain constrained decoding token for token, and field drafts were proposed; with
    `ChainExecutor.field_drafts = False` none are (the switch the benchmark compares).
+3. Accepted: the random targets above reject every field draft, so (review21 D2) a scripted
+   target writes the record's JSON and field drafts are accepted across fields: the output is
+   plain constrained decoding's, with fewer target forwards than without field drafts; negative
+   controls: a commit bug on long acceptances changes the output only here, and field drafts
+   proposed one token late save no forwards.
 """
 
 import pytest
 from fixtures import four_level_fixtures
 
 from specrouter.config import SamplingParams
+from specrouter.decoding import executor as executor_module
 from specrouter.decoding.field_drafts import FieldDrafter
 from specrouter.decoding.grammar import GrammarSpec, RowGrammar
 from specrouter.engine.constrained import _text_codec
 from specrouter.engine.engine import Engine
+from specrouter.models.pool import Pool
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string"}, "born": {"type": "integer"}, "city": {"type": "string"},
@@ -95,3 +102,106 @@ def test_outputs_with_field_drafts_equal_plain_constrained_decoding(pool, prompt
     assert proposed > 0  # field drafts did enter the chains
     got, n = run(pool, prompt_ids, params, ("ngram", "target"), fields=False)
     assert got == expected and n == 0
+
+
+# -- 3. accepted across fields ----------------------------------------------------------------
+# The tiny random targets reject every field draft (they write `{"name": "NNNN...`), so the test
+# above would pass with a field draft's bookkeeping wrong. Here the target writes the record's
+# JSON: a scripted target whose argmax is the canonical tokenization of ANSWER (then EOS) while
+# the output follows it, so field drafts are accepted across several fields in one cycle.
+ANSWER = '{"name": "Ada Lovelace", "born": 1815, "city": "London", "occupation": "Mathematician"}'
+
+
+class ScriptedTarget:
+    """Wraps the target runner (its KV and every attribute but `forward`'s logits): where a row's
+    tokens so far are a prompt of `scripts` and a prefix of its script, the script's next token
+    gets the largest logit (a function of the tokens only, as a model's logits are). Counts
+    forwards. Chains only (no token trees)."""
+
+    supports_trees = False
+
+    def __init__(self, inner, scripts: dict[tuple, list[int]]):
+        self.__dict__.update(_inner=inner, _scripts=scripts, _history={}, forwards=0)
+
+    def forward(self, batch):
+        self.__dict__["forwards"] += 1
+        logits = self._inner.forward(batch).clone()  # (an inference tensor: not written in place)
+        for b, (slot, start, n) in enumerate(zip(batch.slots_list, batch.starts_list, batch.num_tokens_list)):
+            seen = self._history.get(slot, [])
+            assert len(seen) >= start, "the cache holds tokens this wrapper never saw"
+            seen = self._history[slot] = seen[:start] + batch.tokens[b, :n].tolist()
+            for g, pos in enumerate(batch.logit_positions[b].tolist()):
+                context = tuple(seen[: start + pos + 1])
+                for prompt, script in self._scripts.items():
+                    full = prompt + tuple(script)
+                    if len(prompt) <= len(context) < len(full) and full[: len(context)] == context:
+                        logits[b, g, full[len(context)]] = logits[b, g].max() + 50.0
+        return logits
+
+    def __getattr__(self, attr):
+        return getattr(self._inner, attr)
+
+    def __setattr__(self, attr, value):
+        setattr(self._inner, attr, value)
+
+
+def scripted_run(pool, prompt_ids, script, chain, fields=True, jump_forward=True):
+    """(output ids, target forwards, field-draft tokens proposed) of one greedy row."""
+    target = ScriptedTarget(pool.runners[pool.target], {tuple(prompt_ids): script})
+    runners = {**pool.runners, pool.target: target}
+    scripted = Pool(runners=runners, drafters=pool.drafters, order=pool.order, target=pool.target,
+                    tokenizer=pool.tokenizer, eos_ids=pool.eos_ids, vocab_width=pool.vocab_width)
+    engine = Engine(scripted.with_fresh_drafters())
+    engine.jump_forward = jump_forward
+    engine.executor.field_drafts = fields
+    params = SamplingParams(max_new_tokens=128, temperature=0.0, grammar=GrammarSpec.json_schema(PERSON))
+    seq = engine.generate_ids([prompt_ids], [params], chain=chain, k=8)[0]
+    return seq.output_ids, target.forwards, seq.grammar.fields.proposed
+
+
+@pytest.fixture(scope="module")
+def scripted(pool):
+    encode = _text_codec(pool.tokenizer)[0]
+    prompt_ids, script = encode(RECORD), encode(ANSWER) + [pool.eos_ids[0]]
+    plain, plain_forwards, _ = scripted_run(pool, prompt_ids, script, ("target",), jump_forward=False)
+    decode = _text_codec(pool.tokenizer)[1]
+    assert plain == script, decode(plain)  # the scripted target writes the record (grammar-valid)
+    return prompt_ids, script, plain_forwards
+
+
+def test_field_drafts_accepted_across_fields_are_exact_and_save_forwards(pool, scripted):
+    prompt_ids, script, plain_forwards = scripted
+    on, on_forwards, proposed = scripted_run(pool, prompt_ids, script, ("ngram", "target"))
+    off, off_forwards, _ = scripted_run(pool, prompt_ids, script, ("ngram", "target"), fields=False)
+    assert on == off == script  # (1) exact: plain constrained decoding's output
+    # (2) accepted: 7 target forwards against 12 without field drafts (79 plain) on this commit
+    assert proposed > 0 and on_forwards < off_forwards, (on_forwards, off_forwards, plain_forwards)
+
+
+def test_negative_control_a_commit_bug_on_long_acceptances_fails_the_equality(pool, scripted, monkeypatch):
+    """(3) A commit that drops the last accepted token where a cycle accepted more than k = 8
+    candidates (only a draft that spans fields with forced tokens does) changes the output with
+    field drafts; without them no cycle accepts so many, and the same bug goes unseen (as it did
+    with the random targets: the check needs accepted field drafts)."""
+    prompt_ids, script, _ = scripted
+    verify_rows = executor_module.verify_rows
+
+    def shifted(cands, tokens):
+        return [out[: len(out) - 2] + out[-1:] if len(out) - 1 > 8 else out
+                for out in verify_rows(cands, tokens)]
+
+    monkeypatch.setattr(executor_module, "verify_rows", shifted)
+    assert scripted_run(pool, prompt_ids, script, ("ngram", "target"), fields=False)[0] == script
+    assert scripted_run(pool, prompt_ids, script, ("ngram", "target"))[0] != script
+
+
+def test_negative_control_misplaced_field_drafts_save_no_forwards(pool, scripted, monkeypatch):
+    """A field draft proposed one token late (its first token dropped) is rejected: the forward
+    check (2) fails, output stays exact (verification)."""
+    prompt_ids, script, _ = scripted
+    propose = FieldDrafter.propose
+    monkeypatch.setattr(FieldDrafter, "propose", lambda self, *a: propose(self, *a)[1:])
+    on, on_forwards, proposed = scripted_run(pool, prompt_ids, script, ("ngram", "target"))
+    off, off_forwards, _ = scripted_run(pool, prompt_ids, script, ("ngram", "target"), fields=False)
+    assert on == off == script and proposed > 0
+    assert on_forwards >= off_forwards, (on_forwards, off_forwards)
