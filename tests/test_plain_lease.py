@@ -12,18 +12,16 @@ import pytest
 from specrouter.config import SamplingParams
 from specrouter.engine import engine as engine_module
 from specrouter.engine.engine import Engine
-from specrouter.models.pool import Pool
 from specrouter.records.routing import RowContext
 from specrouter.router.batch import PlainHold
 from specrouter.router.host_time import OutsideClock
+from fixtures import load_named_pool
 from test_engine_batching import alone, prompts_of, scripted_router
 
 
 @pytest.fixture(scope="module")
 def pool(tiny_pool_dirs):
-    d = tiny_pool_dirs
-    names = ["draft", "mid", "target"]
-    return Pool.load([d[n] for n in names], names=names, target="target", dtype="float64")
+    return load_named_pool(tiny_pool_dirs, ["draft", "mid", "target"])
 
 
 def plain_wins(b, t, L):
