@@ -19,8 +19,9 @@ all the same.
 `RouterConfig.defer_every_step` (lean19-20's rule, off since defer21) queues every report, so a
 multi-row batch's speculative hold (batch.py `SpecHold`) and, with `RouterConfig.defer_plain_holds`,
 the batch planner's plain hold (`PlainHold`, `BatchPlanner.plain_holds`), which read only which
-rows run, keep theirs queued through the hold. Exact, but under load it did not pay: the serving
-bench read router / plain lower at c=4 and c=8 with it (docs/router.md, defer21).
+rows run, keep theirs queued through the hold. Exact, but not shown to pay under load: session 20's
+serving bench read router / plain lower at c=4 and c=8 with it; defer21's side-by-side runs could
+not tell the rules apart (docs/router.md, defer21).
 
 What the fold reads of the planning between is restored per report (the observed-step count,
 the batch planner's planning seconds and planned rows, each row's pending realized check), so a
