@@ -141,8 +141,10 @@ class FieldDrafter:
             stop = min((p.start() for p in (DELIMITER.search(rest), CLAUSE.search(rest)) if p), default=len(rest))
             rest = rest[:stop].rstrip()
             words = list(re.finditer(r"\S+", rest))
-            if len(words) > MAX_WORDS - len(value.split()) + (not rest[:1].isspace()):
-                keep = max(MAX_WORDS - len(value.split()) + (not rest[:1].isspace()), 0)
+            # words left to copy (the first one may be the end of the value's last word)
+            keep = MAX_WORDS - len(value.split()) + (not rest[:1].isspace())
+            if len(words) > keep:
+                keep = max(keep, 0)
                 rest = rest[: words[keep - 1].end()] if keep else ""
             if value[:1].isupper() and self.source[at:at + 1].islower():  # title-cased by the model
                 rest = re.sub(r"(?<= )(\w+)", lambda w: w.group(1) if w.group(1) in SMALL else w.group(1).capitalize(), rest)
