@@ -81,18 +81,31 @@ def propose_after_forced(drafter, w, fields: bool = False) -> None:
 
 def take_field_draft(w, at: int = 0) -> None:
     """Replace the model-free candidates after position `at` of `w.cand` (the drafter's
-    proposal there) by the row's field draft from that position when it is longer (the same
-    budget: what remains of k own tokens, up to the row's cap)."""
+    proposal there) by the row's field draft from that position (the same budget: what remains
+    of k own tokens, up to the row's cap) unless the proposal extends it (`preferred`)."""
     fields = w.seq.grammar.fields
     if fields is None:
         return
     budget = min(w.k - own_count(w, at), w.cap - at)
-    if budget <= len(w.cand) - at:
+    if budget <= 0:
         return
     draft = fields.propose(w.seq.grammar, w.seq.output_ids, w.cand[:at], budget)
-    if len(draft) > len(w.cand) - at:
+    if preferred(w.cand[at:], draft) is draft:
         del w.cand[at:]
         w.cand.extend(draft)
+
+
+def preferred(own: list[int], field: list[int]) -> list[int]:
+    """A model-free drafter's proposal `own` or the row's field draft `field` at the same place:
+    the field draft, unless it is empty or `own` starts with it (then `own` drafts at least as
+    far along the same path). Where they differ, the field draft is the better bet: it is built
+    for this place in the output from the grammar and the prompt, where a drafter copies a
+    continuation of the context (on the structured bench, replayed, the drafter's differing
+    proposals were the accepted ones in 2 of 18 places: an earlier record's value, the last
+    item's quantity; docs/structured-output.md)."""
+    if not field or own[: len(field)] == field:
+        return own
+    return field
 
 
 def own_count(w, n: int) -> int:
