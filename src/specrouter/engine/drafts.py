@@ -65,7 +65,6 @@ def shadow_proposals(rows: Sequence[Row], plans: Sequence[Plan], drafters: Mappi
     field draft unless the drafter's extends it (decoding/certain_drafts.py `preferred`; up to
     the first grammar-forced token)."""
     out = {}
-    field = {}  # row index -> its field draft (one per row, whichever drafter)
     for name, drafter in drafters.items():
         idx = [b for b, (chain, _) in enumerate(plans) if chain[0] != name]
         if not idx:
@@ -80,9 +79,7 @@ def shadow_proposals(rows: Sequence[Row], plans: Sequence[Plan], drafters: Mappi
                 continue
             own = out[name][b]
             own = own[: g.valid_prefix(rows[b].output_ids, own)]
-            if b not in field:
-                field[b] = g.fields.propose(g, rows[b].output_ids, [], k)
-            out[name][b] = preferred(own, field[b])
+            out[name][b] = preferred(g, rows[b].output_ids, [], own, k)
     return out
 
 
