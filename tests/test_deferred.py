@@ -34,10 +34,12 @@ def state(router) -> tuple:
 
 @pytest.mark.parametrize("span", [2, 4])
 def test_deferred_observations_plan_a_batch_as_observed_step_by_step(span):
-    """The same scripted run plans the same steps (plans, reasons, predicted T_eff, holds,
-    shadows, leases) and ends knowing the same with deferral on as off; deferral did defer
+    """The same scripted run (seed 1) plans the same steps (plans, reasons, predicted T_eff,
+    holds, shadows, leases) and ends knowing the same with deferral on as off; deferral did defer
     (fewer folds than queued reports: a firm hold's steps folded together, in the run's
-    single-stream phase)."""
+    single-stream phase). The equality is this run's, not a law: deferral releases a firm hold by
+    its own trials (`HoldTrials`), by design, so on other seeds a hold can end a step apart and
+    the runs part from there (`test_where_the_runs_part_a_firm_hold_ended_a_step_apart`)."""
     off_log, off = scripted(False, span)
     on_log, on = scripted(True, span)
     assert on_log == off_log
@@ -47,6 +49,21 @@ def test_deferred_observations_plan_a_batch_as_observed_step_by_step(span):
     assert on.deferral.folds <= on.deferral.folded - 10, (on.deferral.folds, on.deferral.folded)
     held = sum(1 for _, h, _, _ in on_log if h)
     assert held > 20, held  # the run has speculative holds to defer through
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_where_the_runs_part_a_firm_hold_ended_a_step_apart(seed):
+    """review21 N3: on seeds 0 and 3 the scripted run parts with deferral on and off, and only
+    where a single stream's firm hold ends (by its own trials with deferral, by the request's
+    folded estimate without): the first step that differs is one row, the same plan, decided
+    ("held" on one side, a decision's reason on the other); every step before it is the same."""
+    off_log, _ = scripted(False, 2, seed=seed)
+    on_log, _ = scripted(True, 2, seed=seed)
+    first = next(i for i, (a, b) in enumerate(zip(off_log, on_log)) if repr(a) != repr(b))
+    off, on = off_log[first][0], on_log[first][0]
+    assert len(off) == len(on) == 1 and off[0][:2] == on[0][:2], (off, on)
+    assert (off[0][2] == "held") != (on[0][2] == "held"), (off, on)
+    assert off_log[first][1:] == on_log[first][1:]
 
 
 def test_by_default_a_batchs_steps_are_folded_at_once_and_plan_as_without(monkeypatch):
