@@ -35,7 +35,7 @@ since lean20, with lazy8's fields: "per-step" measures the router before), no-fi
 (stream_hold_firm=False: the stream hold as before), firm8 (the same, 8 steps), lazy (firm, observations deferred while held: router/deferred.py), lazy8 (the
 same, 8 steps), lazy8-nobe (lazy8 released by decision_tolerance only, not its plan's break-even: before
 lean20), per-step (stream_hold_firm=False, defer_observations=False, stream_hold_steps=4: the hold before lean20's
-default), defer-every (defer_every_step=True: every report queued, lean20's deferral before defer21), free16 (free_timing_batch=16: model-free
+default), free16 (free_timing_batch=16: model-free
 drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
 steps while the decision at its end keeps the plan), firm16s (firm, its span doubling up to 16),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
@@ -52,8 +52,7 @@ sampled request's alphas and hit rates read as estimated, as before floor19), ma
 refute-global (probe_refute_global=True: a pair whose probe was refuted waits in every request's probes),
 plain-lease (plain_lease=True: a settled plain single stream's held steps run on an engine lease, unplanned),
 spec-held (outside_spec_held=True: leaving plain priced at a speculative cycle's held steps' outside seconds,
-as plain decoding is at its held steps'), lease-held (both), margin-noise (decision_margin_noise=True: the
-margin of a request's own trials' noise only), floor21 (all three), lease-held-nm (lease-held without the margin),
+as plain decoding is at its held steps'), lease-held (both), lease-held-nm (lease-held without the margin),
 pre-floor21 (plain_lease=False, outside_spec_held=False: the router before floor21's default; lease-held is the
 default since).
 
@@ -109,7 +108,6 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "lazy8-nobe": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True, stream_hold_steps=8,
                                           stream_hold_break_even=False),
         "per-step": dataclasses.replace(base, stream_hold_firm=False, defer_observations=False, stream_hold_steps=4),
-        "defer-every": dataclasses.replace(base, defer_every_step=True),
         "free16": dataclasses.replace(base, free_timing_batch=16),
         "lean": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16),
         "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),
@@ -139,8 +137,6 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "plain-lease": dataclasses.replace(base, plain_lease=True),
         "spec-held": dataclasses.replace(base, outside_spec_held=True),
         "lease-held": dataclasses.replace(base, plain_lease=True, outside_spec_held=True),
-        "margin-noise": dataclasses.replace(base, decision_margin_noise=True),
-        "floor21": dataclasses.replace(base, plain_lease=True, outside_spec_held=True, decision_margin_noise=True),
         "lease-held-nm": dataclasses.replace(base, plain_lease=True, outside_spec_held=True, decision_margin_sampling=0.0),
         "pre-floor21": dataclasses.replace(base, plain_lease=False, outside_spec_held=False),
     }
