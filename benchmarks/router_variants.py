@@ -39,7 +39,7 @@ since lean20, with lazy8's fields: "per-step" measures the router before), no-fi
 (stream_hold_firm=False: the stream hold as before), firm8 (the same, 8 steps), lazy (firm, observations deferred while held: router/deferred.py), lazy8 (the
 same, 8 steps), lazy8-nobe (lazy8 released by decision_tolerance only, not its plan's break-even: before
 lean20), per-step (stream_hold_firm=False, defer_observations=False, stream_hold_steps=4: the hold before lean20's
-default), defer-every (defer_every_step=True: every report queued, lean20's deferral before defer21), free16 (free_timing_batch=16: model-free
+default), free16 (free_timing_batch=16: model-free
 drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
 steps while the decision at its end keeps the plan), firm16s (firm, its span doubling up to 16),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
@@ -113,7 +113,6 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "lazy8-nobe": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True, stream_hold_steps=8,
                                           stream_hold_break_even=False),
         "per-step": dataclasses.replace(base, stream_hold_firm=False, defer_observations=False, stream_hold_steps=4),
-        "defer-every": dataclasses.replace(base, defer_every_step=True),
         "free16": dataclasses.replace(base, free_timing_batch=16),
         "lean": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16),
         "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),

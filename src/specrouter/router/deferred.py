@@ -16,17 +16,15 @@ after the first run warm. A report whose fold raises loses its evidence, logged,
 observe_step that raises in the engine does; the others fold and the planning's state is restored
 all the same.
 
-`RouterConfig.defer_every_step` (lean19-20's rule, off since defer21) queues every report, so a
-multi-row batch's speculative hold (batch.py `SpecHold`) and, with `RouterConfig.defer_plain_holds`,
-the batch planner's plain hold (`PlainHold`, `BatchPlanner.plain_holds`), which read only which
-rows run, keep theirs queued through the hold. Exact, but not shown to pay under load: session 20's
-serving bench read router / plain lower at c=4 and c=8 with it; defer21's side-by-side runs could
-not tell the rules apart (docs/router.md, defer21).
+Every other report is folded at once, after the queue (defer21). lean19-20's rule queued every
+report (a multi-row batch's speculative-hold and plain-hold steps too): exact, but not shown to
+pay under load (session 20's serving bench read router / plain lower at c=4 and c=8 with it;
+defer21's side-by-side runs could not tell the rules apart): removed (load22, issue 27).
 
 What the fold reads of the planning between is restored per report (the observed-step count,
-the batch planner's planning seconds and planned rows, each row's pending realized check), so a
-multi-row batch's deferred steps plan and learn exactly as without deferral (the plans' digest
-on a recorded trace is the same). A single stream's firm hold is released by its first pair's
+the batch planner's planning seconds, planned rows and lease, each row's pending realized
+check), so the deferred steps plan and learn exactly as without deferral (the plans' digest on a
+recorded trace is the same). A single stream's firm hold is released by its first pair's
 trials during the hold as the hold counts them (`StreamHolder.tally`), not by the request's
 folded estimate, and by its models' speed jumps as each held forward is read
 (`StreamHolder.watch`)."""
