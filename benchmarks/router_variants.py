@@ -172,16 +172,19 @@ def main() -> None:
     args = ap.parse_args()
     controls = tuple((f"{n}_penalty", v) for n in ("presence", "frequency", "repetition")
                      if (v := getattr(args, f"{n}_penalty")) is not None)
+    configs = variants(args.variants)
+    for name, *fields in args.arm:
+        if name in configs or name == "target-only" or name in args.statics:
+            raise SystemExit(f"--arm {name}: the name is taken")
+        try:
+            configs[name] = dataclasses.replace(RouterConfig(), **{k: ast.literal_eval(v) for k, v in
+                                                                   (f.split("=", 1) for f in fields)})
+        except (TypeError, ValueError, SyntaxError) as e:
+            raise SystemExit(f"--arm {name} {' '.join(fields)}: {e}") from None
     torch.set_num_threads(args.threads)
     sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
     pool = sr.pool
     profile = load_or_sweep_profile(pool, progress=False)
-    configs = variants(args.variants)
-    for name, *fields in args.arm:
-        if name in configs:
-            raise SystemExit(f"--arm {name}: the name is taken")
-        configs[name] = dataclasses.replace(RouterConfig(), **{k: ast.literal_eval(v) for k, v in
-                                                               (f.split("=", 1) for f in fields)})
     systems = {n: AdaptiveSystem(pool, n, profile=repaired_profile(pool) if n.startswith("monotone") else profile,
                                  progress=False, router_config=c)
                for n, c in configs.items()}
