@@ -52,8 +52,7 @@ sampled request's alphas and hit rates read as estimated, as before floor19), ma
 refute-global (probe_refute_global=True: a pair whose probe was refuted waits in every request's probes),
 plain-lease (plain_lease=True: a settled plain single stream's held steps run on an engine lease, unplanned),
 spec-held (outside_spec_held=True: leaving plain priced at a speculative cycle's held steps' outside seconds,
-as plain decoding is at its held steps'), lease-held (both), margin-noise (decision_margin_noise=True: the
-margin of a request's own trials' noise only), floor21 (all three), lease-held-nm (lease-held without the margin),
+as plain decoding is at its held steps'), lease-held (both), lease-held-nm (lease-held without the margin),
 pre-floor21 (plain_lease=False, outside_spec_held=False: the router before floor21's default; lease-held is the
 default since).
 
@@ -138,8 +137,6 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "plain-lease": dataclasses.replace(base, plain_lease=True),
         "spec-held": dataclasses.replace(base, outside_spec_held=True),
         "lease-held": dataclasses.replace(base, plain_lease=True, outside_spec_held=True),
-        "margin-noise": dataclasses.replace(base, decision_margin_noise=True),
-        "floor21": dataclasses.replace(base, plain_lease=True, outside_spec_held=True, decision_margin_noise=True),
         "lease-held-nm": dataclasses.replace(base, plain_lease=True, outside_spec_held=True, decision_margin_sampling=0.0),
         "pre-floor21": dataclasses.replace(base, plain_lease=False, outside_spec_held=False),
     }

@@ -16,7 +16,9 @@ minus forwards) and forward seconds per step; the plain engine's steps beside th
 
 `--arm` adds a router of its own config (the `--set` fields, then its own) beside the first,
 in the same process and rounds (each on its own pool view, the order rotating each round), so
-two configs are compared side by side, each against the same plain rounds. At temperature 0
+two configs are compared side by side, each against the same plain rounds (every system takes
+every position equally often only when --rounds is a multiple of the systems' count: a warning
+says so otherwise). At temperature 0
 every router's outputs are checked token for token against plain decoding's (a line says
 whether they are identical).
 """
@@ -199,6 +201,9 @@ def main() -> None:
           f"{n_req} requests x {args.max_new_tokens} tokens, router config {over}"
           + "".join(f"; {a[0]} {configs[a[0]]}" for a in args.arm))
     systems = [*routers, "plain"]
+    if args.rounds % len(systems):
+        print(f"warning: --rounds {args.rounds} is not a multiple of the {len(systems)} systems: "
+              "the order's rotation favours some positions (the first runs on the warmest caches)")
     for c in args.concurrency:
         tps = {name: [0, 0.0] for name in systems}
         logs = {name: [] for name in systems}

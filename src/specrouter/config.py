@@ -321,13 +321,6 @@ class RouterConfig:
     # suffix / n-gram wins on code and the mixed stream start from thin evidence)
     decision_margin_sampling: float = 0.5
     decision_margin_greedy: float = 0.0
-    # ... of the noise of the request's own evidence only (floor21): sqrt(p (1 - p) own) / n, own
-    # its own trials (n less the prior's pseudo-trials; `decision_margin`'s `prior`). A request at
-    # its prior has no chance highs of its own to select (the winner's curse needs them), and the
-    # full margin kept every new chat request at t=0.7 plain (0.30 read 0.22 with 8 pseudo-trials)
-    # where the draft pays (static draft>target k=1 +13% over target-only, AMD EPYC); plain, it
-    # gathers no own trials, so the margin never shrinks. False: the full standard error, as before
-    decision_margin_noise: bool = False
     shadow_k: int = MAX_DRAFT_LENGTH  # tokens asked of model-free drafters when shadow-scoring rows not running them
     probe_k: int = 8  # longest draft of a probe cycle
     # probe a pair with a chain it starts (router/probing.py; False: the optimistic best of
