@@ -51,10 +51,6 @@ class PlainHold:
             return []
         return [r for r in rows if r.seq_id not in self.members]
 
-    def holds(self, rows: Sequence[RowContext], n: int, now: int) -> bool:
-        """Valid, and no row joined that it was not found for (`valid`, `joined`)."""
-        return self.valid(n, now) and not self.joined(rows, n)
-
     def shadow_due(self, now: int) -> bool:
         """Shadow proposals at observed step `now` of the hold: a multi-row batch's on the last
         step of the hold only (one per span: their evidence is read when the hold ends; every
