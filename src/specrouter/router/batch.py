@@ -274,8 +274,8 @@ class BatchPlanner:
         (a speculating row slows every row: pinned, every row draft > target k=1 ran 1.00x plain
         batching at 8 rows, session 20; the best speculative option at this run's 8-row re-plans
         0.68-1.03x plain's predicted rate). Held 8-row steps' host seconds outside the executor
-        0.31-0.32 -> 0.19-0.21 ms (plan_batch 0.11-0.12 -> 0.04-0.05, shadow proposals 0.04 ->
-        0.01; plain batching's 0.10), docs/router.md load22."""
+        0.31-0.37 -> 0.19-0.25 ms in four side-by-side runs (plan_batch 0.11-0.14 -> 0.04-0.07,
+        shadow proposals 0.04-0.05 -> 0.01-0.025; plain batching's 0.10), docs/router.md load22."""
         limit = self.router.config.plain_hold_max
         spec = self.calibrations.get((n, True, sampled))
         if spec is not None and spec.failed:
