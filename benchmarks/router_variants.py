@@ -6,6 +6,10 @@ tokens). Prints tokens/s per request and summed.
     python benchmarks/router_variants.py [--temperatures 0 0.7] [--variants no-tv greedy-tv no-check tv-cap-8]
         [--workload mixed|chat|prose|code|extraction] [--prompts-per-type 3] [--max-new-tokens 64]
         [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R]
+        [--arm NAME FIELD=VALUE ... [--arm ...]]
+
+`--arm` adds a variant of its own RouterConfig fields (Python literals, as serve_engine.py's
+`--arm`), beside the named ones.
 
 Variants (RouterConfig changes against the default): no-tv (measure_tv=False), greedy-tv
 (greedy rows' D_TV fed to the estimator), no-check (realized_check=False), tv-cap-8
@@ -63,6 +67,7 @@ the pool's shipped draft and its target; k after the colon).
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 
 import torch
@@ -159,19 +164,30 @@ def main() -> None:
     ap.add_argument("--workload", default="mixed")
     ap.add_argument("--prompts-per-type", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--arm", nargs="+", action="append", default=[], metavar="NAME [FIELD=VALUE ...]",
+                    help="a variant of these RouterConfig fields (Python literals)")
     ap.add_argument("--statics", nargs="*", default=[], help="static chains beside them: draft>target:4 ...")
     for name in ("presence", "frequency", "repetition"):
         ap.add_argument(f"--{name}-penalty", type=float, default=None)
     args = ap.parse_args()
     controls = tuple((f"{n}_penalty", v) for n in ("presence", "frequency", "repetition")
                      if (v := getattr(args, f"{n}_penalty")) is not None)
+    configs = variants(args.variants)
+    for name, *fields in args.arm:
+        if name in configs or name == "target-only" or name in args.statics:
+            raise SystemExit(f"--arm {name}: the name is taken")
+        try:
+            configs[name] = dataclasses.replace(RouterConfig(), **{k: ast.literal_eval(v) for k, v in
+                                                                   (f.split("=", 1) for f in fields)})
+        except (TypeError, ValueError, SyntaxError) as e:
+            raise SystemExit(f"--arm {name} {' '.join(fields)}: {e}") from None
     torch.set_num_threads(args.threads)
     sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
     pool = sr.pool
     profile = load_or_sweep_profile(pool, progress=False)
     systems = {n: AdaptiveSystem(pool, n, profile=repaired_profile(pool) if n.startswith("monotone") else profile,
                                  progress=False, router_config=c)
-               for n, c in variants(args.variants).items()}
+               for n, c in configs.items()}
     systems["target-only"] = NativeSystem(pool, "target-only", (pool.target,), None)
     aliases = {"draft": pool.order[-2], "target": pool.target}
     for spec in args.statics:

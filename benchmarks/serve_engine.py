@@ -14,6 +14,10 @@ minus forwards) and forward seconds per step; the plain engine's steps beside th
         [--max-new-tokens 64] [--rounds 2] [--trace] [--set FIELD=VALUE ...]
         [--arm NAME FIELD=VALUE ... [--arm ...]]
 
+Per level the ratio three ways: of the summed tokens and seconds, of the rounds' medians, and
+the median of each round's own ratio (the router's round against the plain round run next to it:
+this machine's speed drifts +-10% between minutes, so a round's pair is the closest comparison).
+
 `--arm` adds a router of its own config (the `--set` fields, then its own) beside the first,
 in the same process and rounds (each on its own pool view, the order rotating each round), so
 two configs are compared side by side, each against the same plain rounds (every system takes
@@ -236,7 +240,9 @@ def main() -> None:
         for name in routers:
             print(f"c={c} t={args.temperature}: {name} {rate[name]:.1f} tok/s, plain {rate['plain']:.1f} tok/s, "
                   f"ratio {rate[name] / rate['plain']:.3f}; of the rounds' medians "
-                  f"{statistics.median(per_round[name]) / statistics.median(per_round['plain']):.3f}"
+                  f"{statistics.median(per_round[name]) / statistics.median(per_round['plain']):.3f}; "
+                  f"median of the rounds' own ratios "
+                  f"{statistics.median(a / b for a, b in zip(per_round[name], per_round['plain'])):.3f}"
                   f"  (load {os.getloadavg()[0]:.2f})", flush=True)
         if args.temperature == 0.0:
             plain_out = {i: outs[0] for i, outs in outputs["plain"].items()}

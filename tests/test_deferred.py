@@ -19,17 +19,31 @@ def scripted(defer: bool, spec_hold_steps: int, steps: int = 400, seed: int = 1)
     step's plans as planned, and the router."""
     router = build_router()
     router.config = dataclasses.replace(router.config, defer_observations=defer, spec_hold_steps=spec_hold_steps)
+    router.realized_log = []  # each finished request's realized check, as finish_request saw it (`state`)
+    finish = router.finish_request
+
+    def finished(seq_id):
+        router.deferral.fold()  # what finish_request does first
+        req = router.requests.get(seq_id)
+        if req is not None:
+            router.realized_log.append((seq_id, tuple(sorted((c, tuple(v)) for c, v in req.realized.items())),
+                                        tuple(sorted(req.corrections.items()))))
+        finish(seq_id)
+    router.finish_request = finished
     return scripted_run(steps, seed, router), router
 
 
 def state(router) -> tuple:
     """What the router learned: global alphas and hit rate, the profile's version and speeds,
-    the steps observed, the batch calibration, the overheads."""
+    the steps observed, the batch calibration, the overheads, and each request's realized check
+    (the finished ones' as they finished: `scripted`)."""
     sim = router.similarity
     return (tuple(sim.alpha(p, GREEDY) for p in router.pairs), sim.hit_rate("ngram"), router.profile.version,
             tuple(router.profile.speed(m) for m in router.order if m in router.profile), router.observed_steps,
             tuple(sorted((k, c.weight, c.realised_seconds) for k, c in router.planner.calibrations.items())),
-            tuple(sorted(router.overhead.items())))
+            tuple(sorted(router.overhead.items())), tuple(getattr(router, "realized_log", ())),
+            tuple(sorted((s, tuple(sorted((c, tuple(v)) for c, v in r.realized.items())))
+                         for s, r in router.requests.items())))
 
 
 @pytest.mark.parametrize("span", [2, 4])
@@ -48,7 +62,7 @@ def test_deferred_observations_plan_a_batch_as_observed_step_by_step(span):
     assert 20 <= on.deferral.folded < on.observed_steps, (on.deferral.folded, on.observed_steps)
     assert on.deferral.folds <= on.deferral.folded - 10, (on.deferral.folds, on.deferral.folded)
     held = sum(1 for _, h, _, _ in on_log if h)
-    assert held > 20, held  # the run has speculative holds to defer through
+    assert held > 20, held  # the run has holds (speculative and plain)
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -165,6 +179,36 @@ def test_the_comparison_sees_a_fold_out_of_order(monkeypatch):
     on.deferral.fold()
     assert state(on) != state(off)
     assert repr(on_log) != repr(off_log)
+
+
+def test_a_firm_hold_on_a_lookup_chain_learns_its_realized_check_as_without(monkeypatch):
+    """review22 D2: with the draft model made slow (50 ms a forward), single streams run the
+    n-gram chain, whose realized check (`Router._observe_realized`) each firm-hold step feeds
+    through the fold's restored pending plan: the scripted run (seed 1) ends with the same
+    realized sums and corrections, every request's, as without deferral, and some finished
+    request has them. Negative control: a fold that forgets the queued steps' pending plans
+    ends knowing something else."""
+    import test_planner_memo
+
+    from specrouter.router.deferred import Deferral
+
+    monkeypatch.setitem(test_planner_memo.COSTS, "d1", lambda b, t, L: 0.05 + 0.001 * b * t)
+    _, off = scripted(False, 4)
+    _, on = scripted(True, 4)
+    on.deferral.fold()
+    assert state(on) == state(off)
+    assert on.deferral.folded >= 20 and any(sums for _, sums, _ in off.realized_log), off.realized_log
+
+    fold = Deferral.fold
+
+    def forgetful(self):
+        for item in self.queue:
+            item.pending = dict.fromkeys(item.pending)
+        fold(self)
+    monkeypatch.setattr(Deferral, "fold", forgetful)
+    _, forgot = scripted(True, 4)
+    forgot.deferral.fold()
+    assert state(forgot) != state(off)
 
 
 def test_a_report_whose_fold_raises_loses_its_evidence_only(monkeypatch, caplog):

@@ -51,10 +51,6 @@ class PlainHold:
             return []
         return [r for r in rows if r.seq_id not in self.members]
 
-    def holds(self, rows: Sequence[RowContext], n: int, now: int) -> bool:
-        """Valid, and no row joined that it was not found for (`valid`, `joined`)."""
-        return self.valid(n, now) and not self.joined(rows, n)
-
     def shadow_due(self, now: int) -> bool:
         """Shadow proposals at observed step `now` of the hold: a multi-row batch's on the last
         step of the hold only (one per span: their evidence is read when the hold ends; every
@@ -66,6 +62,8 @@ class PlainHold:
 
 
 JOINS_KEEP_HOLD = 8  # from this many rows on, rows joining a held batch do not end its hold
+# ... and its plain hold's longest span is this many times plain_hold_max (`BatchPlanner.hold_limit`)
+LARGE_BATCH_HOLD = 2
 
 
 @dataclass(frozen=True)
@@ -268,10 +266,21 @@ class BatchPlanner:
         gain grew past it: a 2-row greedy batch on a Zen 1 (avx2 kernels) was re-planned every
         16 steps, 32 times in 512 steps, each 6-10 ms of decide() for plain every time
         (in-process, the serving bench's stream), ~1.3% of its time. A row joining the hold is still
-        weighed at once (`_joiners`), and a row leaving still ends it (`hold_floor`)."""
+        weighed at once (`_joiners`), and a row leaving still ends it (`hold_floor`).
+
+        From JOINS_KEEP_HOLD rows on, LARGE_BATCH_HOLD times plain_hold_max (load22): there the
+        hold's end is the only re-check (joins keep it), a re-plan decides every row (~1.4-2.2 ms
+        of decide() at 8 rows, AMD EPYC Zen 5, serve_engine --trace), and speculation gains least
+        (a speculating row slows every row: pinned, every row draft > target k=1 ran 1.00x plain
+        batching at 8 rows, session 20; the best speculative option at this run's 8-row re-plans
+        0.68-1.03x plain's predicted rate). Held 8-row steps' host seconds outside the executor
+        0.31-0.37 -> 0.19-0.25 ms in four side-by-side runs (plan_batch 0.11-0.14 -> 0.04-0.07,
+        shadow proposals 0.04-0.05 -> 0.01-0.025; plain batching's 0.10), docs/router.md load22."""
         limit = self.router.config.plain_hold_max
         spec = self.calibrations.get((n, True, sampled))
-        return limit * self.STANDING_HOLD if spec is not None and spec.failed else limit
+        if spec is not None and spec.failed:
+            return limit * self.STANDING_HOLD
+        return limit * LARGE_BATCH_HOLD if n >= JOINS_KEEP_HOLD else limit
 
     def _lease(self, now: int, steps: int) -> int:
         """`BatchPlan.steps` of a held multi-row batch planned at observed step `now`: its plain
