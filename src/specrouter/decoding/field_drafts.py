@@ -23,7 +23,7 @@ certain candidates (decoding/certain_drafts.py) and asks again after them, so on
 several fields (`", "city": "London", "occupation": "` holds 3 drafted tokens). A field draft is
 verified like any candidate (exact: the target's tokens are committed, whatever is proposed);
 what it changes is how much a cycle commits. The executor offers it in place of a model-free
-drafter's proposal when longer (`ChainExecutor.field_drafts`).
+drafter's proposal where they differ (`certain_drafts.preferred`; `ChainExecutor.field_drafts`).
 """
 
 from __future__ import annotations
