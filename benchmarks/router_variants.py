@@ -6,6 +6,10 @@ tokens). Prints tokens/s per request and summed.
     python benchmarks/router_variants.py [--temperatures 0 0.7] [--variants no-tv greedy-tv no-check tv-cap-8]
         [--workload mixed|chat|prose|code|extraction] [--prompts-per-type 3] [--max-new-tokens 64]
         [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R]
+        [--arm NAME FIELD=VALUE ... [--arm ...]]
+
+`--arm` adds a variant of its own RouterConfig fields (Python literals, as serve_engine.py's
+`--arm`), beside the named ones.
 
 Variants (RouterConfig changes against the default): no-tv (measure_tv=False), greedy-tv
 (greedy rows' D_TV fed to the estimator), no-check (realized_check=False), tv-cap-8
@@ -35,7 +39,7 @@ since lean20, with lazy8's fields: "per-step" measures the router before), no-fi
 (stream_hold_firm=False: the stream hold as before), firm8 (the same, 8 steps), lazy (firm, observations deferred while held: router/deferred.py), lazy8 (the
 same, 8 steps), lazy8-nobe (lazy8 released by decision_tolerance only, not its plan's break-even: before
 lean20), per-step (stream_hold_firm=False, defer_observations=False, stream_hold_steps=4: the hold before lean20's
-default), defer-every (defer_every_step=True: every report queued, lean20's deferral before defer21), free16 (free_timing_batch=16: model-free
+default), free16 (free_timing_batch=16: model-free
 drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
 steps while the decision at its end keeps the plan), firm16s (firm, its span doubling up to 16),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
@@ -52,8 +56,7 @@ sampled request's alphas and hit rates read as estimated, as before floor19), ma
 refute-global (probe_refute_global=True: a pair whose probe was refuted waits in every request's probes),
 plain-lease (plain_lease=True: a settled plain single stream's held steps run on an engine lease, unplanned),
 spec-held (outside_spec_held=True: leaving plain priced at a speculative cycle's held steps' outside seconds,
-as plain decoding is at its held steps'), lease-held (both), margin-noise (decision_margin_noise=True: the
-margin of a request's own trials' noise only), floor21 (all three), lease-held-nm (lease-held without the margin),
+as plain decoding is at its held steps'), lease-held (both), lease-held-nm (lease-held without the margin),
 pre-floor21 (plain_lease=False, outside_spec_held=False: the router before floor21's default; lease-held is the
 default since).
 
@@ -64,6 +67,7 @@ the pool's shipped draft and its target; k after the colon).
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 
 import torch
@@ -109,7 +113,6 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "lazy8-nobe": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True, stream_hold_steps=8,
                                           stream_hold_break_even=False),
         "per-step": dataclasses.replace(base, stream_hold_firm=False, defer_observations=False, stream_hold_steps=4),
-        "defer-every": dataclasses.replace(base, defer_every_step=True),
         "free16": dataclasses.replace(base, free_timing_batch=16),
         "lean": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16),
         "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),
@@ -139,8 +142,6 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "plain-lease": dataclasses.replace(base, plain_lease=True),
         "spec-held": dataclasses.replace(base, outside_spec_held=True),
         "lease-held": dataclasses.replace(base, plain_lease=True, outside_spec_held=True),
-        "margin-noise": dataclasses.replace(base, decision_margin_noise=True),
-        "floor21": dataclasses.replace(base, plain_lease=True, outside_spec_held=True, decision_margin_noise=True),
         "lease-held-nm": dataclasses.replace(base, plain_lease=True, outside_spec_held=True, decision_margin_sampling=0.0),
         "pre-floor21": dataclasses.replace(base, plain_lease=False, outside_spec_held=False),
     }
@@ -163,19 +164,30 @@ def main() -> None:
     ap.add_argument("--workload", default="mixed")
     ap.add_argument("--prompts-per-type", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--arm", nargs="+", action="append", default=[], metavar="NAME [FIELD=VALUE ...]",
+                    help="a variant of these RouterConfig fields (Python literals)")
     ap.add_argument("--statics", nargs="*", default=[], help="static chains beside them: draft>target:4 ...")
     for name in ("presence", "frequency", "repetition"):
         ap.add_argument(f"--{name}-penalty", type=float, default=None)
     args = ap.parse_args()
     controls = tuple((f"{n}_penalty", v) for n in ("presence", "frequency", "repetition")
                      if (v := getattr(args, f"{n}_penalty")) is not None)
+    configs = variants(args.variants)
+    for name, *fields in args.arm:
+        if name in configs or name == "target-only" or name in args.statics:
+            raise SystemExit(f"--arm {name}: the name is taken")
+        try:
+            configs[name] = dataclasses.replace(RouterConfig(), **{k: ast.literal_eval(v) for k, v in
+                                                                   (f.split("=", 1) for f in fields)})
+        except (TypeError, ValueError, SyntaxError) as e:
+            raise SystemExit(f"--arm {name} {' '.join(fields)}: {e}") from None
     torch.set_num_threads(args.threads)
     sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
     pool = sr.pool
     profile = load_or_sweep_profile(pool, progress=False)
     systems = {n: AdaptiveSystem(pool, n, profile=repaired_profile(pool) if n.startswith("monotone") else profile,
                                  progress=False, router_config=c)
-               for n, c in variants(args.variants).items()}
+               for n, c in configs.items()}
     systems["target-only"] = NativeSystem(pool, "target-only", (pool.target,), None)
     aliases = {"draft": pool.order[-2], "target": pool.target}
     for spec in args.statics:

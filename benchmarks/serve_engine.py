@@ -14,9 +14,15 @@ minus forwards) and forward seconds per step; the plain engine's steps beside th
         [--max-new-tokens 64] [--rounds 2] [--trace] [--set FIELD=VALUE ...]
         [--arm NAME FIELD=VALUE ... [--arm ...]]
 
+Per level the ratio three ways: of the summed tokens and seconds, of the rounds' medians, and
+the median of each round's own ratio (the router's round against the plain round run next to it:
+this machine's speed drifts +-10% between minutes, so a round's pair is the closest comparison).
+
 `--arm` adds a router of its own config (the `--set` fields, then its own) beside the first,
 in the same process and rounds (each on its own pool view, the order rotating each round), so
-two configs are compared side by side, each against the same plain rounds. At temperature 0
+two configs are compared side by side, each against the same plain rounds (every system takes
+every position equally often only when --rounds is a multiple of the systems' count: a warning
+says so otherwise). At temperature 0
 every router's outputs are checked token for token against plain decoding's (a line says
 whether they are identical).
 """
@@ -199,6 +205,9 @@ def main() -> None:
           f"{n_req} requests x {args.max_new_tokens} tokens, router config {over}"
           + "".join(f"; {a[0]} {configs[a[0]]}" for a in args.arm))
     systems = [*routers, "plain"]
+    if args.rounds % len(systems):
+        print(f"warning: --rounds {args.rounds} is not a multiple of the {len(systems)} systems: "
+              "the order's rotation favours some positions (the first runs on the warmest caches)")
     for c in args.concurrency:
         tps = {name: [0, 0.0] for name in systems}
         logs = {name: [] for name in systems}
@@ -231,7 +240,9 @@ def main() -> None:
         for name in routers:
             print(f"c={c} t={args.temperature}: {name} {rate[name]:.1f} tok/s, plain {rate['plain']:.1f} tok/s, "
                   f"ratio {rate[name] / rate['plain']:.3f}; of the rounds' medians "
-                  f"{statistics.median(per_round[name]) / statistics.median(per_round['plain']):.3f}"
+                  f"{statistics.median(per_round[name]) / statistics.median(per_round['plain']):.3f}; "
+                  f"median of the rounds' own ratios "
+                  f"{statistics.median(a / b for a, b in zip(per_round[name], per_round['plain'])):.3f}"
                   f"  (load {os.getloadavg()[0]:.2f})", flush=True)
         if args.temperature == 0.0:
             plain_out = {i: outs[0] for i, outs in outputs["plain"].items()}

@@ -82,31 +82,3 @@ def test_margins_are_checked():
 def test_the_default_takes_half_a_standard_error_off_sampled_requests_only():
     cfg = RouterConfig()
     assert cfg.decision_margin_sampling == 0.5 and cfg.decision_margin_greedy == 0.0
-
-
-def test_the_noise_margin_is_the_own_trials_share_of_the_standard_error():
-    """`decision_margin(..., prior)` (RouterConfig.decision_margin_noise, floor21): the standard
-    error of the own trials' noise in the shrunk estimate, sqrt(p (1 - p) own) / n: none at the
-    prior, the full margin's as own trials dominate, never more than it."""
-    assert decision_margin(0.3, 8, 1.0, prior=8) == 0.3  # at the prior: nothing of its own to select
-    assert decision_margin(0.3, 16, 1.0, prior=8) == pytest.approx(0.3 - math.sqrt(0.21 * 8) / 16)
-    for n in (9, 16, 80, 800):
-        assert decision_margin(0.3, n, 1.0, prior=8) >= decision_margin(0.3, n, 1.0)
-    assert decision_margin(0.3, 8000, 1.0, prior=8) == pytest.approx(decision_margin(0.3, 8000, 1.0), abs=1e-5)
-
-
-def test_a_new_request_at_its_prior_speculates_under_the_noise_margin():
-    """Near the draft's break-even (a new sampled request at its prior: chat at t=0.7, where the
-    full margin kept every new request plain and, plain, it never gathered the trials that
-    shrink it) the noise margin decides as the router without a margin does; a request whose own
-    trials read the same alpha keeps most of the margin. Negative control: the full margin
-    decodes plainly at the prior."""
-    base = RouterConfig(probe_fraction=0.0, decision_margin_sampling=0.0)
-    alphas = [i / 100 for i in range(5, 96)]
-    edge = next(a for a in alphas if _speculates(make_router(["d1", "T"], config=base), 1, a, 0))
-    a = edge + 0.04
-    noise = dataclasses.replace(base, decision_margin_sampling=1.0, decision_margin_noise=True)
-    assert _speculates(make_router(["d1", "T"], config=noise), 1, a, 0)
-    assert not _speculates(make_router(["d1", "T"], config=noise), 1, a, 24)  # its own trials: a margin
-    full = dataclasses.replace(noise, decision_margin_noise=False)
-    assert not _speculates(make_router(["d1", "T"], config=full), 1, a, 0)

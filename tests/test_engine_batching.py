@@ -271,6 +271,44 @@ def test_plain_hold_skips_replanning_until_rows_change():
     assert no_hold.planner.held_decisions == 0 and no_hold.planner.hold is None
 
 
+@pytest.mark.parametrize("large", [2, 1])
+def test_a_large_batchs_plain_hold_grows_past_plain_hold_max(monkeypatch, large):
+    """load22: from JOINS_KEEP_HOLD rows on, a batch held plain re-plans at spans 2, 4, ...
+    up to LARGE_BATCH_HOLD x plain_hold_max steps (32: its re-plan decides every row, and joins
+    do not end it): over 160 steps 9 re-plans, where a 4-row batch's holds stay capped at
+    plain_hold_max (13). Negative control: LARGE_BATCH_HOLD = 1 caps both at plain_hold_max."""
+    from specrouter.router.batch import JOINS_KEEP_HOLD
+
+    monkeypatch.setattr(batch_module, "LARGE_BATCH_HOLD", large)
+
+    def target(b, t, L):  # plain batching wins at 4 and 8 rows: every candidate token costs a row's step
+        return 0.040 if b == 1 else 0.040 + 0.010 * (t - 1) * b
+
+    def spans(n, steps=160):
+        router = scripted_router(target)
+        decides = Counter()
+        inner = router.decide
+        router.decide = lambda row: (decides.update([row.seq_id]), inner(row))[1]
+        seen = []
+        while router.observed_steps < steps:
+            plan = router.plan_batch(rows_of(n))
+            assert all(d.k == 0 for d in plan.decisions) and plan.held
+            hold = router.planner.hold
+            seen.append(hold.span)
+            router.observed_steps = hold.until  # the hold's steps run (leased), then it ends
+        return seen, sum(decides.values()) // n
+
+    cap = RouterConfig().plain_hold_max
+    big, big_plans = spans(JOINS_KEEP_HOLD)
+    small, small_plans = spans(JOINS_KEEP_HOLD // 2)
+    assert max(small) == cap and small_plans == len(small)
+    assert max(big) == large * cap and big_plans == len(big)
+    if large > 1:
+        assert big_plans < small_plans, (big, small)
+    else:
+        assert big == small
+
+
 def test_plain_hold_of_a_small_batch_weighs_a_joining_row_alone():
     """Below JOINS_KEEP_HOLD rows, a request replacing a finished one (the batch size unchanged:
     a server under steady load) is decided on its own: one that would decode plainly joins the

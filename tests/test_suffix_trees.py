@@ -183,17 +183,29 @@ def test_suffix_trees_fed_as_chains_break_the_output(pool, monkeypatch):
     assert _gen(sr, prompts, chain=["suffix", "target"], k=4) != plain
 
 
-def test_the_router_prunes_suffix_trees_and_stays_exact(pool):
-    """With the router on (its TreePolicy prunes each proposal by the measured T(n)), a single
-    stream on a suffix chain generates plain decoding's tokens."""
+def test_the_router_prunes_suffix_trees_and_stays_exact(pool, monkeypatch):
+    """With the router on (its TreePolicy prunes each proposal by a scripted, rising T(n)), a
+    single stream on a suffix chain generates plain decoding's tokens, and some of the trees it
+    verifies are proposals cut short (a best-first prefix: parents before children). With a
+    flat T(n) the policy verifies whole proposals or chains only, and the last assert fails."""
     prompts = repeating_prompts(PROMPT_LENS[:2])
     sr = named_router(pool, ("target",), "float32", ngram=False, suffix=True, trees=True)
     plain = _gen(sr, prompts, chain=["target"])
     sr.pool.drafters["suffix"].clear()
     _teach_wrong_turns(sr.pool.drafters["suffix"], prompts, plain)
-    assert sr.engine.tree_policy is not None and "suffix" in sr.engine.tree_policy.free
+    policy = sr.engine.tree_policy
+    assert policy is not None and "suffix" in policy.free
+    # the choice must not hang on this machine's timings (under a loaded CPU the measured T(n)
+    # once grew so fast that no tree paid): T(n) = 1 + 0.1 n seconds, so the host seconds weigh
+    # nothing and a node is worth verifying only where its confidence buys its 0.1 s
+    policy.target_cost = lambda n, context: 1.0 + 0.1 * n
+    policy._costs.clear()
+    pruned: list[tuple[int, int]] = []  # (nodes verified, nodes proposed)
+    prune = policy.prune
+    monkeypatch.setattr(policy, "prune", lambda row, proposal: pruned.append((n := prune(row, proposal), len(proposal))) or n)
     for p, o in zip(prompts, plain):
         assert _gen(sr, [p]) == [o]
-    assert sr.engine.tree_policy.chosen, "the policy must have verified some suffix trees"
+    assert policy.chosen, "the policy must have verified some suffix trees"
+    assert any(0 < n < total for n, total in pruned), f"no tree was cut short: {pruned}"
     # trees are off by default: no tree policy
     assert named_router(pool, ("target",), "float32", ngram=False, suffix=True).engine.tree_policy is None

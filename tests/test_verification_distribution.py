@@ -18,7 +18,7 @@ candidate's token instead of its own, fail the same check.
 Power: under the null (an exact sampler) the empirical two-token joint of R rows (36 cells) has
 E[TV] ~ 0.5 * sum_i sqrt(2 p_i (1 - p_i) / (pi R)) <= 0.5 * 6 * sqrt(2 / (pi R)) = 0.0054 at
 R = 200k; for these tables 0.0022-0.0032, standard deviation 0.0007 (400 exact multinomial
-draws of R rows per table: largest 0.0061), so the 0.01 line is >= 10 sd above the null's mean.
+draws of R rows per table: largest 0.0061), so the 0.01 line is >= 9 sd above the null's mean.
 The controls measure TV 0.40-0.78 (first token 0.40 / 0.61 at 2 / 3 levels), 20x their 0.02 line
 and more.
 

@@ -321,13 +321,6 @@ class RouterConfig:
     # suffix / n-gram wins on code and the mixed stream start from thin evidence)
     decision_margin_sampling: float = 0.5
     decision_margin_greedy: float = 0.0
-    # ... of the noise of the request's own evidence only (floor21): sqrt(p (1 - p) own) / n, own
-    # its own trials (n less the prior's pseudo-trials; `decision_margin`'s `prior`). A request at
-    # its prior has no chance highs of its own to select (the winner's curse needs them), and the
-    # full margin kept every new chat request at t=0.7 plain (0.30 read 0.22 with 8 pseudo-trials)
-    # where the draft pays (static draft>target k=1 +13% over target-only, AMD EPYC); plain, it
-    # gathers no own trials, so the margin never shrinks. False: the full standard error, as before
-    decision_margin_noise: bool = False
     shadow_k: int = MAX_DRAFT_LENGTH  # tokens asked of model-free drafters when shadow-scoring rows not running them
     probe_k: int = 8  # longest draft of a probe cycle
     # probe a pair with a chain it starts (router/probing.py; False: the optimistic best of
@@ -442,18 +435,10 @@ class RouterConfig:
     # firm hold queues its report, folded in order where the evidence is next read (the decision
     # at the hold's end, a confident draft, a finished request, a step not of the hold); the hold
     # is then released by its first pair's trials as it counts them (StreamHolder.tally) and its
-    # models' forwards (StreamHolder.watch), not by the request's folded estimate. On since lean20
+    # models' forwards (StreamHolder.watch), not by the request's folded estimate; every other
+    # report is folded at once (defer21; queuing every report, lean19-20's rule, did not pay
+    # under load and was removed, load22). On since lean20
     defer_observations: bool = True
-    # ... every step's report queued, not only a firm hold's (lean19-20, defer21: off): a
-    # multi-row batch's speculative-hold steps stay queued through the hold (and with
-    # defer_plain_holds its plain-hold steps), every other report until the next plan_batch.
-    # Exact, but under load not shown to pay (serve_engine c=4/8, docs/router.md defer21)
-    defer_every_step: bool = False
-    # ... and (with defer_every_step) through the batch planner's plain hold
-    # (BatchPlanner.plain_holds, lean20): exact (replay digests unchanged), but not shown cheaper
-    # end to end (chat t=0.7, one run: a plain step's router seconds 0.47 either way, the folds
-    # moved into plan_batch): off
-    defer_plain_holds: bool = False
     # a settled plain single stream's hold on an engine lease (floor21, router/batch.py
     # `BatchPlanner.plan`, `BatchPlan.steps`), as a multi-row batch's is: the engine runs its
     # held steps without planning them (no row context, no plan_batch) and reports them when the
@@ -488,28 +473,6 @@ class RouterConfig:
     batch_calibration_discount: float = 0.9
     batch_calibration_prior: float = 1.0
     batch_calibration_forget: float = 0.98
-    # ... a speculative try that lost is found failed (its correction standing, plain holds
-    # STANDING_HOLD times longer) only once the tries that lost in a row ran at least this many
-    # steps; a shorter loss's evidence ages as any other (defer21; 0: any try, as before: a
-    # 2-step shortfall at 4 rows stood for the run)
-    batch_failed_min_steps: int = 0
-    # ... a try lost when its realised rate fell below plain batching's for the same rows (their
-    # predicted plain rate scaled by what plain steps realised), not when it fell short of its own
-    # prediction by the plain margin (StepCalibration.lost, defer21; False: as before)
-    batch_failed_against_plain: bool = False
-    # joint options of a multi-row batch (router/batch.py `plan_afresh`, defer21): every row on
-    # one model draft > target at each of these k (a shared draft: one batched draft forward for
-    # every row, where each row decided alone mostly picks a model-free chain); the draft's
-    # catch-up priced over the cycles the rows have left, at most plain_hold_max. (): none
-    batch_shared_ks: tuple[int, ...] = ()
-    # ... weighed in batches of at least this many rows (defer21: at c=2 the shared draft read
-    # below the default in four side-by-side runs of four, at c=4 above it in four of four)
-    batch_shared_min_rows: int = 2
-    # ... the batch calibration's realised seconds count the whole step's host seconds outside
-    # the executor (OutsideClock, measured from one plan_batch to the next: its observation,
-    # shadow proposals, confident offers, the engine's bookkeeping), not only its planning
-    # (BatchPlanner.host_seconds, defer21; False: the executor's wall and the planning)
-    batch_calibration_host: bool = False
     # the realized check (router/policy.py, step 1b): in a one-row step, each chain drafted by a
     # model-free drafter that a request ran has its predicted seconds per token scaled by what
     # it realized there (every chain's sums decayed by this per cycle of the request, shrunk
@@ -569,12 +532,6 @@ class RouterConfig:
             raise ValueError("request_history, request_min_finished and shadow_k must be >= 1")
         if not 0.0 < self.overhead_alpha <= 1.0 or self.context_bucket < 1 or self.log_size < 1:
             raise ValueError("overhead_alpha must be in (0, 1], context_bucket and log_size >= 1")
-        if any(not isinstance(k, int) or not 1 <= k <= self.k_max for k in self.batch_shared_ks):
-            raise ValueError(f"batch_shared_ks must be draft lengths in 1..k_max, got {self.batch_shared_ks!r}")
-        if self.batch_shared_min_rows < 2:
-            raise ValueError(f"batch_shared_min_rows must be >= 2, got {self.batch_shared_min_rows!r}")
-        if self.batch_failed_min_steps < 0:
-            raise ValueError(f"batch_failed_min_steps must be >= 0, got {self.batch_failed_min_steps!r}")
         if min(self.decision_tolerance, self.decision_hit_tolerance, self.decision_time_tolerance) < 0 \
                 or self.decision_refresh < 1 or self.plain_hold_max < 0 or self.batch_plain_margin < 0 \
                 or self.spec_hold_steps < 1 or self.stream_hold_steps < 1 or self.free_timing_batch < 1 \

@@ -28,6 +28,7 @@ there is the forced token, so it is accepted); what it changes is how much a cyc
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left
 from dataclasses import dataclass
 
@@ -56,8 +57,8 @@ def extend(w) -> int:
 
 def propose_after_forced(drafter, w, fields: bool = False) -> None:
     """A model-free draft (`w.cand`) followed by the tokens its grammar forces, and the drafter
-    asked again after them for what remains of k, FREE_ROUNDS times at most; with `fields`, a
-    longer field draft replaces each answer (decoding/field_drafts.py) and the rounds go on
+    asked again after them for what remains of k, FREE_ROUNDS times at most; with `fields`, the
+    field draft replaces each answer where they differ (`preferred`) and the rounds go on
     while field drafts come (FIELD_ROUNDS at most: one draft spans several fields)."""
     sized = drafter.sized_by_confidence and w.min_confidence
     rounds = FIELD_ROUNDS if fields and w.seq.grammar.fields is not None else FREE_ROUNDS
@@ -81,18 +82,62 @@ def propose_after_forced(drafter, w, fields: bool = False) -> None:
 
 def take_field_draft(w, at: int = 0) -> None:
     """Replace the model-free candidates after position `at` of `w.cand` (the drafter's
-    proposal there) by the row's field draft from that position when it is longer (the same
-    budget: what remains of k own tokens, up to the row's cap)."""
-    fields = w.seq.grammar.fields
-    if fields is None:
+    proposal there) by the row's field draft from that position (the same budget: what remains
+    of k own tokens, up to the row's cap) unless the proposal extends it (`preferred`)."""
+    g = w.seq.grammar
+    if g.fields is None:
         return
     budget = min(w.k - own_count(w, at), w.cap - at)
-    if budget <= len(w.cand) - at:
+    if budget <= 0:
         return
-    draft = fields.propose(w.seq.grammar, w.seq.output_ids, w.cand[:at], budget)
-    if len(draft) > len(w.cand) - at:
+    own = w.cand[at:]
+    chosen = preferred(g, w.seq.output_ids, w.cand[:at], own, budget)
+    if chosen is not own:
         del w.cand[at:]
-        w.cand.extend(draft)
+        w.cand.extend(chosen)
+
+
+def preferred(grammar, generated: list[int], path: list[int], own: list[int], budget: int) -> list[int]:
+    """A model-free drafter's proposal `own` after `generated` + `path` (cut where the grammar
+    refuses it) checked against the row's field drafts (up to `budget` tokens): walking along
+    `own`, a field draft where one comes (and the tokens the grammar forces after it), else the
+    drafter's tokens up to the next place a value may start; at the first field draft `own`
+    differs from, the field draft replaces the rest of `own` (returned: `own[:at] + draft`);
+    `own` itself where it agrees with every field draft on its path (or has none), or the field
+    draft where `own` stops inside it. Where they differ, the field draft is the better bet: it
+    is built for this place in the output from the grammar and the prompt, where a drafter
+    copies a continuation of the context (an earlier record's values, the last item's quantity:
+    docs/structured-output.md "Field drafts (session 22)")."""
+    fields = grammar.fields
+    piece, at = fields.propose(grammar, generated, path, budget), 0
+    for _ in range(FIELD_ROUNDS):
+        if piece:
+            n = next((i for i, (a, b) in enumerate(zip(own[at:], piece)) if a != b), min(len(piece), len(own) - at))
+            if n < len(piece):  # they differ, or `own` stops inside the field draft
+                return own[:at] + piece
+            at += len(piece)
+            if at < len(own):  # (own holds the tokens forced after the piece: it is a grammar path)
+                at += len(grammar.forced_tokens(generated, len(own) - at, path + own[:at]))
+        else:  # no field draft here: the drafter's tokens stand up to the next value's start
+            at = _next_value_start(fields.decode, own, at)
+        if at >= len(own):
+            return own
+        piece = fields.propose(grammar, generated, path + own[:at], budget - at)
+    return own
+
+
+VALUE_START = re.compile(r'[:\[,]\s*"?$')  # text after which a value may start
+
+
+def _next_value_start(decode, tokens: list[int], at: int) -> int:
+    """The first position after `at` where the text of `tokens[at:]` so far ends where a JSON
+    value may start (after `:`, `[` or `,` and an opening quote); len(tokens) where none."""
+    text = ""
+    for i in range(at, len(tokens)):
+        text += decode([tokens[i]])
+        if VALUE_START.search(text):
+            return i + 1
+    return len(tokens)
 
 
 def own_count(w, n: int) -> int:

@@ -21,6 +21,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from specrouter.config import MAX_DRAFT_LENGTH
 from specrouter.drafters.base import DrafterProtocol, as_int64
+from specrouter.decoding.certain_drafts import preferred
 from specrouter.records.routing import Plan, RowOutcome, ShadowProposal
 from specrouter.state.sequence import Sequence as Row
 
@@ -61,9 +62,9 @@ def shadow_proposals(rows: Sequence[Row], plans: Sequence[Plan], drafters: Mappi
     """drafter -> row index -> what it proposes (asked for k tokens) for the rows not running it.
     With `fields` (the executor's field drafts on), a constrained row's proposal is what the
     executor would draft first: the drafter's, cut where the grammar refuses it, or the row's
-    field draft when longer (decoding/field_drafts.py; up to the first grammar-forced token)."""
+    field draft unless the drafter's extends it (decoding/certain_drafts.py `preferred`; up to
+    the first grammar-forced token)."""
     out = {}
-    field = {}  # row index -> its field draft (one per row, whichever drafter)
     for name, drafter in drafters.items():
         idx = [b for b, (chain, _) in enumerate(plans) if chain[0] != name]
         if not idx:
@@ -78,9 +79,7 @@ def shadow_proposals(rows: Sequence[Row], plans: Sequence[Plan], drafters: Mappi
                 continue
             own = out[name][b]
             own = own[: g.valid_prefix(rows[b].output_ids, own)]
-            if b not in field:
-                field[b] = g.fields.propose(g, rows[b].output_ids, [], k)
-            out[name][b] = field[b] if len(field[b]) > len(own) else own
+            out[name][b] = preferred(g, rows[b].output_ids, [], own, k)
     return out
 
 

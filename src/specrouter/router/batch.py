@@ -51,10 +51,6 @@ class PlainHold:
             return []
         return [r for r in rows if r.seq_id not in self.members]
 
-    def holds(self, rows: Sequence[RowContext], n: int, now: int) -> bool:
-        """Valid, and no row joined that it was not found for (`valid`, `joined`)."""
-        return self.valid(n, now) and not self.joined(rows, n)
-
     def shadow_due(self, now: int) -> bool:
         """Shadow proposals at observed step `now` of the hold: a multi-row batch's on the last
         step of the hold only (one per span: their evidence is read when the hold ends; every
@@ -66,6 +62,8 @@ class PlainHold:
 
 
 JOINS_KEEP_HOLD = 8  # from this many rows on, rows joining a held batch do not end its hold
+# ... and its plain hold's longest span is this many times plain_hold_max (`BatchPlanner.hold_limit`)
+LARGE_BATCH_HOLD = 2
 
 
 @dataclass(frozen=True)
@@ -106,21 +104,13 @@ class StepCalibration:
     # relative to plain steps of the same minutes, which `BatchPlanner.calibration` applies to
     # the plain factor of the moment (None: not failed)
     relative: float | None = None
-    # speculative steps: plain batching's predicted tokens and seconds for the same rows, over the
-    # same discounted steps (`BatchPlanner.observe`; `RouterConfig.batch_failed_against_plain`)
-    plain_tokens: float = 0.0
-    plain_seconds: float = 0.0
-    try_steps: int = 0  # steps of the current (or last) try of this kind
-    lost_steps: int = 0  # steps of the tries in a row that lost by the plain margin (`BatchPlanner.observe`)
 
     def add(self, realised_tokens: float, realised_seconds: float, predicted_tokens: float,
-            predicted_seconds: float, discount: float, plain_tokens: float = 0.0, plain_seconds: float = 0.0) -> None:
+            predicted_seconds: float, discount: float) -> None:
         self.realised_tokens = discount * self.realised_tokens + realised_tokens
         self.realised_seconds = discount * self.realised_seconds + realised_seconds
         self.predicted_tokens = discount * self.predicted_tokens + predicted_tokens
         self.predicted_seconds = discount * self.predicted_seconds + predicted_seconds
-        self.plain_tokens = discount * self.plain_tokens + plain_tokens
-        self.plain_seconds = discount * self.plain_seconds + plain_seconds
         self.weight = discount * self.weight + 1.0
 
     def forget(self, factor: float) -> None:
@@ -138,8 +128,6 @@ class StepCalibration:
         self.realised_seconds *= factor
         self.predicted_tokens *= factor
         self.predicted_seconds *= factor
-        self.plain_tokens *= factor
-        self.plain_seconds *= factor
         self.weight *= factor
 
     def factor(self, prior: float) -> float:
@@ -149,18 +137,6 @@ class StepCalibration:
             return 1.0
         ratio = (self.realised_tokens * self.predicted_seconds) / (self.realised_seconds * self.predicted_tokens)
         return 1.0 + (ratio - 1.0) * self.weight / (self.weight + prior)
-
-    def lost(self, prior: float, margin: float, plain: "StepCalibration | None", against_plain: bool) -> bool:
-        """Did the speculative steps summed here lose to plain batching? By default: their
-        realised rate fell short of their prediction by the plain margin (`factor`). Against
-        plain (`RouterConfig.batch_failed_against_plain`): their realised rate is below plain
-        batching's for the same rows, its predicted rate scaled by what plain steps realised
-        (`plain`'s factor). A speculative plan predicted 1.6x plain that realises 1.35x fell
-        short of its prediction by 16% and was found failed, though it beat plain batching."""
-        if not against_plain or self.plain_seconds <= 0.0 or self.realised_seconds <= 0.0:
-            return self.factor(prior) * (1.0 + margin) < 1.0
-        plain_factor = plain.factor(prior) if plain is not None else 1.0
-        return self.realised_tokens / self.realised_seconds < plain_factor * self.plain_tokens / self.plain_seconds
 
 
 def sampled(rows: Sequence[RowContext] | Sequence[RowOutcome]) -> bool:
@@ -207,9 +183,6 @@ class BatchPlanner:
         # the observed steps (first, last) the engine runs on the last plan's lease without
         # asking (`BatchPlan.steps`); observe counts their rows as held decisions
         self.leased: tuple[int, int] | None = None
-        # the calibration the last multi-row step was added to: (it, speculative, that step's
-        # planning seconds, the observed step it was) (`host_seconds`)
-        self.calibrated: tuple[StepCalibration, bool, float, int] | None = None
         self._plain_seconds: dict[tuple[int, int], tuple[float, int]] = {}  # plain_step_seconds' memo
         self._step_memo: tuple[int, dict] = (-1, {})  # step_seconds' memo: (published version, key -> seconds)
         self.events: deque = deque(maxlen=router.config.log_size)  # (row-cycle, rows, reason, rate, plain rate)
@@ -283,26 +256,6 @@ class BatchPlanner:
         steps = self._lease(now, self.hold.until - 1 - now) if leased else 1
         return BatchPlan(decisions, held, shadow, steps)
 
-    def spec_holds(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> bool:
-        """Will `plan` plan this step by the speculative hold (`SpecHold`: no evidence read, so
-        deferred observations stay queued with `RouterConfig.defer_every_step`: router/deferred.py)?"""
-        spec = self.spec_hold
-        if spec is None or not rows:
-            return False
-        n = len(rows) + len(pinned)
-        if n > self.router.config.sampling_spec_max_batch and not any(r.greedy for r in rows):
-            return False  # `plan` plans it all plain (deferred reports folded, harmlessly)
-        return spec.holds(rows, len(pinned), self.router.observed_steps)
-
-    def plain_holds(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> bool:
-        """Will `plan` plan this step by the plain hold, no row joining (`PlainHold`: no
-        evidence read, so with `RouterConfig.defer_every_step` deferred observations stay queued: router/deferred.py, lean20)?"""
-        hold = self.hold
-        if hold is None or not rows:
-            return False
-        n = len(rows) + len(pinned)
-        return hold.valid(n, self.router.observed_steps) and not hold.joined(rows, n)
-
     STANDING_HOLD = 4  # a plain hold's longest span is this many times plain_hold_max while speculation's error stands
 
     def hold_limit(self, n: int, sampled: bool) -> int:
@@ -313,10 +266,21 @@ class BatchPlanner:
         gain grew past it: a 2-row greedy batch on a Zen 1 (avx2 kernels) was re-planned every
         16 steps, 32 times in 512 steps, each 6-10 ms of decide() for plain every time
         (in-process, the serving bench's stream), ~1.3% of its time. A row joining the hold is still
-        weighed at once (`_joiners`), and a row leaving still ends it (`hold_floor`)."""
+        weighed at once (`_joiners`), and a row leaving still ends it (`hold_floor`).
+
+        From JOINS_KEEP_HOLD rows on, LARGE_BATCH_HOLD times plain_hold_max (load22): there the
+        hold's end is the only re-check (joins keep it), a re-plan decides every row (~1.4-2.2 ms
+        of decide() at 8 rows, AMD EPYC Zen 5, serve_engine --trace), and speculation gains least
+        (a speculating row slows every row: pinned, every row draft > target k=1 ran 1.00x plain
+        batching at 8 rows, session 20; the best speculative option at this run's 8-row re-plans
+        0.68-1.03x plain's predicted rate). Held 8-row steps' host seconds outside the executor
+        0.31-0.37 -> 0.19-0.25 ms in four side-by-side runs (plan_batch 0.11-0.14 -> 0.04-0.07,
+        shadow proposals 0.04-0.05 -> 0.01-0.025; plain batching's 0.10), docs/router.md load22."""
         limit = self.router.config.plain_hold_max
         spec = self.calibrations.get((n, True, sampled))
-        return limit * self.STANDING_HOLD if spec is not None and spec.failed else limit
+        if spec is not None and spec.failed:
+            return limit * self.STANDING_HOLD
+        return limit * LARGE_BATCH_HOLD if n >= JOINS_KEEP_HOLD else limit
 
     def _lease(self, now: int, steps: int) -> int:
         """`BatchPlan.steps` of a held multi-row batch planned at observed step `now`: its plain
@@ -421,17 +385,15 @@ class BatchPlanner:
         flags = [r.processors for r in rows]  # pinned rows: not charged (their plan is fixed)
         lags = [r.lags for r in rows]
 
-        def option(plans: list[Plan], span: int | None = None) -> tuple[float, list[Plan]]:
+        def option(plans: list[Plan]) -> tuple[float, list[Plan]]:
             tokens = sum(self.expected_tokens(req, c, k) for req, (c, k) in zip(reqs, plans))
             tokens += len(pinned)  # pinned rows commit >= 1 token each, whatever we choose
-            return self.rate(list(plans) + list(pinned), tokens, L, factors, flags, lags, span), plans
+            return self.rate(list(plans) + list(pinned), tokens, L, factors, flags, lags), plans
 
         own = [(d.chain, d.k) for d in decisions]
-        shared = self.shared_options(rows, reqs) if all(r.greedy for r in rows) or n <= cfg.sampling_spec_max_batch else []
-        if all(len(c) == 1 for c, _ in own) and not shared:
+        if all(len(c) == 1 for c, _ in own):
             return decisions
         options = [option(own), option([(plain, 0)] * len(rows))]
-        options += [option(plans, span) for plans, span in shared]
         ks = sorted({k for _, k in own if k > 0}) or [0]
         for cap in (1, 2, 3, 4, 6, 8):
             if cap < ks[-1]:
@@ -459,38 +421,6 @@ class BatchPlanner:
             if (c, k) != (d.chain, d.k):
                 d = Decision(c, k, d.t_eff, reason, d.min_confidence if c == d.chain else 0.0)
             out.append(d)
-        return out
-
-    def shared_options(self, rows: Sequence[RowContext], reqs: Sequence[RequestState | None]
-                       ) -> list[tuple[list[Plan], int]]:
-        """The shared-draft joint options of a multi-row batch (`RouterConfig.batch_shared_ks`):
-        every row on one model draft > target at k, for each model drafter in service and each
-        such k, with the span its catch-up is priced over (`step_seconds`' `span`).
-
-        Each row decided alone mostly picks a model-free chain (its own lookup, no forward to
-        share), and the joint options built from the rows' own plans never put every row on one
-        draft, where one batched draft forward serves them all (pinned, every row draft > target
-        k=1 ran 1.14x plain batching at 2 rows and 1.06-1.15x at 4 in the serving bench, SPR,
-        session 20). A draft that has not run lags by the rows' prompts and tokens since: that
-        catch-up is paid once and buys the rest of the requests while the batch speculates, so
-        it is spread as `alone` spreads a single stream's: over the cycles the rows have left at
-        the plan's expected tokens (the fewest of any row's), at most `plain_hold_max`, at least
-        `spec_hold_steps`."""
-        router, cfg = self.router, self.router.config
-        if not cfg.batch_shared_ks or len(rows) < max(2, cfg.batch_shared_min_rows):
-            return []
-        target = router.target
-        out = []
-        for m in router.order:
-            chain = (m, target)
-            if m == target or m in router.model_free or m in router.failed or chain not in router.chain_index:
-                continue
-            for k in cfg.batch_shared_ks:
-                tokens = min(self.expected_tokens(req, chain, k) for req in reqs)
-                left = [r.remaining for r in rows if r.remaining is not None]
-                cycles = math.ceil(min(left) / tokens) if left else cfg.plain_hold_max
-                span = max(cfg.spec_hold_steps, min(cfg.plain_hold_max, cycles))
-                out.append(([(chain, k)] * len(rows), span))
         return out
 
     def alone(self, row: RowContext, decision: Decision) -> Decision:
@@ -733,30 +663,14 @@ class BatchPlanner:
 
     def rate(self, plans: Sequence[Plan], tokens: float, context_len: int,
              factors: tuple[float, float], processors: Sequence[bool] = (),
-             lags: Sequence[Sequence[tuple[str, int]]] = (), span: int | None = None) -> float:
+             lags: Sequence[Sequence[tuple[str, int]]] = ()) -> float:
         """Predicted committed tokens per second of a step running `plans` (every row's, pinned
         ones included) that commits `tokens`, scaled by what such steps realised (`calibration`);
-        `processors`, `lags`, `span`: as `step_seconds`."""
+        `processors`, `lags`: as `step_seconds`."""
         return factors[0 if speculates(plans) else 1] * tokens / self.step_seconds(
-            plans, context_len, processors=processors, lags=lags, span=span)
+            plans, context_len, processors=processors, lags=lags)
 
     # -- observing --------------------------------------------------------------------------
-    def host_seconds(self, seconds: float, speculative: bool) -> None:
-        """The last observed step's host seconds outside the executor (`Router.plan_batch`:
-        `OutsideClock`, measured at the next planning, from one plan_batch to the next), counted
-        into its calibration's realised seconds beyond the planning `observe` added
-        (`RouterConfig.batch_calibration_host`, defer21): a 4-row speculative step's observation,
-        shadow proposals, confident offers and engine bookkeeping were ~1.4 ms of a ~10 ms step
-        on an AMD EPYC (AVX-512, 2 cores) against ~0.3 ms of a held plain one (serve_engine --trace), which the
-        executor's wall and the planning leave out, so speculation was calibrated faster than it
-        ran. Only for the step observed last (the same kind): none is added otherwise."""
-        last, self.calibrated = self.calibrated, None
-        if last is None:
-            return
-        cal, spec, plan_seconds, step = last
-        if spec == speculative and step == self.router.observed_steps - 1:
-            cal.realised_seconds += max(0.0, seconds - plan_seconds)
-
     def observe(self, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord], wall_time: float) -> None:
         """Calibrate the planner on one multi-row step: the tokens it committed and its seconds
         (the executor's `wall_time` plus the planning of the step) against the rates the planner
@@ -788,18 +702,13 @@ class BatchPlanner:
             realised_tokens = sum(int(r.accepted[len(c) - 1]) + 1 if len(c) > 1 and k > 0 else 1
                                   for r, (c, k) in zip(rows, plans))
             predicted_seconds = self.step_seconds(plans, L, publish=False)
-            plain_tokens, plain_seconds = (n, self.plain_step_seconds(n, L)) if cfg.batch_failed_against_plain \
-                else (0.0, 0.0)  # plain batching of the rows (read by `StepCalibration.lost` only)
         else:  # every row commits its one token
             predicted_tokens = realised_tokens = n
             predicted_seconds = self.plain_step_seconds(n, L)
-            plain_tokens = plain_seconds = 0.0
         mode = sampled(rows)
         cal = self.calibrations.setdefault((n, spec, mode), StepCalibration())
         cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, predicted_seconds,
-                cfg.batch_calibration_discount, plain_tokens, plain_seconds)
-        self.calibrated = (cal, spec, plan_seconds, router.observed_steps)
-        cal.try_steps = cal.try_steps + 1 if cal.running else 1
+                cfg.batch_calibration_discount)
         cal.running = True
         if spec:  # a try runs: its verdict is made again when it ends
             cal.failed, cal.relative = False, None
@@ -810,11 +719,7 @@ class BatchPlanner:
                 # steps realised (with what was left of the older evidence) still loses to plain
                 # batching by the margin; a failed try's correction stands (`forget`)
                 prior = cfg.batch_calibration_prior
-                # (`RouterConfig.batch_failed_min_steps`: once the tries that lost in a row ran
-                # that many steps; a shorter loss ages as any evidence)
-                lost = other.lost(prior, cfg.batch_plain_margin, cal, cfg.batch_failed_against_plain)
-                other.lost_steps = other.lost_steps + other.try_steps if lost else 0
-                other.failed = lost and other.lost_steps >= cfg.batch_failed_min_steps
+                other.failed = bool(other.factor(prior) * (1.0 + cfg.batch_plain_margin) < 1.0)
                 other.relative = other.factor(prior) / cal.factor(prior) if other.failed else None
             other.running = False
             other.forget(cfg.batch_calibration_forget)

@@ -16,17 +16,16 @@ after the first run warm. A report whose fold raises loses its evidence, logged,
 observe_step that raises in the engine does; the others fold and the planning's state is restored
 all the same.
 
-`RouterConfig.defer_every_step` (lean19-20's rule, off since defer21) queues every report, so a
-multi-row batch's speculative hold (batch.py `SpecHold`) and, with `RouterConfig.defer_plain_holds`,
-the batch planner's plain hold (`PlainHold`, `BatchPlanner.plain_holds`), which read only which
-rows run, keep theirs queued through the hold. Exact, but not shown to pay under load: session 20's
-serving bench read router / plain lower at c=4 and c=8 with it; defer21's side-by-side runs could
-not tell the rules apart (docs/router.md, defer21).
+Every other report is folded at once, after the queue (defer21). lean19-20's rule queued every
+report (a multi-row batch's speculative-hold and plain-hold steps too): exact, but not shown to
+pay under load (session 20's serving bench read router / plain lower at c=4 and c=8 with it;
+defer21's side-by-side runs could not tell the rules apart): removed (load22, issue 27).
 
-What the fold reads of the planning between is restored per report (the observed-step count,
-the batch planner's planning seconds and planned rows, each row's pending realized check), so a
-multi-row batch's deferred steps plan and learn exactly as without deferral (the plans' digest
-on a recorded trace is the same). A single stream's firm hold is released by its first pair's
+What the fold reads of the planning between is restored per report (the observed-step count and
+the row's pending realized check), so the deferred steps plan and learn exactly as without
+deferral (the plans' digest on a recorded trace is the same). The batch planner's state is not
+read by a one-row report's fold (`BatchPlanner.observe` returns below two rows) and no planning
+runs between a firm hold's steps, so none of it is saved. A single stream's firm hold is released by its first pair's
 trials during the hold as the hold counts them (`StreamHolder.tally`), not by the request's
 folded estimate, and by its models' speed jumps as each held forward is read
 (`StreamHolder.watch`)."""
@@ -48,9 +47,6 @@ class Deferred:
 
     report: StepReport
     step: int  # the router's observed steps when it was observed
-    plan_seconds: float  # the batch planner's planning seconds of its step (BatchPlanner.observe)
-    planned: frozenset  # the rows the planner planned then
-    leased: tuple | None  # the planner's lease then
     pending: dict  # seq_id -> the row's pending realized check then (RequestState.pending)
 
 
@@ -69,20 +65,17 @@ class Deferral:
         router = self.router
         router.outside.observed(router.observed_steps, report.wall_time, report.speculative,
                                 widened(report.outcomes, report.forwards))
-        planner = router.planner
-        plan_seconds, planner.plan_seconds = planner.plan_seconds, 0.0
+        router.planner.plan_seconds = 0.0  # a one-row step's planning: BatchPlanner.observe drops it
         pending = {}
-        single = len(report.outcomes) == 1 and router.config.realized_check
-        for o in report.outcomes:
+        for o in report.outcomes:  # one row (`StreamHolder.firm_step`)
             req = router.requests.get(o.seq_id)
             if req is None:
                 continue
             pending[o.seq_id] = req.pending
             req.cycles += 1  # TvSchedule reads it (undone and redone by the fold)
-            if single:
+            if router.config.realized_check:
                 req.pending = None  # the realized check consumes it (`Router._observe_realized`)
-        self.queue.append(Deferred(report, router.observed_steps, plan_seconds, planner.planned,
-                                   planner.leased, pending))
+        self.queue.append(Deferred(report, router.observed_steps, pending))
         router.observed_steps += 1
         router.stream.tally(report)
 
@@ -90,9 +83,9 @@ class Deferral:
         """Fold every queued report, in order, as `observe_step` would have one by one."""
         if not self.queue:
             return
-        router, planner = self.router, self.router.planner
+        router = self.router
         queue, self.queue = self.queue, []
-        now, plan_seconds, planned, leased = router.observed_steps, planner.plan_seconds, planner.planned, planner.leased
+        now = router.observed_steps
         current = {}
         for item in queue:
             for seq in item.pending:
@@ -103,7 +96,6 @@ class Deferral:
         try:
             for item in queue:
                 router.observed_steps = item.step
-                planner.plan_seconds, planner.planned, planner.leased = item.plan_seconds, item.planned, item.leased
                 for seq, p in item.pending.items():
                     req = router.requests.get(seq)
                     if req is not None:
@@ -119,7 +111,6 @@ class Deferral:
             self.folded += len(queue)
             self.folds += 1
             router.observed_steps = now
-            planner.plan_seconds, planner.planned, planner.leased = plan_seconds, planned, leased
             for seq, p in current.items():
                 req = router.requests.get(seq)
                 if req is not None:

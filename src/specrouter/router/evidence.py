@@ -181,19 +181,14 @@ def decision_z(config: RouterConfig, mode: str) -> float:
     return config.decision_margin_greedy if mode == GREEDY else config.decision_margin_sampling
 
 
-def decision_margin(p: float, n: float, z: float, prior: float | None = None) -> float:
+def decision_margin(p: float, n: float, z: float) -> float:
     """`p` less `z` standard errors of a rate estimated from `n` trials (its prior's included),
     sqrt(p (1 - p) / n); at least 0. Why (docs/router.md, floor19): at t=0.7 the plans the router
     chose at draft length 2-3 were predicted at a draft acceptance of 0.36-0.43 where 0.22-0.27
     came (chat, prose; static draft>target accepts ~iid at 0.25-0.29 per position there): a
-    plan is chosen where its estimate is high, and the estimate is often high by chance.
-    `prior`: the prior's pseudo-trials among the n, for the standard error of the own trials'
-    noise only (`RouterConfig.decision_margin_noise`): sqrt(p (1 - p) own) / n, own = n - prior
-    (0 at the prior, the full one as own trials dominate)."""
+    plan is chosen where its estimate is high, and the estimate is often high by chance."""
     if z <= 0.0 or n <= 0.0:
         return p
-    if prior is not None:
-        return max(0.0, p - z * math.sqrt(max(p * (1.0 - p), 0.0) * max(n - prior, 0.0)) / n)
     return max(0.0, p - z * math.sqrt(max(p * (1.0 - p), 0.0) / n))
 
 
@@ -297,8 +292,7 @@ class EvidenceBoard:
         z = decision_z(r.config, mode)
         if req is None or z <= 0.0:
             return value
-        prior = r.config.request_prior_strength if r.config.decision_margin_noise else None
-        return decision_margin(value, own_trials(r, req, pair), z, prior)
+        return decision_margin(value, own_trials(r, req, pair), z)
 
     def hit_rate(self, req, drafter: str) -> float:
         """A request's hit rate of a model-free drafter as decisions read it (`alpha`): its own
@@ -309,8 +303,7 @@ class EvidenceBoard:
         if req is None or z <= 0.0:
             return value
         h = req.hits.get(drafter)
-        prior = r.config.request_hit_prior_strength if r.config.decision_margin_noise else None
-        return decision_margin(value, (h[1] if h is not None else 0.0) + r.config.request_hit_prior_strength, z, prior)
+        return decision_margin(value, (h[1] if h is not None else 0.0) + r.config.request_hit_prior_strength, z)
 
     def note_alpha(self, req, pair: Pair, mode: str) -> None:
         """The request's own alpha of `pair` was updated: a new request version if it moved

@@ -357,9 +357,7 @@ class Router:
         """The plans of a step's rows, chosen for the batch the step really runs
         (`BatchPlanner.plan`)."""
         hold = self.stream.hold
-        plain_held = self.config.defer_plain_holds and self.planner.plain_holds(rows, pinned)
-        if self.deferral.queue and not ((hold is not None and hold.firm) or self.planner.spec_holds(rows, pinned)
-                                        or (hold is None and plain_held)):
+        if self.deferral.queue and not (hold is not None and hold.firm):
             self.deferral.fold()  # the step reads the evidence (deferred.py)
         self.measure_tv = self.tv_schedule.wants(rows, self.requests)  # the step measures D_TV
         measured = None if self.step_clock is None else self.outside.planning(
@@ -372,8 +370,6 @@ class Router:
         key = None if measured is None or len(rows) != 1 or pinned else (
             "outside_spec" if measured[1] else
             "outside_plain" if measured[2] or not self.config.outside_plain_held else None)
-        if measured is not None and len(rows) + len(pinned) > 1 and self.config.batch_calibration_host:
-            self.planner.host_seconds(measured[0], measured[1])  # the batch calibration's whole step
         # a held speculative step's apart (`RouterConfig.outside_spec_held`: what a speculating
         # stream pays between its decisions, as plain decoding is priced at its held steps)
         for k in (key, "outside_spec_held" if key == "outside_spec" and measured[2] else None):
@@ -386,7 +382,7 @@ class Router:
         if batch is not None:  # a single stream's kept plan (stream_hold.py): no decide
             self.outside.held()  # a held plain step is what plain decoding costs (outside_plain)
             return batch
-        if self.deferral.queue and not (self.planner.spec_holds(rows, pinned) or plain_held):
+        if self.deferral.queue:
             self.deferral.fold()  # a firm hold ended: its steps' evidence before the decision
         held = self.planner.held_decisions
         batch = self.planner.plan(rows, pinned)
@@ -409,8 +405,8 @@ class Router:
         """Learn from one engine step: every row's outcome, every forward's timing, the step's
         overhead, the batch calibration, the shadow proposals (`fold_step`); with
         `RouterConfig.defer_observations`, a firm hold's step queued and folded where next read
-        (router/deferred.py; every step with `RouterConfig.defer_every_step`)."""
-        if self.config.defer_observations and (self.config.defer_every_step or self.stream.firm_step(report)):
+        (router/deferred.py)."""
+        if self.config.defer_observations and self.stream.firm_step(report):
             self.deferral.defer(report)
             return
         if self.deferral.queue:  # a firm hold's steps before this one, in order

@@ -325,7 +325,6 @@ class HoldTrials:
     z: float = 0.0  # the mode's decision margin (evidence.py `decision_z`)
     extra: float = 0.0  # the pair's SimScore pseudo-trials at the decision (`own_trials`), held
     moved: bool = False
-    noise: bool = False  # the margin of the own trials' noise only (`RouterConfig.decision_margin_noise`)
 
     @classmethod
     def start(cls, router, chain, req: RequestState, floor: float = -math.inf) -> "HoldTrials":
@@ -346,8 +345,7 @@ class HoldTrials:
             hit_line = pub - cfg.decision_hit_tolerance if pub is not None else -math.inf
         return cls(pair, free, c, prior, max(published - cfg.decision_tolerance, floor) if published is not None else -math.inf,
                    h, hit_prior, hit_line, cfg.request_decay, cfg.request_hit_decay, n0, h0,
-                   decision_z(cfg, mode), own_trials(router, req, pair) - n0 - c[0] - c[1],
-                   noise=cfg.decision_margin_noise)
+                   decision_z(cfg, mode), own_trials(router, req, pair) - n0 - c[0] - c[1])
 
     def count(self, outcome) -> None:
         """One held cycle's outcome (as `Router._observe_rows` takes it into the request)."""
@@ -368,14 +366,12 @@ class HoldTrials:
         decision margin (as `EvidenceBoard.alpha` reads it)."""
         c = self.counts
         n = c[0] + c[1]
-        return decision_margin(shrink(c[0], n, self.prior, self.strength), n + self.strength + self.extra, self.z,
-                               self.strength if self.noise else None)
+        return decision_margin(shrink(c[0], n, self.prior, self.strength), n + self.strength + self.extra, self.z)
 
     def hit_estimate(self) -> float:
         """Its hit rate of the model-free drafter alike (`EvidenceBoard.hit_rate`)."""
         h = self.hits
-        return decision_margin(shrink(h[0], h[1], self.hit_prior, self.hit_strength), h[1] + self.hit_strength, self.z,
-                               self.hit_strength if self.noise else None)
+        return decision_margin(shrink(h[0], h[1], self.hit_prior, self.hit_strength), h[1] + self.hit_strength, self.z)
 
     def refuted(self) -> bool:
         if not self.moved:
