@@ -52,13 +52,12 @@ inline int64_t block_rows(int64_t N) {
 // T(1) unchanged (4 KiB: 8.9 ms at 17 rows; 16 KiB as 8, 32-64 KiB 0.3-0.5 ms slower there); on
 // Zen 4 it gained nothing (docs/kernels.md). Prefetches change no bits.
 //
-// Non-temporal (`PREFETCH_HINT`): each weight line is read once per forward, and a forward of the
-// 135M target streams ~269 MB through the caches, evicting the host's working set (the
-// interpreter, torch's dispatcher, the router's tables): the host work between two forwards then
-// ran 3-5x slower than warm (a sampling call 45-80 us after a forward, 11-16 us warm; 70 us after
-// a 300 MB sweep). With the NTA hint on a Zen 5 (session 22, in-process A/B, every other step,
-// two runs): the target's bf16 forward 2.3-4.6% faster at 1, 2 and 5 tokens, the sampling call
-// after it 26-43 us faster; the draft's forward (weights cache-resident) unchanged.
+// Non-temporal (`PREFETCH_HINT`): each weight line is read once per forward (a 135M target's
+// forward streams ~269 MB). On a Zen 5 (session 22, in-process A/B, the hint switched every
+// other step): with co-tenants on the cores (load ~2) the target's bf16 forward 2.3-4.6% faster
+// at 1-5 tokens and the sampling call after it 26-43 us faster; on a quiet machine (load 0.5)
+// both within 1% (0.990-1.000; 9-33 tokens 0.994-0.998); the draft's forward unchanged. The host
+// work after a forward stays cold either way (docs/kernels.md).
 constexpr int64_t PREFETCH = 8192;
 constexpr auto PREFETCH_HINT = _MM_HINT_NTA;  // (GCC: an enum _mm_hint, clang: an int)
 
