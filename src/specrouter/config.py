@@ -193,15 +193,11 @@ class SimilarityConfig:
     # ~0.1 ms, and every step was still no faster than this schedule (tv19); 1: every step
     tv_every: int = 8
     tv_first_cycles: int = 4
-    # greedy rows' D_TV feeds the estimator too. Off: a greedy row accepts on an argmax match,
-    # which the temperature-1 D_TV only proxies (through the learned calibration), and on the
-    # mixed stream it cost greedy SpecRouter 10-20% against acceptance counts alone (three
-    # side-by-side runs, docs/router.md); a sampled row's acceptance is 1 - D_TV exactly
-    greedy_tv: bool = False
-    # trials without their row's own D_TV (steps the schedule skips) teach the calibration with
-    # the pair's global SimScore as the stand-in (the behaviour before session 19; review18's
-    # risk 2). Off: only measured trials teach it (docs/router.md, TvSchedule)
-    calibrate_stand_in: bool = False
+    # Only sampled rows' D_TV feeds the estimator: a greedy row accepts on an argmax match,
+    # which the temperature-1 D_TV only proxies, and feeding it cost greedy SpecRouter 10-20% on
+    # the mixed stream (was `greedy_tv`; removed by prune22, issue 27). Only measured trials
+    # teach the calibration (was `calibrate_stand_in`: the pair's global SimScore as a skipped
+    # trial's stand-in; removed by prune22, docs/router.md)
     tv_alpha: float = 0.1  # EMA weight of one observation's mean D_TV (after the first few)
     drift: bool = True  # shift the observed acceptance by f(SimScore now) - f(SimScore of its trials)
     drift_decay: float = 0.95  # per trial: "SimScore now" forgets (~20 trials; the counts: ~500)

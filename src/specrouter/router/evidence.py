@@ -412,8 +412,8 @@ class TvSchedule:
     `tv_every` 1: every step, as before. A step of pinned rows only counts as one with a row
     to measure (their D_TV feeds the estimator too)."""
 
-    def __init__(self, measure: bool, every: int, first_cycles: int, greedy_rows: bool):
-        self.measure, self.every, self.first, self.greedy_rows = measure, every, first_cycles, greedy_rows
+    def __init__(self, measure: bool, every: int, first_cycles: int):
+        self.measure, self.every, self.first = measure, every, first_cycles
         self.steps = 0  # steps with a row it would measure
 
     def wants(self, rows, requests: Mapping) -> bool:
@@ -421,7 +421,7 @@ class TvSchedule:
         if not self.measure:
             return False
         free = bool(rows)
-        rows = [r for r in rows if self.greedy_rows or not r.greedy]
+        rows = [r for r in rows if not r.greedy]
         if free and not rows:  # greedy rows only, whose D_TV is not read
             return False
         self.steps += 1

@@ -284,7 +284,7 @@ class Router:
         self.similarity = similarity or SimilarityEstimator(sizes, self.model_free, cfg.similarity)
         self.measure_tv = self.similarity.config.measure_tv  # RouterProtocol: the executor measures D_TV (this step)
         self.tv_positions = self.similarity.config.tv_positions  # ... at this many candidates per level
-        self.tv_greedy_rows = self.similarity.config.greedy_tv  # ... in greedy rows only when it reads them
+        self.tv_greedy_rows = False  # ... in sampled rows only: it reads no greedy row's D_TV
         self.on_decision = on_decision
         self.timer = timer  # measures decide() (real time, also under a virtual clock)
         # the clock of the steps' wall times (perf_counter, as `from_pool` sets it; an Engine
@@ -337,7 +337,7 @@ class Router:
         self.burst = BurstModel(cfg)  # acceptance per run length (burst.py)
         self.board = EvidenceBoard(self)  # published evidence, decision cache (evidence.py)
         sc = self.similarity.config  # the steps that measure D_TV (evidence.py)
-        self.tv_schedule = TvSchedule(sc.measure_tv, sc.tv_every, sc.tv_first_cycles, sc.greedy_tv)
+        self.tv_schedule = TvSchedule(sc.measure_tv, sc.tv_every, sc.tv_first_cycles)
         self.prober = Prober(self)  # step 3 (probing.py)
         self.planner = BatchPlanner(self)  # the step's batch (batch.py)
         self.stream = StreamHolder(self)  # a single stream's kept speculative plan (stream_hold.py)
@@ -745,7 +745,7 @@ class Router:
                     req.note(chain[0])
                     proposal_len = r.k
                 tv = float(r.tv[j]) if (r.tv is not None and j < len(r.tv) and r.tv[j] is not None
-                                        and (not r.greedy or sim.config.greedy_tv)) else math.nan
+                                        and not r.greedy) else math.nan
                 if math.isfinite(tv):  # the row's own D_TV at its first candidates (decoding/tv.py)
                     measured = min(cand, self.tv_positions)
                     sim.observe_tv(pair, mode, tv, measured)
