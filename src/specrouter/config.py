@@ -258,13 +258,9 @@ class ProfileConfig:
     # some tens of observations): what the prober expects of a model read slow and not run
     # since (router/probing.py)
     usual_alpha: float = 0.05
-    # a swept or loaded grid made monotone on every axis (router/profile.py `monotone`: no cell
-    # above a larger forward's) and the sweep's first cell timed again. Off: on the Sapphire
-    # Rapids the saved profile prices the target's 1-token forward 45% too dear (13.9 ms vs 9.6
-    # for 2 tokens, ~8.5 run), and repaired the router ran greedy streams 2-5% slower in 8 of 10
-    # side-by-side runs (more model-free cycles in open text, whose misses it then prices as a
-    # plain step really costs) and t=0.7 ones ~1% faster (docs/router.md, 2026-12-06)
-    monotone: bool = False
+    # A swept or loaded grid is installed as timed: made monotone on every axis (was `monotone`;
+    # removed by prune22, issue 27) the router ran greedy streams 2-5% slower in 8 of 10
+    # side-by-side runs on a Sapphire Rapids (docs/router.md, 2026-12-06)
 
     def __post_init__(self) -> None:
         if not (0 < self.ema_alpha <= 1 and 0 <= self.shape_alpha <= 1):
