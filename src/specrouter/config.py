@@ -325,12 +325,8 @@ class RouterConfig:
     # that chose it refuted) keeps that pair from the request's probes for this many of its
     # cycles, doubling with each further refutation (router/probing.py); 0: no such back-off
     probe_refute_wait: int = 32
-    # ... and (True) keeps it from every request's probes for as many row-cycles, doubling with
-    # each further refutation in any request up to probe_max_wait stale_after periods, until a
-    # probe of it is not refuted (router/probing.py `Prober.judge`): a pair that stays as good as
-    # estimated is otherwise re-probed each time its evidence goes stale (~1.5 requests of 64
-    # tokens on a stream that decodes plainly: 12 probes, 1-1.5% of chat's time at t=0.7)
-    probe_refute_global: bool = False
+    # (keeping it from every request's probes too was `probe_refute_global`: off, removed by
+    # prune22, issue 27)
     # a single stream's probe of a model draft that lags (plain steps before it) runs as decided:
     # the catch-up check (router/batch.py `BatchPlanner.alone`) weighed it at the request's own
     # estimate, the one the probe questions, and vetoed every such probe; False: as before
