@@ -346,13 +346,10 @@ class RouterConfig:
     # charge a model draft's host seconds per step (measured: its steps' wall outside forwards),
     # k - 1 per draft of k; False: they are part of the cycle's overhead, whatever k (before issue 33)
     draft_step_overhead: bool = True
-    # charge the host seconds of an engine step outside the executor (measured per step: the
-    # router's planning and observing, tree shapes, shadow proposals, bookkeeping), speculative
-    # and plain steps apart; False (the default): only decide()'s own seconds. Off by default:
-    # side by side on the mixed stream charging it was 2-5% slower greedy in 3 of 3 runs and
-    # 0.4-5% slower at t=0.7 (docs/router.md, "Side by side")
-    charge_outside: bool = False
-    # ... but charge it where plain decoding is weighed against speculation, and only there
+    # Every plan pays decide()'s own seconds per cycle, not an engine step's measured host
+    # seconds outside the executor (charging those to every plan, `charge_outside`, was 2-5%
+    # slower greedy on the mixed stream; removed by prune22, issue 27; docs/router.md)...
+    # ... but charge those where plain decoding is weighed against speculation, and only there
     # (router/host_time.py `PlainCharge`): the best speculative plan (as decide() prices it)
     # must beat plain decoding with each kind's measured outside seconds per cycle; False: the
     # plans compare as the table prices them (before issue 31's chat fix)

@@ -498,10 +498,10 @@ class Router:
             costs.update(with_certain({m: costs[m] for m in rows if m not in self.model_free}, rate))
         for d in self.model_free:
             costs[d] = self.board.free_draft(rows, d, evidence.hits[d])
-        # a speculative cycle's host seconds outside the executor (table() charges a plain
-        # one's): measured per step, or (charge_outside=False) decide()'s per row
-        times = published.times
-        outside = times["outside_spec"] if self.config.charge_outside else times["router"] * max(row.batch_size, 1)
+        # a speculative cycle's host seconds outside the executor as the table charges them
+        # (table() charges a plain one's): decide()'s per row (the measured ones, charged to every
+        # plan, were `charge_outside`: off, removed by prune22; host_time.py `PlainCharge`)
+        outside = published.times["router"] * max(row.batch_size, 1)
         alphas = dict(evidence.alphas)
         if req is not None and req.runs and self.config.burst_acceptance:  # its runs (burst.py)
             globs = {p: self.similarity.alpha(p, mode) for p in req.runs}
@@ -552,7 +552,7 @@ class Router:
         t = latency / tokens  # as best_plan's t_eff, element by element (NaN where not evaluated)
         if len(idx) < len(self.chains):
             t[np.isnan(t)] = np.inf
-        plain = published.times["plain"] + (published.times["outside_plain"] if cfg.charge_outside else router)
+        plain = published.times["plain"] + router
         t[0] += plain  # chains[0] is (target,): one token per cycle
         latency[0] += plain
         if k_cap < cfg.k_max:
@@ -634,7 +634,7 @@ class Router:
                           self.chain_index, req.corrections)
         # a single stream's (a batch's plain-vs-speculate choice is the batch planner's)
         charge = (PlainCharge.measured(times, router, cfg.outside_spec_held)
-                  if cfg.charge_leaving_plain and not cfg.charge_outside and row.batch_size <= 1 else PlainCharge())
+                  if cfg.charge_leaving_plain and row.batch_size <= 1 else PlainCharge())
         return CachedPlans(key, table, costs, float(table.t_eff[0, 0]), charge)
 
     def _hysteresis(self, req: RequestState, plans: CachedPlans, k_cap: int) -> Decision:
