@@ -470,17 +470,9 @@ class RouterConfig:
     # middle, target) from those chains' cycles and from shadow proposals judged against the
     # middle model's tokens; False: the iid model (every token the middle passes up at its rate)
     confirmed_alpha: bool = True
-    # runs of agreement (router/burst.py, issue 27's k ramp): a model draft's acceptance by the
-    # level above it depends on how many of its tokens in a row were just accepted (prose,
-    # greedy, SPR: 0.41 after a rejection, 0.52 after 2, 0.75-0.89 after 5-8); each request's
-    # current run of the pair a chain starts with prices its next cycle by the acceptance per
-    # run length (learned per pair and mode, shifted by the request's own alpha). False (the
-    # default until measured better end to end, benchmarks/router_variants.py --variants burst): iid
-    burst_acceptance: bool = False
-    burst_max_run: int = 8  # run lengths from this on share one estimate
-    burst_min_run: int = 1  # runs shorter than this (0: after a rejection) are priced iid
-    burst_prior: float = 8.0  # pseudo-trials at the pair's alpha per run length
-    burst_decay: float = 0.998  # per trial: the run-length counts forget (~500 trials)
+    # (a model draft's next cycle priced by its request's current run of accepted tokens was
+    # `burst_acceptance` with `burst_max_run`, `burst_min_run`, `burst_prior`, `burst_decay` and
+    # router/burst.py: off, not measured better end to end; removed by prune22, issue 27)
     realized_decay: float = 0.9
     # ... and by this per cycle of any other chain (a model draft, plain decoding): a chain
     # penalized once is tried again some tens of cycles later, not never (it was never)

@@ -113,7 +113,7 @@ class CachedPlans:
         return hit
 
 
-KEY_FIELDS = ("batch", "context", "mode", "chain", "version", "request_version", "certain", "runs")  # decision_key's
+KEY_FIELDS = ("batch", "context", "mode", "chain", "version", "request_version", "certain")  # decision_key's
 
 
 @dataclass
@@ -170,10 +170,9 @@ def material_change(live: Published, published: Published, config: RouterConfig)
 
 
 def decision_key(batch_size: int, context_bucket: int, mode: str, chain: Chain | None,
-                 version: int, request_version: int, certain: float = 0.0, runs: tuple = ()) -> tuple:
-    """What step 1 depends on (module docstring): equal keys, equal PlanTables. `runs`: the
-    request's runs of agreement (`RequestState.run_key`, router/burst.py)."""
-    return (batch_size, context_bucket, mode, chain, version, request_version, certain, runs)
+                 version: int, request_version: int, certain: float = 0.0) -> tuple:
+    """What step 1 depends on (module docstring): equal keys, equal PlanTables."""
+    return (batch_size, context_bucket, mode, chain, version, request_version, certain)
 
 
 def decision_z(config: RouterConfig, mode: str) -> float:

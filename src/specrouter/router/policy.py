@@ -77,10 +77,8 @@ import numpy as np
 
 from specrouter.config import RouterConfig
 from specrouter.router.batch import BatchPlanner
-from specrouter.router.burst import BurstModel, run_key
 from specrouter.router.deferred import Deferral
 from specrouter.router.cost_model import (
-    RUN,
     break_even_confidence,
     chain_rows,
     enumerate_chains,
@@ -135,11 +133,9 @@ def viable(chain: Chain, hits: Mapping[str, float], alphas, model_free: Collecti
 
 def chain_key(i: int, chain: Chain, hits: Mapping[str, float], alphas: Mapping) -> tuple:
     """What row i (`chain`) of a PlanTable reads besides the costs and overheads: its pairs'
-    alphas, its confirmed-token alpha, its first pair's schedule (runs of agreement), its
-    model-free drafter's hit rate."""
+    alphas, its confirmed-token alpha, its model-free drafter's hit rate."""
     return (i, *(alphas[p] for p in zip(chain[:-1], chain[1:])),
-            alphas.get(chain[:3]) if len(chain) >= 3 else None,
-            alphas.get((chain[0], chain[1], RUN)) if len(chain) >= 2 else None, hits.get(chain[0]))
+            alphas.get(chain[:3]) if len(chain) >= 3 else None, hits.get(chain[0]))
 
 
 def corrected(table: PlanTable, chain_index: Mapping[Chain, int], corrections: Mapping[Chain, float]) -> PlanTable:
@@ -334,7 +330,6 @@ class Router:
         self.failed: set[str] = set()  # models out of service (mark_failed)
         self.cache_stats = CacheStats()
         self.observed_steps = 0  # engine steps observed (the clock of the plain hold)
-        self.burst = BurstModel(cfg)  # acceptance per run length (burst.py)
         self.board = EvidenceBoard(self)  # published evidence, decision cache (evidence.py)
         sc = self.similarity.config  # the steps that measure D_TV (evidence.py)
         self.tv_schedule = TvSchedule(sc.measure_tv, sc.tv_every, sc.tv_first_cycles)
@@ -502,11 +497,7 @@ class Router:
         # (table() charges a plain one's): decide()'s per row (the measured ones, charged to every
         # plan, were `charge_outside`: off, removed by prune22; host_time.py `PlainCharge`)
         outside = published.times["router"] * max(row.batch_size, 1)
-        alphas = dict(evidence.alphas)
-        if req is not None and req.runs and self.config.burst_acceptance:  # its runs (burst.py)
-            globs = {p: self.similarity.alpha(p, mode) for p in req.runs}
-            alphas.update(self.burst.schedules(req.runs, mode, alphas, globs, published.version))
-        return costs, alphas, outside
+        return costs, dict(evidence.alphas), outside
 
     def table(self, costs, alphas, router: float, k_cap: int, keep: int | None = None,
               prune: bool = True, rows: dict | None = None, only: Collection[int] | None = None) -> PlanTable:
@@ -604,8 +595,7 @@ class Router:
         if kept is not None and viable(kept, evidence.hits, evidence.alphas, self.model_free, cfg.prune_below):
             kept = None
         key = decision_key(max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
-                           mode, kept, version, req.version, certain_bucket(row.certain_rate),
-                           run_key(req, cfg))
+                           mode, kept, version, req.version, certain_bucket(row.certain_rate))
         plans = req.cached
         if cfg.decision_cache and plans is not None and plans.key == key:
             self.cache_stats.hits += 1
@@ -643,7 +633,6 @@ class Router:
         cfg = self.config
         (best, t_best), prev, t = plans.best(k_cap), req.plan, plans.table.t_eff
         plain = (self.target,)
-        runs = run_key(req, cfg)
         jumps = self.profile.jumps
         ci = self.chain_index.get(prev[0]) if prev is not None else None
         if prev is None:
@@ -658,7 +647,6 @@ class Router:
                 t_cur = float(plans.charged[ci, cj])
                 t_best = float(plans.charged[self.chain_index[best[0]], max(best[1], 1) - 1])
             changed = tuple(jumps.get(m, 0) for m in prev[0]) != req.epoch  # a model of the plan changed speed
-            changed = changed or runs != req.runs_seen  # or its run of agreement did (burst.py): no noise
             if current == best:
                 choice, reason = current, "same"
                 req.worse = 0
@@ -677,7 +665,6 @@ class Router:
         if choice != prev:
             req.worse = 0
         req.plan, req.epoch, req.table = choice, tuple(jumps.get(m, 0) for m in choice[0]), plans.table
-        req.runs_seen = runs
         i, j = self.chain_index[choice[0]], max(choice[1], 1) - 1
         t_eff = float(t[i, j])
         floor = plans.floors.get(choice)  # memoized with the plans
@@ -731,9 +718,6 @@ class Router:
             chain = tuple(r.chain)
             if cfg.request_idle_decay < 1.0:
                 fade_idle(self, req, chain, mode)
-            if cfg.burst_acceptance:
-                self.burst.observe_row(req, chain, r.k, int(r.drafted[1]) if len(chain) > 1 else 0,
-                                       int(r.accepted[1]) if len(chain) > 1 else 0, mode, self.model_free)
             for j in range(1, len(chain)):
                 pair = (chain[j - 1], chain[j])
                 cand, acc = int(r.drafted[j]), int(r.accepted[j])

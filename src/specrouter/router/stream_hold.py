@@ -54,7 +54,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specrouter.records.routing import BatchPlan, Chain, Decision, Plan, RowContext
-from specrouter.router.burst import run_key
 from specrouter.router.evidence import certain_bucket, decision_margin, decision_z, own_trials
 from specrouter.router.request_state import RequestState
 from specrouter.router.similarity import acceptance_trials, decayed_add, shrink
@@ -72,7 +71,6 @@ class StreamHold:
     certain: float  # the row's certain-draft bucket then (evidence.certain_bucket)
     until: int  # observed step at which the row is decided again
     counts: bool = False  # kept by hysteresis counting toward patience: each held cycle counts too
-    runs: tuple = ()  # the request's runs of agreement then (RequestState.run_key, router/burst.py)
     firm: bool = False  # not released by the request's evidence moving (`RouterConfig.stream_hold_firm`)
     # the models whose speed jumps release it (`epoch`: their counts then): the plan's; a firm
     # hold's leaves out model-free drafters (their proposals take tens of microseconds of a
@@ -82,8 +80,7 @@ class StreamHold:
     # is predicted no faster than plain decoding (`StreamHolder.break_even`; -inf: none)
     floor: float = -math.inf
 
-    def holds(self, row: RowContext, req: RequestState, jumps: Mapping[str, int], now: int, patience: int,
-              runs: tuple = ()) -> bool:
+    def holds(self, row: RowContext, req: RequestState, jumps: Mapping[str, int], now: int, patience: int) -> bool:
         """Still the same one row, before `until`, its evidence and models' speeds unchanged,
         the plan's k within the row's cap, and (`counts`) the next decision not the one that
         switches for patience (a probe due is the router's to check)."""
@@ -92,7 +89,6 @@ class StreamHold:
                 and (row.remaining is None or row.remaining - 1 >= (1 if self.firm else d.k))
                 and tuple(jumps.get(m, 0) for m in (d.chain if self.watched is None else self.watched)) == self.epoch
                 and certain_bucket(row.certain_rate) == self.certain
-                and runs == self.runs
                 and not (self.counts and req.worse + 1 >= patience))
 
     def last_step(self, now: int) -> bool:
@@ -140,8 +136,7 @@ class StreamHolder:
         if req is not None and not hold.firm:
             req.settle(self.router.board)  # its version, as the observations since moved it
         if (len(rows) != 1 or pinned or req is None or (probe_due and not hold.firm)
-                or not hold.holds(rows[0], req, jumps, now, self.router.config.patience,
-                                  run_key(req, self.router.config))
+                or not hold.holds(rows[0], req, jumps, now, self.router.config.patience)
                 or (hold.firm and (self.trials.refuted() if self.trials is not None else self.refuted(hold, req)))):
             self.hold = None
             return None
@@ -200,7 +195,7 @@ class StreamHolder:
         self.expected, self.streaks = {}, {}
         self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
                                req.version, epoch, certain_bucket(rows[0].certain_rate),
-                               now + span, req.worse > 0, run_key(req, cfg), firm, watched, floor)
+                               now + span, req.worse > 0, firm, watched, floor)
         return firm
 
     def break_even(self, decision: Decision, req: RequestState) -> float:
