@@ -36,9 +36,7 @@ since lean20, with lazy8's fields: "per-step" measures the router before), no-fi
 (stream_hold_firm=False: the stream hold as before), firm8 (the same, 8 steps), lazy (firm, observations deferred while held: router/deferred.py), lazy8 (the
 same, 8 steps), lazy8-nobe (lazy8 released by decision_tolerance only, not its plan's break-even: before
 lean20), per-step (stream_hold_firm=False, defer_observations=False, stream_hold_steps=4: the hold before lean20's
-default), free16 (free_timing_batch=16: model-free
-drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
-steps while the decision at its end keeps the plan), firm16s (firm, its span doubling up to 16),
+default),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
 prior-global (request_prior_quantile=None: a new request's prior for a model pair is the global alpha, not the
 upper quartile of finished requests' own alphas when higher), prior-16 (request_prior_strength=16: a request's
@@ -51,7 +49,7 @@ spec-held (outside_spec_held=True: leaving plain priced at a speculative cycle's
 as plain decoding is at its held steps'), lease-held (both), lease-held-nm (lease-held without the margin),
 pre-floor21 (plain_lease=False, outside_spec_held=False: the router before floor21's default; lease-held is the
 default since). Removed by prune22 (issue 27) with their fields: greedy-tv, outside, burst, burst2, monotone,
-stand-in, tv-always-stand-in, monotone-m1g, monotone-m1, refute-global.
+stand-in, tv-always-stand-in, monotone-m1g, monotone-m1, refute-global, free16, lean, lean16, firm16s.
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -102,10 +100,6 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "lazy8-nobe": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True, stream_hold_steps=8,
                                           stream_hold_break_even=False),
         "per-step": dataclasses.replace(base, stream_hold_firm=False, defer_observations=False, stream_hold_steps=4),
-        "free16": dataclasses.replace(base, free_timing_batch=16),
-        "lean": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16),
-        "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),
-        "firm16s": dataclasses.replace(base, stream_hold_firm=True, stream_hold_max=16),
         "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
         "prior-global": dataclasses.replace(base, request_prior_quantile=None),
         "prior-16": dataclasses.replace(base, request_prior_strength=16.0),

@@ -409,10 +409,9 @@ class RouterConfig:
     # router share of a single-stream speculative step 0.95 -> 0.64 ms at t=0.7, +1.9% tokens/s
     # over 40 side-by-side ratios, SPR; docs/router.md, lean20); off before (lean18, lean19)
     stream_hold_firm: bool = True
-    # ... a firm hold's span doubles, up to this many steps, while the decision at each hold's
-    # end keeps the same plan, and falls back to stream_hold_steps on any other
-    # (stream_hold_steps or less: no stretching)
-    stream_hold_max: int = 4
+    # (a firm hold's span doubling while the decision at each end kept the plan was
+    # `stream_hold_max`: at its default 4, below stream_hold_steps, it never stretched; removed
+    # by prune22, issue 27)
     # ... a firm hold is released when its first pair's estimate falls past its plan's break-even
     # with plain decoding (StreamHolder.break_even, lean20), not only by decision_tolerance
     stream_hold_break_even: bool = True
@@ -433,11 +432,8 @@ class RouterConfig:
     # since floor21 (with outside_spec_held: a held plain step's host seconds 0.31 -> 0.22 ms
     # against target-only's 0.06, AMD EPYC, chat t=0.7 with penalties)
     plain_lease: bool = True
-    # model-free drafters' forwards (tens of microseconds: a lookup) reach the cost profile this
-    # many at a time, their seconds summed (router/policy.py `observe_forwards`): one at a time
-    # their timing noise fired the step detector ~25-60 times a run, each republishing the
-    # evidence (every cached decision a miss) for a cost ~0.2% of a step. 1: one at a time
-    free_timing_batch: int = 1
+    # (model-free drafters' forwards reaching the cost profile `free_timing_batch` at a time,
+    # seconds summed: off at 1, not kept; removed by prune22, issue 27)
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
     # batching by this fraction (a speculating row slows every row of the step; acceptance is
     # an estimate, and under-estimating plain's rate costs every row)
@@ -511,12 +507,12 @@ class RouterConfig:
             raise ValueError("overhead_alpha must be in (0, 1], context_bucket and log_size >= 1")
         if min(self.decision_tolerance, self.decision_hit_tolerance, self.decision_time_tolerance) < 0 \
                 or self.decision_refresh < 1 or self.plain_hold_max < 0 or self.batch_plain_margin < 0 \
-                or self.spec_hold_steps < 1 or self.stream_hold_steps < 1 or self.free_timing_batch < 1 \
+                or self.spec_hold_steps < 1 or self.stream_hold_steps < 1 \
                 or self.sampling_spec_max_batch < 1 or self.batch_calibration_prior < 0 \
                 or not 0.0 < self.batch_calibration_discount < 1.0 \
                 or not 0.0 < self.batch_calibration_forget <= 1.0:
             raise ValueError("decision tolerances, plain_hold_max, batch_plain_margin and batch_calibration_prior "
-                             "must be >= 0, decision_refresh, spec_hold_steps, stream_hold_steps, free_timing_batch and sampling_spec_max_batch >= 1, "
+                             "must be >= 0, decision_refresh, spec_hold_steps, stream_hold_steps and sampling_spec_max_batch >= 1, "
                              "batch_calibration_discount in (0, 1), batch_calibration_forget in (0, 1]")
         if not isinstance(self.similarity, SimilarityConfig) or not isinstance(self.profile, ProfileConfig):
             raise ValueError("similarity and profile must be a SimilarityConfig and a ProfileConfig")

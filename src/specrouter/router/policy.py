@@ -202,23 +202,13 @@ def fade_idle(router: "Router", req: RequestState, chain: Chain, mode: str) -> N
 
 def observe_forwards(router: "Router", forwards: Sequence[ForwardRecord]) -> None:
     """A step's forwards: each model seen now (the prober's staleness), their timings into the
-    cost profile; a model-free drafter's `RouterConfig.free_timing_batch` at a time, shapes
-    and seconds summed (`CostProfile.observe_many`: one observation of their total)."""
-    now, batch, pending = router.similarity.now, router.config.free_timing_batch, router.free_timings
+    cost profile, one at a time (a model-free drafter's batched was `free_timing_batch`,
+    removed by prune22)."""
+    now = router.similarity.now
     for f in forwards:
         router.prober.model_seen[f.model] = now
-        if f.model not in router.profile:
-            continue
-        if batch <= 1 or f.model not in router.model_free:
+        if f.model in router.profile:
             router.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
-            continue
-        shapes, seconds = pending.get(f.model) or ([], 0.0)
-        shapes = shapes + [(f.rows, f.new_tokens, f.context_len)] * f.count
-        if len(shapes) >= batch:
-            router.profile.observe_many(f.model, shapes, seconds + f.seconds)
-            pending.pop(f.model, None)
-        else:
-            pending[f.model] = (shapes, seconds + f.seconds)
 
 
 def fold_step(router: "Router", report: StepReport) -> None:
@@ -320,7 +310,6 @@ class Router:
                          "outside_plain": 0.0, "outside_spec": 0.0, "outside_spec_held": 0.0}
         self.outside = OutsideClock()  # measures "outside_plain" / "outside_spec"
         # model-free drafters' forwards not yet in the profile: drafter -> (shapes, seconds) (`observe_forwards`)
-        self.free_timings: dict[str, tuple[list, float]] = {}
         self.decide_seconds = 0.0  # EMA of decide() wall time
         self.t_width = cfg.k_max + cfg.max_levels + 2  # cost rows' widths (tokens per forward)
         self.dp_width = cfg.k_max + max(len(c) for c in self.chains)  # best_plan's length axis, any subset

@@ -42,9 +42,9 @@ lasts its span whatever the request's evidence does, lets a due probe wait for i
 near the request's end instead of ending, and watches only the plan's models' speed jumps (a
 model-free drafter's timing noise fired its step detector ~25 times a run); its shadow proposals
 run on its last step only (`keep` returns True: the decided step that starts it has none), and
-its steps are offered confident drafts as decided ones are (`BatchPlan.held` False). Its
-span may double while the decision at each end keeps the plan (`RouterConfig.stream_hold_max`,
-`StreamHolder.span`)."""
+its steps are offered confident drafts as decided ones are (`BatchPlan.held` False). Its span
+is `stream_hold_steps` (doubling it while the decision at each end kept the plan was
+`RouterConfig.stream_hold_max`, below the span by default: removed by prune22, issue 27)."""
 
 from __future__ import annotations
 
@@ -113,9 +113,6 @@ class StreamHolder:
         self.router = router  # policy.Router: its settings (read at every step, as the planner's)
         self.hold: StreamHold | None = None
         self.held = 0  # cycles planned by a hold (no decide, no DecisionEvent)
-        # the last firm hold's (row, plan, span): a decision at its end that keeps the same plan
-        # doubles the next one's span up to `RouterConfig.stream_hold_max` (`span`)
-        self.last: tuple[int, tuple, int] | None = None
         # a firm hold's first-pair trials as it counts them, with deferred observations
         # (`RouterConfig.defer_observations`, router/deferred.py): `HoldTrials`
         self.trials: HoldTrials | None = None
@@ -188,7 +185,7 @@ class StreamHolder:
             return False
         watched = tuple(m for m in decision.chain if m not in self.router.model_free) if firm else None
         epoch = req.epoch if not firm else tuple(self.router.profile.jumps.get(m, 0) for m in watched)
-        span = self.span(rows[0].seq_id, decision) if firm else cfg.stream_hold_steps
+        span = cfg.stream_hold_steps
         floor = self.break_even(decision, req) if firm and cfg.stream_hold_break_even else -math.inf
         self.trials = HoldTrials.start(self.router, decision.chain, req, floor) \
             if firm and cfg.defer_observations else None
@@ -229,18 +226,6 @@ class StreamHolder:
             mid = 0.5 * (lo + hi)
             lo, hi = (mid, hi) if expected_tokens(mid, k) < need else (lo, mid)
         return hi
-
-    def span(self, seq_id: int, decision: Decision) -> int:
-        """A firm hold's span: `stream_hold_steps`, doubled up to `stream_hold_max` each time the
-        decision that ends a hold keeps its plan (the same chain and k, kept as "same" or by
-        "hysteresis"), back to `stream_hold_steps` on any other (a switch, another request)."""
-        cfg = self.router.config
-        plan, last = (decision.chain, decision.k), self.last
-        span = cfg.stream_hold_steps
-        if last is not None and last[0] == seq_id and last[1] == plan and decision.reason in self.KEPT:
-            span = min(2 * last[2], max(cfg.stream_hold_max, span))
-        self.last = (seq_id, plan, span)
-        return span
 
     def release(self) -> None:
         """Drop the hold (a model failed: its plan may name it)."""
