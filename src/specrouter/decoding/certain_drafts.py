@@ -57,8 +57,8 @@ def extend(w) -> int:
 
 def propose_after_forced(drafter, w, fields: bool = False) -> None:
     """A model-free draft (`w.cand`) followed by the tokens its grammar forces, and the drafter
-    asked again after them for what remains of k, FREE_ROUNDS times at most; with `fields`, a
-    longer field draft replaces each answer (decoding/field_drafts.py) and the rounds go on
+    asked again after them for what remains of k, FREE_ROUNDS times at most; with `fields`, the
+    field draft replaces each answer where they differ (`preferred`) and the rounds go on
     while field drafts come (FIELD_ROUNDS at most: one draft spans several fields)."""
     sized = drafter.sized_by_confidence and w.min_confidence
     rounds = FIELD_ROUNDS if fields and w.seq.grammar.fields is not None else FREE_ROUNDS

@@ -315,7 +315,7 @@ class ChainExecutor:
             w.cand = toks[: min(m, w.cap)]
             if w.seq.grammar is not None:  # only what the grammar allows goes up the chain
                 w.cand = w.cand[: w.seq.grammar.valid_prefix(w.seq.output_ids, w.cand)]
-            if w.forcing and self.field_drafts:  # a longer field draft replaces it (field_drafts.py)
+            if w.forcing and self.field_drafts:  # the field draft, where they differ (certain_drafts.preferred)
                 certain.take_field_draft(w, 0)
             if w.forcing and w.cand:  # (before any proposal, jump forward took the forced tokens)
                 certain.propose_after_forced(drafter, w, self.field_drafts)

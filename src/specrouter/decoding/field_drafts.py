@@ -15,13 +15,15 @@ another up to k tokens (each piece cut where the grammar refuses it):
    `,`, `},` ...: the first the grammar allows);
 3. value start: at a value's first character, a guess of its first word from the prompt's last
    message: after the key's own words (`born 1815`: key-anchored), else the first word not yet
-   used after the previous value's place there (the record's next field), a number for a number.
+   used after the previous value's place there (the record's next field), a number for a number;
+   never a label's word (`Year of birth: 1856`), a word with a digit for a string (`x2`), nor
+   the one-word role line a chat template starts a message with (`user`).
 The grammar-forced tokens between pieces are not field drafts: the executor puts them in as
 certain candidates (decoding/certain_drafts.py) and asks again after them, so one draft spans
 several fields (`", "city": "London", "occupation": "` holds 3 drafted tokens). A field draft is
 verified like any candidate (exact: the target's tokens are committed, whatever is proposed);
 what it changes is how much a cycle commits. The executor offers it in place of a model-free
-drafter's proposal when longer (`ChainExecutor.field_drafts`).
+drafter's proposal where they differ (`certain_drafts.preferred`; `ChainExecutor.field_drafts`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ WORD = re.compile(r"[^\W\d_][\w'\-]*|\d+(?:\.\d+)?")  # words and numbers of the
 DELIMITER = re.compile(r"[,.;:!?()\[\]{}|=\n\"]")  # a copied value ends before one of these ...
 CLAUSE = re.compile(r"\s(?:who|which|that|where|when|in|at|from|for|with|on|over|to|was|is|born)\b|\s\S*\d", re.I)
 MAX_WORDS = 4  # ... and after this many words
+MARK = re.compile(r"[:=]")  # what follows a label (`Name: Ada`, `Location = Tokyo`) ...
+LABEL_WORDS = 3  # ... of at most this many words
+CODE = re.compile(r"\d").search  # a word with a digit (`x2`, `4th`): no string value's first word
+ROLE = re.compile(r"[ \t]*[^\W\d_]+[ \t]*\n")  # a message's first line holding one word only: its role (`user`)
 SKIP = frozenset("a an the of in on at for to and or is was are with by as from over next use it its be "
                  "will i you me my we our please this that what how can could would make write turn "
                  "extract give call read return list json".split())  # never a value's first word
@@ -69,8 +75,12 @@ class FieldDrafter:
         end = next((c for c in cut if c >= start), len(prompt_ids))
         self.message_start = len(decode(prompt_ids[:start]))
         self.message_end = len(decode(prompt_ids[:end]))
+        role = ROLE.match(self.source, self.message_start, self.message_end)  # `user\n` (ChatML's header)
+        if role:
+            self.message_start = role.end()
         self.words = [(m.start(), m.end(), m.group())
                       for m in WORD.finditer(self.source, self.message_start, self.message_end)]
+        self.labels = self._labels()
         self.lower_words = [w[2].lower() for w in self.words]
         # the data of an instruction ("... from this record: Ada ...") follows its last colon
         colon = self.source.rfind(": ", self.message_start, self.message_end)
@@ -78,6 +88,20 @@ class FieldDrafter:
         self._encoded: dict[str, list[int]] = {}
         self.seconds = 0.0  # time spent proposing
         self.proposed = 0  # tokens proposed (drafts and the router's shadow proposals)
+
+    def _labels(self) -> frozenset[int]:
+        """The start offsets of the message's label words: up to LABEL_WORDS words (spaces only
+        between them) right before a `:` or `=` (`Year of birth: 1856`, `Location = Tokyo`):
+        what names a value, never a value's first word."""
+        starts, words = set(), self.words
+        for m in MARK.finditer(self.source, self.message_start, self.message_end):
+            i, end = bisect.bisect_left(words, (m.start(),)) - 1, m.start()  # the last word before it
+            for _ in range(LABEL_WORDS):
+                if i < 0 or self.source[words[i][1]:end].strip(" \t") or not words[i][2][0].isalpha():
+                    break
+                starts.add(words[i][0])
+                end, i = words[i][0], i - 1
+        return frozenset(starts)
 
     def _enc(self, text: str) -> list[int]:
         ids = self._encoded.get(text)
@@ -186,9 +210,11 @@ class FieldDrafter:
         values = re.findall(r'"([^"]+)"[,}\]]', text)  # the string values written so far
         used = {w.lower() for w in WORD.findall(" ".join(re.findall(r'"([^"]*)"', text)))}
 
-        def fits(w: str) -> bool:
+        def fits(word: tuple[int, int, str]) -> bool:
+            w = word[2]
             lw = w.lower()
-            return (w[0].isdigit() != quoted and lw not in SKIP and lw != key
+            return (w[0].isdigit() != quoted and lw not in SKIP and lw != key and word[0] not in self.labels
+                    and not (quoted and CODE(w))
                     and not (quoted and any(lw.startswith(u) for u in used if len(u) > 2 or u == lw)))
 
         words, lower = self.words, self.lower_words
@@ -200,7 +226,7 @@ class FieldDrafter:
                     j = i + n
                     while j < len(words) and lower[j] in KEY_GAP:
                         j += 1
-                    if (j < len(words) and fits(words[j][2])
+                    if (j < len(words) and fits(words[j])
                             and GAP.fullmatch(self.source[words[j - 1][1]:words[j][0]])):
                         return self._cased(words[j][2], values)
         # the cursor: the span of the last value of the output found in the source
@@ -211,13 +237,13 @@ class FieldDrafter:
                 span = (p, p + len(v))
         at = bisect.bisect_left(words, (span[1],))  # the first word after the last value
         if not quoted:  # a number: the nearest to the last value (`2 apples, 3 bananas`)
-            near = [w for w in words[max(0, at - NEAR): at + NEAR] if fits(w[2])]
+            near = [w for w in words[max(0, at - NEAR): at + NEAR] if fits(w)]
             if not near:
                 return None
             return min(near, key=lambda w: min(abs(w[1] - span[0]), abs(w[0] - span[1])))[2]
         after = []
         for w in itertools.chain(words[at:], words[:at]):  # after the last value, else from the start
-            if fits(w[2]):
+            if fits(w):
                 after.append(w)
                 if len(after) == NEAR:
                     break

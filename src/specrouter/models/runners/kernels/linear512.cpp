@@ -51,7 +51,16 @@ inline int64_t block_rows(int64_t N) {
 // in-process A/B) bf16 135M T(17) 10.0 -> 8.2 ms, T(33) 16.1 -> 13.8, fp32 T(17) 17.1 -> 15.1,
 // T(1) unchanged (4 KiB: 8.9 ms at 17 rows; 16 KiB as 8, 32-64 KiB 0.3-0.5 ms slower there); on
 // Zen 4 it gained nothing (docs/kernels.md). Prefetches change no bits.
+//
+// Non-temporal (`PREFETCH_HINT`): each weight line is read once per forward, and a forward of the
+// 135M target streams ~269 MB through the caches, evicting the host's working set (the
+// interpreter, torch's dispatcher, the router's tables): the host work between two forwards then
+// ran 3-5x slower than warm (a sampling call 45-80 us after a forward, 11-16 us warm; 70 us after
+// a 300 MB sweep). With the NTA hint on a Zen 5 (session 22, in-process A/B, every other step,
+// two runs): the target's bf16 forward 2.3-4.6% faster at 1, 2 and 5 tokens, the sampling call
+// after it 26-43 us faster; the draft's forward (weights cache-resident) unchanged.
 constexpr int64_t PREFETCH = 8192;
+constexpr auto PREFETCH_HINT = _MM_HINT_NTA;  // (GCC: an enum _mm_hint, clang: an int)
 
 // float32 x (R rows of K, row stride K) times one tile (K, 32) float32 -> acc (R, 32)
 template <int R>
@@ -61,8 +70,8 @@ T512 void tile_f32(const float* x, int64_t K, const float* w, float* acc) {
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k, w += TILE) {
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
-    _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH, PREFETCH_HINT);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH + 64, PREFETCH_HINT);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * K + k]);
@@ -110,8 +119,8 @@ T512BF void tile_bf16_dp(const bf16* x, int64_t K, const bf16* w, float* acc) {
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2, w += 2 * TILE) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
-    _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH, PREFETCH_HINT);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH + 64, PREFETCH_HINT);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       int32_t pair;

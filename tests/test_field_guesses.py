@@ -1,0 +1,56 @@
+"""A field draft's guess of a value's first word on records written as labels and lists
+(decoding/field_drafts.py, step 3; issue 30, the reworded records of bench/structured.py):
+a label's words (`Year of birth:`, `Location =`) are never a value's first word, nor a word with
+digits in a string value (`x2`), nor the role line ChatML puts at a message's start (`user`).
+Each case fails with the rule taken out (the negative controls)."""
+
+import pytest
+from fixtures import four_level_fixtures
+from test_field_drafts import PERSON
+
+from specrouter.decoding import field_drafts
+from specrouter.decoding.field_drafts import FieldDrafter
+from specrouter.decoding.grammar import GrammarSpec, RowGrammar
+from specrouter.engine.constrained import _text_codec
+
+SHOPPING = {"type": "object", "properties": {"items": {"type": "array", "items": {
+    "type": "object", "properties": {"item": {"type": "string"}, "quantity": {"type": "integer"}},
+    "required": ["item", "quantity"], "additionalProperties": False}}},
+    "required": ["items"], "additionalProperties": False}
+CARD = "Profile card | Name: Nikola Tesla | Year of birth: 1856 | Hometown: Smiljan | Job: inventor."
+LIST = "user\nOur trip needs: bread x2, cheese x3"
+LIST_SO_FAR = '{"items": [{"item": "bread", "quantity": 2}, {"item": "'
+
+pool, prompts = four_level_fixtures()
+
+
+def guess(pool, schema, message, written):
+    encode, decode, special = _text_codec(pool.tokenizer)
+    grammar = RowGrammar(GrammarSpec.json_schema(schema), pool.tokenizer, tuple(pool.eos_ids), pool.vocab_width,
+                         frozenset(pool.eos_ids))
+    fields = FieldDrafter(encode, decode, encode(message), special)
+    return decode(fields.propose(grammar, encode(written), [], 16))
+
+
+CASES = [  # (schema, message, written, guess, the guess without the rule)
+    (PERSON, CARD, '{"name": "Nikola Tesla", "born": 1856, "city": "', 'Smiljan",', 'Year'),
+    (SHOPPING, LIST, LIST_SO_FAR, 'cheese",', 'x2'),
+    (SHOPPING, LIST, LIST_SO_FAR + 'cheese", "quantity": 3}, {"item": "', "", "user"),
+]
+
+
+@pytest.mark.parametrize("schema, message, written, expected, _", CASES)
+def test_labels_codes_and_roles_are_no_value(pool, schema, message, written, expected, _):
+    assert guess(pool, schema, message, written) == expected
+
+
+def test_negative_controls_without_the_rules_the_guesses_are_wrong(pool, monkeypatch):
+    labels = FieldDrafter._labels
+    monkeypatch.setattr(FieldDrafter, "_labels", lambda self: frozenset())
+    assert guess(pool, *CASES[0][:3]).startswith(CASES[0][4])
+    monkeypatch.setattr(FieldDrafter, "_labels", labels)
+    monkeypatch.setattr(field_drafts, "CODE", lambda w: False)
+    assert guess(pool, *CASES[1][:3]).startswith(CASES[1][4])
+    monkeypatch.undo()
+    monkeypatch.setattr(field_drafts, "ROLE", field_drafts.re.compile(r"(?!)"))  # never matches
+    assert guess(pool, *CASES[2][:3]).startswith(CASES[2][4])
