@@ -3,7 +3,8 @@ writes each prompt's continuation greedily; at every generated position the draf
 token given the target's prefix is compared with the target's (teacher forcing), and the
 agreement sequence is summarised as a two-state Markov chain: P(agree), P(agree | the last
 position agreed) = p11, P(agree | the last disagreed) = p01, and their difference rho (the
-lag-1 autocorrelation the router's Markov acceptance model uses: router/burst.py).
+lag-1 autocorrelation that router/burst.py priced by, with `RouterConfig.burst_acceptance`: off,
+removed by prune22, issue 27; this measurement stands).
 
     python benchmarks/burst_acceptance.py [--tokens 96] [--prompts-per-type 3]
 """

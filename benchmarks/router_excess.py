@@ -9,10 +9,9 @@ step committed and predicted, the model-free drafter's hit rate, excess ms. Then
 step's forwards (model, new tokens, ms), the prober's own seconds.
 
     python benchmarks/router_excess.py [--workload chat] [--temperature 0.7] [--prompts-per-type 6]
-        [--presence-penalty P] [--frequency-penalty F] [--monotone] [--set FIELD=VALUE ...]
+        [--presence-penalty P] [--frequency-penalty F] [--set FIELD=VALUE ...]
 
-`--set`: RouterConfig fields (a Python literal: decision_margin_sampling=0.0). `--monotone`: the
-repaired cost profile (`ProfileConfig.monotone`). The wrappers' own seconds (~20-50 us a step)
+`--set`: RouterConfig fields (a Python literal: decision_margin_sampling=0.0). The wrappers' own seconds (~20-50 us a step)
 are in SpecRouter's steps.
 """
 
@@ -29,7 +28,7 @@ import torch
 from specrouter.api import SpecRouter
 from specrouter.bench.run import BenchConfig, build_scenarios
 from specrouter.bench.systems import AdaptiveSystem, Decoding, NativeSystem
-from specrouter.config import ProfileConfig, RouterConfig
+from specrouter.config import RouterConfig
 from specrouter.models.default_pool import default_pool_paths
 from specrouter.router.setup import load_or_sweep_profile
 
@@ -54,7 +53,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--presence-penalty", type=float, default=None)
     ap.add_argument("--frequency-penalty", type=float, default=None)
-    ap.add_argument("--monotone", action="store_true")
     ap.add_argument("--set", nargs="*", default=[])
     args = ap.parse_args()
     controls = tuple((f"{n}_penalty", v) for n in ("presence", "frequency")
@@ -63,7 +61,7 @@ def main() -> None:
     sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
     pool = sr.pool
     short = {pool.target: "T", pool.order[-2]: "d", "ngram": "ng", "suffix": "sx"}
-    profile = load_or_sweep_profile(pool, progress=False, config=ProfileConfig(monotone=True) if args.monotone else None)
+    profile = load_or_sweep_profile(pool, progress=False)
     config = dataclasses.replace(RouterConfig(), **{k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.set)})
     sys_sr = AdaptiveSystem(pool, "SpecRouter", profile=profile, progress=False, router_config=config)
     sys_t = NativeSystem(pool, "target-only", (pool.target,), None)

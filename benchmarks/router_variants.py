@@ -3,7 +3,7 @@ fresh router per temperature, every request decoded by every variant and by targ
 turn (the order rotated per request), one process, the bench's prompts (3 per type, 64 new
 tokens). Prints tokens/s per request and summed.
 
-    python benchmarks/router_variants.py [--temperatures 0 0.7] [--variants no-tv greedy-tv no-check tv-cap-8]
+    python benchmarks/router_variants.py [--temperatures 0 0.7] [--variants no-tv no-check tv-cap-8]
         [--workload mixed|chat|prose|code|extraction] [--prompts-per-type 3] [--max-new-tokens 64]
         [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R]
         [--arm NAME FIELD=VALUE ... [--arm ...]]
@@ -11,12 +11,10 @@ tokens). Prints tokens/s per request and summed.
 `--arm` adds a variant of its own RouterConfig fields (Python literals, as serve_engine.py's
 `--arm`), beside the named ones.
 
-Variants (RouterConfig changes against the default): no-tv (measure_tv=False), greedy-tv
-(greedy rows' D_TV fed to the estimator), no-check (realized_check=False), tv-cap-8
+Variants (RouterConfig changes against the default): no-tv (measure_tv=False), no-check (realized_check=False), tv-cap-8
 (request_tv_cap=8, request_tv_weight=1), no-step-host (draft_step_overhead=False: the draft steps'
 host seconds folded into the cycle's overhead, as before issue 33), any-probe (probe_first_pair=False:
-a pair probed by any chain measuring it), outside (charge_outside=True: the step's host seconds outside the
-executor charged instead of decide()'s), no-hold (plain_hold_max=0: no plain hold, a
+a pair probed by any chain measuring it), no-hold (plain_hold_max=0: no plain hold, a
 settled plain single stream decided every step), iid (confirmed_alpha=False: a three-level chain's
 top level accepts every token at the pair's rate), no-fade (realized_fade=1.0: the realized check's
 evidence fades only on cycles of model-free chains, as before), no-leave-charge
@@ -31,34 +29,27 @@ every step, as before), no-refute (probe_refute_wait=0: a model pair's probe tha
 optimism sets no wait, as before), catch-up-probes (probe_past_catch_up=False: a lone row's probe of a
 lagging draft weighed by the catch-up check at the request's own estimate, as before issue 28's
 lock-in fix), no-idle-fade (request_idle_decay=1.0: a request's evidence of a model pair frozen
-while it runs plain, as before), stale (both, as before), burst (burst_acceptance=True: a model draft's next
-cycle priced by its current run of accepted tokens, router/burst.py), burst2 (the same from runs of 2 on),
+while it runs plain, as before), stale (both, as before),
 firm (stream_hold_firm=True: a single stream's speculative hold after every decided
 plan, not released by its own evidence moving unless against the plan, shadows on its last step; the default
 since lean20, with lazy8's fields: "per-step" measures the router before), no-firm
 (stream_hold_firm=False: the stream hold as before), firm8 (the same, 8 steps), lazy (firm, observations deferred while held: router/deferred.py), lazy8 (the
 same, 8 steps), lazy8-nobe (lazy8 released by decision_tolerance only, not its plan's break-even: before
 lean20), per-step (stream_hold_firm=False, defer_observations=False, stream_hold_steps=4: the hold before lean20's
-default), free16 (free_timing_batch=16: model-free
-drafters' forwards timed 16 at a time), lean (firm and free16), lean16 (lean, a firm hold's span doubling up to 16
-steps while the decision at its end keeps the plan), firm16s (firm, its span doubling up to 16),
+default),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
-monotone (the default router on the cost profile repaired: ProfileConfig.monotone, router/profile.py),
 prior-global (request_prior_quantile=None: a new request's prior for a model pair is the global alpha, not the
 upper quartile of finished requests' own alphas when higher), prior-16 (request_prior_strength=16: a request's
 own acceptance counts shrunk toward its prior by 16 pseudo-trials, not 8), tv-lean (tv_first_cycles=2,
-tv_every=16: D_TV in a request's first 2 cycles and every 16th step), stand-in (calibrate_stand_in=True: trials
-without their row's own D_TV teach the calibration with the pair's global SimScore, as before session 19),
-tv-always-stand-in (both), tv-first-8 (tv_first_cycles=8), tv-every-4 (tv_every=4), no-margin (decision_margin_sampling=0: a
+tv_every=16: D_TV in a request's first 2 cycles and every 16th step), tv-first-8 (tv_first_cycles=8), tv-every-4 (tv_every=4), no-margin (decision_margin_sampling=0: a
 sampled request's alphas and hit rates read as estimated, as before floor19), margin05 / margin1 / margin2 / m075 (z
-0.5 / 1 / 2 / 0.75 standard errors off them), margin1g / margin05g (greedy rows too), monotone-m1g / monotone-m1
-(the repaired profile with those margins), probe-k2 (probe_k=2), m05-pk2 (z 0.5 and probe_k=2),
-refute-global (probe_refute_global=True: a pair whose probe was refuted waits in every request's probes),
+0.5 / 1 / 2 / 0.75 standard errors off them), margin1g / margin05g (greedy rows too), probe-k2 (probe_k=2), m05-pk2 (z 0.5 and probe_k=2),
 plain-lease (plain_lease=True: a settled plain single stream's held steps run on an engine lease, unplanned),
 spec-held (outside_spec_held=True: leaving plain priced at a speculative cycle's held steps' outside seconds,
 as plain decoding is at its held steps'), lease-held (both), lease-held-nm (lease-held without the margin),
 pre-floor21 (plain_lease=False, outside_spec_held=False: the router before floor21's default; lease-held is the
-default since).
+default since). Removed by prune22 (issue 27) with their fields: greedy-tv, outside, burst, burst2, monotone,
+stand-in, tv-always-stand-in, monotone-m1g, monotone-m1, refute-global, free16, lean, lean16, firm16s.
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -75,7 +66,7 @@ import torch
 from specrouter.api import SpecRouter
 from specrouter.bench.run import BenchConfig, build_scenarios
 from specrouter.bench.systems import AdaptiveSystem, Decoding, NativeSystem
-from specrouter.config import ProfileConfig, RouterConfig
+from specrouter.config import RouterConfig
 from specrouter.models.default_pool import default_pool_paths
 from specrouter.router.setup import load_or_sweep_profile
 
@@ -85,12 +76,10 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
     sim = base.similarity
     known = {
         "no-tv": dataclasses.replace(base, similarity=dataclasses.replace(sim, measure_tv=False)),
-        "greedy-tv": dataclasses.replace(base, similarity=dataclasses.replace(sim, greedy_tv=True)),
         "no-check": dataclasses.replace(base, realized_check=False),
         "tv-cap-8": dataclasses.replace(base, request_tv_cap=8.0, request_tv_weight=1.0),
         "no-step-host": dataclasses.replace(base, draft_step_overhead=False),
         "any-probe": dataclasses.replace(base, probe_first_pair=False),
-        "outside": dataclasses.replace(base, charge_outside=True),
         "no-hold": dataclasses.replace(base, plain_hold_max=0),
         "iid": dataclasses.replace(base, confirmed_alpha=False),
         "no-fade": dataclasses.replace(base, realized_fade=1.0),
@@ -103,8 +92,6 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "catch-up-probes": dataclasses.replace(base, probe_past_catch_up=False),
         "no-idle-fade": dataclasses.replace(base, request_idle_decay=1.0),
         "stale": dataclasses.replace(base, probe_past_catch_up=False, request_idle_decay=1.0),
-        "burst": dataclasses.replace(base, burst_acceptance=True),
-        "burst2": dataclasses.replace(base, burst_acceptance=True, burst_min_run=2),
         "firm": dataclasses.replace(base, stream_hold_firm=True),
         "no-firm": dataclasses.replace(base, stream_hold_firm=False),
         "firm8": dataclasses.replace(base, stream_hold_firm=True, stream_hold_steps=8),
@@ -113,18 +100,10 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "lazy8-nobe": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True, stream_hold_steps=8,
                                           stream_hold_break_even=False),
         "per-step": dataclasses.replace(base, stream_hold_firm=False, defer_observations=False, stream_hold_steps=4),
-        "free16": dataclasses.replace(base, free_timing_batch=16),
-        "lean": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16),
-        "lean16": dataclasses.replace(base, stream_hold_firm=True, free_timing_batch=16, stream_hold_max=16),
-        "firm16s": dataclasses.replace(base, stream_hold_firm=True, stream_hold_max=16),
         "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
-        "monotone": base,  # the default router on the repaired profile (`repaired_profile`)
         "prior-global": dataclasses.replace(base, request_prior_quantile=None),
         "prior-16": dataclasses.replace(base, request_prior_strength=16.0),
         "tv-lean": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_first_cycles=2, tv_every=16)),
-        "stand-in": dataclasses.replace(base, similarity=dataclasses.replace(sim, calibrate_stand_in=True)),
-        "tv-always-stand-in": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1,
-                                                                                       calibrate_stand_in=True)),
         "tv-first-8": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_first_cycles=8)),
         "tv-every-4": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=4)),
         "margin05": dataclasses.replace(base, decision_margin_sampling=0.5),
@@ -133,12 +112,9 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "margin1g": dataclasses.replace(base, decision_margin_sampling=1.0, decision_margin_greedy=1.0),
         "margin05g": dataclasses.replace(base, decision_margin_sampling=0.5, decision_margin_greedy=0.5),
         "no-margin": dataclasses.replace(base, decision_margin_sampling=0.0, decision_margin_greedy=0.0),
-        "monotone-m1g": dataclasses.replace(base, decision_margin_sampling=1.0, decision_margin_greedy=1.0),
-        "monotone-m1": dataclasses.replace(base, decision_margin_sampling=1.0),
         "probe-k2": dataclasses.replace(base, probe_k=2),
         "m05-pk2": dataclasses.replace(base, decision_margin_sampling=0.5, probe_k=2),
         "m075": dataclasses.replace(base, decision_margin_sampling=0.75),
-        "refute-global": dataclasses.replace(base, probe_refute_global=True),
         "plain-lease": dataclasses.replace(base, plain_lease=True),
         "spec-held": dataclasses.replace(base, outside_spec_held=True),
         "lease-held": dataclasses.replace(base, plain_lease=True, outside_spec_held=True),
@@ -151,15 +127,10 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
     return {"default": base, **{n: known[n] for n in names}}
 
 
-def repaired_profile(pool):
-    """The machine's cost profile made monotone (`ProfileConfig.monotone`, router/profile.py)."""
-    return load_or_sweep_profile(pool, progress=False, config=ProfileConfig(monotone=True))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
-    ap.add_argument("--variants", nargs="*", default=["no-tv", "greedy-tv", "no-check"])
+    ap.add_argument("--variants", nargs="*", default=["no-tv", "no-check"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workload", default="mixed")
     ap.add_argument("--prompts-per-type", type=int, default=3)
@@ -185,8 +156,7 @@ def main() -> None:
     sr = SpecRouter.from_pretrained(default_pool_paths(progress=False), adaptive=False, progress=False)
     pool = sr.pool
     profile = load_or_sweep_profile(pool, progress=False)
-    systems = {n: AdaptiveSystem(pool, n, profile=repaired_profile(pool) if n.startswith("monotone") else profile,
-                                 progress=False, router_config=c)
+    systems = {n: AdaptiveSystem(pool, n, profile=profile, progress=False, router_config=c)
                for n, c in configs.items()}
     systems["target-only"] = NativeSystem(pool, "target-only", (pool.target,), None)
     aliases = {"draft": pool.order[-2], "target": pool.target}

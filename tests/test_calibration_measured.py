@@ -1,8 +1,7 @@
 """The similarity -> acceptance calibration learns only from trials that came with their row's own
 measured SimScore (router/similarity.py `observe_acceptance`; review18's risk 2): trials of a step
-the TvSchedule skipped count as acceptance evidence but teach the calibration nothing, unless
-`SimilarityConfig.calibrate_stand_in` (the behaviour before: the pair's global SimScore as the
-row's stand-in)."""
+the TvSchedule skipped count as acceptance evidence but teach the calibration nothing (the pair's
+global SimScore as the row's stand-in was `SimilarityConfig.calibrate_stand_in`, removed by prune22)."""
 
 from __future__ import annotations
 
@@ -28,10 +27,3 @@ def test_unmeasured_trials_count_but_do_not_teach_the_calibration():
     est.observe_acceptance(PAIR, SAMPLING, 5, 1, sim=0.9)  # a measured one teaches it
     assert cal.sw == pytest.approx(6) and cal.sy == pytest.approx(5)
 
-
-def test_with_the_stand_in_every_trial_teaches_it():
-    """The control (the old behaviour): the unmeasured trials teach it at the global SimScore."""
-    est = estimator(calibrate_stand_in=True)
-    est.observe_acceptance(PAIR, SAMPLING, 3, 1)
-    cal = est.calibrations[SAMPLING]
-    assert cal.sw == pytest.approx(4) and cal.sx == pytest.approx(4 * (0.7 - cal.center))

@@ -79,21 +79,3 @@ def test_judge_refutes_doubles_clears_and_skips():
     judge(("ngram", "T"), 0.2, _outcome(("ngram", "T"), 4, [3, 3], [0, 1]))  # 1 of 4 asked: 1 / 2 trials
     assert ("ngram", "T") not in req.probe_waits
 
-
-def test_a_router_wide_refutation_carries_over_to_new_requests():
-    """`probe_refute_global`: a refuted pair also waits in every request's probes, doubling with
-    each refutation, so a stream of short requests that decode plainly stops re-probing it at
-    each one. Negative control: the default (each request's own back-off only) probes every
-    new request about as often as the first."""
-    requests = [64] * 16
-    _, control = probe_stream(requests)
-    router, probed = probe_stream(requests, probe_refute_global=True)
-    n, c = sum(map(len, probed)), sum(map(len, control))
-    print(f"\nprobes per request {[len(p) for p in probed]} against {[len(p) for p in control]}")
-    assert n <= c / 2, (probed, control)
-    assert router.prober.refuted[PAIR][1] >= 4 * router.config.probe_refute_wait  # doubled at least twice
-    # a probe that is not refuted ends the router-wide wait
-    req = router.request(99, True)
-    router.prober.testing[99] = (PAIR, 0.01)
-    router.prober.judge(req, RowOutcome(99, PAIR, 2, [2, 2], [0, 2]))
-    assert PAIR not in router.prober.refuted

@@ -1,40 +1,13 @@
-"""The router's own host seconds per step (issues 27, 28, 31, lean18): model-free drafters'
-timings batched into the cost profile, the similarity estimator's alphas memoized per version,
-a request's estimate checks deferred to where its version is read. Scripted pool of
-test_router.py."""
+"""The router's own host seconds per step (issues 27, 28, 31, lean18): the similarity
+estimator's alphas memoized per version, a request's estimate checks deferred to where its
+version is read (model-free drafters' timings batched, `free_timing_batch`, was removed by
+prune22). Scripted pool of test_router.py."""
 
 from __future__ import annotations
 
-import math
-import random
-
 from test_router import make_router
 
-from specrouter.config import RouterConfig
-from specrouter.records.routing import ForwardRecord
-from specrouter.router.policy import observe_forwards
 from specrouter.router.similarity import GREEDY, SimilarityEstimator
-
-
-def test_model_free_timings_reach_the_profile_in_batches_and_jump_less():
-    """With `free_timing_batch` 16 a model-free drafter's forwards reach the cost profile 16 at a
-    time (their seconds summed: one observation), a model's each time; under the same noisy
-    timings (a lookup of ~30 us, +-60%) its step detector fires less often than one at a time
-    (the negative control, batch 1), and the speed it learns is the same within 10%."""
-    out = {}
-    for batch in (1, 16):
-        router = make_router(order=["ngram", "d1", "T"], config=RouterConfig(free_timing_batch=batch))
-        base = router.profile.predict("ngram", 1, 8, 256)
-        rng = random.Random(7)
-        before = router.profile._models["ngram"].observations, router.profile._models["T"].observations
-        for _ in range(320):
-            observe_forwards(router, [ForwardRecord("ngram", 1, 8, 256, base * 1.5 * math.exp(rng.gauss(0, 0.5))),
-                                      ForwardRecord("T", 1, 1, 256, router.profile.predict("T", 1, 1, 256))])
-        ngram, target = (router.profile._models[m].observations - b for m, b in zip(("ngram", "T"), before))
-        assert target == 320 and ngram == 320 // batch, (batch, ngram, target)
-        out[batch] = (router.profile.jumps.get("ngram", 0), router.profile.speed("ngram"))
-    assert out[16][0] < out[1][0], out
-    assert abs(math.log(out[16][1] / out[1][1])) < 0.1, out
 
 
 def test_a_memoized_alpha_is_the_alpha_of_the_evidence_now():

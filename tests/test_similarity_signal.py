@@ -10,13 +10,13 @@ import pytest
 import torch
 from fixtures import QuietRouterHooks, load_named_pool, repeating_prompts
 
-from specrouter.config import RouterConfig, SamplingParams, SimilarityConfig
+from specrouter.config import SamplingParams, SimilarityConfig
 from specrouter.decoding.tv import tv_from_logits
 from specrouter.engine.engine import Engine
 from specrouter.models.runners.base import ForwardBatch
 from specrouter.records.routing import Decision, RowOutcome, StepReport
 from specrouter.router.policy import Router
-from specrouter.router.similarity import GREEDY, SimilarityEstimator
+from specrouter.router.similarity import GREEDY, SAMPLING, SimilarityEstimator
 
 N = 12
 
@@ -127,8 +127,8 @@ def test_model_free_rows_and_measuring_off_have_no_tv(pool):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_greedy_rows_skip_the_measurement_when_the_router_ignores_it(pool, temperature):
-    """The router reads greedy rows' D_TV only with `SimilarityConfig(greedy_tv=True)`
-    (`RouterProtocol.tv_greedy_rows`): otherwise the executor neither keeps their logits nor
+    """The router reads no greedy row's D_TV (`RouterProtocol.tv_greedy_rows` False; its
+    `SimilarityConfig.greedy_tv` was removed by prune22): the executor neither keeps their logits nor
     compares them (no measuring seconds), while sampled rows are measured as before."""
     reports = run(pool, ("draft", "target"), 4, temperature, tv_greedy_rows=False)[0]
     tvs = level_tvs(reports, 1)
@@ -159,14 +159,14 @@ def test_greedy_output_is_the_same_with_and_without_measuring(pool):
 # -- what the router learns -------------------------------------------------------------------
 
 
-def feed(est, sim, alpha, trials, rng, pair=("d", "T")):
+def feed(est, sim, alpha, trials, rng, pair=("d", "T"), mode=GREEDY):
     """`trials` one-row cycles of k=4 whose acceptance is iid `alpha` and whose D_TV is 1 - sim."""
     for _ in range(trials):
         a = 0
         while a < 4 and rng.random() < alpha:
             a += 1
-        est.observe_tv(pair, GREEDY, 1.0 - sim, 4)
-        est.observe_acceptance(pair, GREEDY, a, int(a < 4), sim)
+        est.observe_tv(pair, mode, 1.0 - sim, 4)
+        est.observe_acceptance(pair, mode, a, int(a < 4), sim)
 
 
 @pytest.mark.parametrize("drift", [True, False])
@@ -186,28 +186,29 @@ def test_drift_shows_in_similarity_before_the_counts(drift):
     assert moved > 0.5 if drift else moved < 0.35, (before, after)
 
 
-@pytest.mark.parametrize("greedy_tv", [True, False])
-def test_a_requests_own_similarity_is_its_prior(greedy_tv):
+@pytest.mark.parametrize("greedy", [False, True])
+def test_a_requests_own_similarity_is_its_prior(greedy):
     """Two new requests after one cycle each on the same pair, one at SimScore 0.95, one at 0.5,
     each with 2 of 4 accepted: the similar one's alpha is well above the other's (without
-    measuring, both would sit at the same count-based estimate). These rows are greedy, whose
-    D_TV the router reads only with `greedy_tv` (off by default, docs/router.md): without it
-    both requests sit at the same estimate (the negative control)."""
+    measuring, both would sit at the same count-based estimate). Greedy rows' D_TV the router
+    does not read (`greedy_tv`, off, was removed by prune22; docs/router.md): there both
+    requests sit at the same estimate (the negative control)."""
     from test_router import make_router
 
-    router = make_router(config=RouterConfig(similarity=SimilarityConfig(greedy_tv=greedy_tv)))
+    router = make_router()
     est = router.similarity
+    mode = GREEDY if greedy else SAMPLING
     import random
 
-    feed(est, 0.9, 0.8, 200, random.Random(1), pair=("d1", "T"))
-    feed(est, 0.5, 0.35, 200, random.Random(2), pair=("d1", "T"))  # the calibration sees both regimes
+    feed(est, 0.9, 0.8, 200, random.Random(1), pair=("d1", "T"), mode=mode)
+    feed(est, 0.5, 0.35, 200, random.Random(2), pair=("d1", "T"), mode=mode)  # the calibration sees both regimes
     alphas = []
     for sid, tv in ((1, 0.05), (2, 0.5)):
-        router.observe_step(StepReport([RowOutcome(sid, ("d1", "T"), 4, [4, 4], [0, 2], True, 100, [math.nan, tv])],
+        router.observe_step(StepReport([RowOutcome(sid, ("d1", "T"), 4, [4, 4], [0, 2], greedy, 100, [math.nan, tv])],
                                        [], 0.01, 0.009, True))
         router.deferral.fold()  # deferred observations (lean20's default) are folded where read
-        alphas.append(router.alpha(("d1", "T"), GREEDY, router.requests[sid]))
-    if greedy_tv:
+        alphas.append(router.alpha(("d1", "T"), mode, router.requests[sid]))
+    if not greedy:
         assert alphas[0] > alphas[1] + 0.1, alphas
     else:
         assert alphas[0] == pytest.approx(alphas[1], abs=0.01), alphas  # (the global counts moved a little)

@@ -18,7 +18,7 @@ from specrouter.router.request_state import RequestState
 
 def schedule(**kw):
     c = SimilarityConfig(**kw)
-    return TvSchedule(c.measure_tv, c.tv_every, c.tv_first_cycles, c.greedy_tv)
+    return TvSchedule(c.measure_tv, c.tv_every, c.tv_first_cycles)
 
 
 def test_a_sampled_stream_is_measured_in_its_first_cycles_then_every_nth_step():
@@ -39,7 +39,7 @@ def test_greedy_rows_and_a_router_that_does_not_measure_never_ask():
     greedy = RowContext(1, 20, greedy=True)
     s = schedule(tv_every=1)
     assert not any(s.wants([greedy], {}) for _ in range(10))
-    assert all(schedule(tv_every=1, greedy_tv=True).wants([greedy], {}) for _ in range(10))
+    assert all(s.wants([RowContext(2, 20, greedy=False)], {}) for _ in range(10))  # a sampled row asks
     off = schedule(measure_tv=False, tv_every=1)
     assert not any(off.wants([RowContext(1, 20, greedy=False)], {}) for _ in range(10))
     pinned_only = schedule(tv_every=4)  # no row to route: pinned rows measured every 4th step

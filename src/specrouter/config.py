@@ -193,15 +193,11 @@ class SimilarityConfig:
     # ~0.1 ms, and every step was still no faster than this schedule (tv19); 1: every step
     tv_every: int = 8
     tv_first_cycles: int = 4
-    # greedy rows' D_TV feeds the estimator too. Off: a greedy row accepts on an argmax match,
-    # which the temperature-1 D_TV only proxies (through the learned calibration), and on the
-    # mixed stream it cost greedy SpecRouter 10-20% against acceptance counts alone (three
-    # side-by-side runs, docs/router.md); a sampled row's acceptance is 1 - D_TV exactly
-    greedy_tv: bool = False
-    # trials without their row's own D_TV (steps the schedule skips) teach the calibration with
-    # the pair's global SimScore as the stand-in (the behaviour before session 19; review18's
-    # risk 2). Off: only measured trials teach it (docs/router.md, TvSchedule)
-    calibrate_stand_in: bool = False
+    # Only sampled rows' D_TV feeds the estimator: a greedy row accepts on an argmax match,
+    # which the temperature-1 D_TV only proxies, and feeding it cost greedy SpecRouter 10-20% on
+    # the mixed stream (was `greedy_tv`; removed by prune22, issue 27). Only measured trials
+    # teach the calibration (was `calibrate_stand_in`: the pair's global SimScore as a skipped
+    # trial's stand-in; removed by prune22, docs/router.md)
     tv_alpha: float = 0.1  # EMA weight of one observation's mean D_TV (after the first few)
     drift: bool = True  # shift the observed acceptance by f(SimScore now) - f(SimScore of its trials)
     drift_decay: float = 0.95  # per trial: "SimScore now" forgets (~20 trials; the counts: ~500)
@@ -262,13 +258,9 @@ class ProfileConfig:
     # some tens of observations): what the prober expects of a model read slow and not run
     # since (router/probing.py)
     usual_alpha: float = 0.05
-    # a swept or loaded grid made monotone on every axis (router/profile.py `monotone`: no cell
-    # above a larger forward's) and the sweep's first cell timed again. Off: on the Sapphire
-    # Rapids the saved profile prices the target's 1-token forward 45% too dear (13.9 ms vs 9.6
-    # for 2 tokens, ~8.5 run), and repaired the router ran greedy streams 2-5% slower in 8 of 10
-    # side-by-side runs (more model-free cycles in open text, whose misses it then prices as a
-    # plain step really costs) and t=0.7 ones ~1% faster (docs/router.md, 2026-12-06)
-    monotone: bool = False
+    # A swept or loaded grid is installed as timed: made monotone on every axis (was `monotone`;
+    # removed by prune22, issue 27) the router ran greedy streams 2-5% slower in 8 of 10
+    # side-by-side runs on a Sapphire Rapids (docs/router.md, 2026-12-06)
 
     def __post_init__(self) -> None:
         if not (0 < self.ema_alpha <= 1 and 0 <= self.shape_alpha <= 1):
@@ -333,12 +325,8 @@ class RouterConfig:
     # that chose it refuted) keeps that pair from the request's probes for this many of its
     # cycles, doubling with each further refutation (router/probing.py); 0: no such back-off
     probe_refute_wait: int = 32
-    # ... and (True) keeps it from every request's probes for as many row-cycles, doubling with
-    # each further refutation in any request up to probe_max_wait stale_after periods, until a
-    # probe of it is not refuted (router/probing.py `Prober.judge`): a pair that stays as good as
-    # estimated is otherwise re-probed each time its evidence goes stale (~1.5 requests of 64
-    # tokens on a stream that decodes plainly: 12 probes, 1-1.5% of chat's time at t=0.7)
-    probe_refute_global: bool = False
+    # (keeping it from every request's probes too was `probe_refute_global`: off, removed by
+    # prune22, issue 27)
     # a single stream's probe of a model draft that lags (plain steps before it) runs as decided:
     # the catch-up check (router/batch.py `BatchPlanner.alone`) weighed it at the request's own
     # estimate, the one the probe questions, and vetoed every such probe; False: as before
@@ -358,13 +346,10 @@ class RouterConfig:
     # charge a model draft's host seconds per step (measured: its steps' wall outside forwards),
     # k - 1 per draft of k; False: they are part of the cycle's overhead, whatever k (before issue 33)
     draft_step_overhead: bool = True
-    # charge the host seconds of an engine step outside the executor (measured per step: the
-    # router's planning and observing, tree shapes, shadow proposals, bookkeeping), speculative
-    # and plain steps apart; False (the default): only decide()'s own seconds. Off by default:
-    # side by side on the mixed stream charging it was 2-5% slower greedy in 3 of 3 runs and
-    # 0.4-5% slower at t=0.7 (docs/router.md, "Side by side")
-    charge_outside: bool = False
-    # ... but charge it where plain decoding is weighed against speculation, and only there
+    # Every plan pays decide()'s own seconds per cycle, not an engine step's measured host
+    # seconds outside the executor (charging those to every plan, `charge_outside`, was 2-5%
+    # slower greedy on the mixed stream; removed by prune22, issue 27; docs/router.md)...
+    # ... but charge those where plain decoding is weighed against speculation, and only there
     # (router/host_time.py `PlainCharge`): the best speculative plan (as decide() prices it)
     # must beat plain decoding with each kind's measured outside seconds per cycle; False: the
     # plans compare as the table prices them (before issue 31's chat fix)
@@ -424,10 +409,9 @@ class RouterConfig:
     # router share of a single-stream speculative step 0.95 -> 0.64 ms at t=0.7, +1.9% tokens/s
     # over 40 side-by-side ratios, SPR; docs/router.md, lean20); off before (lean18, lean19)
     stream_hold_firm: bool = True
-    # ... a firm hold's span doubles, up to this many steps, while the decision at each hold's
-    # end keeps the same plan, and falls back to stream_hold_steps on any other
-    # (stream_hold_steps or less: no stretching)
-    stream_hold_max: int = 4
+    # (a firm hold's span doubling while the decision at each end kept the plan was
+    # `stream_hold_max`: at its default 4, below stream_hold_steps, it never stretched; removed
+    # by prune22, issue 27)
     # ... a firm hold is released when its first pair's estimate falls past its plan's break-even
     # with plain decoding (StreamHolder.break_even, lean20), not only by decision_tolerance
     stream_hold_break_even: bool = True
@@ -448,11 +432,8 @@ class RouterConfig:
     # since floor21 (with outside_spec_held: a held plain step's host seconds 0.31 -> 0.22 ms
     # against target-only's 0.06, AMD EPYC, chat t=0.7 with penalties)
     plain_lease: bool = True
-    # model-free drafters' forwards (tens of microseconds: a lookup) reach the cost profile this
-    # many at a time, their seconds summed (router/policy.py `observe_forwards`): one at a time
-    # their timing noise fired the step detector ~25-60 times a run, each republishing the
-    # evidence (every cached decision a miss) for a cost ~0.2% of a step. 1: one at a time
-    free_timing_batch: int = 1
+    # (model-free drafters' forwards reaching the cost profile `free_timing_batch` at a time,
+    # seconds summed: off at 1, not kept; removed by prune22, issue 27)
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
     # batching by this fraction (a speculating row slows every row of the step; acceptance is
     # an estimate, and under-estimating plain's rate costs every row)
@@ -485,17 +466,9 @@ class RouterConfig:
     # middle, target) from those chains' cycles and from shadow proposals judged against the
     # middle model's tokens; False: the iid model (every token the middle passes up at its rate)
     confirmed_alpha: bool = True
-    # runs of agreement (router/burst.py, issue 27's k ramp): a model draft's acceptance by the
-    # level above it depends on how many of its tokens in a row were just accepted (prose,
-    # greedy, SPR: 0.41 after a rejection, 0.52 after 2, 0.75-0.89 after 5-8); each request's
-    # current run of the pair a chain starts with prices its next cycle by the acceptance per
-    # run length (learned per pair and mode, shifted by the request's own alpha). False (the
-    # default until measured better end to end, benchmarks/router_variants.py --variants burst): iid
-    burst_acceptance: bool = False
-    burst_max_run: int = 8  # run lengths from this on share one estimate
-    burst_min_run: int = 1  # runs shorter than this (0: after a rejection) are priced iid
-    burst_prior: float = 8.0  # pseudo-trials at the pair's alpha per run length
-    burst_decay: float = 0.998  # per trial: the run-length counts forget (~500 trials)
+    # (a model draft's next cycle priced by its request's current run of accepted tokens was
+    # `burst_acceptance` with `burst_max_run`, `burst_min_run`, `burst_prior`, `burst_decay` and
+    # router/burst.py: off, not measured better end to end; removed by prune22, issue 27)
     realized_decay: float = 0.9
     # ... and by this per cycle of any other chain (a model draft, plain decoding): a chain
     # penalized once is tried again some tens of cycles later, not never (it was never)
@@ -534,12 +507,12 @@ class RouterConfig:
             raise ValueError("overhead_alpha must be in (0, 1], context_bucket and log_size >= 1")
         if min(self.decision_tolerance, self.decision_hit_tolerance, self.decision_time_tolerance) < 0 \
                 or self.decision_refresh < 1 or self.plain_hold_max < 0 or self.batch_plain_margin < 0 \
-                or self.spec_hold_steps < 1 or self.stream_hold_steps < 1 or self.free_timing_batch < 1 \
+                or self.spec_hold_steps < 1 or self.stream_hold_steps < 1 \
                 or self.sampling_spec_max_batch < 1 or self.batch_calibration_prior < 0 \
                 or not 0.0 < self.batch_calibration_discount < 1.0 \
                 or not 0.0 < self.batch_calibration_forget <= 1.0:
             raise ValueError("decision tolerances, plain_hold_max, batch_plain_margin and batch_calibration_prior "
-                             "must be >= 0, decision_refresh, spec_hold_steps, stream_hold_steps, free_timing_batch and sampling_spec_max_batch >= 1, "
+                             "must be >= 0, decision_refresh, spec_hold_steps, stream_hold_steps and sampling_spec_max_batch >= 1, "
                              "batch_calibration_discount in (0, 1), batch_calibration_forget in (0, 1]")
         if not isinstance(self.similarity, SimilarityConfig) or not isinstance(self.profile, ProfileConfig):
             raise ValueError("similarity and profile must be a SimilarityConfig and a ProfileConfig")

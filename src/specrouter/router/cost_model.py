@@ -26,11 +26,8 @@ One cycle of chain C = [M1, ..., MN] (MN = the target) with draft length k:
    draft > target where 1.95 came: tokens an n-gram and the draft agree on are ones the target
    agrees on far more often than on the draft's own.
 
-5. Runs of agreement (optional, `alphas[(M1, M2, RUN)]`, a tuple): level 2 accepts its i-th
-   candidate with probability schedule[i] given the ones before it were (the last entry for
-   every later one), not alpha_2 each: a draft's agreement comes in runs, and the router prices
-   a request's next cycle by how many of its tokens in a row were just accepted
-   (router/burst.py). Without the key, iid.
+   (A point 5, runs of agreement, priced a request's next cycle by its current run of accepted
+   tokens: `RouterConfig.burst_acceptance`, off, removed by prune22, issue 27.)
 
 E[latency] = draft cost + sum_j E[cost_j(n_j + 1)] + overhead,  E[committed] = E[n_{N+1}],
 T_eff(C, k) = E[latency] / E[committed]. The distribution of n_j over all draft lengths
@@ -232,28 +229,6 @@ def _confirmed_transition(beta: float, alpha: float, width: int) -> np.ndarray:
     stop = np.where(stop_confirmed, 1.0 - beta, np.where(stop_own, 1.0 - alpha, alpha))  # (W, W)
     out = np.where(reachable, reach * stop, 0.0)
     out[0] = _transition(alpha, width)[0]  # nothing received: the level's own token
-    out.setflags(write=False)
-    return out
-
-
-RUN = "<run>"  # alphas[(drafter, verifier, RUN)]: the pair's acceptance schedule this cycle (point 5)
-
-
-@lru_cache(maxsize=1024)
-def _schedule_transition(schedule: tuple[float, ...], width: int) -> np.ndarray:
-    """(W, W) read-only: [n, m] = P(a level passes up m tokens | it received n) when its i-th
-    candidate (i = 0, 1, ...) is accepted with probability schedule[i] given the ones before it
-    were (module docstring, point 5; the last entry serves every later candidate). A constant
-    schedule (alpha,) is `_transition(alpha)`'s distribution."""
-    g = np.array([schedule[min(i, len(schedule) - 1)] for i in range(width)])
-    reach = np.concatenate([[1.0], np.cumprod(g)])  # (W + 1,) P(the first i candidates accepted)
-    out = np.zeros((width, width))
-    out[0, 1] = 1.0  # nothing received: the level's own token
-    for n in range(1, width):
-        a = np.arange(min(n, width - 1))  # stopped by a rejection at candidate a < n
-        out[n, a + 1] = reach[a] * (1.0 - g[a])
-        if n + 1 < width:
-            out[n, n + 1] = reach[n]  # all n accepted (+ its own token)
     out.setflags(write=False)
     return out
 
@@ -512,13 +487,10 @@ def _rows(chains: Sequence[tuple[str, ...]], k_max: int, width: int, tables: Map
         cost[r], dist[r] = drafts[d]
     verify = np.zeros((layout.levels, n, width))  # level j's seconds at n_j + 1 = 1..W new tokens (0: a pad level)
     steps = layout.steps.copy()  # level j's transition n_j -> n_{j+1} (the pad levels' identities set)
-    for j, r, m, pair, triple, run in layout.cells:
+    for j, r, m, pair, triple in layout.cells:
         verify[j, r] = tables[m][1 : width + 1]
         beta = alphas.get(triple) if triple is not None else None
-        schedule = alphas.get(run) if run is not None else None
-        if schedule is not None:
-            steps[j, r] = _schedule_transition(schedule, width)
-        elif beta is None:
+        if beta is None:
             steps[j, r] = _transition(float(alphas[pair]), width)
         else:
             steps[j, r] = _confirmed_transition(float(beta), float(alphas[pair]), width)
@@ -540,7 +512,7 @@ class _Layout:
     spec: list  # chain indices of >= 2 levels
     drafters: tuple  # their drafters, in that order
     levels: int
-    cells: tuple  # (level, spec row, model, pair, triple or None, run key or None: the first pair's)
+    cells: tuple  # (level, spec row, model, pair, triple or None)
     steps: np.ndarray  # (levels, n, W, W): identities at pad levels (the others overwritten)
 
 
@@ -555,7 +527,7 @@ def _layout(chains: tuple, width: int) -> _Layout:
         pad = levels - (len(chain) - 1)
         steps[:pad, r] = _identity(width)
         for j, (m, pair) in enumerate(zip(chain[1:], zip(chain[:-1], chain[1:]))):
-            cells.append((pad + j, r, m, pair, chain[:3] if j == 1 else None, (*pair, RUN) if j == 0 else None))
+            cells.append((pad + j, r, m, pair, chain[:3] if j == 1 else None))
     steps.setflags(write=False)
     return _Layout(tuple((i, c[0]) for i, c in enumerate(chains) if len(c) == 1), spec,
                    tuple(chains[i][0] for i in spec), levels, tuple(cells), steps)

@@ -113,7 +113,7 @@ class CachedPlans:
         return hit
 
 
-KEY_FIELDS = ("batch", "context", "mode", "chain", "version", "request_version", "certain", "runs")  # decision_key's
+KEY_FIELDS = ("batch", "context", "mode", "chain", "version", "request_version", "certain")  # decision_key's
 
 
 @dataclass
@@ -170,10 +170,9 @@ def material_change(live: Published, published: Published, config: RouterConfig)
 
 
 def decision_key(batch_size: int, context_bucket: int, mode: str, chain: Chain | None,
-                 version: int, request_version: int, certain: float = 0.0, runs: tuple = ()) -> tuple:
-    """What step 1 depends on (module docstring): equal keys, equal PlanTables. `runs`: the
-    request's runs of agreement (`RequestState.run_key`, router/burst.py)."""
-    return (batch_size, context_bucket, mode, chain, version, request_version, certain, runs)
+                 version: int, request_version: int, certain: float = 0.0) -> tuple:
+    """What step 1 depends on (module docstring): equal keys, equal PlanTables."""
+    return (batch_size, context_bucket, mode, chain, version, request_version, certain)
 
 
 def decision_z(config: RouterConfig, mode: str) -> float:
@@ -412,8 +411,8 @@ class TvSchedule:
     `tv_every` 1: every step, as before. A step of pinned rows only counts as one with a row
     to measure (their D_TV feeds the estimator too)."""
 
-    def __init__(self, measure: bool, every: int, first_cycles: int, greedy_rows: bool):
-        self.measure, self.every, self.first, self.greedy_rows = measure, every, first_cycles, greedy_rows
+    def __init__(self, measure: bool, every: int, first_cycles: int):
+        self.measure, self.every, self.first = measure, every, first_cycles
         self.steps = 0  # steps with a row it would measure
 
     def wants(self, rows, requests: Mapping) -> bool:
@@ -421,7 +420,7 @@ class TvSchedule:
         if not self.measure:
             return False
         free = bool(rows)
-        rows = [r for r in rows if self.greedy_rows or not r.greedy]
+        rows = [r for r in rows if not r.greedy]
         if free and not rows:  # greedy rows only, whose D_TV is not read
             return False
         self.steps += 1

@@ -86,9 +86,9 @@ class PlainCharge:
     kind's measured outside seconds (`OutsideClock`: ~1 ms per speculative step, planning,
     observing and shadow proposals; far less per held plain step). Uncharged, a draft agreeing
     on 10-18% of chat tokens looked ~1% faster than plain decoding and ran ~8% slower. Charged
-    everywhere (`charge_outside`), the per-cycle seconds also reorder the speculative plans
-    among themselves (longer drafts look cheaper), which lost 2-5% on the mixed stream; here
-    the speculative argmin stays the table's."""
+    everywhere (`charge_outside`, off, removed by prune22), the per-cycle seconds also reordered
+    the speculative plans among themselves (longer drafts look cheaper), which lost 2-5% on the
+    mixed stream; here the speculative argmin stays the table's."""
 
     spec: float = 0.0  # seconds per speculative cycle (outside_spec - what the table charges)
     plain: float = 0.0  # seconds per plain cycle (outside_plain - what the table charges)

@@ -77,10 +77,8 @@ import numpy as np
 
 from specrouter.config import RouterConfig
 from specrouter.router.batch import BatchPlanner
-from specrouter.router.burst import BurstModel, run_key
 from specrouter.router.deferred import Deferral
 from specrouter.router.cost_model import (
-    RUN,
     break_even_confidence,
     chain_rows,
     enumerate_chains,
@@ -135,11 +133,9 @@ def viable(chain: Chain, hits: Mapping[str, float], alphas, model_free: Collecti
 
 def chain_key(i: int, chain: Chain, hits: Mapping[str, float], alphas: Mapping) -> tuple:
     """What row i (`chain`) of a PlanTable reads besides the costs and overheads: its pairs'
-    alphas, its confirmed-token alpha, its first pair's schedule (runs of agreement), its
-    model-free drafter's hit rate."""
+    alphas, its confirmed-token alpha, its model-free drafter's hit rate."""
     return (i, *(alphas[p] for p in zip(chain[:-1], chain[1:])),
-            alphas.get(chain[:3]) if len(chain) >= 3 else None,
-            alphas.get((chain[0], chain[1], RUN)) if len(chain) >= 2 else None, hits.get(chain[0]))
+            alphas.get(chain[:3]) if len(chain) >= 3 else None, hits.get(chain[0]))
 
 
 def corrected(table: PlanTable, chain_index: Mapping[Chain, int], corrections: Mapping[Chain, float]) -> PlanTable:
@@ -206,23 +202,13 @@ def fade_idle(router: "Router", req: RequestState, chain: Chain, mode: str) -> N
 
 def observe_forwards(router: "Router", forwards: Sequence[ForwardRecord]) -> None:
     """A step's forwards: each model seen now (the prober's staleness), their timings into the
-    cost profile; a model-free drafter's `RouterConfig.free_timing_batch` at a time, shapes
-    and seconds summed (`CostProfile.observe_many`: one observation of their total)."""
-    now, batch, pending = router.similarity.now, router.config.free_timing_batch, router.free_timings
+    cost profile, one at a time (a model-free drafter's batched was `free_timing_batch`,
+    removed by prune22)."""
+    now = router.similarity.now
     for f in forwards:
         router.prober.model_seen[f.model] = now
-        if f.model not in router.profile:
-            continue
-        if batch <= 1 or f.model not in router.model_free:
+        if f.model in router.profile:
             router.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
-            continue
-        shapes, seconds = pending.get(f.model) or ([], 0.0)
-        shapes = shapes + [(f.rows, f.new_tokens, f.context_len)] * f.count
-        if len(shapes) >= batch:
-            router.profile.observe_many(f.model, shapes, seconds + f.seconds)
-            pending.pop(f.model, None)
-        else:
-            pending[f.model] = (shapes, seconds + f.seconds)
 
 
 def fold_step(router: "Router", report: StepReport) -> None:
@@ -284,7 +270,7 @@ class Router:
         self.similarity = similarity or SimilarityEstimator(sizes, self.model_free, cfg.similarity)
         self.measure_tv = self.similarity.config.measure_tv  # RouterProtocol: the executor measures D_TV (this step)
         self.tv_positions = self.similarity.config.tv_positions  # ... at this many candidates per level
-        self.tv_greedy_rows = self.similarity.config.greedy_tv  # ... in greedy rows only when it reads them
+        self.tv_greedy_rows = False  # ... in sampled rows only: it reads no greedy row's D_TV
         self.on_decision = on_decision
         self.timer = timer  # measures decide() (real time, also under a virtual clock)
         # the clock of the steps' wall times (perf_counter, as `from_pool` sets it; an Engine
@@ -324,7 +310,6 @@ class Router:
                          "outside_plain": 0.0, "outside_spec": 0.0, "outside_spec_held": 0.0}
         self.outside = OutsideClock()  # measures "outside_plain" / "outside_spec"
         # model-free drafters' forwards not yet in the profile: drafter -> (shapes, seconds) (`observe_forwards`)
-        self.free_timings: dict[str, tuple[list, float]] = {}
         self.decide_seconds = 0.0  # EMA of decide() wall time
         self.t_width = cfg.k_max + cfg.max_levels + 2  # cost rows' widths (tokens per forward)
         self.dp_width = cfg.k_max + max(len(c) for c in self.chains)  # best_plan's length axis, any subset
@@ -334,10 +319,9 @@ class Router:
         self.failed: set[str] = set()  # models out of service (mark_failed)
         self.cache_stats = CacheStats()
         self.observed_steps = 0  # engine steps observed (the clock of the plain hold)
-        self.burst = BurstModel(cfg)  # acceptance per run length (burst.py)
         self.board = EvidenceBoard(self)  # published evidence, decision cache (evidence.py)
         sc = self.similarity.config  # the steps that measure D_TV (evidence.py)
-        self.tv_schedule = TvSchedule(sc.measure_tv, sc.tv_every, sc.tv_first_cycles, sc.greedy_tv)
+        self.tv_schedule = TvSchedule(sc.measure_tv, sc.tv_every, sc.tv_first_cycles)
         self.prober = Prober(self)  # step 3 (probing.py)
         self.planner = BatchPlanner(self)  # the step's batch (batch.py)
         self.stream = StreamHolder(self)  # a single stream's kept speculative plan (stream_hold.py)
@@ -498,15 +482,11 @@ class Router:
             costs.update(with_certain({m: costs[m] for m in rows if m not in self.model_free}, rate))
         for d in self.model_free:
             costs[d] = self.board.free_draft(rows, d, evidence.hits[d])
-        # a speculative cycle's host seconds outside the executor (table() charges a plain
-        # one's): measured per step, or (charge_outside=False) decide()'s per row
-        times = published.times
-        outside = times["outside_spec"] if self.config.charge_outside else times["router"] * max(row.batch_size, 1)
-        alphas = dict(evidence.alphas)
-        if req is not None and req.runs and self.config.burst_acceptance:  # its runs (burst.py)
-            globs = {p: self.similarity.alpha(p, mode) for p in req.runs}
-            alphas.update(self.burst.schedules(req.runs, mode, alphas, globs, published.version))
-        return costs, alphas, outside
+        # a speculative cycle's host seconds outside the executor as the table charges them
+        # (table() charges a plain one's): decide()'s per row (the measured ones, charged to every
+        # plan, were `charge_outside`: off, removed by prune22; host_time.py `PlainCharge`)
+        outside = published.times["router"] * max(row.batch_size, 1)
+        return costs, dict(evidence.alphas), outside
 
     def table(self, costs, alphas, router: float, k_cap: int, keep: int | None = None,
               prune: bool = True, rows: dict | None = None, only: Collection[int] | None = None) -> PlanTable:
@@ -552,7 +532,7 @@ class Router:
         t = latency / tokens  # as best_plan's t_eff, element by element (NaN where not evaluated)
         if len(idx) < len(self.chains):
             t[np.isnan(t)] = np.inf
-        plain = published.times["plain"] + (published.times["outside_plain"] if cfg.charge_outside else router)
+        plain = published.times["plain"] + router
         t[0] += plain  # chains[0] is (target,): one token per cycle
         latency[0] += plain
         if k_cap < cfg.k_max:
@@ -604,8 +584,7 @@ class Router:
         if kept is not None and viable(kept, evidence.hits, evidence.alphas, self.model_free, cfg.prune_below):
             kept = None
         key = decision_key(max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
-                           mode, kept, version, req.version, certain_bucket(row.certain_rate),
-                           run_key(req, cfg))
+                           mode, kept, version, req.version, certain_bucket(row.certain_rate))
         plans = req.cached
         if cfg.decision_cache and plans is not None and plans.key == key:
             self.cache_stats.hits += 1
@@ -634,7 +613,7 @@ class Router:
                           self.chain_index, req.corrections)
         # a single stream's (a batch's plain-vs-speculate choice is the batch planner's)
         charge = (PlainCharge.measured(times, router, cfg.outside_spec_held)
-                  if cfg.charge_leaving_plain and not cfg.charge_outside and row.batch_size <= 1 else PlainCharge())
+                  if cfg.charge_leaving_plain and row.batch_size <= 1 else PlainCharge())
         return CachedPlans(key, table, costs, float(table.t_eff[0, 0]), charge)
 
     def _hysteresis(self, req: RequestState, plans: CachedPlans, k_cap: int) -> Decision:
@@ -643,7 +622,6 @@ class Router:
         cfg = self.config
         (best, t_best), prev, t = plans.best(k_cap), req.plan, plans.table.t_eff
         plain = (self.target,)
-        runs = run_key(req, cfg)
         jumps = self.profile.jumps
         ci = self.chain_index.get(prev[0]) if prev is not None else None
         if prev is None:
@@ -658,7 +636,6 @@ class Router:
                 t_cur = float(plans.charged[ci, cj])
                 t_best = float(plans.charged[self.chain_index[best[0]], max(best[1], 1) - 1])
             changed = tuple(jumps.get(m, 0) for m in prev[0]) != req.epoch  # a model of the plan changed speed
-            changed = changed or runs != req.runs_seen  # or its run of agreement did (burst.py): no noise
             if current == best:
                 choice, reason = current, "same"
                 req.worse = 0
@@ -677,7 +654,6 @@ class Router:
         if choice != prev:
             req.worse = 0
         req.plan, req.epoch, req.table = choice, tuple(jumps.get(m, 0) for m in choice[0]), plans.table
-        req.runs_seen = runs
         i, j = self.chain_index[choice[0]], max(choice[1], 1) - 1
         t_eff = float(t[i, j])
         floor = plans.floors.get(choice)  # memoized with the plans
@@ -731,9 +707,6 @@ class Router:
             chain = tuple(r.chain)
             if cfg.request_idle_decay < 1.0:
                 fade_idle(self, req, chain, mode)
-            if cfg.burst_acceptance:
-                self.burst.observe_row(req, chain, r.k, int(r.drafted[1]) if len(chain) > 1 else 0,
-                                       int(r.accepted[1]) if len(chain) > 1 else 0, mode, self.model_free)
             for j in range(1, len(chain)):
                 pair = (chain[j - 1], chain[j])
                 cand, acc = int(r.drafted[j]), int(r.accepted[j])
@@ -745,7 +718,7 @@ class Router:
                     req.note(chain[0])
                     proposal_len = r.k
                 tv = float(r.tv[j]) if (r.tv is not None and j < len(r.tv) and r.tv[j] is not None
-                                        and (not r.greedy or sim.config.greedy_tv)) else math.nan
+                                        and not r.greedy) else math.nan
                 if math.isfinite(tv):  # the row's own D_TV at its first candidates (decoding/tv.py)
                     measured = min(cand, self.tv_positions)
                     sim.observe_tv(pair, mode, tv, measured)

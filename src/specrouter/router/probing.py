@@ -21,10 +21,8 @@ rejections, probed only through ngram>draft>target, where draft>target k=2 ran 1
 probe that taught nothing about its pair (a model-free miss) doubles the wait before that pair's
 next one, so refuted pairs stop being probed until their evidence fades.
 
-With `RouterConfig.probe_refute_global` a refutation also keeps the pair from every request's
-probes for that many row-cycles, doubling with each further one (up to `probe_max_wait` stale
-periods) until a probe of it is not refuted: on a stream that decodes plainly a pair's evidence
-goes stale every ~100 row-cycles and each new request probed it again (floor19).
+A refutation keeping the pair from every request's probes as well was
+`RouterConfig.probe_refute_global` (floor19; off, removed by prune22, issue 27).
 
 A probe of a model pair always adds trials, so that back-off never started for one: a chat
 request with penalties probed the draft 1-3 times (+12-36 ms each over a ~20 ms plain step, on
@@ -63,9 +61,6 @@ class Prober:
         self.pending: dict[int, tuple[float, float, float]] = {}
         # seq_id -> (the pair probed, the request's estimate of it then) of a probe not yet judged
         self.testing: dict[int, tuple[Pair, float]] = {}
-        # pair -> (row-cycle from which it may be probed again, the wait): refuted in some request
-        # (`RouterConfig.probe_refute_global`)
-        self.refuted: dict[Pair, tuple[int, int]] = {}
 
     def due(self) -> bool:
         """May this decision probe (the budget allows, and the last look found no probe long
@@ -129,16 +124,10 @@ class Prober:
             return
         cfg = self.router.config
         if a / (a + rej) > estimate:
-            self.refuted.pop(pair, None)  # the router-wide wait ends
             return  # not refuted: no wait (a one-trial probe's lucky acceptance does not reset the doubling)
         last = req.probe_waits.get(pair)
         wait = max(cfg.probe_refute_wait, 2 * last[1] if last is not None else 0)
         req.probe_waits[pair] = (req.cycles + wait, wait)
-        if cfg.probe_refute_global:
-            now, last = self.router.similarity.now, self.refuted.get(pair)
-            wait = min(max(cfg.probe_refute_wait, 2 * last[1] if last is not None else 0),
-                       int(cfg.probe_max_wait * self.router.similarity.config.stale_after))
-            self.refuted[pair] = (now + wait, wait)
 
     def _probe(self, mode: str, running, t_plan: float, costs, alphas, overhead: float,
                k_cap: int, charge: PlainCharge = PlainCharge(), req=None, rows: dict | None = None
@@ -154,8 +143,6 @@ class Prober:
         router = self.router
         cfg, sim, now = router.config, router.similarity, router.similarity.now
         waits = {p for p, (until, _) in req.probe_waits.items() if req.cycles < until} if req is not None else set()
-        if self.refuted:
-            waits = waits | {p for p, (until, _) in self.refuted.items() if now < until}
         busy = set(zip(running[:-1], running[1:]))
         slow = self._slow(now)
         prof = router.profile

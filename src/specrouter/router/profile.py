@@ -288,11 +288,6 @@ class CostProfile:
         self._models[name] = _ModelTable(identity or ModelIdentity(name), *axes, table.copy())
         self.version += 1
 
-    def as_configured(self, seconds) -> np.ndarray:
-        """A swept or loaded grid as this profile installs it: made `monotone` with
-        `ProfileConfig.monotone`, else as timed (hand-made tables, `set_function`, stay as given)."""
-        return monotone(seconds) if self.config.monotone else np.asarray(seconds, dtype=np.float64)
-
     def set_function(
         self,
         name: str,
@@ -438,26 +433,9 @@ class CostProfile:
         for key, e in entries.items():
             if wanted is not None and key not in wanted:
                 continue
-            ident = ModelIdentity(**e["identity"])  # (a file swept before `monotone`: repaired here)
-            prof.set_table(ident.name, e["batch_sizes"], e["new_tokens"], e["context_lengths"],
-                           prof.as_configured(e["seconds"]), ident)
+            ident = ModelIdentity(**e["identity"])
+            prof.set_table(ident.name, e["batch_sizes"], e["new_tokens"], e["context_lengths"], e["seconds"], ident)
         return prof
-
-
-def monotone(seconds) -> np.ndarray:
-    """A (nb, nt, nl) grid with every cell at most each cell above it on each axis (more rows,
-    more new tokens or a longer context never cost less): per axis, the minimum of the cells
-    from it up. A forward that read slow in a sweep (the first timed cell of a runner is timed
-    right after its prefill; on a Sapphire Rapids the target's 1-token forward read 13.9 ms where
-    its 2-token one read 9.6 and the engine's plain step ran ~8.5) would otherwise price plain
-    decoding 45% too dear for good: a router that speculates never runs a one-token target
-    forward, so nothing corrects that cell (docs/router.md, 2026-12-06). Too cheap a cell is
-    the safe error: the plain steps it leads to are observed and correct it. Applied with
-    `ProfileConfig.monotone` (off by default: see there)."""
-    out = np.array(seconds, dtype=np.float64)
-    for axis in range(out.ndim):
-        out = np.flip(np.minimum.accumulate(np.flip(out, axis), axis=axis), axis)
-    return out
 
 
 def _read(path: Path) -> dict:
@@ -516,8 +494,8 @@ def sweep(
             # (a short-context model keeps the grid it had: the widening must not shrink its contexts)
             wide = sorted(t for t in set(wider_tokens) if ts[-1] < t <= runner.max_context // 4)
             Ls, ts_kept, table = _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, bar,
-                                               wide, wider_bound, retime=prof.config.monotone)
-            prof.set_table(name, bs, ts_kept, Ls, prof.as_configured(table), identity_of(runner))
+                                               wide, wider_bound)
+            prof.set_table(name, bs, ts_kept, Ls, table, identity_of(runner))
         for name, drafter in drafters.items():
             if bar is not None:
                 bar.set_postfix_str(name)
@@ -530,7 +508,7 @@ def sweep(
                         table[ib, it, il] = _min_time(lambda: drafter.propose(ctx, t), repeats, warmup, clock)
                         if bar is not None:
                             bar.update(1)
-            prof.set_table(name, bs, ts, Ls, prof.as_configured(table), identity_of(drafter))
+            prof.set_table(name, bs, ts, Ls, table, identity_of(drafter))
     finally:
         if bar is not None:
             bar.close()
@@ -563,11 +541,9 @@ def machine_busy(threads: int | None = None) -> bool:
     return load - threads > 0.5 * (os.cpu_count() or 1)
 
 
-def _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, bar, wide=(), bound=WIDER_BOUND,
-                  retime: bool = False):
+def _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, bar, wide=(), bound=WIDER_BOUND):
     """One runner over the grid, widened by the columns of `wide` that pass `_widen`'s probe;
-    returns (context lengths kept, new tokens kept, (nb, nt, nl) seconds). `retime`: the first
-    cell timed (right after the first prefill) is timed again once its context's grid is done."""
+    returns (context lengths kept, new tokens kept, (nb, nt, nl) seconds)."""
     from specrouter.models.device import synchronize
     from specrouter.models.runners.base import ForwardBatch
 
@@ -604,8 +580,6 @@ def _sweep_runner(runner, bs, ts, context_lengths, repeats, warmup, clock, rng, 
                         table[ib, it, il] = cell(b, t, L)
                     if bar is not None:
                         bar.update(1)
-            if il == 0 and retime:  # 4. the first cell timed (right after the first prefill) once more, warm
-                table[0, 0, 0] = min(table[0, 0, 0], cell(bs[0], kept[0], L))
             # the runner now holds L + t_max at most; the next prefill restarts from L
     finally:
         for s in slots:

@@ -40,10 +40,6 @@ class RequestState:
     # pair -> (its cycle from which the pair may be probed again, the wait): a probe of it
     # refuted its optimism (router/probing.py, `Prober.judge`)
     probe_waits: dict[Pair, tuple[int, int]] = field(default_factory=dict)
-    # pair -> its current run: the last candidates in a row its verifier accepted, where the
-    # pair ran at its chain's first verifier in the last cycle (router/burst.py)
-    runs: dict[Pair, int] = field(default_factory=dict)
-    runs_seen: tuple = ()  # its runs (`run_key`) at its last decision: a change is no noise (policy.py, step 2)
     # its own estimates updated since they were last checked against its published evidence:
     # (pair or triple, mode) of an alpha, (drafter, None) of a hit rate (`settle`)
     notes: dict = field(default_factory=dict)
@@ -69,10 +65,6 @@ class RequestState:
                 board.note_alpha(self, key, mode)
             if self.version != version:
                 return
-
-    def run_key(self, top: int, least: int = 1) -> tuple:
-        """The runs as decisions read them (runs from `top` on alike): part of the decision key."""
-        return tuple(sorted((p, min(r, top)) for p, r in self.runs.items() if r >= least)) if self.runs else ()
 
     def observe(self, pair: Pair, accepted: float, rejections: float, decay: float) -> None:
         c = self.counts.setdefault(pair, [0.0, 0.0])

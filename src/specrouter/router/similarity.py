@@ -235,8 +235,8 @@ class SimilarityEstimator:
         SimScore (1 - mean D_TV) measured at these very trials (one row's cycle): it teaches the
         mode's calibration f with the row's own similarity, and dates the counts (`drift`).
         Trials without it (a step the TvSchedule skipped, a shadow-scored proposal) teach the
-        calibration nothing (with `calibrate_stand_in`: with the pair's global SimScore as the
-        row's stand-in, as before)."""
+        calibration nothing (the pair's global SimScore as the row's stand-in was
+        `calibrate_stand_in`, removed by prune22)."""
         trials = accepted + rejections
         if trials <= 0:
             return
@@ -250,8 +250,6 @@ class SimilarityEstimator:
             s.recent = tuple(decayed_add(s.recent, (trials, sim * trials), cfg.drift_decay, trials))
         s.last_measured = self.now
         self.version += 1
-        if sim is None and cfg.calibrate_stand_in:
-            sim = self.sim_score(pair, mode)
         if sim is not None:
             self.calibrations[mode].add(sim, accepted, trials, cfg.calib_decay)
 

@@ -42,9 +42,9 @@ lasts its span whatever the request's evidence does, lets a due probe wait for i
 near the request's end instead of ending, and watches only the plan's models' speed jumps (a
 model-free drafter's timing noise fired its step detector ~25 times a run); its shadow proposals
 run on its last step only (`keep` returns True: the decided step that starts it has none), and
-its steps are offered confident drafts as decided ones are (`BatchPlan.held` False). Its
-span may double while the decision at each end keeps the plan (`RouterConfig.stream_hold_max`,
-`StreamHolder.span`)."""
+its steps are offered confident drafts as decided ones are (`BatchPlan.held` False). Its span
+is `stream_hold_steps` (doubling it while the decision at each end kept the plan was
+`RouterConfig.stream_hold_max`, below the span by default: removed by prune22, issue 27)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specrouter.records.routing import BatchPlan, Chain, Decision, Plan, RowContext
-from specrouter.router.burst import run_key
 from specrouter.router.evidence import certain_bucket, decision_margin, decision_z, own_trials
 from specrouter.router.request_state import RequestState
 from specrouter.router.similarity import acceptance_trials, decayed_add, shrink
@@ -72,7 +71,6 @@ class StreamHold:
     certain: float  # the row's certain-draft bucket then (evidence.certain_bucket)
     until: int  # observed step at which the row is decided again
     counts: bool = False  # kept by hysteresis counting toward patience: each held cycle counts too
-    runs: tuple = ()  # the request's runs of agreement then (RequestState.run_key, router/burst.py)
     firm: bool = False  # not released by the request's evidence moving (`RouterConfig.stream_hold_firm`)
     # the models whose speed jumps release it (`epoch`: their counts then): the plan's; a firm
     # hold's leaves out model-free drafters (their proposals take tens of microseconds of a
@@ -82,8 +80,7 @@ class StreamHold:
     # is predicted no faster than plain decoding (`StreamHolder.break_even`; -inf: none)
     floor: float = -math.inf
 
-    def holds(self, row: RowContext, req: RequestState, jumps: Mapping[str, int], now: int, patience: int,
-              runs: tuple = ()) -> bool:
+    def holds(self, row: RowContext, req: RequestState, jumps: Mapping[str, int], now: int, patience: int) -> bool:
         """Still the same one row, before `until`, its evidence and models' speeds unchanged,
         the plan's k within the row's cap, and (`counts`) the next decision not the one that
         switches for patience (a probe due is the router's to check)."""
@@ -92,7 +89,6 @@ class StreamHold:
                 and (row.remaining is None or row.remaining - 1 >= (1 if self.firm else d.k))
                 and tuple(jumps.get(m, 0) for m in (d.chain if self.watched is None else self.watched)) == self.epoch
                 and certain_bucket(row.certain_rate) == self.certain
-                and runs == self.runs
                 and not (self.counts and req.worse + 1 >= patience))
 
     def last_step(self, now: int) -> bool:
@@ -117,9 +113,6 @@ class StreamHolder:
         self.router = router  # policy.Router: its settings (read at every step, as the planner's)
         self.hold: StreamHold | None = None
         self.held = 0  # cycles planned by a hold (no decide, no DecisionEvent)
-        # the last firm hold's (row, plan, span): a decision at its end that keeps the same plan
-        # doubles the next one's span up to `RouterConfig.stream_hold_max` (`span`)
-        self.last: tuple[int, tuple, int] | None = None
         # a firm hold's first-pair trials as it counts them, with deferred observations
         # (`RouterConfig.defer_observations`, router/deferred.py): `HoldTrials`
         self.trials: HoldTrials | None = None
@@ -140,8 +133,7 @@ class StreamHolder:
         if req is not None and not hold.firm:
             req.settle(self.router.board)  # its version, as the observations since moved it
         if (len(rows) != 1 or pinned or req is None or (probe_due and not hold.firm)
-                or not hold.holds(rows[0], req, jumps, now, self.router.config.patience,
-                                  run_key(req, self.router.config))
+                or not hold.holds(rows[0], req, jumps, now, self.router.config.patience)
                 or (hold.firm and (self.trials.refuted() if self.trials is not None else self.refuted(hold, req)))):
             self.hold = None
             return None
@@ -193,14 +185,14 @@ class StreamHolder:
             return False
         watched = tuple(m for m in decision.chain if m not in self.router.model_free) if firm else None
         epoch = req.epoch if not firm else tuple(self.router.profile.jumps.get(m, 0) for m in watched)
-        span = self.span(rows[0].seq_id, decision) if firm else cfg.stream_hold_steps
+        span = cfg.stream_hold_steps
         floor = self.break_even(decision, req) if firm and cfg.stream_hold_break_even else -math.inf
         self.trials = HoldTrials.start(self.router, decision.chain, req, floor) \
             if firm and cfg.defer_observations else None
         self.expected, self.streaks = {}, {}
         self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
                                req.version, epoch, certain_bucket(rows[0].certain_rate),
-                               now + span, req.worse > 0, run_key(req, cfg), firm, watched, floor)
+                               now + span, req.worse > 0, firm, watched, floor)
         return firm
 
     def break_even(self, decision: Decision, req: RequestState) -> float:
@@ -234,18 +226,6 @@ class StreamHolder:
             mid = 0.5 * (lo + hi)
             lo, hi = (mid, hi) if expected_tokens(mid, k) < need else (lo, mid)
         return hi
-
-    def span(self, seq_id: int, decision: Decision) -> int:
-        """A firm hold's span: `stream_hold_steps`, doubled up to `stream_hold_max` each time the
-        decision that ends a hold keeps its plan (the same chain and k, kept as "same" or by
-        "hysteresis"), back to `stream_hold_steps` on any other (a switch, another request)."""
-        cfg = self.router.config
-        plan, last = (decision.chain, decision.k), self.last
-        span = cfg.stream_hold_steps
-        if last is not None and last[0] == seq_id and last[1] == plan and decision.reason in self.KEPT:
-            span = min(2 * last[2], max(cfg.stream_hold_max, span))
-        self.last = (seq_id, plan, span)
-        return span
 
     def release(self) -> None:
         """Drop the hold (a model failed: its plan may name it)."""
