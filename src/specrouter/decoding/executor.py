@@ -260,8 +260,8 @@ class ChainExecutor:
 
     def measures_tv(self, w: RowWork) -> bool:
         """Row w's D_TV is measured this cycle: measuring is on, and the row is sampled or
-        greedy rows are measured too (the router ignores greedy rows' D_TV by default:
-        `SimilarityConfig.greedy_tv`, so their logits are neither kept nor compared)."""
+        greedy rows are measured too (the router never reads greedy rows' D_TV, so there
+        their logits are neither kept nor compared; `tv_greedy_rows` is for tests)."""
         return self.measure_tv and (self.tv_greedy_rows or not w.seq.params.greedy)
 
     def draft_step_started(self) -> tuple[float, float]:
