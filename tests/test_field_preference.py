@@ -69,6 +69,21 @@ def test_a_proposal_with_no_field_draft_to_compare_is_kept(row):
     assert certain_drafts.preferred(grammar, generated, [], own, 16) is own
 
 
+def test_after_a_value_with_no_field_draft_the_next_values_field_draft_is_compared(row):
+    """No field draft for the name, then the drafter's `"born": 1906` differs from the field
+    draft `1815,`: the walk passes the forced key text after `,` (and the space after `:`) to
+    the value's start and gives way there (it used to stop where the grammar forces text, find
+    no field draft, and skip the value: review22 D6)."""
+    grammar, encode, decode = row
+    generated = encode('{"name": "Charles')
+    own = encode(' Babbage", "born": 1906')
+    got = certain_drafts.preferred(grammar, generated, [], own, 32)
+    assert decode(got) == ' Babbage", "born": 1815,'
+    assert grammar.valid_prefix(generated, got) == len(got)
+    agreeing = encode(' Babbage", "born": 1815, "ci')
+    assert certain_drafts.preferred(grammar, generated, [], agreeing, 32) is agreeing
+
+
 def longer_wins(grammar, generated, path, own, budget):
     """The rule before session 22: the field draft only where longer than the proposal."""
     draft = grammar.fields.propose(grammar, generated, path, budget)

@@ -120,6 +120,9 @@ def preferred(grammar, generated: list[int], path: list[int], own: list[int], bu
                 at += len(grammar.forced_tokens(generated, len(own) - at, path + own[:at]))
         else:  # no field draft here: the drafter's tokens stand up to the next value's start
             at = _next_value_start(fields.decode, own, at)
+            if at < len(own):  # past the text the grammar forces there (a key after `,`, a space
+                # after `:`): a field draft is proposed only where a value starts (review22 D6)
+                at += len(grammar.forced_tokens(generated, len(own) - at, path + own[:at]))
         if at >= len(own):
             return own
         piece = fields.propose(grammar, generated, path + own[:at], budget - at)
