@@ -995,6 +995,8 @@ def test_host_time_outside_the_executor_is_measured_and_charged():
         r.board.changed()
         return r.evaluate(row)[0]
 
+    # the plan table ignores the measured outside seconds (a table that charged them, as the removed
+    # `charge_outside` did, gives other T_eff: this assert fails then)
     base, measured = table(0.0, 0.0), table(1e-3, 3e-3)
     i = base.chains.index(("d1", "d2", "T"))
     assert measured.t_eff[0, 0] == pytest.approx(base.t_eff[0, 0]) and measured.t_eff[i, 3] == pytest.approx(base.t_eff[i, 3])

@@ -258,9 +258,9 @@ class ProfileConfig:
     # some tens of observations): what the prober expects of a model read slow and not run
     # since (router/probing.py)
     usual_alpha: float = 0.05
-    # A swept or loaded grid is installed as timed: made monotone on every axis (was `monotone`;
-    # removed by prune22, issue 27) the router ran greedy streams 2-5% slower in 8 of 10
-    # side-by-side runs on a Sapphire Rapids (docs/router.md, 2026-12-06)
+    # A swept or loaded grid is installed as timed (making it monotone on every axis,
+    # `ProfileConfig.monotone`, ran greedy streams 2-5% slower in 8 of 10 side-by-side runs on a
+    # Sapphire Rapids, docs/router.md 2026-12-06; removed by prune22, issue 27)
 
     def __post_init__(self) -> None:
         if not (0 < self.ema_alpha <= 1 and 0 <= self.shape_alpha <= 1):
