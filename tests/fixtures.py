@@ -224,7 +224,6 @@ class QuietRouterHooks:
     step_clock = None
     measure_tv = False
     tv_positions = 2
-    tv_greedy_rows = True
 
     def plan_batch(self, rows, pinned=()):
         from specrouter.records.routing import BatchPlan

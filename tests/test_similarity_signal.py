@@ -24,9 +24,8 @@ N = 12
 class Recorder(QuietRouterHooks):
     """A fixed plan for every row; keeps every StepReport (with the rows' D_TV)."""
 
-    def __init__(self, chain, k, measure_tv=True, tv_positions=16, tv_greedy_rows=True):
+    def __init__(self, chain, k, measure_tv=True, tv_positions=16):
         self.plan, self.measure_tv, self.tv_positions, self.reports = (chain, k), measure_tv, tv_positions, []
-        self.tv_greedy_rows = tv_greedy_rows
 
     def decide(self, row):
         return Decision(*self.plan, t_eff=0.0, reason="fixed")
@@ -46,8 +45,8 @@ def fresh(tiny_pool_dirs):
     return load_named_pool(tiny_pool_dirs, ("target", "mid", "draft"), ngram=False, suffix=False).runners
 
 
-def run(pool, chain, k, temperature=0.0, measure_tv=True, tv_positions=16, tv_greedy_rows=True):
-    router = Recorder(chain, k, measure_tv, tv_positions, tv_greedy_rows)
+def run(pool, chain, k, temperature=0.8, measure_tv=True, tv_positions=16):
+    router = Recorder(chain, k, measure_tv, tv_positions)
     eng = Engine(pool.with_fresh_drafters(), router=router)
     cycles, steps = [], []  # CycleStats of each step (one per chain group)
     eng.on_cycle = cycles.append
@@ -75,10 +74,10 @@ def logits_at(runner, tokens, positions):
 
 @pytest.mark.parametrize("positions", [16, 1])
 def test_tv_at_verified_positions_equals_a_fresh_forwards(pool, fresh, positions):
-    """A greedy draft > target row's D_TV is the temperature-1 D_TV of the two models' fresh
-    forwards at the draft's positions (the proposal the row verified; its first `positions`),
-    for every cycle."""
-    reports, cycles, seqs = run(pool, ("draft", "target"), 4, tv_positions=positions)
+    """A sampled (t=0.8) draft > target row's D_TV is the temperature-0.8 D_TV of the two models'
+    fresh forwards at the draft's positions (the proposal the row verified; its first
+    `positions`), for every cycle."""
+    reports, cycles, seqs = run(pool, ("draft", "target"), 4, temperature=0.8, tv_positions=positions)
     checked = 0
     for report, step in zip(reports, cycles, strict=True):
         props = {sid: p for c in step for sid, p in zip(c.row_ids, c.row_proposal)}
@@ -94,7 +93,7 @@ def test_tv_at_verified_positions_equals_a_fresh_forwards(pool, fresh, positions
             toks, pos = ctx + props[o.seq_id][: n - 1], range(len(ctx) - 1, len(ctx) - 1 + n)
             d, t = (logits_at(fresh[m], toks, pos)[None] for m in ("draft", "target"))
             mask = torch.arange(n)[None] < positions
-            want = float(tv_from_logits(d, t, mask)[0])
+            want = float(tv_from_logits(d, t, mask, temperature=0.8)[0])
             assert o.tv[1] == pytest.approx(want, abs=1e-5)
             assert math.isnan(o.tv[0])
             checked += 1
@@ -103,7 +102,7 @@ def test_tv_at_verified_positions_equals_a_fresh_forwards(pool, fresh, positions
     assert sum(r.tv_seconds for r in reports) > 0
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("temperature", [0.8, 1.0])
 def test_a_copy_of_the_target_has_no_distance_a_noisier_model_more(pool, temperature):
     """The negative control of alignment: the target's exact copy drafting is at D_TV ~ 0 at
     every position (one position off, it would not be); the mid model (10% weight noise) is
@@ -126,11 +125,11 @@ def test_model_free_rows_and_measuring_off_have_no_tv(pool):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_greedy_rows_skip_the_measurement_when_the_router_ignores_it(pool, temperature):
-    """The router reads no greedy row's D_TV (`RouterProtocol.tv_greedy_rows` False; its
-    `SimilarityConfig.greedy_tv` was removed by prune22): the executor neither keeps their logits nor
-    compares them (no measuring seconds), while sampled rows are measured as before."""
-    reports = run(pool, ("draft", "target"), 4, temperature, tv_greedy_rows=False)[0]
+def test_greedy_rows_skip_the_measurement(pool, temperature):
+    """The router reads no greedy row's D_TV (its `SimilarityConfig.greedy_tv` was removed by
+    prune22, the executor's `tv_greedy_rows` after it): the executor neither keeps a greedy row's
+    logits nor compares them (no measuring seconds), while sampled rows are measured."""
+    reports = run(pool, ("draft", "target"), 4, temperature)[0]
     tvs = level_tvs(reports, 1)
     if temperature == 0.0:
         assert tvs and all(math.isnan(x) for x in tvs) and sum(r.tv_seconds for r in reports) == 0
@@ -150,7 +149,8 @@ def test_steps_report_their_draft_steps_and_host_seconds(pool):
     assert all(r.draft_steps == 0 and r.draft_host_seconds == 0.0 for r in reports)
 
 
-def test_greedy_output_is_the_same_with_and_without_measuring(pool):
+def test_the_output_is_the_same_with_and_without_measuring(pool):
+    """Measuring D_TV (sampled rows, seeded) changes no token."""
     _, _, on = run(pool, ("mid", "draft", "target"), 3)
     _, _, off = run(pool, ("mid", "draft", "target"), 3, measure_tv=False)
     assert [s.tokens for s in on.values()] == [s.tokens for s in off.values()]

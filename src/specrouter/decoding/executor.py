@@ -184,8 +184,7 @@ class ChainExecutor:
             raise ValueError("a pool with a draft head needs a StateManager with a FeatureStore")
         self.clock = clock  # timing source (tests inject a virtual clock)
         self.measure_tv = False  # measure D_TV at verified positions (the router's similarity signal)
-        self.tv_positions = 2  # ... at each row's first this many candidates per level
-        self.tv_greedy_rows = True  # ... in greedy rows too (False: in sampled rows only)
+        self.tv_positions = 2  # ... at each row's first this many candidates per level (sampled rows)
         self.certain_drafts = True  # grammar-forced tokens join the drafts (certain_drafts.py)
         # a constrained row's model-free drafts may be field drafts (field_drafts.py; needs certain_drafts)
         self.field_drafts = True
@@ -259,10 +258,10 @@ class ChainExecutor:
                        processors=seq.params.has_processors)
 
     def measures_tv(self, w: RowWork) -> bool:
-        """Row w's D_TV is measured this cycle: measuring is on, and the row is sampled or
-        greedy rows are measured too (the router never reads greedy rows' D_TV, so there
-        their logits are neither kept nor compared; `tv_greedy_rows` is for tests)."""
-        return self.measure_tv and (self.tv_greedy_rows or not w.seq.params.greedy)
+        """Row w's D_TV is measured this cycle: measuring is on and the row is sampled (the
+        router reads no greedy row's D_TV, so their logits are neither kept nor compared;
+        `SimilarityConfig.greedy_tv`, which measured them, was removed in session 22)."""
+        return self.measure_tv and not w.seq.params.greedy
 
     def draft_step_started(self) -> tuple[float, float]:
         """The clock and the forward (and logits processors') seconds at the start of a draft

@@ -54,8 +54,6 @@ NEAR = 12  # a string value's first word: a capitalised one among the next this 
 WINDOW = 256  # the output's last this many tokens are what a piece reads (keys, values so far)
 REACH = 200  # characters of the source a copy reads after its match
 ROUNDS = 8  # pieces per draft at most
-FORCED, COPY, START = "forced", "copy", "start"  # a piece's kind (steps 1-3 of the docstring)
-KINDS = (FORCED, COPY, START)
 
 
 class FieldDrafter:
@@ -118,37 +116,33 @@ class FieldDrafter:
         m = grammar.matcher
         steps, ok = grammar._advance(path)
         out: list[int] = []
-        self.kinds = []  # per token of the draft: its piece's kind (KINDS)
         try:
             if ok:
                 for _ in range(ROUNDS):
                     if len(out) >= k or m.is_stopped() or m.compute_ff_tokens():
                         break
-                    kind, piece = self._piece(m, generated + list(path) + out)
+                    piece = self._piece(m, generated + list(path) + out)
                     piece = piece[: m.validate_tokens(piece)] if piece else piece
                     if not piece:
                         break
                     m.consume_tokens(piece)
                     steps += len(piece)
                     out += piece
-                    self.kinds += [kind] * len(piece)
         finally:
             if steps:
                 m.rollback(steps)
             self.seconds += time.perf_counter() - t0
         self.proposed += min(len(out), k)
-        del self.kinds[k:]
         return out[:k]
 
-    def _piece(self, m, tokens: list[int]) -> tuple[str, list[int]]:
-        """The next piece (steps 1-3 of the module docstring) after `tokens` (the output so far):
-        its kind and its tokens."""
+    def _piece(self, m, tokens: list[int]) -> list[int]:
+        """The next piece (steps 1-3 of the module docstring) after `tokens` (the output so far)."""
         forced = bytes(m.compute_ff_bytes())
         if forced:
             try:
-                return FORCED, self._enc(forced.decode("utf-8"))
+                return self._enc(forced.decode("utf-8"))
             except UnicodeDecodeError:
-                return FORCED, []
+                return []
         text = self.decode(tokens[-WINDOW:])
         last = None
         for last in STRUCTURAL.finditer(text):
@@ -157,9 +151,9 @@ class FieldDrafter:
         fragment = text[last.end() if last else 0:]
         value = fragment.lstrip(" ")
         if value:
-            return COPY, self._copy(m, tokens, fragment, value, quoted)
+            return self._copy(m, tokens, fragment, value, quoted)
         word = self._first_word(text, quoted)
-        return START, (self._enc(word) if word else [])
+        return self._enc(word) if word else []
 
     def _copy(self, m, tokens: list[int], fragment: str, value: str, quoted: bool) -> list[int]:
         """Step 2: the rest of the value being written, copied from the source, and its end."""

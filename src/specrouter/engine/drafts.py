@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 
 from specrouter.config import MAX_DRAFT_LENGTH
-from specrouter.drafters.base import DrafterProtocol, as_int64
 from specrouter.decoding.certain_drafts import preferred
+from specrouter.drafters.base import DrafterProtocol, as_int64
 from specrouter.records.routing import Plan, RowOutcome, ShadowProposal
 from specrouter.state.sequence import Sequence as Row
 

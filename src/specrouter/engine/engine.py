@@ -153,7 +153,6 @@ class Engine:
         self.executor.measure_tv = router is not None and router.measure_tv  # (again after each plan_batch)
         if router is not None:
             self.executor.tv_positions = router.tv_positions
-            self.executor.tv_greedy_rows = router.tv_greedy_rows
         self.rng = torch.Generator()  # seeds of requests without one (AsyncEngine reseeds it)
         self.rng.manual_seed(torch.seed())
         self._ids = itertools.count()

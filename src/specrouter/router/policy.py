@@ -270,7 +270,6 @@ class Router:
         self.similarity = similarity or SimilarityEstimator(sizes, self.model_free, cfg.similarity)
         self.measure_tv = self.similarity.config.measure_tv  # RouterProtocol: the executor measures D_TV (this step)
         self.tv_positions = self.similarity.config.tv_positions  # ... at this many candidates per level
-        self.tv_greedy_rows = False  # ... in sampled rows only: it reads no greedy row's D_TV
         self.on_decision = on_decision
         self.timer = timer  # measures decide() (real time, also under a virtual clock)
         # the clock of the steps' wall times (perf_counter, as `from_pool` sets it; an Engine

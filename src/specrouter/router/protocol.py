@@ -20,8 +20,8 @@ class RouterProtocol(Protocol):
     # the executor measures D_TV at verified positions for it (RowOutcome.tv): read at start and
     # again after each plan_batch, for the step it planned (a lease's steps keep it)
     measure_tv: bool
-    tv_positions: int  # ... at each row's first this many candidates per level
-    tv_greedy_rows: bool  # ... in greedy rows too (False: sampled rows only; greedy rows skip it)
+    tv_positions: int  # ... at each row's first this many candidates per level, in sampled rows
+    # (a greedy row's D_TV is not measured: the router reads acceptance counts there)
 
     def plan_batch(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> BatchPlan:
         """The plans of a step's rows that the router chooses (`rows`), knowing the plans of
