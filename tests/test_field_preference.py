@@ -19,6 +19,7 @@ from test_field_drafts import ANSWER, PERSON, scripted_run
 from specrouter.decoding import certain_drafts
 from specrouter.decoding.field_drafts import FieldDrafter
 from specrouter.decoding.grammar import GrammarSpec, RowGrammar
+from specrouter.engine import drafts as engine_drafts
 from specrouter.engine.constrained import _text_codec
 
 EXAMPLE = '{"name": "Grace Hopper", "born": 1906, "city": "New York", "occupation": "Admiral"}'
@@ -103,7 +104,8 @@ def test_field_drafts_preferred_to_a_copied_example_save_forwards(pool, example_
     prompt_ids, script = example_record
     out, forwards, proposed = scripted_run(pool, prompt_ids, script, ("ngram", "target"))
     assert out == script and proposed > 0  # exact: plain constrained decoding's output
-    monkeypatch.setattr(certain_drafts, "preferred", longer_wins)  # negative control
+    monkeypatch.setattr(certain_drafts, "preferred", longer_wins)  # negative control (the drafts,
+    monkeypatch.setattr(engine_drafts, "preferred", longer_wins)  # and the router's shadow proposals)
     old, old_forwards, _ = scripted_run(pool, prompt_ids, script, ("ngram", "target"))
     assert old == script
     assert forwards < old_forwards, (forwards, old_forwards)  # 5 against 7 on this commit
