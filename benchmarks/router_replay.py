@@ -159,7 +159,7 @@ def replay(trace: dict, deterministic: bool = False, changes: dict | None = None
         dt = perf() - t0
         if name == "plan_batch":
             n = len(args[0]) + (len(args[1]) if len(args) > 1 else 0)
-            held = router.outside._last is not None and router.outside._last[6]
+            held = router.outside._last is not None and router.outside._last.held
             kind = f"{'held' if held or out.held else 'planned'} rows={n}"
             digest.update(repr([(d.chain, d.k, d.reason, round(d.t_eff, 12) if d.t_eff == d.t_eff else None,
                                  round(d.min_confidence, 12)) for d in out.decisions]).encode())

@@ -32,14 +32,24 @@ from dataclasses import dataclass
 import numpy as np
 
 
+@dataclass(slots=True)
+class Planning:
+    """The last plan_batch call (`OutsideClock`) and the steps observed on its plan since."""
+
+    start: float  # its clock
+    steps: int  # the router's observed steps then
+    ids: tuple  # its rows' seq_ids and pinned count
+    wall: float = 0.0  # the executor's wall time of the steps observed since (its step, then a lease's)
+    count: int = 0  # ... how many
+    speculative: bool = False  # ... whether one speculated
+    held: bool = False  # a hold planned it, without deciding
+
+
 class OutsideClock:
     """Pairs each plan_batch call with the step it planned (module docstring)."""
 
     def __init__(self):
-        # the last planning: [its start, observed steps then, its rows' ids and pinned count,
-        # the executor's wall time of the steps observed since (its step, then a lease's), how
-        # many, whether one speculated, whether a hold planned it without deciding]
-        self._last: list | None = None
+        self._last: Planning | None = None
 
     def planning(self, now: float, steps: int, rows: Sequence, pinned: Sequence = ()) -> tuple[float, bool, bool] | None:
         """A step is being planned at `now` (observed steps so far: `steps`); returns (host
@@ -48,16 +58,16 @@ class OutsideClock:
         plain stream's with `RouterConfig.plain_lease`) are measured with it: the period's
         seconds outside the executor per step (at most the steps' mean wall)."""
         ids = (tuple(r.seq_id for r in rows), len(pinned))
-        last, self._last = self._last, [now, steps, ids, 0.0, 0, False, False]
-        if last is None or not last[4] or last[1] + last[4] != steps or last[2] != ids:
+        last, self._last = self._last, Planning(now, steps, ids)
+        if last is None or not last.count or last.steps + last.count != steps or last.ids != ids:
             return None
-        start, _, _, wall, count, speculative, held = last
-        return min(max((now - start - wall) / count, 0.0), wall / count), speculative, held
+        wall, count = last.wall, last.count
+        return min(max((now - last.start - wall) / count, 0.0), wall / count), last.speculative, last.held
 
     def held(self) -> None:
         """The step being planned was planned by a hold, without deciding."""
         if self._last is not None:
-            self._last[6] = True
+            self._last.held = True
 
     def observed(self, steps: int, wall_time: float, speculative: bool, widened: bool = False) -> None:
         """The step planned last, or the next step of its lease, was observed (before the router
@@ -67,13 +77,13 @@ class OutsideClock:
         per cycle, and a cold first step of a process (a warm-up's prefill) once seeded the EMA
         at 2-10x a cycle's."""
         last = self._last
-        if last is not None and last[1] + last[4] == steps:
+        if last is not None and last.steps + last.count == steps:
             if widened:
                 self._last = None
             else:
-                last[3] += wall_time
-                last[4] += 1
-                last[5] = last[5] or speculative
+                last.wall += wall_time
+                last.count += 1
+                last.speculative = last.speculative or speculative
 
 
 @dataclass(frozen=True)

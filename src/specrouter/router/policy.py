@@ -308,7 +308,6 @@ class Router:
         self.overhead = {"plain": 0.0, "spec": 0.0, "draft_step": 0.0, "processor": 0.0,
                          "outside_plain": 0.0, "outside_spec": 0.0, "outside_spec_held": 0.0}
         self.outside = OutsideClock()  # measures "outside_plain" / "outside_spec"
-        # model-free drafters' forwards not yet in the profile: drafter -> (shapes, seconds) (`observe_forwards`)
         self.decide_seconds = 0.0  # EMA of decide() wall time
         self.t_width = cfg.k_max + cfg.max_levels + 2  # cost rows' widths (tokens per forward)
         self.dp_width = cfg.k_max + max(len(c) for c in self.chains)  # best_plan's length axis, any subset
