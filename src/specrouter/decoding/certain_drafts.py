@@ -97,7 +97,8 @@ def take_field_draft(w, at: int = 0) -> None:
         w.cand.extend(chosen)
 
 
-def preferred(grammar, generated: list[int], path: list[int], own: list[int], budget: int) -> list[int]:
+def preferred(grammar, generated: list[int], path: list[int], own: list[int], budget: int,
+              first: list[int] | None = None) -> list[int]:
     """A model-free drafter's proposal `own` after `generated` + `path` (cut where the grammar
     refuses it) checked against the row's field drafts (up to `budget` tokens): walking along
     `own`, a field draft where one comes (and the tokens the grammar forces after it), else the
@@ -107,9 +108,10 @@ def preferred(grammar, generated: list[int], path: list[int], own: list[int], bu
     draft where `own` stops inside it. Where they differ, the field draft is the better bet: it
     is built for this place in the output from the grammar and the prompt, where a drafter
     copies a continuation of the context (an earlier record's values, the last item's quantity:
-    docs/structured-output.md "Field drafts (session 22)")."""
+    docs/structured-output.md "Field drafts (session 22)"). `first`: the field draft at the
+    start (`fields.propose(grammar, generated, path, budget)`), where the caller has it."""
     fields = grammar.fields
-    piece, at = fields.propose(grammar, generated, path, budget), 0
+    piece, at = fields.propose(grammar, generated, path, budget) if first is None else first, 0
     for _ in range(FIELD_ROUNDS):
         if piece:
             n = next((i for i, (a, b) in enumerate(zip(own[at:], piece)) if a != b), min(len(piece), len(own) - at))

@@ -61,10 +61,11 @@ def shadow_proposals(rows: Sequence[Row], plans: Sequence[Plan], drafters: Mappi
                      k: int, fields: bool = False) -> dict[str, dict[int, list[int]]]:
     """drafter -> row index -> what it proposes (asked for k tokens) for the rows not running it.
     With `fields` (the executor's field drafts on), a constrained row's proposal is what the
-    executor would draft first: the drafter's, cut where the grammar refuses it, or the row's
-    field draft unless the drafter's extends it (decoding/certain_drafts.py `preferred`; up to
-    the first grammar-forced token)."""
+    executor would draft first: the drafter's, cut where the grammar refuses it, with the row's
+    field drafts in place of its tokens from the first one it differs from
+    (decoding/certain_drafts.py `preferred`; up to the first grammar-forced token)."""
     out = {}
+    first = {}  # row index -> its field draft at the output's end (one per row, whichever drafter)
     for name, drafter in drafters.items():
         idx = [b for b, (chain, _) in enumerate(plans) if chain[0] != name]
         if not idx:
@@ -79,7 +80,9 @@ def shadow_proposals(rows: Sequence[Row], plans: Sequence[Plan], drafters: Mappi
                 continue
             own = out[name][b]
             own = own[: g.valid_prefix(rows[b].output_ids, own)]
-            out[name][b] = preferred(g, rows[b].output_ids, [], own, k)
+            if b not in first:
+                first[b] = g.fields.propose(g, rows[b].output_ids, [], k)
+            out[name][b] = preferred(g, rows[b].output_ids, [], own, k, first[b])
     return out
 
 
