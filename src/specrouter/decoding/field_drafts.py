@@ -16,7 +16,7 @@ another up to k tokens (each piece cut where the grammar refuses it):
 3. value start: at a value's first character, a guess of its first word from the prompt's last
    message: after the key's own words (`born 1815`: key-anchored), else the first word not yet
    used after the previous value's place there (the record's next field), a number for a number;
-   never a label's word (`Year of birth: 1856`), a word with a digit for a string (`x2`), nor
+   never a label's word (`Year of birth: 1856`), a lower-case word with a digit for a string (`x2`), nor
    the one-word role line a chat template starts a message with (`user`).
 The grammar-forced tokens between pieces are not field drafts: the executor puts them in as
 certain candidates (decoding/certain_drafts.py) and asks again after them, so one draft spans
@@ -40,7 +40,8 @@ CLAUSE = re.compile(r"\s(?:who|which|that|where|when|in|at|from|for|with|on|over
 MAX_WORDS = 4  # ... and after this many words
 MARK = re.compile(r"[:=]")  # what follows a label (`Name: Ada`, `Location = Tokyo`) ...
 LABEL_WORDS = 3  # ... of at most this many words
-CODE = re.compile(r"\d").search  # a word with a digit (`x2`, `4th`): no string value's first word
+CODE = re.compile(r"^[^A-Z]*\d[^A-Z]*$").search  # a lower-case word with a digit (`x2`): no string
+# value's first word (a name with capitals and digits is one: `A320`, `MP3`, `iPhone15`; review22 N17)
 ROLE = re.compile(r"[ \t]*[^\W\d_]+[ \t]*\n")  # a message's first line holding one word only: its role (`user`)
 SKIP = frozenset("a an the of in on at for to and or is was are with by as from over next use it its be "
                  "will i you me my we our please this that what how can could would make write turn "
