@@ -13,23 +13,19 @@ tokens). Prints tokens/s per request and summed.
 
 Variants (RouterConfig changes against the default): no-tv (measure_tv=False), no-check (realized_check=False), tv-cap-8
 (request_tv_cap=8, request_tv_weight=1), no-step-host (draft_step_overhead=False: the draft steps'
-host seconds folded into the cycle's overhead, as before issue 33), any-probe (probe_first_pair=False:
-a pair probed by any chain measuring it), no-hold (plain_hold_max=0: no plain hold, a
+host seconds folded into the cycle's overhead, as before issue 33), no-hold (plain_hold_max=0: no plain hold, a
 settled plain single stream decided every step), iid (confirmed_alpha=False: a three-level chain's
 top level accepts every token at the pair's rate), no-fade (realized_fade=1.0: the realized check's
 evidence fades only on cycles of model-free chains, as before), no-leave-charge
 (charge_leaving_plain=False: plain decoding weighed against speculation without each kind's
 host seconds outside the executor, as before issue 31's chat fix), decided-plain
 (outside_plain_held=False: plain decoding priced at every plain step's outside seconds, decided
-ones included, as before issue 31's second chat fix), probe-predicted (probe_charge_realized=False:
-probes charged to the budget at their predicted extra seconds, as before), no-stream-hold
+ones included, as before issue 31's second chat fix), no-stream-hold
 (stream_hold_steps=1: a settled speculating single stream decided every step, as before),
 no-plain-hold (stream_hold_plain=False: a single stream's plain plan kept by hysteresis decided
 every step, as before), no-refute (probe_refute_wait=0: a model pair's probe that refuted its
-optimism sets no wait, as before), catch-up-probes (probe_past_catch_up=False: a lone row's probe of a
-lagging draft weighed by the catch-up check at the request's own estimate, as before issue 28's
-lock-in fix), no-idle-fade (request_idle_decay=1.0: a request's evidence of a model pair frozen
-while it runs plain, as before), stale (both, as before),
+optimism sets no wait, as before), no-idle-fade (request_idle_decay=1.0: a request's evidence of a
+model pair frozen while it runs plain, as before),
 firm (stream_hold_firm=True: a single stream's speculative hold after every decided
 plan, not released by its own evidence moving unless against the plan, shadows on its last step; the default
 since lean20, with lazy8's fields: "per-step" measures the router before), no-firm
@@ -50,6 +46,8 @@ as plain decoding is at its held steps'), lease-held (both), lease-held-nm (leas
 pre-floor21 (plain_lease=False, outside_spec_held=False: the router before floor21's default; lease-held is the
 default since). Removed by prune22 (issue 27) with their fields: greedy-tv, outside, burst, burst2, monotone,
 stand-in, tv-always-stand-in, monotone-m1g, monotone-m1, refute-global, free16, lean, lean16, firm16s.
+Removed by prune23 (issue 27) with their fields (each an "as before" path of a default that stayed on):
+any-probe, probe-predicted, catch-up-probes, stale.
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -79,19 +77,15 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "no-check": dataclasses.replace(base, realized_check=False),
         "tv-cap-8": dataclasses.replace(base, request_tv_cap=8.0, request_tv_weight=1.0),
         "no-step-host": dataclasses.replace(base, draft_step_overhead=False),
-        "any-probe": dataclasses.replace(base, probe_first_pair=False),
         "no-hold": dataclasses.replace(base, plain_hold_max=0),
         "iid": dataclasses.replace(base, confirmed_alpha=False),
         "no-fade": dataclasses.replace(base, realized_fade=1.0),
         "no-leave-charge": dataclasses.replace(base, charge_leaving_plain=False),
         "decided-plain": dataclasses.replace(base, outside_plain_held=False),
-        "probe-predicted": dataclasses.replace(base, probe_charge_realized=False),
         "no-stream-hold": dataclasses.replace(base, stream_hold_steps=1),
         "no-plain-hold": dataclasses.replace(base, stream_hold_plain=False),
         "no-refute": dataclasses.replace(base, probe_refute_wait=0),
-        "catch-up-probes": dataclasses.replace(base, probe_past_catch_up=False),
         "no-idle-fade": dataclasses.replace(base, request_idle_decay=1.0),
-        "stale": dataclasses.replace(base, probe_past_catch_up=False, request_idle_decay=1.0),
         "firm": dataclasses.replace(base, stream_hold_firm=True),
         "no-firm": dataclasses.replace(base, stream_hold_firm=False),
         "firm8": dataclasses.replace(base, stream_hold_firm=True, stream_hold_steps=8),

@@ -315,9 +315,9 @@ class RouterConfig:
     decision_margin_greedy: float = 0.0
     shadow_k: int = MAX_DRAFT_LENGTH  # tokens asked of model-free drafters when shadow-scoring rows not running them
     probe_k: int = 8  # longest draft of a probe cycle
-    # probe a pair with a chain it starts (router/probing.py; False: the optimistic best of
-    # every chain measuring it, e.g. behind an n-gram whose misses teach nothing)
-    probe_first_pair: bool = True
+    # (a pair is probed with a chain it starts, router/probing.py; the optimistic best of every
+    # chain measuring it, e.g. behind an n-gram whose misses teach nothing, was
+    # `probe_first_pair=False`: removed by prune23, issue 27)
     probe_optimism: float = 1.5  # z of the Wilson upper bound that makes a stale pair worth a probe
     probe_recheck: int = 8  # row-cycles before looking again when no pair was worth a probe
     probe_max_wait: float = 4.0  # longest back-off between fruitless probes of a pair, in stale_after periods
@@ -327,10 +327,9 @@ class RouterConfig:
     probe_refute_wait: int = 32
     # (keeping it from every request's probes too was `probe_refute_global`: off, removed by
     # prune22, issue 27)
-    # a single stream's probe of a model draft that lags (plain steps before it) runs as decided:
-    # the catch-up check (router/batch.py `BatchPlanner.alone`) weighed it at the request's own
-    # estimate, the one the probe questions, and vetoed every such probe; False: as before
-    probe_past_catch_up: bool = True
+    # (a single stream's probe of a model draft that lags runs as decided, router/batch.py
+    # `BatchPlanner.alone`; the catch-up check's veto of every such probe was
+    # `probe_past_catch_up=False`: removed by prune23, issue 27)
     # a model read this much slower than its usual speed (CostProfile.usual), not timed for
     # probe_slow_after row-cycles, is re-probed at its usual speed (router/probing.py): a draft
     # read 13.7x slow in one stalled cycle (a co-tenant) was priced out of every plan and never
@@ -339,9 +338,9 @@ class RouterConfig:
     probe_slow_after: int = 16
     probe_fraction: float = 0.05  # at most this fraction of row-cycles are probes
     probe_time_fraction: float | None = 0.02  # and their cost at most this fraction of wall time
-    # a probe observed alone is charged its realised extra seconds over the plan, not its
-    # predicted ones (router/probing.py `Prober.settle`; False: as predicted, before issue 31's fix)
-    probe_charge_realized: bool = True
+    # (a probe observed alone is charged its realised extra seconds over the plan,
+    # router/probing.py `Prober.settle`; charging it as predicted, before issue 31's fix, was
+    # `probe_charge_realized=False`: removed by prune23, issue 27)
     overhead_alpha: float = 0.1  # EMA weight of one cycle's overhead (wall - forwards) and decide() time
     # charge a model draft's host seconds per step (measured: its steps' wall outside forwards),
     # k - 1 per draft of k; False: they are part of the cycle's overhead, whatever k (before issue 33)

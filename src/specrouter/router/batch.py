@@ -448,11 +448,12 @@ class BatchPlanner:
         draft after plain steps (a lagging draft), and a prose request whose draft was refuted by
         its first two cycles decoded plainly to its end at 0.64x what draft>target k=4 ran
         (Sapphire Rapids, stale16); its cost, catch-up included, is the probe budget's
-        (`Prober.settle`; `RouterConfig.probe_past_catch_up`)."""
+        (`Prober.settle`; the veto was `RouterConfig.probe_past_catch_up=False`, removed by
+        prune23, issue 27)."""
         chain, k = decision.chain, decision.k
         lags = dict(row.lags)
         if (k == 0 or len(chain) < 2 or not any(lags.get(m, 1) > 1 for m in chain[:-1])
-                or (decision.reason == "probe" and self.router.config.probe_past_catch_up)):
+                or decision.reason == "probe"):
             return decision
         router = self.router
         req = router.requests.get(row.seq_id)
