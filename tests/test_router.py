@@ -723,15 +723,18 @@ def test_useless_drafts_fall_back_to_plain_decoding_within_5_percent():
 
 
 @pytest.mark.parametrize("check", [True, False])
-def test_the_realized_check_leaves_a_lookup_that_never_delivers(check):
+def test_the_realized_check_leaves_a_lookup_that_never_delivers(check, monkeypatch):
     """Step 1b. The estimates say the n-gram lookup is excellent (hit rate 0.9, alpha 0.95), but
     in this request every lookup cycle commits one token at plain decoding's price, and the
     estimators never see why (the executor reports a plain step, and no shadow score tells
     the miss). With the realized check the request leaves ngram -> T within a few cycles for
     a model chain, and tries it again only as the penalty fades (`realized_fade`, ~1 cycle in
-    20 here); without it (the negative control) it stays on the lookup to the end."""
+    20 here); without it (the negative control: `Router._observe_realized` a no-op, as
+    `realized_check=False` was) it stays on the lookup to the end."""
+    if not check:
+        monkeypatch.setattr(Router, "_observe_realized", lambda self, req, r, wall_time: None)
     sim = Sim(ALPHAS, seed=4)
-    router = make_router(config=RouterConfig(realized_check=check))
+    router = make_router()
     _feed_truth(router, {**ALPHAS, ("ngram", "T"): 0.95}, 0.9)
     ctx = RowContext(0, L0)
     chains = []

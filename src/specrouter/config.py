@@ -363,7 +363,7 @@ class RouterConfig:
     # decoding's are (floor21): a stream that rarely speculates runs mostly decided speculative
     # steps (probes, a request's first), so the EMA over every one read 0.76 ms against 0.45 ms
     # a held step (AMD EPYC, chat t=0.7) and priced leaving plain ~0.3 ms a cycle too high.
-    # On since floor21 with plain_lease ("lease-held": t=0.7 chat / prose, with and without
+    # On since floor21 with the plain stream's lease ("lease-held": t=0.7 chat / prose, with and without
     # penalties, 15 of 16 side-by-side ratios >= 1.0, geometric mean 1.040; mixed +3.1 / +4.2%;
     # docs/router.md). False: every speculative step counts, as before
     outside_spec_held: bool = True
@@ -422,15 +422,10 @@ class RouterConfig:
     # report is folded at once (defer21; queuing every report, lean19-20's rule, did not pay
     # under load and was removed, load22). On since lean20
     defer_observations: bool = True
-    # a settled plain single stream's hold on an engine lease (floor21, router/batch.py
-    # `BatchPlanner.plan`, `BatchPlan.steps`), as a multi-row batch's is: the engine runs its
-    # held steps without planning them (no row context, no plan_batch) and reports them when the
-    # lease ends; its shadow proposals run on the hold's last step only (planned, as a batch's)
-    # and `OutsideClock` prices plain decoding at the span's mean outside seconds. False: every
-    # held step planned, shadows every BatchPlanner.SHADOW_EVERY_HELD-th step, as before. On
-    # since floor21 (with outside_spec_held: a held plain step's host seconds 0.31 -> 0.22 ms
-    # against target-only's 0.06, AMD EPYC, chat t=0.7 with penalties)
-    plain_lease: bool = True
+    # (a settled plain single stream's hold runs on an engine lease, as a multi-row batch's,
+    # router/batch.py `BatchPlanner.plan`, floor21: a held plain step's host seconds 0.31 ->
+    # 0.22 ms; every held step planned, shadows every 4th, was `plain_lease=False`: removed by
+    # prune23, issue 27)
     # (model-free drafters' forwards reaching the cost profile `free_timing_batch` at a time,
     # seconds summed: off at 1, not kept; removed by prune22, issue 27)
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
@@ -458,8 +453,8 @@ class RouterConfig:
     # it realized there (every chain's sums decayed by this per cycle of the request, shrunk
     # toward no correction by realized_prior_tokens tokens that came as predicted, clipped to
     # realized_clip: by default it only slows a chain down, so noise never makes a chain look
-    # faster than its estimates say); a move above realized_tolerance republishes it
-    realized_check: bool = True
+    # faster than its estimates say); a move above realized_tolerance republishes it. (Turning
+    # it off was `realized_check=False`: removed by prune23, issue 27)
     # confirmed tokens (router/cost_model.py, point 4): a three-level chain's top level accepts
     # the tokens its first two levels agreed on with their own rate, learned per (first,
     # middle, target) from those chains' cycles and from shadow proposals judged against the
