@@ -122,10 +122,11 @@ class ScriptedTarget:
     supports_trees = False
 
     def __init__(self, inner, scripts: dict[tuple, list[int]]):
-        self.__dict__.update(_inner=inner, _scripts=scripts, _history={}, forwards=0)
+        self.__dict__.update(_inner=inner, _scripts=scripts, _history={}, forwards=0, fed=0)
 
     def forward(self, batch):
         self.__dict__["forwards"] += 1
+        self.__dict__["fed"] += sum(batch.num_tokens_list)  # positions the target computed
         logits = self._inner.forward(batch).clone()  # (an inference tensor: not written in place)
         for b, (slot, start, n) in enumerate(zip(batch.slots_list, batch.starts_list, batch.num_tokens_list)):
             seen = self._history.get(slot, [])
@@ -146,8 +147,9 @@ class ScriptedTarget:
         setattr(self._inner, attr, value)
 
 
-def scripted_run(pool, prompt_ids, script, chain, fields=True, jump_forward=True, schema=PERSON):
-    """(output ids, target forwards, field-draft tokens proposed) of one greedy row."""
+def scripted_run(pool, prompt_ids, script, chain, fields=True, jump_forward=True, schema=PERSON, fed=None):
+    """(output ids, target forwards, field-draft tokens proposed) of one greedy row; `fed`: a list
+    the positions the target computed are appended to."""
     target = ScriptedTarget(pool.runners[pool.target], {tuple(prompt_ids): script})
     runners = {**pool.runners, pool.target: target}
     scripted = Pool(runners=runners, drafters=pool.drafters, order=pool.order, target=pool.target,
@@ -157,6 +159,8 @@ def scripted_run(pool, prompt_ids, script, chain, fields=True, jump_forward=True
     engine.executor.field_drafts = fields
     params = SamplingParams(max_new_tokens=128, temperature=0.0, grammar=GrammarSpec.json_schema(schema))
     seq = engine.generate_ids([prompt_ids], [params], chain=chain, k=8)[0]
+    if fed is not None:
+        fed.append(target.fed)
     return seq.output_ids, target.forwards, seq.grammar.fields.proposed
 
 

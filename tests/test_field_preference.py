@@ -121,13 +121,12 @@ def test_field_drafts_preferred_to_a_copied_example_save_forwards(pool, example_
 
 
 def test_a_value_starts_after_a_separator_outside_strings_only(row):
-    """The walk's next value start: after the `,` that ends the value (the next key's text is
-    forced there), not after the `,` inside the string `London, England` (review22 N9: a field
-    draft proposed there was wasted); negative control: the same tokens read as if outside a
-    string stop at that comma."""
+    """The walk's next value start: after the next key's `:`, not after the `,` inside the string
+    `London, England` (review22 N9: a field draft proposed there was wasted); negative control:
+    the same tokens read as if outside a string (in an array) stop at that comma."""
     grammar, encode, decode = row
     tokens = encode('London, England", "occupation": "Math')
     at = certain_drafts._next_value_start(decode, tokens, 0, '{"name": "Ada", "born": 1815, "city": "')
-    assert decode(tokens[:at]) == 'London, England",'
-    at = certain_drafts._next_value_start(decode, tokens, 0, "")
+    assert decode(tokens[:at]) == 'London, England", "occupation":'
+    at = certain_drafts._next_value_start(decode, tokens, 0, "[")
     assert decode(tokens[:at]) == "London,"

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 FREE_ROUNDS = 2  # a model-free drafter is asked again after forced tokens at most this often
 FIELD_ROUNDS = 8  # ... with field drafts (one a field: a draft may span this many)
+REACH = 0.3  # a field-drafted draft ends at a value start the target reaches with less probability
+VALUE_PRIOR, PRIOR_VALUES = 0.7, 2  # a row's rate of values accepted whole before its own evidence (as this many)
 
 
 def forcing(seq) -> bool:
@@ -136,32 +138,98 @@ def _next_value_start(decode, tokens: list[int], at: int, before: str) -> int:
     value may start: after a `:`, `[` or `,` outside a string (review22 N9: not `"London, England"`),
     whitespace and an opening quote; len(tokens) where none. `before`: the output's text up to
     `at` (JSON so far: where its strings are)."""
-    quoted = _unescaped(before).count('"') % 2 == 1  # inside a string at `at`
-    escaped = start = False
+    return next(_value_starts(decode, tokens, at, before), len(tokens))
+
+
+def _value_starts(decode, tokens: list[int], at: int, before: str):
+    """The positions after `at` where a JSON value may start (`_next_value_start`), one for each
+    string, number or literal (an object or array is not one: its members are): the first
+    position after its `:`, an array's `[` or `,` (an object's `,` is followed by a key)."""
+    nest, quoted, escaped = _nesting(before)
+    armed, pending = False, None  # after a separator, before the value's first character; its position
     for i in range(at, len(tokens)):
         for ch in decode([tokens[i]]):
             if quoted:
+                if armed:  # a string value's first character (or its end): it started at `pending`
+                    if pending is not None:
+                        yield pending
+                    armed, pending = False, None
                 if escaped:
                     escaped = False
                 elif ch == "\\":
                     escaped = True
                 elif ch == '"':
                     quoted = False
-                start = False  # a value's text (or its end)
-            elif ch in ":[,":
-                start = True
+            elif ch == ":" or ch == "[" or (ch == "," and nest[-1:] == ["["]):
+                if ch == "[":
+                    nest.append(ch)
+                armed, pending = True, None
             elif ch == '"':
-                quoted = True  # a string opens: a value's start stays one after its quote
+                quoted = True  # a key, or (armed) a string value's opening quote
             elif not ch.isspace():
-                start = False
-        if start:
-            return i + 1
-    return len(tokens)
+                if ch == "{":
+                    nest.append(ch)
+                elif ch in "]}":
+                    if nest:
+                        nest.pop()
+                elif armed and pending is not None:  # a number or a literal
+                    yield pending
+                armed, pending = False, None
+        if armed and pending is None:
+            pending = i + 1
+    if armed and pending is not None:
+        yield pending
 
 
-def _unescaped(text: str) -> str:
-    """`text` without its escaped characters (`\\"` inside a string)."""
-    return re.sub(r"\\.", "", text)
+def _nesting(text: str) -> tuple[list[str], bool, bool]:
+    """JSON text so far: its open `{` / `[` (outermost first), whether it ends inside a string,
+    and after a backslash there."""
+    nest, quoted, escaped = [], False, False
+    for ch in text:
+        if quoted:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = False
+        elif ch == '"':
+            quoted = True
+        elif ch in "{[":
+            nest.append(ch)
+        elif ch in "]}" and nest:
+            nest.pop()
+    return nest, quoted, escaped
+
+
+def cut_values(w, fields) -> None:
+    """End a constrained row's model-free draft (with field drafts) at the first value start j
+    (1, 2, ... in `w.cand`) the target reaches with a probability below REACH: r^j, r the row's
+    rate of values accepted whole once reached (`count_values`; VALUE_PRIOR before evidence).
+    A candidate costs the verifying forward ~0.25 ms whether or not it is reached, and a guessed
+    value is accepted whole 50-90% of the time: the candidates behind a third or fourth guess
+    were mostly verified in vain (docs/structured-output.md "Field drafts (session 23)");
+    the row's values in `w.values` (for `count_values`)."""
+    r = (fields.values_taken + VALUE_PRIOR * PRIOR_VALUES) / (fields.values_reached + PRIOR_VALUES)
+    w.values = []
+    reach = 1.0
+    for at in _value_starts(fields.decode, w.cand, 0, fields.decode(w.seq.output_ids)):
+        reach *= r
+        w.values.append(at)
+        if reach < REACH:  # (the value before ends here: `count_values` counts it)
+            del w.cand[at:]
+            keep_prefix(w, at)
+            break
+
+
+def count_values(fields, values: list[int], a: int) -> None:
+    """The target accepted the first `a` candidates of a draft whose values start at `values`:
+    each value that starts before another does was reached when the candidates before it were
+    accepted, and taken when all of its own were."""
+    for start, end in zip(values, values[1:]):
+        if a >= start:
+            fields.values_reached += 1
+            fields.values_taken += a >= end
 
 
 def own_count(w, n: int) -> int:

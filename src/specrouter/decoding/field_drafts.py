@@ -88,6 +88,7 @@ class FieldDrafter:
         self._encoded: dict[str, list[int]] = {}
         self.seconds = 0.0  # time spent proposing
         self.proposed = 0  # tokens proposed (drafts and the router's shadow proposals)
+        self.values_reached = self.values_taken = 0  # drafted values the target reached / accepted whole
 
     def _labels(self) -> frozenset[int]:
         """The start offsets of the message's label words: up to LABEL_WORDS words (spaces only
