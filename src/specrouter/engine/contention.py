@@ -40,7 +40,7 @@ from typing import TypeVar
 
 import torch
 
-STARVED = 0.7  # the engine thread ran less than this share of its steps' wall time: cores taken
+STARVED = 0.7  # the stepping thread ran less than this share of its steps' wall time: cores taken
 WINDOW_S = 0.5  # seconds of steps weighed at a time
 RECHECK_S = 1.0  # seconds between idle-CPU reads while on one thread
 FRESH_S = 0.25  # seconds to the first idle read of a batch that starts reduced (`TeamGovernor.wake`)
@@ -77,9 +77,10 @@ def idle_cores_reader(path: str = "/proc/stat", clock: Callable[[], float] = tim
 
 
 class TeamGovernor:
-    """The engine thread's torch threads: fewer while other processes take the team's cores, its
-    own count otherwise (module docstring). `observe` is called by the engine thread after every
-    step; `set_threads` (torch.set_num_threads) then acts on that thread's parallel regions."""
+    """The stepping thread's torch threads (the server's engine thread, a library caller's):
+    fewer while other processes take the team's cores, its own count otherwise (module
+    docstring). `observe` is called by that thread after every step; `set_threads`
+    (torch.set_num_threads) then acts on that thread's parallel regions."""
 
     def __init__(self, *, starved: float = STARVED, window: float = WINDOW_S, recheck: float = RECHECK_S,
                  fresh: float = FRESH_S, free_cores: float = FREE_CORES, idle_cores: Callable[[], float | None] | None = None,
@@ -91,7 +92,7 @@ class TeamGovernor:
         self.on_change = on_change  # ("drop" | "restore", the count it set), e.g. ServerMetrics.observe_governor
         self.idle_cores = idle_cores if idle_cores is not None else idle_cores_reader()
         self.set_threads, self.get_threads, self.clock = set_threads, get_threads, clock
-        self.threads: int | None = None  # the engine thread's own count (read at its first step)
+        self.threads: int | None = None  # the thread's own count (read at its first step)
         self.current = 0  # its count now
         self.wall = self.cpu = 0.0  # the window's sums
         self.next_check = 0.0  # clock time of the next idle read (while reduced)
@@ -100,7 +101,7 @@ class TeamGovernor:
         self.restored_at: float | None = None  # clock time of the last restore
 
     def observe(self, wall: float, cpu: float) -> None:
-        """A step of `wall` seconds during which the engine thread ran `cpu` seconds."""
+        """A step of `wall` seconds during which the stepping thread ran `cpu` seconds."""
         if self.threads is None:
             self.threads = self.current = self.get_threads()
         if self.idle_cores is None or self.threads <= 1:
