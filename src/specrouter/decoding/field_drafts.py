@@ -12,7 +12,8 @@ another up to k tokens (each piece cut where the grammar refuses it):
    case-insensitively at a word start; the words title-cased when the value capitalised a
    lower-case source word), up to a delimiter, tokenized together with what the value has
    already (the tokens a model writes for the whole value), then the value's end (`",`, `"}`,
-   `,`, `},` ...: the first the grammar allows);
+   `,`, `},` ...: the first the grammar allows); a value whose text is not in the prompt (the
+   model's own: a quantity it invents, `cucumbers` for `cucumber`) gets its end only;
 3. value start: at a value's first character, a guess of its first word from the prompt's last
    message: after the key's own words (`born 1815`: key-anchored), else the first word not yet
    used after the previous value's place there (the record's next field), a number for a number;
