@@ -3,7 +3,7 @@ fresh router per temperature, every request decoded by every variant and by targ
 turn (the order rotated per request), one process, the bench's prompts (3 per type, 64 new
 tokens). Prints tokens/s per request and summed.
 
-    python benchmarks/router_variants.py [--temperatures 0 0.7] [--variants no-tv no-check tv-cap-8]
+    python benchmarks/router_variants.py [--temperatures 0 0.7] [--variants no-tv tv-cap-8]
         [--workload mixed|chat|prose|code|extraction] [--prompts-per-type 3] [--max-new-tokens 64]
         [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R]
         [--arm NAME FIELD=VALUE ... [--arm ...]]
@@ -11,25 +11,21 @@ tokens). Prints tokens/s per request and summed.
 `--arm` adds a variant of its own RouterConfig fields (Python literals, as serve_engine.py's
 `--arm`), beside the named ones.
 
-Variants (RouterConfig changes against the default): no-tv (measure_tv=False), no-check (realized_check=False), tv-cap-8
+Variants (RouterConfig changes against the default): no-tv (measure_tv=False), tv-cap-8
 (request_tv_cap=8, request_tv_weight=1), no-step-host (draft_step_overhead=False: the draft steps'
-host seconds folded into the cycle's overhead, as before issue 33), any-probe (probe_first_pair=False:
-a pair probed by any chain measuring it), no-hold (plain_hold_max=0: no plain hold, a
+host seconds folded into the cycle's overhead, as before issue 33), no-hold (plain_hold_max=0: no plain hold, a
 settled plain single stream decided every step), iid (confirmed_alpha=False: a three-level chain's
 top level accepts every token at the pair's rate), no-fade (realized_fade=1.0: the realized check's
 evidence fades only on cycles of model-free chains, as before), no-leave-charge
 (charge_leaving_plain=False: plain decoding weighed against speculation without each kind's
 host seconds outside the executor, as before issue 31's chat fix), decided-plain
 (outside_plain_held=False: plain decoding priced at every plain step's outside seconds, decided
-ones included, as before issue 31's second chat fix), probe-predicted (probe_charge_realized=False:
-probes charged to the budget at their predicted extra seconds, as before), no-stream-hold
+ones included, as before issue 31's second chat fix), no-stream-hold
 (stream_hold_steps=1: a settled speculating single stream decided every step, as before),
 no-plain-hold (stream_hold_plain=False: a single stream's plain plan kept by hysteresis decided
 every step, as before), no-refute (probe_refute_wait=0: a model pair's probe that refuted its
-optimism sets no wait, as before), catch-up-probes (probe_past_catch_up=False: a lone row's probe of a
-lagging draft weighed by the catch-up check at the request's own estimate, as before issue 28's
-lock-in fix), no-idle-fade (request_idle_decay=1.0: a request's evidence of a model pair frozen
-while it runs plain, as before), stale (both, as before),
+optimism sets no wait, as before), no-idle-fade (request_idle_decay=1.0: a request's evidence of a
+model pair frozen while it runs plain, as before),
 firm (stream_hold_firm=True: a single stream's speculative hold after every decided
 plan, not released by its own evidence moving unless against the plan, shadows on its last step; the default
 since lean20, with lazy8's fields: "per-step" measures the router before), no-firm
@@ -44,12 +40,12 @@ own acceptance counts shrunk toward its prior by 16 pseudo-trials, not 8), tv-le
 tv_every=16: D_TV in a request's first 2 cycles and every 16th step), tv-first-8 (tv_first_cycles=8), tv-every-4 (tv_every=4), no-margin (decision_margin_sampling=0: a
 sampled request's alphas and hit rates read as estimated, as before floor19), margin05 / margin1 / margin2 / m075 (z
 0.5 / 1 / 2 / 0.75 standard errors off them), margin1g / margin05g (greedy rows too), probe-k2 (probe_k=2), m05-pk2 (z 0.5 and probe_k=2),
-plain-lease (plain_lease=True: a settled plain single stream's held steps run on an engine lease, unplanned),
 spec-held (outside_spec_held=True: leaving plain priced at a speculative cycle's held steps' outside seconds,
-as plain decoding is at its held steps'), lease-held (both), lease-held-nm (lease-held without the margin),
-pre-floor21 (plain_lease=False, outside_spec_held=False: the router before floor21's default; lease-held is the
-default since). Removed by prune22 (issue 27) with their fields: greedy-tv, outside, burst, burst2, monotone,
+as plain decoding is at its held steps'; the default since floor21). Removed by prune22 (issue 27) with their fields: greedy-tv, outside, burst, burst2, monotone,
 stand-in, tv-always-stand-in, monotone-m1g, monotone-m1, refute-global, free16, lean, lean16, firm16s.
+Removed by prune23 (issue 27) with their fields (each an "as before" path of a default that stayed on):
+any-probe, probe-predicted, catch-up-probes, stale, no-check, plain-lease, lease-held, lease-held-nm,
+pre-floor21.
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -76,22 +72,17 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
     sim = base.similarity
     known = {
         "no-tv": dataclasses.replace(base, similarity=dataclasses.replace(sim, measure_tv=False)),
-        "no-check": dataclasses.replace(base, realized_check=False),
         "tv-cap-8": dataclasses.replace(base, request_tv_cap=8.0, request_tv_weight=1.0),
         "no-step-host": dataclasses.replace(base, draft_step_overhead=False),
-        "any-probe": dataclasses.replace(base, probe_first_pair=False),
         "no-hold": dataclasses.replace(base, plain_hold_max=0),
         "iid": dataclasses.replace(base, confirmed_alpha=False),
         "no-fade": dataclasses.replace(base, realized_fade=1.0),
         "no-leave-charge": dataclasses.replace(base, charge_leaving_plain=False),
         "decided-plain": dataclasses.replace(base, outside_plain_held=False),
-        "probe-predicted": dataclasses.replace(base, probe_charge_realized=False),
         "no-stream-hold": dataclasses.replace(base, stream_hold_steps=1),
         "no-plain-hold": dataclasses.replace(base, stream_hold_plain=False),
         "no-refute": dataclasses.replace(base, probe_refute_wait=0),
-        "catch-up-probes": dataclasses.replace(base, probe_past_catch_up=False),
         "no-idle-fade": dataclasses.replace(base, request_idle_decay=1.0),
-        "stale": dataclasses.replace(base, probe_past_catch_up=False, request_idle_decay=1.0),
         "firm": dataclasses.replace(base, stream_hold_firm=True),
         "no-firm": dataclasses.replace(base, stream_hold_firm=False),
         "firm8": dataclasses.replace(base, stream_hold_firm=True, stream_hold_steps=8),
@@ -115,11 +106,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "probe-k2": dataclasses.replace(base, probe_k=2),
         "m05-pk2": dataclasses.replace(base, decision_margin_sampling=0.5, probe_k=2),
         "m075": dataclasses.replace(base, decision_margin_sampling=0.75),
-        "plain-lease": dataclasses.replace(base, plain_lease=True),
         "spec-held": dataclasses.replace(base, outside_spec_held=True),
-        "lease-held": dataclasses.replace(base, plain_lease=True, outside_spec_held=True),
-        "lease-held-nm": dataclasses.replace(base, plain_lease=True, outside_spec_held=True, decision_margin_sampling=0.0),
-        "pre-floor21": dataclasses.replace(base, plain_lease=False, outside_spec_held=False),
     }
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -130,7 +117,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
-    ap.add_argument("--variants", nargs="*", default=["no-tv", "no-check"])
+    ap.add_argument("--variants", nargs="*", default=["no-tv"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workload", default="mixed")
     ap.add_argument("--prompts-per-type", type=int, default=3)

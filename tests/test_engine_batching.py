@@ -447,7 +447,7 @@ def test_single_row_is_never_held_while_it_speculates():
 
 def test_a_settled_plain_single_stream_is_held_until_another_request_runs():
     """A single stream whose plain plan is settled (decided "same") is held plain without
-    deciding (2, 4, ... steps), its shadow proposals every SHADOW_EVERY_HELD-th step; its first
+    deciding (2, 4, ... steps) on a lease, its shadow proposals on the hold's last step; its first
     plain decision ("initial") holds nothing; another request, alone or joining, is planned at
     once."""
     router = scripted_router(lambda b, t, L: 0.040 * t)  # verifying costs t forwards: plain wins
@@ -462,7 +462,7 @@ def test_a_settled_plain_single_stream_is_held_until_another_request_runs():
     assert second.decisions[0].reason == "same" and second.held and router.planner.hold.span == 2
     held = router.plan_batch(one)
     assert held.held and decides[0] == 2 and router.planner.held_decisions == 1
-    assert held.shadow_k == 0 or router.observed_steps % router.planner.SHADOW_EVERY_HELD == 0
+    assert held.shadow_k == 0 or router.observed_steps == router.planner.hold.until - 1
     other = [dataclasses.replace(one[0], seq_id=7)]  # another request alone: planned at once
     assert not router.plan_batch(other).held and decides[7] == 1
     router.plan_batch(other)  # settled: held

@@ -1,10 +1,10 @@
-"""A settled plain single stream on an engine lease (`RouterConfig.plain_lease`, floor21): its
-held steps run without planning, are reported in order before the router plans again, and
-still return to speculation when it pays."""
+"""A settled plain single stream on an engine lease (floor21; was `RouterConfig.plain_lease`, on,
+its False branch removed by prune23, issue 27): its held steps run without planning, are reported
+in order before the router plans again, and still return to speculation when it pays. The
+negative controls patch in a lease of one step (every held step planned)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 
 import pytest
@@ -34,7 +34,9 @@ def run(pool, lease: bool, n: int = 60, switch_at: int | None = None, monkeypatc
     are not learned). `switch_at`: from that engine step on, verifying
     is flat (speculation pays) and the evidence is republished. Returns what the test reads."""
     router = scripted_router(plain_wins)
-    router.config = dataclasses.replace(router.config, plain_lease=lease)
+    if not lease:  # a lease of one step: every held step planned
+        lease_of = router.planner._lease
+        router.planner._lease = lambda now, steps: lease_of(now, 1)
     router.profile.observe_many = lambda *a, **k: None
     router._observe_overhead = lambda report: None
     eng = Engine(pool.with_fresh_drafters(), router=router, max_num_seqs=1, max_model_len=128)
@@ -71,7 +73,7 @@ def test_a_leased_plain_stream_is_planned_once_a_span_and_reports_every_step(poo
     context, no plan_batch): the router plans about once per span, sees every step once, in
     order, before it plans again, holds as many decisions, reaches the same hold, and the
     shadow proposals run on the spans' last steps only; greedy output is the target's.
-    Negative control: without the lease every step is planned, shadows every 4th held step."""
+    Negative control: without the lease (one step) every step is planned."""
     unleased = run(pool, False)
     leased = run(pool, True, monkeypatch=monkeypatch)
     for router, counts, seen, kinds, _, output in (leased, unleased):

@@ -9,6 +9,7 @@ from test_router import L0, Sim, cost_T, make_router, observe_cycle
 
 from specrouter.config import RouterConfig
 from specrouter.router.policy import ForwardRecord, RowContext
+from specrouter.router.probing import Prober
 from specrouter.router.similarity import ProbeBudget
 
 CAP = 0.005  # probe seconds / wall seconds, at most
@@ -54,13 +55,15 @@ def probe_stream(steps=1500, **config):
     return probes, extra, wall, router.prober.budget
 
 
-def test_probes_are_charged_what_they_cost_and_the_time_cap_binds():
-    """Charged as predicted (the negative control, `probe_charge_realized=False`), the probes
-    cost a fraction of what they do by the budget's books, and their real extra seconds run
-    past the time cap. Charged their realised extra seconds, the books match the clock and the
-    cap binds: the probes' extra seconds stay within it plus one probe."""
+def test_probes_are_charged_what_they_cost_and_the_time_cap_binds(monkeypatch):
+    """Charged as predicted (the negative control: `Prober.settle` a no-op, as the old rule was,
+    `probe_charge_realized=False`, removed by prune23), the probes cost a fraction of what they
+    do by the budget's books, and their real extra seconds run past the time cap. Charged their
+    realised extra seconds, the books match the clock and the cap binds: the probes' extra
+    seconds stay within it plus one probe."""
     probes, extra, wall, budget = probe_stream()
-    probes_off, extra_off, wall_off, budget_off = probe_stream(probe_charge_realized=False)
+    monkeypatch.setattr(Prober, "settle", lambda self, *a, **kw: self.pending.clear())
+    probes_off, extra_off, wall_off, budget_off = probe_stream()
     one = max(budget.history)
     print(f"\nprobes {probes} ({extra / wall:.4f} of wall) vs {probes_off} charged as predicted "
           f"({extra_off / wall_off:.4f}; booked {budget_off.seconds / budget_off.total_seconds:.4f})")

@@ -33,6 +33,7 @@ from specrouter.router.policy import (
     RowOutcome,
     StepReport,
 )
+from specrouter.router.probing import Prober
 from specrouter.router.profile import (
     CostProfile,
     ModelIdentity,
@@ -722,15 +723,18 @@ def test_useless_drafts_fall_back_to_plain_decoding_within_5_percent():
 
 
 @pytest.mark.parametrize("check", [True, False])
-def test_the_realized_check_leaves_a_lookup_that_never_delivers(check):
+def test_the_realized_check_leaves_a_lookup_that_never_delivers(check, monkeypatch):
     """Step 1b. The estimates say the n-gram lookup is excellent (hit rate 0.9, alpha 0.95), but
     in this request every lookup cycle commits one token at plain decoding's price, and the
     estimators never see why (the executor reports a plain step, and no shadow score tells
     the miss). With the realized check the request leaves ngram -> T within a few cycles for
     a model chain, and tries it again only as the penalty fades (`realized_fade`, ~1 cycle in
-    20 here); without it (the negative control) it stays on the lookup to the end."""
+    20 here); without it (the negative control: `Router._observe_realized` a no-op, as
+    `realized_check=False` was) it stays on the lookup to the end."""
+    if not check:
+        monkeypatch.setattr(Router, "_observe_realized", lambda self, req, r, wall_time: None)
     sim = Sim(ALPHAS, seed=4)
-    router = make_router(config=RouterConfig(realized_check=check))
+    router = make_router()
     _feed_truth(router, {**ALPHAS, ("ngram", "T"): 0.95}, 0.9)
     ctx = RowContext(0, L0)
     chains = []
@@ -803,15 +807,18 @@ def test_per_request_chains_differ_by_request_type():
 
 
 @pytest.mark.parametrize("first", [True, False])
-def test_a_pair_with_a_bad_start_is_probed_by_a_chain_it_starts(first):
+def test_a_pair_with_a_bad_start_is_probed_by_a_chain_it_starts(first, monkeypatch):
     """An early unlucky streak (16 of 16 rejected) leaves d1 > T at a low alpha. Probes of the
     pair run a chain that starts with it (d1 drafts, T verifies every candidate), never
-    ngram > d1 > T, whose n-gram misses teach the pair nothing; the negative control
-    (`probe_first_pair=False`) probes it behind the n-gram, the optimistic best here."""
+    ngram > d1 > T, whose n-gram misses teach the pair nothing; the negative control (the old
+    rule, every chain measuring the pair: was `probe_first_pair=False`) probes it behind the
+    n-gram, the optimistic best here."""
+    if not first:
+        monkeypatch.setattr(Prober, "first_pair_chains", lambda self, pair: self.router.pair_chains[pair])
     order = ["ngram", "d1", "T"]
     alphas = {("d1", "T"): 0.8, ("ngram", "T"): 0.6, ("ngram", "d1"): 0.9}
     sim = Sim(alphas, hit=0.6, seed=6, overhead_spec=0.0, overhead_plain=0.0)
-    router = make_router(order, timer=lambda: 0.0, config=RouterConfig(probe_first_pair=first))
+    router = make_router(order, timer=lambda: 0.0)
     router.similarity.observe_acceptance(("d1", "T"), GREEDY, 0, 16)  # the unlucky start
     router.similarity.observe_acceptance(("ngram", "d1"), GREEDY, 900, 100)  # known: probes are d1 > T's
     trace = []

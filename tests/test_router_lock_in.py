@@ -3,7 +3,8 @@
 Two parts locked it: a probe of the draft after plain steps was vetoed by the catch-up check
 (router/batch.py `BatchPlanner.alone` weighed it at the request's own estimate, the one the probe
 questions), and the request's own evidence of the pair was frozen while it ran plain (nothing
-tried the draft). Now a probe runs as decided (`RouterConfig.probe_past_catch_up`) and a pair's
+tried the draft). Now a probe runs as decided (`BatchPlanner.alone`; the veto, `vetoing` below, was
+`RouterConfig.probe_past_catch_up=False`, removed by prune23) and a pair's
 request evidence fades per cycle that did not try it (`RouterConfig.request_idle_decay`).
 A third lock: a draft read slow in a stalled cycle is priced out of every plan and never timed
 again; the prober re-tries a model read slower than its usual speed after
@@ -23,17 +24,34 @@ from specrouter.router.policy import Decision, RowContext, fade_idle
 from specrouter.router.stream_hold import StreamHolder
 
 PAIR = ("d2", "T")
-BEFORE = dict(probe_past_catch_up=False, request_idle_decay=1.0)  # main a28af27's behaviour (lock-in)
+BEFORE = dict(veto_probes=True, request_idle_decay=1.0)  # main a28af27's behaviour (lock-in)
 STALL = {"d2": 15.0, "T": 3.0}  # one engine step in a co-tenant's stall
 LAZY8 = dict(stream_hold_firm=True, defer_observations=True, stream_hold_steps=8)  # lean19's, lean20's default
 
 
-def stream(first, then, refuted=10, cycles=160, seed=0, slow=lambda step: {}, **config):
+def vetoing(router) -> None:
+    """The catch-up check as before (main a28af27): a lone row's probe of a lagging draft
+    weighed at the request's own estimate like any plan, so vetoed where that plan would be."""
+    alone = router.planner.alone
+
+    def veto(row, decision):
+        if decision.reason != "probe":
+            return alone(row, decision)
+        checked = alone(row, dataclasses.replace(decision, reason="weighed"))
+        return checked if checked.reason == "catch-up" else decision
+
+    router.planner.alone = veto
+
+
+def stream(first, then, refuted=10, cycles=160, seed=0, slow=lambda step: {}, veto_probes=False, **config):
     """One request of `cycles` engine steps: the draft agrees on `first` of the tokens for its
     first `refuted` steps, then on `then` (a draft's agreement comes in runs); `slow(step)`: the
-    models' slowdown factors at that step. Returns (one character per step: "S" speculated, "."
-    plain; tokens per virtual second)."""
+    models' slowdown factors at that step; `veto_probes`: the catch-up check vetoes probes as
+    before (`vetoing`). Returns (one character per step: "S" speculated, "." plain; tokens per
+    virtual second)."""
     router = make_router(order=["d2", "T"], timer=lambda: 0.0, config=RouterConfig(**config))
+    if veto_probes:
+        vetoing(router)
     sim = Sim({PAIR: then}, seed=seed)
     steps, tokens, seconds, lag, left = [], 0, 0.0, 1, 4 * cycles
     for i in range(cycles):
@@ -71,7 +89,7 @@ def test_each_part_breaks_the_lock_alone():
     probe; the idle fade alone (probes vetoed as before) when the request's estimate is back
     near its prior, later."""
     probed, _ = stream(0.05, 0.9, request_idle_decay=1.0)
-    faded, _ = stream(0.05, 0.9, probe_past_catch_up=False)
+    faded, _ = stream(0.05, 0.9, veto_probes=True)
     print(f"\n{probed} (probes only)\n{faded} (fade only)")
     assert probed[40:].count("S") >= 0.95 * len(probed[40:]), probed
     assert faded[80:].count("S") >= 0.95 * len(faded[80:]), faded
@@ -92,14 +110,15 @@ def test_a_draft_that_stays_slow_stays_plain():
 def test_the_catch_up_check_lets_a_probe_run():
     """`BatchPlanner.alone`: a lone row whose draft lags 40 tokens, 3 tokens from its end, is
     kept plain when its own plan speculates (the catch-up does not pay) but runs a probe as
-    decided; `probe_past_catch_up=False` vetoes the probe too."""
+    decided; the old check (`vetoing`, the negative control) vetoes the probe too."""
     row = RowContext(0, L0, remaining=3, lags=(("d2", 40),), lags_generated=(("d2", 39),))
-    for reason, config, vetoed in (("same", {}, True), ("probe", {}, False),
-                                   ("probe", dict(probe_past_catch_up=False), True)):
-        router = make_router(order=["d2", "T"], timer=lambda: 0.0, config=RouterConfig(**config))
+    for reason, veto, vetoed in (("same", False, True), ("probe", False, False), ("probe", True, True)):
+        router = make_router(order=["d2", "T"], timer=lambda: 0.0)
+        if veto:
+            vetoing(router)
         router.request(0, True)
         d = router.planner.alone(row, Decision(PAIR, 2, 0.01, reason))
-        assert (d.k == 0 and d.reason == "catch-up") == vetoed, (reason, config, d)
+        assert (d.k == 0 and d.reason == "catch-up") == vetoed, (reason, veto, d)
 
 
 def test_idle_cycles_fade_a_requests_own_model_pair_evidence():

@@ -315,9 +315,9 @@ class RouterConfig:
     decision_margin_greedy: float = 0.0
     shadow_k: int = MAX_DRAFT_LENGTH  # tokens asked of model-free drafters when shadow-scoring rows not running them
     probe_k: int = 8  # longest draft of a probe cycle
-    # probe a pair with a chain it starts (router/probing.py; False: the optimistic best of
-    # every chain measuring it, e.g. behind an n-gram whose misses teach nothing)
-    probe_first_pair: bool = True
+    # (a pair is probed with a chain it starts, router/probing.py; the optimistic best of every
+    # chain measuring it, e.g. behind an n-gram whose misses teach nothing, was
+    # `probe_first_pair=False`: removed by prune23, issue 27)
     probe_optimism: float = 1.5  # z of the Wilson upper bound that makes a stale pair worth a probe
     probe_recheck: int = 8  # row-cycles before looking again when no pair was worth a probe
     probe_max_wait: float = 4.0  # longest back-off between fruitless probes of a pair, in stale_after periods
@@ -327,10 +327,9 @@ class RouterConfig:
     probe_refute_wait: int = 32
     # (keeping it from every request's probes too was `probe_refute_global`: off, removed by
     # prune22, issue 27)
-    # a single stream's probe of a model draft that lags (plain steps before it) runs as decided:
-    # the catch-up check (router/batch.py `BatchPlanner.alone`) weighed it at the request's own
-    # estimate, the one the probe questions, and vetoed every such probe; False: as before
-    probe_past_catch_up: bool = True
+    # (a single stream's probe of a model draft that lags runs as decided, router/batch.py
+    # `BatchPlanner.alone`; the catch-up check's veto of every such probe was
+    # `probe_past_catch_up=False`: removed by prune23, issue 27)
     # a model read this much slower than its usual speed (CostProfile.usual), not timed for
     # probe_slow_after row-cycles, is re-probed at its usual speed (router/probing.py): a draft
     # read 13.7x slow in one stalled cycle (a co-tenant) was priced out of every plan and never
@@ -339,9 +338,9 @@ class RouterConfig:
     probe_slow_after: int = 16
     probe_fraction: float = 0.05  # at most this fraction of row-cycles are probes
     probe_time_fraction: float | None = 0.02  # and their cost at most this fraction of wall time
-    # a probe observed alone is charged its realised extra seconds over the plan, not its
-    # predicted ones (router/probing.py `Prober.settle`; False: as predicted, before issue 31's fix)
-    probe_charge_realized: bool = True
+    # (a probe observed alone is charged its realised extra seconds over the plan,
+    # router/probing.py `Prober.settle`; charging it as predicted, before issue 31's fix, was
+    # `probe_charge_realized=False`: removed by prune23, issue 27)
     overhead_alpha: float = 0.1  # EMA weight of one cycle's overhead (wall - forwards) and decide() time
     # charge a model draft's host seconds per step (measured: its steps' wall outside forwards),
     # k - 1 per draft of k; False: they are part of the cycle's overhead, whatever k (before issue 33)
@@ -364,7 +363,7 @@ class RouterConfig:
     # decoding's are (floor21): a stream that rarely speculates runs mostly decided speculative
     # steps (probes, a request's first), so the EMA over every one read 0.76 ms against 0.45 ms
     # a held step (AMD EPYC, chat t=0.7) and priced leaving plain ~0.3 ms a cycle too high.
-    # On since floor21 with plain_lease ("lease-held": t=0.7 chat / prose, with and without
+    # On since floor21 with the plain stream's lease ("lease-held": t=0.7 chat / prose, with and without
     # penalties, 15 of 16 side-by-side ratios >= 1.0, geometric mean 1.040; mixed +3.1 / +4.2%;
     # docs/router.md). False: every speculative step counts, as before
     outside_spec_held: bool = True
@@ -423,15 +422,10 @@ class RouterConfig:
     # report is folded at once (defer21; queuing every report, lean19-20's rule, did not pay
     # under load and was removed, load22). On since lean20
     defer_observations: bool = True
-    # a settled plain single stream's hold on an engine lease (floor21, router/batch.py
-    # `BatchPlanner.plan`, `BatchPlan.steps`), as a multi-row batch's is: the engine runs its
-    # held steps without planning them (no row context, no plan_batch) and reports them when the
-    # lease ends; its shadow proposals run on the hold's last step only (planned, as a batch's)
-    # and `OutsideClock` prices plain decoding at the span's mean outside seconds. False: every
-    # held step planned, shadows every BatchPlanner.SHADOW_EVERY_HELD-th step, as before. On
-    # since floor21 (with outside_spec_held: a held plain step's host seconds 0.31 -> 0.22 ms
-    # against target-only's 0.06, AMD EPYC, chat t=0.7 with penalties)
-    plain_lease: bool = True
+    # (a settled plain single stream's hold runs on an engine lease, as a multi-row batch's,
+    # router/batch.py `BatchPlanner.plan`, floor21: a held plain step's host seconds 0.31 ->
+    # 0.22 ms; every held step planned, shadows every 4th, was `plain_lease=False`: removed by
+    # prune23, issue 27)
     # (model-free drafters' forwards reaching the cost profile `free_timing_batch` at a time,
     # seconds summed: off at 1, not kept; removed by prune22, issue 27)
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
@@ -459,8 +453,8 @@ class RouterConfig:
     # it realized there (every chain's sums decayed by this per cycle of the request, shrunk
     # toward no correction by realized_prior_tokens tokens that came as predicted, clipped to
     # realized_clip: by default it only slows a chain down, so noise never makes a chain look
-    # faster than its estimates say); a move above realized_tolerance republishes it
-    realized_check: bool = True
+    # faster than its estimates say); a move above realized_tolerance republishes it. (Turning
+    # it off was `realized_check=False`: removed by prune23, issue 27)
     # confirmed tokens (router/cost_model.py, point 4): a three-level chain's top level accepts
     # the tokens its first two levels agreed on with their own rate, learned per (first,
     # middle, target) from those chains' cycles and from shadow proposals judged against the

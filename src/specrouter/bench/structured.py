@@ -70,6 +70,39 @@ REWORDED = [
      "JSON list please."),
 ]
 
+# held-out requests (issue 30, session 23): written by a helper who had not read the field-draft
+# code (structured/, decoding/) nor docs/structured-output.md, worded as users and apps send such
+# requests (a CRM export row, an email signature, a wiki infobox, a voice-assistant transcript, a
+# chat message with typos, JSON-ish app input, a recipe, a bulleted list, YAML-ish notes): fields
+# out of schema order, extra fields, numbers as words. Held out from tuning: report figures on it
+# (benchmarks/structured.py --requests heldout), never change the drafts to fit it.
+HELDOUT = [
+    ("extract", PERSON, "Convert this CRM export row to JSON with name, born, city and occupation.\n"
+     "contact_id,full_name,email,job_title,location,dob,tier\n"
+     "40213,\"Okafor, Rita\",r.okafor@mailbox.ng,Dental Hygienist,Lagos,1988-04-02,Gold"),
+    ("tool", WEATHER_CALL, "Voice assistant transcript, answer with a get_weather call: \"hey um what's "
+     "the weather gonna be like in cape town for the next uh ten days, and give it to me in fahrenheit "
+     "please\""),
+    ("list", SHOPPING, "I'm making guacamole tonight: the recipe says to mash three ripe avocados with the "
+     "juice of two limes, one red chili and a bunch of cilantro, then season with sea salt. Can you give "
+     "me the shopping list as JSON?"),
+    ("extract", PERSON, "Pull the sender's details into JSON (name, born, city, occupation). \"Thanks "
+     "again for the site visit, I've lived in Gothenburg since I was born here in 1974 and never seen "
+     "a bridge like it.\n--\nJonas Lindqvist\nSenior Structural Engineer | Nordbygg AB\n+46 31 555 0192\""),
+    ("tool", WEATHER_CALL, "whats the wether in edinburgh this weekend?? sat and sun so 2 days, in "
+     "celcius pls. use the get_weather tool"),
+    ("list", SHOPPING, "Groceries for the week, convert to JSON please:\n- oat milk x2\n- 4 chicken "
+     "thighs\n- rice (one 1kg bag)\n- spinach\n- coffee beans, 2 packs"),
+    ("extract", PERSON, "From this wiki infobox give me the person as JSON with name, born, city and "
+     "occupation: {{Infobox person | name = Frida Kahlo | spouse = Diego Rivera | occupation = Painter "
+     "| birth_place = Coyoacán, Mexico City | birth_date = {{birth date|1907|7|6}} }}"),
+    ("tool", WEATHER_CALL, "Request from the travel app, call get_weather with it: {\"user_id\": 88231, "
+     "\"days\": \"six\", \"lang\": \"en\", \"units\": \"F\", \"destination\": \"Reykjavik\"}"),
+    ("list", SHOPPING, "party:\n  date: saturday\n  budget: 60 EUR\n  buy:\n    - napkins: 40\n"
+     "    - orange juice: 3 cartons\n    - crisps: five bags\n    - ice: 2 bags\n"
+     "Make a JSON shopping list out of the buy part."),
+]
+
 
 def schema_valid(doc: str, schema: dict) -> bool:
     """Whether `doc` is JSON that follows `schema` (the subset these schemas use)."""

@@ -29,9 +29,6 @@ class PlainHold:
     until: int  # observed step at which the batch is planned again
     span: int  # steps of this hold (doubles while the verdict repeats)
     members: frozenset[int] = frozenset()  # seq_ids of the rows it was found for
-    # shadow proposals on the hold's last step only (a multi-row batch's; a single stream's on a
-    # lease, `RouterConfig.plain_lease`), else every SHADOW_EVERY_HELD-th step
-    last_only: bool = False
 
     def valid(self, n: int, now: int) -> bool:
         """Does it still hold for a step of n rows (pinned ones included) at observed step
@@ -52,13 +49,11 @@ class PlainHold:
         return [r for r in rows if r.seq_id not in self.members]
 
     def shadow_due(self, now: int) -> bool:
-        """Shadow proposals at observed step `now` of the hold: a multi-row batch's on the last
-        step of the hold only (one per span: their evidence is read when the hold ends; every
-        4th step they were ~0.6 ms of a ~10 ms 4-row step, measured), a single stream's every
-        SHADOW_EVERY_HELD-th step (on the hold's last step too when leased: `last_only`)."""
-        if self.rows > 1 or self.last_only:
-            return now == self.until - 1
-        return now % BatchPlanner.SHADOW_EVERY_HELD == 0
+        """Shadow proposals at observed step `now` of the hold: on its last step only (one per
+        span: their evidence is read when the hold ends; every 4th step they were ~0.6 ms of a
+        ~10 ms 4-row step, measured). A single stream's ran every 4th held step before its hold
+        ran on a lease (floor21; was `RouterConfig.plain_lease`, removed by prune23, issue 27)."""
+        return now == self.until - 1
 
 
 JOINS_KEEP_HOLD = 8  # from this many rows on, rows joining a held batch do not end its hold
@@ -168,7 +163,6 @@ def planning(fn):
 class BatchPlanner:
     """Plans the batch of each engine step for a `Router` (module docstring)."""
 
-    SHADOW_EVERY_HELD = 4  # while the batch is held plain: shadow proposals every 4th step
 
     def __init__(self, router):
         self.router = router  # policy.Router: per-row decisions, estimates, cost profile
@@ -243,17 +237,16 @@ class BatchPlanner:
             settled = n > 1 or (len(rows) == 1 and decisions[0].reason in ("same", "catch-up"))
             if limit > 0 and not spec and settled:
                 span = min(limit, 2 * hold.span if hold is not None else 2)
-                self.hold = PlainHold(n, now + span, span, frozenset(r.seq_id for r in rows),
-                                      last_only=router.config.plain_lease)
+                self.hold = PlainHold(n, now + span, span, frozenset(r.seq_id for r in rows))
             else:
                 self.hold = None
         held = self.hold is not None
         shadow = 0 if held and not self.hold.shadow_due(now) else router.config.shadow_k
         # a held batch's plans stand until the step before its hold ends (that one shadows); a
-        # single stream's too with `RouterConfig.plain_lease` (floor21: a held plain step planned
-        # cost ~0.3 ms over target-only's ~0.06 ms of host time, AMD EPYC, chat t=0.7)
-        leased = held and (n > 1 or router.config.plain_lease)
-        steps = self._lease(now, self.hold.until - 1 - now) if leased else 1
+        # single stream's too (floor21: a held plain step planned cost ~0.3 ms over target-only's
+        # ~0.06 ms of host time, AMD EPYC, chat t=0.7; planning each was `RouterConfig.plain_lease`
+        # False, removed by prune23, issue 27)
+        steps = self._lease(now, self.hold.until - 1 - now) if held else 1
         return BatchPlan(decisions, held, shadow, steps)
 
     STANDING_HOLD = 4  # a plain hold's longest span is this many times plain_hold_max while speculation's error stands
@@ -283,7 +276,7 @@ class BatchPlanner:
         return limit * LARGE_BATCH_HOLD if n >= JOINS_KEEP_HOLD else limit
 
     def _lease(self, now: int, steps: int) -> int:
-        """`BatchPlan.steps` of a held multi-row batch planned at observed step `now`: its plain
+        """`BatchPlan.steps` of a held plain batch (a single stream's too) planned at observed step `now`: its plain
         plans stand `steps` steps for the same rows (at least this one). The engine runs them
         without planning (no row contexts, no plan) and reports them to the router when the
         lease ends, in order, before it plans again: the router's observation of a held step
@@ -448,11 +441,12 @@ class BatchPlanner:
         draft after plain steps (a lagging draft), and a prose request whose draft was refuted by
         its first two cycles decoded plainly to its end at 0.64x what draft>target k=4 ran
         (Sapphire Rapids, stale16); its cost, catch-up included, is the probe budget's
-        (`Prober.settle`; `RouterConfig.probe_past_catch_up`)."""
+        (`Prober.settle`; the veto was `RouterConfig.probe_past_catch_up=False`, removed by
+        prune23, issue 27)."""
         chain, k = decision.chain, decision.k
         lags = dict(row.lags)
         if (k == 0 or len(chain) < 2 or not any(lags.get(m, 1) > 1 for m in chain[:-1])
-                or (decision.reason == "probe" and self.router.config.probe_past_catch_up)):
+                or decision.reason == "probe"):
             return decision
         router = self.router
         req = router.requests.get(row.seq_id)

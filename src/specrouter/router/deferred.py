@@ -73,8 +73,7 @@ class Deferral:
                 continue
             pending[o.seq_id] = req.pending
             req.cycles += 1  # TvSchedule reads it (undone and redone by the fold)
-            if router.config.realized_check:
-                req.pending = None  # the realized check consumes it (`Router._observe_realized`)
+            req.pending = None  # the realized check consumes it (`Router._observe_realized`)
         self.queue.append(Deferred(report, router.observed_steps, pending))
         router.observed_steps += 1
         router.stream.tally(report)

@@ -55,7 +55,7 @@ class OutsideClock:
         """A step is being planned at `now` (observed steps so far: `steps`); returns (host
         seconds outside the executor, speculative, held) of the step planned last, when
         measurable. The steps the engine ran on that plan's lease (`BatchPlan.steps`, a held
-        plain stream's with `RouterConfig.plain_lease`) are measured with it: the period's
+        plain batch's or stream's) are measured with it: the period's
         seconds outside the executor per step (at most the steps' mean wall)."""
         ids = (tuple(r.seq_id for r in rows), len(pinned))
         last, self._last = self._last, Planning(now, steps, ids)

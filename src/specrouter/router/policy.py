@@ -697,7 +697,7 @@ class Router:
         for r in rows:
             mode = GREEDY if r.greedy else SAMPLING
             req = self.request(r.seq_id, r.greedy)
-            if len(rows) == 1 and cfg.realized_check:
+            if len(rows) == 1:
                 self._observe_realized(req, r, wall_time)
             if self.prober.pending:  # a probe's realised extra seconds (one row's step only)
                 self.prober.settle(r.seq_id, wall_time if len(rows) == 1 else None,

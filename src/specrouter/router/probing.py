@@ -9,7 +9,8 @@ Pairs with little (or faded) evidence (`SimilarityEstimator.needs_probe`) get th
 optimistic world, one cycle runs it (the most promising first), at its best k up to `probe_k`; its
 expected extra cost over the plan is charged to the budget when it is chosen, and replaced by its
 realised extra cost once the cycle is observed alone (`settle`: the cycle's seconds less the plan's
-predicted seconds for the tokens it committed; `RouterConfig.probe_charge_realized`). The optimism
+predicted seconds for the tokens it committed; charging it as predicted was
+`RouterConfig.probe_charge_realized=False`, removed by prune23, issue 27). The optimism
 that makes a probe worth running also predicts it nearly free: charged as predicted, chat's probes
 with penalties (a draft agreeing on 0-17% of tokens, predicted ~30%; a first draft cycle in a
 request also prefills the draft, 77 ms against 36 predicted) never reached the 2% time cap. A pair
@@ -88,8 +89,7 @@ class Prober:
         latency, tokens = float(one.expected_latency[0, pk - 1]), float(one.expected_tokens[0, pk - 1])
         extra = latency - decision.t_eff * tokens
         self.budget.charge(extra)
-        if router.config.probe_charge_realized:
-            self.pending[row.seq_id] = (decision.t_eff, extra, overhead)
+        self.pending[row.seq_id] = (decision.t_eff, extra, overhead)
         if router.config.probe_refute_wait > 0:  # judged against its estimate without the decision margin
             pair = chain[:2]
             estimate = alphas[pair] if decision_z(router.config, mode) <= 0.0 or req is None else \
@@ -208,8 +208,6 @@ class Prober:
         """Indices of the chains that start with `pair` (module docstring); every chain that
         measures it when none does."""
         chains, measuring = self.router.chains, self.router.pair_chains[pair]
-        if not self.router.config.probe_first_pair:
-            return measuring
         return [i for i in measuring if chains[i][:2] == pair] or measuring
 
     def _taught(self, pair: Pair, mode: str, last: tuple[int, float, int]) -> bool:
