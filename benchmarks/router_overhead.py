@@ -10,7 +10,7 @@ cycle costs over target-only).
     python benchmarks/router_overhead.py [--workload mixed|chat|...] [--temperature 0] [--prompts-per-type 3]
         [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R] [--set FIELD=VALUE ...]
 
-`--set`: RouterConfig fields of SpecRouter's router (a Python literal: stream_hold_firm=True).
+`--set`: RouterConfig fields of SpecRouter's router (a Python literal: stream_hold_steps=4).
 `--base-router CHECKOUT`: a third system, "SR-base", whose router is another checkout's router
 package (its src/specrouter/router, loaded beside this one as `specrouter_base.router`; the rest of
 specrouter, RouterConfig included, is this checkout's, so its router must read this RouterConfig's

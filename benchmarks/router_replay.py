@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     rep.add_argument("--repeat", type=int, default=3, help="replays timed (the median of each call's mean)")
     rep.add_argument("--digest", action="store_true", help="deterministic timer and clock; print the plans' digest")
     rep.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                     help="RouterConfig fields changed for the replay (a Python literal: stream_hold_firm=True)")
+                     help="RouterConfig fields changed for the replay (a Python literal: stream_hold_steps=4)")
     rep.add_argument("--evict", type=int, default=0, metavar="MB",
                      help="write an MB buffer before each plan_batch / observe_step: a cold cache, as in the engine")
     args = ap.parse_args(argv)

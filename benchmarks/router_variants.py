@@ -22,17 +22,9 @@ host seconds outside the executor, as before issue 31's chat fix), decided-plain
 (outside_plain_held=False: plain decoding priced at every plain step's outside seconds, decided
 ones included, as before issue 31's second chat fix), no-stream-hold
 (stream_hold_steps=1: a settled speculating single stream decided every step, as before),
-no-plain-hold (stream_hold_plain=False: a single stream's plain plan kept by hysteresis decided
-every step, as before), no-refute (probe_refute_wait=0: a model pair's probe that refuted its
+no-refute (probe_refute_wait=0: a model pair's probe that refuted its
 optimism sets no wait, as before), no-idle-fade (request_idle_decay=1.0: a request's evidence of a
 model pair frozen while it runs plain, as before),
-firm (stream_hold_firm=True: a single stream's speculative hold after every decided
-plan, not released by its own evidence moving unless against the plan, shadows on its last step; the default
-since lean20, with lazy8's fields: "per-step" measures the router before), no-firm
-(stream_hold_firm=False: the stream hold as before), firm8 (the same, 8 steps), lazy (firm, observations deferred while held: router/deferred.py), lazy8 (the
-same, 8 steps), lazy8-nobe (lazy8 released by decision_tolerance only, not its plan's break-even: before
-lean20), per-step (stream_hold_firm=False, defer_observations=False, stream_hold_steps=4: the hold before lean20's
-default),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
 prior-global (request_prior_quantile=None: a new request's prior for a model pair is the global alpha, not the
 upper quartile of finished requests' own alphas when higher), prior-16 (request_prior_strength=16: a request's
@@ -45,7 +37,7 @@ as plain decoding is at its held steps'; the default since floor21). Removed by 
 stand-in, tv-always-stand-in, monotone-m1g, monotone-m1, refute-global, free16, lean, lean16, firm16s.
 Removed by prune23 (issue 27) with their fields (each an "as before" path of a default that stayed on):
 any-probe, probe-predicted, catch-up-probes, stale, no-check, plain-lease, lease-held, lease-held-nm,
-pre-floor21.
+pre-floor21, no-plain-hold, firm, no-firm, firm8, lazy, lazy8, lazy8-nobe, per-step.
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -80,17 +72,8 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "no-leave-charge": dataclasses.replace(base, charge_leaving_plain=False),
         "decided-plain": dataclasses.replace(base, outside_plain_held=False),
         "no-stream-hold": dataclasses.replace(base, stream_hold_steps=1),
-        "no-plain-hold": dataclasses.replace(base, stream_hold_plain=False),
         "no-refute": dataclasses.replace(base, probe_refute_wait=0),
         "no-idle-fade": dataclasses.replace(base, request_idle_decay=1.0),
-        "firm": dataclasses.replace(base, stream_hold_firm=True),
-        "no-firm": dataclasses.replace(base, stream_hold_firm=False),
-        "firm8": dataclasses.replace(base, stream_hold_firm=True, stream_hold_steps=8),
-        "lazy": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True),
-        "lazy8": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True, stream_hold_steps=8),
-        "lazy8-nobe": dataclasses.replace(base, stream_hold_firm=True, defer_observations=True, stream_hold_steps=8,
-                                          stream_hold_break_even=False),
-        "per-step": dataclasses.replace(base, stream_hold_firm=False, defer_observations=False, stream_hold_steps=4),
         "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
         "prior-global": dataclasses.replace(base, request_prior_quantile=None),
         "prior-16": dataclasses.replace(base, request_prior_strength=16.0),

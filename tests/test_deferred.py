@@ -1,7 +1,9 @@
-"""Observations folded when read (router/deferred.py, `RouterConfig.defer_observations`): a
-single stream's firm hold's steps are queued, and released by its own first pair's trials as it
-counts them; other steps are folded at once (defer21), and the run plans and learns exactly as
-without deferral."""
+"""Observations folded when read (router/deferred.py): a single stream's firm hold's steps are
+queued, and released by its own first pair's trials as it counts them; other steps are folded
+at once (defer21), and the run plans and learns exactly as with every queued report folded at
+once (the reference, `scripted(defer=False)`; the deferral's "as before" path, a firm hold
+released by the request's folded estimate, was `RouterConfig.defer_observations=False`,
+removed by prune23, issue 27)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,17 @@ from specrouter.router.similarity import GREEDY
 
 def scripted(defer: bool, spec_hold_steps: int, steps: int = 400, seed: int = 1):
     """The planner-memo test's scripted serving run (concurrency 1 -> 8 -> 2 -> 4): every
-    step's plans as planned, and the router."""
+    step's plans as planned, and the router. `defer` False: each queued report is folded at
+    once (observed step by step, the hold's trials counted as with deferral)."""
     router = build_router()
-    router.config = dataclasses.replace(router.config, defer_observations=defer, spec_hold_steps=spec_hold_steps)
+    router.config = dataclasses.replace(router.config, spec_hold_steps=spec_hold_steps)
+    if not defer:
+        queue = router.deferral.defer
+
+        def at_once(report):
+            queue(report)
+            router.deferral.fold()
+        router.deferral.defer = at_once
     router.realized_log = []  # each finished request's realized check, as finish_request saw it (`state`)
     finish = router.finish_request
 
@@ -46,45 +56,31 @@ def state(router) -> tuple:
                          for s, r in router.requests.items())))
 
 
-@pytest.mark.parametrize("span", [2, 4])
-def test_deferred_observations_plan_a_batch_as_observed_step_by_step(span):
-    """The same scripted run (seed 1) plans the same steps (plans, reasons, predicted T_eff,
-    holds, shadows, leases) and ends knowing the same with deferral on as off; deferral did defer
-    (fewer folds than queued reports: a firm hold's steps folded together, in the run's
-    single-stream phase). The equality is this run's, not a law: deferral releases a firm hold by
-    its own trials (`HoldTrials`), by design, so on other seeds a hold can end a step apart and
-    the runs part from there (`test_where_the_runs_part_a_firm_hold_ended_a_step_apart`)."""
-    off_log, off = scripted(False, span)
-    on_log, on = scripted(True, span)
+@pytest.mark.parametrize("span,seed", [(2, 1), (4, 1), (2, 0), (2, 3)])
+def test_deferred_observations_plan_a_batch_as_observed_step_by_step(span, seed):
+    """The same scripted run plans the same steps (plans, reasons, predicted T_eff, holds,
+    shadows, leases) and ends knowing the same as with every queued report folded at once;
+    deferral did defer (fewer folds than queued reports: a firm hold's steps folded together,
+    in the run's single-stream phase). (Seeds 0 and 3 parted, a firm hold ending a step apart,
+    against the old reference without deferral, which released a firm hold by the request's
+    folded estimate: review21 N3; that path was removed by prune23.)"""
+    off_log, off = scripted(False, span, seed=seed)
+    on_log, on = scripted(True, span, seed=seed)
     assert on_log == off_log
     on.deferral.fold()
     assert state(on) == state(off)
     assert 20 <= on.deferral.folded < on.observed_steps, (on.deferral.folded, on.observed_steps)
     assert on.deferral.folds <= on.deferral.folded - 10, (on.deferral.folds, on.deferral.folded)
+    assert off.deferral.folds == off.deferral.folded  # the reference: one fold per queued report
     held = sum(1 for _, h, _, _ in on_log if h)
     assert held > 20, held  # the run has holds (speculative and plain)
 
 
-@pytest.mark.parametrize("seed", [0, 3])
-def test_where_the_runs_part_a_firm_hold_ended_a_step_apart(seed):
-    """review21 N3: on seeds 0 and 3 the scripted run parts with deferral on and off, and only
-    where a single stream's firm hold ends (by its own trials with deferral, by the request's
-    folded estimate without): the first step that differs is one row, the same plan, decided
-    ("held" on one side, a decision's reason on the other); every step before it is the same."""
-    off_log, _ = scripted(False, 2, seed=seed)
-    on_log, _ = scripted(True, 2, seed=seed)
-    first = next(i for i, (a, b) in enumerate(zip(off_log, on_log)) if repr(a) != repr(b))
-    off, on = off_log[first][0], on_log[first][0]
-    assert len(off) == len(on) == 1 and off[0][:2] == on[0][:2], (off, on)
-    assert (off[0][2] == "held") != (on[0][2] == "held"), (off, on)
-    assert off_log[first][1:] == on_log[first][1:]
-
-
 def test_by_default_a_batchs_steps_are_folded_at_once_and_plan_as_without(monkeypatch):
-    """defer21: with deferral on, only a single stream's firm hold queues its reports; a
-    multi-row batch's (its speculative hold's included) are folded as they are observed, so the
-    queue never outlives its observe_step by more than a firm hold's steps, and the run plans and
-    learns as without deferral. Negative control: every report queued (lean19-20's rule, removed
+    """defer21: only a single stream's firm hold queues its reports; a multi-row batch's (its
+    speculative hold's included) are folded as they are observed, so the queue never outlives
+    its observe_step by more than a firm hold's steps, and the run plans and learns as with
+    every queued report folded at once. Negative control: every report queued (lean19-20's rule, removed
     by load22: `StreamHolder.firm_step` always true) leaves a multi-row step's report queued."""
     from specrouter.router.policy import Router
     from specrouter.router.stream_hold import StreamHolder
@@ -114,19 +110,15 @@ def test_by_default_a_batchs_steps_are_folded_at_once_and_plan_as_without(monkey
     assert max(depths) >= 1, depths  # the rule before: a multi-row step's report queued
 
 
-def test_deferral_off_queues_nothing():
-    log, router = scripted(False, 2, steps=120)
-    assert router.deferral.folded == 0 and not router.deferral.queue
-
-
 def test_a_lazy_firm_hold_follows_a_fading_draft_within_its_span():
     """The draft stops agreeing (alpha 0.8 -> 0.05): with deferred observations the firm stream,
     released by its hold's own trials of the pair (`HoldTrials`), shortens its draft to k <= 2
-    within a span of the firm hold released by the request's folded estimate, deciding as
-    rarely. Negative control: never releasing on trials (the line at -inf), it comes later."""
+    within a span of step 69, where the firm hold released by the request's folded estimate
+    (without deferral; removed by prune23) did on 1fe960b, deciding about once a span.
+    Negative control: never releasing on trials (the line at -inf), it comes later."""
     down, decided = {}, {}
-    for lazy in (True, False, "never"):
-        router, sim = settled(stream_hold_firm=True, defer_observations=bool(lazy))
+    for lazy in (True, "never"):
+        router, sim = settled()
         if lazy == "never":
             keep = router.stream.keep
 
@@ -143,7 +135,7 @@ def test_a_lazy_firm_hold_follows_a_fading_draft_within_its_span():
         down[lazy] = next(i for i, p in enumerate(plans) if p.decisions[0].chain == ("d1", "T")
                           and p.decisions[0].k <= 2 and p.decisions[0].reason != "probe")
     span = router.config.stream_hold_steps
-    assert down[True] <= down[False] + span, down
+    assert down[True] <= 69 + span, down
     assert decided[True] <= 200 // 4 + 15, decided
     assert down["never"] > down[True], down
 
@@ -151,7 +143,7 @@ def test_a_lazy_firm_hold_follows_a_fading_draft_within_its_span():
 def test_a_lazy_firm_hold_folds_before_deciding_and_at_a_finish():
     """Held steps queue their reports; the decision that ends the hold folds them first, and a
     finished request's are folded before it is forgotten."""
-    router, sim = settled(stream_hold_firm=True, defer_observations=True)
+    router, sim = settled()
     seen = []
     for _ in range(12):
         stream(router, sim, 1)
@@ -223,7 +215,7 @@ def test_a_report_whose_fold_raises_loses_its_evidence_only(monkeypatch, caplog)
     from specrouter.router import deferred
 
     def queued():
-        router, sim = settled(stream_hold_firm=True, defer_observations=True)
+        router, sim = settled()
         while len(router.deferral.queue) < 3:
             stream(router, sim, 1)
         fold, bad, done = router.deferral.fold_step, router.deferral.queue[1].report, []

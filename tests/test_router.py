@@ -82,9 +82,9 @@ ALPHAS = {("d1", "T"): 0.65, ("d2", "T"): 0.85, ("d1", "d2"): 0.9,
           ("ngram", "T"): 0.5, ("ngram", "d1"): 0.5, ("ngram", "d2"): 0.5}
 HIT = 0.3  # n-gram hit rate
 L0 = 256  # context length of the simulated rows
-# the stream hold before lean20's default (lazy8: firm 8-step holds, observations deferred):
-# tests of what a per-step (or 4-step, evidence-released) hold does pin it (docs/router.md, lean20)
-PER_STEP = dict(stream_hold_firm=False, defer_observations=False, stream_hold_steps=4)
+# 4-step stream holds (the default 8 since lean20): tests of what a shorter hold does pin it
+# (the evidence-released, undeferred hold before lean20 was removed by prune23, issue 27)
+PER_STEP = dict(stream_hold_steps=4)
 
 
 class VClock:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from test_router import PER_STEP, L0, Sim, make_router, observe_cycle
+from test_router import L0, Sim, make_router, observe_cycle
 
 from specrouter.config import RouterConfig
 from specrouter.router.policy import Decision, RowContext, fade_idle
@@ -26,7 +26,9 @@ from specrouter.router.stream_hold import StreamHolder
 PAIR = ("d2", "T")
 BEFORE = dict(veto_probes=True, request_idle_decay=1.0)  # main a28af27's behaviour (lock-in)
 STALL = {"d2": 15.0, "T": 3.0}  # one engine step in a co-tenant's stall
-LAZY8 = dict(stream_hold_firm=True, defer_observations=True, stream_hold_steps=8)  # lean19's, lean20's default
+LAZY8 = dict(stream_hold_steps=8)  # lean19's lazy8, the default since lean20 (firm holds, deferred observations)
+PER_STEP = dict(stream_hold_steps=1)  # decided every step (the 4-step hold released by the request's
+#                                        evidence, these tests' per-step router before, was removed by prune23)
 
 
 def vetoing(router) -> None:
@@ -154,8 +156,9 @@ def test_idle_cycles_fade_a_requests_own_model_pair_evidence():
 def test_a_draft_read_slow_in_a_stall_is_retried():
     """One stalled step (the draft 15x, the target 3x) while speculating on a draft agreeing on
     80%: the draft's speed jumps to 15 and the stream goes plain; a probe at its usual speed
-    after `probe_slow_after` (16) row-cycles reads it anew and it speculates again, ~1.45x the
-    tokens per second. Negative control (`probe_slow_after=200`, main's wait): plain to the end."""
+    after `probe_slow_after` (16) row-cycles reads it anew and it speculates again, ~1.39x the
+    tokens per second (~1.45x with the 4-step hold released by the request's evidence, removed
+    by prune23). Negative control (`probe_slow_after=200`, main's wait): plain to the end."""
     stall = {20: STALL}
     # decided per step (PER_STEP): under lazy8 the stalled step, inside a firm hold, is folded with
     # the hold's later fast steps at its end and never prices the draft out (34.6 tok/s with and
@@ -165,20 +168,21 @@ def test_a_draft_read_slow_in_a_stall_is_retried():
     print(f"\n{steps} {rate:.1f} tok/s\n{old_steps} {old_rate:.1f} tok/s (before)")
     assert steps[21:30] == "." * 9 and steps[40:].count("S") >= 0.95 * len(steps[40:]), steps
     assert old_steps[21:] == "." * len(old_steps[21:]), old_steps
-    assert rate > 1.4 * old_rate, (rate, old_rate)
+    assert rate > 1.35 * old_rate, (rate, old_rate)
 
 
 def test_a_draft_that_stays_slow_is_retried_less_and_less(monkeypatch):
     """Negative control: the draft 5x slower from step 20 on, for good. Re-tried at 16, then 32,
-    64, ... row-cycles (doubling while it reads slow), within 2% of main's rate, which never
-    re-tries it in these 160 steps."""
+    64, ... row-cycles (doubling while it reads slow), within 2.5% of main's rate, which never
+    re-tries it in these 160 steps (-2.0% decided every step; -1.0% with the 4-step hold
+    released by the request's evidence, removed by prune23)."""
     slow = lambda i: {"d2": 5.0} if i >= 20 else {}  # noqa: E731
     steps, rate = stream(0.8, 0.8, slow=slow, **PER_STEP)
     _, old_rate = stream(0.8, 0.8, slow=slow, probe_slow_after=200, **PER_STEP)
     print(f"\n{steps} {rate:.2f} vs {old_rate:.2f} tok/s")
     tries = [i for i, c in enumerate(steps) if c == "S" and i > 21]
     assert 1 <= len(tries) <= 3 and all(b - a > 40 for a, b in zip(tries, tries[1:])), tries
-    assert rate >= 0.98 * old_rate, (rate, old_rate)
+    assert rate >= 0.975 * old_rate, (rate, old_rate)
     # lazy8 (firm 8-step holds, observations deferred): the slowdown is seen while the hold runs
     # (`StreamHolder.watch`: its models' forwards against the profile, as the step detector
     # reads them), so the draft is left when the per-step router leaves it and re-tried as
@@ -203,7 +207,7 @@ def test_a_lazy_stream_refuted_early_returns_to_its_draft(monkeypatch):
     ran out: back at step ~37 (lean19)."""
     for seed in range(3):
         steps, _ = stream(0.05, 0.9, seed=seed, **LAZY8)
-        old, _ = stream(0.05, 0.9, seed=seed, stream_hold_firm=False, defer_observations=False, stream_hold_steps=4)
+        old, _ = stream(0.05, 0.9, seed=seed, **PER_STEP)
         print(f"\n{steps} lazy8\n{old} per-step")
         assert steps.index(".") == old.index(".") <= 10, (steps, old)
         assert steps[30:].count("S") >= 0.95 * len(steps[30:]), steps

@@ -1,6 +1,9 @@
-"""A single stream's speculative hold (router/stream_hold.py, issue 31): a settled speculative
-plan is kept `stream_hold_steps` steps without decide(), released early by what would change the
-decision. Scripted pool and virtual clock of test_router.py."""
+"""A single stream's hold (router/stream_hold.py, issue 31): a decided speculative plan (a firm
+hold) or a plain plan kept by hysteresis is kept `stream_hold_steps` steps without decide(),
+released early by what would change the decision. Scripted pool and virtual clock of
+test_router.py. (The speculative hold released by the request's evidence moving, and the firm
+hold released by its folded estimate, were removed by prune23, issue 27: their tests went with
+them; negative controls that need an unfirm hold install one by hand.)"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from test_router import ALPHAS, PER_STEP, L0, Sim, make_router, observe_cycle
 
 from specrouter.config import RouterConfig
 from specrouter.router.policy import Decision, RowContext
+from specrouter.router.stream_hold import StreamHolder
 
 STRONG = {**ALPHAS, ("d1", "T"): 0.8}  # d1 > T wins clearly: the stream settles on it
 
@@ -34,38 +38,14 @@ def stream(router, sim, steps, seq_id=0, remaining=None, alphas_after=None, swit
 
 
 def settled(steps=60, **config):
-    """A router whose single stream settled on a speculative plan under a hold (released by its
-    request's evidence moving unless `stream_hold_firm=True` is asked: the tests before the firm
-    hold's describe that hold; the firm hold's read the request's folded estimate over 4-step
-    spans unless asked otherwise: router/deferred.py's form is test_deferred.py's)."""
+    """A router whose single stream settled on a speculative plan under a firm hold (4-step
+    spans unless asked otherwise; its deferred observations are test_deferred.py's)."""
     for name, value in PER_STEP.items():
         config.setdefault(name, value)
     router = make_router(order=["ngram", "d1", "T"], config=RouterConfig(**config))
     sim = Sim(STRONG, seed=3)
     stream(router, sim, steps)
     return router, sim
-
-
-def test_a_settled_stream_is_decided_once_per_hold():
-    """Settled on d1 > T, the stream is decided about once every `stream_hold_steps` (4) steps,
-    the held steps run the decided plan, and shadow proposals come on each hold's last step
-    only. Negative control: stream_hold_steps=1 decides every step (no held cycle)."""
-    router, sim = settled()
-    events, held = len(router.events), router.stream.held
-    plans = stream(router, sim, 200)
-    decided, kept = len(router.events) - events, router.stream.held - held
-    assert decided + kept == 200
-    assert kept >= 120 and decided <= 80, (decided, kept)
-    held_plans = [p for p in plans if p.decisions[0].reason == "held"]
-    assert len(held_plans) == kept and all(p.held and p.decisions[0].k > 0 for p in held_plans)
-    assert {p.decisions[0].chain for p in held_plans} == {("d1", "T")}
-    shadows = [p.shadow_k for p in held_plans]
-    assert 0 < shadows.count(router.config.shadow_k) < len(shadows) // 2 and set(shadows) <= {0, router.config.shadow_k}
-
-    control, csim = settled(stream_hold_steps=1)
-    events = len(control.events)
-    stream(control, csim, 200)
-    assert len(control.events) - events == 200 and control.stream.held == 0
 
 
 def test_a_held_plan_is_what_the_decision_would_be():
@@ -80,56 +60,42 @@ def test_a_held_plan_is_what_the_decision_would_be():
     assert runs[4][40:] == runs[1][40:]  # settled from early on: every cycle the same plan
 
 
-def test_the_requests_evidence_moving_releases_the_hold_at_once():
-    """The draft stops agreeing in this request (alpha 0.8 -> 0.05): the request's evidence
-    version moves within a few cycles and the stream leaves d1 > T as soon as the unheld
-    router does (within one cycle); negative control below: a hold that ignored the version
-    would keep the plan for its whole span."""
-    leave = {}
-    for h in (4, 1):
-        router, sim = settled(stream_hold_steps=h)
-        plans = stream(router, sim, 40, alphas_after={("d1", "T"): 0.05}, switch_at=0)
-        leave[h] = next(i for i, p in enumerate(plans) if p.decisions[0].chain != ("d1", "T"))
-    assert leave[4] <= leave[1] + 1, leave
-
-    router, sim = settled()
-    hold = _fresh_hold(router, sim)
-    req = router.requests[0]
-    row = RowContext(0, L0)
-    assert hold.holds(row, req, router.profile.jumps, router.observed_steps, router.config.patience)
-    req.version += 1
-    assert not hold.holds(row, req, router.profile.jumps, router.observed_steps, router.config.patience)
-
-
-def _fresh_hold(router, sim):
-    """Step the settled stream until a hold has just started (its first held step is next)."""
+def _fresh_hold(router, sim, row=None):
+    """Step the stream until a hold has just started (its first held step is next)."""
     for _ in range(20):
         events = len(router.events)
-        stream(router, sim, 1)
+        if row is None:
+            stream(router, sim, 1)
+        else:
+            d = router.plan_batch([row]).decisions[0]
+            stats, outcomes, fwd, _ = sim.run(d.chain, d.k, [row.seq_id], L0)
+            observe_cycle(router, stats, outcomes, fwd)
         if len(router.events) > events and router.stream.hold is not None:
             return router.stream.hold
     raise AssertionError("no hold started")
 
 
-@pytest.mark.parametrize("release", ["remaining", "joined", "other-row", "pinned", "jump", "probe", "failed"])
-def test_what_would_change_the_decision_releases_the_hold(release):
-    """Each release: the next step is decided (a DecisionEvent), not held."""
-    router, sim = settled()
-    hold = _fresh_hold(router, sim)
-    k = hold.decision.k
+@pytest.mark.parametrize("release", ["version", "joined", "other-row", "pinned", "jump", "probe", "failed"])
+def test_what_would_change_the_decision_releases_a_plain_hold(release):
+    """A plain plan kept by hysteresis is held (not firm); each release ends it: the next step
+    is decided (a DecisionEvent), not held. The control: the same router, the same row, is
+    held."""
+    router, _ = plain_kept(0.115, 0)
+    sim = Sim({**STRONG, ("d1", "T"): 0.115}, seed=3)
     row = RowContext(0, L0)
+    hold = _fresh_hold(router, sim, row)
+    assert not hold.firm and hold.decision.chain == ("T",)
     rows, pinned = [row], []
-    if release == "remaining":
-        rows = [dataclasses.replace(row, remaining=k)]  # the cap k <= remaining - 1 no longer fits
+    if release == "version":
+        router.requests[0].version += 1
     elif release == "joined":
-        rows = [row, RowContext(1, L0, batch_size=2)]
-        rows[0] = dataclasses.replace(row, batch_size=2)
+        rows = [dataclasses.replace(row, batch_size=2), RowContext(1, L0, batch_size=2)]
     elif release == "other-row":
         rows = [RowContext(7, L0)]
     elif release == "pinned":
         pinned = [(("T",), 0)]
     elif release == "jump":
-        router.profile.jumps["d1"] = router.profile.jumps.get("d1", 0) + 1
+        router.profile.jumps["T"] = router.profile.jumps.get("T", 0) + 1
     elif release == "probe":
         router.prober.next_check = 0
         router.prober.budget = copy.deepcopy(router.prober.budget)
@@ -141,12 +107,11 @@ def test_what_would_change_the_decision_releases_the_hold(release):
     router.plan_batch(rows, pinned)
     assert router.stream.hold is None or router.stream.hold is not hold
     assert len(router.events) > events
-    # the control: the same router, the same row as decided, is held
-    events = len(control.events)
-    if release in ("jump", "probe", "failed"):
+    if release in ("version", "jump", "probe", "failed"):
         return  # the state itself released it (control shares it)
+    events, held = len(control.events), control.stream.held
     control.plan_batch([row])
-    assert len(control.events) == events and control.stream.held > 0
+    assert len(control.events) == events and control.stream.held == held + 1
 
 
 def test_held_cycles_feed_the_realized_check():
@@ -219,8 +184,8 @@ def test_a_plain_plan_kept_by_hysteresis_is_held():
     no patience runs) is held like a kept speculative plan: decided about once per
     `stream_hold_steps`, its held steps plain and counted as held (the outside clock learns
     plain decoding's cost from them). It was decided every step (chat with penalties on the Zen
-    1: 19 such steps in a request at +1-2 ms each). Negative control: `stream_hold_plain=False`
-    decides every step."""
+    1: 19 such steps in a request at +1-2 ms each). Negative control: no plain plan held (as
+    `stream_hold_plain=False` was, removed by prune23) decides every step."""
     router, plans = plain_kept(0.115, 100)
     reasons = {e.reason for e in router.events}
     assert reasons == {"hysteresis"}, reasons  # the world this test means: plain kept by hysteresis
@@ -228,18 +193,23 @@ def test_a_plain_plan_kept_by_hysteresis_is_held():
     assert len(held) >= 70 and len(router.events) <= 30, (len(held), len(router.events))
     assert all(p.held and p.decisions[0].chain == ("T",) for p in held)
 
-    control, plans = plain_kept(0.115, 100, stream_hold_plain=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StreamHolder, "PLAIN_KEPT", ())
+        control, plans = plain_kept(0.115, 100)
     assert len(control.events) == 100 and control.stream.held == 0
 
 
-def test_a_plain_hold_kept_by_hysteresis_switches_when_patience_runs_out():
+def test_a_plain_hold_kept_by_hysteresis_switches_when_patience_runs_out(monkeypatch):
     """d1 > T predicted faster than plain decoding by more than `persist_margin` (less than
     `switch_margin`): plain decoding is kept by hysteresis `patience` decisions, then left
     ("persistent"). Held, its cycles count toward patience, and it leaves at the same step as
-    the unheld control (`stream_hold_plain=False`), after fewer decisions."""
+    the unheld control (no plain plan held, as `stream_hold_plain=False` was), after fewer
+    decisions."""
     first = {}
     for kept in (True, False):
-        router, plans = plain_kept(0.14, 40, stream_hold_plain=kept)
+        if not kept:
+            monkeypatch.setattr(StreamHolder, "PLAIN_KEPT", ())
+        router, plans = plain_kept(0.14, 40)
         switch = next(i for i, p in enumerate(plans) if p.decisions[0].chain != ("T",))
         assert router.events[0].reason == "hysteresis"
         first[kept] = (switch, sum(e.step <= switch for e in router.events))
@@ -248,7 +218,7 @@ def test_a_plain_hold_kept_by_hysteresis_switches_when_patience_runs_out():
     assert held_decided < control_decided / 2, first
 
 
-# -- the firm hold (RouterConfig.stream_hold_firm, lean18) -------------------------------------
+# -- the firm hold (lean18; on since lean20) ----------------------------------------------------
 
 
 @pytest.mark.parametrize("release", ["version", "probe", "remaining", "jump", "other-row", "pinned", "refuted"])
@@ -256,13 +226,19 @@ def test_a_firm_hold_outlasts_its_requests_evidence_moving_and_a_due_probe(relea
     """A firm hold is kept while the request's evidence version moves and while a probe is due
     (it waits for the hold's end), and near the request's end its k is capped rather than the
     hold released; a row change, a pinned row, a model's speed jump or the plan's own pair
-    refuted in the request's evidence (its alpha fell by more than `decision_tolerance`) still
+    refuted by its own trials (the pair's estimate fell by more than `decision_tolerance`) still
     release it.
-    Negative control: the same moves release a hold that is not firm (the first three)."""
+    Negative control: the same moves release the same hold made not firm by hand (the first
+    three; an unfirm speculative hold was `stream_hold_firm=False`, removed by prune23)."""
+    from types import SimpleNamespace
+
     for firm in (True, False):
-        router, sim = settled(stream_hold_firm=firm)
+        router, sim = settled()
         hold = _fresh_hold(router, sim)
-        assert hold.firm == firm
+        assert hold.firm
+        if not firm:
+            router.stream.hold = hold = dataclasses.replace(
+                hold, firm=False, watched=None, epoch=tuple(router.profile.jumps.get(m, 0) for m in hold.decision.chain))
         row, rows, pinned = RowContext(0, L0), None, []
         if release == "version":
             router.requests[0].version += 1
@@ -278,10 +254,14 @@ def test_a_firm_hold_outlasts_its_requests_evidence_moving_and_a_due_probe(relea
             row = RowContext(7, L0)
         elif release == "pinned":
             pinned = [(("T",), 0)]
-        elif release == "refuted":
+        elif release == "refuted":  # trials of the pair rejected: the hold's count, the request's
+            k, pair = hold.decision.k, hold.decision.chain[:2]
+            for _ in range(10):
+                router.stream.tally(SimpleNamespace(forwards=[], outcomes=[SimpleNamespace(
+                    seq_id=0, chain=hold.decision.chain, k=k, drafted=[k, k], accepted=[0, 0])]))
             req = router.requests[0]
-            req.observe(hold.decision.chain[:2], 0.0, 40.0, router.config.request_decay)
-            req.note(hold.decision.chain[:2], "greedy")
+            req.observe(pair, 0.0, 40.0, router.config.request_decay)
+            req.note(pair, "greedy")
         events = len(router.events)
         batch = router.plan_batch(rows or [row], pinned)
         kept = len(router.events) == events
@@ -297,11 +277,11 @@ def test_a_firm_hold_outlasts_its_requests_evidence_moving_and_a_due_probe(relea
 def test_a_firm_stream_is_decided_once_per_hold_and_shadows_on_its_last_step_only():
     """Under a firm hold a settled stream is decided once per `stream_hold_steps` steps (a
     switch starts a hold too), and shadow proposals run on each hold's last step only: the
-    decided step that starts a hold has none. Negative control: the default hold, released by
-    the request's moving evidence, decides more often and shadows on its decided steps."""
+    decided step that starts a hold has none. Negative control: no hold (stream_hold_steps=1)
+    decides and shadows every step."""
     counts = {}
     for firm in (True, False):
-        router, sim = settled(stream_hold_firm=firm)
+        router, sim = settled(stream_hold_steps=4 if firm else 1)
         router.prober.next_check = 10 ** 9  # no probe due
         events = len(router.events)
         plans = stream(router, sim, 200)
@@ -317,32 +297,13 @@ def test_a_firm_stream_is_decided_once_per_hold_and_shadows_on_its_last_step_onl
     assert counts[True][0] < counts[False][0] and counts[True][1] < counts[False][1], counts
 
 
-def test_a_firm_hold_follows_a_fading_draft_within_its_span():
-    """The draft stops agreeing (alpha 0.8 -> 0.05; the request's own estimate fades over its
-    ~200-trial window): the firm stream shortens its draft to k <= 2 at most two spans of
-    `stream_hold_steps` after the default one (which decides whenever the request's evidence
-    moved), deciding less often (about a quarter of its steps: the plan's own pair falling
-    releases a hold, `StreamHolder.refuted`)."""
-    down, decided = {}, {}
-    for firm in (True, False):
-        router, sim = settled(stream_hold_firm=firm)
-        events = len(router.events)
-        plans = stream(router, sim, 200, alphas_after={("d1", "T"): 0.05}, switch_at=0)
-        decided[firm] = len(router.events) - events
-        down[firm] = next(i for i, p in enumerate(plans) if p.decisions[0].chain == ("d1", "T")
-                          and p.decisions[0].k <= 2 and p.decisions[0].reason != "probe")
-    assert down[True] <= down[False] + 2 * router.config.stream_hold_steps, down
-    assert decided[True] <= 200 // 4 + 15 and decided[True] < decided[False], decided
-
-
-@pytest.mark.parametrize("deferred", [False, True])
-def test_a_firm_holds_refutation_compares_like_with_like(deferred):
+def test_a_firm_holds_refutation_compares_like_with_like():
     """review19 R1: a sampled request's published alpha is its estimate less the decision
     margin (0.07 at alpha 0.4 with 4 own trials); a firm hold compared the raw estimate with it,
     so it was released only once the pair fell by 0.12, not by `decision_tolerance` (0.05).
-    Both sides now carry the margin (`EvidenceBoard.alpha`; with deferred observations
-    `HoldTrials.estimate`): three rejections (raw 0.40 -> 0.32, margined 0.329 -> 0.26) refute
-    it, as they move the request's version. Negative controls: one rejection (raw 0.369) does
+    Both sides now carry the margin (`EvidenceBoard.alpha`; the hold's own trials,
+    `HoldTrials.estimate`, as the request's folded estimate reads them): three rejections (raw
+    0.40 -> 0.32, margined 0.329 -> 0.26) refute it, as they move the request's version. Negative controls: one rejection (raw 0.369) does
     not, and the raw estimate after three stays above the old line (published - tolerance)."""
     from types import SimpleNamespace
 
@@ -350,8 +311,7 @@ def test_a_firm_holds_refutation_compares_like_with_like(deferred):
 
     pair = ("d1", "T")
     for rejections, refuted in ((3, True), (1, False)):
-        router = make_router(order=["d1", "T"], config=RouterConfig(
-            stream_hold_firm=True, defer_observations=deferred, probe_fraction=0.0))
+        router = make_router(order=["d1", "T"], config=RouterConfig(probe_fraction=0.0))
         router.similarity.observe_acceptance(pair, SAMPLING, 4e5, 6e5)
         req = router.request(1, False)
         req.counts[pair] = [1.6, 2.4]
@@ -361,19 +321,15 @@ def test_a_firm_holds_refutation_compares_like_with_like(deferred):
         assert start - published > 0.06  # the margin (z 0.5, 12 trials)
         row = RowContext(1, L0, greedy=False)
         assert router.stream.keep([row], [], Decision(pair, 2, 0.01, "same"), req, router.observed_steps)
-        hold = router.stream.hold
         for _ in range(rejections):
-            if deferred:
-                router.stream.tally(SimpleNamespace(forwards=[], outcomes=[SimpleNamespace(
-                    seq_id=1, chain=pair, k=2, drafted=[2, 2], accepted=[0, 0])]))
+            router.stream.tally(SimpleNamespace(forwards=[], outcomes=[SimpleNamespace(
+                seq_id=1, chain=pair, k=2, drafted=[2, 2], accepted=[0, 0])]))
             req.observe(pair, 0.0, 1.0, router.config.request_decay)  # the fold's, for the raw value
             req.note(pair, SAMPLING)
         raw = router.alpha(pair, SAMPLING, req)
         assert start - raw < start - published + router.config.decision_tolerance  # the old line: kept
-        if deferred:
-            assert router.stream.trials.estimate() == pytest.approx(router.board.alpha(req, pair, SAMPLING))
-        got = router.stream.trials.refuted() if deferred else router.stream.refuted(hold, req)
-        assert got == refuted, (rejections, start, raw, published)
+        assert router.stream.trials.estimate() == pytest.approx(router.board.alpha(req, pair, SAMPLING))
+        assert router.stream.trials.refuted() == refuted, (rejections, start, raw, published)
         probe = copy.deepcopy(req)
         probe.settle(router.board)
         assert (probe.version != req.version) == refuted  # the same line as the version's move

@@ -393,35 +393,16 @@ class RouterConfig:
     # firm hold and deferred observations: "lazy8", docs/router.md); 4 before
     stream_hold_steps: int = 8
     # ... and a plain plan decide() kept by hysteresis (speculation predicted faster by less than
-    # switch_margin) is held alike (False: decided every step, as before; a settled plain plan,
-    # kept as the best, is the batch planner's plain hold either way)
-    stream_hold_plain: bool = True
-    # a firm stream hold (router/stream_hold.py, lean18): the hold starts after every decided
-    # speculative plan but a probe (a switch too) and lasts its `stream_hold_steps` whatever the
-    # request's own evidence does meanwhile (it moved nearly every cycle: 148 of 246 holds on a
-    # t=0.7 trace were released by it, most within a step), and a probe falling due waits for
-    # its end; its shadow proposals run on its last step only (the decision after it reads
-    # them); near the request's end its k is capped instead of the hold ending. Released early
-    # by the plan's own first pair falling by more than decision_tolerance in the request's
-    # evidence (StreamHolder.refuted), a row change, a model's speed jump, the certain-draft
-    # bucket and patience. On since lean20 (with 8-step spans and deferred observations:
-    # router share of a single-stream speculative step 0.95 -> 0.64 ms at t=0.7, +1.9% tokens/s
-    # over 40 side-by-side ratios, SPR; docs/router.md, lean20); off before (lean18, lean19)
-    stream_hold_firm: bool = True
-    # (a firm hold's span doubling while the decision at each end kept the plan was
-    # `stream_hold_max`: at its default 4, below stream_hold_steps, it never stretched; removed
-    # by prune22, issue 27)
-    # ... a firm hold is released when its first pair's estimate falls past its plan's break-even
-    # with plain decoding (StreamHolder.break_even, lean20), not only by decision_tolerance
-    stream_hold_break_even: bool = True
-    # observations folded when read (router/deferred.py, lean19): a step of a single stream's
-    # firm hold queues its report, folded in order where the evidence is next read (the decision
-    # at the hold's end, a confident draft, a finished request, a step not of the hold); the hold
-    # is then released by its first pair's trials as it counts them (StreamHolder.tally) and its
-    # models' forwards (StreamHolder.watch), not by the request's folded estimate; every other
-    # report is folded at once (defer21; queuing every report, lean19-20's rule, did not pay
-    # under load and was removed, load22). On since lean20
-    defer_observations: bool = True
+    # switch_margin) is held alike (a settled plain plan, kept as the best, is the batch
+    # planner's plain hold). A speculative hold is firm (lean18, on since lean20: router share
+    # of a single-stream speculative step 0.95 -> 0.64 ms at t=0.7, +1.9% tokens/s over 40
+    # side-by-side ratios, SPR; docs/router.md): it starts after every decided speculative plan
+    # but a probe, lasts its span whatever the request's own evidence does but its first pair
+    # falling past the tolerance or its plan's break-even with plain decoding, and its steps'
+    # observations are folded when next read (router/deferred.py, lean19). The "as before"
+    # paths were `stream_hold_plain`, `stream_hold_firm`, `stream_hold_break_even` and
+    # `defer_observations` (on; removed by prune23, issue 27), and a firm hold's span doubling
+    # `stream_hold_max` (removed by prune22)
     # (a settled plain single stream's hold runs on an engine lease, as a multi-row batch's,
     # router/batch.py `BatchPlanner.plan`, floor21: a held plain step's host seconds 0.31 ->
     # 0.22 ms; every held step planned, shadows every 4th, was `plain_lease=False`: removed by
@@ -545,7 +526,7 @@ class ServerConfig:
     # too, a chunk at least every 50 ms (3 steps at c=1 there)
     stream_interval: int = 0
     # the engine thread runs on fewer torch threads while another process takes one of its cores
-    # (server/contention.py `TeamGovernor`: a starved OpenMP team spins through its barriers);
+    # (engine/contention.py `TeamGovernor`: a starved OpenMP team spins through its barriers);
     # False: always on its own count
     team_governor: bool = True
     max_body_bytes: int = 1 << 20  # request body limit (413 beyond)

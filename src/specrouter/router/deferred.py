@@ -1,4 +1,5 @@
-"""Observations folded when read (lean19, `RouterConfig.defer_observations`).
+"""Observations folded when read (lean19; on since lean20; was `RouterConfig.defer_observations`,
+its False branch removed by prune23, issue 27).
 
 An engine step's observation (policy.py `fold_step`: every row's trials, D_TV, hit rates, shadow
 proposals, every forward's timing into the cost profile, the overheads, the batch calibration)
@@ -6,7 +7,7 @@ took ~0.13-0.15 ms of a single stream's ~12 ms step in the engine on a Sapphire 
 replayed alone: the step's forwards evict the router's working set, so every step's fold starts
 from a cold cache (`benchmarks/router_replay.py replay --evict`). A single stream's firm hold
 (stream_hold.py) reads none of it but its row and the trials of its own first pair, so with
-deferral on, `observe_step` does at once for a firm hold's step (`StreamHolder.firm_step`) only
+deferral, `observe_step` does at once for a firm hold's step (`StreamHolder.firm_step`) only
 what the next planning reads (the step clock's pairing, the observed-step count, each row's cycle
 count, the realized check's pending plan as the fold will consume it, the firm hold's trials) and
 queues the report; the queue is folded, in order and exactly as step by step, where the evidence
@@ -61,7 +62,7 @@ class Deferral:
         self.folds = 0  # folds of a non-empty queue
 
     def defer(self, report: StepReport) -> None:
-        """`observe_step` with deferral on: the eager part, and the report queued."""
+        """`observe_step` of a firm hold's step: the eager part, and the report queued."""
         router = self.router
         router.outside.observed(router.observed_steps, report.wall_time, report.speculative,
                                 widened(report.outcomes, report.forwards))

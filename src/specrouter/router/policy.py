@@ -35,8 +35,8 @@ pool order (cheapest first, target last) and the names of model-free drafters.
    whose trials refuted that optimism keeps its pair from the request's probes for a while.
 4. `observe_step(StepReport)`, once per engine step: acceptance trials (global and per
    request), D_TV, hit rates, shadow proposals, forward timings into the profile, step
-   overheads, the batch calibration. With `RouterConfig.defer_observations` a step of a single
-   stream's firm hold is queued and folded where the evidence is next read (router/deferred.py).
+   overheads, the batch calibration. A step of a single stream's firm hold is queued and
+   folded where the evidence is next read (router/deferred.py).
 5. The decision cache (router/evidence.py, `EvidenceBoard`): decide() reads the evidence as
    published, which changes only when the live estimates move materially (or a model fails or
    slows down), and step 1 (the PlanTable, the expensive part) is reused per row while its key
@@ -385,10 +385,9 @@ class Router:
 
     def observe_step(self, report: StepReport) -> None:
         """Learn from one engine step: every row's outcome, every forward's timing, the step's
-        overhead, the batch calibration, the shadow proposals (`fold_step`); with
-        `RouterConfig.defer_observations`, a firm hold's step queued and folded where next read
-        (router/deferred.py)."""
-        if self.config.defer_observations and self.stream.firm_step(report):
+        overhead, the batch calibration, the shadow proposals (`fold_step`); a firm hold's step
+        queued and folded where next read (router/deferred.py)."""
+        if self.stream.firm_step(report):
             self.deferral.defer(report)
             return
         if self.deferral.queue:  # a firm hold's steps before this one, in order

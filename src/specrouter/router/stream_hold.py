@@ -8,19 +8,33 @@ any speculation committing under ~1.3 tokens a cycle lost to plain decoding on t
 settled plain stream was already held (router/batch.py `PlainHold`), and a multi-row batch's
 speculative plans are (`SpecHold`); a single stream's speculative plan now is too.
 
-`StreamHold` starts when decide() keeps the request's speculative plan ("same": it is the best;
-"hysteresis": another is predicted faster, by less than `switch_margin`), or its plain plan by
-hysteresis (`RouterConfig.stream_hold_plain`: chat with penalties on a Zen 1 decided such plain
-steps every step, 8-22 of a request's ~60, ~2 ms each; a plain plan kept as the best is the batch
-planner's plain hold), and lasts
-`RouterConfig.stream_hold_steps` engine steps of that one row, unless released first by what
-would change the decision:
+`StreamHold` starts after decide() and lasts `RouterConfig.stream_hold_steps` engine steps of
+that one row, unless released first. Two kinds:
+
+A firm hold (lean18; on since lean20) of a speculative plan: the request's own evidence moved
+nearly every cycle (on a t=0.7 single-stream trace 148 of 246 holds released by it were released
+most after one step, and 63 more by a probe falling due, of which 14 ran), so a hold released
+by it held little. A firm hold starts after every decided speculative plan but a probe or a
+request's first (a switch too), lasts its span whatever the request's evidence does, lets a due
+probe wait for its end, caps k near the request's end instead of ending, and watches only the
+plan's models' speed jumps (a model-free drafter's timing noise fired its step detector ~25
+times a run); its shadow proposals run on its last step only (`keep` returns True: the decided
+step that starts it has none), and its steps are offered confident drafts as decided ones are
+(`BatchPlan.held` False). Its steps' observations are folded when next read (router/deferred.py)
+and it is released by its first pair's trials as it counts them (`HoldTrials`: the pair's
+estimate, as decisions read it, falling by more than `decision_tolerance` or past the plan's
+break-even with plain decoding, `break_even`) and its models' forwards (`watch`), by a row
+change, a pinned row, the certain-draft bucket and patience.
+
+A hold of a plain plan kept by hysteresis (speculation predicted faster by less than
+`switch_margin`): chat with penalties on a Zen 1 decided such plain steps every step, 8-22 of a
+request's ~60, ~2 ms each (a plain plan kept as the best is the batch planner's plain hold). It
+is released by what would change the decision:
 - the request's evidence version moved (router/evidence.py: its own alpha or hit rate moved
   materially, or the realized check's correction did: a realised/predicted mismatch);
 - the profile's step detector fired for a model of the plan (a slowdown or a recovery);
 - a probe is due (router/probing.py: the held cycles do not delay exploration);
-- the row's k cap (its remaining tokens) falls below the plan's k, or its certain-draft bucket
-  (grammar-forced drafts) changed;
+- the row's certain-draft bucket (grammar-forced drafts) changed;
 - another row joins, a pinned row runs beside it, or the row changes (a new request);
 - patience runs out: a hold kept by hysteresis while the plan was predicted slower than the
   best by more than `persist_margin` (counting toward `patience`) counts each held cycle as a
@@ -28,23 +42,18 @@ would change the decision:
   would have found the same), and ends in time for the decision that switches ("persistent")
   at the same cycle as without the hold.
 Held cycles run the decided plan as decided (chain, k, confidence floor), and the realized
-check compares each with the prediction it was decided at. Shadow proposals run on the hold's
-last step only (their evidence is read by the decision that ends it), confident drafts are not
-offered (the step is `BatchPlan.held`), and no DecisionEvent is logged (`StreamHolder.held`
-counts the held cycles). The global evidence published between (other streams' moves, the
-refresh) is read when the hold ends, at most `stream_hold_steps - 1` cycles late.
+check compares each with the prediction it was decided at. A plain hold's shadow proposals run
+on its last step only (their evidence is read by the decision that ends it), confident drafts
+are not offered (the step is `BatchPlan.held`), and no DecisionEvent is logged
+(`StreamHolder.held` counts the held cycles of both kinds). The global evidence published
+between (other streams' moves, the refresh) is read when the hold ends, at most
+`stream_hold_steps - 1` cycles late.
 
-A firm hold (`RouterConfig.stream_hold_firm`, lean18): the request's own evidence moved nearly
-every cycle (on a t=0.7 single-stream trace 148 of 246 holds were released by it, most after one
-step, and 63 more by a probe falling due, of which 14 ran), so the hold held little. A firm hold
-starts after every decided speculative plan but a probe or a request's first (a switch too),
-lasts its span whatever the request's evidence does, lets a due probe wait for its end, caps k
-near the request's end instead of ending, and watches only the plan's models' speed jumps (a
-model-free drafter's timing noise fired its step detector ~25 times a run); its shadow proposals
-run on its last step only (`keep` returns True: the decided step that starts it has none), and
-its steps are offered confident drafts as decided ones are (`BatchPlan.held` False). Its span
-is `stream_hold_steps` (doubling it while the decision at each end kept the plan was
-`RouterConfig.stream_hold_max`, below the span by default: removed by prune22, issue 27)."""
+The "as before" paths were removed by prune23 (issue 27): a speculative hold released by the
+request's evidence moving (`RouterConfig.stream_hold_firm` False), a firm hold released by the
+tolerance only (`stream_hold_break_even` False) or by the request's folded estimate
+(`defer_observations` False), a plain plan kept by hysteresis decided every step
+(`stream_hold_plain` False); a firm hold's span doubling (`stream_hold_max`) by prune22."""
 
 from __future__ import annotations
 
@@ -61,7 +70,8 @@ from specrouter.router.similarity import acceptance_trials, decayed_add, shrink
 
 @dataclass(frozen=True)
 class StreamHold:
-    """One row's speculative plan, kept until observed step `until` (module docstring)."""
+    """One row's plan (speculative: a firm hold; plain: kept by hysteresis), kept until
+    observed step `until` (module docstring)."""
 
     seq_id: int  # the row it was decided for
     decision: Decision  # what every held cycle runs (reason "held")
@@ -71,7 +81,7 @@ class StreamHold:
     certain: float  # the row's certain-draft bucket then (evidence.certain_bucket)
     until: int  # observed step at which the row is decided again
     counts: bool = False  # kept by hysteresis counting toward patience: each held cycle counts too
-    firm: bool = False  # not released by the request's evidence moving (`RouterConfig.stream_hold_firm`)
+    firm: bool = False  # a speculative plan's: not released by the request's evidence moving (module docstring)
     # the models whose speed jumps release it (`epoch`: their counts then): the plan's; a firm
     # hold's leaves out model-free drafters (their proposals take tens of microseconds of a
     # ~10 ms step: their step detector fired ~30 times a run, each a decision for nothing)
@@ -100,21 +110,20 @@ class StreamHolder:
     """The stream hold of one `Router` (module docstring): `plan` plans a step by the hold while
     it holds, `keep` starts one after a decision that keeps a speculative plan."""
 
-    KEPT = ("same", "hysteresis")  # decisions that keep the request's plan (policy.py, step 2)
-    # ... of a plain plan (`RouterConfig.stream_hold_plain`): one kept as the best ("same") is
-    # the batch planner's (PlainHold, spans growing to plain_hold_max); one kept while
-    # speculation is predicted faster by less than switch_margin is this hold's
+    # decisions (policy.py, step 2) that start a hold: of a plain plan, one kept while
+    # speculation is predicted faster by less than switch_margin (one kept as the best, "same",
+    # is the batch planner's PlainHold, spans growing to plain_hold_max) ...
     PLAIN_KEPT = ("hysteresis",)
-    # ... of a speculative plan under a firm hold (`RouterConfig.stream_hold_firm`): every decided
-    # one but a probe, whose one cycle measures a pair (the request's first decision is not held)
+    # ... of a speculative plan (a firm hold), every decided one but a probe, whose one cycle
+    # measures a pair (the request's first decision is not held)
     FIRM = ("same", "hysteresis", "better", "changed", "persistent")
 
     def __init__(self, router):
         self.router = router  # policy.Router: its settings (read at every step, as the planner's)
         self.hold: StreamHold | None = None
         self.held = 0  # cycles planned by a hold (no decide, no DecisionEvent)
-        # a firm hold's first-pair trials as it counts them, with deferred observations
-        # (`RouterConfig.defer_observations`, router/deferred.py): `HoldTrials`
+        # a firm hold's first-pair trials as it counts them (its observations deferred,
+        # router/deferred.py): `HoldTrials`
         self.trials: HoldTrials | None = None
         # ... and its models' forwards against the profile's speed then (`watch`): (model, new
         # tokens) -> predicted seconds of one forward; model -> its streak of outliers (+1 slow, -1 fast)
@@ -134,7 +143,7 @@ class StreamHolder:
             req.settle(self.router.board)  # its version, as the observations since moved it
         if (len(rows) != 1 or pinned or req is None or (probe_due and not hold.firm)
                 or not hold.holds(rows[0], req, jumps, now, self.router.config.patience)
-                or (hold.firm and (self.trials.refuted() if self.trials is not None else self.refuted(hold, req)))):
+                or (hold.firm and self.trials.refuted())):
             self.hold = None
             return None
         req.pending = hold.pending
@@ -148,47 +157,22 @@ class StreamHolder:
         # held three steps in four, a copied span's long confident draft waited for the decision
         return BatchPlan([decision], not hold.firm, self.router.config.shadow_k if hold.last_step(now) else 0)
 
-    def refuted(self, hold: StreamHold, req: RequestState) -> bool:
-        """A firm hold's plan lost ground in the request's own evidence since it was decided:
-        its first pair's alpha (a model-free drafter's hit rate too), as decisions read it (less
-        the decision margin, evidence.py `EvidenceBoard.alpha`), fell by more than
-        `decision_tolerance` (`decision_hit_tolerance`) below the published value it was decided
-        on: like with like, as the request's version moves (review19 R1: the raw estimate
-        against the margined published value had to fall by the margin too, 0.12 instead of
-        0.05 at alpha 0.4 with 4 own trials). Evidence that moved for other pairs, or up, does
-        not end it; evidence against the plan does (a draft refuted in a request's first cycles
-        ran three more: plain decoding is the safe default). Read only when the pair was
-        observed since (`RequestState.notes`)."""
-        router, evidence, chain = self.router, req.evidence, hold.decision.chain
-        pair, free = chain[:2], chain[0] in router.model_free
-        if evidence is None or not (pair in req.notes or (free and chain[0] in req.notes)):
-            return False
-        cfg, mode = router.config, evidence.stamp[2]
-        published = evidence.alphas.get(pair)
-        if published is not None and router.board.alpha(req, pair, mode) < max(published - cfg.decision_tolerance,
-                                                                              hold.floor):
-            return True
-        hit = evidence.hits.get(chain[0]) if free else None
-        return hit is not None and router.board.hit_rate(req, chain[0]) < hit - cfg.decision_hit_tolerance
-
     def keep(self, rows: Sequence[RowContext], pinned: Sequence[Plan], decision: Decision,
              req: RequestState | None, now: int) -> bool:
-        """After a step planned by decide(): a single stream whose speculative plan was kept
-        (`KEPT`; under a firm hold any decided one, `FIRM`) is held until observed step now +
-        `stream_hold_steps`. True when a firm hold started (the step's own shadow proposals are
-        left out: the hold's last step runs them, before the decision that reads them)."""
+        """After a step planned by decide(): a single stream's decided speculative plan (`FIRM`:
+        a firm hold) or plain plan kept by hysteresis (`PLAIN_KEPT`) is held until observed step
+        now + `stream_hold_steps`. True when a firm hold started (the step's own shadow proposals
+        are left out: the hold's last step runs them, before the decision that reads them)."""
         cfg = self.router.config
-        firm = cfg.stream_hold_firm and decision.k > 0
+        firm = decision.k > 0
         if (len(rows) != 1 or pinned or cfg.stream_hold_steps < 2 or req is None
-                or decision.reason not in (self.FIRM if firm else self.KEPT if decision.k > 0 else
-                                           self.PLAIN_KEPT if cfg.stream_hold_plain else ())):
+                or decision.reason not in (self.FIRM if firm else self.PLAIN_KEPT)):
             return False
         watched = tuple(m for m in decision.chain if m not in self.router.model_free) if firm else None
         epoch = req.epoch if not firm else tuple(self.router.profile.jumps.get(m, 0) for m in watched)
         span = cfg.stream_hold_steps
-        floor = self.break_even(decision, req) if firm and cfg.stream_hold_break_even else -math.inf
-        self.trials = HoldTrials.start(self.router, decision.chain, req, floor) \
-            if firm and cfg.defer_observations else None
+        floor = self.break_even(decision, req) if firm else -math.inf
+        self.trials = HoldTrials.start(self.router, decision.chain, req, floor) if firm else None
         self.expected, self.streaks = {}, {}
         self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
                                req.version, epoch, certain_bucket(rows[0].certain_rate),
@@ -233,7 +217,7 @@ class StreamHolder:
 
     def firm_step(self, report) -> bool:
         """Is `report` a step of the firm hold now held (its one row)? Its observation is what
-        deferral defers (router/deferred.py, `RouterConfig.defer_observations`)."""
+        deferral defers (router/deferred.py)."""
         hold = self.hold
         return (hold is not None and hold.firm and len(report.outcomes) == 1
                 and report.outcomes[0].seq_id == hold.seq_id)
@@ -282,13 +266,20 @@ def expected_tokens(a: float, k: int) -> float:
 
 @dataclass
 class HoldTrials:
-    """A firm hold's release with deferred observations: the request's own estimate of the
+    """A firm hold's release (its observations deferred): the request's own estimate of the
     plan's first pair (and its model-free drafter's hit rate) carried forward from the decision
     by the hold's own trials, as the request's decayed counts take them, over the prior the
     request had then (the global estimate and the request's similarity held where they were).
-    Refuted as `StreamHolder.refuted` is: less the decision margin (its trials: the counts', the
-    prior's and the SimScore's it had then, `own_trials`), below the published value by more
-    than the tolerance, once a trial moved it."""
+    Refuted once a trial moved it and it fell below `line`: the published value it was decided
+    on less `decision_tolerance` (`decision_hit_tolerance` for the hit rate), or the plan's
+    break-even with plain decoding where higher (`StreamHolder.break_even`); like with like,
+    less the decision margin (its trials: the counts', the prior's and the SimScore's it had
+    then, `own_trials`; review19 R1: the raw estimate against the margined published value had
+    to fall by the margin too, 0.12 instead of 0.05 at alpha 0.4 with 4 own trials). Evidence
+    that moved for other pairs, or up, does not end it; evidence against the plan does (a
+    draft refuted in a request's first cycles ran three more: plain decoding is the safe
+    default). The release by the request's folded estimate without deferral was
+    `StreamHolder.refuted` (removed with `defer_observations` by prune23, issue 27)."""
 
     pair: tuple
     free: bool  # the first level is a model-free drafter (its hit rate watched too)
