@@ -3,8 +3,9 @@
 1. What a field draft proposes, on the tiny byte-level tokenizer and a JSON schema, at each
    kind of place in the output: a value's rest copied from the prompt with its end, a number
    after its key's words (key-anchored), the next value after the last one's place in the
-   prompt (cursor), a capitalised guess where every value so far was capitalised; nothing where
-   the value's text is not in the prompt; every draft is one the grammar accepts.
+   prompt (cursor), a capitalised guess where every value so far was capitalised; the value's end
+   where its text is not in the prompt (the model's own value); every draft is one the grammar
+   accepts.
 2. Exact: with field drafts (the default), greedy and seeded outputs of model-free chains equal
    plain constrained decoding token for token, and field drafts were proposed; with
    `ChainExecutor.field_drafts = False` none are (the switch the benchmark compares).
@@ -53,7 +54,7 @@ def drafter(pool):
     ('{"name": "Ada Lovelace", "born": 1815, "city": "London", "occupation": "',
      'Mathematician"}'),  # capitalised as the values before it; stops before `who`
     ('{"name": "Ada Lovelace", "born": 1815, "city": "London", "occupation": "mat', 'hematician"}'),
-    ('{"name": "Grace', ""),  # not in the prompt: nothing
+    ('{"name": "Grace', '",'),  # not in the prompt (the model's own value): its end
 ])
 def test_a_field_draft_copies_the_prompt_where_the_output_is(drafter, written, expected):
     fields, grammar, encode, decode = drafter
@@ -145,7 +146,7 @@ class ScriptedTarget:
         setattr(self._inner, attr, value)
 
 
-def scripted_run(pool, prompt_ids, script, chain, fields=True, jump_forward=True):
+def scripted_run(pool, prompt_ids, script, chain, fields=True, jump_forward=True, schema=PERSON):
     """(output ids, target forwards, field-draft tokens proposed) of one greedy row."""
     target = ScriptedTarget(pool.runners[pool.target], {tuple(prompt_ids): script})
     runners = {**pool.runners, pool.target: target}
@@ -154,7 +155,7 @@ def scripted_run(pool, prompt_ids, script, chain, fields=True, jump_forward=True
     engine = Engine(scripted.with_fresh_drafters())
     engine.jump_forward = jump_forward
     engine.executor.field_drafts = fields
-    params = SamplingParams(max_new_tokens=128, temperature=0.0, grammar=GrammarSpec.json_schema(PERSON))
+    params = SamplingParams(max_new_tokens=128, temperature=0.0, grammar=GrammarSpec.json_schema(schema))
     seq = engine.generate_ids([prompt_ids], [params], chain=chain, k=8)[0]
     return seq.output_ids, target.forwards, seq.grammar.fields.proposed
 

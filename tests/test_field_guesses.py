@@ -1,7 +1,7 @@
 """A field draft's guess of a value's first word on records written as labels and lists
 (decoding/field_drafts.py, step 3; issue 30, the reworded records of bench/structured.py):
-a label's words (`Year of birth:`, `Location =`) are never a value's first word, nor a word with
-digits in a string value (`x2`), nor the role line ChatML puts at a message's start (`user`).
+a label's words (`Year of birth:`, `Location =`) are never a value's first word, nor a lower-case
+word with digits in a string value (`x2`; `A320` is one), nor the role line ChatML puts at a message's start (`user`).
 Each case fails with the rule taken out (the negative controls)."""
 
 import pytest
@@ -54,3 +54,16 @@ def test_negative_controls_without_the_rules_the_guesses_are_wrong(pool, monkeyp
     monkeypatch.undo()
     monkeypatch.setattr(field_drafts, "ROLE", field_drafts.re.compile(r"(?!)"))  # never matches
     assert guess(pool, *CASES[2][:3]).startswith(CASES[2][4])
+
+
+FLIGHT = {"type": "object", "properties": {"aircraft": {"type": "string"}}, "required": ["aircraft"],
+          "additionalProperties": False}
+
+
+def test_a_name_with_capitals_and_digits_is_a_value(pool, monkeypatch):
+    """`A320` (capitals and digits: a name) may be a string value's first word, `x2` (lower-case:
+    a code) may not (above); negative control: any word with a digit refused (review22 N17)."""
+    message = "Log this flight: the aircraft was an A320."
+    assert guess(pool, FLIGHT, message, '{"aircraft": "').startswith("A320")
+    monkeypatch.setattr(field_drafts, "CODE", field_drafts.re.compile(r"\d").search)
+    assert not guess(pool, FLIGHT, message, '{"aircraft": "').startswith("A")

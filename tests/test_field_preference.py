@@ -15,6 +15,7 @@
 import pytest
 from fixtures import four_level_fixtures
 from test_field_drafts import ANSWER, PERSON, scripted_run
+from test_field_guesses import SHOPPING
 
 from specrouter.decoding import certain_drafts
 from specrouter.decoding.field_drafts import FieldDrafter
@@ -62,26 +63,34 @@ def test_a_proposal_gives_way_where_it_differs_from_a_field_draft(row, written, 
     assert decode(certain_drafts.preferred(grammar, generated[:cut], generated[cut:], own_ids, 32)) == expected
 
 
-def test_a_proposal_with_no_field_draft_to_compare_is_kept(row):
-    grammar, encode, decode = row
-    generated = encode('{"name": "Charles')  # not in the prompt: no field draft
-    own = encode(' Babbage",')
+def test_a_proposal_with_no_field_draft_to_compare_is_kept(pool):
+    encode, decode, special = _text_codec(pool.tokenizer)
+    grammar = RowGrammar(GrammarSpec.json_schema(SHOPPING), pool.tokenizer, tuple(pool.eos_ids), pool.vocab_width,
+                         frozenset(pool.eos_ids))
+    grammar.fields = FieldDrafter(encode, decode, encode("Buy 2 apples and 3 pears."), special)
+    generated = encode('{"items": [')  # an item's object starts: no value, no field draft
+    own = encode('{"')
     assert grammar.fields.propose(grammar, generated, [], 16) == []
     assert certain_drafts.preferred(grammar, generated, [], own, 16) is own
 
 
-def test_after_a_value_with_no_field_draft_the_next_values_field_draft_is_compared(row):
-    """No field draft for the name, then the drafter's `"born": 1906` differs from the field
-    draft `1815,`: the walk passes the forced key text after `,` (and the space after `:`) to
-    the value's start and gives way there (it used to stop where the grammar forces text, find
-    no field draft, and skip the value: review22 D6)."""
-    grammar, encode, decode = row
-    generated = encode('{"name": "Charles')
-    own = encode(' Babbage", "born": 1906')
+def test_after_a_value_with_no_field_draft_the_next_values_field_draft_is_compared(pool):
+    """No field draft for the year (the prompt has none), then the drafter's `"city": "Paris"`
+    differs from the field draft `London",`: the walk passes the forced key text after `,` (and
+    the space after `:`) to the value's start and gives way there (it used to stop where the
+    grammar forces text, find no field draft, and skip the value: review22 D6)."""
+    encode, decode, special = _text_codec(pool.tokenizer)
+    grammar = RowGrammar(GrammarSpec.json_schema(PERSON), pool.tokenizer, tuple(pool.eos_ids), pool.vocab_width,
+                         frozenset(pool.eos_ids))
+    grammar.fields = FieldDrafter(encode, decode, encode("Extract the record: Ada Lovelace of London, a "
+                                                         "mathematician."), special)
+    generated = encode('{"name": "Ada Lovelace", "born":')
+    own = encode(' 1906, "city": "Paris"')
+    assert grammar.fields.propose(grammar, generated, [], 16) == []
     got = certain_drafts.preferred(grammar, generated, [], own, 32)
-    assert decode(got) == ' Babbage", "born": 1815,'
+    assert decode(got) == ' 1906, "city": "London",'
     assert grammar.valid_prefix(generated, got) == len(got)
-    agreeing = encode(' Babbage", "born": 1815, "ci')
+    agreeing = encode(' 1906, "city": "London", "occ')
     assert certain_drafts.preferred(grammar, generated, [], agreeing, 32) is agreeing
 
 
@@ -109,3 +118,16 @@ def test_field_drafts_preferred_to_a_copied_example_save_forwards(pool, example_
     old, old_forwards, _ = scripted_run(pool, prompt_ids, script, ("ngram", "target"))
     assert old == script
     assert forwards < old_forwards, (forwards, old_forwards)  # 5 against 7 on this commit
+
+
+def test_a_value_starts_after_a_separator_outside_strings_only(row):
+    """The walk's next value start: after the `,` that ends the value (the next key's text is
+    forced there), not after the `,` inside the string `London, England` (review22 N9: a field
+    draft proposed there was wasted); negative control: the same tokens read as if outside a
+    string stop at that comma."""
+    grammar, encode, decode = row
+    tokens = encode('London, England", "occupation": "Math')
+    at = certain_drafts._next_value_start(decode, tokens, 0, '{"name": "Ada", "born": 1815, "city": "')
+    assert decode(tokens[:at]) == 'London, England",'
+    at = certain_drafts._next_value_start(decode, tokens, 0, "")
+    assert decode(tokens[:at]) == "London,"

@@ -121,7 +121,7 @@ def preferred(grammar, generated: list[int], path: list[int], own: list[int], bu
             if at < len(own):  # (own holds the tokens forced after the piece: it is a grammar path)
                 at += len(grammar.forced_tokens(generated, len(own) - at, path + own[:at]))
         else:  # no field draft here: the drafter's tokens stand up to the next value's start
-            at = _next_value_start(fields.decode, own, at)
+            at = _next_value_start(fields.decode, own, at, fields.decode(generated + path + own[:at]))
             if at < len(own):  # past the text the grammar forces there (a key after `,`, a space
                 # after `:`): a field draft is proposed only where a value starts (review22 D6)
                 at += len(grammar.forced_tokens(generated, len(own) - at, path + own[:at]))
@@ -131,18 +131,37 @@ def preferred(grammar, generated: list[int], path: list[int], own: list[int], bu
     return own
 
 
-VALUE_START = re.compile(r'[:\[,]\s*"?$')  # text after which a value may start
-
-
-def _next_value_start(decode, tokens: list[int], at: int) -> int:
+def _next_value_start(decode, tokens: list[int], at: int, before: str) -> int:
     """The first position after `at` where the text of `tokens[at:]` so far ends where a JSON
-    value may start (after `:`, `[` or `,` and an opening quote); len(tokens) where none."""
-    text = ""
+    value may start: after a `:`, `[` or `,` outside a string (review22 N9: not `"London, England"`),
+    whitespace and an opening quote; len(tokens) where none. `before`: the output's text up to
+    `at` (JSON so far: where its strings are)."""
+    quoted = _unescaped(before).count('"') % 2 == 1  # inside a string at `at`
+    escaped = start = False
     for i in range(at, len(tokens)):
-        text += decode([tokens[i]])
-        if VALUE_START.search(text):
+        for ch in decode([tokens[i]]):
+            if quoted:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    quoted = False
+                start = False  # a value's text (or its end)
+            elif ch in ":[,":
+                start = True
+            elif ch == '"':
+                quoted = True  # a string opens: a value's start stays one after its quote
+            elif not ch.isspace():
+                start = False
+        if start:
             return i + 1
     return len(tokens)
+
+
+def _unescaped(text: str) -> str:
+    """`text` without its escaped characters (`\\"` inside a string)."""
+    return re.sub(r"\\.", "", text)
 
 
 def own_count(w, n: int) -> int:

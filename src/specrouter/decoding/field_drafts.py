@@ -16,7 +16,7 @@ another up to k tokens (each piece cut where the grammar refuses it):
 3. value start: at a value's first character, a guess of its first word from the prompt's last
    message: after the key's own words (`born 1815`: key-anchored), else the first word not yet
    used after the previous value's place there (the record's next field), a number for a number;
-   never a label's word (`Year of birth: 1856`), a word with a digit for a string (`x2`), nor
+   never a label's word (`Year of birth: 1856`), a lower-case word with a digit for a string (`x2`), nor
    the one-word role line a chat template starts a message with (`user`).
 The grammar-forced tokens between pieces are not field drafts: the executor puts them in as
 certain candidates (decoding/certain_drafts.py) and asks again after them, so one draft spans
@@ -40,7 +40,8 @@ CLAUSE = re.compile(r"\s(?:who|which|that|where|when|in|at|from|for|with|on|over
 MAX_WORDS = 4  # ... and after this many words
 MARK = re.compile(r"[:=]")  # what follows a label (`Name: Ada`, `Location = Tokyo`) ...
 LABEL_WORDS = 3  # ... of at most this many words
-CODE = re.compile(r"\d").search  # a word with a digit (`x2`, `4th`): no string value's first word
+CODE = re.compile(r"^[^A-Z]*\d[^A-Z]*$").search  # a lower-case word with a digit (`x2`): no string
+# value's first word (a name with capitals and digits is one: `A320`, `MP3`, `iPhone15`; review22 N17)
 ROLE = re.compile(r"[ \t]*[^\W\d_]+[ \t]*\n")  # a message's first line holding one word only: its role (`user`)
 SKIP = frozenset("a an the of in on at for to and or is was are with by as from over next use it its be "
                  "will i you me my we our please this that what how can could would make write turn "
@@ -51,6 +52,7 @@ SMALL = frozenset("and of the in on for to or a an".split())  # kept lower-case 
 STRING_ENDS = ('",', '"}}', '"}', '"]', '"')  # a copied string's end: the first the grammar allows
 NUMBER_ENDS = (",", "},", "}}", "}", "]}", "]")
 NEAR = 12  # a string value's first word: a capitalised one among the next this many candidates
+STEM = 2  # a written value's last characters that may differ from the prompt's word (`cucumbers`)
 WINDOW = 256  # the output's last this many tokens are what a piece reads (keys, values so far)
 REACH = 200  # characters of the source a copy reads after its match
 ROUNDS = 8  # pieces per draft at most
@@ -152,14 +154,13 @@ class FieldDrafter:
         value = fragment.lstrip(" ")
         if value:
             return self._copy(m, tokens, fragment, value, quoted)
-        word = self._first_word(text, quoted)
-        return self._enc(word) if word else []
+        return self._first_word(m, text, quoted)
 
     def _copy(self, m, tokens: list[int], fragment: str, value: str, quoted: bool) -> list[int]:
         """Step 2: the rest of the value being written, copied from the source, and its end."""
         at = self._find(value.lower())
-        if at < 0:
-            return []
+        if at < 0:  # the model's own value (`10`, `cucumbers`): it ends here, the best guess
+            return self._end(m, [], quoted)
         rest = self.source[at + len(value): at + len(value) + REACH]
         if quoted:
             stop = min((p.start() for p in (DELIMITER.search(rest), CLAUSE.search(rest)) if p), default=len(rest))
@@ -179,6 +180,10 @@ class FieldDrafter:
             ids = whole[len(own):]  # the value tokenized whole, less what it has already
         else:
             ids = self._enc(rest) if rest else []
+        return self._end(m, ids, quoted)
+
+    def _end(self, m, ids: list[int], quoted: bool) -> list[int]:
+        """`ids` (the rest of a value) and the value's end: the first the grammar allows."""
         for end in (STRING_ENDS if quoted else NUMBER_ENDS):
             tail = self._enc(end)
             if m.validate_tokens(ids + tail) == len(ids) + len(tail):
@@ -195,10 +200,23 @@ class FieldDrafter:
                 at = self.low.find(f, at + 1, hi)
         return -1
 
-    def _first_word(self, text: str, quoted: bool) -> str | None:
-        """Step 3: a guess of the first word of the value starting here (None: none)."""
+    def _first_word(self, m, text: str, quoted: bool) -> list[int]:
+        """Step 3: the tokens of a guess of the first word of the value starting here ([]: none):
+        the first of the candidates (`_first_words`) the grammar allows whole (an enum's
+        `celsius` after a guess of `days`), else the first, cut where the grammar refuses it."""
+        first = None
+        for i, word in enumerate(itertools.islice(self._first_words(text, quoted), NEAR)):
+            ids = self._enc(word)
+            if m.validate_tokens(ids) == len(ids):
+                return ids
+            if i == 0:
+                first = ids
+        return first or []
+
+    def _first_words(self, text: str, quoted: bool):
+        """The guesses of the first word of the value starting here, the likeliest first."""
         if not (quoted or text.endswith((": ", "["))):
-            return None
+            return
         keys = re.findall(r'"([^"]*)":', text)
         key = keys[-1].lower() if keys else ""
         values = re.findall(r'"([^"]+)"[,}\]]', text)  # the string values written so far
@@ -209,7 +227,13 @@ class FieldDrafter:
             lw = w.lower()
             return (w[0].isdigit() != quoted and lw not in SKIP and lw != key and word[0] not in self.labels
                     and not (quoted and CODE(w))
-                    and not (quoted and any(lw.startswith(u) for u in used if len(u) > 2 or u == lw)))
+                    and not (quoted and any(lw.startswith(u) for u in used if len(u) > 2 or u == lw))
+                    and not (quoted and any(u.startswith(lw) for u in used if 2 < len(lw) >= len(u) - STEM)))
+
+        def cased(word: str):
+            yield self._cased(word, values)
+            if self._cased(word, values) != word:
+                yield word
 
         words, lower = self.words, self.lower_words
         key_words = key.replace("_", " ").split()
@@ -222,19 +246,19 @@ class FieldDrafter:
                         j += 1
                     if (j < len(words) and fits(words[j])
                             and GAP.fullmatch(self.source[words[j - 1][1]:words[j][0]])):
-                        return self._cased(words[j][2], values)
+                        yield from cased(words[j][2])
         # the cursor: the span of the last value of the output found in the source
         span = (self.data_start, self.data_start)
         for v in values:  # (numbers are too ambiguous to place)
-            p = self._find(v.lower())
+            p, n = self._find_stem(v.lower())
             if p >= self.message_start:
-                span = (p, p + len(v))
+                span = (p, p + n)
         at = bisect.bisect_left(words, (span[1],))  # the first word after the last value
         if not quoted:  # a number: the nearest to the last value (`2 apples, 3 bananas`)
             near = [w for w in words[max(0, at - NEAR): at + NEAR] if fits(w)]
-            if not near:
-                return None
-            return min(near, key=lambda w: min(abs(w[1] - span[0]), abs(w[0] - span[1])))[2]
+            for w in sorted(near, key=lambda w: min(abs(w[1] - span[0]), abs(w[0] - span[1]))):
+                yield w[2]
+            return
         after = []
         for w in itertools.chain(words[at:], words[:at]):  # after the last value, else from the start
             if fits(w):
@@ -242,7 +266,18 @@ class FieldDrafter:
                 if len(after) == NEAR:
                     break
         named = [w for w in after if w[2][0].isupper() and not w[2].isupper() and w[0] >= span[1]]
-        return self._cased((named or after)[0][2], values) if after else None
+        for w in named + [w for w in after if w not in named]:
+            yield from cased(w[2])
+
+    def _find_stem(self, v: str) -> tuple[int, int]:
+        """Where value `v` (lower-case) occurs in the source as `_find` finds it, else a stem of
+        it (up to STEM last characters off: the prompt's `cucumber` for `cucumbers`), and the
+        length found; (-1, 0) where neither is."""
+        for n in range(len(v), min(len(v), max(len(v) - STEM, 4)) - 1, -1):
+            at = self._find(v[:n])
+            if at >= 0:
+                return at, n
+        return -1, 0
 
     @staticmethod
     def _cased(word: str, values: list[str]) -> str:
