@@ -12,7 +12,8 @@ suffix drafter would otherwise replay pass 1). Printed per SpecRouter variant: t
 requests after the first `--after` cold vs warm (goal: >= 0.95) and that ratio over target-only's
 own cold / warm on the same requests (this VM's speed moves between passes: target-only read
 0.69-1.13x between them, docs/router.md router22), of the first `--after`, probe decisions, greedy
-identity with target-only, and what measuring D_TV cost.
+identity with target-only, what measuring D_TV cost, the team governor's drops and restores (a
+co-tenant took a core: engine/contention.py) and each system's slowest request.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from specrouter.api import SpecRouter
 from specrouter.bench.workloads import mixed_stream
 from specrouter.config import RouterConfig
+from specrouter.engine.contention import thread_governor
 from specrouter.models.default_pool import default_pool_paths
 from specrouter.router.policy import Router
 from specrouter.router.setup import load_or_sweep_profile
@@ -133,7 +135,13 @@ def main() -> None:
               f"warm {s['warm_after'] / summary['target-only']['warm_after']:.2f}x")
     print(f"D_TV measurement: {1e3 * cost['tv_seconds'] / max(cost['steps'], 1):.3f} ms per step, "
           f"{cost['tv_seconds'] / max(cost['step_seconds'], 1e-9):.2%} of the steps' time (D_TV on, both passes)")
-    result.update(summary=summary, tv_cost=cost, commit=commit, load=load, threads=args.threads, args=vars(args))
+    gov = thread_governor()  # every system's loop ran on this thread (engine/contention.py)
+    governor = {"drops": gov.drops, "restores": gov.restores}
+    slowest = {n: max(max(s["seconds"][n]) for s in result["passes"]) for n in names}
+    print(f"team governor: {gov.drops} drops to fewer torch threads (another process took a core), "
+          f"{gov.restores} restores; slowest request " + ", ".join(f"{n} {v:.2f} s" for n, v in slowest.items()))
+    result.update(summary=summary, tv_cost=cost, commit=commit, load=load, threads=args.threads, args=vars(args),
+                  governor=governor, slowest=slowest)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -177,7 +177,7 @@ def test_models_health_metrics(client, server):
                  "specrouter_running_rows", "specrouter_generated_tokens_total",
                  'specrouter_requests_total{endpoint="/v1/completions",status="200"}',
                  "specrouter_time_to_first_token_seconds_count", "specrouter_step_seconds_count",
-                 # the engine thread's torch threads per step and its CPU in them (server/contention.py)
+                 # the engine thread's torch threads per step and its CPU in them (engine/contention.py)
                  "specrouter_steps_by_threads_total{threads=", "specrouter_steps_by_threads_cpu_seconds_total{",
                  "specrouter_engine_threads"]:
         assert name in text, name

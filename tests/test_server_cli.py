@@ -44,7 +44,7 @@ def test_serve_flags_and_defaults():
     assert cli_serve.config_from_args(a).server.stream_interval == 4
     a = _parser().parse_args(["serve", "--models", "x", "--stream-interval", "auto"])
     assert cli_serve.config_from_args(a).server.stream_interval == 0
-    assert cfg.server.team_governor  # default: on (server/contention.py)
+    assert cfg.server.team_governor  # default: on (engine/contention.py)
     a = _parser().parse_args(["serve", "--models", "x", "--no-team-governor"])
     assert not cli_serve.config_from_args(a).server.team_governor
     # no --models: the embedded default pool; --k alone is the draft length of pinned requests

@@ -1,4 +1,4 @@
-"""The engine thread's torch threads under CPU contention (server/contention.py,
+"""The engine thread's torch threads under CPU contention (engine/contention.py,
 docs/serving-performance.md "Stalls under a co-tenant"): a team whose cores another process
 takes runs on fewer threads, and on its own count again once the cores it gave up are idle; the
 engine thread's forwards run on the count the governor set, and the outputs do not change.
@@ -17,7 +17,7 @@ from specrouter.config import SamplingParams
 from specrouter.engine.engine import Engine
 from specrouter.models.pool import Pool
 from specrouter.server.async_engine import AsyncEngine
-from specrouter.server.contention import TeamGovernor, idle_cores_reader
+from specrouter.engine.contention import TeamGovernor, idle_cores_reader
 from specrouter.server.metrics import ServerMetrics
 
 

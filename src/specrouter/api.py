@@ -19,6 +19,7 @@ from specrouter.config import (
     kv_cache_bytes,
 )
 from specrouter.decoding.grammar import GrammarSpec
+from specrouter.engine.contention import governed
 from specrouter.engine.engine import Engine
 from specrouter.records.stats import RequestStats
 from specrouter.models.device import resolve_device
@@ -264,7 +265,9 @@ class SpecRouter:
         decoder = IncrementalDecoder(self.tokenizer)
         try:
             while not seq.done:
-                for out in engine.step():
+                with governed() as timed:  # this thread's torch threads, per step (engine/contention.py)
+                    outs = timed(engine.step)
+                for out in outs:
                     if out.seq is not seq or not (out.new_token_ids or seq.done):
                         continue
                     text = decoder.add(out.new_token_ids)

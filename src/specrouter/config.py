@@ -527,7 +527,7 @@ class ServerConfig:
     # too, a chunk at least every 50 ms (3 steps at c=1 there)
     stream_interval: int = 0
     # the engine thread runs on fewer torch threads while another process takes one of its cores
-    # (server/contention.py `TeamGovernor`: a starved OpenMP team spins through its barriers);
+    # (engine/contention.py `TeamGovernor`: a starved OpenMP team spins through its barriers);
     # False: always on its own count
     team_governor: bool = True
     max_body_bytes: int = 1 << 20  # request body limit (413 beyond)

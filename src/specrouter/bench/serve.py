@@ -78,7 +78,7 @@ class ServeBenchConfig:
     rounds: int = 2  # router and plain per level, alternating which goes first (statics once)
     startup_timeout: float = 600.0  # seconds for the server to load the pool (and sweep)
     stream_interval: int | None = None  # the servers' --stream-interval (None: `specrouter serve`'s default)
-    team_governor: bool = True  # False: the servers run with --no-team-governor (server/contention.py)
+    team_governor: bool = True  # False: the servers run with --no-team-governor (engine/contention.py)
     fresh_rounds: int = 0  # > 0: issue 34's lines on fresh processes every round instead (bench/serve_fresh.py)
 
     @staticmethod

@@ -3,7 +3,8 @@
 `add_request` validates and registers a sequence, `step` runs one cycle for every running row
 (one executor step: every model runs one forward over all rows that need it, whatever chain
 and draft length each row runs), `abort` drops a row and frees its state. `generate_ids` is the
-offline loop over these.
+offline loop over these (its steps governed: contention.py, fewer torch threads while another
+process takes a core).
 
 Randomness is counter-based (decoding/noise.py): a row samples position i with noise keyed by
 (its seed, i). A request's seed is `SamplingParams.seed`, else one drawn at `add_request` from
@@ -55,6 +56,7 @@ import torch
 from specrouter.config import MAX_DRAFT_LENGTH, SamplingParams
 from specrouter.decoding.executor import ChainExecutor, StepResult
 from specrouter.engine.busy_clock import BusyClock
+from specrouter.engine.contention import governed
 from specrouter.engine.tree_policy import TreePolicy
 from specrouter.decoding.noise import seed_key
 from specrouter.decoding.sampling import SamplingTensors
@@ -587,8 +589,10 @@ class Engine:
                 for p, sp in zip(prompts, params)]
         previous, self.on_cycle = self.on_cycle, on_cycle
         try:
-            while any(not s.done for s in seqs):
-                self.step()
+            # the calling thread's torch threads: fewer while another process takes a core (contention.py)
+            with governed() as timed:
+                while any(not s.done for s in seqs):
+                    timed(self.step)
         finally:
             self.on_cycle = previous
             for s in seqs:

@@ -37,7 +37,7 @@ their committed tokens; what the abandoned step committed before the hang is del
 request counts the tokens it was sent, `RequestHandle.sent`) and then carries on with the same
 rows and queue. The retired thread, if its forward ever returns, unwinds touching nothing
 (`Retired`). While another process takes one of the cores its threads count on, the engine
-thread runs on fewer torch threads (`TeamGovernor`, server/contention.py: a team sharing one core
+thread runs on fewer torch threads (`TeamGovernor`, engine/contention.py: a team sharing one core
 spins through its barriers, a 2-row step took 8x its time).
 """
 
@@ -57,7 +57,7 @@ import torch
 from specrouter.config import SamplingParams
 from specrouter.engine.engine import CapacityError, Engine, StepOutput
 from specrouter.engine.faults import ForwardWatch, ModelFailure, Retired
-from specrouter.server.contention import TeamGovernor
+from specrouter.engine.contention import TeamGovernor
 from specrouter.state.sequence import Sequence
 
 logger = logging.getLogger("specrouter.server")

@@ -22,7 +22,7 @@ Names (all prefixed `specrouter_`):
   steps_by_threads_cpu_seconds_total{threads}: engine steps by the torch threads they ran on, their
   wall seconds and the engine thread's CPU seconds in them (cpu / wall is the share `TeamGovernor`
   reads); engine_threads: the engine thread's torch threads now; governor_changes_total{change}:
-  the governor's "drop"s and "restore"s (server/contention.py);
+  the governor's "drop"s and "restore"s (engine/contention.py);
 - generated_tokens_total (tokens/s = rate()); requests_total{endpoint,status};
   request_seconds{endpoint}: end to end; time_to_first_token_seconds;
 - stream_delivery_seconds: a streamed token's engine commit (end of the engine step) to its SSE

@@ -14,7 +14,7 @@ from specrouter.engine.faults import ForwardWatch, guard_runners
 from specrouter.models.pool import Pool
 from specrouter.models.tokenizer import text_encoder
 from specrouter.server.async_engine import AsyncEngine
-from specrouter.server.contention import TeamGovernor
+from specrouter.engine.contention import TeamGovernor
 from specrouter.server.metrics import ServerMetrics
 from specrouter.server.threads import release_omp_team_here
 

@@ -1,4 +1,4 @@
-"""The engine thread's torch threads when another process takes a core (`TeamGovernor`).
+"""A thread's torch threads when another process takes a core (`TeamGovernor`).
 
 A forward of the native runner is one OpenMP parallel region whose threads meet at a barrier
 after every phase (about 180 barriers a forward of the 135M target), and libgomp's threads spin
@@ -10,28 +10,37 @@ kernels) beside one such compile: the server's 2-row steps took 206 ms instead o
 against 72.7 in the same run once the compile had ended (docs/serving-performance.md, "Stalls
 under a co-tenant"). One thread on the core that is left runs a step at one thread's speed.
 
-`TeamGovernor` watches the engine thread (it runs every forward: server/threads.py). Per step it
-reads the thread's CPU seconds (`time.thread_time`, spinning included) against the step's wall
-seconds: a team that has its cores runs the whole step, a starved one a fraction of it. When over
-`window` seconds of steps the share falls below `starved`, the engine thread runs on as many torch
-threads as it had cores (threads x share, at least one: one on 2 cores). While reduced it reads
-the machine's idle CPU (`/proc/stat`) every `recheck` seconds and goes back to its own count when
-the cores it gave up were idle since the last read (`free_cores` of each on average: the
-co-tenant has gone); a co-tenant that comes back at once doubles the wait before the next try.
-An engine that starts a batch after a pause reads the idle CPU of the pause first (`wake`): back at
+`TeamGovernor` watches the thread that runs the forwards: the server's engine thread
+(server/threads.py, AsyncEngine) and, in the library, the caller's thread in the offline loops
+(`Engine.generate_ids`, `SpecRouter.stream`) through `governed`, with that thread's own governor
+(`thread_governor`); the count it sets holds inside those loops only. On the 2-core Zen 5 VM of
+session 23 one busy process in another session made the library's forwards of the 135M target
+750-1000 ms (~100-200x), target-only and SpecRouter alike (1.2-4.5 tok/s, 190-230 quiet); on
+one thread beside it 134 tok/s (docs/router.md, "Stalls are a co-tenant's", stall23). Per step
+it reads the thread's CPU seconds (`time.thread_time`, spinning included) against the step's
+wall seconds: a team that has its cores runs the whole step, a starved one a fraction of it.
+When over `window` seconds of steps the share falls below `starved`, the thread runs on as many
+torch threads as it had cores (threads x share, at least one: one on 2 cores). While reduced it
+reads the machine's idle CPU (`/proc/stat`) every `recheck` seconds and goes back to its own
+count when the cores it gave up were idle since the last read (`free_cores` of each on average:
+the co-tenant has gone); a co-tenant that comes back at once doubles the wait before the next try.
+The server's engine, starting a batch after a pause, reads the idle CPU of the pause first (`wake`): back at
 once if the cores were free, else a fresh count over the batch's own steps. The kernels' bits do
 not depend on the thread count (row-invariant, tests/test_rowinv_kernels.py): outputs do not change.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
-STARVED = 0.7  # the engine thread ran less than this share of its steps' wall time: cores taken
+STARVED = 0.7  # the stepping thread ran less than this share of its steps' wall time: cores taken
 WINDOW_S = 0.5  # seconds of steps weighed at a time
 RECHECK_S = 1.0  # seconds between idle-CPU reads while on one thread
 FRESH_S = 0.25  # seconds to the first idle read of a batch that starts reduced (`TeamGovernor.wake`)
@@ -68,9 +77,10 @@ def idle_cores_reader(path: str = "/proc/stat", clock: Callable[[], float] = tim
 
 
 class TeamGovernor:
-    """The engine thread's torch threads: fewer while other processes take the team's cores, its
-    own count otherwise (module docstring). `observe` is called by the engine thread after every
-    step; `set_threads` (torch.set_num_threads) then acts on that thread's parallel regions."""
+    """The stepping thread's torch threads (the server's engine thread, a library caller's):
+    fewer while other processes take the team's cores, its own count otherwise (module
+    docstring). `observe` is called by that thread after every step; `set_threads`
+    (torch.set_num_threads) then acts on that thread's parallel regions."""
 
     def __init__(self, *, starved: float = STARVED, window: float = WINDOW_S, recheck: float = RECHECK_S,
                  fresh: float = FRESH_S, free_cores: float = FREE_CORES, idle_cores: Callable[[], float | None] | None = None,
@@ -82,7 +92,7 @@ class TeamGovernor:
         self.on_change = on_change  # ("drop" | "restore", the count it set), e.g. ServerMetrics.observe_governor
         self.idle_cores = idle_cores if idle_cores is not None else idle_cores_reader()
         self.set_threads, self.get_threads, self.clock = set_threads, get_threads, clock
-        self.threads: int | None = None  # the engine thread's own count (read at its first step)
+        self.threads: int | None = None  # the thread's own count (read at its first step)
         self.current = 0  # its count now
         self.wall = self.cpu = 0.0  # the window's sums
         self.next_check = 0.0  # clock time of the next idle read (while reduced)
@@ -91,7 +101,7 @@ class TeamGovernor:
         self.restored_at: float | None = None  # clock time of the last restore
 
     def observe(self, wall: float, cpu: float) -> None:
-        """A step of `wall` seconds during which the engine thread ran `cpu` seconds."""
+        """A step of `wall` seconds during which the stepping thread ran `cpu` seconds."""
         if self.threads is None:
             self.threads = self.current = self.get_threads()
         if self.idle_cores is None or self.threads <= 1:
@@ -118,6 +128,26 @@ class TeamGovernor:
             self.backoff = min(2 * self.backoff, MAX_BACKOFF * self.recheck) if soon else self.recheck
             self.idle_cores()  # the idle count starts now
             self.next_check = now + self.backoff
+
+    def enter(self) -> None:
+        """An offline loop on this thread starts (`governed`). The thread's count now is the
+        caller's (`leave` put it back): the team's own count the first time, or when the caller
+        set another since (torch.set_num_threads: that count is its own now, not reduced);
+        while reduced the loop runs on the reduced count again (the idle reads of `observe`
+        bring it back once the cores are free)."""
+        n = self.get_threads()
+        if self.threads is None or n != self.threads:
+            self.threads = self.current = n
+            self.wall = self.cpu = 0.0
+        elif self.current < self.threads:
+            self.set_threads(self.current)
+
+    def leave(self) -> None:
+        """The offline loop ends: the caller's thread runs on the team's own count outside it
+        (a profile's machine fingerprint, the caller's own torch work); the governor stays
+        reduced for the next loop."""
+        if self.threads is not None and self.current < self.threads:
+            self.set_threads(self.threads)
 
     def wake(self) -> None:
         """The engine starts stepping after it was idle (no rows; AsyncEngine, engine thread). While
@@ -159,3 +189,37 @@ class TeamGovernor:
     def _set(self, n: int) -> None:
         self.set_threads(n)
         self.current, self.wall, self.cpu = n, 0.0, 0.0
+
+
+_threads = threading.local()  # each thread's TeamGovernor (`thread_governor`)
+T = TypeVar("T")
+
+
+def thread_governor() -> TeamGovernor:
+    """The calling thread's governor, made on its first call: torch's thread count is a
+    per-thread setting (OpenMP's nthreads ICV), so the engines and routers a thread runs in turns
+    share one (one per engine would each read the count another had reduced as its own)."""
+    gov = getattr(_threads, "governor", None)
+    if gov is None:
+        gov = _threads.governor = TeamGovernor()
+    return gov
+
+
+@contextlib.contextmanager
+def governed(governor: TeamGovernor | None = None) -> Iterator[Callable[[Callable[[], T]], T]]:
+    """An offline loop's steps on the calling thread, governed: yields `timed`, which runs a step
+    and tells the governor (default: `thread_governor()`) its wall and this thread's CPU seconds.
+    The count the governor set holds inside the block; outside it the thread runs on its own."""
+    gov = thread_governor() if governor is None else governor
+    gov.enter()
+
+    def timed(step: Callable[[], T]) -> T:
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        out = step()
+        gov.observe(time.perf_counter() - t0, time.thread_time() - cpu0)
+        return out
+
+    try:
+        yield timed
+    finally:
+        gov.leave()
