@@ -239,7 +239,7 @@ class SimilarityEstimator:
                            sim: float | None = None) -> None:
         """Trials of the iid model (see `acceptance_trials`), summed over rows. `sim`: the
         SimScore (1 - mean D_TV) measured at these very trials (one row's cycle): it teaches the
-        mode's calibration f with the row's own similarity, and dates the counts (`drift`).
+        mode's calibration f with the row's own similarity, and dates the counts (`drifted`).
         Trials without it (a step the TvSchedule skipped, a shadow-scored proposal) teach the
         calibration nothing (the pair's global SimScore as the row's stand-in was
         `calibrate_stand_in`, removed by prune22)."""
@@ -350,10 +350,10 @@ class SimilarityEstimator:
         """The observed acceptance moved by what the similarity moved since its trials: f(SimScore
         now) - f(SimScore of the trials), both through the mode's calibration and weighted alike
         (per trial), "now" over ~20 trials (`drift_decay`), the counts over ~500: a change of
-        regime shows in D_TV long before the counts catch up. Unchanged without `drift` or
-        without both SimScores."""
+        regime shows in D_TV long before the counts catch up. Unchanged without both SimScores
+        (`SimilarityConfig.drift` False left it unchanged always: removed by prune23, issue 27)."""
         cfg = self.config
-        if not cfg.drift or s.recent[0] < cfg.min_tv_positions or s.sim_trials < cfg.min_tv_positions:
+        if s.recent[0] < cfg.min_tv_positions or s.sim_trials < cfg.min_tv_positions:
             return observed
         now, then = s.recent[1] / s.recent[0], s.sim_sum / s.sim_trials
         return min(1.0, max(0.0, observed + self.calibrate(now, mode) - self.calibrate(then, mode)))
