@@ -11,15 +11,25 @@ cycle costs over target-only).
         [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R] [--set FIELD=VALUE ...]
 
 `--set`: RouterConfig fields of SpecRouter's router (a Python literal: stream_hold_steps=4).
+`--base-router CHECKOUT`: a third system, "SR-base", whose router is another checkout's router
+package (its src/specrouter/router, loaded beside this one as `specrouter_base.router`; the rest of
+specrouter, RouterConfig included, is this checkout's, so its router must read this RouterConfig's
+fields): an old router against the new one in one process, on the same prompts in turns; prints
+their ratios and whether their outputs were the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
+import importlib
+import sys
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -91,6 +101,8 @@ def instrument(system, timers: Timers) -> None:
         # the engine's step kind (engine.STEP_KINDS): "held" a plain step planned by a hold (no
         # decide), "plain" a decided one (or target-only's), "spec"; "first" a request's first step
         kind = "first" if first else engine.last_step_kind if timers.current.get("ran") else "none"
+        if kind in ("spec", "plain", "held"):  # decided (decide() ran) or held
+            kind += "-dec" if timers.current.get("decide") else "-nod"
         key = f"{system.name} {kind}"
         timers.steps[key] += 1
         timers.seconds[(key, "step")] += wall
@@ -99,6 +111,44 @@ def instrument(system, timers: Timers) -> None:
         return out
 
     engine.step = whole
+
+
+def base_router(checkout: str):
+    """(Router class, profile module) of another checkout's router package, loaded as
+    `specrouter_base.router` (module docstring)."""
+    src = Path(checkout).expanduser() / "src" / "specrouter" / "router"
+    if not (src / "policy.py").is_file():
+        raise SystemExit(f"--base-router: {checkout} has no src/specrouter/router/policy.py")
+    root = Path(tempfile.mkdtemp(prefix="base_router_"))
+    pkg = root / "specrouter_base" / "router"
+    pkg.mkdir(parents=True)
+    (root / "specrouter_base" / "__init__.py").write_text("")
+    for f in src.glob("*.py"):
+        (pkg / f.name).write_text(f.read_text().replace("specrouter.router", "specrouter_base.router"))
+    sys.path.insert(0, str(root))
+    return (importlib.import_module("specrouter_base.router.policy").Router,
+            importlib.import_module("specrouter_base.router.profile"))
+
+
+class BaseRouterSystem(AdaptiveSystem):
+    """SpecRouter whose router is `router_class` (`base_router`), on its own copy of the profile
+    as its profile module's classes (their own observe and predict)."""
+
+    def __init__(self, pool, name, router_class, profile_module, **kwargs):
+        super().__init__(pool, name, **kwargs)
+        self.router_class, self.profile_module = router_class, profile_module
+
+    def reset(self, on_decision=None) -> None:
+        from specrouter.bench import systems
+
+        profile = copy.deepcopy(self.profile)
+        profile.__class__ = self.profile_module.CostProfile
+        for table in profile._models.values():
+            table.__class__ = self.profile_module._ModelTable
+        pool = self.pool.with_fresh_drafters()
+        router = self.router_class.from_pool(pool, profile, on_decision=on_decision, config=self.router_config)
+        systems._forget(self.sr)
+        self.sr = SpecRouter(pool, router, systems._config(self.prefix_cache, self.trees))
 
 
 def main() -> None:
@@ -111,7 +161,9 @@ def main() -> None:
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE")
+    ap.add_argument("--base-router", metavar="CHECKOUT", help="a third system: another checkout's router")
     args = ap.parse_args()
+    base = base_router(args.base_router) if args.base_router else None
     config = dataclasses.replace(RouterConfig(), **{k: ast.literal_eval(v) for k, _, v in
                                                    (a.partition("=") for a in args.set)})
     controls = tuple((name, value) for name, value, off in (
@@ -125,6 +177,8 @@ def main() -> None:
     profile = load_or_sweep_profile(pool, progress=False)
     systems = [NativeSystem(pool, "target-only", (pool.target,), None),
                AdaptiveSystem(pool, "SpecRouter", profile=profile, progress=False, router_config=config)]
+    if base is not None:
+        systems.append(BaseRouterSystem(pool, "SR-base", *base, profile=profile, progress=False, router_config=config))
     for s in systems:
         s.reset()
         s.run(sr.encode("hello"), Decoding(0.0, 8, 0))  # first forwards allocate
@@ -133,15 +187,25 @@ def main() -> None:
                       temperatures=(args.temperature,), slowdown=False, hf="none", peers=False, controls=controls)
     scenario = build_scenarios(cfg)[0]
     totals = defaultdict(lambda: [0, 0.0])
+    same = 0  # requests whose SpecRouter and SR-base outputs were the same
+    n = len(systems)
     for i, req in enumerate(scenario.workload.requests):
         ids = sr.encode(req.prompt, chat=req.chat)
         dec = Decoding(args.temperature, cfg.max_new_tokens, cfg.seed + i, controls)
-        for s in systems[i % 2:] + systems[:i % 2]:
+        outs = {}
+        for s in systems[i % n:] + systems[:i % n]:
             out = s.run(ids, dec)
+            outs[s.name] = list(out.token_ids)
             totals[s.name][0] += len(out.token_ids)
             totals[s.name][1] += out.seconds
+        same += outs["SpecRouter"] == outs.get("SR-base")
     print(f"{scenario.name}, t={args.temperature:g}: tokens/s " + ", ".join(
         f"{n} {t / s:.1f}" for n, (t, s) in totals.items()))
+    rate = {name: t / s for name, (t, s) in totals.items()}
+    if base is not None:
+        print(f"SpecRouter / target-only {rate['SpecRouter'] / rate['target-only']:.3f}, SR-base / target-only "
+              f"{rate['SR-base'] / rate['target-only']:.3f}, SpecRouter / SR-base {rate['SpecRouter'] / rate['SR-base']:.3f}; "
+              f"outputs the same in {same} of {len(scenario.workload.requests)} requests")
     print(f"{'ms per step':24s} {'steps':>6s} {'step':>6s} {'host':>6s} " + " ".join(f"{p[:12]:>12s}" for p in PARTS)
           + " " + " ".join(f"{p:>13s}" for p in ("engine_plan", "engine_report", "collect")) + f" {'other':>7s}")
     for key, n in sorted(TIMERS.steps.items()):
@@ -154,16 +218,17 @@ def main() -> None:
               + " ".join(f"{ms[p]:12.3f}" for p in PARTS) + " " + " ".join(f"{v:13.3f}" for v in own.values())
               + f" {other:7.3f}")
     for key, n in sorted(TIMERS.steps.items()):
-        if key.startswith("SpecRouter"):
+        if key.startswith(("SpecRouter", "SR-base")):
             print(f"{key:24s} inside plan_batch, ms per step: " + " ".join(
                 f"{p} {1e3 * TIMERS.seconds[(key, p)] / n:.3f}" for p in INSIDE))
-    router = systems[1].sr.engine.router
-    stats = router.cache_stats
-    print(f"decision cache: hits {stats.hits}, misses {stats.misses} by changed key field {stats.reasons}; "
-          f"evidence republished {router.board.publications}")
-    print(f"router: decisions cached {router.cache_stats.hits} / {router.cache_stats.hits + router.cache_stats.misses}; "
-          "overheads (ms): " + " ".join(f"{k} {1e3 * v:.3f}" for k, v in router.overhead.items())
-          + f" decide {1e3 * router.decide_seconds:.3f}")
+    for system in systems[1:]:
+        router = system.sr.engine.router
+        stats = router.cache_stats
+        print(f"{system.name} decision cache: hits {stats.hits}, misses {stats.misses} by changed key field "
+              f"{stats.reasons}; evidence republished {router.board.publications}")
+        print(f"{system.name} router: decisions cached {stats.hits} / {stats.hits + stats.misses}; overheads (ms): "
+              + " ".join(f"{k} {1e3 * v:.3f}" for k, v in router.overhead.items())
+              + f" decide {1e3 * router.decide_seconds:.3f}")
 
 
 TIMERS = Timers()

@@ -6,7 +6,8 @@ and what D_TV costs a step in the engine with each.
 
 Micro: SmolLM2's vocabulary (49152), one row of 1 or 2 candidate positions (the executor's
 `tv_positions` is 2), logits float32 as the runners return them (bfloat16 models included),
-temperature 0.7 alone, with min_p 0.05, with top_p 0.9, with top_k 50, and a greedy row; "warm": the mean of a loop, "cold": the median of calls each after streaming 64 MB
+temperature 0.7 alone, with min_p 0.05, with top_p 0.9, with top_k 50 (a greedy row's line went
+with greedy rows' D_TV, prune23: sampled rows only); "warm": the mean of a loop, "cold": the median of calls each after streaming 64 MB
 and a small matmul (what a model forward does to the caches in between).
 
 `--engine`: the default pool, a router measuring D_TV in every step (`tv_every=1`), mixed
@@ -75,8 +76,7 @@ def micro(iters: int) -> None:
         for label, p in [("t=0.7", SamplingParams(temperature=0.7)),
                          ("t=0.7 min_p=0.05", SamplingParams(temperature=0.7, min_p=0.05)),
                          ("t=0.7 top_p=0.9", SamplingParams(temperature=0.7, top_p=0.9)),
-                         ("t=0.7 top_k=50", SamplingParams(temperature=0.7, top_k=50)),
-                         ("greedy (T=1)", SamplingParams(temperature=0.0))]:
+                         ("t=0.7 top_k=50", SamplingParams(temperature=0.7, top_k=50))]:
             st = SamplingTensors.from_params([p])
             row = []
             for cold in (None, flush):

@@ -50,7 +50,7 @@ def test_the_offline_loops_forwards_run_on_the_count_the_governor_set(tiny_pool_
     on its own count; the greedy tokens equal those of a run whose governor never acts, which
     runs every forward on 2 (the negative control). Without `governed` in the loop every
     forward runs on 2 and the test fails."""
-    pool = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float64")
+    pool = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float32")
     runner = pool.runners["target"]
     seen: list[int] = []
     forward = runner.forward
@@ -112,3 +112,21 @@ def test_each_thread_has_its_own_governor():
     t.start()
     t.join()
     assert isinstance(other[0], TeamGovernor) and other[0] is not mine
+
+
+def test_a_pool_on_torchs_kernels_is_never_governed(tiny_pool_dirs, two_threads, monkeypatch):
+    """A model on torch's kernels (float64 here; the transformers fallback alike) may split a GEMM
+    by thread count, so its bits could move with the count: its loops keep the caller's threads
+    however starved the steps read (review23 N9). The same checkpoint on the native kernels
+    (float32) is thread-invariant and governed (the test above)."""
+    f32 = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float32")
+    f64 = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float64")
+    assert Engine(f32).thread_invariant and not Engine(f64).thread_invariant
+    gov = Scripted(True)
+    monkeypatch.setattr(contention._threads, "governor", gov, raising=False)
+    seen: list[int] = []
+    runner, forward = f64.runners["target"], f64.runners["target"].forward
+    runner.forward = lambda batch: (seen.append(torch.get_num_threads()), forward(batch))[1]
+    Engine(f64).generate_ids([[5, 6, 7]], [SamplingParams(max_new_tokens=6, ignore_eos=True)],
+                             chain=("target",), k=1)
+    assert gov.steps == 0 and gov.drops == 0 and set(seen) == {2}, (gov.steps, seen)

@@ -84,7 +84,7 @@ HIT = 0.3  # n-gram hit rate
 L0 = 256  # context length of the simulated rows
 # 4-step stream holds (the default 8 since lean20): tests of what a shorter hold does pin it
 # (the evidence-released, undeferred hold before lean20 was removed by prune23, issue 27)
-PER_STEP = dict(stream_hold_steps=4)
+HOLD4 = dict(stream_hold_steps=4)
 
 
 class VClock:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from fixtures import QuietRouterHooks, load_named_pool, repeating_prompts
 
-from specrouter.config import SamplingParams, SimilarityConfig
+from specrouter.config import SamplingParams
 from specrouter.decoding.tv import tv_from_logits
 from specrouter.engine.engine import Engine
 from specrouter.models.runners.base import ForwardBatch
@@ -170,14 +170,17 @@ def feed(est, sim, alpha, trials, rng, pair=("d", "T"), mode=GREEDY):
 
 
 @pytest.mark.parametrize("drift", [True, False])
-def test_drift_shows_in_similarity_before_the_counts(drift):
+def test_drift_shows_in_similarity_before_the_counts(drift, monkeypatch):
     """After 400 cycles at SimScore 0.9 / acceptance 0.85, the pair degrades to SimScore 0.6 /
     acceptance 0.4: 30 cycles later the estimate with drift has moved most of the way (the
-    counts alone: a small part of it)."""
+    counts alone, the negative control: `drifted` returning the counts' value, as
+    `SimilarityConfig.drift=False` did, a small part of it)."""
     import random
 
+    if not drift:
+        monkeypatch.setattr(SimilarityEstimator, "drifted", lambda self, s, pair, mode, observed: observed)
     rng = random.Random(0)
-    est = SimilarityEstimator({"d": 10, "T": 100}, config=SimilarityConfig(drift=drift))
+    est = SimilarityEstimator({"d": 10, "T": 100})
     feed(est, 0.9, 0.85, 400, rng)
     before = est.alpha(("d", "T"), GREEDY)
     feed(est, 0.6, 0.4, 30, rng)

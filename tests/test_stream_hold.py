@@ -11,7 +11,7 @@ import copy
 import dataclasses
 
 import pytest
-from test_router import ALPHAS, PER_STEP, L0, Sim, make_router, observe_cycle
+from test_router import ALPHAS, HOLD4, L0, Sim, make_router, observe_cycle
 
 from specrouter.config import RouterConfig
 from specrouter.router.policy import Decision, RowContext
@@ -40,7 +40,7 @@ def stream(router, sim, steps, seq_id=0, remaining=None, alphas_after=None, swit
 def settled(steps=60, **config):
     """A router whose single stream settled on a speculative plan under a firm hold (4-step
     spans unless asked otherwise; its deferred observations are test_deferred.py's)."""
-    for name, value in PER_STEP.items():
+    for name, value in HOLD4.items():
         config.setdefault(name, value)
     router = make_router(order=["ngram", "d1", "T"], config=RouterConfig(**config))
     sim = Sim(STRONG, seed=3)

@@ -1,10 +1,11 @@
 """The router's similarity signal natively (kernels/tv.cpp `tv_rows`, reached through
 decoding/tv.py `tv_rows` / `level_tv`) against the torch path (`level_tv_torch`): equal within
-float rounding for rows with and without temperature, min-p and greedy rows, in mixed batches,
-sub-batches of a sampling table and rows of 0..n candidates, on one thread and two (the split
-vocabulary); closer to a float64 reference than the torch path; NaN where the torch path is NaN;
-rows with top-k / top-p (their thresholds found from candidates, not a sort) equal too; and
-without the kernels, the torch path."""
+float rounding for rows of low to high temperature with and without min-p, in mixed batches,
+sub-batches of a sampling table (its greedy rows not measured) and rows of 0..n candidates, on
+one thread and two (the split vocabulary); closer to a float64 reference than the torch path; NaN
+where the torch path is NaN; rows with top-k / top-p (their thresholds found from candidates, not
+a sort) equal too; without the kernels, the torch path; a greedy row measured is an error on both
+(sampled rows only: decoding/tv.py; greedy rows were compared at temperature 1 until prune23)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-PARAMS = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, min_p=0.05),
-          SamplingParams(temperature=1.0), SamplingParams(temperature=0.0, min_p=0.3), SamplingParams(temperature=0.4, min_p=0.2)]
+PARAMS = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.05), SamplingParams(temperature=1.3, min_p=0.05),
+          SamplingParams(temperature=1.0), SamplingParams(temperature=0.1, min_p=0.3), SamplingParams(temperature=0.4, min_p=0.2)]
 
 
 def logits_pair(B, n, V, seed, scale=3.0):
@@ -50,15 +51,15 @@ def logits_pair(B, n, V, seed, scale=3.0):
 
 
 def reference64(d, v, num, params):
-    """float64 D_TV per row: the processed distributions (greedy rows at temperature 1, unfiltered)."""
+    """float64 D_TV per row: the processed distributions."""
     out = []
     for b, p in enumerate(params):
         tvs = []
         for i in range(int(num[b])):
             pair = []
             for x in (d[b, i].double(), v[b, i].double()):
-                s = x / (p.temperature or 1.0)
-                if p.temperature > 0 and p.min_p > 0:
+                s = x / p.temperature
+                if p.min_p > 0:
                     s = s.masked_fill(s < s.max() + math.log(p.min_p), -math.inf)
                 pair.append(torch.softmax(s, -1))
             tvs.append(0.5 * float((pair[0] - pair[1]).abs().sum()))
@@ -83,10 +84,11 @@ def test_native_equals_the_torch_path(native, threads, V, n):
 
 def test_sub_batches_of_a_sampling_table(native, threads):
     """`tv_rows` with verifier rows and sampling rows given by index (the executor's entry): the
-    same as `level_tv` on the gathered rows and the selected parameters."""
+    same as `level_tv` on the gathered rows and the selected parameters; the table's greedy rows
+    (with filters of their own), named by no row, change nothing."""
     V, n = 3000, 2
     d, v = logits_pair(4, n, V, seed=7)
-    table = SamplingTensors.from_params(PARAMS)
+    table = SamplingTensors.from_params(PARAMS[:4] + [SamplingParams(temperature=0.0, top_k=3, min_p=0.5)] + PARAMS[5:])
     vrows, srows = [3, 0, 2], [2, 5, 0]
     drafts = [list(d[0, :2]), list(d[1, :1]), list(d[2, :2])]
     got = tv_rows(drafts, v, vrows, table, srows)
@@ -131,9 +133,9 @@ FILTERED = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperatu
 @pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])
 def test_top_k_and_top_p_rows_equal_the_torch_path(native, threads, V, scale):
     """Rows with top-k / top-p (with min-p, a top_p of 0.01: the top token; more min-p survivors
-    than k and fewer) beside plain and greedy rows, flat to peaked logits, and logits in
+    than k and fewer) beside plain and low-temperature rows, flat to peaked logits, and logits in
     bfloat16's steps (ties, as a bfloat16 model's): the torch path's values."""
-    params = FILTERED + [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, top_k=5)]
+    params = FILTERED + [SamplingParams(temperature=0.7), SamplingParams(temperature=0.1, top_k=5)]
     n = 2
     d, v = logits_pair(len(params), n, V, seed=V + int(scale * 10), scale=scale)
     d, v = d.bfloat16().float(), v.bfloat16().float()
@@ -154,16 +156,23 @@ def test_without_the_kernels_the_torch_path_serves(monkeypatch):
     assert got.nan_to_num(-1.0).tolist() == want.nan_to_num(-1.0).tolist()
 
 
-def test_greedy_rows_are_unfiltered_at_temperature_one():
-    """A greedy row compares its temperature-1 distributions without its min-p / top-k / top-p,
-    whatever the other rows of the batch use (`scaled_logits` would filter it by them there)."""
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_greedy_row_measured_is_an_error(kernels, monkeypatch):
+    """Sampled rows only: a greedy row named by `srows` raises a ValueError on both paths (the
+    native kernel's check and the torch path's), a clear error, not a distance of some other
+    distribution; the same table's sampled row alone is measured."""
+    if kernels and tvmod._native_ops() is None:
+        pytest.skip("native kernels unavailable here")
+    if not kernels:
+        monkeypatch.setattr(tvmod, "_native_ops", lambda: None)
     d, v = logits_pair(2, 1, 400, seed=9)
-    num = torch.tensor([1, 1])
-    mixed = SamplingTensors.from_params([SamplingParams(temperature=0.0, top_k=3, min_p=0.5),
+    table = SamplingTensors.from_params([SamplingParams(temperature=0.0, top_k=3, min_p=0.5),
                                          SamplingParams(temperature=0.7, top_k=10, min_p=0.1)])
-    alone = SamplingTensors.from_params([SamplingParams(temperature=0.0)])
-    assert level_tv_torch(d, v, num, mixed)[0].item() == pytest.approx(
-        level_tv_torch(d[:1], v[:1], num[:1], alone).item(), abs=1e-7)
+    with pytest.raises(ValueError, match="greedy"):
+        tv_rows([[d[0, 0]], [d[1, 0]]], v, [0, 1], table, [0, 1])
+    got = tv_rows([[d[1, 0]]], v, [1], table, [1])
+    alone = level_tv_torch(d[1:], v[1:], torch.tensor([1]), table.select(torch.tensor([1])))
+    assert got == pytest.approx(alone.tolist(), abs=1e-5)
 
 
 def test_the_avx2_passes_equal_the_torch_path_too(native):
@@ -175,7 +184,7 @@ from specrouter.config import SamplingParams
 from specrouter.decoding.sampling import SamplingTensors
 from specrouter.decoding.tv import level_tv, level_tv_torch
 g = torch.Generator().manual_seed(2)
-params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, min_p=0.05),
+params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.05), SamplingParams(temperature=1.3, min_p=0.05),
           SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, top_k=20)]
 for V in (13, 4097, 49152):
     d = (torch.randn(5, 2, V, generator=g) * 3).bfloat16().float()

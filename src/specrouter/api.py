@@ -265,7 +265,7 @@ class SpecRouter:
         decoder = IncrementalDecoder(self.tokenizer)
         try:
             while not seq.done:
-                with governed() as timed:  # this thread's torch threads, per step (engine/contention.py)
+                with governed(enabled=engine.thread_invariant) as timed:  # this thread's torch threads (engine/contention.py)
                     outs = timed(engine.step)
                 for out in outs:
                     if out.seq is not seq or not (out.new_token_ids or seq.done):

@@ -199,7 +199,8 @@ class SimilarityConfig:
     # teach the calibration (was `calibrate_stand_in`: the pair's global SimScore as a skipped
     # trial's stand-in; removed by prune22, docs/router.md)
     tv_alpha: float = 0.1  # EMA weight of one observation's mean D_TV (after the first few)
-    drift: bool = True  # shift the observed acceptance by f(SimScore now) - f(SimScore of its trials)
+    # the observed acceptance is shifted by f(SimScore now) - f(SimScore of its trials)
+    # (SimilarityEstimator.drifted; turning it off was `drift=False`: removed by prune23, issue 27)
     drift_decay: float = 0.95  # per trial: "SimScore now" forgets (~20 trials; the counts: ~500)
     min_tv_positions: int = 8  # positions measured before a pair's SimScore is used
     decay: float = 0.998  # per trial: the global acceptance counts forget (window ~500 trials)

@@ -5,10 +5,11 @@ At a verified position both distributions exist: the verifier's logits from its 
 drafter's from the forward that drafted the candidate (a draft model, a draft head, or a lower
 verifier passing its output up). `level_tv` compares them for every row of a level at once. Each
 row's distributions are its processed ones (`sampling.scaled_logits`: temperature, min-p, top-k,
-top-p); a greedy row's processed distribution is a one-hot, which would make D_TV a mismatch
-indicator, so greedy rows compare the temperature-1 distributions instead (the router maps each
-mode's SimScore to acceptance with its own calibration), unfiltered: a greedy row's min-p, top-k
-and top-p are ignored here, whatever the other rows of its batch use.
+top-p). Sampled rows only: the router reads no greedy row's D_TV (the executor measures none,
+`ChainExecutor.measures_tv`, since session 22), so a greedy row (temperature 0) among the rows
+measured is an error; the table's other rows may be greedy. (Greedy rows were compared at
+temperature 1, unfiltered: reached only by unit tests after session 22, removed by prune23,
+issue 27.)
 
 `tv_rows` (the executor's entry) computes it natively where the kernels are built
 (kernels/tv.cpp `tv_rows`: the scaling, min-p, top-k, top-p, both softmaxes and the distance in
@@ -85,22 +86,26 @@ def tv_rows(drafts: Sequence[Sequence[torch.Tensor]], verifier: torch.Tensor, vr
     """Per row r, the mean D_TV between `drafts[r][i]` (the drafter's logits (V,) at its
     candidate i) and `verifier[vrows[r], i]` (verifier (B, G, V)) over its candidates, with row
     `srows[r]` of `st`'s sampling parameters: `level_tv` without the stacking and the `select`
-    (the executor's entry). NaN for a row without candidates."""
+    (the executor's entry). NaN for a row without candidates. Every row `srows` names must be
+    sampled (temperature > 0: module docstring); a greedy one raises."""
     R = len(drafts)
     assert len(vrows) == R and len(srows) == R, "vrows and srows: one per row"
+    if R == 0:
+        return []
     ops = _native_ops()
-    if ops is not None and (st.needs_sort or st.needs_min_p) and not st.all_greedy and native_filters() is None:
+    if ops is not None and (st.needs_sort or st.needs_min_p) and native_filters() is None:
         ops = None  # (the native cut needs torch's own exp: kernels/cut.h)
     if ops is not None and verifier.device.type == "cpu" and st.temperature.device.type == "cpu":
         v = verifier if verifier.dtype == torch.float32 and verifier.stride(-1) == 1 else verifier.float().contiguous()
         flat = [d if d.dtype == torch.float32 and d.is_contiguous() else d.float().contiguous()
                 for ds in drafts for d in ds]
-        lmp = torch.log(st.min_p) if st.needs_min_p and not st.all_greedy else _EMPTY
-        top_k, top_p = (st.top_k, st.top_p) if st.needs_sort and not st.all_greedy else (_EMPTY_LONG, _EMPTY)
-        return ops.tv_rows(flat, v, list(vrows), [len(ds) for ds in drafts], st.temperature, lmp, top_k, top_p,
-                           list(srows)).tolist()
-    if R == 0:
-        return []
+        lmp = torch.log(st.min_p) if st.needs_min_p else _EMPTY
+        top_k, top_p = (st.top_k, st.top_p) if st.needs_sort else (_EMPTY_LONG, _EMPTY)
+        try:
+            return ops.tv_rows(flat, v, list(vrows), [len(ds) for ds in drafts], st.temperature, lmp, top_k, top_p,
+                               list(srows)).tolist()
+        except RuntimeError as e:  # the kernel's checks (TORCH_CHECK) as the torch path raises them
+            raise ValueError(str(e).splitlines()[0]) from e
     n = max(len(ds) for ds in drafts)
     draft = verifier.new_zeros((R, max(n, 1), verifier.shape[-1]))  # (R, n, V)
     for r, ds in enumerate(drafts):
@@ -115,9 +120,10 @@ def tv_rows(drafts: Sequence[Sequence[torch.Tensor]], verifier: torch.Tensor, vr
 def level_tv_torch(draft_logits: torch.Tensor, verifier_logits: torch.Tensor, num_candidates: torch.Tensor,
                    st: SamplingTensors) -> torch.Tensor:
     """`level_tv` in torch ops (the portable path): `scaled_logits`, two softmaxes over the
-    vocabulary and `tv_distance`; greedy rows at temperature 1, unfiltered."""
+    vocabulary and `tv_distance`; sampled rows only (a greedy row raises: module docstring)."""
     n = draft_logits.shape[1]
-    st = _greedy_unfiltered(st)
+    if st.any_greedy:
+        raise ValueError("tv_rows: a greedy row (temperature 0): D_TV is measured for sampled rows only")
     d = torch.softmax(scaled_logits(draft_logits.float(), st), dim=-1)  # (B, n, V)
     v = torch.softmax(scaled_logits(verifier_logits[:, :n].float(), st), dim=-1)  # (B, n, V)
     return tv_distance(d, v, candidate_mask(num_candidates.to(d.device), n))
@@ -132,19 +138,3 @@ def _native_ops():
     from specrouter.models.runners.kernels import rowinv
 
     return rowinv()
-
-
-def _greedy_unfiltered(st: SamplingTensors) -> SamplingTensors:
-    """`st` with its greedy rows at temperature 1 and without min-p, top-k or top-p
-    (`scaled_logits` filters a greedy row by them when another row of the batch needs the
-    filter); the sampling rows unchanged."""
-    if st.all_greedy or not st.any_greedy:
-        return st
-    greedy = st.temperature == 0
-    return SamplingTensors(
-        temperature=torch.where(greedy, 1.0, st.temperature),
-        top_k=torch.where(greedy, 0, st.top_k),
-        top_p=torch.where(greedy, 1.0, st.top_p),
-        min_p=torch.where(greedy, 0.0, st.min_p),
-        all_greedy=False, any_greedy=False, needs_sort=st.needs_sort, needs_min_p=st.needs_min_p,
-    )

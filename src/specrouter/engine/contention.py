@@ -25,8 +25,11 @@ reads the machine's idle CPU (`/proc/stat`) every `recheck` seconds and goes bac
 count when the cores it gave up were idle since the last read (`free_cores` of each on average:
 the co-tenant has gone); a co-tenant that comes back at once doubles the wait before the next try.
 The server's engine, starting a batch after a pause, reads the idle CPU of the pause first (`wake`): back at
-once if the cores were free, else a fresh count over the batch's own steps. The kernels' bits do
-not depend on the thread count (row-invariant, tests/test_rowinv_kernels.py): outputs do not change.
+once if the cores were free, else a fresh count over the batch's own steps. The native kernels' bits do
+not depend on the thread count (each output on one thread; tests/test_rowinv_kernels.py), so
+outputs do not change; a pool with a model on torch's kernels (the transformers fallback, or a
+linear the native blocks do not divide), whose GEMMs may split work by thread count, is never
+governed (`ModelRunner.thread_invariant`, `Engine.thread_invariant`; review23 N9).
 """
 
 from __future__ import annotations
@@ -206,10 +209,16 @@ def thread_governor() -> TeamGovernor:
 
 
 @contextlib.contextmanager
-def governed(governor: TeamGovernor | None = None) -> Iterator[Callable[[Callable[[], T]], T]]:
+def governed(governor: TeamGovernor | None = None, *, enabled: bool = True
+             ) -> Iterator[Callable[[Callable[[], T]], T]]:
     """An offline loop's steps on the calling thread, governed: yields `timed`, which runs a step
     and tells the governor (default: `thread_governor()`) its wall and this thread's CPU seconds.
-    The count the governor set holds inside the block; outside it the thread runs on its own."""
+    The count the governor set holds inside the block; outside it the thread runs on its own.
+    `enabled=False` (a model whose bits may depend on the thread count: `Engine.thread_invariant`):
+    the steps run on the thread's own count, ungoverned."""
+    if not enabled:
+        yield lambda step: step()
+        return
     gov = thread_governor() if governor is None else governor
     gov.enter()
 

@@ -149,6 +149,9 @@ class Engine:
         self.busy_clock = BusyClock(clock)  # the clock less the caller's time between steps
         if router is not None and router.step_clock is not None:
             router.step_clock = self.busy_clock  # the router times the engine's own work only
+        # every model's bits independent of torch's thread count: the loops may run fewer threads
+        # under a co-tenant (contention.py); a model on torch's kernels keeps the thread count fixed
+        self.thread_invariant = all(r.thread_invariant for r in pool.runners.values())
         self.state = StateManager(pool.runners, features=_feature_store(pool))
         self.executor = ChainExecutor(pool.runners, pool.drafters, self.state, pool.vocab_width,
                                       order=list(pool.order), heads=pool.heads, clock=clock)
@@ -590,7 +593,7 @@ class Engine:
         previous, self.on_cycle = self.on_cycle, on_cycle
         try:
             # the calling thread's torch threads: fewer while another process takes a core (contention.py)
-            with governed() as timed:
+            with governed(enabled=self.thread_invariant) as timed:
                 while any(not s.done for s in seqs):
                     timed(self.step)
         finally:

@@ -387,9 +387,9 @@ class BatchPlanner:
         if all(len(c) == 1 for c, _ in own):
             return decisions
         options = [option(own), option([(plain, 0)] * len(rows))]
-        ks = sorted({k for _, k in own if k > 0}) or [0]
+        top = max(k for _, k in own)  # >= 1: some row speculates (a chain of two or more levels has k >= 1)
         for cap in (1, 2, 3, 4, 6, 8):
-            if cap < ks[-1]:
+            if cap < top:
                 options.append(option([(c, min(k, cap)) if k else (c, k) for c, k in own]))
         gain = sorted(range(len(rows)), key=lambda i: -self.expected_tokens(reqs[i], *own[i]))
         spec = [i for i in gain if own[i][1] > 0]

@@ -464,7 +464,8 @@ def enumerate_chains(
 
 
 def _rows(chains: Sequence[tuple[str, ...]], k_max: int, width: int, tables: Mapping[str, np.ndarray],
-          drafts: Mapping[str, tuple[np.ndarray, np.ndarray]], alphas: Mapping) -> tuple[np.ndarray, np.ndarray]:
+          drafts: Mapping[str, tuple[np.ndarray, np.ndarray]], alphas: Mapping,
+          prepared: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(latency (C, K), tokens (C, K)) of every chain (the DP of `_cycle_by_k`), all chains at
     once: each level of the DP is one stacked matmul over the chains (a chain shorter than the
     longest is padded at its first levels with free identity levels: x @ I and x + 0 are exact),
@@ -472,8 +473,11 @@ def _rows(chains: Sequence[tuple[str, ...]], k_max: int, width: int, tables: Map
     per chain and level (about 4x faster; benchmarks/router_replay.py). Stacked matmuls compute
     each chain as the unstacked ones do, bit for bit (`tests/test_cost_model.py`). `tables`: per
     model, its cost table indexed by new tokens (length >= width + 1); `drafts`: per drafter,
-    (seconds of drafting k = 1..k_max with the cycle's overhead, n_2's distribution (K, W))."""
-    layout = _layout(tuple(chains), width)
+    (seconds of drafting k = 1..k_max with the cycle's overhead, n_2's distribution (K, W)).
+    `prepared` (`chain_rows`): the drafters' seconds and the verifiers' levels as arranged for
+    these chains, kept for the next call on the same costs (they read no estimate)."""
+    chains = tuple(chains)
+    layout = _layout(chains, width)
     latency = np.empty((len(chains), k_max))
     tokens = np.empty((len(chains), k_max))
     for i, m in layout.plain:  # plain decoding: one token per target step
@@ -481,14 +485,23 @@ def _rows(chains: Sequence[tuple[str, ...]], k_max: int, width: int, tables: Map
     if not layout.spec:
         return latency, tokens
     n = len(layout.spec)
-    cost = np.empty((n, k_max))
+    arranged = prepared.get((chains, width)) if prepared is not None else None
+    if arranged is None:
+        cost = np.empty((n, k_max))
+        verify = np.zeros((layout.levels, n, width))  # level j's seconds at n_j + 1 = 1..W new tokens (0: a pad level)
+        for r, d in enumerate(layout.drafters):
+            cost[r] = drafts[d][0]
+        for j, r, m, _, _ in layout.cells:
+            verify[j, r] = tables[m][1 : width + 1]
+        if prepared is not None:
+            prepared[(chains, width)] = (cost, verify)  # read, never written: `cost + ...` below is a new array
+    else:
+        cost, verify = arranged
     dist = np.empty((n, k_max, width))
     for r, d in enumerate(layout.drafters):
-        cost[r], dist[r] = drafts[d]
-    verify = np.zeros((layout.levels, n, width))  # level j's seconds at n_j + 1 = 1..W new tokens (0: a pad level)
+        dist[r] = drafts[d][1]
     steps = layout.steps.copy()  # level j's transition n_j -> n_{j+1} (the pad levels' identities set)
     for j, r, m, pair, triple in layout.cells:
-        verify[j, r] = tables[m][1 : width + 1]
         beta = alphas.get(triple) if triple is not None else None
         if beta is None:
             steps[j, r] = _transition(float(alphas[pair]), width)
@@ -550,15 +563,21 @@ def chain_rows(
     overhead: float = 0.0,
     draft_step_overhead: float = 0.0,
     min_width: int = 0,
+    prepared: dict | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(expected_latency (C, K), expected_tokens (C, K)) of `best_plan`'s table, without its
     checks or its argmin: for the router, which evaluates its chains at every decision on cost
     rows (arrays indexed by new tokens) and ModelFreeDrafts checked where they were built, and
     estimates that are probabilities by construction. The same arithmetic as best_plan, bit for
-    bit (draft_catchup 0)."""
+    bit (draft_catchup 0). `prepared`: a dict the caller passes again only with the same costs,
+    overheads and width (the router's per published evidence and cost context,
+    `EvidenceBoard.chain_rows`): what reads no estimate (the cost tables, the drafters' seconds,
+    `_rows`' arrangement of them) is computed once into it, the same arrays a fresh call makes."""
     width = max(k_max + max(len(c) for c in chains), min_width)
+    memo = prepared.setdefault(("inputs", k_max, width), {}) if prepared is not None else {}
     ks = np.arange(1, k_max + 1)
-    tables: dict[str, np.ndarray] = {}
+    tables: dict[str, np.ndarray] = memo.setdefault("tables", {})
+    seconds: dict[str, np.ndarray] = memo.setdefault("seconds", {})  # drafter -> its seconds + overhead
     drafts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for chain in chains:
         for m in chain[1:] if len(chain) > 1 else chain:
@@ -568,12 +587,15 @@ def chain_rows(
         if len(chain) > 1 and d not in drafts:
             drafter = costs[d]
             if isinstance(drafter, ModelFreeDraft):
-                drafts[d] = (drafter.costs(ks) + overhead, _draft_distribution(drafter.hit_rate, k_max, width))
+                if d not in seconds:
+                    seconds[d] = drafter.costs(ks) + overhead
+                drafts[d] = (seconds[d], _draft_distribution(drafter.hit_rate, k_max, width))
             else:
                 tables[d] = tables.get(d) if d in tables else _table_of(drafter, width)
-                drafts[d] = (_draft_costs(drafter, tables[d], ks, 0, draft_step_overhead) + overhead,
-                             _draft_distribution(1.0, k_max, width))
-    return _rows(chains, k_max, width, tables, drafts, alphas)
+                if d not in seconds:
+                    seconds[d] = _draft_costs(drafter, tables[d], ks, 0, draft_step_overhead) + overhead
+                drafts[d] = (seconds[d], _draft_distribution(1.0, k_max, width))
+    return _rows(chains, k_max, width, tables, drafts, alphas, memo if prepared is not None else None)
 
 
 def _table_of(row: np.ndarray, width: int) -> np.ndarray:

@@ -93,6 +93,8 @@ class CachedPlans:
     t_plain: float
     # host seconds per cycle charged where plain decoding is weighed against speculation
     charge: PlainCharge = field(default_factory=PlainCharge)
+    alphas: Mapping = field(default_factory=dict)  # the estimates it was computed from (`Router.inputs`) ...
+    overhead: float = 0.0  # ... and the router's seconds per speculative cycle (the prober reads them too)
     floors: dict = field(default_factory=dict, compare=False)  # plan -> its confidence floor (memo)
     bests: dict = field(default_factory=dict, compare=False)  # k cap -> (plan, T_eff): argmin (memo)
     # (C, K) T_eff with each kind's charge (`PlainCharge.t_eff`; the table's own without one)

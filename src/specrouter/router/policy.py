@@ -516,16 +516,19 @@ class Router:
             # always k = 1..k_max, cut to k_cap: a column's values do not depend on the cap
             # (CachedPlans.best), and computed alike whatever the cap or the subset of chains
             # (one DP width for all) they are equal bit for bit
-            latency[todo], tokens[todo] = chain_rows([self.chains[i] for i in todo], cfg.k_max, costs=costs,
-                                                     alphas=alphas, overhead=published.times["spec"] + router,
-                                                     draft_step_overhead=published.times["draft_step"],
-                                                     min_width=self.dp_width)
+            lat, tok = chain_rows([self.chains[i] for i in todo], cfg.k_max, costs=costs,
+                                  alphas=alphas, overhead=published.times["spec"] + router,
+                                  draft_step_overhead=published.times["draft_step"],
+                                  min_width=self.dp_width, prepared=rows)
+            latency[todo], tokens[todo] = lat, tok
         if rows is not None:
+            new = iter(range(len(todo)))
             for i, key, g in zip(idx, keys, got):
                 if g is not None:
                     latency[i], tokens[i] = g
-                else:
-                    rows[key] = (latency[i].copy(), tokens[i].copy())
+                else:  # views of chain_rows' own arrays, which nothing else keeps or writes
+                    r = next(new)
+                    rows[key] = (lat[r], tok[r])
         t = latency / tokens  # as best_plan's t_eff, element by element (NaN where not evaluated)
         if len(idx) < len(self.chains):
             t[np.isnan(t)] = np.inf
@@ -590,7 +593,7 @@ class Router:
             plans = req.cached = self._plans(row, req, key)
         decision = self._hysteresis(req, plans, k_cap)
         if self.prober.due():
-            decision = self.prober.decide(row, req, mode, k_cap, decision, plans.charge)
+            decision = self.prober.decide(row, req, mode, k_cap, decision, plans)
         # what the realized check compares the cycle with: the model's prediction (probes are
         # predicted without the correction, planned cycles with it)
         applied = 1.0 if decision.reason == "probe" else req.corrections.get(decision.chain, 1.0)
@@ -611,7 +614,7 @@ class Router:
         # a single stream's (a batch's plain-vs-speculate choice is the batch planner's)
         charge = (PlainCharge.measured(times, router, cfg.outside_spec_held)
                   if cfg.charge_leaving_plain and row.batch_size <= 1 else PlainCharge())
-        return CachedPlans(key, table, costs, float(table.t_eff[0, 0]), charge)
+        return CachedPlans(key, table, costs, float(table.t_eff[0, 0]), charge, alphas, router)
 
     def _hysteresis(self, req: RequestState, plans: CachedPlans, k_cap: int) -> Decision:
         """Step 2: keep the request's plan unless the best is enough faster (module docstring);

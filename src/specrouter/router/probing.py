@@ -68,13 +68,14 @@ class Prober:
         enough ago)?"""
         return self.budget.allow() and self.router.similarity.now >= self.next_check
 
-    def decide(self, row: RowContext, req, mode: str, k_cap: int, decision: Decision,
-               charge: PlainCharge = PlainCharge()) -> Decision:
+    def decide(self, row: RowContext, req, mode: str, k_cap: int, decision: Decision, plans) -> Decision:
         """A probe instead of `decision` this one cycle, within the budget (the request's plan
-        stays as it is); else `decision`. `charge`: a plain plan is weighed against the probes
-        with both kinds' host seconds (policy.py, step 2)."""
+        stays as it is); else `decision`. `plans`: the row's step 1 (evidence.py `CachedPlans`,
+        its key holds: the costs, estimates and router seconds `Router.inputs` gives now), whose
+        charge weighs a plain plan against the probes with both kinds' host seconds (policy.py,
+        step 2)."""
         router = self.router
-        costs, alphas, overhead = router.inputs(row, req)
+        costs, alphas, overhead, charge = plans.costs, plans.alphas, plans.overhead, plans.charge
         probe = self._probe(mode, decision.chain, decision.t_eff, costs, alphas, overhead, k_cap, charge, req,
                             router.board.rows_for(row, overhead))
         if probe is None:

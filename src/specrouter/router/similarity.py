@@ -196,17 +196,22 @@ class SimilarityEstimator:
         self.hits: dict[str, list[float]] = {}  # model-free drafter -> [hits, proposals], decayed
         self.now = 0  # row-cycles seen (tick)
         self.version = 0  # increases with every observation, for callers that cache estimates
-        # alpha_detail per (pair, mode) at `version` (a pure function of the observations: the
-        # evidence snapshot, a request's alphas and the probes read the same pairs many times
-        # per decision, ~40 calls each, transitive fallbacks and triples included)
-        self._alphas: dict[tuple, tuple[float, str]] = {}
-        self._alphas_version = -1
+        # alpha_detail per (pair, mode), with the `version` it was computed at: a pure function of
+        # the observations it reads (the evidence snapshot, a request's alphas and the probes read
+        # the same pairs many times per decision), kept while none of them changed since
+        # (`_changed`): its own pair's counts and D_TV, and the mode's calibration and D_TVs (the
+        # similarity and transitive fallbacks, the drift), a triple's pair's too. A decision after
+        # a hold recomputed every pair (the version moves with every observation); now only those
+        # observed since
+        self._alphas: dict[tuple, tuple[tuple[float, str], int]] = {}
+        self._changed: dict = {}  # (pair, mode) or mode -> version of its last change
 
     def __setstate__(self, state: dict) -> None:
         """Unpickled (a recorded router's starting estimates, benchmarks/router_replay.py): the
         memo starts empty whatever the pickle holds."""
         self.__dict__.update(state)
-        self._alphas, self._alphas_version = {}, -1
+        self._alphas, self._changed = {}, {}
+        self.__dict__.pop("_alphas_version", None)
 
     def stats(self, pair: Pair, mode: str) -> PairStats:
         key = (tuple(pair), _check_mode(mode))
@@ -228,12 +233,13 @@ class SimilarityEstimator:
         s.tv = tv if math.isnan(s.tv) else s.tv + w * (tv - s.tv)
         s.last_measured = self.now
         self.version += 1
+        self._changed[(tuple(pair), mode)] = self._changed[mode] = self.version  # a D_TV: every fallback of the mode
 
     def observe_acceptance(self, pair: Pair, mode: str, accepted: float, rejections: float,
                            sim: float | None = None) -> None:
         """Trials of the iid model (see `acceptance_trials`), summed over rows. `sim`: the
         SimScore (1 - mean D_TV) measured at these very trials (one row's cycle): it teaches the
-        mode's calibration f with the row's own similarity, and dates the counts (`drift`).
+        mode's calibration f with the row's own similarity, and dates the counts (`drifted`).
         Trials without it (a step the TvSchedule skipped, a shadow-scored proposal) teach the
         calibration nothing (the pair's global SimScore as the row's stand-in was
         `calibrate_stand_in`, removed by prune22)."""
@@ -250,8 +256,10 @@ class SimilarityEstimator:
             s.recent = tuple(decayed_add(s.recent, (trials, sim * trials), cfg.drift_decay, trials))
         s.last_measured = self.now
         self.version += 1
+        self._changed[(tuple(pair), mode)] = self.version
         if sim is not None:
             self.calibrations[mode].add(sim, accepted, trials, cfg.calib_decay)
+            self._changed[mode] = self.version  # the calibration: every fallback and drift of the mode
 
     def touch(self, pair: Pair, mode: str) -> None:
         """The pair ran but yielded no trial (a model-free miss): it is not stale, nor known."""
@@ -314,15 +322,18 @@ class SimilarityEstimator:
 
     def alpha_detail(self, pair: Pair, mode: str) -> tuple[float, str]:
         """(alpha, source): source is "observed" (MLE alone), "blend" (MLE with the fallback's
-        fading pseudo-trials) or the fallback's source. Memoized per `version`."""
+        fading pseudo-trials) or the fallback's source. Memoized while what it reads is unchanged
+        (`_changed`, `__init__`)."""
         key = (tuple(pair), _check_mode(mode))
-        if self._alphas_version != self.version:
-            self._alphas.clear()
-            self._alphas_version = self.version
         hit = self._alphas.get(key)
-        if hit is None:
-            hit = self._alphas[key] = self._alpha_detail(key[0], mode)
-        return hit
+        if hit is not None:
+            changed, at = self._changed, hit[1]
+            if (changed.get(key, -1) <= at and changed.get(mode, -1) <= at
+                    and (len(key[0]) != 3 or changed.get((key[0][1:], mode), -1) <= at)):
+                return hit[0]
+        value = self._alpha_detail(key[0], mode)
+        self._alphas[key] = (value, self.version)
+        return value
 
     def _alpha_detail(self, pair: Pair, mode: str) -> tuple[float, str]:
         s = self.pairs.get((pair, mode))
@@ -339,10 +350,10 @@ class SimilarityEstimator:
         """The observed acceptance moved by what the similarity moved since its trials: f(SimScore
         now) - f(SimScore of the trials), both through the mode's calibration and weighted alike
         (per trial), "now" over ~20 trials (`drift_decay`), the counts over ~500: a change of
-        regime shows in D_TV long before the counts catch up. Unchanged without `drift` or
-        without both SimScores."""
+        regime shows in D_TV long before the counts catch up. Unchanged without both SimScores
+        (`SimilarityConfig.drift` False left it unchanged always: removed by prune23, issue 27)."""
         cfg = self.config
-        if not cfg.drift or s.recent[0] < cfg.min_tv_positions or s.sim_trials < cfg.min_tv_positions:
+        if s.recent[0] < cfg.min_tv_positions or s.sim_trials < cfg.min_tv_positions:
             return observed
         now, then = s.recent[1] / s.recent[0], s.sim_sum / s.sim_trials
         return min(1.0, max(0.0, observed + self.calibrate(now, mode) - self.calibrate(then, mode)))

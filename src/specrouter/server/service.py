@@ -54,7 +54,9 @@ class Service:
         self.engine.on_model_failure = self.metrics.observe_failure
         # the engine thread runs every forward (the process's one OpenMP team: server/threads.py);
         # a hung forward hands its loop to a new thread (async_engine.py)
-        governor = TeamGovernor(on_change=self.metrics.observe_governor) if config.team_governor else None
+        # (only where every model's bits are independent of the thread count: Engine.thread_invariant)
+        governor = (TeamGovernor(on_change=self.metrics.observe_governor)
+                    if config.team_governor and self.engine.thread_invariant else None)
         self.loop_engine = AsyncEngine(self.engine, max_queue=config.max_queue, metrics=self.metrics,
                                        seed=config.seed, watch=watch, governor=governor)
         self.model_name = config.served_model_name or self.pool.target

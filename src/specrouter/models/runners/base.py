@@ -123,6 +123,10 @@ class ModelRunner(ABC):
     packs_ragged: bool = False
     # runs token trees (`ForwardBatch.parents`) and moves an accepted branch (`move_kv`)
     supports_trees: bool = False
+    # a forward's bits do not depend on torch's thread count (every op on the native row-invariant
+    # kernels, which give each output to one thread): the offline loops and the server run fewer
+    # threads under a co-tenant only where every model says so (engine/contention.py)
+    thread_invariant: bool = False
 
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

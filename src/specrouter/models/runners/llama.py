@@ -331,6 +331,9 @@ class LlamaRunner(ModelRunner):
                         "kernel's blocks do not divide)", name, len(off), 4 * arch.num_layers)
         if self._ops is not None:
             self._weights_on_huge_pages()
+        # each output of every op on one thread (the native kernels): bits whatever the thread count
+        self.thread_invariant = (self._ops is not None and not off and self._kernel in NATIVE_KERNELS
+                                 and self._head.kernel in NATIVE_KERNELS)
         self._fused = self._fused_layers()
         self._inv_freq, self._rope_scaling = rope_inv_freq(
             arch.rope, arch.head_dim, arch.max_position_embeddings

@@ -2,7 +2,8 @@
 // between two levels' processed next-token distributions at the same positions) in one call.
 //
 // Per position: the drafter's logits x and the verifier's y (float32, V each), the row's
-// temperature T (0: greedy, compared at temperature 1, unfiltered) and its filters: min-p
+// temperature T (> 0: sampled rows only; a greedy row, measured at temperature 1 unfiltered until
+// prune23, is an error) and its filters: min-p
 // (log(min_p), -inf: none; computed by the caller with torch's log, as sampling.py's
 // `_min_p_mask`), top-k, top-p. Each side keeps exactly the tokens the sampler keeps (cut.h
 // `find_cut`, the candidate path's cut bit for bit, as a cut on the raw logits: x >= x0; so
@@ -292,7 +293,7 @@ const bool HAS_AVX512 = [] {
 struct Position {
   const float* x;  // the drafter's logits
   const float* y;  // the verifier's
-  float T;         // the temperature (1 for a greedy row)
+  float T;         // the temperature (> 0: sampled rows only)
   float inv;       // 1 / T
   float lmp;       // log(min_p), -inf: none
   int64_t k;       // top-k, 0: none
@@ -311,7 +312,8 @@ struct Part {
 // drafts: P tensors (V,) float32 contiguous, the positions in row order; verifier (B, G, V)
 // float32, last dim contiguous; vrows (R) the verifier row of each row; counts (R) its positions
 // (position i of row r: its next draft tensor against verifier[vrows[r], i]); temperature (S,)
-// float32 (0: greedy), log_min_p (S,) float32 or empty (none), srows (R) the table row of each
+// float32 (> 0 for every row measured: sampled rows only; the table's greedy rows, 0, may be
+// named by no srows entry), log_min_p (S,) float32 or empty (none), srows (R) the table row of each
 // row -> (R,) float64: the mean D_TV over the row's positions, NaN for a row without any
 at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArrayRef vrows, at::IntArrayRef counts,
                    const at::Tensor& temperature, const at::Tensor& log_min_p, const at::Tensor& top_k,
@@ -344,18 +346,16 @@ at::Tensor tv_rows(at::TensorList drafts, const at::Tensor& verifier, at::IntArr
     TORCH_CHECK(srows[r] >= 0 && srows[r] < S, "srows: row ", srows[r], " out of the table's ", S);
     TORCH_CHECK(counts[r] >= 0 && counts[r] <= G, "counts: ", counts[r], " positions, the verifier has ", G);
     const float t = temp[srows[r]];
-    TORCH_CHECK(!(t < 0.0f), "tv_rows: a negative temperature ", t);
-    const bool greedy = t == 0.0f;
+    TORCH_CHECK(t > 0.0f, "tv_rows: temperature ", t, " (a greedy row? D_TV is measured for sampled rows only)");
     for (int64_t i = 0; i < counts[r]; ++i) {
       const int64_t k = static_cast<int64_t>(pos.size());
       TORCH_CHECK(k < static_cast<int64_t>(drafts.size()), "drafts: fewer tensors than the counts' positions");
       const at::Tensor& d = drafts[k];
       TORCH_CHECK(d.device().is_cpu() && d.scalar_type() == at::kFloat && d.numel() == V && d.is_contiguous(),
                   "drafts: (V,) float32 contiguous on the CPU");
-      const bool f = filters && !greedy;
       pos.push_back({d.data_ptr<float>(), vbase + vrows[r] * verifier.stride(0) + i * verifier.stride(1),
-                     greedy ? 1.0f : t, greedy ? 1.0f : 1.0f / t, (greedy || !min_p) ? NEG_INF : lmp[srows[r]],
-                     f && tk[srows[r]] > 0 && tk[srows[r]] < V ? tk[srows[r]] : 0, f ? tp[srows[r]] : 1.0f});
+                     t, 1.0f / t, min_p ? lmp[srows[r]] : NEG_INF,
+                     filters && tk[srows[r]] > 0 && tk[srows[r]] < V ? tk[srows[r]] : 0, filters ? tp[srows[r]] : 1.0f});
     }
     first[r + 1] = static_cast<int64_t>(pos.size());
   }
