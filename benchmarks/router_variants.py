@@ -14,11 +14,8 @@ tokens). Prints tokens/s per request and summed.
 Variants (RouterConfig changes against the default): no-tv (measure_tv=False), tv-cap-8
 (request_tv_cap=8, request_tv_weight=1), no-step-host (draft_step_overhead=False: the draft steps'
 host seconds folded into the cycle's overhead, as before issue 33), no-hold (plain_hold_max=0: no plain hold, a
-settled plain single stream decided every step), iid (confirmed_alpha=False: a three-level chain's
-top level accepts every token at the pair's rate), no-fade (realized_fade=1.0: the realized check's
-evidence fades only on cycles of model-free chains, as before), no-leave-charge
-(charge_leaving_plain=False: plain decoding weighed against speculation without each kind's
-host seconds outside the executor, as before issue 31's chat fix), decided-plain
+settled plain single stream decided every step), no-fade (realized_fade=1.0: the realized check's
+evidence fades only on cycles of model-free chains, as before), decided-plain
 (outside_plain_held=False: plain decoding priced at every plain step's outside seconds, decided
 ones included, as before issue 31's second chat fix), no-stream-hold
 (stream_hold_steps=1: a settled speculating single stream decided every step, as before),
@@ -31,13 +28,13 @@ upper quartile of finished requests' own alphas when higher), prior-16 (request_
 own acceptance counts shrunk toward its prior by 16 pseudo-trials, not 8), tv-lean (tv_first_cycles=2,
 tv_every=16: D_TV in a request's first 2 cycles and every 16th step), tv-first-8 (tv_first_cycles=8), tv-every-4 (tv_every=4), no-margin (decision_margin_sampling=0: a
 sampled request's alphas and hit rates read as estimated, as before floor19), margin05 / margin1 / margin2 / m075 (z
-0.5 / 1 / 2 / 0.75 standard errors off them), margin1g / margin05g (greedy rows too), probe-k2 (probe_k=2), m05-pk2 (z 0.5 and probe_k=2),
-spec-held (outside_spec_held=True: leaving plain priced at a speculative cycle's held steps' outside seconds,
-as plain decoding is at its held steps'; the default since floor21). Removed by prune22 (issue 27) with their fields: greedy-tv, outside, burst, burst2, monotone,
+0.5 / 1 / 2 / 0.75 standard errors off them), margin1g / margin05g (greedy rows too), probe-k2 (probe_k=2), m05-pk2 (z 0.5 and probe_k=2). Removed by prune22 (issue 27) with their fields: greedy-tv, outside, burst, burst2, monotone,
 stand-in, tv-always-stand-in, monotone-m1g, monotone-m1, refute-global, free16, lean, lean16, firm16s.
 Removed by prune23 (issue 27) with their fields (each an "as before" path of a default that stayed on):
 any-probe, probe-predicted, catch-up-probes, stale, no-check, plain-lease, lease-held, lease-held-nm,
 pre-floor21, no-plain-hold, firm, no-firm, firm8, lazy, lazy8, lazy8-nobe, per-step.
+Removed by lead23 (issue 27) with their fields: iid (confirmed_alpha), no-leave-charge
+(charge_leaving_plain), spec-held (outside_spec_held, on by default: the variant named the default).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -67,9 +64,7 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "tv-cap-8": dataclasses.replace(base, request_tv_cap=8.0, request_tv_weight=1.0),
         "no-step-host": dataclasses.replace(base, draft_step_overhead=False),
         "no-hold": dataclasses.replace(base, plain_hold_max=0),
-        "iid": dataclasses.replace(base, confirmed_alpha=False),
         "no-fade": dataclasses.replace(base, realized_fade=1.0),
-        "no-leave-charge": dataclasses.replace(base, charge_leaving_plain=False),
         "decided-plain": dataclasses.replace(base, outside_plain_held=False),
         "no-stream-hold": dataclasses.replace(base, stream_hold_steps=1),
         "no-refute": dataclasses.replace(base, probe_refute_wait=0),
@@ -89,7 +84,6 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "probe-k2": dataclasses.replace(base, probe_k=2),
         "m05-pk2": dataclasses.replace(base, decision_margin_sampling=0.5, probe_k=2),
         "m075": dataclasses.replace(base, decision_margin_sampling=0.75),
-        "spec-held": dataclasses.replace(base, outside_spec_held=True),
     }
     unknown = [n for n in names if n not in known]
     if unknown:

@@ -838,8 +838,9 @@ def test_confirmed_tokens_lead_to_the_three_level_chain():
     point 4). Running d1 > T, the router shadow-scores the n-gram against d1's drafts, which
     teaches it the triple (ngram, d1, T) for free: it moves to ngram > d1 > T within a few
     cycles, runs it most of the time and decodes faster. The negative control, side by side on
-    the same world and seed (`confirmed_alpha=False`, the iid model: ngram > d1 > T predicted at
-    d1's rate), never runs it outside probes."""
+    the same world and seed (the iid model: ngram > d1 > T predicted at d1's rate; the router
+    without its triples, as `confirmed_alpha=False` was before lead23 removed it), never runs it
+    outside probes."""
     order = ["ngram", "d1", "T"]
     alphas = {("d1", "T"): 0.3, ("ngram", "T"): 0.5, ("ngram", "d1"): 0.6}
     three = ("ngram", "d1", "T")
@@ -847,7 +848,9 @@ def test_confirmed_tokens_lead_to_the_three_level_chain():
     for on in (True, False):
         sim = Sim(alphas, hit=0.7, seed=11, overhead_spec=0.0, overhead_plain=0.0)
         sim.confirmed = {three: 0.95}
-        router = make_router(order, timer=lambda: 0.0, config=RouterConfig(confirmed_alpha=on))
+        router = make_router(order, timer=lambda: 0.0)
+        if not on:
+            router.triples = []  # the iid model: no triple estimated apart
         trace = []
         tokens, seconds = drive(router, sim, 300, trace=trace, shadow=True, timed=False)
         runs[on] = ([t[0].chain for t in trace if t[0].reason != "probe"], tokens / seconds, router)

@@ -351,9 +351,8 @@ class RouterConfig:
     # slower greedy on the mixed stream; removed by prune22, issue 27; docs/router.md)...
     # ... but charge those where plain decoding is weighed against speculation, and only there
     # (router/host_time.py `PlainCharge`): the best speculative plan (as decide() prices it)
-    # must beat plain decoding with each kind's measured outside seconds per cycle; False: the
-    # plans compare as the table prices them (before issue 31's chat fix)
-    charge_leaving_plain: bool = True
+    # must beat plain decoding with each kind's measured outside seconds per cycle (always on
+    # since lead23; its off switch `charge_leaving_plain=False`, the table alone, removed: issue 27)
     # plain decoding's outside seconds are measured on held plain steps only (router/host_time.py
     # `OutsideClock`): a settled plain single stream is held, a decided plain step pays decide()
     # (~4.6 against ~0.8 ms held, Zen 1); False: every plain step counts (before issue 31's
@@ -366,8 +365,8 @@ class RouterConfig:
     # a held step (AMD EPYC, chat t=0.7) and priced leaving plain ~0.3 ms a cycle too high.
     # On since floor21 with the plain stream's lease ("lease-held": t=0.7 chat / prose, with and without
     # penalties, 15 of 16 side-by-side ratios >= 1.0, geometric mean 1.040; mixed +3.1 / +4.2%;
-    # docs/router.md). False: every speculative step counts, as before
-    outside_spec_held: bool = True
+    # docs/router.md). Always so since lead23 (`outside_spec_held=False`, every speculative
+    # step's mean, removed: issue 27)
     context_bucket: int = 32  # cost rows are cached per (b, L // context_bucket)
     prune_below: float = 0.02  # chains with an alpha (or a model-free hit rate) below this are not evaluated
     alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)
@@ -437,11 +436,8 @@ class RouterConfig:
     # realized_clip: by default it only slows a chain down, so noise never makes a chain look
     # faster than its estimates say); a move above realized_tolerance republishes it. (Turning
     # it off was `realized_check=False`: removed by prune23, issue 27)
-    # confirmed tokens (router/cost_model.py, point 4): a three-level chain's top level accepts
-    # the tokens its first two levels agreed on with their own rate, learned per (first,
-    # middle, target) from those chains' cycles and from shadow proposals judged against the
-    # middle model's tokens; False: the iid model (every token the middle passes up at its rate)
-    confirmed_alpha: bool = True
+    # (confirmed tokens, router/cost_model.py point 4, are always estimated per (first, middle,
+    # target) triple; the iid model was `confirmed_alpha=False`: removed by lead23, issue 27)
     # (a model draft's next cycle priced by its request's current run of accepted tokens was
     # `burst_acceptance` with `burst_max_run`, `burst_min_run`, `burst_prior`, `burst_decay` and
     # router/burst.py: off, not measured better end to end; removed by prune22, issue 27)

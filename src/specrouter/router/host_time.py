@@ -89,8 +89,8 @@ class OutsideClock:
 @dataclass(frozen=True)
 class PlainCharge:
     """The host seconds per cycle outside the executor that a PlanTable leaves out, charged where
-    a decision weighs plain decoding against speculation, and only there
-    (`RouterConfig.charge_leaving_plain`).
+    a decision weighs plain decoding against speculation, and only there (always, since lead23
+    removed its off switch `charge_leaving_plain`, issue 27).
 
     The table charges every plan decide()'s seconds per cycle; an engine step really pays its
     kind's measured outside seconds (`OutsideClock`: ~1 ms per speculative step, planning,
@@ -104,15 +104,15 @@ class PlainCharge:
     plain: float = 0.0  # seconds per plain cycle (outside_plain - what the table charges)
 
     @classmethod
-    def measured(cls, times: Mapping[str, float], charged: float, held_spec: bool = False) -> "PlainCharge":
+    def measured(cls, times: Mapping[str, float], charged: float) -> "PlainCharge":
         """From the published times ("outside_spec", "outside_plain": 0.0 until measured, e.g.
         never in a simulated pool) and the seconds per cycle the table already charges. Plain
         decoding's are a held step's (`OutsideClock`): where speculative steps are measured but
         no held plain step yet (a cold router speculating from its first step), plain decoding
         is charged none of decide()'s seconds, which its held steps do not pay: the safe default
-        is not priced at the cost of a step that decides. `held_spec`: a speculative cycle's are its
-        held steps' ("outside_spec_held", `RouterConfig.outside_spec_held`) once measured."""
-        if held_spec and times.get("outside_spec_held", 0.0) > 0.0:
+        is not priced at the cost of a step that decides. A speculative cycle's are its held
+        steps' ("outside_spec_held", floor21) once measured, every speculative step's before."""
+        if times.get("outside_spec_held", 0.0) > 0.0:
             times = {**times, "outside_spec": times["outside_spec_held"]}
         spec = times["outside_spec"] - charged if times["outside_spec"] > 0.0 else 0.0
         if times["outside_plain"] > 0.0:

@@ -292,12 +292,10 @@ class Router:
                             for p in self.pairs}  # chains that measure the pair
         # (first, middle, verifier) of the chains of >= 3 levels drafted by a model-free drafter:
         # level 3's acceptance of confirmed tokens (cost_model.py, point 4), estimated apart
-        # (besides the pair's, which counts every token) when `confirmed_alpha`
+        # (besides the pair's, which counts every token)
         self.triples: list[tuple[str, str, str]] = sorted({c[:3] for c in self.chains
                                                            if len(c) >= 3 and c[0] in self.model_free},
                                                           key=lambda t: [self.order.index(m) for m in t])
-        if not cfg.confirmed_alpha:
-            self.triples = []
         self.requests: dict[int, RequestState] = {}
         self.events: deque[DecisionEvent] = deque(maxlen=cfg.log_size)
         # host seconds outside forwards: per plain step, per speculative cycle (its draft steps'
@@ -352,8 +350,8 @@ class Router:
         key = None if measured is None or len(rows) != 1 or pinned else (
             "outside_spec" if measured[1] else
             "outside_plain" if measured[2] or not self.config.outside_plain_held else None)
-        # a held speculative step's apart (`RouterConfig.outside_spec_held`: what a speculating
-        # stream pays between its decisions, as plain decoding is priced at its held steps)
+        # a held speculative step's apart (what a speculating stream pays between its
+        # decisions, as plain decoding is priced at its held steps: host_time.PlainCharge)
         for k in (key, "outside_spec_held" if key == "outside_spec" and measured[2] else None):
             if k is not None:
                 last = self.overhead[k]  # 0.0: the first measurement (an EMA from 0 would under-charge ~20 steps)
@@ -612,8 +610,7 @@ class Router:
         table = corrected(self.table(costs, alphas, router, cfg.k_max, keep=keep, rows=rows),
                           self.chain_index, req.corrections)
         # a single stream's (a batch's plain-vs-speculate choice is the batch planner's)
-        charge = (PlainCharge.measured(times, router, cfg.outside_spec_held)
-                  if cfg.charge_leaving_plain and row.batch_size <= 1 else PlainCharge())
+        charge = PlainCharge.measured(times, router) if row.batch_size <= 1 else PlainCharge()
         return CachedPlans(key, table, costs, float(table.t_eff[0, 0]), charge, alphas, router)
 
     def _hysteresis(self, req: RequestState, plans: CachedPlans, k_cap: int) -> Decision:
