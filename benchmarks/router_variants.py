@@ -15,9 +15,7 @@ Variants (RouterConfig changes against the default): no-tv (measure_tv=False), t
 (request_tv_cap=8, request_tv_weight=1), no-step-host (draft_step_overhead=False: the draft steps'
 host seconds folded into the cycle's overhead, as before issue 33), no-hold (plain_hold_max=0: no plain hold, a
 settled plain single stream decided every step), no-fade (realized_fade=1.0: the realized check's
-evidence fades only on cycles of model-free chains, as before), decided-plain
-(outside_plain_held=False: plain decoding priced at every plain step's outside seconds, decided
-ones included, as before issue 31's second chat fix), no-stream-hold
+evidence fades only on cycles of model-free chains, as before), no-stream-hold
 (stream_hold_steps=1: a settled speculating single stream decided every step, as before),
 no-refute (probe_refute_wait=0: a model pair's probe that refuted its
 optimism sets no wait, as before), no-idle-fade (request_idle_decay=1.0: a request's evidence of a
@@ -34,7 +32,8 @@ Removed by prune23 (issue 27) with their fields (each an "as before" path of a d
 any-probe, probe-predicted, catch-up-probes, stale, no-check, plain-lease, lease-held, lease-held-nm,
 pre-floor21, no-plain-hold, firm, no-firm, firm8, lazy, lazy8, lazy8-nobe, per-step.
 Removed by lead23 (issue 27) with their fields: iid (confirmed_alpha), no-leave-charge
-(charge_leaving_plain), spec-held (outside_spec_held, on by default: the variant named the default).
+(charge_leaving_plain), spec-held (outside_spec_held, on by default: the variant named the default),
+decided-plain (outside_plain_held).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -65,7 +64,6 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
         "no-step-host": dataclasses.replace(base, draft_step_overhead=False),
         "no-hold": dataclasses.replace(base, plain_hold_max=0),
         "no-fade": dataclasses.replace(base, realized_fade=1.0),
-        "decided-plain": dataclasses.replace(base, outside_plain_held=False),
         "no-stream-hold": dataclasses.replace(base, stream_hold_steps=1),
         "no-refute": dataclasses.replace(base, probe_refute_wait=0),
         "no-idle-fade": dataclasses.replace(base, request_idle_decay=1.0),

@@ -10,7 +10,7 @@ from test_router import HOLD4, L0, Sim, make_router, observe_cycle, true_plan
 
 from specrouter.config import RouterConfig
 from specrouter.router.plan_table import PlanTable
-from specrouter.router.host_time import PlainCharge
+from specrouter.router.host_time import OutsideClock, PlainCharge
 from specrouter.router.policy import RowContext
 
 WEAK = {("d1", "T"): 0.15}  # a draft agreeing on 15% of tokens (chat, measured: 10-18%)
@@ -196,13 +196,22 @@ def test_plain_decoding_is_priced_at_its_held_steps():
     """A stream leaving speculation decides its first plain steps, which cost what a speculative
     step does outside the executor; only once settled is it held, at a tenth of that. Priced at
     its held steps (and, before one is measured, at none of decide()'s seconds), plain decoding
-    wins at once and the stream is held; the negative control (`outside_plain_held=False`)
-    prices it at its decided steps, so speculation looks no dearer than plain decoding: it
-    keeps going back to d1 > T and runs slower by the clock."""
+    wins at once and the stream is held; the negative control (every plain step read as held,
+    as `outside_plain_held=False` did before session 23 removed it) prices it at its decided
+    steps, so speculation looks no dearer than plain decoding: it keeps going back to d1 > T
+    and runs slower by the clock."""
     # the 4-step hold (HOLD4): the default's 8-step plain holds leave few decided plain steps, so the
     # control prices plain decoding near its held steps too (48 speculative steps, 0.998x)
     spec, rate, router = run_stream(decided_pays=True, **HOLD4)
-    spec_off, rate_off, router_off = run_stream(decided_pays=True, outside_plain_held=False, **HOLD4)
+    real = OutsideClock.planning
+
+    def every_plain_step(self, *a, **kw):  # the old rule: a decided plain step counts as a held one
+        m = real(self, *a, **kw)
+        return m if m is None or m[1] else (m[0], m[1], True)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(OutsideClock, "planning", every_plain_step)
+        spec_off, rate_off, router_off = run_stream(decided_pays=True, **HOLD4)
     print(f"\nspeculative steps {spec} vs {spec_off}; {rate:.2f} vs {rate_off:.2f} tok/s")
     assert router.overhead["outside_plain"] == pytest.approx(OUTSIDE[False])
     assert router_off.overhead["outside_plain"] > 2 * OUTSIDE[False]

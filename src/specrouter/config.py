@@ -353,11 +353,8 @@ class RouterConfig:
     # (router/host_time.py `PlainCharge`): the best speculative plan (as decide() prices it)
     # must beat plain decoding with each kind's measured outside seconds per cycle (always on
     # since lead23; its off switch `charge_leaving_plain=False`, the table alone, removed: issue 27)
-    # plain decoding's outside seconds are measured on held plain steps only (router/host_time.py
-    # `OutsideClock`): a settled plain single stream is held, a decided plain step pays decide()
-    # (~4.6 against ~0.8 ms held, Zen 1); False: every plain step counts (before issue 31's
-    # second chat fix), and a cold router priced plain decoding at its decided steps
-    outside_plain_held: bool = True
+    # (plain decoding's outside seconds are measured on held plain steps only, router/host_time.py
+    # `OutsideClock`; every plain step's was `outside_plain_held=False`: removed in session 23, issue 27)
     # ... and a speculative cycle's where it leaves plain decoding (`PlainCharge`), on its held
     # steps only (a firm stream hold's; every speculative step's until one is measured), as plain
     # decoding's are (floor21): a stream that rarely speculates runs mostly decided speculative

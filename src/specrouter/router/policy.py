@@ -345,11 +345,11 @@ class Router:
         # the last step's host seconds outside the executor, a single stream's the router plans
         # (not a pinned chain's): a batch's are weighed by the batch planner's calibration (its
         # steps' realised seconds, planning included). Plain decoding's are its held steps'
-        # (`RouterConfig.outside_plain_held`): a settled plain stream is held, and a decided
-        # plain step (a stream leaving speculation) pays decide() as a speculative one does
+        # (a settled plain stream is held, and a decided plain step, a stream leaving
+        # speculation, pays decide() as a speculative one does; `outside_plain_held=False`, every
+        # plain step's, removed in session 23, issue 27)
         key = None if measured is None or len(rows) != 1 or pinned else (
-            "outside_spec" if measured[1] else
-            "outside_plain" if measured[2] or not self.config.outside_plain_held else None)
+            "outside_spec" if measured[1] else "outside_plain" if measured[2] else None)
         # a held speculative step's apart (what a speculating stream pays between its
         # decisions, as plain decoding is priced at its held steps: host_time.PlainCharge)
         for k in (key, "outside_spec_held" if key == "outside_spec" and measured[2] else None):
