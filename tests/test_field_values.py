@@ -15,11 +15,10 @@ import itertools
 import pytest
 from fixtures import four_level_fixtures
 from test_field_drafts import scripted_run
-from test_field_guesses import SHOPPING
+from test_field_guesses import SHOPPING, guess
 
 from specrouter.decoding import field_drafts
 from specrouter.decoding.field_drafts import FieldDrafter
-from specrouter.decoding.grammar import GrammarSpec, RowGrammar
 from specrouter.engine.constrained import _text_codec
 
 WEATHER = {"type": "object", "properties": {
@@ -32,14 +31,6 @@ SO_FAR = '{"items": [{"item": "lettuce", "quantity": 1}, {"item": "tomatoes", "q
 WEATHER_ASK = "Call get_weather: what will the weather be in Paris for the next 3 days, in celsius?"
 
 pool, prompts = four_level_fixtures()
-
-
-def guess(pool, schema, message, written):
-    encode, decode, special = _text_codec(pool.tokenizer)
-    grammar = RowGrammar(GrammarSpec.json_schema(schema), pool.tokenizer, tuple(pool.eos_ids), pool.vocab_width,
-                         frozenset(pool.eos_ids))
-    fields = FieldDrafter(encode, decode, encode(message), special)
-    return decode(fields.propose(grammar, encode(written), [], 16))
 
 
 OWN = [  # (written, the draft): values the prompt does not hold
