@@ -11,7 +11,6 @@ evidence). Candidates behind a rejection cost the verifying forward as much as a
 
 from types import SimpleNamespace
 
-import pytest
 from fixtures import four_level_fixtures
 from test_field_drafts import scripted_run
 from test_field_guesses import SHOPPING
