@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from test_server_contention import record_threads
 
 from specrouter.api import SpecRouter
 from specrouter.config import SamplingParams
@@ -51,15 +52,7 @@ def test_the_offline_loops_forwards_run_on_the_count_the_governor_set(tiny_pool_
     runs every forward on 2 (the negative control). Without `governed` in the loop every
     forward runs on 2 and the test fails."""
     pool = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float32")
-    runner = pool.runners["target"]
-    seen: list[int] = []
-    forward = runner.forward
-
-    def spy(batch, _inner=forward):
-        seen.append(torch.get_num_threads())
-        return _inner(batch)
-
-    runner.forward = spy
+    seen = record_threads(pool.runners["target"])
 
     def run(gov: TeamGovernor) -> list[int]:
         monkeypatch.setattr(contention._threads, "governor", gov, raising=False)  # this thread's
@@ -124,9 +117,7 @@ def test_a_pool_on_torchs_kernels_is_never_governed(tiny_pool_dirs, two_threads,
     assert Engine(f32).thread_invariant and not Engine(f64).thread_invariant
     gov = Scripted(True)
     monkeypatch.setattr(contention._threads, "governor", gov, raising=False)
-    seen: list[int] = []
-    runner, forward = f64.runners["target"], f64.runners["target"].forward
-    runner.forward = lambda batch: (seen.append(torch.get_num_threads()), forward(batch))[1]
+    seen = record_threads(f64.runners["target"])
     Engine(f64).generate_ids([[5, 6, 7]], [SamplingParams(max_new_tokens=6, ignore_eos=True)],
                              chain=("target",), k=1)
     assert gov.steps == 0 and gov.drops == 0 and set(seen) == {2}, (gov.steps, seen)

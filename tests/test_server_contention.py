@@ -203,20 +203,25 @@ def test_idle_cores_from_the_kernels_counters(tmp_path):
     assert idle_cores_reader(str(tmp_path / "absent")) is None
 
 
+def record_threads(runner) -> list[int]:
+    """The torch thread count each forward of `runner` runs on, appended as the forwards run."""
+    seen: list[int] = []
+    forward = runner.forward
+
+    def spy(batch):
+        seen.append(torch.get_num_threads())
+        return forward(batch)
+
+    runner.forward = spy
+    return seen
+
+
 def test_the_engine_threads_forwards_run_on_the_count_the_governor_set(tiny_pool_dirs):
     """Through the AsyncEngine: the governor reduces after the first step and restores after the
     third; the target's forwards see 2, then 1, then 2 torch threads on the engine thread, and
     the greedy tokens equal those of the same request with the governor never acting."""
     pool = Pool.load([tiny_pool_dirs["target"]], names=["target"], target="target", dtype="float64")
-    runner = pool.runners["target"]
-    seen: list[int] = []
-    forward = runner.forward
-
-    def spy(batch, _inner=forward):
-        seen.append(torch.get_num_threads())
-        return _inner(batch)
-
-    runner.forward = spy
+    seen = record_threads(pool.runners["target"])
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
 
     class Pausing(threading.Condition):
