@@ -12,7 +12,7 @@ evidence). Candidates behind a rejection cost the verifying forward as much as a
 from types import SimpleNamespace
 
 from fixtures import four_level_fixtures
-from test_field_drafts import scripted_run
+from test_field_drafts import scripted_answer, scripted_run
 from test_field_guesses import SHOPPING
 
 from specrouter.decoding import certain_drafts
@@ -59,10 +59,7 @@ ANSWER = '{"items": [{"item": "apples", "quantity": 4}, {"item": "kiwis", "quant
 
 
 def test_cut_drafts_stay_exact_and_compute_fewer_positions(pool, monkeypatch):
-    encode = _text_codec(pool.tokenizer)[0]
-    prompt_ids, script = encode("Buy apples, pears, plums and figs."), encode(ANSWER) + [pool.eos_ids[0]]
-    plain, _, _ = scripted_run(pool, prompt_ids, script, ("target",), jump_forward=False, schema=SHOPPING)
-    assert plain == script
+    prompt_ids, script, _ = scripted_answer(pool, "Buy apples, pears, plums and figs.", ANSWER, SHOPPING)
     fed = []
     out, forwards, _ = scripted_run(pool, prompt_ids, script, ("ngram", "target"), schema=SHOPPING, fed=fed)
     monkeypatch.setattr(certain_drafts, "REACH", 0.0)  # negative control: every draft whole

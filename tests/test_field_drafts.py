@@ -164,14 +164,20 @@ def scripted_run(pool, prompt_ids, script, chain, fields=True, jump_forward=True
     return seq.output_ids, target.forwards, seq.grammar.fields.proposed
 
 
+def scripted_answer(pool, record, answer, schema=PERSON):
+    """(prompt ids, script, plain constrained decoding's target forwards) of a scripted target
+    writing `answer` (then EOS) for `record`, checked grammar-valid: plain constrained decoding
+    (no jump forward) writes it whole."""
+    encode, decode = _text_codec(pool.tokenizer)[:2]
+    prompt_ids, script = encode(record), encode(answer) + [pool.eos_ids[0]]
+    plain, plain_forwards, _ = scripted_run(pool, prompt_ids, script, ("target",), jump_forward=False, schema=schema)
+    assert plain == script, decode(plain)  # the scripted target writes the answer (grammar-valid)
+    return prompt_ids, script, plain_forwards
+
+
 @pytest.fixture(scope="module")
 def scripted(pool):
-    encode = _text_codec(pool.tokenizer)[0]
-    prompt_ids, script = encode(RECORD), encode(ANSWER) + [pool.eos_ids[0]]
-    plain, plain_forwards, _ = scripted_run(pool, prompt_ids, script, ("target",), jump_forward=False)
-    decode = _text_codec(pool.tokenizer)[1]
-    assert plain == script, decode(plain)  # the scripted target writes the record (grammar-valid)
-    return prompt_ids, script, plain_forwards
+    return scripted_answer(pool, RECORD, ANSWER)
 
 
 def test_field_drafts_accepted_across_fields_are_exact_and_save_forwards(pool, scripted):

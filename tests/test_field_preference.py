@@ -14,7 +14,7 @@
 
 import pytest
 from fixtures import four_level_fixtures
-from test_field_drafts import ANSWER, PERSON, scripted_run
+from test_field_drafts import ANSWER, PERSON, scripted_answer, scripted_run
 from test_field_guesses import SHOPPING
 
 from specrouter.decoding import certain_drafts
@@ -102,11 +102,7 @@ def longer_wins(grammar, generated, path, own, budget):
 
 @pytest.fixture(scope="module")
 def example_record(pool):
-    encode = _text_codec(pool.tokenizer)[0]
-    prompt_ids, script = encode(RECORD), encode(ANSWER) + [pool.eos_ids[0]]
-    plain, plain_forwards, _ = scripted_run(pool, prompt_ids, script, ("target",), jump_forward=False)
-    assert plain == script
-    return prompt_ids, script
+    return scripted_answer(pool, RECORD, ANSWER)[:2]
 
 
 def test_field_drafts_preferred_to_a_copied_example_save_forwards(pool, example_record, monkeypatch):

@@ -14,12 +14,11 @@ import itertools
 
 import pytest
 from fixtures import four_level_fixtures
-from test_field_drafts import scripted_run
+from test_field_drafts import scripted_answer, scripted_run
 from test_field_guesses import SHOPPING, guess
 
 from specrouter.decoding import field_drafts
 from specrouter.decoding.field_drafts import FieldDrafter
-from specrouter.engine.constrained import _text_codec
 
 WEATHER = {"type": "object", "properties": {
     "name": {"const": "get_weather"}, "arguments": {"type": "object", "properties": {
@@ -78,10 +77,7 @@ ANSWER = '{"items": [{"item": "apples", "quantity": 4}, {"item": "pears", "quant
 
 
 def test_own_values_ends_save_forwards_and_stay_exact(pool, monkeypatch):
-    encode = _text_codec(pool.tokenizer)[0]
-    prompt_ids, script = encode("Buy apples, pears and plums."), encode(ANSWER) + [pool.eos_ids[0]]
-    plain, _, _ = scripted_run(pool, prompt_ids, script, ("target",), jump_forward=False, schema=SHOPPING)
-    assert plain == script
+    prompt_ids, script, _ = scripted_answer(pool, "Buy apples, pears and plums.", ANSWER, SHOPPING)
     on, forwards, proposed = scripted_run(pool, prompt_ids, script, ("ngram", "target"), schema=SHOPPING)
     assert on == script and proposed > 0  # exact: plain constrained decoding's output
     copy = FieldDrafter._copy  # negative control: no draft where the value is not in the prompt
