@@ -88,10 +88,10 @@ class StepCalibration:
 
     Seconds only, not the tokens a step committed: a row's accepted tokens are its request's own
     evidence (the router's per-request acceptance, which a single stream's plans trust with no
-    batch factor at all), and a step's commit is a draw around them. Counted here, over ~10
-    steps at 2 rows on the mixed stream (AMD EPYC Zen 5), realised / predicted tokens ran
-    0.68-1.61 (sd 0.15; the seconds' part sd 0.04): a try ended on a short run of rejections
-    and its low draw stood as the batch's error, turning 2-row speculation that realised 1.3x
+    batch factor at all), and a step's commit is a draw around them. Read with the tokens, the
+    factor over ~10 steps at 2 rows on the mixed stream (AMD EPYC Zen 5) ran 0.68-1.61 (sd 0.15:
+    its tokens' part 0.148, its seconds' part 0.043): a try ended on a short run of rejections
+    and its low draw stood as the batch's error, turning 2-row speculation that realised 1.2-1.3x
     plain batching's rate plain for the rest of the run (docs/router.md, serve24)."""
 
     realised_seconds: float = 0.0  # the executor's step plus the router's planning of it
