@@ -419,11 +419,12 @@ class RouterConfig:
     # the planner choosing them ~100 times in 1000 steps through the batch calibration)
     sampling_spec_max_batch: int = 1
     # batch calibration (router/batch.py): in a multi-row batch, each kind of step (speculative,
-    # plain) has its predicted throughput scaled by what such steps at that many rows realised
-    # (committed tokens per second, planning included), over discounted sums of ~1 / (1 - this)
-    # steps; shrunk toward no correction by batch_calibration_prior pseudo-steps, and a kind not
-    # run at that batch size forgets its correction by this factor per step (it is tried again),
-    # but a speculative try that lost by the plain margin keeps its own (StepCalibration.failed)
+    # plain) has its predicted throughput scaled by its predicted / realised seconds at that many
+    # rows (planning included; the tokens are the requests' own evidence), over discounted sums
+    # of ~1 / (1 - this) steps; shrunk toward no correction by batch_calibration_prior
+    # pseudo-steps, and a kind not run at that batch size forgets its correction by this factor
+    # per step (it is tried again), but a speculative try that lost to plain steps of the same
+    # minutes by the plain margin keeps its own (StepCalibration.failed)
     batch_calibration_discount: float = 0.9
     batch_calibration_prior: float = 1.0
     batch_calibration_forget: float = 0.98
