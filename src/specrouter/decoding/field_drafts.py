@@ -37,6 +37,8 @@ import itertools
 import re
 import time
 
+from specrouter.decoding.json_scan import JsonScan
+
 STRUCTURAL = re.compile(r'["{}\[\]:]')  # JSON's structural characters: a value's text starts after the last
 WORD = re.compile(r"[^\W\d_][\w'\-]*|\d+(?:\.\d+)?")  # words and numbers of the source text
 DELIMITER = re.compile(r"[,.;:!?()\[\]{}|=\n\"]")  # a copied value ends before one of these ...
@@ -96,6 +98,7 @@ class FieldDrafter:
         self.seconds = 0.0  # time spent proposing
         self.proposed = 0  # tokens proposed (drafts and the router's shadow proposals)
         self.values_reached = self.values_taken = 0  # drafted values the target reached / accepted whole
+        self._scan, self._scanned = JsonScan(), []  # the JSON scan of the output's first len(_scanned) tokens
 
     def _labels(self) -> frozenset[int]:
         """The start offsets of the message's label words: up to LABEL_WORDS words (spaces only
@@ -110,6 +113,19 @@ class FieldDrafter:
                 starts.add(words[i][0])
                 end, i = words[i][0], i - 1
         return frozenset(starts)
+
+    def scan(self, generated: list[int], path: list[int] | tuple = ()) -> JsonScan:
+        """The JSON scan of the text of `generated` + `path` (a new JsonScan): the scan of the
+        row's output is carried across its proposals, fed only the tokens committed since (the
+        whole output is scanned again only where `generated` does not extend the last one)."""
+        n = len(self._scanned)
+        if len(generated) < n or generated[:n] != self._scanned:
+            self._scan, self._scanned, n = JsonScan(), [], 0
+        if len(generated) > n:
+            self._scan.feed(self.decode(generated[n:]))
+            self._scanned = list(generated)
+        scan = self._scan.copy()
+        return scan.feed(self.decode(list(path))) if path else scan
 
     def _enc(self, text: str) -> list[int]:
         ids = self._encoded.get(text)
