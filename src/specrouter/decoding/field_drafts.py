@@ -8,9 +8,10 @@ another up to k tokens (each piece cut where the grammar refuses it):
 1. forced text: the bytes the grammar forces next where they are no forced token (several
    tokenizations allow them: ` "` before a string value, also ` "A...`), in the tokenizer's own
    (canonical) tokens, the ones the model writes;
-2. value copy: inside a value, the prompt text that follows the value's text so far (found
-   case-insensitively at a word start; the words title-cased when the value capitalised a
-   lower-case source word), up to a delimiter, tokenized together with what the value has
+2. value copy: inside a value, the prompt text that follows the value's text so far (found at a
+   word start as written, else in any case; the words title-cased when the value capitalised a
+   lower-case source word), up to a delimiter, a clause, another item (`and a ...`) or, after a
+   capitalised source word (a name), a lower-case word, tokenized together with what the value has
    already (the tokens a model writes for the whole value), then the value's end (`",`, `"}`,
    `,`, `},` ...: the first the grammar allows); a value whose text is not in the prompt (the
    model's own: a quantity it invents, `cucumbers` for `cucumber`) gets its end only, a string
@@ -42,7 +43,9 @@ from specrouter.decoding.json_scan import JsonScan
 STRUCTURAL = re.compile(r'["{}\[\]:]')  # JSON's structural characters: a value's text starts after the last
 WORD = re.compile(r"[^\W\d_][\w'\-]*|\d+(?:\.\d+)?")  # words and numbers of the source text
 DELIMITER = re.compile(r"[,.;:!?()\[\]{}|=\n\"]")  # a copied value ends before one of these ...
-CLAUSE = re.compile(r"\s(?:who|which|that|where|when|in|at|from|for|with|on|over|to|was|is|born)\b|\s\S*\d", re.I)
+CLAUSE = re.compile(r"\s(?:who|which|that|where|when|in|at|from|for|with|on|over|to|was|is|born)\b|\s\S*\d"
+                    r"|\s(?:and|or)\s+(?:a|an|the|some|\S*\d|one|two|three|four|five|six|seven|eight|nine|ten)\b",
+                    re.I)  # ... or a clause, a number, another item (`lemons and a dozen eggs`) ...
 MAX_WORDS = 4  # ... and after this many words
 MARK = re.compile(r"[:=]")  # what follows a label (`Name: Ada`, `Location = Tokyo`) ...
 LABEL_WORDS = 3  # ... of at most this many words
@@ -182,7 +185,7 @@ class FieldDrafter:
 
     def _copy(self, m, tokens: list[int], fragment: str, value: str, quoted: bool) -> list[int]:
         """Step 2: the rest of the value being written, copied from the source, and its end."""
-        at = self._find(value.lower())
+        at = self._find(value.lower(), value)
         if at < 0:  # the model's own value (`10`, `cucumbers`): it ends here, the best guess ...
             if quoted and not self._own_end(tokens, value):  # ... where a string's end is likely
                 return []
@@ -197,6 +200,8 @@ class FieldDrafter:
             if len(words) > keep:
                 keep = max(keep, 0)
                 rest = rest[: words[keep - 1].end()] if keep else ""
+            if self.source[at:at + 1].isupper():  # a name goes on through capitalised words only
+                rest = self._name(rest)
             if value[:1].isupper() and self.source[at:at + 1].islower():  # title-cased by the model
                 rest = re.sub(r"(?<= )(\w+)", lambda w: w.group(1) if w.group(1) in SMALL else w.group(1).capitalize(), rest)
         else:
@@ -207,6 +212,21 @@ class FieldDrafter:
         else:
             ids = self._enc(rest) if rest else []
         return self._end(m, ids, quoted)
+
+    @staticmethod
+    def _name(rest: str) -> str:
+        """`rest` (a copy's words after a capitalised source word) up to its first lower-case
+        word (`Gothenburg` of `Gothenburg since I`, `Albert Einstein` of `... and he`), a small
+        word between capitalised ones kept (`Bank of America`); the first word's end is kept
+        (`Ada` + `lace`)."""
+        words = list(re.finditer(r"\S+", rest))
+        for i, w in enumerate(words):
+            word = w.group()
+            if w.start() == 0 or word[0].isupper() or (
+                    word in SMALL and i + 1 < len(words) and words[i + 1].group()[0].isupper()):
+                continue
+            return rest[: w.start()].rstrip()
+        return rest
 
     def _own_end(self, tokens: list[int], value: str) -> bool:
         """Whether a string value the model writes on its own (`value`, not in the prompt) likely
@@ -228,14 +248,17 @@ class FieldDrafter:
                 return ids + tail
         return ids
 
-    def _find(self, f: str) -> int:
-        """Where `f` first occurs at a word start: in the last message, else anywhere (-1: nowhere)."""
+    def _find(self, f: str, cased: str | None = None) -> int:
+        """Where `f` (lower-case) first occurs at a word start: in the last message, else anywhere
+        (-1: nowhere); with `cased` (`f` as written), where that occurs first in each (`O` at
+        `Okafor`, not at `occupation`)."""
         for lo, hi in ((self.message_start, self.message_end), (0, len(self.low))):
-            at = self.low.find(f, lo, hi)
-            while at >= 0:
-                if at == 0 or not self.low[at - 1].isalnum():
-                    return at
-                at = self.low.find(f, at + 1, hi)
+            for text, g in ((self.source, cased), (self.low, f)):
+                at = text.find(g, lo, hi) if g is not None else -1
+                while at >= 0:
+                    if at == 0 or not text[at - 1].isalnum():
+                        return at
+                    at = text.find(g, at + 1, hi)
         return -1
 
     def _first_word(self, m, text: str, quoted: bool) -> list[int]:
