@@ -5,7 +5,7 @@ Per request: the fastest static (the oracle's pick among these), SpecRouter's to
 SpecRouter's cycles by decided (chain, k, reason) with their predicted and realized seconds per
 token; at the end the router's host-time estimates.
 
-    python benchmarks/router_diagnose.py [--temperature 0] [--variant default|no-step-host]
+    python benchmarks/router_diagnose.py [--temperature 0]
         [--workload mixed|chat|...] [--prompts-per-type 3] [--presence-penalty P] [--frequency-penalty F]
         [--repetition-penalty R] [--timeline]
 """
@@ -13,7 +13,6 @@ token; at the end the router's host-time estimates.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from collections import defaultdict
 
@@ -40,7 +39,6 @@ def label(chain, k) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--variant", default="default", choices=["default", "no-step-host"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workload", default="mixed", help="mixed or one request type (chat, prose, code, extraction)")
     ap.add_argument("--prompts-per-type", type=int, default=3)
@@ -58,8 +56,7 @@ def main() -> None:
     names = {"draft": pool.order[-2], "target": pool.target}  # the shipped draft, the target
     print(f"pool order: {pool.order}", flush=True)
     profile = load_or_sweep_profile(pool, progress=False)
-    config = RouterConfig() if args.variant == "default" else dataclasses.replace(RouterConfig(), draft_step_overhead=False)
-    adaptive = AdaptiveSystem(pool, "SpecRouter", profile=profile, progress=False, router_config=config)
+    adaptive = AdaptiveSystem(pool, "SpecRouter", profile=profile, progress=False, router_config=RouterConfig())
     statics = {}
     for chain, k in STATIC:
         chain = (pool.target,) if chain == ("draft",) else tuple(names.get(m, m) for m in chain)

@@ -12,8 +12,7 @@ tokens). Prints tokens/s per request and summed.
 `--arm`), beside the named ones.
 
 Variants (RouterConfig changes against the default): no-tv (measure_tv=False), tv-cap-8
-(request_tv_cap=8, request_tv_weight=1), no-step-host (draft_step_overhead=False: the draft steps'
-host seconds folded into the cycle's overhead, as before issue 33), no-hold (plain_hold_max=0: no plain hold, a
+(request_tv_cap=8, request_tv_weight=1), no-hold (plain_hold_max=0: no plain hold, a
 settled plain single stream decided every step), no-fade (realized_fade=1.0: the realized check's
 evidence fades only on cycles of model-free chains, as before), no-stream-hold
 (stream_hold_steps=1: a settled speculating single stream decided every step, as before),
@@ -21,8 +20,7 @@ no-refute (probe_refute_wait=0: a model pair's probe that refuted its
 optimism sets no wait, as before), no-idle-fade (request_idle_decay=1.0: a request's evidence of a
 model pair frozen while it runs plain, as before),
 tv-always (tv_every=1: D_TV measured in every step with a sampled row, as before the TvSchedule),
-prior-global (request_prior_quantile=None: a new request's prior for a model pair is the global alpha, not the
-upper quartile of finished requests' own alphas when higher), prior-16 (request_prior_strength=16: a request's
+prior-16 (request_prior_strength=16: a request's
 own acceptance counts shrunk toward its prior by 16 pseudo-trials, not 8), tv-lean (tv_first_cycles=2,
 tv_every=16: D_TV in a request's first 2 cycles and every 16th step), tv-first-8 (tv_first_cycles=8), tv-every-4 (tv_every=4), no-margin (decision_margin_sampling=0: a
 sampled request's alphas and hit rates read as estimated, as before floor19), margin05 / margin1 / margin2 / m075 (z
@@ -33,7 +31,8 @@ any-probe, probe-predicted, catch-up-probes, stale, no-check, plain-lease, lease
 pre-floor21, no-plain-hold, firm, no-firm, firm8, lazy, lazy8, lazy8-nobe, per-step.
 Removed by lead23 (issue 27) with their fields: iid (confirmed_alpha), no-leave-charge
 (charge_leaving_plain), spec-held (outside_spec_held, on by default: the variant named the default),
-decided-plain (outside_plain_held).
+decided-plain (outside_plain_held). Removed by prune24 (issue 27) with their fields' old options: no-step-host
+(draft_step_overhead=False), prior-global (request_prior_quantile=None).
 
 `--statics draft>target:4 draft>target:1`: static chains beside them ("draft" and "target" name
 the pool's shipped draft and its target; k after the colon).
@@ -61,14 +60,12 @@ def variants(names: list[str]) -> dict[str, RouterConfig]:
     known = {
         "no-tv": dataclasses.replace(base, similarity=dataclasses.replace(sim, measure_tv=False)),
         "tv-cap-8": dataclasses.replace(base, request_tv_cap=8.0, request_tv_weight=1.0),
-        "no-step-host": dataclasses.replace(base, draft_step_overhead=False),
         "no-hold": dataclasses.replace(base, plain_hold_max=0),
         "no-fade": dataclasses.replace(base, realized_fade=1.0),
         "no-stream-hold": dataclasses.replace(base, stream_hold_steps=1),
         "no-refute": dataclasses.replace(base, probe_refute_wait=0),
         "no-idle-fade": dataclasses.replace(base, request_idle_decay=1.0),
         "tv-always": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_every=1)),
-        "prior-global": dataclasses.replace(base, request_prior_quantile=None),
         "prior-16": dataclasses.replace(base, request_prior_strength=16.0),
         "tv-lean": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_first_cycles=2, tv_every=16)),
         "tv-first-8": dataclasses.replace(base, similarity=dataclasses.replace(sim, tv_first_cycles=8)),

@@ -1,7 +1,9 @@
 """A settled plain single stream on an engine lease (floor21; was `RouterConfig.plain_lease`, on,
 its False branch removed by prune23, issue 27): its held steps run without planning, are reported
 in order before the router plans again, and still return to speculation when it pays. The
-negative controls patch in a lease of one step (every held step planned)."""
+negative controls patch in the old path (`plain_lease=False`): a lease of one step (every held
+step planned) and a single stream's shadow proposals every 4th held step
+(`BatchPlanner.SHADOW_EVERY_HELD`, removed with it)."""
 
 from __future__ import annotations
 
@@ -28,11 +30,24 @@ def plain_wins(b, t, L):
     return 0.040 * t  # verifying t tokens costs t forwards: plain decoding wins
 
 
-def run(pool, lease: bool, n: int = 60, switch_at: int | None = None, monkeypatch=None):
+def old_shadow_due(self, now: int) -> bool:
+    """The unleased single stream's rule (prune23 removed it): shadows every 4th held step."""
+    return now == self.until - 1 if self.rows > 1 else now % 4 == 0
+
+
+def run(pool, lease: bool, n: int = 60, switch_at: int | None = None):
     """One greedy request of `n` tokens alone on the scripted router (its profile and host
     overheads fixed: the tiny models' real timings, a process's cold first steps among them,
     are not learned). `switch_at`: from that engine step on, verifying
-    is flat (speculation pays) and the evidence is republished. Returns what the test reads."""
+    is flat (speculation pays) and the evidence is republished. `lease=False`: the old path
+    patched in. Returns what the test reads."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not lease:
+            mp.setattr(PlainHold, "shadow_due", old_shadow_due)
+        return _run(pool, lease, n, switch_at, mp)
+
+
+def _run(pool, lease, n, switch_at, mp):
     router = scripted_router(plain_wins)
     if not lease:  # a lease of one step: every held step planned
         lease_of = router.planner._lease
@@ -41,22 +56,24 @@ def run(pool, lease: bool, n: int = 60, switch_at: int | None = None, monkeypatc
     router._observe_overhead = lambda report: None
     eng = Engine(pool.with_fresh_drafters(), router=router, max_num_seqs=1, max_model_len=128)
     counts, seen, kinds, shadowed = Counter(), [], [], []
+    due = set()  # engine steps due a shadow: decided ones, and each plain hold's last
     plan, observe = router.plan_batch, router.observe_step
 
     def planned(rows, pinned=()):
         assert not eng._unreported  # the router has seen every step before it plans
         counts["plan"] += 1
-        return plan(rows, pinned)
+        batch = plan(rows, pinned)
+        hold = router.planner.hold
+        due.add(eng.steps + (hold.until - 1 - router.observed_steps if batch.held else 0))
+        return batch
 
     def observed(report):
         seen.append(report.outcomes[0].context_len)
         observe(report)
 
     router.plan_batch, router.observe_step = planned, observed
-    if monkeypatch is not None:  # the steps whose shadow proposals ran
-        proposals = engine_module.shadow_proposals
-        monkeypatch.setattr(engine_module, "shadow_proposals",
-                            lambda rows, *a: shadowed.append(eng.steps) or proposals(rows, *a))
+    proposals = engine_module.shadow_proposals  # the steps whose shadow proposals ran
+    mp.setattr(engine_module, "shadow_proposals", lambda rows, *a: shadowed.append(eng.steps) or proposals(rows, *a))
     seq = eng.add_request(prompts_of(1)[0], SamplingParams(max_new_tokens=n, ignore_eos=True))
     while eng.has_unfinished():
         if switch_at is not None and eng.steps == switch_at:
@@ -65,18 +82,19 @@ def run(pool, lease: bool, n: int = 60, switch_at: int | None = None, monkeypatc
             router.board.changed()
         eng.step()
         kinds.append(eng.last_step_kind)
-    return router, counts, seen, kinds, shadowed, seq.output_ids
+    return router, counts, seen, kinds, shadowed, seq.output_ids, {s for s in due if s <= eng.steps}
 
 
-def test_a_leased_plain_stream_is_planned_once_a_span_and_reports_every_step(pool, monkeypatch):
+def test_a_leased_plain_stream_is_planned_once_a_span_and_reports_every_step(pool):
     """With the lease, the held steps of a settled plain stream are not planned (no row
     context, no plan_batch): the router plans about once per span, sees every step once, in
     order, before it plans again, holds as many decisions, reaches the same hold, and the
     shadow proposals run on the spans' last steps only; greedy output is the target's.
-    Negative control: without the lease (one step) every step is planned."""
+    Negative control, the old path: without the lease (one step) every step is planned and
+    the shadows run every 4th held step."""
     unleased = run(pool, False)
-    leased = run(pool, True, monkeypatch=monkeypatch)
-    for router, counts, seen, kinds, _, output in (leased, unleased):
+    leased = run(pool, True)
+    for router, counts, seen, kinds, _, output, _ in (leased, unleased):
         assert output == alone(pool, prompts_of(1)[0], 60)
         assert len(seen) == len(kinds) == router.observed_steps  # every step reported
         assert seen == sorted(seen) and len(set(seen)) == len(seen)  # in order, once each
@@ -86,8 +104,12 @@ def test_a_leased_plain_stream_is_planned_once_a_span_and_reports_every_step(poo
     assert leased[0].planner.hold.span == unleased[0].planner.hold.span == 16
     assert unleased[1]["plan"] == len(unleased[3])
     assert leased[1]["plan"] <= len(leased[3]) // 4, leased[1]
-    shadowed = leased[4]
-    assert 0 < len(shadowed) <= leased[1]["plan"] // 2  # on a held span's last step, not every 4th
+    held = unleased[3].count("held")
+    print(f"\nshadowed steps {len(leased[4])} leased ({leased[1]['plan']} plans) vs {len(unleased[4])} unleased "
+          f"({held} held steps)")
+    assert 0 < len(leased[4]) <= leased[1]["plan"] // 2
+    assert set(leased[4]) == leased[6], (leased[4], leased[6])  # on a held span's last step, not every 4th
+    assert len(unleased[4]) >= held // 4 - 1 and set(unleased[4]) != unleased[6]  # the old rule: every 4th
 
 
 def test_a_leased_plain_stream_returns_to_speculation_when_it_pays(pool, monkeypatch):

@@ -685,12 +685,18 @@ def test_draft_step_host_time_is_learned_and_shortens_the_draft(charge):
     charges k - 1 of them to a draft of length k: it settles on the closed-form optimum with
     them, a shorter draft than the optimum without. The negative control: told only the
     cycle's total (the executor before the fix), it averages them into a per-cycle overhead
-    that does not grow with k and keeps the longer draft (`RouterConfig(draft_step_overhead=False)`)."""
+    that does not grow with k and keeps the longer draft (the old rule, patched in below:
+    `RouterConfig(draft_step_overhead=False)` until prune24 removed it, issue 27)."""
     order, alphas, step = ["d1", "T"], {("d1", "T"): 0.8}, 0.004
     sim = Sim(alphas, seed=4, overhead_spec=0.0, overhead_plain=0.0, draft_step_host=step)
-    router = make_router(order, timer=lambda: 0.0, config=RouterConfig(draft_step_overhead=charge))
+    router = make_router(order, timer=lambda: 0.0)
     trace = []
-    drive(router, sim, 300, trace=trace)
+    with pytest.MonkeyPatch.context() as mp:
+        if not charge:  # the old rule: the overheads see no draft steps (their seconds stay in the wall)
+            real = Router._observe_overhead
+            mp.setattr(Router, "_observe_overhead", lambda self, report: real(
+                self, dataclasses.replace(report, draft_steps=0, draft_host_seconds=0.0)))
+        drive(router, sim, 300, trace=trace)
     charged, uncharged = true_plan(order, alphas, draft_step=step), true_plan(order, alphas)
     assert charged.chain == uncharged.chain == ("d1", "T") and charged.k < uncharged.k
     ks = [t[0].k for t in trace[-50:] if t[0].reason != "probe"]
@@ -881,9 +887,19 @@ def test_new_requests_start_from_an_upper_quantile_of_finished_requests():
     assert router.alpha(pair, GREEDY) == glob  # the global estimate itself is unchanged
     fresh.counts[pair] = [0.0, 30.0]  # its own evidence soon dominates
     assert router.alpha(pair, GREEDY, fresh) < 0.2
-    plain = make_router(order, config=RouterConfig(request_prior_quantile=None))
-    plain.similarity.observe_acceptance(pair, GREEDY, 10, 30)
-    assert plain.alpha(pair, GREEDY, plain.request(1, True)) == plain.similarity.alpha(pair, GREEDY)
+    # before request_min_finished (3) finished requests, the global alpha; from the third, their quantile
+    few = make_router(order)
+    for sid in range(2):
+        few.request(sid, True).counts[pair] = [28.0, 12.0]
+        few.finish_request(sid)
+    few.similarity.observe_acceptance(pair, GREEDY, 10, 30)
+    assert few.alpha(pair, GREEDY, few.request(5, True)) == few.similarity.alpha(pair, GREEDY)
+    few.request(2, True).counts[pair] = [28.0, 12.0]
+    few.finish_request(2)
+    assert few.alpha(pair, GREEDY, few.request(6, True)) == pytest.approx(0.7)
+    for bad in (None, 1.5):  # None (the global alpha always) was removed by prune24, issue 27
+        with pytest.raises(ValueError, match="request_prior_quantile"):
+            RouterConfig(request_prior_quantile=bad)
 
 
 def test_probing_stays_within_budget_and_refreshes_pairs():

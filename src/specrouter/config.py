@@ -294,8 +294,9 @@ class RouterConfig:
     request_hit_prior_strength: float = 2.0  # pseudo-proposals of the global hit rate in a request's (one per cycle, not ~k trials)
     # a new request's prior for a model pair: the global alpha, or if higher this quantile of
     # the alphas finished requests reached on their own (request types differ: code and prose
-    # accept a draft at different rates; the global mean is the prior of neither). None: global
-    request_prior_quantile: float | None = 0.75
+    # accept a draft at different rates; the global mean is the prior of neither). Its None
+    # option (the global alpha always; no faster: docs/router.md) was removed by prune24, issue 27
+    request_prior_quantile: float = 0.75
     request_history: int = 32  # finished requests remembered per pair and mode for that quantile
     request_min_trials: float = 4.0  # trials a finished request needs on a pair for its alpha to count
     request_min_finished: int = 3  # finished requests before their quantile is used
@@ -343,9 +344,9 @@ class RouterConfig:
     # router/probing.py `Prober.settle`; charging it as predicted, before issue 31's fix, was
     # `probe_charge_realized=False`: removed by prune23, issue 27)
     overhead_alpha: float = 0.1  # EMA weight of one cycle's overhead (wall - forwards) and decide() time
-    # charge a model draft's host seconds per step (measured: its steps' wall outside forwards),
-    # k - 1 per draft of k; False: they are part of the cycle's overhead, whatever k (before issue 33)
-    draft_step_overhead: bool = True
+    # (a model draft's host seconds per step, its steps' wall outside forwards, are charged k - 1
+    # per draft of k: issue 33; folding them into the cycle's overhead whatever k, the switch
+    # `draft_step_overhead=False`, was removed by prune24, issue 27)
     # Every plan pays decide()'s own seconds per cycle, not an engine step's measured host
     # seconds outside the executor (charging those to every plan, `charge_outside`, was 2-5%
     # slower greedy on the mixed stream; removed by prune22, issue 27; docs/router.md)...
@@ -468,8 +469,8 @@ class RouterConfig:
             raise ValueError("request prior strengths must be >= 0")
         if self.decision_margin_sampling < 0 or self.decision_margin_greedy < 0:
             raise ValueError("decision margins must be >= 0")
-        if self.request_prior_quantile is not None and not 0.0 <= self.request_prior_quantile <= 1.0:
-            raise ValueError(f"request_prior_quantile must be in [0, 1] or None, got {self.request_prior_quantile!r}")
+        if not isinstance(self.request_prior_quantile, (int, float)) or not 0.0 <= self.request_prior_quantile <= 1.0:
+            raise ValueError(f"request_prior_quantile must be a number in [0, 1], got {self.request_prior_quantile!r}")
         if self.request_history < 1 or self.request_min_finished < 1 or self.shadow_k < 1:
             raise ValueError("request_history, request_min_finished and shadow_k must be >= 1")
         if not 0.0 < self.overhead_alpha <= 1.0 or self.context_bucket < 1 or self.log_size < 1:

@@ -310,7 +310,7 @@ class Router:
         self.t_width = cfg.k_max + cfg.max_levels + 2  # cost rows' widths (tokens per forward)
         self.dp_width = cfg.k_max + max(len(c) for c in self.chains)  # best_plan's length axis, any subset
         # the alphas finished requests reached on their own, and their quantile (request_prior)
-        self.finished = FinishedRequests(cfg.request_history, cfg.request_prior_quantile or 0.5,
+        self.finished = FinishedRequests(cfg.request_history, cfg.request_prior_quantile,
                                          cfg.request_min_trials, cfg.request_min_finished)
         self.failed: set[str] = set()  # models out of service (mark_failed)
         self.cache_stats = CacheStats()
@@ -400,7 +400,7 @@ class Router:
         self.deferral.fold()
         req = self.requests.pop(seq_id, None)
         self.prober.testing.pop(seq_id, None)
-        if req is not None and self.config.request_prior_quantile is not None:
+        if req is not None:
             self.finished.record(req, GREEDY if req.greedy else SAMPLING, skip=self.model_free)
             self.board.changed()  # the priors' quantile may have moved
 
@@ -450,7 +450,7 @@ class Router:
         finished requests' own alphas); the global alpha for model-free drafters and before 3
         finished requests."""
         glob = self.similarity.alpha(pair, mode) if glob is None else glob
-        if self.config.request_prior_quantile is None or pair[0] in self.model_free:
+        if pair[0] in self.model_free:
             return glob
         edge = self.finished.quantile(pair, mode)
         return glob if edge is None else max(glob, edge)
@@ -771,8 +771,8 @@ class Router:
         if not report.speculative:
             self.overhead["plain"] += a * (host - self.overhead["plain"])
             return
-        steps = report.draft_host_seconds if self.config.draft_step_overhead else 0.0
-        if report.draft_steps > 0 and self.config.draft_step_overhead:
+        steps = report.draft_host_seconds
+        if report.draft_steps > 0:
             per_step = report.draft_host_seconds / report.draft_steps
             self.overhead["draft_step"] += a * (per_step - self.overhead["draft_step"])
         cycle = max(host - steps, 0.0)
