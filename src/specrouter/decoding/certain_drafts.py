@@ -183,7 +183,9 @@ def cut_values(w, fields) -> None:
     A candidate costs the verifying forward ~0.25 ms whether or not it is reached, and a guessed
     value is accepted whole 50-90% of the time: the candidates behind a third or fourth guess
     were mostly verified in vain (docs/structured-output.md "Field drafts (session 23)");
-    the row's values in `w.values` (for `count_values`)."""
+    the row's values in `w.values` (for `count_values`). The draft keeps the value's opening
+    (whitespace, its quote): the target's bonus token is then the value's first, where a cut
+    before the opening left it on the opening a field draft proposes anyway (session 24)."""
     r = (fields.values_taken + VALUE_PRIOR * PRIOR_VALUES) / (fields.values_reached + PRIOR_VALUES)
     w.values = []
     reach = 1.0
@@ -191,9 +193,17 @@ def cut_values(w, fields) -> None:
         reach *= r
         w.values.append(at)
         if reach < REACH:  # (the value before ends here: `count_values` counts it)
+            at = _past_opening(fields.decode, w.cand, at)
             del w.cand[at:]
             keep_prefix(w, at)
             break
+
+
+def _past_opening(decode, tokens: list[int], at: int) -> int:
+    """The position after a value's opening at `at` in `tokens` (its whitespace and quote: ` "`, ` `)."""
+    while at < len(tokens) and not decode(tokens[at:at + 1]).strip(' "'):
+        at += 1
+    return at
 
 
 def count_values(fields, values: list[int], a: int) -> None:
