@@ -45,6 +45,7 @@ def run_system(sr, name, chain, jump_forward, max_new, certain=True, fields=True
     sr.engine.executor.field_drafts = fields
     outs, tokens, mask_s, fields_s = [], 0, 0.0, 0.0
     steps = []  # per step: the target's forward seconds
+    per_request = []  # target forwards per request
 
     def on_cycle(stats):
         if stats.forward_time and target in stats.forward_time:
@@ -64,18 +65,20 @@ def run_system(sr, name, chain, jump_forward, max_new, certain=True, fields=True
             return seq
 
         sr.engine.add_request = add
+        before = len(steps)
         try:
             r = sr.generate(prompt, chat=True, json_schema=schema, max_new_tokens=max_new, chain=chain)[0]
         finally:
             sr.engine.add_request = real_add
         mask_s += seq_box[0].grammar.mask_seconds
         fields_s += seq_box[0].grammar.fields.seconds if seq_box[0].grammar.fields is not None else 0.0
+        per_request.append(len(steps) - before)
         outs.append(r)
         tokens += len(r.token_ids)
     wall = time.perf_counter() - t0
     sr.engine.generate_ids = real_generate_ids
     return dict(name=name, outs=outs, tokens=tokens, wall=wall, mask_s=mask_s, fields_s=fields_s,
-                target_steps=len(steps),
+                target_steps=len(steps), per_request=per_request,
                 target_s=sum(steps), jumped=sum(o.stats.jumped for o in outs),
                 certain=sum(o.stats.certain for o in outs))
 
@@ -138,8 +141,10 @@ def main() -> None:
               f"per target forward of {1e3 * res['target_s'] / max(res['target_steps'], 1):.1f} ms; "
               f"field drafts {100 * res['fields_s'] / res['wall']:.2f}% of wall; "
               f"jumped {res['jumped']}, certain {res['certain']}")
-    for (kind, _, _), o in zip(REQUESTS, results["specrouter"]["outs"]):
-        print(f"  {kind:8s} {o.finish_reason:6s} {o.text[:110]!r}  chains {dict(o.stats.chains)}")
+    print("per request: target forwards plain+jf / specrouter, the output")
+    for (kind, _, _), o, fj, fs in zip(REQUESTS, results["specrouter"]["outs"], results["plain+jf"]["per_request"],
+                                       results["specrouter"]["per_request"]):
+        print(f"  {kind:8s} {fj:3d} / {fs:3d} {o.finish_reason:6s} {o.text[:110]!r}  chains {dict(o.stats.chains)}")
     print(f"load {open('/proc/loadavg').read().split()[:3]}")
 
 

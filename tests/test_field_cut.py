@@ -3,7 +3,8 @@ at the first value start the target reaches with a probability below REACH, r^j 
 value start, r the row's rate of values accepted whole once reached (a prior before its own
 evidence). Candidates behind a rejection cost the verifying forward as much as accepted ones.
 1. With no evidence the draft spans a few values; after rejected values it ends after one;
-   `count_values` counts each value the target reached and took whole.
+   it keeps the opening of the value it ends at (` "`: the target's next token is the value's
+   first, session 24); `count_values` counts each value the target reached and took whole.
 2. In a run where the scripted target writes values the prompt does not give: the output is
    plain constrained decoding's, with fewer positions computed than with every draft kept whole
    (the negative control: REACH 0).
@@ -37,12 +38,15 @@ def cut(pool, reached=0, taken=0):
 def test_a_draft_ends_where_its_values_are_unlikely_to_be_reached(pool, monkeypatch):
     # no evidence: r = 0.7, reached 0.7, 0.49, 0.34, then 0.24 < 0.3 at the fourth value start
     text, w = cut(pool)
-    assert text == 'apples", "quantity": 4}, {"item": "pears", "quantity": 6}, {"item":'
+    assert text == 'apples", "quantity": 4}, {"item": "pears", "quantity": 6}, {"item": "'  # the opening kept
     assert len(w.values) == 4 and w.forced == [2, 3]
     # a row whose values were rejected (4 reached, none taken): r = 0.23 < 0.3 at the first start
     text, w = cut(pool, reached=4, taken=0)
-    assert text == 'apples", "quantity":'
-    # negative control: never cut
+    assert text == 'apples", "quantity": '
+    # negative controls: cut before the value's opening (session 23), never cut
+    monkeypatch.setattr(certain_drafts, "_past_opening", lambda decode, tokens, at: at)
+    assert cut(pool)[0] == 'apples", "quantity": 4}, {"item": "pears", "quantity": 6}, {"item":'
+    assert cut(pool, reached=4, taken=0)[0] == 'apples", "quantity":'
     monkeypatch.setattr(certain_drafts, "REACH", 0.0)
     assert cut(pool, reached=4, taken=0)[0] == DRAFT
 
@@ -65,5 +69,5 @@ def test_cut_drafts_stay_exact_and_compute_fewer_positions(pool, monkeypatch):
     monkeypatch.setattr(certain_drafts, "REACH", 0.0)  # negative control: every draft whole
     whole, whole_forwards, _ = scripted_run(pool, prompt_ids, script, ("ngram", "target"), schema=SHOPPING, fed=fed)
     assert out == whole == script  # exact: plain constrained decoding's output
-    # 274 positions against 293 (12 target forwards against 11) on this commit
+    # 273 positions against 290 (12 target forwards each) on this commit
     assert fed[0] < fed[1], (forwards, whole_forwards, fed)

@@ -54,7 +54,7 @@ def drafter(pool):
     ('{"name": "Ada Lovelace", "born": 1815, "city": "London", "occupation": "',
      'Mathematician"}'),  # capitalised as the values before it; stops before `who`
     ('{"name": "Ada Lovelace", "born": 1815, "city": "London", "occupation": "mat', 'hematician"}'),
-    ('{"name": "Grace', '",'),  # not in the prompt (the model's own value): its end
+    ('{"name": "Countess Ada', '",'),  # not in the prompt (the model's own value), ending a word of it: its end
 ])
 def test_a_field_draft_copies_the_prompt_where_the_output_is(drafter, written, expected):
     fields, grammar, encode, decode = drafter

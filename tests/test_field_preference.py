@@ -20,6 +20,7 @@ from test_field_guesses import SHOPPING
 from specrouter.decoding import certain_drafts
 from specrouter.decoding.field_drafts import FieldDrafter
 from specrouter.decoding.grammar import GrammarSpec, RowGrammar
+from specrouter.decoding.json_scan import JsonScan
 from specrouter.engine import drafts as engine_drafts
 from specrouter.engine.constrained import _text_codec
 
@@ -122,7 +123,7 @@ def test_a_value_starts_after_a_separator_outside_strings_only(row):
     the same tokens read as if outside a string (in an array) stop at that comma."""
     grammar, encode, decode = row
     tokens = encode('London, England", "occupation": "Math')
-    at = certain_drafts._next_value_start(decode, tokens, 0, '{"name": "Ada", "born": 1815, "city": "')
+    at = certain_drafts._next_value_start(decode, tokens, 0, JsonScan().feed('{"name": "Ada", "born": 1815, "city": "'))
     assert decode(tokens[:at]) == 'London, England", "occupation":'
-    at = certain_drafts._next_value_start(decode, tokens, 0, "[")
+    at = certain_drafts._next_value_start(decode, tokens, 0, JsonScan().feed("["))
     assert decode(tokens[:at]) == "London,"

@@ -7,7 +7,10 @@ issue 30, session 23), on the tiny byte-level tokenizer:
 3. the last value is placed in the prompt by a stem where it is not found whole (`cucumbers` at
    `cucumber`), so the next value's guess is the word after it, and a written word's stem is used;
 4. in a run: a scripted target writes quantities the prompt does not give: the output is plain
-   constrained decoding's, in fewer target forwards than without the end guess.
+   constrained decoding's, in fewer target forwards than without the end guess;
+5. a string of the model's own gets its end drafted only where it left the prompt's text or
+   where it ends a word of the prompt (session 24), not inside a word it is still writing (a
+   CRM cell written on as `Hygienist, Lag`: the drafter's tokens stand there).
 Each with the rule taken out as its negative control."""
 
 import itertools
@@ -86,3 +89,21 @@ def test_own_values_ends_save_forwards_and_stay_exact(pool, monkeypatch):
     off, off_forwards, _ = scripted_run(pool, prompt_ids, script, ("ngram", "target"), schema=SHOPPING)
     assert off == script
     assert forwards < off_forwards, (forwards, off_forwards)  # 7 against 13 on this commit
+
+
+CRM = "Convert this CRM row to JSON: Okafor,Rita,Dental Hygienist,Lagos,1988"
+OCCUPATION = {"type": "object", "properties": {"occupation": {"type": "string"}}, "required": ["occupation"],
+              "additionalProperties": False}
+OWN_STRINGS = [  # (written, the draft, the draft where every own value's end is drafted)
+    ('{"occupation": "Dental Hygienist, Lag', "", '"}'),  # inside a word: nothing
+    ('{"occupation": "Dental Hygienist, Lagos', '"}', '"}'),  # it ends a word of the prompt
+    ('{"occupation": "Dental Hygienists', '"}', '"}'),  # where it left the prompt's text
+]
+
+
+@pytest.mark.parametrize("written, expected, every", OWN_STRINGS)
+def test_an_own_strings_end_is_drafted_where_it_left_the_prompt_or_ends_a_prompt_word(pool, written, expected,
+                                                                                       every, monkeypatch):
+    assert guess(pool, OCCUPATION, CRM, written) == expected
+    monkeypatch.setattr(FieldDrafter, "_own_end", lambda self, tokens, value: True)  # negative control
+    assert guess(pool, OCCUPATION, CRM, written) == every

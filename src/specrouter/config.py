@@ -470,7 +470,8 @@ class RouterConfig:
             raise ValueError("request prior strengths must be >= 0")
         if self.decision_margin_sampling < 0 or self.decision_margin_greedy < 0:
             raise ValueError("decision margins must be >= 0")
-        if not isinstance(self.request_prior_quantile, (int, float)) or not 0.0 <= self.request_prior_quantile <= 1.0:
+        if isinstance(self.request_prior_quantile, bool) or not isinstance(self.request_prior_quantile, (int, float)) \
+                or not 0.0 <= self.request_prior_quantile <= 1.0:
             raise ValueError(f"request_prior_quantile must be a number in [0, 1], got {self.request_prior_quantile!r}")
         if self.request_history < 1 or self.request_min_finished < 1 or self.shadow_k < 1:
             raise ValueError("request_history, request_min_finished and shadow_k must be >= 1")

@@ -32,6 +32,8 @@ import re
 from bisect import bisect_left
 from dataclasses import dataclass
 
+from specrouter.decoding.json_scan import JsonScan
+
 FREE_ROUNDS = 2  # a model-free drafter is asked again after forced tokens at most this often
 FIELD_ROUNDS = 8  # ... with field drafts (one a field: a draft may span this many)
 REACH = 0.3  # a field-drafted draft ends at a value start the target reaches with less probability
@@ -114,6 +116,7 @@ def preferred(grammar, generated: list[int], path: list[int], own: list[int], bu
     start (`fields.propose(grammar, generated, path, budget)`), where the caller has it."""
     fields = grammar.fields
     piece, at = fields.propose(grammar, generated, path, budget) if first is None else first, 0
+    scan, scanned = None, 0  # the JSON scan after generated + path + own[:scanned] (made where needed)
     for _ in range(FIELD_ROUNDS):
         if piece:
             n = next((i for i, (a, b) in enumerate(zip(own[at:], piece)) if a != b), min(len(piece), len(own) - at))
@@ -123,7 +126,11 @@ def preferred(grammar, generated: list[int], path: list[int], own: list[int], bu
             if at < len(own):  # (own holds the tokens forced after the piece: it is a grammar path)
                 at += len(grammar.forced_tokens(generated, len(own) - at, path + own[:at]))
         else:  # no field draft here: the drafter's tokens stand up to the next value's start
-            at = _next_value_start(fields.decode, own, at, fields.decode(generated + path + own[:at]))
+            if scan is None:
+                scan = fields.scan(generated, path)
+            scan.feed(fields.decode(own[scanned:at]))
+            scanned = at
+            at = _next_value_start(fields.decode, own, at, scan)
             if at < len(own):  # past the text the grammar forces there (a key after `,`, a space
                 # after `:`): a field draft is proposed only where a value starts (review22 D6)
                 at += len(grammar.forced_tokens(generated, len(own) - at, path + own[:at]))
@@ -133,73 +140,40 @@ def preferred(grammar, generated: list[int], path: list[int], own: list[int], bu
     return own
 
 
-def _next_value_start(decode, tokens: list[int], at: int, before: str) -> int:
+def _next_value_start(decode, tokens: list[int], at: int, before: JsonScan) -> int:
     """The first position after `at` where the text of `tokens[at:]` so far ends where a JSON
     value may start: after a `:`, `[` or `,` outside a string (review22 N9: not `"London, England"`),
-    whitespace and an opening quote; len(tokens) where none. `before`: the output's text up to
-    `at` (JSON so far: where its strings are)."""
+    whitespace and an opening quote; len(tokens) where none. `before`: the scan of the output's
+    text up to `at` (JSON so far: where its strings are; left as it is)."""
     return next(_value_starts(decode, tokens, at, before), len(tokens))
 
 
-def _value_starts(decode, tokens: list[int], at: int, before: str):
+def _value_starts(decode, tokens: list[int], at: int, before: JsonScan):
     """The positions after `at` where a JSON value may start (`_next_value_start`), one for each
     string, number or literal (an object or array is not one: its members are): the first
-    position after its `:`, an array's `[` or `,` (an object's `,` is followed by a key)."""
-    nest, quoted, escaped = _nesting(before)
+    position after its `:`, an array's `[` or `,` (an object's `,` is followed by a key).
+    `before`: the scan of the text up to `at` (left as it is)."""
+    scan = before.copy()
     armed, pending = False, None  # after a separator, before the value's first character; its position
     for i in range(at, len(tokens)):
         for ch in decode([tokens[i]]):
-            if quoted:
+            inside = scan.quoted
+            scan.step(ch)
+            if inside:
                 if armed:  # a string value's first character (or its end): it started at `pending`
                     if pending is not None:
                         yield pending
                     armed, pending = False, None
-                if escaped:
-                    escaped = False
-                elif ch == "\\":
-                    escaped = True
-                elif ch == '"':
-                    quoted = False
-            elif ch == ":" or ch == "[" or (ch == "," and nest[-1:] == ["["]):
-                if ch == "[":
-                    nest.append(ch)
+            elif ch == ":" or ch == "[" or (ch == "," and scan.nest[-1:] == ["["]):
                 armed, pending = True, None
-            elif ch == '"':
-                quoted = True  # a key, or (armed) a string value's opening quote
-            elif not ch.isspace():
-                if ch == "{":
-                    nest.append(ch)
-                elif ch in "]}":
-                    if nest:
-                        nest.pop()
-                elif armed and pending is not None:  # a number or a literal
+            elif ch != '"' and not ch.isspace():  # (a `"` opens a key, or (armed) a string value)
+                if armed and pending is not None and ch not in "{]}":  # a number or a literal
                     yield pending
                 armed, pending = False, None
         if armed and pending is None:
             pending = i + 1
     if armed and pending is not None:
         yield pending
-
-
-def _nesting(text: str) -> tuple[list[str], bool, bool]:
-    """JSON text so far: its open `{` / `[` (outermost first), whether it ends inside a string,
-    and after a backslash there."""
-    nest, quoted, escaped = [], False, False
-    for ch in text:
-        if quoted:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                quoted = False
-        elif ch == '"':
-            quoted = True
-        elif ch in "{[":
-            nest.append(ch)
-        elif ch in "]}" and nest:
-            nest.pop()
-    return nest, quoted, escaped
 
 
 def cut_values(w, fields) -> None:
@@ -209,17 +183,27 @@ def cut_values(w, fields) -> None:
     A candidate costs the verifying forward ~0.25 ms whether or not it is reached, and a guessed
     value is accepted whole 50-90% of the time: the candidates behind a third or fourth guess
     were mostly verified in vain (docs/structured-output.md "Field drafts (session 23)");
-    the row's values in `w.values` (for `count_values`)."""
+    the row's values in `w.values` (for `count_values`). The draft keeps the value's opening
+    (whitespace, its quote): the target's bonus token is then the value's first, where a cut
+    before the opening left it on the opening a field draft proposes anyway (session 24)."""
     r = (fields.values_taken + VALUE_PRIOR * PRIOR_VALUES) / (fields.values_reached + PRIOR_VALUES)
     w.values = []
     reach = 1.0
-    for at in _value_starts(fields.decode, w.cand, 0, fields.decode(w.seq.output_ids)):
+    for at in _value_starts(fields.decode, w.cand, 0, fields.scan(w.seq.output_ids)):
         reach *= r
         w.values.append(at)
         if reach < REACH:  # (the value before ends here: `count_values` counts it)
+            at = _past_opening(fields.decode, w.cand, at)
             del w.cand[at:]
             keep_prefix(w, at)
             break
+
+
+def _past_opening(decode, tokens: list[int], at: int) -> int:
+    """The position after a value's opening at `at` in `tokens` (its whitespace and quote: ` "`, ` `)."""
+    while at < len(tokens) and not decode(tokens[at:at + 1]).strip(' "'):
+        at += 1
+    return at
 
 
 def count_values(fields, values: list[int], a: int) -> None:

@@ -8,15 +8,19 @@ another up to k tokens (each piece cut where the grammar refuses it):
 1. forced text: the bytes the grammar forces next where they are no forced token (several
    tokenizations allow them: ` "` before a string value, also ` "A...`), in the tokenizer's own
    (canonical) tokens, the ones the model writes;
-2. value copy: inside a value, the prompt text that follows the value's text so far (found
-   case-insensitively at a word start; the words title-cased when the value capitalised a
-   lower-case source word), up to a delimiter, tokenized together with what the value has
+2. value copy: inside a value, the prompt text that follows the value's text so far (found at a
+   word start as written, else in any case; the words title-cased when the value capitalised a
+   lower-case source word), up to a delimiter, a clause, another item (`and a ...`) or, after a
+   capitalised source word (a name), a lower-case word, tokenized together with what the value has
    already (the tokens a model writes for the whole value), then the value's end (`",`, `"}`,
    `,`, `},` ...: the first the grammar allows); a value whose text is not in the prompt (the
-   model's own: a quantity it invents, `cucumbers` for `cucumber`) gets its end only;
+   model's own: a quantity it invents, `cucumbers` for `cucumber`) gets its end only, a string
+   only where it left the prompt's text or ends a word of the prompt (not inside a word);
 3. value start: at a value's first character, a guess of its first word from the prompt's last
    message: after the key's own words (`born 1815`: key-anchored), else the first word not yet
-   used after the previous value's place there (the record's next field), a number for a number;
+   used after the previous value's place there (the record's next field), a number for a number
+   (a number word as digits: `ten` is `10`; first the one right before the key's word, its
+   unit: `ten days`);
    never a label's word (`Year of birth: 1856`), a lower-case word with a digit for a string (`x2`), nor
    the one-word role line a chat template starts a message with (`user`).
 The grammar-forced tokens between pieces are not field drafts: the executor puts them in as
@@ -34,10 +38,14 @@ import itertools
 import re
 import time
 
+from specrouter.decoding.json_scan import JsonScan
+
 STRUCTURAL = re.compile(r'["{}\[\]:]')  # JSON's structural characters: a value's text starts after the last
 WORD = re.compile(r"[^\W\d_][\w'\-]*|\d+(?:\.\d+)?")  # words and numbers of the source text
 DELIMITER = re.compile(r"[,.;:!?()\[\]{}|=\n\"]")  # a copied value ends before one of these ...
-CLAUSE = re.compile(r"\s(?:who|which|that|where|when|in|at|from|for|with|on|over|to|was|is|born)\b|\s\S*\d", re.I)
+CLAUSE = re.compile(r"\s(?:who|which|that|where|when|in|at|from|for|with|on|over|to|was|is|born)\b|\s\S*\d"
+                    r"|\s(?:and|or)\s+(?:a|an|the|some|\S*\d|one|two|three|four|five|six|seven|eight|nine|ten)\b",
+                    re.I)  # ... or a clause, a number, another item (`lemons and a dozen eggs`) ...
 MAX_WORDS = 4  # ... and after this many words
 MARK = re.compile(r"[:=]")  # what follows a label (`Name: Ada`, `Location = Tokyo`) ...
 LABEL_WORDS = 3  # ... of at most this many words
@@ -49,6 +57,8 @@ SKIP = frozenset("a an the of in on at for to and or is was are with by as from 
                  "extract give call read return list json".split())  # never a value's first word
 KEY_GAP = frozenset("is was are of".split())  # words that may stand between a key's words and its value
 GAP = re.compile(r"[\s:=\-]*")  # and the characters
+NUMBERS = {w: str(i) for i, w in enumerate("zero one two three four five six seven eight nine ten eleven "
+                                           "twelve".split())}  # a number written as a word
 SMALL = frozenset("and of the in on for to or a an".split())  # kept lower-case in a title-cased copy
 STRING_ENDS = ('",', '"}}', '"}', '"]', '"')  # a copied string's end: the first the grammar allows
 NUMBER_ENDS = (",", "},", "}}", "}", "]}", "]")
@@ -83,6 +93,7 @@ class FieldDrafter:
                       for m in WORD.finditer(self.source, self.message_start, self.message_end)]
         self.labels = self._labels()
         self.lower_words = [w[2].lower() for w in self.words]
+        self.word_set = frozenset(self.lower_words)
         # the data of an instruction ("... from this record: Ada ...") follows its last colon
         colon = self.source.rfind(": ", self.message_start, self.message_end)
         self.data_start = colon + 2 if colon >= 0 else self.message_start
@@ -90,6 +101,7 @@ class FieldDrafter:
         self.seconds = 0.0  # time spent proposing
         self.proposed = 0  # tokens proposed (drafts and the router's shadow proposals)
         self.values_reached = self.values_taken = 0  # drafted values the target reached / accepted whole
+        self._scan, self._scanned = JsonScan(), []  # the JSON scan of the output's first len(_scanned) tokens
 
     def _labels(self) -> frozenset[int]:
         """The start offsets of the message's label words: up to LABEL_WORDS words (spaces only
@@ -104,6 +116,19 @@ class FieldDrafter:
                 starts.add(words[i][0])
                 end, i = words[i][0], i - 1
         return frozenset(starts)
+
+    def scan(self, generated: list[int], path: list[int] | tuple = ()) -> JsonScan:
+        """The JSON scan of the text of `generated` + `path` (a new JsonScan): the scan of the
+        row's output is carried across its proposals, fed only the tokens committed since (the
+        whole output is scanned again only where `generated` does not extend the last one)."""
+        n = len(self._scanned)
+        if len(generated) < n or generated[:n] != self._scanned:
+            self._scan, self._scanned, n = JsonScan(), [], 0
+        if len(generated) > n:
+            self._scan.feed(self.decode(generated[n:]))
+            self._scanned = list(generated)
+        scan = self._scan.copy()
+        return scan.feed(self.decode(list(path))) if path else scan
 
     def _enc(self, text: str) -> list[int]:
         ids = self._encoded.get(text)
@@ -160,8 +185,10 @@ class FieldDrafter:
 
     def _copy(self, m, tokens: list[int], fragment: str, value: str, quoted: bool) -> list[int]:
         """Step 2: the rest of the value being written, copied from the source, and its end."""
-        at = self._find(value.lower())
-        if at < 0:  # the model's own value (`10`, `cucumbers`): it ends here, the best guess
+        at = self._find(value.lower(), value)
+        if at < 0:  # the model's own value (`10`, `cucumbers`): it ends here, the best guess ...
+            if quoted and not self._own_end(tokens, value):  # ... where a string's end is likely
+                return []
             return self._end(m, [], quoted)
         rest = self.source[at + len(value): at + len(value) + REACH]
         if quoted:
@@ -173,6 +200,8 @@ class FieldDrafter:
             if len(words) > keep:
                 keep = max(keep, 0)
                 rest = rest[: words[keep - 1].end()] if keep else ""
+            if self.source[at:at + 1].isupper():  # a name goes on through capitalised words only
+                rest = self._name(rest)
             if value[:1].isupper() and self.source[at:at + 1].islower():  # title-cased by the model
                 rest = re.sub(r"(?<= )(\w+)", lambda w: w.group(1) if w.group(1) in SMALL else w.group(1).capitalize(), rest)
         else:
@@ -184,6 +213,33 @@ class FieldDrafter:
             ids = self._enc(rest) if rest else []
         return self._end(m, ids, quoted)
 
+    @staticmethod
+    def _name(rest: str) -> str:
+        """`rest` (a copy's words after a capitalised source word) up to its first lower-case
+        word (`Gothenburg` of `Gothenburg since I`, `Albert Einstein` of `... and he`), a small
+        word between capitalised ones kept (`Bank of America`); the first word's end is kept
+        (`Ada` + `lace`)."""
+        words = list(re.finditer(r"\S+", rest))
+        for i, w in enumerate(words):
+            word = w.group()
+            if w.start() == 0 or word[0].isupper() or (
+                    word in SMALL and i + 1 < len(words) and words[i + 1].group()[0].isupper()):
+                continue
+            return rest[: w.start()].rstrip()
+        return rest
+
+    def _own_end(self, tokens: list[int], value: str) -> bool:
+        """Whether a string value the model writes on its own (`value`, not in the prompt) likely
+        ends here: at the token where it left the prompt's text (`cucumbers` after `cuc`, `water`),
+        or where its text ends a word of the prompt (`spunky spinach`); not inside a word it is
+        still writing (`Barc`, `spun`): each such end, refused, costs a forward where a drafter's
+        copy could be verified instead (a CRM cell written on as `Hygienist, Lakers, Gold, 1988-...`)."""
+        last = self.decode(tokens[-1:])
+        if len(last) >= len(value) or self._find(value[: -len(last)].lower()) >= 0:
+            return True
+        word = WORD.findall(value)
+        return bool(word) and value.endswith(word[-1]) and word[-1].lower() in self.word_set
+
     def _end(self, m, ids: list[int], quoted: bool) -> list[int]:
         """`ids` (the rest of a value) and the value's end: the first the grammar allows."""
         for end in (STRING_ENDS if quoted else NUMBER_ENDS):
@@ -192,14 +248,17 @@ class FieldDrafter:
                 return ids + tail
         return ids
 
-    def _find(self, f: str) -> int:
-        """Where `f` first occurs at a word start: in the last message, else anywhere (-1: nowhere)."""
+    def _find(self, f: str, cased: str | None = None) -> int:
+        """Where `f` (lower-case) first occurs at a word start: in the last message, else anywhere
+        (-1: nowhere); with `cased` (`f` as written), where that occurs first in each (`O` at
+        `Okafor`, not at `occupation`)."""
         for lo, hi in ((self.message_start, self.message_end), (0, len(self.low))):
-            at = self.low.find(f, lo, hi)
-            while at >= 0:
-                if at == 0 or not self.low[at - 1].isalnum():
-                    return at
-                at = self.low.find(f, at + 1, hi)
+            for text, g in ((self.source, cased), (self.low, f)):
+                at = text.find(g, lo, hi) if g is not None else -1
+                while at >= 0:
+                    if at == 0 or not text[at - 1].isalnum():
+                        return at
+                    at = text.find(g, at + 1, hi)
         return -1
 
     def _first_word(self, m, text: str, quoted: bool) -> list[int]:
@@ -227,7 +286,8 @@ class FieldDrafter:
         def fits(word: tuple[int, int, str]) -> bool:
             w = word[2]
             lw = w.lower()
-            return (w[0].isdigit() != quoted and lw not in SKIP and lw != key and word[0] not in self.labels
+            return ((w[0].isdigit() != quoted or not quoted and lw in NUMBERS) and lw not in SKIP and lw != key
+                    and word[0] not in self.labels
                     and not (quoted and CODE(w))
                     and not (quoted and any(lw.startswith(u) for u in used if len(u) > 2 or u == lw))
                     and not (quoted and any(u.startswith(lw) for u in used if 2 < len(lw) >= len(u) - STEM)))
@@ -236,6 +296,9 @@ class FieldDrafter:
             yield self._cased(word, values)
             if self._cased(word, values) != word:
                 yield word
+
+        def number(word: str) -> str:  # a number's digits (`ten`: `10`)
+            return NUMBERS.get(word.lower(), word)
 
         words, lower = self.words, self.lower_words
         key_words = key.replace("_", " ").split()
@@ -248,7 +311,14 @@ class FieldDrafter:
                         j += 1
                     if (j < len(words) and fits(words[j])
                             and GAP.fullmatch(self.source[words[j - 1][1]:words[j][0]])):
-                        yield from cased(words[j][2])
+                        yield from cased(words[j][2]) if quoted else [number(words[j][2])]
+            if not quoted:  # a number before its unit: `3 days`, `ten days`, `a 5-day forecast`
+                unit = key_words[0]
+                for i in range(1, len(words)):
+                    if (abs(len(lower[i]) - len(unit)) <= 1 and lower[i][:len(unit) - 1] == unit[:len(unit) - 1]
+                            and len(unit) > 2 and fits(words[i - 1])
+                            and GAP.fullmatch(self.source[words[i - 1][1]:words[i][0]])):
+                        yield number(words[i - 1][2])
         # the cursor: the span of the last value of the output found in the source
         span = (self.data_start, self.data_start)
         for v in values:  # (numbers are too ambiguous to place)
@@ -259,7 +329,7 @@ class FieldDrafter:
         if not quoted:  # a number: the nearest to the last value (`2 apples, 3 bananas`)
             near = [w for w in words[max(0, at - NEAR): at + NEAR] if fits(w)]
             for w in sorted(near, key=lambda w: min(abs(w[1] - span[0]), abs(w[0] - span[1]))):
-                yield w[2]
+                yield number(w[2])
             return
         after = []
         for w in itertools.chain(words[at:], words[:at]):  # after the last value, else from the start
