@@ -118,8 +118,20 @@ def _steps(router, sim, contexts, steps):
 
 
 def with_cache(router, on: bool):
-    """`router` with the decision cache on, or off: the uncached reference (`Router.DECISION_CACHE`)."""
-    router.DECISION_CACHE = on
+    """`router` as built (the decision cache on), or the uncached reference (off): every decision
+    computes its PlanTable afresh, on the same published evidence (no request's table, no chain
+    rows kept between decisions: what `RouterConfig.decision_cache=False` did before decide24)."""
+    if not on:
+        router.board.rows_for = lambda row, seconds: None
+        decide = router.decide
+
+        def uncached(row):
+            req = router.requests.get(row.seq_id)
+            if req is not None:
+                req.cached = None
+            return decide(row)
+
+        router.decide = uncached
     return router
 
 
@@ -146,8 +158,7 @@ def test_a_slowdown_invalidates_cached_decisions_at_once():
     router.deferral.fold()  # deferred observations (lean20's default) are folded where read
     assert router.profile.jumps.get("d2") == 1
     misses = router.cache_stats.misses
-    uncached = copy.deepcopy(router)
-    uncached.DECISION_CACHE = False
+    uncached = with_cache(copy.deepcopy(router), False)
     decisions = [router.decide(c) for c in contexts]
     assert router.board.published.version > version
     assert router.cache_stats.misses == misses + len(contexts)  # no row reused a stale plan
@@ -158,8 +169,7 @@ def test_a_slowdown_invalidates_cached_decisions_at_once():
 def test_a_failed_model_invalidates_cached_decisions_and_is_never_planned_again():
     router, sim, contexts = _warm()
     assert all("d2" in router.decide(c).chain for c in contexts)
-    uncached = copy.deepcopy(router)
-    uncached.DECISION_CACHE = False
+    uncached = with_cache(copy.deepcopy(router), False)
     router.mark_failed("T")  # the target cannot be taken out: ignored
     assert router.failed == set()
     for r in (router, uncached):
