@@ -67,3 +67,17 @@ def test_a_name_with_capitals_and_digits_is_a_value(pool, monkeypatch):
     assert guess(pool, FLIGHT, message, '{"aircraft": "').startswith("A320")
     monkeypatch.setattr(field_drafts, "CODE", field_drafts.re.compile(r"\d").search)
     assert not guess(pool, FLIGHT, message, '{"aircraft": "').startswith("A")
+
+
+def test_the_sentence_that_asks_for_json_is_no_value(pool, monkeypatch):
+    """The words of a sentence naming JSON, up to a colon, are the request's own (`Convert this
+    row to JSON ...`, `Give the JSON shopping list.`), never a value's first word (session 24);
+    negative control: without the rule the guesses are those words."""
+    row = "Convert this CRM row to JSON with name, born, city and occupation.\nid,full_name,city\n7,Okafor Rita,Lagos"
+    items = "Our trip needs: bread x2, cheese x3. Give the JSON shopping list."
+    after = '{"items": [{"item": "bread", "quantity": 2}, {"item": "cheese", "quantity": 3}, {"item": "'
+    assert guess(pool, PERSON, row, '{"name": "').startswith('Okafor Rita",')
+    assert guess(pool, SHOPPING, items, after) == ""
+    monkeypatch.setattr(FieldDrafter, "_instruction", lambda self: frozenset())
+    assert guess(pool, PERSON, row, '{"name": "').startswith("Convert")
+    assert guess(pool, SHOPPING, items, after).startswith("shopping")

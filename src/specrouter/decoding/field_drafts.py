@@ -21,8 +21,9 @@ another up to k tokens (each piece cut where the grammar refuses it):
    used after the previous value's place there (the record's next field), a number for a number
    (a number word as digits: `ten` is `10`; first the one right before the key's word, its
    unit: `ten days`);
-   never a label's word (`Year of birth: 1856`), a lower-case word with a digit for a string (`x2`), nor
-   the one-word role line a chat template starts a message with (`user`).
+   never a label's word (`Year of birth: 1856`), a word of the sentence asking for JSON, a
+   lower-case word with a digit for a string (`x2`), nor the one-word role line a chat template
+   starts a message with (`user`).
 The grammar-forced tokens between pieces are not field drafts: the executor puts them in as
 certain candidates (decoding/certain_drafts.py) and asks again after them, so one draft spans
 several fields (`", "city": "London", "occupation": "` holds 3 drafted tokens). A field draft is
@@ -49,6 +50,8 @@ CLAUSE = re.compile(r"\s(?:who|which|that|where|when|in|at|from|for|with|on|over
 MAX_WORDS = 4  # ... and after this many words
 MARK = re.compile(r"[:=]")  # what follows a label (`Name: Ada`, `Location = Tokyo`) ...
 LABEL_WORDS = 3  # ... of at most this many words
+ASKS = re.compile(r"\bjson\b", re.I)  # a sentence naming JSON is the request's instruction (up to a colon) ...
+SENTENCE_END = re.compile(r"[.!?](?=\s)|\n|:")  # ... and ends at one of these
 CODE = re.compile(r"^[^A-Z]*\d[^A-Z]*$").search  # a lower-case word with a digit (`x2`): no string
 # value's first word (a name with capitals and digits is one: `A320`, `MP3`, `iPhone15`; review22 N17)
 ROLE = re.compile(r"[ \t]*[^\W\d_]+[ \t]*\n")  # a message's first line holding one word only: its role (`user`)
@@ -91,7 +94,7 @@ class FieldDrafter:
             self.message_start = role.end()
         self.words = [(m.start(), m.end(), m.group())
                       for m in WORD.finditer(self.source, self.message_start, self.message_end)]
-        self.labels = self._labels()
+        self.labels = self._labels() | self._instruction()
         self.lower_words = [w[2].lower() for w in self.words]
         self.word_set = frozenset(self.lower_words)
         # the data of an instruction ("... from this record: Ada ...") follows its last colon
@@ -129,6 +132,19 @@ class FieldDrafter:
             self._scanned = list(generated)
         scan = self._scan.copy()
         return scan.feed(self.decode(list(path))) if path else scan
+
+    def _instruction(self) -> frozenset[int]:
+        """The start offsets of the words of the message's sentences that name JSON (`Convert
+        this row to JSON with name, born ...`, `Give the JSON shopping list.`), up to a colon
+        (`... as JSON from this record: Ada ...`: the data follows): the request's own words,
+        never a value's first word."""
+        starts, lo, hi = set(), self.message_start, self.message_end
+        for m in ASKS.finditer(self.source, lo, hi):
+            begin = max((e.end() for e in SENTENCE_END.finditer(self.source, lo, m.start())), default=lo)
+            end = SENTENCE_END.search(self.source, m.end(), hi)
+            end = end.start() if end else hi
+            starts.update(w[0] for w in self.words if begin <= w[0] < end)
+        return frozenset(starts)
 
     def _enc(self, text: str) -> list[int]:
         ids = self._encoded.get(text)
