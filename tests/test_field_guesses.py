@@ -81,3 +81,20 @@ def test_the_sentence_that_asks_for_json_is_no_value(pool, monkeypatch):
     monkeypatch.setattr(FieldDrafter, "_instruction", lambda self: frozenset())
     assert guess(pool, PERSON, row, '{"name": "').startswith("Convert")
     assert guess(pool, SHOPPING, items, after).startswith("shopping")
+
+
+ONE_SENTENCE = [  # (schema, message, written, the guess): the data in the sentence naming JSON
+    (PERSON, "Give me JSON for Ada Lovelace, born 1815 in London.", '{"name": "', 'Ada Lovelace",'),
+    (SHOPPING, "Give me JSON for 2 apples and 3 pears.", '{"items": [{"item": "', 'apples",'),
+    (SHOPPING, "Give me JSON for 2 apples and 3 pears.", '{"items": [{"item": "apples", "quantity": ', "2},"),
+]
+
+
+@pytest.mark.parametrize("schema, message, written, expected", ONE_SENTENCE)
+def test_data_in_the_sentence_naming_json_is_still_guessed(pool, schema, message, written, expected, monkeypatch):
+    """review24 N13: where the request is that one sentence, the words after `JSON` are its data
+    (the words before it are still the request's); negative control: every word of the sentence
+    the request's (87e9d74's rule) loses the guess."""
+    assert guess(pool, schema, message, written).startswith(expected)
+    monkeypatch.setattr(field_drafts, "_data_elsewhere", lambda after, outside: True)
+    assert not guess(pool, schema, message, written).startswith(expected)

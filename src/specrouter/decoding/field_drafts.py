@@ -72,6 +72,14 @@ REACH = 200  # characters of the source a copy reads after its match
 ROUNDS = 8  # pieces per draft at most
 
 
+def _data_elsewhere(after: int, outside: int) -> bool:
+    """Whether the words after `JSON` in the sentence asking for it are the request's own: the
+    rest of the message holds more words than they are (the record, the list: `Convert this row
+    to JSON with name, born, city.` + a CSV row; `Give the JSON shopping list.` after the items);
+    else they are the data (`Make a JSON list of 2 apples and 3 pears.`, `Thanks!` after it)."""
+    return outside > after
+
+
 class FieldDrafter:
     """One constrained row's field drafts: its prompt's text, the tokenizer's encode/decode."""
 
@@ -134,16 +142,21 @@ class FieldDrafter:
         return scan.feed(self.decode(list(path))) if path else scan
 
     def _instruction(self) -> frozenset[int]:
-        """The start offsets of the words of the message's sentences that name JSON (`Convert
-        this row to JSON with name, born ...`, `Give the JSON shopping list.`), up to a colon
-        (`... as JSON from this record: Ada ...`: the data follows): the request's own words,
-        never a value's first word."""
+        """The start offsets of the request's own words in the message's sentences that name
+        JSON, up to a colon (`... as JSON from this record: Ada ...`: the data follows): never a
+        value's first word. The words before `JSON` (`Convert this row to`, `Give the`); the words
+        after it (`with name, born ...`, `shopping list`) where the data is elsewhere
+        (`_data_elsewhere`), not in a request of one sentence (`Give me JSON for Ada Lovelace,
+        born 1815 in London.`: review24 N13)."""
         starts, lo, hi = set(), self.message_start, self.message_end
         for m in ASKS.finditer(self.source, lo, hi):
             begin = max((e.end() for e in SENTENCE_END.finditer(self.source, lo, m.start())), default=lo)
             end = SENTENCE_END.search(self.source, m.end(), hi)
             end = end.start() if end else hi
-            starts.update(w[0] for w in self.words if begin <= w[0] < end)
+            before = [w[0] for w in self.words if begin <= w[0] < m.start()]
+            after = [w[0] for w in self.words if m.end() <= w[0] < end]
+            outside = sum(1 for w in self.words if w[0] < begin or w[0] >= end)
+            starts.update(before + (after if _data_elsewhere(len(after), outside) else []))
         return frozenset(starts)
 
     def _enc(self, text: str) -> list[int]:
@@ -269,7 +282,7 @@ class FieldDrafter:
         (-1: nowhere); with `cased` (`f` as written), where that occurs first in each (`O` at
         `Okafor`, not at `occupation`)."""
         for lo, hi in ((self.message_start, self.message_end), (0, len(self.low))):
-            for text, g in ((self.source, cased), (self.low, f)):
+            for text, g in ((self.source, cased if cased != f else None), (self.low, f)):
                 at = text.find(g, lo, hi) if g is not None else -1
                 while at >= 0:
                     if at == 0 or not text[at - 1].isalnum():
