@@ -12,7 +12,7 @@ minus forwards) and forward seconds per step; the plain engine's steps beside th
 
     python benchmarks/serve_engine.py [--concurrency 2 4 8] [--temperature 0] [--requests 16]
         [--max-new-tokens 64] [--rounds 2] [--trace] [--set FIELD=VALUE ...]
-        [--arm NAME FIELD=VALUE ... [--arm ...]]
+        [--arm NAME FIELD=VALUE ... [--arm ...]] [--planner-from NAME PATH]
 
 Per level the ratio three ways: of the summed tokens and seconds, of the rounds' medians, and
 the median of each round's own ratio (the router's round against the plain round run next to it:
@@ -25,14 +25,20 @@ every position equally often only when --rounds is a multiple of the systems' co
 says so otherwise). At temperature 0
 every router's outputs are checked token for token against plain decoding's (a line says
 whether they are identical).
+
+`--planner-from NAME PATH` makes arm NAME (one of the `--arm` names) plan its batches with the
+`BatchPlanner` of another checkout's router/batch.py (PATH, e.g. main's), so a change to the
+batch planner runs side by side with the planner before it in one process.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -187,6 +193,8 @@ def main() -> None:
                     help="RouterConfig overrides, e.g. plain_hold_max=0 batch_plain_margin=0.05")
     ap.add_argument("--arm", nargs="+", action="append", default=[], metavar="NAME [FIELD=VALUE ...]",
                     help="another router beside the first: its name, then its RouterConfig overrides")
+    ap.add_argument("--planner-from", nargs=2, action="append", default=[], metavar=("NAME", "PATH"),
+                    help="arm NAME plans with the BatchPlanner of the router/batch.py at PATH (e.g. main's)")
     args = ap.parse_args()
 
     pool, ids, max_len = load_stream(args.requests, args.concurrency, args.max_new_tokens)
@@ -201,6 +209,10 @@ def main() -> None:
     if "plain" in configs or len(configs) != 1 + len(args.arm):
         raise SystemExit("--arm names must be distinct, not 'router' or 'plain'")
     routers = {name: build_router(pool, progress=False, config=RouterConfig(**cfg)) for name, cfg in configs.items()}
+    for name, path in args.planner_from:
+        if name not in routers or name == "router":
+            raise SystemExit(f"--planner-from {name}: not an --arm name")
+        routers[name].planner = planner_from(path)(routers[name])
     print(f"cpu: {os.cpu_count()} cores, load {os.getloadavg()}, t={args.temperature}, "
           f"{n_req} requests x {args.max_new_tokens} tokens, router config {over}"
           + "".join(f"; {a[0]} {configs[a[0]]}" for a in args.arm))
@@ -284,6 +296,17 @@ def main() -> None:
                 cs = router.cache_stats
                 print(f"  {name} decision cache: {cs.hits} hits, {cs.misses} misses, by reason {dict(cs.reasons)}; "
                       f"publications {dict(router.board.publications)}")
+
+
+def planner_from(path: str):
+    """The `BatchPlanner` class of the router/batch.py at `path`, loaded as a module of its own."""
+    spec = importlib.util.spec_from_file_location(f"planner_from_{abs(hash(path))}", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--planner-from: cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses read their module
+    spec.loader.exec_module(module)
+    return module.BatchPlanner
 
 
 def run(engine, ids, params, concurrency, chain):

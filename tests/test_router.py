@@ -897,7 +897,7 @@ def test_new_requests_start_from_an_upper_quantile_of_finished_requests():
     few.request(2, True).counts[pair] = [28.0, 12.0]
     few.finish_request(2)
     assert few.alpha(pair, GREEDY, few.request(6, True)) == pytest.approx(0.7)
-    for bad in (None, 1.5):  # None (the global alpha always) was removed by prune24, issue 27
+    for bad in (None, 1.5, True):  # None (the global alpha always) was removed by prune24, issue 27
         with pytest.raises(ValueError, match="request_prior_quantile"):
             RouterConfig(request_prior_quantile=bad)
 

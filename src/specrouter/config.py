@@ -370,8 +370,9 @@ class RouterConfig:
     alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)
     log_size: int = 10_000  # decision events kept
     # the decision cache (router/evidence.py): a row's decision is reused while its inputs are
-    # unchanged; the evidence it reads is republished only when it moves materially
-    decision_cache: bool = True  # False: decide afresh every call (on the same published evidence)
+    # unchanged; the evidence it reads is republished only when it moves materially (always on:
+    # `decision_cache=False` removed by decide24, issue 27; the tests' uncached reference is
+    # `Router.DECISION_CACHE`)
     decision_tolerance: float = 0.05  # an alpha (global or a request's) that moved more republishes
     decision_hit_tolerance: float = 0.1  # a model-free hit rate that moved more (they are noisier: ~20-proposal windows)
     decision_time_tolerance: float = 0.05  # a model's speed (relative), a per-cycle overhead (fraction of the target's step)
@@ -419,11 +420,12 @@ class RouterConfig:
     # the planner choosing them ~100 times in 1000 steps through the batch calibration)
     sampling_spec_max_batch: int = 1
     # batch calibration (router/batch.py): in a multi-row batch, each kind of step (speculative,
-    # plain) has its predicted throughput scaled by what such steps at that many rows realised
-    # (committed tokens per second, planning included), over discounted sums of ~1 / (1 - this)
-    # steps; shrunk toward no correction by batch_calibration_prior pseudo-steps, and a kind not
-    # run at that batch size forgets its correction by this factor per step (it is tried again),
-    # but a speculative try that lost by the plain margin keeps its own (StepCalibration.failed)
+    # plain) has its predicted throughput scaled by its predicted / realised seconds at that many
+    # rows (planning included; the tokens are the requests' own evidence), over discounted sums
+    # of ~1 / (1 - this) steps; shrunk toward no correction by batch_calibration_prior
+    # pseudo-steps, and a kind not run at that batch size forgets its correction by this factor
+    # per step (it is tried again), but a speculative try that lost to plain steps of the same
+    # minutes by the plain margin keeps its own (StepCalibration.failed)
     batch_calibration_discount: float = 0.9
     batch_calibration_prior: float = 1.0
     batch_calibration_forget: float = 0.98
@@ -469,7 +471,8 @@ class RouterConfig:
             raise ValueError("request prior strengths must be >= 0")
         if self.decision_margin_sampling < 0 or self.decision_margin_greedy < 0:
             raise ValueError("decision margins must be >= 0")
-        if not isinstance(self.request_prior_quantile, (int, float)) or not 0.0 <= self.request_prior_quantile <= 1.0:
+        if isinstance(self.request_prior_quantile, bool) or not isinstance(self.request_prior_quantile, (int, float)) \
+                or not 0.0 <= self.request_prior_quantile <= 1.0:
             raise ValueError(f"request_prior_quantile must be a number in [0, 1], got {self.request_prior_quantile!r}")
         if self.request_history < 1 or self.request_min_finished < 1 or self.shadow_k < 1:
             raise ValueError("request_history, request_min_finished and shadow_k must be >= 1")

@@ -78,16 +78,23 @@ class SpecHold:
 
 @dataclass
 class StepCalibration:
-    """What steps of one kind (speculative or plain) at one batch size realised against what
+    """What steps of one kind (speculative or plain) at one batch size took against the seconds
     the planner predicted for them: discounted sums over those steps (router/batch.py,
-    `observe_batch_step`). The planner's rates come from acceptance estimates and a cost
-    profile swept row by row; in a multi-row batch their errors decide between speculation and
-    plain batching, and only the steps themselves show them (a 2-row batch speculated where
-    plain batching was 4-9% faster in two of three serving-bench rounds)."""
+    `observe`). The planner's step seconds come from a cost profile swept row by row; in a
+    multi-row batch their errors decide between speculation and plain batching, and only the
+    steps themselves show them (a 2-row batch speculated where plain batching was 4-9% faster in
+    two of three serving-bench rounds; 2-row speculative steps took 53 ms where 43.5 were
+    predicted on a Zen 1, avx2 kernels).
 
-    realised_tokens: float = 0.0
+    Seconds only, not the tokens a step committed: a row's accepted tokens are its request's own
+    evidence (the router's per-request acceptance, which a single stream's plans trust with no
+    batch factor at all), and a step's commit is a draw around them. Read with the tokens, the
+    factor over ~10 steps at 2 rows on the mixed stream (AMD EPYC Zen 5) ran 0.68-1.61 (sd 0.15:
+    its tokens' part 0.148, its seconds' part 0.043): a try ended on a short run of rejections
+    and its low draw stood as the batch's error, turning 2-row speculation that realised 1.2-1.3x
+    plain batching's rate plain for the rest of the run (docs/router.md, serve24)."""
+
     realised_seconds: float = 0.0  # the executor's step plus the router's planning of it
-    predicted_tokens: float = 0.0
     predicted_seconds: float = 0.0
     weight: float = 0.0  # discounted count of steps
     running: bool = False  # the last step observed at this batch size (and mode) was of this kind
@@ -100,11 +107,8 @@ class StepCalibration:
     # the plain factor of the moment (None: not failed)
     relative: float | None = None
 
-    def add(self, realised_tokens: float, realised_seconds: float, predicted_tokens: float,
-            predicted_seconds: float, discount: float) -> None:
-        self.realised_tokens = discount * self.realised_tokens + realised_tokens
+    def add(self, realised_seconds: float, predicted_seconds: float, discount: float) -> None:
         self.realised_seconds = discount * self.realised_seconds + realised_seconds
-        self.predicted_tokens = discount * self.predicted_tokens + predicted_tokens
         self.predicted_seconds = discount * self.predicted_seconds + predicted_seconds
         self.weight = discount * self.weight + 1.0
 
@@ -119,18 +123,16 @@ class StepCalibration:
         the pair: one request finishes first and the other runs alone)."""
         if self.failed:
             return
-        self.realised_tokens *= factor
         self.realised_seconds *= factor
-        self.predicted_tokens *= factor
         self.predicted_seconds *= factor
         self.weight *= factor
 
     def factor(self, prior: float) -> float:
-        """Realised / predicted throughput (ratio of sums: per-step ratios would be biased low by
-        the randomness of acceptance), shrunk toward 1 by `prior` pseudo-steps."""
-        if self.weight <= 0.0 or self.predicted_tokens <= 0.0 or self.realised_seconds <= 0.0:
+        """Predicted / realised seconds (the factor on a predicted throughput; ratio of sums),
+        shrunk toward 1 by `prior` pseudo-steps."""
+        if self.weight <= 0.0 or self.predicted_seconds <= 0.0 or self.realised_seconds <= 0.0:
             return 1.0
-        ratio = (self.realised_tokens * self.predicted_seconds) / (self.realised_seconds * self.predicted_tokens)
+        ratio = self.predicted_seconds / self.realised_seconds
         return 1.0 + (ratio - 1.0) * self.weight / (self.weight + prior)
 
 
@@ -666,16 +668,21 @@ class BatchPlanner:
 
     # -- observing --------------------------------------------------------------------------
     def observe(self, rows: Sequence[RowOutcome], forwards: Sequence[ForwardRecord], wall_time: float) -> None:
-        """Calibrate the planner on one multi-row step: the tokens it committed and its seconds
-        (the executor's `wall_time` plus the planning of the step) against the rates the planner
-        predicts for the plans that ran; the other kind of step at this batch size ages. A step
-        that prefills a joining row's prompt is not a step of either kind (its forward is wider
-        than any plan's), nor one where a model catches up on tokens it has not seen (a draft
-        after plain steps: `step_seconds` prices that from the rows' lags), nor is one where a
-        row the planner did not plan speculates (a pinned chain, e.g. a client's
-        `specrouter_chain`): the planner has no prediction of its tokens
-        (`expected_tokens` reads 1), so its accepted drafts read as speculation beating its
-        predictions (the serving bench runs its static chains through the router's server)."""
+        """Calibrate the planner on one multi-row step: its seconds (the executor's `wall_time`
+        plus the planning of the step) against the seconds the planner predicts for the plans
+        that ran (`StepCalibration`: seconds, not tokens); the other kind of step at this batch
+        size ages. A step that prefills a joining row's prompt is not a step of either kind (its
+        forward is wider than any plan's), nor one where a model catches up on tokens it has not
+        seen (a draft after plain steps: `step_seconds` prices that from the rows' lags), nor is
+        one where a row the planner did not plan speculates (a pinned chain, e.g. a client's
+        `specrouter_chain`): the calibration corrects the planner's own plans (the serving bench
+        runs its static chains through the router's server).
+
+        A try of speculation that ends (the first plain step after its steps) failed when its
+        factor over plain batching's, read in the same minutes, loses by the plain margin: the
+        machine running slower than its profile slows both kinds alike (2-row steps of both ran
+        ~7% over their predictions here, AMD EPYC Zen 5), which is no evidence against
+        speculation; read alone, such a factor found 2-row tries failed at random."""
         plan_seconds, self.plan_seconds = self.plan_seconds, 0.0
         router, cfg = self.router, self.router.config
         if self.leased is not None and self.leased[0] <= router.observed_steps <= self.leased[1]:
@@ -690,19 +697,10 @@ class BatchPlanner:
             return
         spec = speculates(plans)
         L = max(1, sum(r.context_len for r in rows) // n)
-        if spec:
-            predicted_tokens = sum(self.expected_tokens(router.requests.get(r.seq_id), c, k)
-                                   for r, (c, k) in zip(rows, plans))
-            realised_tokens = sum(int(r.accepted[len(c) - 1]) + 1 if len(c) > 1 and k > 0 else 1
-                                  for r, (c, k) in zip(rows, plans))
-            predicted_seconds = self.step_seconds(plans, L, publish=False)
-        else:  # every row commits its one token
-            predicted_tokens = realised_tokens = n
-            predicted_seconds = self.plain_step_seconds(n, L)
+        predicted_seconds = self.step_seconds(plans, L, publish=False) if spec else self.plain_step_seconds(n, L)
         mode = sampled(rows)
         cal = self.calibrations.setdefault((n, spec, mode), StepCalibration())
-        cal.add(realised_tokens, wall_time + plan_seconds, predicted_tokens, predicted_seconds,
-                cfg.batch_calibration_discount)
+        cal.add(wall_time + plan_seconds, predicted_seconds, cfg.batch_calibration_discount)
         cal.running = True
         if spec:  # a try runs: its verdict is made again when it ends
             cal.failed, cal.relative = False, None
@@ -710,10 +708,11 @@ class BatchPlanner:
         if other is not None:
             if other.running and not spec:
                 # a try of speculation at this batch size just ended: it failed when what its
-                # steps realised (with what was left of the older evidence) still loses to plain
-                # batching by the margin; a failed try's correction stands (`forget`)
+                # steps realised (with what was left of the older evidence), over what plain
+                # steps realise now, loses by the plain margin; a failed try's correction stands
                 prior = cfg.batch_calibration_prior
-                other.failed = bool(other.factor(prior) * (1.0 + cfg.batch_plain_margin) < 1.0)
-                other.relative = other.factor(prior) / cal.factor(prior) if other.failed else None
+                relative = other.factor(prior) / cal.factor(prior)
+                other.failed = bool(relative * (1.0 + cfg.batch_plain_margin) < 1.0)
+                other.relative = relative if other.failed else None
             other.running = False
             other.forget(cfg.batch_calibration_forget)
