@@ -67,3 +67,34 @@ def test_a_name_with_capitals_and_digits_is_a_value(pool, monkeypatch):
     assert guess(pool, FLIGHT, message, '{"aircraft": "').startswith("A320")
     monkeypatch.setattr(field_drafts, "CODE", field_drafts.re.compile(r"\d").search)
     assert not guess(pool, FLIGHT, message, '{"aircraft": "').startswith("A")
+
+
+def test_the_sentence_that_asks_for_json_is_no_value(pool, monkeypatch):
+    """The words of a sentence naming JSON, up to a colon, are the request's own (`Convert this
+    row to JSON ...`, `Give the JSON shopping list.`), never a value's first word (session 24);
+    negative control: without the rule the guesses are those words."""
+    row = "Convert this CRM row to JSON with name, born, city and occupation.\nid,full_name,city\n7,Okafor Rita,Lagos"
+    items = "Our trip needs: bread x2, cheese x3. Give the JSON shopping list."
+    after = '{"items": [{"item": "bread", "quantity": 2}, {"item": "cheese", "quantity": 3}, {"item": "'
+    assert guess(pool, PERSON, row, '{"name": "').startswith('Okafor Rita",')
+    assert guess(pool, SHOPPING, items, after) == ""
+    monkeypatch.setattr(FieldDrafter, "_instruction", lambda self: frozenset())
+    assert guess(pool, PERSON, row, '{"name": "').startswith("Convert")
+    assert guess(pool, SHOPPING, items, after).startswith("shopping")
+
+
+ONE_SENTENCE = [  # (schema, message, written, the guess): the data in the sentence naming JSON
+    (PERSON, "Give me JSON for Ada Lovelace, born 1815 in London.", '{"name": "', 'Ada Lovelace",'),
+    (SHOPPING, "Give me JSON for 2 apples and 3 pears.", '{"items": [{"item": "', 'apples",'),
+    (SHOPPING, "Give me JSON for 2 apples and 3 pears.", '{"items": [{"item": "apples", "quantity": ', "2},"),
+]
+
+
+@pytest.mark.parametrize("schema, message, written, expected", ONE_SENTENCE)
+def test_data_in_the_sentence_naming_json_is_still_guessed(pool, schema, message, written, expected, monkeypatch):
+    """review24 N13: where the request is that one sentence, the words after `JSON` are its data
+    (the words before it are still the request's); negative control: every word of the sentence
+    the request's (87e9d74's rule) loses the guess."""
+    assert guess(pool, schema, message, written).startswith(expected)
+    monkeypatch.setattr(field_drafts, "_data_elsewhere", lambda after, outside: True)
+    assert not guess(pool, schema, message, written).startswith(expected)

@@ -200,7 +200,8 @@ def cut_values(w, fields) -> None:
 
 
 def _past_opening(decode, tokens: list[int], at: int) -> int:
-    """The position after a value's opening at `at` in `tokens` (its whitespace and quote: ` "`, ` `)."""
+    """The position after a value's opening at `at` in `tokens`: the tokens holding only whitespace
+    and quotes (` "`, ` `; an empty string's `""` too: the draft is only shorter)."""
     while at < len(tokens) and not decode(tokens[at:at + 1]).strip(' "'):
         at += 1
     return at

@@ -21,8 +21,9 @@ another up to k tokens (each piece cut where the grammar refuses it):
    used after the previous value's place there (the record's next field), a number for a number
    (a number word as digits: `ten` is `10`; first the one right before the key's word, its
    unit: `ten days`);
-   never a label's word (`Year of birth: 1856`), a lower-case word with a digit for a string (`x2`), nor
-   the one-word role line a chat template starts a message with (`user`).
+   never a label's word (`Year of birth: 1856`), a word of the sentence asking for JSON, a
+   lower-case word with a digit for a string (`x2`), nor the one-word role line a chat template
+   starts a message with (`user`).
 The grammar-forced tokens between pieces are not field drafts: the executor puts them in as
 certain candidates (decoding/certain_drafts.py) and asks again after them, so one draft spans
 several fields (`", "city": "London", "occupation": "` holds 3 drafted tokens). A field draft is
@@ -49,6 +50,8 @@ CLAUSE = re.compile(r"\s(?:who|which|that|where|when|in|at|from|for|with|on|over
 MAX_WORDS = 4  # ... and after this many words
 MARK = re.compile(r"[:=]")  # what follows a label (`Name: Ada`, `Location = Tokyo`) ...
 LABEL_WORDS = 3  # ... of at most this many words
+ASKS = re.compile(r"\bjson\b", re.I)  # a sentence naming JSON is the request's instruction (up to a colon) ...
+SENTENCE_END = re.compile(r"[.!?](?=\s)|\n|:")  # ... and ends at one of these
 CODE = re.compile(r"^[^A-Z]*\d[^A-Z]*$").search  # a lower-case word with a digit (`x2`): no string
 # value's first word (a name with capitals and digits is one: `A320`, `MP3`, `iPhone15`; review22 N17)
 ROLE = re.compile(r"[ \t]*[^\W\d_]+[ \t]*\n")  # a message's first line holding one word only: its role (`user`)
@@ -67,6 +70,14 @@ STEM = 2  # a written value's last characters that may differ from the prompt's 
 WINDOW = 256  # the output's last this many tokens are what a piece reads (keys, values so far)
 REACH = 200  # characters of the source a copy reads after its match
 ROUNDS = 8  # pieces per draft at most
+
+
+def _data_elsewhere(after: int, outside: int) -> bool:
+    """Whether the words after `JSON` in the sentence asking for it are the request's own: the
+    rest of the message holds more words than they are (the record, the list: `Convert this row
+    to JSON with name, born, city.` + a CSV row; `Give the JSON shopping list.` after the items);
+    else they are the data (`Make a JSON list of 2 apples and 3 pears.`, `Thanks!` after it)."""
+    return outside > after
 
 
 class FieldDrafter:
@@ -91,7 +102,7 @@ class FieldDrafter:
             self.message_start = role.end()
         self.words = [(m.start(), m.end(), m.group())
                       for m in WORD.finditer(self.source, self.message_start, self.message_end)]
-        self.labels = self._labels()
+        self.labels = self._labels() | self._instruction()
         self.lower_words = [w[2].lower() for w in self.words]
         self.word_set = frozenset(self.lower_words)
         # the data of an instruction ("... from this record: Ada ...") follows its last colon
@@ -129,6 +140,24 @@ class FieldDrafter:
             self._scanned = list(generated)
         scan = self._scan.copy()
         return scan.feed(self.decode(list(path))) if path else scan
+
+    def _instruction(self) -> frozenset[int]:
+        """The start offsets of the request's own words in the message's sentences that name
+        JSON, up to a colon (`... as JSON from this record: Ada ...`: the data follows): never a
+        value's first word. The words before `JSON` (`Convert this row to`, `Give the`); the words
+        after it (`with name, born ...`, `shopping list`) where the data is elsewhere
+        (`_data_elsewhere`), not in a request of one sentence (`Give me JSON for Ada Lovelace,
+        born 1815 in London.`: review24 N13)."""
+        starts, lo, hi = set(), self.message_start, self.message_end
+        for m in ASKS.finditer(self.source, lo, hi):
+            begin = max((e.end() for e in SENTENCE_END.finditer(self.source, lo, m.start())), default=lo)
+            end = SENTENCE_END.search(self.source, m.end(), hi)
+            end = end.start() if end else hi
+            before = [w[0] for w in self.words if begin <= w[0] < m.start()]
+            after = [w[0] for w in self.words if m.end() <= w[0] < end]
+            outside = sum(1 for w in self.words if w[0] < begin or w[0] >= end)
+            starts.update(before + (after if _data_elsewhere(len(after), outside) else []))
+        return frozenset(starts)
 
     def _enc(self, text: str) -> list[int]:
         ids = self._encoded.get(text)
@@ -253,7 +282,7 @@ class FieldDrafter:
         (-1: nowhere); with `cased` (`f` as written), where that occurs first in each (`O` at
         `Okafor`, not at `occupation`)."""
         for lo, hi in ((self.message_start, self.message_end), (0, len(self.low))):
-            for text, g in ((self.source, cased), (self.low, f)):
+            for text, g in ((self.source, cased if cased != f else None), (self.low, f)):
                 at = text.find(g, lo, hi) if g is not None else -1
                 while at >= 0:
                     if at == 0 or not text[at - 1].isalnum():
