@@ -1,18 +1,37 @@
 """The request sets of the `structured` workload beside the bench's own (issue 30): REWORDED
-(session 21) and HELDOUT (session 23, held out from tuning) must have the bench's shape, so that
-benchmarks/structured.py --requests reworded|heldout|all runs them like STRUCTURED: each kind
-with its schema, the kinds interleaved (the first of each kind first), chat-length messages, and
-no request copied from another set nor a person or city of one."""
+(session 21), HELDOUT (session 23; read since for a rule choice) and UNSEEN (session 24, held out
+from tuning) must have the bench's shape, so that benchmarks/structured.py
+--requests reworded|heldout|unseen|all runs them like STRUCTURED: each kind with its schema, the
+kinds interleaved (the first of each kind first), chat-length messages, and no request copied from
+another set nor a person or city of one (nor, for UNSEEN, a shopping item of one)."""
+
+import re
 
 import pytest
 
-from specrouter.bench.structured import HELDOUT, PERSON, REWORDED, SHOPPING, STRUCTURED, WEATHER_CALL
+from specrouter.bench.structured import (HELDOUT, PERSON, REWORDED, SHOPPING, STRUCTURED, UNSEEN,
+                                         WEATHER_CALL)
 
 SCHEMA_OF = {"extract": PERSON, "tool": WEATHER_CALL, "list": SHOPPING}
+# the people and cities each older set names
+FIRST_NAMES = ("Lovelace", "Turing", "Curie", "Einstein", "Tesla", "London", "Paris", "Chicago", "Oslo",
+               "Tokyo", "Buenos Aires", "Warsaw", "Ulm", "Smiljan")
+HELDOUT_NAMES = ("Okafor", "Rita", "Lagos", "Cape Town", "Jonas", "Lindqvist", "Gothenburg", "Edinburgh",
+                 "Frida", "Kahlo", "Rivera", "Coyoacán", "Mexico City", "Reykjavik")
+# the shopping items of the older sets (whole words)
+OLDER_ITEMS = ("flour", "eggs", "milk", "butter", "maple syrup", "apples", "bananas", "bread", "lettuce",
+               "tomatoes", "cucumber", "onion", "cheese", "water", "sugar", "lemons", "avocados", "limes",
+               "chili", "cilantro", "salt", "chicken", "rice", "spinach", "coffee", "napkins", "juice",
+               "crisps", "ice")
 
 
-@pytest.mark.parametrize("requests,per_kind", [(STRUCTURED, 3), (REWORDED, 2), (HELDOUT, 3)],
-                         ids=["structured", "reworded", "heldout"])
+def _word(text):
+    """`text` as a whole word or phrase, any case."""
+    return re.compile(rf"\b{re.escape(text)}\b", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("requests,per_kind", [(STRUCTURED, 3), (REWORDED, 2), (HELDOUT, 3), (UNSEEN, 3)],
+                         ids=["structured", "reworded", "heldout", "unseen"])
 def test_request_set_shape(requests, per_kind):
     assert len(requests) == 3 * per_kind
     for i, (kind, schema, message) in enumerate(requests):
@@ -22,14 +41,23 @@ def test_request_set_shape(requests, per_kind):
         assert message == message.strip(), i
 
 
-def test_heldout_requests_are_new():
-    others = {m for _, _, m in STRUCTURED + REWORDED}
-    mine = [m for _, _, m in HELDOUT]
+@pytest.mark.parametrize("new,older,names", [
+    (HELDOUT, STRUCTURED + REWORDED, FIRST_NAMES),
+    (UNSEEN, STRUCTURED + REWORDED + HELDOUT, FIRST_NAMES + HELDOUT_NAMES)], ids=["heldout", "unseen"])
+def test_held_out_requests_are_new(new, older, names):
+    mine = [m for _, _, m in new]
     assert len(set(mine)) == len(mine)
-    assert not others & set(mine)
-    # different people and places: no held-out request names a person or a city of the others'
-    # (shopping items may repeat: milk is milk)
-    for name in ("Lovelace", "Turing", "Curie", "Einstein", "Tesla", "London", "Paris", "Chicago",
-                 "Oslo", "Tokyo", "Buenos Aires", "Warsaw", "Ulm", "Smiljan"):
-        assert any(name in m for _, _, m in STRUCTURED + REWORDED), name  # the list is the others'
-        assert not any(name.lower() in m.lower() for m in mine), name
+    assert not {m for _, _, m in older} & set(mine)
+    # different people and places: no request of the new set names a person or a city of the older
+    # (whole words: "Friday" does not name Frida)
+    for name in names:
+        assert any(_word(name).search(m) for _, _, m in older), name  # the list is the older sets'
+        assert not any(_word(name).search(m) for m in mine), name
+
+
+def test_unseen_shopping_items_are_new():
+    older = " ".join(m for kind, _, m in STRUCTURED + REWORDED + HELDOUT if kind == "list")
+    mine = " ".join(m for kind, _, m in UNSEEN if kind == "list")
+    for item in OLDER_ITEMS:
+        assert _word(item).search(older), item  # the list is the older sets'
+        assert not _word(item).search(mine), item

@@ -70,12 +70,13 @@ REWORDED = [
      "JSON list please."),
 ]
 
-# held-out requests (issue 30, session 23): written by a helper who had not read the field-draft
+# requests written in session 23 as held out (issue 30) by a helper who had not read the field-draft
 # code (structured/, decoding/) nor docs/structured-output.md, worded as users and apps send such
 # requests (a CRM export row, an email signature, a wiki infobox, a voice-assistant transcript, a
 # chat message with typos, JSON-ish app input, a recipe, a bulleted list, YAML-ish notes): fields
-# out of schema order, extra fields, numbers as words. Held out from tuning: report figures on it
-# (benchmarks/structured.py --requests heldout), never change the drafts to fit it.
+# out of schema order, extra fields, numbers as words. No longer held out: it was read in session 23
+# to choose a rule (the own-value-end rule); the name stays. Reported with
+# benchmarks/structured.py --requests heldout; UNSEEN below is the held-out set now.
 HELDOUT = [
     ("extract", PERSON, "Convert this CRM export row to JSON with name, born, city and occupation.\n"
      "contact_id,full_name,email,job_title,location,dob,tier\n"
@@ -101,6 +102,44 @@ HELDOUT = [
     ("list", SHOPPING, "party:\n  date: saturday\n  budget: 60 EUR\n  buy:\n    - napkins: 40\n"
      "    - orange juice: 3 cartons\n    - crisps: five bags\n    - ice: 2 bags\n"
      "Make a JSON shopping list out of the buy part."),
+]
+
+# held-out requests (issue 30, session 24): written in session 24 by a helper who had not read the
+# field-draft code (structured/, decoding/) nor docs/structured-output.md, worded as users and apps
+# send such requests and unlike the sets above (a profile bio with the occupation as a verb phrase
+# and the city before the name, a news sentence with the year in parentheses, a form dump with
+# extra fields, a chat-app message, a calendar invite, a forwarded email, an SMS with
+# abbreviations, a meal plan in prose, a markdown table; units and quantities in words and digits).
+# Held out from tuning: report figures on it (benchmarks/structured.py --requests unseen), never
+# change the drafts to fit it.
+UNSEEN = [
+    ("extract", PERSON, "Can you turn my LinkedIn About section into JSON with name, born, city and "
+     "occupation?\n\"Porto native since 1983, I'm Inês Carvalho. These days I teach chemistry at a public "
+     "high school and coach our robotics club on weekends. Always happy to mentor new teachers!\""),
+    ("tool", WEATHER_CALL, "Slack message from #offsite-planning, call get_weather for it:\n> *Marta K.*: "
+     "hey @weatherbot can u check Kraków for the offsite? we're there tue-fri so 4 days, celsius "
+     "obviously :snowflake:"),
+    ("list", SHOPPING, "Here's our meal plan for the week, I need the shopping list as JSON. Monday is "
+     "lentil soup, so 2 kg of red lentils and five carrots. Wednesday is taco night: a dozen tortillas "
+     "and one jar of salsa. Friday we're doing a chickpea curry with two tins of chickpeas."),
+    ("extract", PERSON, "Give me the person in this news item as JSON (name, born, city, occupation): "
+     "NAIROBI - Wanjiru Kamau (b. 1969), a wildlife veterinarian who has worked in the city for three "
+     "decades, was honoured on Tuesday for her care of orphaned elephants."),
+    ("tool", WEATHER_CALL, "Get the forecast for this calendar invite with get_weather.\nWhat: Team ski "
+     "retreat\nWhen: Fri Dec 18 - Sun Dec 20 (3 days)\nWhere: Zermatt, Switzerland\nOrganizer note: "
+     "the US folks asked for temperatures in Fahrenheit"),
+    ("list", SHOPPING, "Text from my flatmate, make it a JSON shopping list: \"hey can u grab stuff on ur "
+     "way home? 2x toothpaste, dish soap (1 big one), 3 pks AA batteries n a bag of dog food. thx!!\""),
+    ("extract", PERSON, "Parse this signup form submission into JSON with name, born, city and occupation:"
+     "\nsubmitted_at: 2026-11-30T14:02:11Z\nfirst_name: Minh Chau\nlast_name: Tran\nnewsletter: yes\n"
+     "city_of_residence: Da Nang\nyear_of_birth: 1991\nprofession: Paramedic\nreferral: podcast"),
+    ("tool", WEATHER_CALL, "Please call get_weather for what Dan asks below.\n---------- Forwarded message "
+     "---------\nFrom: Dan Whitfield\nSubject: Re: Marrakech trip\n\nSounds good! Could you check the "
+     "weather in Marrakech for the whole trip? We fly back after 8 days. Celsius is fine.\n\n> On Mon, "
+     "Priya wrote:\n> booked the riad!"),
+    ("list", SHOPPING, "Convert this table from our BBQ planning doc to a JSON shopping list:\n"
+     "| item | qty | who |\n|---|---|---|\n| charcoal | 2 bags | Sam |\n| sausages | twenty | Lea |\n"
+     "| burger buns | 12 | Lea |\n| corn on the cob | 8 | me |\n| ketchup | one bottle | Sam |"),
 ]
 
 
