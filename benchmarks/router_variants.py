@@ -132,17 +132,23 @@ def main() -> None:
         for s in systems.values():
             s.reset()
         total = {n: [0, 0.0] for n in names}
+        differ = {n: 0 for n in names}  # greedy: requests whose output differs from target-only's
         for i, req in enumerate(scenario.workload.requests):
             ids = sr.encode(req.prompt, chat=req.chat)
-            row = {}
+            row, outs = {}, {}
             for j in range(len(names)):
                 n = names[(i + j) % len(names)]
                 out = systems[n].run(ids, Decoding(temp, cfg.max_new_tokens, cfg.seed + i, controls))
                 total[n][0] += len(out.token_ids)
                 total[n][1] += out.seconds
                 row[n] = len(out.token_ids) / out.seconds
+                outs[n] = list(out.token_ids)
+            for n in names:
+                differ[n] += outs[n] != outs["target-only"]
             print(f"t={temp:g} #{i} {req.kind:10s} " + " ".join(f"{n} {v:.0f}" for n, v in row.items()), flush=True)
         print(f"t={temp:g} total tokens/s: " + " ".join(f"{n} {t / s:.1f}" for n, (t, s) in total.items()), flush=True)
+        if temp == 0:
+            print(f"t=0 outputs differing from target-only's: " + " ".join(f"{n} {differ[n]}" for n in names), flush=True)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def test_cached_decisions_equal_uncached_ones_while_evidence_changes(refute_wait
     a change of acceptance and request turnover. With the refuting probe's back-off
     (`probe_refute_wait`, router/probing.py) this world's decisions take another path that shows
     no probe decision; without it one shows, decided alike by both."""
-    routers = {on: make_router(config=RouterConfig(decision_cache=on, probe_refute_wait=refute_wait))
+    routers = {on: with_cache(make_router(config=RouterConfig(probe_refute_wait=refute_wait)), on)
                for on in (True, False)}
     traces = {}
     for on, router in routers.items():
@@ -117,6 +117,12 @@ def _steps(router, sim, contexts, steps):
             observe_cycle(router, stats, outcomes, fwd)
 
 
+def with_cache(router, on: bool):
+    """`router` with the decision cache on, or off: the uncached reference (`Router.DECISION_CACHE`)."""
+    router.DECISION_CACHE = on
+    return router
+
+
 def _warm(rows=4, seed=23, steps=200):
     """A router after `steps` cycles of `rows` long requests at context L0."""
     sim = Sim(ALPHAS, seed=seed)
@@ -141,7 +147,7 @@ def test_a_slowdown_invalidates_cached_decisions_at_once():
     assert router.profile.jumps.get("d2") == 1
     misses = router.cache_stats.misses
     uncached = copy.deepcopy(router)
-    uncached.config = RouterConfig(decision_cache=False)
+    uncached.DECISION_CACHE = False
     decisions = [router.decide(c) for c in contexts]
     assert router.board.published.version > version
     assert router.cache_stats.misses == misses + len(contexts)  # no row reused a stale plan
@@ -153,7 +159,7 @@ def test_a_failed_model_invalidates_cached_decisions_and_is_never_planned_again(
     router, sim, contexts = _warm()
     assert all("d2" in router.decide(c).chain for c in contexts)
     uncached = copy.deepcopy(router)
-    uncached.config = RouterConfig(decision_cache=False)
+    uncached.DECISION_CACHE = False
     router.mark_failed("T")  # the target cannot be taken out: ignored
     assert router.failed == set()
     for r in (router, uncached):
@@ -189,7 +195,7 @@ def test_a_switch_between_viable_chains_keeps_the_cached_table():
     and decides exactly what an uncached router decides."""
     from specrouter.router.similarity import GREEDY
 
-    routers = {on: make_router(config=RouterConfig(decision_cache=on)) for on in (True, False)}
+    routers = {on: with_cache(make_router(), on) for on in (True, False)}
     trace = {}
     for on, router in routers.items():
         for pair, a in ALPHAS.items():
@@ -227,7 +233,7 @@ def test_a_request_whose_own_estimate_moved_re_evaluates_only_the_chains_reading
     monkeypatch.setattr(policy, "chain_rows", counting)
     decisions = {}
     for on in (True, False):
-        router = make_router(config=RouterConfig(decision_cache=on))
+        router = with_cache(make_router(), on)
         for pair, a in ALPHAS.items():
             router.similarity.observe_acceptance(pair, GREEDY, 200 * a, 200 * (1 - a))
         router.similarity.observe_hits("ngram", 30, 100)

@@ -370,8 +370,9 @@ class RouterConfig:
     alpha_decimals: int = 4  # alphas are rounded to this many decimals (repeat decisions hit the plan cache)
     log_size: int = 10_000  # decision events kept
     # the decision cache (router/evidence.py): a row's decision is reused while its inputs are
-    # unchanged; the evidence it reads is republished only when it moves materially
-    decision_cache: bool = True  # False: decide afresh every call (on the same published evidence)
+    # unchanged; the evidence it reads is republished only when it moves materially (always on:
+    # `decision_cache=False` removed by decide24, issue 27; the tests' uncached reference is
+    # `Router.DECISION_CACHE`)
     decision_tolerance: float = 0.05  # an alpha (global or a request's) that moved more republishes
     decision_hit_tolerance: float = 0.1  # a model-free hit rate that moved more (they are noisier: ~20-proposal windows)
     decision_time_tolerance: float = 0.05  # a model's speed (relative), a per-cycle overhead (fraction of the target's step)

@@ -28,7 +28,7 @@ while both are unchanged.
   the cost rows' resolution), the mode, the request's current chain (always evaluated, never
   pruned), and the router's and the request's evidence versions. The same key means the same
   inputs, so the cached PlanTable and its argmin (step 1, the expensive part) are exactly those
-  decide() would compute afresh (`decision_cache=False`). The table always spans k = 1..k_max
+  decide() would compute afresh (`Router.DECISION_CACHE` False, the tests' reference). The table always spans k = 1..k_max
   and a row's k cap (its remaining tokens) only limits the argmin (`CachedPlans.best`): the cap
   shrinking near a request's end was a quarter of the misses on the mixed stream.
   Hysteresis (step 2) is a few comparisons on that table and runs at every call, so its
@@ -374,9 +374,9 @@ class EvidenceBoard:
     def rows_for(self, row, router: float) -> dict | None:
         """`chain_rows` of a row's cost context (batch size, context bucket, processors, certain
         bucket, `router`: the router's seconds per cycle its plans are charged), None without
-        the decision cache."""
+        the decision cache (`Router.DECISION_CACHE`)."""
         cfg = self.router.config
-        if not cfg.decision_cache:
+        if not self.router.DECISION_CACHE:
             return None
         processors = row.processors and self.current().times["processor"] > 0.0
         return self.chain_rows((max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,

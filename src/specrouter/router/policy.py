@@ -238,6 +238,11 @@ class Router:
     """Chooses (chain, k) per request per cycle; see the module docstring. Implements
     `RouterProtocol` (router/protocol.py)."""
 
+    # False (tests: tests/test_decision_cache.py's reference): every decision computes its
+    # PlanTable afresh, on the same published evidence (was `RouterConfig.decision_cache`,
+    # removed by decide24, issue 27)
+    DECISION_CACHE = True
+
     def __init__(
         self,
         order: Sequence[str],
@@ -584,7 +589,7 @@ class Router:
         key = decision_key(max(row.batch_size, 1), max(row.context_len, 1) // cfg.context_bucket,
                            mode, kept, version, req.version, certain_bucket(row.certain_rate))
         plans = req.cached
-        if cfg.decision_cache and plans is not None and plans.key == key:
+        if self.DECISION_CACHE and plans is not None and plans.key == key:
             self.cache_stats.hits += 1
         else:
             self.cache_stats.miss(plans.key if plans is not None else None, key)
