@@ -322,8 +322,9 @@ class FieldDrafter:
                     and not (quoted and any(u.startswith(lw) for u in used if 2 < len(lw) >= len(u) - STEM)))
 
         def cased(word: str):
-            yield self._cased(word, values)
-            if self._cased(word, values) != word:
+            capital = self._cased(word, values)
+            yield capital
+            if capital != word:
                 yield word
 
         def number(word: str) -> str:  # a number's digits (`ten`: `10`)
