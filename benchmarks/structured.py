@@ -142,10 +142,14 @@ def main() -> None:
               f"per target forward of {1e3 * res['target_s'] / max(res['target_steps'], 1):.1f} ms; "
               f"field drafts {100 * res['fields_s'] / res['wall']:.2f}% of wall; "
               f"jumped {res['jumped']}, certain {res['certain']}")
-    print("per request: target forwards plain+jf / specrouter, the output")
-    for (kind, _, _), o, fj, fs in zip(REQUESTS, results["specrouter"]["outs"], results["plain+jf"]["per_request"],
-                                       results["specrouter"]["per_request"]):
-        print(f"  {kind:8s} {fj:3d} / {fs:3d} {o.finish_reason:6s} {o.text[:110]!r}  chains {dict(o.stats.chains)}")
+    print("per request: target forwards plain+jf / specrouter-nofields / specrouter, the output, "
+          "specrouter's chains (cycles), specrouter-nofields' chains")
+    for (kind, _, _), o, n, fj, fn, fs in zip(REQUESTS, results["specrouter"]["outs"], results["specrouter-nofields"]["outs"],
+                                              results["plain+jf"]["per_request"],
+                                              results["specrouter-nofields"]["per_request"],
+                                              results["specrouter"]["per_request"]):
+        print(f"  {kind:8s} {fj:3d} / {fn:3d} / {fs:3d} {o.finish_reason:6s} {o.text[:110]!r}  chains {dict(o.stats.chains)}"
+              f"  nofields {dict(n.stats.chains)}")
     print(f"load {open('/proc/loadavg').read().split()[:3]}")
 
 
