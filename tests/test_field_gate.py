@@ -37,7 +37,7 @@ LOOP = '{"items": [' + ", ".join(['{"item": "tea", "quantity": 1}'] * 5) + "]}"
 
 # -- 1. bookkeeping ---------------------------------------------------------------------------
 def test_a_contest_is_scored_once_its_positions_are_committed():
-    gate = FieldGate(price=0.0)
+    gate = FieldGate()
     c = Contest(at=3, before=[7], fields=[1, 2], own=[5, 6, 8], offered=True)
     gate.observe(c, [0, 0], [7, 5])  # committed up to position 3 only: the proposal's tail not yet
     assert gate.contests == 0 and gate.pending == [c]
@@ -53,7 +53,7 @@ def test_a_contest_whose_place_was_never_reached_is_not_scored():
 
 
 def test_the_gate_closes_on_lost_contests_and_opens_as_they_fade():
-    gate = FieldGate(price=0.1)
+    gate = FieldGate()
     assert gate.open
     for _ in range(2):
         gate.observe(Contest(at=0, before=[], fields=[1, 2], own=[5, 6], offered=gate.open), [], [5, 6])
@@ -63,12 +63,12 @@ def test_the_gate_closes_on_lost_contests_and_opens_as_they_fade():
     assert gate.score > -field_gate.PRIOR
 
 
-def test_won_contests_keep_it_open_and_the_price_charges_width():
-    gate = FieldGate(price=0.5)
+def test_won_contests_keep_it_open():
+    gate = FieldGate()
     gate.observe(Contest(at=0, before=[], fields=[1, 2, 3], own=[], offered=True), [], [1, 2, 3, 4])
-    assert gate.open and gate.won == 1 and gate.score == pytest.approx(3 - 0.5 * 3)
-    gate.observe(Contest(at=0, before=[], fields=[1, 2, 3, 4, 5, 6], own=[9], offered=True), [], [8] * 6)
-    assert gate.score == pytest.approx(1.5 * field_gate.DECAY - 0.5 * 5)  # nothing matched: width only
+    assert gate.open and gate.won == 1 and gate.score == pytest.approx(3)
+    gate.observe(Contest(at=0, before=[], fields=[1, 2, 3, 4, 5, 6], own=[8, 8], offered=True), [], [8] * 6)
+    assert gate.open and gate.lost == 1 and gate.score == pytest.approx(3 * field_gate.DECAY - 2)
 
 
 # -- 2. scripted requests ---------------------------------------------------------------------
