@@ -10,14 +10,16 @@ Requests (chat template, greedy): extract a record's fields into a schema, produ
   candidates (decoding/certain_drafts.py), no field drafts;
 - specrouter: the router picks chain and k per request every cycle, jump forward on, certain
   candidates, and a constrained row's model-free drafts may be field drafts (the text the
-  grammar forces, values copied from the prompt: decoding/field_drafts.py).
+  grammar forces, values copied from the prompt: decoding/field_drafts.py) while they pay in
+  its request (decoding/field_gate.py).
 Every round runs every system on fresh pool views (a learning drafter never sees an earlier
 round's answers; the first round warms up). Every output must validate against its schema and
 equal plain's token for token. Reported: tokens/s per system (generated tokens over wall time,
 prefill included), the ratio to the fastest plain system, target forwards (steps that ran one),
 the mask's share of the wall time (seconds in RowGrammar: masks and forced tokens) and the mask
 seconds per target forward against the mean target forward, and tokens committed by jump
-forward / as certain drafts.
+forward / as certain drafts; per request, target forwards of plain+jf / specrouter-nofields /
+specrouter and specrouter's field gate.
 
 Run: `python benchmarks/structured.py [--rounds 2] [--pool default] [--requests original|reworded|heldout|unseen|all]`.
 """
@@ -46,6 +48,7 @@ def run_system(sr, name, chain, jump_forward, max_new, certain=True, fields=True
     outs, tokens, mask_s, fields_s = [], 0, 0.0, 0.0
     steps = []  # per step: the target's forward seconds
     per_request = []  # target forwards per request
+    gates = []  # per request: its field gate's contests won / lost / scored while closed
 
     def on_cycle(stats):
         if stats.forward_time and target in stats.forward_time:
@@ -73,12 +76,14 @@ def run_system(sr, name, chain, jump_forward, max_new, certain=True, fields=True
         mask_s += seq_box[0].grammar.mask_seconds
         fields_s += seq_box[0].grammar.fields.seconds if seq_box[0].grammar.fields is not None else 0.0
         per_request.append(len(steps) - before)
+        gate = seq_box[0].grammar.fields.gate if seq_box[0].grammar.fields is not None else None
+        gates.append(f"{gate.won}/{gate.lost}/{gate.closed}" if gate is not None and fields else "-")
         outs.append(r)
         tokens += len(r.token_ids)
     wall = time.perf_counter() - t0
     sr.engine.generate_ids = real_generate_ids
     return dict(name=name, outs=outs, tokens=tokens, wall=wall, mask_s=mask_s, fields_s=fields_s,
-                target_steps=len(steps), per_request=per_request,
+                target_steps=len(steps), per_request=per_request, gates=gates,
                 target_s=sum(steps), jumped=sum(o.stats.jumped for o in outs),
                 certain=sum(o.stats.certain for o in outs))
 
@@ -143,13 +148,14 @@ def main() -> None:
               f"field drafts {100 * res['fields_s'] / res['wall']:.2f}% of wall; "
               f"jumped {res['jumped']}, certain {res['certain']}")
     print("per request: target forwards plain+jf / specrouter-nofields / specrouter, the output, "
+          "specrouter's field gate (contests won / lost / scored while closed: decoding/field_gate.py), "
           "specrouter's chains (cycles), specrouter-nofields' chains")
-    for (kind, _, _), o, n, fj, fn, fs in zip(REQUESTS, results["specrouter"]["outs"], results["specrouter-nofields"]["outs"],
-                                              results["plain+jf"]["per_request"],
-                                              results["specrouter-nofields"]["per_request"],
-                                              results["specrouter"]["per_request"]):
-        print(f"  {kind:8s} {fj:3d} / {fn:3d} / {fs:3d} {o.finish_reason:6s} {o.text[:110]!r}  chains {dict(o.stats.chains)}"
-              f"  nofields {dict(n.stats.chains)}")
+    for (kind, _, _), o, n, fj, fn, fs, g in zip(REQUESTS, results["specrouter"]["outs"], results["specrouter-nofields"]["outs"],
+                                                 results["plain+jf"]["per_request"],
+                                                 results["specrouter-nofields"]["per_request"],
+                                                 results["specrouter"]["per_request"], results["specrouter"]["gates"]):
+        print(f"  {kind:8s} {fj:3d} / {fn:3d} / {fs:3d} {o.finish_reason:6s} {o.text[:110]!r}  gate {g}  "
+              f"chains {dict(o.stats.chains)}  nofields {dict(n.stats.chains)}")
     print(f"load {open('/proc/loadavg').read().split()[:3]}")
 
 

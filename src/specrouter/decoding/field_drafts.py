@@ -29,7 +29,8 @@ certain candidates (decoding/certain_drafts.py) and asks again after them, so on
 several fields (`", "city": "London", "occupation": "` holds 3 drafted tokens). A field draft is
 verified like any candidate (exact: the target's tokens are committed, whatever is proposed);
 what it changes is how much a cycle commits. The executor offers it in place of a model-free
-drafter's proposal where they differ (`certain_drafts.preferred`; `ChainExecutor.field_drafts`).
+drafter's proposal where they differ (`certain_drafts.preferred`; `ChainExecutor.field_drafts`),
+while they pay in the row's request (`FieldDrafter.gate`: decoding/field_gate.py).
 """
 
 from __future__ import annotations
