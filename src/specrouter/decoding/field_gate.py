@@ -11,11 +11,12 @@ committed:
 
 - a **contest** is a cycle's first place where the field draft and the drafter's own proposal
   differ (the tails from there, each as first proposed). The one offered is verified; both are
-  scored once the row has committed the tokens at their positions (later cycles'), as the
-  router scores a shadow proposal: the tokens of each that match what the target committed
-  there. Scored at once, the one not offered could never be credited with more than one token
-  past the other's rejection (the committed tokens end there): a suffix draft copying the
-  output's own loop lost by one token to a guess it beat by eight;
+  scored once the row has committed the tokens at their positions (later cycles'): the tokens
+  of each that match what the target committed there. Scored at once (as the router scores a
+  shadow proposal, against the step's own tokens), the one not offered could never be credited
+  with more than one token past the other's rejection (the committed tokens end there): on
+  UNSEEN's SMS list a suffix draft copying the output's own loop lost by one token to guesses it
+  beat by up to 16;
 - a contest's **gain** is the field draft's matched tokens less the proposal's (committed
   tokens). The extra candidates a longer draft puts in the verifying forward are not charged:
   charged at 0.1 token a candidate (~0.2-0.45 ms a verified position over ~2.8 ms a committed
@@ -24,8 +25,7 @@ committed:
   be one more machine-specific constant (a GPU verifies a wider forward almost free);
 - the row's **score** is the decayed sum of its gains (every cycle of the row fades it by DECAY,
   as the router fades a request's unused evidence), and the gate is open while the score plus
-  PRIOR (the tokens of evidence field drafts start with, their win on the sets they were written
-  with) is positive. A closed gate offers the drafter's proposal and still scores the field draft
+  PRIOR (the benefit of the doubt a request's field drafts start with, in tokens) is positive. A closed gate offers the drafter's proposal and still scores the field draft
   as a shadow, so a request whose guesses start paying opens it again, and the decay returns the
   score toward the prior, where the next contest tries again.
 
@@ -71,7 +71,6 @@ class FieldGate:
     lost: int = 0  # ... fewer
     closed: int = 0  # contests where the gate was closed (the proposal offered)
     pending: list = field(default_factory=list)  # contests whose positions are not all committed yet
-    log: list = field(default_factory=list, repr=False)  # (gain, offered) per contest (tests, benches)
 
     @property
     def open(self) -> bool:
@@ -101,4 +100,3 @@ class FieldGate:
         self.won += f > o
         self.lost += f < o
         self.closed += not c.offered
-        self.log.append((gain, c.offered))
