@@ -100,8 +100,8 @@ def take_field_draft(w, at: int = 0) -> None:
     (`w.contest`), scored after the target's verification whichever was offered
     (decoding/field_gate.py)."""
     g = w.seq.grammar
-    if g.fields is None:
-        return
+    if g.fields is None or (w.contest is not None and not g.fields.gate.open):
+        return  # (closed: the field draft is only a shadow, and the cycle's first contest is taken)
     budget = min(w.k - own_count(w, at), w.cap - at)
     if budget <= 0:
         return
