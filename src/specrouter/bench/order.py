@@ -4,9 +4,9 @@ Every system in turn, the order rotated by one per request, so no system always 
 floor ratio (SpecRouter / target-only, issue 28) also has its two systems side by side: the
 machine drifts over the seconds a request's ~20 systems take (co-tenants on the 2 shared cores),
 and on a row of 2 requests of 64 tokens the rotation does not average that out. floor25 measured
-it on the chat t=0.7 row (7 runs, static systems, whose tokens are the same every run): two
-systems run next to each other deviate from each other by 6.6% rms per request, 8 or more apart
-by 12.7% (docs/benchmarks.md "floor25"). So target-only runs next to SpecRouter: right after it
+it on the chat t=0.7 row (11 runs, static systems, whose tokens are the same every run): two
+systems run next to each other deviate from each other by 6.8% rms per request, 8 or more apart
+by 13.3% (docs/benchmarks.md "floor25"). So target-only runs next to SpecRouter: right after it
 on even requests, right before it on odd ones (neither always runs first of the two); every
 other system keeps its rotated place.
 """
