@@ -530,7 +530,9 @@ def test_batch_calibration_turns_a_slower_than_predicted_batch_plain():
                               context_lengths=(128, 1024))
     assert any(run(slow, 1.0, 65))  # predicted ~3x plain: clears the 0.5 error (once the plain hold ends)
     mild = scripted_router(target)
-    assert all(run(mild, 1.05, 4, n=4))  # 5% slower than predicted: within the plain margin
+    # 5% slower than predicted: within the plain margin (the try may end at its first re-plan,
+    # its predicted gain at 4 rows ~1.3x, near `plain_margin(4)`: its verdict is read there)
+    assert run(mild, 1.05, 4, n=4)[:2] == [True, True]
     assert not mild.planner.calibrations[(4, True, False)].failed
 
 
@@ -746,6 +748,65 @@ def test_a_held_step_costs_no_per_row_planning():
     off.planner.PLAIN_PREDICTION_STEPS = 1  # and a plain step's seconds predicted afresh
     unheld = run(off)
     assert unheld["decide"] == 4 * 64 and unheld["shadow"] == 64 and unheld["predict"] >= 64
+
+
+def test_speculation_must_beat_plain_batching_by_more_as_the_batch_grows(monkeypatch):
+    """`BatchPlanner.plain_margin`: a speculative plan beats plain batching by
+    `batch_plain_margin` for each row beside the first. Where every row's own plan speculates
+    and the step's predicted gain over plain batching is ~1.2x at 4 rows (tokens per row
+    cost 0.005 s a row), 2 and 3 rows speculate and 4 rows decode plainly. Negative control:
+    the margin flat at `batch_plain_margin` (as before load25): 4 rows speculate too."""
+    def target(b, t, L):
+        return 0.040 + 0.005 * (t - 1) * b
+
+    def ks(n):
+        return [d.k for d in scripted_router(target).plan_batch(rows_of(n)).decisions]
+
+    planner = scripted_router(target).planner
+    assert planner.plain_margin(1) == pytest.approx(1.0 + planner.router.config.persist_margin)
+    assert planner.plain_margin(2) == pytest.approx(1.10) and planner.plain_margin(4) == pytest.approx(1.30)
+    assert all(k > 0 for k in ks(2)) and all(k > 0 for k in ks(3))
+    assert ks(4) == [0, 0, 0, 0]
+    monkeypatch.setattr(batch_module.BatchPlanner, "plain_margin",
+                        lambda self, n: 1.0 + max(self.router.config.persist_margin,
+                                                  self.router.config.batch_plain_margin if n > 1 else 0.0))
+    assert all(k > 0 for k in ks(4))
+
+
+def free_drafting_router(target_cost) -> Router:
+    """`scripted_router`'s pair with a model-free drafter (a suffix store) below the target."""
+    prof = CostProfile()
+    grid = dict(batch_sizes=(1, 4, 8), new_tokens=(1, 2, 4, 8, 16), context_lengths=(128, 1024))
+    prof.set_function("target", target_cost, **grid)
+    prof.set_function("draft", lambda b, t, L: 0.0005, **grid)
+    prof.set_function("suffix", lambda b, t, L: 0.0001, **grid)
+    return Router(["suffix", "draft", "target"], "target", prof, model_free={"suffix"},
+                  config=RouterConfig(probe_fraction=0.0), timer=lambda: 0.0)
+
+
+def test_a_confident_draft_leaves_a_plain_multi_row_step_only_past_the_plain_margin(monkeypatch):
+    """`take_confident_drafts` at a step of 4 plain rows: row 0's suffix drafter offers 4
+    tokens. Scored 2.7 tokens (the step predicted ~1.2x plain batching's rate) it is not
+    taken; scored 3.9 (~1.4x) it is; a single row takes the 2.7 draft (no batch margin); a step
+    already speculating takes it where it raises the rate. Negative control: no margin for
+    leaving plain (as before load25): the 2.7 draft is taken at 4 rows."""
+    def target(b, t, L):
+        return 0.040 + 0.001 * (t - 1) * b
+
+    plain = (("target",), 0)
+
+    def take(score, n=4, plans=None):
+        router = free_drafting_router(target)
+        plans = plans or [plain] * n
+        return router.planner.take_confident_drafts(rows_of(n), list(plans), {0: ("suffix", 4, score)})
+
+    assert take(2.7) == [plain] * 4
+    assert take(3.9)[0] == (("suffix", "target"), 4)
+    assert take(2.7, n=1)[0] == (("suffix", "target"), 4)
+    spec = [plain, (("draft", "target"), 4), plain, plain]
+    assert take(2.7, plans=spec)[0] == (("suffix", "target"), 4)
+    monkeypatch.setattr(batch_module.BatchPlanner, "plain_margin", lambda self, n: 1.0)
+    assert take(2.7)[0] == (("suffix", "target"), 4)
 
 
 def test_a_speculating_batch_keeps_its_plans_for_spec_hold_steps():

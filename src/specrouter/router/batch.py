@@ -335,7 +335,27 @@ class BatchPlanner:
 
         top = max(k for _, k in own)
         best = max([rate(own)] + [rate([(c, min(k, cap)) for c, k in own]) for cap in (1, 2, 3, 4, 6, 8) if cap < top])
-        return best > rate([plain] * len(rows)) * (1.0 + max(cfg.persist_margin, cfg.batch_plain_margin))
+        return best > rate([plain] * len(rows)) * self.plain_margin(len(rows) + len(pinned))
+
+    def plain_margin(self, n: int) -> float:
+        """The factor by which a step of n rows (pinned ones included) that speculates must be
+        predicted to beat plain batching of its rows before it leaves plain (`plan_afresh`,
+        `joiners_gain`, `take_confident_drafts`): `RouterConfig.batch_plain_margin` for each row
+        beside the first, at least `persist_margin` (a single row: `persist_margin` only, its own
+        decision's hysteresis).
+
+        A speculating row slows every other row of its step, and the rows do not commit alike:
+        they finish out of step, so a stream's last requests run in smaller batches than plain
+        batching's, whose rows end together. At 4 rows on the serving bench's stream (AMD EPYC Zen
+        5, greedy, benchmarks/serve_engine.py) the router's 4-row speculative steps realised
+        1.12-1.20x plain batching's rate in the step (planning included) in the runs where it
+        chose them, and those runs read 0.93-0.96x plain: the rounds' last requests ran in
+        104 more steps of 1-3 rows than their tokens needed at 4 rows, over six rounds, ~6% of the
+        router's time (docs/router.md, load25). The margin grows with the rows a speculating row
+        slows; at 2 rows it is the margin it was (a 2-row try realised 1.2-1.3x and its runs
+        1.05-1.09x)."""
+        cfg = self.router.config
+        return 1.0 + max(cfg.persist_margin, cfg.batch_plain_margin * (n - 1))
 
     def plan_afresh(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = (),
                     decided: Mapping[int, Decision] | None = None) -> list[Decision]:
@@ -352,7 +372,7 @@ class BatchPlanner:
            (`step_seconds`: every model's forwards at their real rows and widths, pinned rows
            included); the rows' own plans stay unless an alternative is better by more than
            `persist_margin`, and plain decoding wins unless speculation beats it by that much
-           (by `batch_plain_margin` in a multi-row batch)."""
+           (by `plain_margin(n)` in a multi-row batch)."""
         router, cfg = self.router, self.router.config
         n = len(rows) + len(pinned)
         if n > router.profile.max_batch(router.target):
@@ -402,8 +422,9 @@ class BatchPlanner:
         rate, best = max(options, key=lambda o: o[0])
         margin = 1.0 + cfg.persist_margin
         # in a multi-row batch a speculating row slows every row of the step: speculation must
-        # beat plain continuous batching by `batch_plain_margin` (its acceptance is an estimate)
-        plain_margin = 1.0 + max(cfg.persist_margin, cfg.batch_plain_margin if n > 1 else 0.0)
+        # beat plain continuous batching by `batch_plain_margin` for each row beside the first
+        # (its acceptance is an estimate, and rows that commit unlike finish out of step)
+        plain_margin = self.plain_margin(n)
         if rate_plain * plain_margin >= rate:
             best, reason = options[1][1], "batch-plain"
         elif rate_own * margin >= rate:
@@ -491,7 +512,11 @@ class BatchPlanner:
         (drafter > target, m) when that raises the step's predicted throughput (E[tokens] over
         `step_seconds`, the other rows' plans as they are); offers are taken best first. The
         router's own acceptance estimates cannot see such a draft coming: they average over the
-        request's cycles."""
+        request's cycles. A multi-row step whose plans are all plain leaves plain for a confident
+        draft only past `plain_margin`, as for any other plan: at 4 rows such drafts (one row's
+        suffix draft of 11-16 tokens beside three plain rows) ran 10.8-18.4 ms where 6.4-7.8 were
+        predicted (a packed forward with one wide row costs more than its mean width says), and at
+        2 rows a suffix k=1 draft committed 1.10-1.24 tokens a cycle (docs/router.md, load25)."""
         if not offers:
             return plans
         router = self.router
@@ -506,6 +531,7 @@ class BatchPlanner:
                              [r.lags for r in rows])
 
         current = rate(best, tokens)
+        n = len(rows) + len(pinned)
         for i, (name, m, score) in sorted(offers.items(), key=lambda o: -o[1][2]):
             chain = (name, router.target)
             if chain not in router.chain_index or 1.0 + score <= tokens[i]:
@@ -513,7 +539,9 @@ class BatchPlanner:
             trial, t2 = best.copy(), tokens.copy()
             trial[i], t2[i] = (chain, m), 1.0 + score
             r = rate(trial, t2)
-            if r > current:
+            # leaving plain (no row of the step speculates yet) asks the plain margin
+            leaves = n > 1 and not speculates(list(best) + list(pinned))
+            if r > current * (self.plain_margin(n) if leaves else 1.0):
                 best, tokens, current = trial, t2, r
         return best
 
