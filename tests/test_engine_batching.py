@@ -271,17 +271,13 @@ def test_plain_hold_skips_replanning_until_rows_change():
     assert no_hold.planner.held_decisions == 0 and no_hold.planner.hold is None
 
 
-@pytest.mark.parametrize("large", [2, 1])
-def test_a_large_batchs_plain_hold_grows_past_plain_hold_max(monkeypatch, large):
-    """load22: from JOINS_KEEP_HOLD rows on, a batch held plain re-plans at spans 2, 4, ...
-    up to LARGE_BATCH_HOLD x plain_hold_max steps (32: its re-plan decides every row, and joins
-    do not end it): over 160 steps 9 re-plans, where a 4-row batch's holds stay capped at
-    plain_hold_max (13). Negative control: LARGE_BATCH_HOLD = 1 caps both at plain_hold_max."""
-    from specrouter.router.batch import JOINS_KEEP_HOLD
-
-    monkeypatch.setattr(batch_module, "LARGE_BATCH_HOLD", large)
-
-    def target(b, t, L):  # plain batching wins at 4 and 8 rows: every candidate token costs a row's step
+def test_a_plain_holds_longest_span_grows_with_the_rows(monkeypatch):
+    """`BatchPlanner.hold_limit`: a batch held plain re-plans at spans 2, 4, ... up to
+    plain_hold_max steps for each row beside the first (the plain margin grows so): over 160
+    steps 3 rows reach 32-step spans, 4 rows 48, 8 rows 112 (8 and 7 re-plans at 4 and 8 rows).
+    Negative control: the spans of load22 (plain_hold_max below JOINS_KEEP_HOLD rows, twice that
+    from there): 4 rows stay at 16-step spans and re-plan 13 times."""
+    def target(b, t, L):  # plain batching wins from 3 rows on: every candidate token costs a row's step
         return 0.040 if b == 1 else 0.040 + 0.010 * (t - 1) * b
 
     def spans(n, steps=160):
@@ -299,14 +295,19 @@ def test_a_large_batchs_plain_hold_grows_past_plain_hold_max(monkeypatch, large)
         return seen, sum(decides.values()) // n
 
     cap = RouterConfig().plain_hold_max
-    big, big_plans = spans(JOINS_KEEP_HOLD)
-    small, small_plans = spans(JOINS_KEEP_HOLD // 2)
-    assert max(small) == cap and small_plans == len(small)
-    assert max(big) == large * cap and big_plans == len(big)
-    if large > 1:
-        assert big_plans < small_plans, (big, small)
-    else:
-        assert big == small
+    for n in (3, 4, 8):
+        seen, plans = spans(n)
+        assert max(seen) == cap * (n - 1) and plans == len(seen), (n, seen)
+    assert len(spans(4)[0]) == 8 and len(spans(8)[0]) == 7
+
+    def load22(self, n, sampled):
+        spec = self.calibrations.get((n, True, sampled))
+        limit = self.router.config.plain_hold_max
+        return limit * (self.STANDING_HOLD if spec is not None and spec.failed else 2 if n >= 8 else 1)
+
+    monkeypatch.setattr(batch_module.BatchPlanner, "hold_limit", load22)
+    seen, plans = spans(4)
+    assert max(seen) == cap and plans == 13, seen
 
 
 def test_plain_hold_of_a_small_batch_weighs_a_joining_row_alone():
@@ -740,8 +741,9 @@ def test_a_held_step_costs_no_per_row_planning():
         return counts
 
     held = run(scripted_router(target))
-    # planned at steps 0, 2, 6, 14, 30, 46, 62; shadows on each hold's last step (1, 5, ..., 61)
-    assert held["decide"] == 4 * 7 and held["shadow"] == 6, held
+    # planned at steps 0, 2, 6, 14, 30, 62 (spans up to 48 at 4 rows); shadows on each hold's
+    # last step (1, 5, 13, 29, 61)
+    assert held["decide"] == 4 * 6 and held["shadow"] == 5, held
     assert held["predict"] <= 64 // 16 + 1, held
     off = scripted_router(target)
     off.config = dataclasses.replace(off.config, plain_hold_max=0)
@@ -925,7 +927,7 @@ def test_a_held_batch_runs_on_a_lease_and_reports_every_step(pool, monkeypatch):
         assert len(seen) == steps and router.observed_steps == steps  # every step reported
         assert seen == sorted(seen) and len({tuple(x) for x in seen}) == steps  # in order, once each
     assert leased[0].planner.held_decisions == unleased[0].planner.held_decisions > 0
-    assert leased[0].planner.hold.span == unleased[0].planner.hold.span == 16
+    assert leased[0].planner.hold.span == unleased[0].planner.hold.span == 32  # 2, 4, ..., 32 in 40 steps
     assert unleased[1]["plan"] == unleased[3]
     assert leased[1]["plan"] <= unleased[3] // 3, (leased[1], leased[3])
 

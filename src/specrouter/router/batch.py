@@ -57,8 +57,6 @@ class PlainHold:
 
 
 JOINS_KEEP_HOLD = 8  # from this many rows on, rows joining a held batch do not end its hold
-# ... and its plain hold's longest span is this many times plain_hold_max (`BatchPlanner.hold_limit`)
-LARGE_BATCH_HOLD = 2
 
 
 @dataclass(frozen=True)
@@ -254,28 +252,28 @@ class BatchPlanner:
     STANDING_HOLD = 4  # a plain hold's longest span is this many times plain_hold_max while speculation's error stands
 
     def hold_limit(self, n: int, sampled: bool) -> int:
-        """The longest plain hold of a batch of n rows: `RouterConfig.plain_hold_max` steps, or
-        STANDING_HOLD times that while the last try of speculation at this batch size failed
-        (`StepCalibration.failed`: its correction stands). Re-planning at a hold's end decides
-        every row, to find the same verdict while the error stands unless a plan's predicted
-        gain grew past it: a 2-row greedy batch on a Zen 1 (avx2 kernels) was re-planned every
-        16 steps, 32 times in 512 steps, each 6-10 ms of decide() for plain every time
-        (in-process, the serving bench's stream), ~1.3% of its time. A row joining the hold is still
-        weighed at once (`_joiners`), and a row leaving still ends it (`hold_floor`).
+        """The longest plain hold of a batch of n rows: `RouterConfig.plain_hold_max` steps for
+        each row beside the first (the plain margin grows so, `plain_margin`: a re-plan finds
+        speculation past it less often as the batch grows), or STANDING_HOLD times
+        plain_hold_max where that is longer, while the last try of speculation at this batch
+        size failed (`StepCalibration.failed`: its correction stands). Re-planning at a hold's
+        end decides every row, to find the same verdict while the error stands unless a plan's
+        predicted gain grew past it: a 2-row greedy batch on a Zen 1 (avx2 kernels) was
+        re-planned every 16 steps, 32 times in 512 steps, each 6-10 ms of decide() for plain
+        every time (in-process, the serving bench's stream), ~1.3% of its time. A row joining
+        the hold is still weighed at once below JOINS_KEEP_HOLD rows (`_joiners`), and a row
+        leaving still ends it (`hold_floor`).
 
-        From JOINS_KEEP_HOLD rows on, LARGE_BATCH_HOLD times plain_hold_max (load22): there the
-        hold's end is the only re-check (joins keep it), a re-plan decides every row (~1.4-2.2 ms
-        of decide() at 8 rows, AMD EPYC Zen 5, serve_engine --trace), and speculation gains least
-        (a speculating row slows every row: pinned, every row draft > target k=1 ran 1.00x plain
-        batching at 8 rows, session 20; the best speculative option at this run's 8-row re-plans
-        0.68-1.03x plain's predicted rate). Held 8-row steps' host seconds outside the executor
-        0.31-0.37 -> 0.19-0.25 ms in four side-by-side runs (plan_batch 0.11-0.14 -> 0.04-0.07,
-        shadow proposals 0.04-0.05 -> 0.01-0.025; plain batching's 0.10), docs/router.md load22."""
+        At 4 rows (AMD EPYC Zen 5, serve_engine.py --trace, load25) a batch whose speculation
+        never failed re-planned every 16 steps at ~1.5 ms (4 decides) for plain every time,
+        0.105 ms of its held steps' 0.24 ms outside the executor (plain batching's 0.05). From 8
+        rows on (load22: 2x plain_hold_max there before) the hold's end is the only re-check (joins
+        keep it) and a re-plan decides every row (~1.4-2.2 ms at 8 rows); held 8-row steps' host
+        seconds outside the executor went 0.31-0.37 -> 0.19-0.25 ms with 32-step holds."""
         limit = self.router.config.plain_hold_max
         spec = self.calibrations.get((n, True, sampled))
-        if spec is not None and spec.failed:
-            return limit * self.STANDING_HOLD
-        return limit * LARGE_BATCH_HOLD if n >= JOINS_KEEP_HOLD else limit
+        standing = self.STANDING_HOLD if spec is not None and spec.failed else 1
+        return limit * max(n - 1, standing)
 
     def _lease(self, now: int, steps: int) -> int:
         """`BatchPlan.steps` of a held plain batch (a single stream's too) planned at observed step `now`: its plain
