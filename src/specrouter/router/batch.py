@@ -347,11 +347,11 @@ class BatchPlanner:
         batching's, whose rows end together. At 4 rows on the serving bench's stream (AMD EPYC Zen
         5, greedy, benchmarks/serve_engine.py) the router's 4-row speculative steps realised
         1.12-1.20x plain batching's rate in the step (planning included) in the runs where it
-        chose them, and those runs read 0.93-0.96x plain: the rounds' last requests ran in
+        chose them, and those rounds read 0.93-0.97x plain: their last requests ran in
         104 more steps of 1-3 rows than their tokens needed at 4 rows, over six rounds, ~6% of the
         router's time (docs/router.md, load25). The margin grows with the rows a speculating row
-        slows; at 2 rows it is the margin it was (a 2-row try realised 1.2-1.3x and its runs
-        1.05-1.09x)."""
+        slows; at 2 rows it is the margin it was (2-row speculative steps realised 1.2-1.3x
+        plain batching's rate in the step, serve24, and their runs 0.95-1.15x, load25)."""
         cfg = self.router.config
         return 1.0 + max(cfg.persist_margin, cfg.batch_plain_margin * (n - 1))
 
