@@ -14,6 +14,9 @@ minus forwards) and forward seconds per step; the plain engine's steps beside th
         [--max-new-tokens 64] [--rounds 2] [--trace] [--set FIELD=VALUE ...]
         [--arm NAME FIELD=VALUE ... [--arm ...]] [--planner-from NAME PATH]
 
+Each round's line says how many CPU seconds other processes took while it ran (Linux): a
+co-tenant outside the CPU lock stalls a round 2-5x, and such a round is void.
+
 Per level the ratio three ways: of the summed tokens and seconds, of the rounds' medians, and
 the median of each round's own ratio (the router's round against the plain round run next to it:
 this machine's speed drifts +-10% between minutes, so a round's pair is the closest comparison).
@@ -236,9 +239,11 @@ def main() -> None:
                 log = StepLog(engine, routers[name].planner if name in routers else None)
                 params = [SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                          ignore_eos=True, seed=i) for i in range(n_req)]
+                busy0, cpu0 = machine_busy(), time.process_time()
                 t0 = time.perf_counter()
                 seqs = run(engine, ids, params, c, chain)
                 wall = time.perf_counter() - t0 - log.own_seconds
+                others = None if busy0 is None else max(0.0, machine_busy() - busy0 - (time.process_time() - cpu0))
                 log.close()
                 tps[name][0] += sum(len(s.output_ids) for s in seqs)
                 tps[name][1] += wall
@@ -247,7 +252,8 @@ def main() -> None:
                 for i, s in enumerate(seqs):
                     outputs[name].setdefault(i, []).append(list(s.output_ids))
                 print(f"c={c} round {r + 1} {name}: {len(log.steps)} steps, "
-                      f"{sum(len(s.output_ids) for s in seqs) / wall:.1f} tok/s", flush=True)
+                      f"{sum(len(s.output_ids) for s in seqs) / wall:.1f} tok/s"
+                      + ("" if others is None else f", other processes' CPU {others:.2f} s"), flush=True)
         rate = {k: v[0] / v[1] for k, v in tps.items()}
         for name in routers:
             print(f"c={c} t={args.temperature}: {name} {rate[name]:.1f} tok/s, plain {rate['plain']:.1f} tok/s, "
@@ -296,6 +302,18 @@ def main() -> None:
                 cs = router.cache_stats
                 print(f"  {name} decision cache: {cs.hits} hits, {cs.misses} misses, by reason {dict(cs.reasons)}; "
                       f"publications {dict(router.board.publications)}")
+
+
+def machine_busy() -> float | None:
+    """The machine's busy CPU seconds so far (all but idle and iowait, /proc/stat; None where
+    there is none): a round's busy seconds less the process's own are other processes' (a
+    co-tenant outside the CPU lock stalls a round 2-5x here, and a stalled round is void)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def planner_from(path: str):

@@ -54,8 +54,10 @@ def test_cached_decisions_equal_uncached_ones_while_evidence_changes(refute_wait
     a change of acceptance and request turnover. With the refuting probe's back-off
     (`probe_refute_wait`, router/probing.py) this world's decisions take another path that shows
     no probe decision; without it one shows, decided alike by both."""
-    routers = {on: with_cache(make_router(config=RouterConfig(probe_refute_wait=refute_wait)), on)
-               for on in (True, False)}
+    # the 4-row margin this world was built with (0.10; `BatchPlanner.plain_margin` asks it for
+    # each row beside the first since load25): its 4-row batches speculate and probe
+    config = RouterConfig(probe_refute_wait=refute_wait, batch_plain_margin=0.10 / 3)
+    routers = {on: with_cache(make_router(config=config), on) for on in (True, False)}
     traces = {}
     for on, router in routers.items():
         sim = Sim(ALPHAS, seed=21)
@@ -96,7 +98,9 @@ def test_growing_requests_still_hit_mostly():
     Every row decided every step (spec_hold_steps=1): a speculative hold skips the decisions
     that would hit (294 misses with it, 309 without)."""
     sim = Sim(ALPHAS, seed=22)
-    router = make_router(config=RouterConfig(spec_hold_steps=1))
+    # its 8-row batches speculate at the 8-row margin this world was built with (0.10, before
+    # load25's margin for each row beside the first): a plain hold would skip the decisions
+    router = make_router(config=RouterConfig(spec_hold_steps=1, batch_plain_margin=0.10 / 7))
     lens = run_steps(router, sim, 100, rows=8)
     router.cache_stats = CacheStats()
     run_steps(router, sim, 300, rows=8, first_id=max(lens) + 1)

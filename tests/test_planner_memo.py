@@ -11,6 +11,7 @@ import random
 import pytest
 from fixtures import iid_cycle
 
+from specrouter.config import RouterConfig
 from specrouter.records.routing import ForwardRecord, RowContext, RowOutcome, StepReport, speculates
 from specrouter.router.batch import BatchPlanner
 from specrouter.router.policy import Router
@@ -25,13 +26,13 @@ COSTS = {  # seconds of one forward: (b rows, t new tokens, context L): speculat
 ALPHAS = {("d1", "T"): 0.75, ("ngram", "T"): 0.6, ("ngram", "d1"): 0.6}
 
 
-def build_router() -> Router:
+def build_router(config: RouterConfig | None = None) -> Router:
     profile = CostProfile()
     for name, fn in COSTS.items():
         profile.set_function(name, fn, batch_sizes=(1, 2, 4, 8), new_tokens=(1, 2, 4, 8, 16),
                              context_lengths=(128, 1024))
     clock = itertools.count()
-    router = Router(list(COSTS), "T", profile, model_free={"ngram"},
+    router = Router(list(COSTS), "T", profile, model_free={"ngram"}, config=config,
                     timer=lambda: next(clock) * 1e-5)  # every reading 10 us later: the same at every run
     for pair, alpha in ALPHAS.items():
         router.similarity.observe_acceptance(pair, GREEDY, 100 * alpha, 100 * (1 - alpha))

@@ -409,8 +409,9 @@ class RouterConfig:
     # (model-free drafters' forwards reaching the cost profile `free_timing_batch` at a time,
     # seconds summed: off at 1, not kept; removed by prune22, issue 27)
     # a multi-row batch speculates only where the planner predicts it beats plain continuous
-    # batching by this fraction (a speculating row slows every row of the step; acceptance is
-    # an estimate, and under-estimating plain's rate costs every row)
+    # batching by this fraction for each row beside the first (a speculating row slows every row
+    # of the step; acceptance is an estimate, and under-estimating plain's rate costs every row;
+    # rows that commit unlike finish out of step: router/batch.py `BatchPlanner.plain_margin`)
     batch_plain_margin: float = 0.10
     # sampled rows speculate only in batches of at most this many rows (their acceptance is an
     # estimate from similarity, above what coupled drafts get; at t=0.7 speculation lost ~3% to

@@ -57,8 +57,6 @@ class PlainHold:
 
 
 JOINS_KEEP_HOLD = 8  # from this many rows on, rows joining a held batch do not end its hold
-# ... and its plain hold's longest span is this many times plain_hold_max (`BatchPlanner.hold_limit`)
-LARGE_BATCH_HOLD = 2
 
 
 @dataclass(frozen=True)
@@ -254,28 +252,28 @@ class BatchPlanner:
     STANDING_HOLD = 4  # a plain hold's longest span is this many times plain_hold_max while speculation's error stands
 
     def hold_limit(self, n: int, sampled: bool) -> int:
-        """The longest plain hold of a batch of n rows: `RouterConfig.plain_hold_max` steps, or
-        STANDING_HOLD times that while the last try of speculation at this batch size failed
-        (`StepCalibration.failed`: its correction stands). Re-planning at a hold's end decides
-        every row, to find the same verdict while the error stands unless a plan's predicted
-        gain grew past it: a 2-row greedy batch on a Zen 1 (avx2 kernels) was re-planned every
-        16 steps, 32 times in 512 steps, each 6-10 ms of decide() for plain every time
-        (in-process, the serving bench's stream), ~1.3% of its time. A row joining the hold is still
-        weighed at once (`_joiners`), and a row leaving still ends it (`hold_floor`).
+        """The longest plain hold of a batch of n rows: `RouterConfig.plain_hold_max` steps for
+        each row beside the first (the plain margin grows so, `plain_margin`: a re-plan finds
+        speculation past it less often as the batch grows), or STANDING_HOLD times
+        plain_hold_max where that is longer, while the last try of speculation at this batch
+        size failed (`StepCalibration.failed`: its correction stands). Re-planning at a hold's
+        end decides every row, to find the same verdict while the error stands unless a plan's
+        predicted gain grew past it: a 2-row greedy batch on a Zen 1 (avx2 kernels) was
+        re-planned every 16 steps, 32 times in 512 steps, each 6-10 ms of decide() for plain
+        every time (in-process, the serving bench's stream), ~1.3% of its time. A row joining
+        the hold is still weighed at once below JOINS_KEEP_HOLD rows (`_joiners`), and a row
+        leaving still ends it (`hold_floor`).
 
-        From JOINS_KEEP_HOLD rows on, LARGE_BATCH_HOLD times plain_hold_max (load22): there the
-        hold's end is the only re-check (joins keep it), a re-plan decides every row (~1.4-2.2 ms
-        of decide() at 8 rows, AMD EPYC Zen 5, serve_engine --trace), and speculation gains least
-        (a speculating row slows every row: pinned, every row draft > target k=1 ran 1.00x plain
-        batching at 8 rows, session 20; the best speculative option at this run's 8-row re-plans
-        0.68-1.03x plain's predicted rate). Held 8-row steps' host seconds outside the executor
-        0.31-0.37 -> 0.19-0.25 ms in four side-by-side runs (plan_batch 0.11-0.14 -> 0.04-0.07,
-        shadow proposals 0.04-0.05 -> 0.01-0.025; plain batching's 0.10), docs/router.md load22."""
+        At 4 rows (AMD EPYC Zen 5, serve_engine.py --trace, load25) a batch whose speculation
+        never failed re-planned every 16 steps at ~1.5 ms (4 decides) for plain every time,
+        0.105 ms of its held steps' 0.24 ms outside the executor (plain batching's 0.05). From 8
+        rows on (load22: 2x plain_hold_max there before) the hold's end is the only re-check (joins
+        keep it) and a re-plan decides every row (~1.4-2.2 ms at 8 rows); held 8-row steps' host
+        seconds outside the executor went 0.31-0.37 -> 0.19-0.25 ms with 32-step holds."""
         limit = self.router.config.plain_hold_max
         spec = self.calibrations.get((n, True, sampled))
-        if spec is not None and spec.failed:
-            return limit * self.STANDING_HOLD
-        return limit * LARGE_BATCH_HOLD if n >= JOINS_KEEP_HOLD else limit
+        standing = self.STANDING_HOLD if spec is not None and spec.failed else 1
+        return limit * max(n - 1, standing)
 
     def _lease(self, now: int, steps: int) -> int:
         """`BatchPlan.steps` of a held plain batch (a single stream's too) planned at observed step `now`: its plain
@@ -335,7 +333,27 @@ class BatchPlanner:
 
         top = max(k for _, k in own)
         best = max([rate(own)] + [rate([(c, min(k, cap)) for c, k in own]) for cap in (1, 2, 3, 4, 6, 8) if cap < top])
-        return best > rate([plain] * len(rows)) * (1.0 + max(cfg.persist_margin, cfg.batch_plain_margin))
+        return best > rate([plain] * len(rows)) * self.plain_margin(len(rows) + len(pinned))
+
+    def plain_margin(self, n: int) -> float:
+        """The factor by which a step of n rows (pinned ones included) that speculates must be
+        predicted to beat plain batching of its rows before it leaves plain (`plan_afresh`,
+        `joiners_gain`, `take_confident_drafts`): `RouterConfig.batch_plain_margin` for each row
+        beside the first, at least `persist_margin` (a single row: `persist_margin` only, its own
+        decision's hysteresis).
+
+        A speculating row slows every other row of its step, and the rows do not commit alike:
+        they finish out of step, so a stream's last requests run in smaller batches than plain
+        batching's, whose rows end together. At 4 rows on the serving bench's stream (AMD EPYC Zen
+        5, greedy, benchmarks/serve_engine.py) the router's 4-row speculative steps realised
+        1.12-1.20x plain batching's rate in the step (planning included) in the runs where it
+        chose them, and those rounds read 0.93-0.97x plain: their last requests ran in
+        104 more steps of 1-3 rows than their tokens needed at 4 rows, over six rounds, ~6% of the
+        router's time (docs/router.md, load25). The margin grows with the rows a speculating row
+        slows; at 2 rows it is the margin it was (2-row speculative steps realised 1.2-1.3x
+        plain batching's rate in the step, serve24, and their runs 0.95-1.15x, load25)."""
+        cfg = self.router.config
+        return 1.0 + max(cfg.persist_margin, cfg.batch_plain_margin * (n - 1))
 
     def plan_afresh(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = (),
                     decided: Mapping[int, Decision] | None = None) -> list[Decision]:
@@ -352,7 +370,7 @@ class BatchPlanner:
            (`step_seconds`: every model's forwards at their real rows and widths, pinned rows
            included); the rows' own plans stay unless an alternative is better by more than
            `persist_margin`, and plain decoding wins unless speculation beats it by that much
-           (by `batch_plain_margin` in a multi-row batch)."""
+           (by `plain_margin(n)` in a multi-row batch)."""
         router, cfg = self.router, self.router.config
         n = len(rows) + len(pinned)
         if n > router.profile.max_batch(router.target):
@@ -402,8 +420,9 @@ class BatchPlanner:
         rate, best = max(options, key=lambda o: o[0])
         margin = 1.0 + cfg.persist_margin
         # in a multi-row batch a speculating row slows every row of the step: speculation must
-        # beat plain continuous batching by `batch_plain_margin` (its acceptance is an estimate)
-        plain_margin = 1.0 + max(cfg.persist_margin, cfg.batch_plain_margin if n > 1 else 0.0)
+        # beat plain continuous batching by `batch_plain_margin` for each row beside the first
+        # (its acceptance is an estimate, and rows that commit unlike finish out of step)
+        plain_margin = self.plain_margin(n)
         if rate_plain * plain_margin >= rate:
             best, reason = options[1][1], "batch-plain"
         elif rate_own * margin >= rate:
@@ -491,7 +510,11 @@ class BatchPlanner:
         (drafter > target, m) when that raises the step's predicted throughput (E[tokens] over
         `step_seconds`, the other rows' plans as they are); offers are taken best first. The
         router's own acceptance estimates cannot see such a draft coming: they average over the
-        request's cycles."""
+        request's cycles. A multi-row step whose plans are all plain leaves plain for a confident
+        draft only past `plain_margin`, as for any other plan: at 4 rows such drafts (one row's
+        suffix draft of 11-16 tokens beside three plain rows) ran 10.8-18.4 ms where 6.4-7.8 were
+        predicted (a packed forward with one wide row costs more than its mean width says), and at
+        2 rows a suffix k=1 draft committed 1.10-1.24 tokens a cycle (docs/router.md, load25)."""
         if not offers:
             return plans
         router = self.router
@@ -506,6 +529,7 @@ class BatchPlanner:
                              [r.lags for r in rows])
 
         current = rate(best, tokens)
+        n = len(rows) + len(pinned)
         for i, (name, m, score) in sorted(offers.items(), key=lambda o: -o[1][2]):
             chain = (name, router.target)
             if chain not in router.chain_index or 1.0 + score <= tokens[i]:
@@ -513,7 +537,9 @@ class BatchPlanner:
             trial, t2 = best.copy(), tokens.copy()
             trial[i], t2[i] = (chain, m), 1.0 + score
             r = rate(trial, t2)
-            if r > current:
+            # leaving plain (no row of the step speculates yet) asks the plain margin
+            leaves = n > 1 and not speculates(list(best) + list(pinned))
+            if r > current * (self.plain_margin(n) if leaves else 1.0):
                 best, tokens, current = trial, t2, r
         return best
 
