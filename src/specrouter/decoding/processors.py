@@ -320,9 +320,9 @@ def penalize_native(native, out: torch.Tensor, rows: list[tuple[int, RowHistory,
 def process_rows(logits: torch.Tensor, rows: list[RowHistory | None], inplace: bool = False) -> torch.Tensor:
     """logits (B, G, V) on the host -> processed logits (B, G, V), float32 (float64 for
     float64 logits); rows without processors (or None: decoding/lazy_mask.py) are only cast.
-    Row b uses rows[b]. `inplace`: a
-    float32 / float64 contiguous `logits` is processed where it is (its rows with processors
-    changed; no copy of the vocabulary: the executor's fresh forward output) and returned."""
+    Row b uses rows[b]. `inplace`: a float32 / float64 contiguous `logits` is processed where it
+    is (its rows with processors changed; no copy of the vocabulary: the executor's fresh forward
+    output) and returned."""
     B, G = logits.shape[:2]
     assert len(rows) == B, f"{len(rows)} histories for {B} logit rows"
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
