@@ -26,6 +26,7 @@ import torch
 from fixtures import FOUR_LEVELS, four_level_fixtures, load_named_pool
 
 from specrouter.config import SamplingParams
+from specrouter.decoding import executor as executor_mod
 from specrouter.decoding import grammar as grammar_mod
 from specrouter.decoding.grammar import GrammarError, GrammarSpec, RowGrammar, unpack_bitmask
 from specrouter.engine import constrained
@@ -258,6 +259,7 @@ def test_negative_control_masks_without_the_draft_path_break_equality(pool, prom
         return real(self, generated, [], 0, 1).expand(G, -1)  # every position: the committed state
 
     monkeypatch.setattr(RowGrammar, "allowed", committed_only)
+    monkeypatch.setattr(executor_mod, "lazy", lambda w: False)  # eager masks (test_lazy_mask.py has the lazy ones' control)
     params = SamplingParams(max_new_tokens=MAX_NEW, grammar=SPECS["json_schema"])
     broken = [run(pool, prompts, params, chain, 4, jump_forward=False)[0] for chain in CHAINS[:2]]
     assert any(b != references["json_schema"] for b in broken)

@@ -44,6 +44,7 @@ import torch
 from specrouter.decoding import certain_drafts as certain
 from specrouter.drafters.base import ModelFreeDrafter
 from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
+from specrouter.decoding.lazy_mask import choose_refused, lazy
 from specrouter.decoding.logprobs import generated_logprobs, prompt_logprobs
 from specrouter.decoding.processors import PenaltyMemo, RowHistory, process_rows
 from specrouter.decoding.sampling import SamplingTensors, choose_at
@@ -502,17 +503,21 @@ class ChainExecutor:
         rows = sum(1 for w in work if w.processors)
         if not rows:
             return logits
+        eager = [w.processors and not lazy(w) for w in work]  # lazy rows: `_sample` masks them (lazy_mask.py)
+        if not any(eager):
+            self._proc_rows += rows
+            return logits
         t0 = self.clock()
-        for w in work:
-            if w.processors and w.seq.penalty_memo is None:
+        for w, e in zip(work, eager):
+            if e and w.seq.penalty_memo is None:
                 w.seq.penalty_memo = PenaltyMemo()
         offsets = offset if isinstance(offset, list) else [offset] * len(work)
         on_host = logits.device.type == "cpu"  # penalties etc. run on host tensors
         # in place: the forward's logits of a row with processors are read processed from here on
         out = process_rows(logits if on_host else logits.cpu(), [
             RowHistory(w.seq.params, w.seq.tokens, w.seq.prompt_len, w.seq.stop_ids, w.cand, o,
-                       w.seq.grammar, w.seq.penalty_memo)
-            for w, o in zip(work, offsets)], inplace=True)
+                       w.seq.grammar, w.seq.penalty_memo) if e else None
+            for w, o, e in zip(work, offsets, eager)], inplace=True)
         if not on_host:
             out = out.to(logits.device)
         self._proc_seconds += self.clock() - t0
@@ -522,9 +527,17 @@ class ChainExecutor:
     def _sample(self, logits: torch.Tensor, work: list[RowWork], sampling: SamplingTensors, offset: int = 0,
                 offsets: list[list[int]] | None = None) -> torch.Tensor:
         """`_choose` on logits already processed (`_process`): (B, G) host tokens
-        (`sampling.choose_at`: one native call on the CPU)."""
+        (`sampling.choose_at`: one native call on the CPU); a greedy row whose only processor is
+        its grammar was left unprocessed and is masked here only where the grammar refuses its
+        token (decoding/lazy_mask.py)."""
         positions = [] if sampling.all_greedy else token_positions(work, logits.shape[1], offset, offsets)
-        return choose_at(logits, sampling, [w.b for w in work], [w.seq.seed_key for w in work], positions)
+        tokens = choose_at(logits, sampling, [w.b for w in work], [w.seq.seed_key for w in work], positions)
+        rows = [b for b, w in enumerate(work) if w.processors and lazy(w)]
+        if rows:  # greedy rows whose only processor is the grammar: masked where it refuses their token
+            t0 = self.clock()
+            choose_refused(logits, work, sampling, rows, offset, offsets, tokens)
+            self._proc_seconds += self.clock() - t0
+        return tokens
 
     # -- log-probabilities (decoding/logprobs.py) -------------------------------------------
     def _logprobs(self, work: list[RowWork], processed: torch.Tensor, sampling: SamplingTensors) -> None:

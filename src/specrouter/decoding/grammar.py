@@ -182,6 +182,50 @@ class RowGrammar:
         self.masks_computed += G
         return unpack_bitmask(bits, self.vocab)  # (G, V)
 
+    def refused(self, generated: list[int], path: list[int], offset: int, tokens: list[int]
+                ) -> list[tuple[int, torch.Tensor]]:
+        """A greedy row's masks, applied lazily (`allowed`'s positions and path walk):
+        `tokens[g]` is the argmax of the UNMASKED logits at position g; where the mask allows
+        it, it is the masked argmax too (masking only sets refused tokens to -inf: the maximum
+        and the first index holding it stay), so that position's mask is read for one bit and
+        neither unpacked nor applied. Returns (g, (V,) bool mask) for each position whose token
+        the mask refuses; the caller masks there and chooses again. The positions `allowed`
+        leaves unmasked (after a refused or stop path token, past the path) are skipped alike.
+        (The bit is read from the mask, not from `validate_tokens`: llguidance's token check
+        accepts more than its mask where the grammar forces text, e.g. 'T' where the mask
+        allows only the token 'The'.)"""
+        import llguidance.torch as lt
+        import time
+
+        t0 = time.perf_counter()
+        self.sync(generated)
+        m = self.matcher
+        out: list[tuple[int, torch.Tensor]] = []
+        steps, ok = self._advance(path[:offset])
+        ok = ok and len(path) >= offset
+        G = len(tokens)
+        bits = torch.empty((G, self._words), dtype=torch.int32)
+        words = bits.numpy()  # (a view: one bit read without torch's per-element cost)
+        for g, t in enumerate(tokens):
+            if not ok:
+                break
+            lt.fill_next_token_bitmask(m, bits, g)
+            if t >= self.vocab or not (int(words[g, t >> 5]) >> (t & 31)) & 1:
+                out.append((g, unpack_bitmask(bits[g : g + 1], self.vocab)[0]))
+            if g + 1 < G:
+                if offset + g >= len(path):
+                    break  # padding positions of a shorter row
+                p = path[offset + g]
+                if p in self.stop_ids or m.validate_tokens([p]) != 1:
+                    break
+                m.consume_token(p)
+                steps += 1
+        if steps:
+            m.rollback(steps)
+        self.mask_seconds += time.perf_counter() - t0
+        self.masks_computed += G
+        return out
+
     def _advance(self, path) -> tuple[int, bool]:
         """Consume `path` after the committed tokens, each token validated first (a refused one
         would leave the matcher in its error state, which no rollback clears): (tokens

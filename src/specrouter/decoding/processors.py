@@ -317,11 +317,12 @@ def penalize_native(native, out: torch.Tensor, rows: list[tuple[int, RowHistory,
            [float(h.params.repetition_penalty) for _, h, _ in rows])
 
 
-def process_rows(logits: torch.Tensor, rows: list[RowHistory], inplace: bool = False) -> torch.Tensor:
+def process_rows(logits: torch.Tensor, rows: list[RowHistory | None], inplace: bool = False) -> torch.Tensor:
     """logits (B, G, V) on the host -> processed logits (B, G, V), float32 (float64 for
-    float64 logits); rows without processors are only cast. Row b uses rows[b]. `inplace`: a
-    float32 / float64 contiguous `logits` is processed where it is (its rows with processors
-    changed; no copy of the vocabulary: the executor's fresh forward output) and returned."""
+    float64 logits); rows without processors (or None: decoding/lazy_mask.py) are only cast.
+    Row b uses rows[b]. `inplace`: a float32 / float64 contiguous `logits` is processed where it
+    is (its rows with processors changed; no copy of the vocabulary: the executor's fresh forward
+    output) and returned."""
     B, G = logits.shape[:2]
     assert len(rows) == B, f"{len(rows)} histories for {B} logit rows"
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -340,7 +341,7 @@ def _process_into(out: torch.Tensor, rows: list[RowHistory]) -> torch.Tensor:
     G = out.shape[1]
     penalized, memos = [], set()
     for b, h in enumerate(rows):
-        if not h.params.has_processors:
+        if h is None or not h.params.has_processors:  # (None: the caller masks that row lazily)
             continue
         memo = h.memo if h.memo is not None and id(h.memo) not in memos else PenaltyMemo()
         memos.add(id(memo))  # (one memo per row: its scratch columns are the row's)

@@ -1,0 +1,48 @@
+"""Grammar masks applied only where they change a greedy row's token (session 25, structcost25).
+
+A constrained row's mask is a logits processor (decoding/processors.py): eagerly, every position
+of every forward gets its (V,) mask (llguidance's bitmask, unpacked to a (G, V) bool tensor and
+applied to the (G, V) logits) before the argmax, about 10 positions a verification forward on a
+structured SpecRouter cycle. For a greedy row whose only processor is its grammar, the masked
+argmax equals the unmasked one wherever the mask allows the unmasked argmax (masking only sets
+refused tokens to -inf: the maximum and the first index holding it stay), so the executor
+chooses on the raw logits, reads ONE bit of each position's mask (`RowGrammar.refused`), and
+only where that bit refuses the token does it unpack that position's mask, apply it in place
+and choose there again with the same kernel. The tokens are the eager path's at every position
+(tests/test_lazy_mask.py compares them).
+
+Not lazy (eager masks as before): sampled rows (the whole masked distribution is sampled), rows
+with any other processor (penalties, logit_bias, allowed_token_ids, min_tokens) or asking for
+logprobs (they read the processed logits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specrouter.decoding.sampling import SamplingTensors, choose_at
+
+
+def lazy(w) -> bool:
+    """Whether row work `w` (decoding/executor.RowWork) gets its grammar's masks lazily."""
+    p = w.seq.params
+    return (w.processors and p.greedy and w.seq.grammar is not None and p.logprobs is None
+            and p.allowed_token_ids is None and not p.logit_bias and not p.min_tokens
+            and not p.presence_penalty and not p.frequency_penalty and p.repetition_penalty == 1.0)
+
+
+def choose_refused(logits: torch.Tensor, work: list, sampling: SamplingTensors, rows: list[int],
+                   offset: int, offsets: list[list[int]] | None, tokens: torch.Tensor) -> None:
+    """Fix `tokens` (B, G) host int64, chosen on the unmasked `logits` (B, G, V), for the lazy
+    rows `rows` (indices into `work`): where a row's grammar refuses its token, mask that
+    position of `logits` in place and choose there again. Row b's draft path offset is
+    `offsets[b][0]` when given, else `offset` (the executor's `_sample` convention)."""
+    for b in rows:
+        w = work[b]
+        o = offsets[b][0] if offsets is not None else offset
+        for g, allowed in w.seq.grammar.refused(w.seq.output_ids, w.cand, o, tokens[b].tolist()):
+            with torch.inference_mode():  # (the forward's logits are inference tensors)
+                logits[b, g].masked_fill_(~allowed.to(logits.device), float("-inf"))
+            at = logits[b : b + 1, g : g + 1]  # (1, 1, V)
+            positions = [] if sampling.all_greedy else [w.start + o + g]
+            tokens[b, g] = choose_at(at, sampling, [w.b], [w.seq.seed_key], positions)[0, 0]

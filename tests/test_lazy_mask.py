@@ -1,0 +1,112 @@
+"""Lazy grammar masks for greedy rows (decoding/lazy_mask.py, `RowGrammar.refused`).
+
+1. `refused` along a draft path returns exactly the positions whose token `allowed` masks (or
+   a token llguidance's `validate_tokens` accepts but its mask does not: 'T' where the grammar
+   forces "The "), with `allowed`'s masks there, and skips what `allowed` leaves unmasked.
+2. The engine with lazy masks equals the engine with eager masks (every row processed), token
+   for token, for several chains; the lazy path ran (fewer masks computed). Greedy equality to
+   an independent reference is tests/test_grammar.py's (which runs the lazy path).
+3. Negative controls: a `refused` that ignores the draft path, or that never masks, breaks the
+   equality.
+"""
+
+import pytest
+import torch
+from fixtures import four_level_fixtures
+from test_grammar import CHAINS, MAX_NEW, SPECS, fresh_allowed, row_grammar, walk
+
+from specrouter.config import SamplingParams
+from specrouter.decoding import executor as executor_mod
+from specrouter.decoding.grammar import RowGrammar
+from specrouter.engine.engine import Engine
+
+pool, prompts = four_level_fixtures()
+
+
+def run(pool, prompts, params, chain, k=4):
+    engine = Engine(pool)
+    seqs = engine.generate_ids(prompts, [params] * len(prompts), chain=chain, k=k)
+    return [s.output_ids for s in seqs], seqs
+
+
+@pytest.mark.parametrize("name", ["json_schema", "lark", "regex"])
+def test_refused_positions_are_the_masked_ones(pool, name):
+    spec = SPECS[name]
+    doc = walk(pool, spec, 14, seed=3)
+    rg = row_grammar(pool, spec)
+    g_ = torch.Generator().manual_seed(0)
+    seen = 0
+    for cut, offset, G in [(0, 0, 8), (3, 2, 4), (5, 0, 1), (2, 4, 1), (6, 1, 3)]:
+        generated, path = doc[:cut], doc[cut:]
+        masks = rg.allowed(generated, path, offset, G)  # (G, V)
+        for trial in range(4):  # tokens: the path's own (accepted), random ones, stop tokens
+            if trial == 0:
+                tokens = (path[offset:] + [0] * G)[:G]
+            elif trial == 3:
+                tokens = [min(pool.eos_ids)] * G
+            else:
+                tokens = torch.randint(pool.vocab_width, (G,), generator=g_).tolist()
+            got = rg.refused(generated, path, offset, tokens)
+            want = [g for g in range(G) if not masks[g][tokens[g]]]
+            assert [g for g, _ in got] == want, (name, cut, offset, trial)
+            for g, mask in got:
+                assert torch.equal(mask, masks[g])
+            seen += len(got)
+    assert seen > 0
+    # a refused path token: the positions after it are unmasked (none refused)
+    generated, path = doc[:2], list(doc[2:6])
+    path[1] = next(t for t in range(pool.vocab_width)
+                   if not fresh_allowed(pool, spec, generated + path[:1])[0][t] and t not in pool.eos_ids)
+    tokens = [path[0]] + [path[1]] * 4  # refused at position 1: masked there; 2.. follow a refused path token
+    assert [g for g, _ in rg.refused(generated, path, 0, tokens)] == [1]
+
+
+def test_a_token_the_check_accepts_but_the_mask_refuses_is_refused(pool):
+    """Where the grammar forces text ("The "), llguidance's `validate_tokens` accepts a prefix
+    token ('T') its mask refuses (only 'The' there): `refused` reads the mask."""
+    rg = row_grammar(pool, SPECS["lark"])
+    mask, m = fresh_allowed(pool, SPECS["lark"], [])
+    odd = [t for t in range(pool.vocab_width) if m.validate_tokens([t]) == 1 and not mask[t]]
+    assert odd  # (else this test shows nothing)
+    got = rg.refused([], [], 0, odd[:1])
+    assert [g for g, _ in got] == [0] and torch.equal(got[0][1], mask)
+
+
+def eager(monkeypatch):
+    monkeypatch.setattr(executor_mod, "lazy", lambda w: False)
+
+
+@pytest.mark.parametrize("name", ["json_schema", "lark"])
+def test_lazy_masks_equal_eager_masks(pool, prompts, name, monkeypatch):
+    params = SamplingParams(max_new_tokens=MAX_NEW, grammar=SPECS[name])
+    calls, real = [], RowGrammar.refused
+
+    def counted(self, *a):
+        out = real(self, *a)
+        calls.append(len(out))
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(RowGrammar, "refused", counted)
+        lazy_out = {chain: run(pool, prompts, params, chain)[0] for chain in [("target",)] + CHAINS[:3]}
+    assert len(calls) > 0 and sum(calls) > 0  # the lazy path ran, and masked somewhere
+    with monkeypatch.context() as m:
+        eager(m)
+        for chain, out in lazy_out.items():
+            assert out == run(pool, prompts, params, chain)[0], chain
+
+
+def test_negative_controls_a_wrong_refused_breaks_equality(pool, prompts, monkeypatch):
+    params = SamplingParams(max_new_tokens=MAX_NEW, grammar=SPECS["json_schema"])
+    expected = {chain: run(pool, prompts, params, chain)[0] for chain in CHAINS[:2]}
+    real = RowGrammar.refused
+
+    def committed_only(self, generated, path, offset, tokens):  # every position masked at the committed state
+        first = real(self, generated, [], 0, tokens[:1])
+        return [(g, first[0][1]) for g in range(len(tokens))] if first else []
+
+    for wrong in (committed_only, lambda self, generated, path, offset, tokens: []):
+        with monkeypatch.context() as m:
+            m.setattr(RowGrammar, "refused", wrong)
+            broken = {chain: run(pool, prompts, params, chain)[0] for chain in CHAINS[:2]}
+        assert broken != expected
