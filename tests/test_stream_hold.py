@@ -37,13 +37,13 @@ def stream(router, sim, steps, seq_id=0, remaining=None, alphas_after=None, swit
     return plans
 
 
-def settled(steps=60, **config):
+def settled(steps=60, seed=3, **config):
     """A router whose single stream settled on a speculative plan under a firm hold (4-step
     spans unless asked otherwise; its deferred observations are test_deferred.py's)."""
     for name, value in HOLD4.items():
         config.setdefault(name, value)
     router = make_router(order=["ngram", "d1", "T"], config=RouterConfig(**config))
-    sim = Sim(STRONG, seed=3)
+    sim = Sim(STRONG, seed=seed)
     stream(router, sim, steps)
     return router, sim
 
@@ -256,7 +256,7 @@ def test_a_firm_hold_outlasts_its_requests_evidence_moving_and_a_due_probe(relea
             pinned = [(("T",), 0)]
         elif release == "refuted":  # trials of the pair rejected: the hold's count, the request's
             k, pair = hold.decision.k, hold.decision.chain[:2]
-            for _ in range(10):
+            for _ in range(30):  # one rejection a cycle; enough against the ~90 accepted trials it settled on
                 router.stream.tally(SimpleNamespace(forwards=[], outcomes=[SimpleNamespace(
                     seq_id=0, chain=hold.decision.chain, k=k, drafted=[k, k], accepted=[0, 0])]))
             req = router.requests[0]
