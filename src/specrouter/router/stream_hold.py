@@ -9,12 +9,7 @@ settled plain stream was already held (router/batch.py `PlainHold`), and a multi
 speculative plans are (`SpecHold`); a single stream's speculative plan now is too.
 
 `StreamHold` starts after decide() and lasts `RouterConfig.stream_hold_steps` engine steps of
-that one row, unless released first; a firm hold that ran its whole span and whose next decision
-kept its plan ("same") lasts twice its last span, up to `StreamHolder.GROWTH` (4) times
-`stream_hold_steps` (host25: on chat at t=0.7 a decided step was one in four, ~0.8 ms of host
-time and ~0.2 ms of a colder executor each; ~8 of a run's ~70 ended a whole span keeping its
-plan), its shadow proposals and a due probe keeping the base span's period (`StreamHold.period_end`).
-Two kinds:
+that one row, unless released first. Two kinds:
 
 A firm hold (lean18; on since lean20) of a speculative plan: the request's own evidence moved
 nearly every cycle (on a t=0.7 single-stream trace 148 of 246 holds released by it were released
