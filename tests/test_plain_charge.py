@@ -12,7 +12,6 @@ from specrouter.config import RouterConfig
 from specrouter.router.plan_table import PlanTable
 from specrouter.router.host_time import OutsideClock, PlainCharge
 from specrouter.router.policy import RowContext
-from specrouter.router.stream_hold import StreamHolder
 
 WEAK = {("d1", "T"): 0.15}  # a draft agreeing on 15% of tokens (chat, measured: 10-18%)
 OUTSIDE = {True: 4.3e-3, False: 4e-4}  # host seconds outside the executor per step, speculative / plain
@@ -202,9 +201,8 @@ def test_plain_decoding_is_priced_at_its_held_steps():
     steps, so speculation looks no dearer than plain decoding: it keeps going back to d1 > T
     and runs slower by the clock."""
     # the 4-step hold (HOLD4): the default's 8-step plain holds leave few decided plain steps, so the
-    # control prices plain decoding near its held steps too (48 speculative steps, 0.998x); and
-    # spans that do not grow (`StreamHolder.GROWTH` 1): the control's speculating stream, its
-    # plan repeating, held twice and four times as long, pays decide() less often (1.006x, host25)
+    # control prices plain decoding near its held steps too (48 speculative steps, 0.998x)
+    spec, rate, router = run_stream(decided_pays=True, **HOLD4)
     real = OutsideClock.planning
 
     def every_plain_step(self, *a, **kw):  # the old rule: a decided plain step counts as a held one
@@ -212,8 +210,6 @@ def test_plain_decoding_is_priced_at_its_held_steps():
         return m if m is None or m[1] else (m[0], m[1], True)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(StreamHolder, "GROWTH", 1)
-        spec, rate, router = run_stream(decided_pays=True, **HOLD4)
         mp.setattr(OutsideClock, "planning", every_plain_step)
         spec_off, rate_off, router_off = run_stream(decided_pays=True, **HOLD4)
     print(f"\nspeculative steps {spec} vs {spec_off}; {rate:.2f} vs {rate_off:.2f} tok/s")

@@ -337,7 +337,7 @@ class Router:
         """The plans of a step's rows, chosen for the batch the step really runs
         (`BatchPlanner.plan`)."""
         hold = self.stream.hold
-        if self.deferral.queue and not (hold is not None and hold.firm and not hold.period_end(self.observed_steps)):
+        if self.deferral.queue and not (hold is not None and hold.firm):
             self.deferral.fold()  # the step reads the evidence (deferred.py)
         self.measure_tv = self.tv_schedule.wants(rows, self.requests)  # the step measures D_TV
         measured = None if self.step_clock is None else self.outside.planning(

@@ -94,8 +94,6 @@ class StreamHold:
     # a firm hold's break-even: its first pair's alpha (as decisions read it) below which the plan
     # is predicted no faster than plain decoding (`StreamHolder.break_even`; -inf: none)
     floor: float = -math.inf
-    span: int = 0  # its length in steps (`stream_hold_steps`, or more while its plan repeats: `StreamHolder.keep`)
-    base: int = 0  # `stream_hold_steps` then: its shadow proposals' and a due probe's period
 
     def holds(self, row: RowContext, req: RequestState, jumps: Mapping[str, int], now: int, patience: int) -> bool:
         """Still the same one row, before `until`, its evidence and models' speeds unchanged,
@@ -109,16 +107,8 @@ class StreamHold:
                 and not (self.counts and req.worse + 1 >= patience))
 
     def last_step(self, now: int) -> bool:
-        """Does observed step `now` end one of the hold's `base`-step periods (its last step:
-        its shadow proposals run)?"""
-        return now < self.until and (self.until - 1 - now) % max(self.base, 1) == 0
-
-    def period_end(self, now: int) -> bool:
-        """Is observed step `now` where a hold longer than `base` (a repeated plan's) ends one
-        of its `base`-step periods, as a base span would end (a due probe releases it there;
-        its queued observations are folded first: the prober's budget reads them)?"""
-        ran = now - (self.until - self.span)
-        return self.span > self.base and now < self.until and ran >= self.base and ran % self.base == 0
+        """Is observed step `now` the hold's last (its shadow proposals run)?"""
+        return now == self.until - 1
 
 
 class StreamHolder:
@@ -132,9 +122,6 @@ class StreamHolder:
     # ... of a speculative plan (a firm hold), every decided one but a probe, whose one cycle
     # measures a pair (its step holds the plan it stood in for, `keep`), and the request's first
     FIRM = ("same", "hysteresis", "better", "changed", "persistent")
-    # a firm hold whose whole span ran and whose decision then keeps its plan ("same") is held
-    # twice as long, up to this many `stream_hold_steps` (module docstring)
-    GROWTH = 4
 
     def __init__(self, router):
         self.router = router  # policy.Router: its settings (read at every step, as the planner's)
@@ -151,8 +138,6 @@ class StreamHolder:
         # (seq_id, pair, the request's estimate of it then) of a probe whose step starts a firm
         # hold of the plan it stood in for: a promising probe releases it (`tally`)
         self.probe: tuple[int, tuple, float] | None = None
-        # (seq_id, plan, span) of the firm hold that last ran its whole span (`keep`: a repeat grows it)
-        self.ended: tuple[int, tuple, int] | None = None
 
     def plan(self, rows: Sequence[RowContext], pinned: Sequence[Plan], req: RequestState | None,
              probe_due: bool, jumps: Mapping[str, int], now: int) -> BatchPlan | None:
@@ -165,12 +150,9 @@ class StreamHolder:
             return None
         if req is not None and not hold.firm:
             req.settle(self.router.board)  # its version, as the observations since moved it
-        if (len(rows) != 1 or pinned or req is None or (probe_due and (not hold.firm or hold.period_end(now)))
+        if (len(rows) != 1 or pinned or req is None or (probe_due and not hold.firm)
                 or not hold.holds(rows[0], req, jumps, now, self.router.config.patience)
                 or (hold.firm and self.trials.refuted())):
-            # a firm hold that ran its whole span: the next decision may repeat its plan (`keep`)
-            full = hold.firm and len(rows) == 1 and rows[0].seq_id == hold.seq_id and now >= hold.until
-            self.ended = (hold.seq_id, (hold.decision.chain, hold.decision.k), hold.span) if full else None
             self.hold = None
             return None
         req.pending = hold.pending
@@ -194,7 +176,6 @@ class StreamHolder:
         before the decision that reads them)."""
         cfg = self.router.config
         kept, self.kept, self.probe = self.kept, None, None
-        ended, self.ended = self.ended, None
         testing = None
         if decision.reason == "probe" and kept is not None and kept.k > 0 and len(rows) == 1:
             # a probe's step starts the firm hold of the plan it stood in for (module docstring)
@@ -208,10 +189,7 @@ class StreamHolder:
             return False
         watched = tuple(m for m in decision.chain if m not in self.router.model_free) if firm else None
         epoch = req.epoch if not firm else tuple(self.router.profile.jumps.get(m, 0) for m in watched)
-        base = span = cfg.stream_hold_steps
-        if (firm and testing is None and decision.reason == "same" and ended is not None
-                and ended[:2] == (rows[0].seq_id, (decision.chain, decision.k))):
-            span = min(2 * ended[2], self.GROWTH * base)  # the plan repeats: a longer hold
+        span = cfg.stream_hold_steps
         floor = self.break_even(decision, req) if firm else -math.inf
         self.trials = HoldTrials.start(self.router, decision.chain, req, floor) if firm else None
         self.expected, self.streaks = {}, {}
@@ -221,7 +199,7 @@ class StreamHolder:
         self.probe = (rows[0].seq_id, *testing) if testing is not None else None
         self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), pending,
                                req.version, epoch, certain_bucket(rows[0].certain_rate),
-                               now + span, req.worse > 0, firm, watched, floor, span, base)
+                               now + span, req.worse > 0, firm, watched, floor)
         return firm
 
     def break_even(self, decision: Decision, req: RequestState) -> float:
