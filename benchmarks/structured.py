@@ -10,16 +10,19 @@ Requests (chat template, greedy): extract a record's fields into a schema, produ
   candidates (decoding/certain_drafts.py), no field drafts;
 - specrouter: the router picks chain and k per request every cycle, jump forward on, certain
   candidates, and a constrained row's model-free drafts may be field drafts (the text the
-  grammar forces, values copied from the prompt: decoding/field_drafts.py).
+  grammar forces, values copied from the prompt: decoding/field_drafts.py) while they pay in
+  its request (decoding/field_gate.py).
 Every round runs every system on fresh pool views (a learning drafter never sees an earlier
 round's answers; the first round warms up). Every output must validate against its schema and
 equal plain's token for token. Reported: tokens/s per system (generated tokens over wall time,
 prefill included), the ratio to the fastest plain system, target forwards (steps that ran one),
 the mask's share of the wall time (seconds in RowGrammar: masks and forced tokens) and the mask
 seconds per target forward against the mean target forward, and tokens committed by jump
-forward / as certain drafts.
+forward / as certain drafts; per request, target forwards of plain+jf / specrouter-nofields /
+specrouter and specrouter's field gate.
 
-Run: `python benchmarks/structured.py [--rounds 2] [--pool default] [--requests original|reworded|heldout|unseen|all]`.
+Run: `python benchmarks/structured.py [--rounds 2] [--pool default]
+[--requests original|reworded|heldout|unseen|fresh25|all]`.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import time
 
 # the requests and the validator are the `structured` workload's (`specrouter bench --workloads
 # structured` runs them beside the other workloads, against every static chain)
-from specrouter.bench.structured import HELDOUT, REWORDED, STRUCTURED, UNSEEN  # noqa: E402
+from specrouter.bench.structured import FRESH25, HELDOUT, REWORDED, STRUCTURED, UNSEEN  # noqa: E402
 from specrouter.bench.structured import schema_valid as valid  # noqa: E402
 
 
@@ -46,6 +49,7 @@ def run_system(sr, name, chain, jump_forward, max_new, certain=True, fields=True
     outs, tokens, mask_s, fields_s = [], 0, 0.0, 0.0
     steps = []  # per step: the target's forward seconds
     per_request = []  # target forwards per request
+    gates = []  # per request: its field gate's contests won / lost / scored while closed
 
     def on_cycle(stats):
         if stats.forward_time and target in stats.forward_time:
@@ -73,12 +77,14 @@ def run_system(sr, name, chain, jump_forward, max_new, certain=True, fields=True
         mask_s += seq_box[0].grammar.mask_seconds
         fields_s += seq_box[0].grammar.fields.seconds if seq_box[0].grammar.fields is not None else 0.0
         per_request.append(len(steps) - before)
+        gate = seq_box[0].grammar.fields.gate if seq_box[0].grammar.fields is not None else None
+        gates.append(f"{gate.won}/{gate.lost}/{gate.closed}" if gate is not None and fields else "-")
         outs.append(r)
         tokens += len(r.token_ids)
     wall = time.perf_counter() - t0
     sr.engine.generate_ids = real_generate_ids
     return dict(name=name, outs=outs, tokens=tokens, wall=wall, mask_s=mask_s, fields_s=fields_s,
-                target_steps=len(steps), per_request=per_request,
+                target_steps=len(steps), per_request=per_request, gates=gates,
                 target_s=sum(steps), jumped=sum(o.stats.jumped for o in outs),
                 certain=sum(o.stats.certain for o in outs))
 
@@ -88,14 +94,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="passes over the requests (the first warms up)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--pool", nargs="+", default=["default"])
-    ap.add_argument("--requests", choices=["original", "reworded", "heldout", "unseen", "all"],
+    ap.add_argument("--requests", choices=["original", "reworded", "heldout", "unseen", "fresh25", "all"],
                     default="original",
                     help="the bench's 9 requests, the 6 reworded ones (bench/structured.py REWORDED), "
-                    "the 9 of session 23 (HELDOUT), the 9 held-out ones (UNSEEN), or all four sets")
+                    "the 9 of session 23 (HELDOUT), the 9 of session 24 (UNSEEN), the 12 held out in "
+                    "session 25 (FRESH25), or all five sets")
     args = ap.parse_args()
     global REQUESTS
     REQUESTS = {"original": STRUCTURED, "reworded": REWORDED, "heldout": HELDOUT, "unseen": UNSEEN,
-                "all": STRUCTURED + REWORDED + HELDOUT + UNSEEN}[args.requests]
+                "fresh25": FRESH25, "all": STRUCTURED + REWORDED + HELDOUT + UNSEEN + FRESH25}[args.requests]
     from specrouter import SpecRouter
     from specrouter.router.policy import Router
 
@@ -142,10 +149,15 @@ def main() -> None:
               f"per target forward of {1e3 * res['target_s'] / max(res['target_steps'], 1):.1f} ms; "
               f"field drafts {100 * res['fields_s'] / res['wall']:.2f}% of wall; "
               f"jumped {res['jumped']}, certain {res['certain']}")
-    print("per request: target forwards plain+jf / specrouter, the output")
-    for (kind, _, _), o, fj, fs in zip(REQUESTS, results["specrouter"]["outs"], results["plain+jf"]["per_request"],
-                                       results["specrouter"]["per_request"]):
-        print(f"  {kind:8s} {fj:3d} / {fs:3d} {o.finish_reason:6s} {o.text[:110]!r}  chains {dict(o.stats.chains)}")
+    print("per request: target forwards plain+jf / specrouter-nofields / specrouter, the output, "
+          "specrouter's field gate (contests won / lost / scored while closed: decoding/field_gate.py), "
+          "specrouter's chains (cycles), specrouter-nofields' chains")
+    for (kind, _, _), o, n, fj, fn, fs, g in zip(REQUESTS, results["specrouter"]["outs"], results["specrouter-nofields"]["outs"],
+                                                 results["plain+jf"]["per_request"],
+                                                 results["specrouter-nofields"]["per_request"],
+                                                 results["specrouter"]["per_request"], results["specrouter"]["gates"]):
+        print(f"  {kind:8s} {fj:3d} / {fn:3d} / {fs:3d} {o.finish_reason:6s} {o.text[:110]!r}  gate {g}  "
+              f"chains {dict(o.stats.chains)}  nofields {dict(n.stats.chains)}")
     print(f"load {open('/proc/loadavg').read().split()[:3]}")
 
 

@@ -213,8 +213,15 @@ def _wait(cond, timeout=10.0):
         time.sleep(0.01)
 
 
-def test_disconnect_aborts_row(server, client):
+def test_disconnect_aborts_row(server, client, monkeypatch):
     engine = server.app.state.server.engine
+    step = engine.step
+
+    def paced_step():  # 240 tiny-model steps take ~0.2 s: paced, a starved test thread still sees the row run
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(engine, "step", paced_step)
     conn, resp = _open_stream(server, {"prompt": "def add(a, b):", "max_tokens": 240,
                                        "temperature": 0, "ignore_eos": True, "specrouter_k": 1,
                                        "specrouter_chain": ["target"]})

@@ -1,16 +1,17 @@
 """The request sets of the `structured` workload beside the bench's own (issue 30): REWORDED
-(session 21), HELDOUT (session 23; read since for a rule choice) and UNSEEN (session 24, held out
-from tuning) must have the bench's shape, so that benchmarks/structured.py
---requests reworded|heldout|unseen|all runs them like STRUCTURED: each kind with its schema, the
-kinds interleaved (the first of each kind first), chat-length messages, and no request copied from
-another set nor a person or city of one (nor, for UNSEEN, a shopping item of one)."""
+(session 21), HELDOUT (session 23; read since for a rule choice), UNSEEN (session 24, run since) and
+FRESH25 (session 25, held out from tuning) must have the bench's shape, so that
+benchmarks/structured.py --requests reworded|heldout|unseen|fresh25|all runs them like STRUCTURED:
+each kind with its schema, the kinds interleaved (the first of each kind first), chat-length
+messages, and no request copied from another set nor a person or city of one (nor, for UNSEEN and
+FRESH25, a shopping item of one)."""
 
 import re
 
 import pytest
 
-from specrouter.bench.structured import (HELDOUT, PERSON, REWORDED, SHOPPING, STRUCTURED, UNSEEN,
-                                         WEATHER_CALL)
+from specrouter.bench.structured import (FRESH25, HELDOUT, PERSON, REWORDED, SHOPPING, STRUCTURED,
+                                         UNSEEN, WEATHER_CALL)
 
 SCHEMA_OF = {"extract": PERSON, "tool": WEATHER_CALL, "list": SHOPPING}
 # the people and cities each older set names
@@ -18,11 +19,15 @@ FIRST_NAMES = ("Lovelace", "Turing", "Curie", "Einstein", "Tesla", "London", "Pa
                "Tokyo", "Buenos Aires", "Warsaw", "Ulm", "Smiljan")
 HELDOUT_NAMES = ("Okafor", "Rita", "Lagos", "Cape Town", "Jonas", "Lindqvist", "Gothenburg", "Edinburgh",
                  "Frida", "Kahlo", "Rivera", "Coyoacán", "Mexico City", "Reykjavik")
+UNSEEN_NAMES = ("Inês", "Carvalho", "Porto", "Kraków", "Marta", "Wanjiru", "Kamau", "Nairobi", "Zermatt",
+                "Minh Chau", "Tran", "Da Nang", "Whitfield", "Marrakech", "Priya")
 # the shopping items of the older sets (whole words)
 OLDER_ITEMS = ("flour", "eggs", "milk", "butter", "maple syrup", "apples", "bananas", "bread", "lettuce",
                "tomatoes", "cucumber", "onion", "cheese", "water", "sugar", "lemons", "avocados", "limes",
                "chili", "cilantro", "salt", "chicken", "rice", "spinach", "coffee", "napkins", "juice",
                "crisps", "ice")
+UNSEEN_ITEMS = ("lentils", "carrots", "tortillas", "salsa", "chickpeas", "toothpaste", "dish soap",
+                "batteries", "dog food", "charcoal", "sausages", "burger buns", "corn", "ketchup")
 
 
 def _word(text):
@@ -30,8 +35,9 @@ def _word(text):
     return re.compile(rf"\b{re.escape(text)}\b", re.IGNORECASE)
 
 
-@pytest.mark.parametrize("requests,per_kind", [(STRUCTURED, 3), (REWORDED, 2), (HELDOUT, 3), (UNSEEN, 3)],
-                         ids=["structured", "reworded", "heldout", "unseen"])
+@pytest.mark.parametrize("requests,per_kind", [(STRUCTURED, 3), (REWORDED, 2), (HELDOUT, 3), (UNSEEN, 3),
+                                                 (FRESH25, 4)],
+                         ids=["structured", "reworded", "heldout", "unseen", "fresh25"])
 def test_request_set_shape(requests, per_kind):
     assert len(requests) == 3 * per_kind
     for i, (kind, schema, message) in enumerate(requests):
@@ -43,7 +49,9 @@ def test_request_set_shape(requests, per_kind):
 
 @pytest.mark.parametrize("new,older,names", [
     (HELDOUT, STRUCTURED + REWORDED, FIRST_NAMES),
-    (UNSEEN, STRUCTURED + REWORDED + HELDOUT, FIRST_NAMES + HELDOUT_NAMES)], ids=["heldout", "unseen"])
+    (UNSEEN, STRUCTURED + REWORDED + HELDOUT, FIRST_NAMES + HELDOUT_NAMES),
+    (FRESH25, STRUCTURED + REWORDED + HELDOUT + UNSEEN, FIRST_NAMES + HELDOUT_NAMES + UNSEEN_NAMES)],
+    ids=["heldout", "unseen", "fresh25"])
 def test_held_out_requests_are_new(new, older, names):
     mine = [m for _, _, m in new]
     assert len(set(mine)) == len(mine)
@@ -55,9 +63,12 @@ def test_held_out_requests_are_new(new, older, names):
         assert not any(_word(name).search(m) for m in mine), name
 
 
-def test_unseen_shopping_items_are_new():
-    older = " ".join(m for kind, _, m in STRUCTURED + REWORDED + HELDOUT if kind == "list")
-    mine = " ".join(m for kind, _, m in UNSEEN if kind == "list")
-    for item in OLDER_ITEMS:
+@pytest.mark.parametrize("new,older,items", [
+    (UNSEEN, STRUCTURED + REWORDED + HELDOUT, OLDER_ITEMS),
+    (FRESH25, STRUCTURED + REWORDED + HELDOUT + UNSEEN, OLDER_ITEMS + UNSEEN_ITEMS)], ids=["unseen", "fresh25"])
+def test_held_out_shopping_items_are_new(new, older, items):
+    older = " ".join(m for kind, _, m in older if kind == "list")
+    mine = " ".join(m for kind, _, m in new if kind == "list")
+    for item in items:
         assert _word(item).search(older), item  # the list is the older sets'
         assert not _word(item).search(mine), item

@@ -32,6 +32,7 @@ import re
 from bisect import bisect_left
 from dataclasses import dataclass
 
+from specrouter.decoding.field_gate import Contest, matched
 from specrouter.decoding.json_scan import JsonScan
 
 FREE_ROUNDS = 2  # a model-free drafter is asked again after forced tokens at most this often
@@ -65,7 +66,7 @@ def propose_after_forced(drafter, w, fields: bool = False) -> None:
     field draft replaces each answer where they differ (`preferred`) and the rounds go on
     while field drafts come (FIELD_ROUNDS at most: one draft spans several fields)."""
     sized = drafter.sized_by_confidence and w.min_confidence
-    rounds = FIELD_ROUNDS if fields and w.seq.grammar.fields is not None else FREE_ROUNDS
+    rounds = FIELD_ROUNDS if fields and offers_fields(w) else FREE_ROUNDS
     for r in range(rounds + 1):
         if not extend(w) or r == rounds:
             return
@@ -84,19 +85,35 @@ def propose_after_forced(drafter, w, fields: bool = False) -> None:
             return
 
 
+def offers_fields(w) -> bool:
+    """Whether a constrained row is offered field drafts this cycle: it has a field drafter and
+    its gate is open (decoding/field_gate.py: their realised gain in its request)."""
+    fields = w.seq.grammar.fields
+    return fields is not None and fields.gate.open
+
+
 def take_field_draft(w, at: int = 0) -> None:
     """Replace the model-free candidates after position `at` of `w.cand` (the drafter's
     proposal there) by the row's field draft from that position (the same budget: what remains
-    of k own tokens, up to the row's cap) unless the proposal extends it (`preferred`)."""
+    of k own tokens, up to the row's cap) unless the proposal extends it (`preferred`), while
+    the row's gate is open. The cycle's first place where they differ is its contest
+    (`w.contest`), scored after the target's verification whichever was offered
+    (decoding/field_gate.py)."""
     g = w.seq.grammar
-    if g.fields is None:
-        return
+    if g.fields is None or (w.contest is not None and not g.fields.gate.open):
+        return  # (closed: the field draft is only a shadow, and the cycle's first contest is taken)
     budget = min(w.k - own_count(w, at), w.cap - at)
     if budget <= 0:
         return
     own = w.cand[at:]
     chosen = preferred(g, w.seq.output_ids, w.cand[:at], own, budget)
-    if chosen is not own:
+    if chosen is own:
+        return
+    offer = g.fields.gate.open
+    if w.contest is None:
+        q = matched(own, chosen)
+        w.contest = Contest(w.start + at + q, w.cand[:at] + own[:q], chosen[q:], own[q:], offer)
+    if offer:
         del w.cand[at:]
         w.cand.extend(chosen)
 

@@ -116,6 +116,7 @@ class RowWork:
     forced: list[int] = field(default_factory=list)
     certain: int = 0
     values: list[int] = field(default_factory=list)  # where JSON values start in a field-drafted `cand`
+    contest: object = None  # field draft against the drafter's proposal (decoding/field_gate.py Contest)
     processors: bool = False  # the row's parameters have logits processors (SamplingParams.has_processors)
 
     def level(self, model: str) -> int:
@@ -319,7 +320,7 @@ class ChainExecutor:
                 certain.take_field_draft(w, 0)
             if w.forcing and w.cand:  # (before any proposal, jump forward took the forced tokens)
                 certain.propose_after_forced(drafter, w, self.field_drafts)
-                if self.field_drafts and w.seq.grammar.fields is not None:
+                if self.field_drafts and certain.offers_fields(w):
                     certain.cut_values(w, w.seq.grammar.fields)
             w.drafted[0] = certain.own_count(w, len(w.cand))
         work = work + grow
@@ -451,6 +452,8 @@ class ChainExecutor:
                 w.certain = a - w.accepted[j]
                 if w.values:
                     certain.count_values(w.seq.grammar.fields, w.values, a)
+                if w.forcing and self.field_drafts and w.seq.grammar.fields is not None:
+                    w.seq.grammar.fields.gate.observe(w.contest, w.seq.tokens, out)  # their evidence
             certain.keep_prefix(w, a)
             if j == 1 and j < len(w.chain) - 1 and w.proposal is None and not w.forcing:
                 w.proposal = list(out)  # a model-free drafter's verifier: its own tokens (RowWork.proposal)

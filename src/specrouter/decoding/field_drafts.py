@@ -29,7 +29,8 @@ certain candidates (decoding/certain_drafts.py) and asks again after them, so on
 several fields (`", "city": "London", "occupation": "` holds 3 drafted tokens). A field draft is
 verified like any candidate (exact: the target's tokens are committed, whatever is proposed);
 what it changes is how much a cycle commits. The executor offers it in place of a model-free
-drafter's proposal where they differ (`certain_drafts.preferred`; `ChainExecutor.field_drafts`).
+drafter's proposal where they differ (`certain_drafts.preferred`; `ChainExecutor.field_drafts`),
+while they pay in the row's request (`FieldDrafter.gate`: decoding/field_gate.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import itertools
 import re
 import time
 
+from specrouter.decoding.field_gate import FieldGate
 from specrouter.decoding.json_scan import JsonScan
 
 STRUCTURAL = re.compile(r'["{}\[\]:]')  # JSON's structural characters: a value's text starts after the last
@@ -113,6 +115,7 @@ class FieldDrafter:
         self.proposed = 0  # tokens proposed (drafts and the router's shadow proposals)
         self.values_reached = self.values_taken = 0  # drafted values the target reached / accepted whole
         self._scan, self._scanned = JsonScan(), []  # the JSON scan of the output's first len(_scanned) tokens
+        self.gate = FieldGate()  # whether they are offered: their realised gain in this request (field_gate.py)
 
     def _labels(self) -> frozenset[int]:
         """The start offsets of the message's label words: up to LABEL_WORDS words (spaces only

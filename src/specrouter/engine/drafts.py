@@ -63,7 +63,8 @@ def shadow_proposals(rows: Sequence[Row], plans: Sequence[Plan], drafters: Mappi
     With `fields` (the executor's field drafts on), a constrained row's proposal is what the
     executor would draft first: the drafter's, cut where the grammar refuses it, with the row's
     field drafts in place of its tokens from the first one it differs from
-    (decoding/certain_drafts.py `preferred`; up to the first grammar-forced token)."""
+    (decoding/certain_drafts.py `preferred`; up to the first grammar-forced token) while the
+    row's field gate is open (decoding/field_gate.py), the drafter's own where it is closed."""
     out = {}
     first = {}  # row index -> its field draft at the output's end (one per row, whichever drafter)
     for name, drafter in drafters.items():
@@ -76,7 +77,8 @@ def shadow_proposals(rows: Sequence[Row], plans: Sequence[Plan], drafters: Mappi
             continue
         for b in idx:
             g = rows[b].grammar
-            if g is None or g.fields is None or rows[b].params.allowed_token_ids is not None:
+            if (g is None or g.fields is None or not g.fields.gate.open
+                    or rows[b].params.allowed_token_ids is not None):
                 continue
             own = out[name][b]
             own = own[: g.valid_prefix(rows[b].output_ids, own)]

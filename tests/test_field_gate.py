@@ -1,0 +1,126 @@
+"""The per-request gate on field drafts (issue 30, session 25: decoding/field_gate.py).
+
+1. The gate's bookkeeping: a contest is scored only once the row has committed the tokens at
+   its positions (both sides then judged in full), not where its place was never reached; the
+   score decays every cycle; the gate closes on lost contests and opens again as they fade.
+2. On a scripted target (tests/test_field_drafts.py's), greedy, ("ngram", "target"):
+   - a request whose guesses fail (the output is a list that repeats one item the prompt does
+     not name: the n-gram drafter copies it, every guess is another item of the prompt) closes
+     the gate, and the row then takes fewer target forwards than with the gate held open
+     (negative control: scoring a contest at once, before its positions are committed, credits
+     the n-gram's copy with one token past the guess's rejection at most: the gate stays open);
+   - a request whose guesses succeed (the record's JSON) keeps it open and every guess offered;
+   - the outputs are plain constrained decoding's either way (exact whatever the gate decides).
+"""
+
+import pytest
+from fixtures import four_level_fixtures
+from test_field_drafts import ANSWER, PERSON, RECORD, ScriptedTarget, scripted_answer
+
+from specrouter.config import SamplingParams
+from specrouter.decoding import certain_drafts, field_gate
+from specrouter.decoding.field_gate import Contest, FieldGate
+from specrouter.decoding.grammar import GrammarSpec
+from specrouter.engine.constrained import _text_codec
+from specrouter.engine.engine import Engine
+from specrouter.models.pool import Pool
+
+pool, prompts = four_level_fixtures()
+
+SHOPPING = {"type": "object", "properties": {"items": {"type": "array", "items": {
+    "type": "object", "properties": {"item": {"type": "string"}, "quantity": {"type": "integer"}},
+    "required": ["item", "quantity"], "additionalProperties": False}, "maxItems": 5}},
+    "required": ["items"], "additionalProperties": False}
+LIST = "Make a list of what we need: 2 apples, 3 pears, 1 plum, 4 figs, 5 limes and 6 kiwis."
+LOOP = '{"items": [' + ", ".join(['{"item": "tea", "quantity": 1}'] * 5) + "]}"
+
+
+# -- 1. bookkeeping ---------------------------------------------------------------------------
+def test_a_contest_is_scored_once_its_positions_are_committed():
+    gate = FieldGate()
+    c = Contest(at=3, before=[7], fields=[1, 2], own=[5, 6, 8], offered=True)
+    gate.observe(c, [0, 0], [7, 5])  # committed up to position 3 only: the proposal's tail not yet
+    assert gate.contests == 0 and gate.pending == [c]
+    gate.observe(None, [0, 0, 7, 5], [6, 8])
+    assert (gate.contests, gate.lost, gate.pending) == (1, 1, [])
+    assert gate.score == pytest.approx(-3.0)  # the proposal's 3 tokens, in full, against none
+
+
+def test_a_contest_whose_place_was_never_reached_is_not_scored():
+    gate = FieldGate()
+    gate.observe(Contest(at=3, before=[7], fields=[1], own=[5], offered=True), [0, 0], [9, 5, 5])
+    assert gate.contests == 0 and gate.pending == [] and gate.score == 0.0
+
+
+def test_the_gate_closes_on_lost_contests_and_opens_as_they_fade():
+    gate = FieldGate()
+    assert gate.open
+    for _ in range(2):
+        gate.observe(Contest(at=0, before=[], fields=[1, 2], own=[5, 6], offered=gate.open), [], [5, 6])
+    assert not gate.open and gate.lost == 2 and gate.closed == 1
+    while not gate.open:  # cycles without contests: the evidence fades toward the prior
+        gate.observe(None, [], [0])
+    assert gate.score > -field_gate.PRIOR
+
+
+def test_won_contests_keep_it_open():
+    gate = FieldGate()
+    gate.observe(Contest(at=0, before=[], fields=[1, 2, 3], own=[], offered=True), [], [1, 2, 3, 4])
+    assert gate.open and gate.won == 1 and gate.score == pytest.approx(3)
+    gate.observe(Contest(at=0, before=[], fields=[1, 2, 3, 4, 5, 6], own=[8, 8], offered=True), [], [8] * 6)
+    assert gate.open and gate.lost == 1 and gate.score == pytest.approx(3 * field_gate.DECAY - 2)
+
+
+# -- 2. scripted requests ---------------------------------------------------------------------
+def gated_run(pool, prompt_ids, script, schema, fields=True, chain=("ngram", "target")):
+    """(output ids, target forwards, the row's gate) of one greedy row on a scripted target."""
+    target = ScriptedTarget(pool.runners[pool.target], {tuple(prompt_ids): script})
+    scripted = Pool(runners={**pool.runners, pool.target: target}, drafters=pool.drafters, order=pool.order,
+                    target=pool.target, tokenizer=pool.tokenizer, eos_ids=pool.eos_ids, vocab_width=pool.vocab_width)
+    engine = Engine(scripted.with_fresh_drafters())
+    engine.executor.field_drafts = fields
+    params = SamplingParams(max_new_tokens=160, temperature=0.0, grammar=GrammarSpec.json_schema(schema))
+    seq = engine.generate_ids([prompt_ids], [params], chain=chain, k=8)[0]
+    return seq.output_ids, target.forwards, seq.grammar.fields.gate
+
+
+@pytest.fixture(scope="module")
+def looping(pool):
+    encode = _text_codec(pool.tokenizer)[0]
+    prompt_ids, script = encode(LIST), encode(LOOP) + [pool.eos_ids[0]]
+    assert gated_run(pool, prompt_ids, script, SHOPPING, chain=("target",))[0] == script  # grammar-valid
+    return prompt_ids, script
+
+
+def test_the_gate_closes_where_guesses_fail_and_saves_forwards(pool, looping, monkeypatch):
+    prompt_ids, script = looping
+    out, forwards, gate = gated_run(pool, prompt_ids, script, SHOPPING)
+    assert gate.lost > gate.won and gate.closed > 0 and not gate.open
+    off, off_forwards, _ = gated_run(pool, prompt_ids, script, SHOPPING, fields=False)
+    monkeypatch.setattr(field_gate, "PRIOR", float("inf"))  # held open: every guess offered
+    held, held_forwards, held_gate = gated_run(pool, prompt_ids, script, SHOPPING)
+    assert out == off == held == script  # exact whatever is offered
+    assert held_gate.closed == 0 and held_gate.lost > 0
+    assert forwards < held_forwards, (forwards, held_forwards, off_forwards)
+
+
+def test_the_gate_stays_open_where_guesses_succeed(pool):
+    prompt_ids, script, _ = scripted_answer(pool, RECORD, ANSWER)
+    out, _, gate = gated_run(pool, prompt_ids, script, PERSON)
+    assert out == script
+    assert gate.won > 0 and gate.lost == 0 and gate.closed == 0 and gate.open
+
+
+def test_negative_control_sides_swapped_fail_both(pool, looping, monkeypatch):
+    """A contest recorded with its sides swapped (the proposal's tokens as the field draft's):
+    the gate stays open on the loop and closes on the record, failing both checks above."""
+    def swapped(at, before, fields, own, offered):
+        return Contest(at, before, own, fields, offered)
+
+    monkeypatch.setattr(certain_drafts, "Contest", swapped)
+    prompt_ids, script = looping
+    out, _, gate = gated_run(pool, prompt_ids, script, SHOPPING)
+    assert out == script and gate.won > gate.lost and gate.open
+    prompt_ids, script, _ = scripted_answer(pool, RECORD, ANSWER)
+    out, _, gate = gated_run(pool, prompt_ids, script, PERSON)
+    assert out == script and gate.closed > 0
