@@ -37,13 +37,13 @@ def stream(router, sim, steps, seq_id=0, remaining=None, alphas_after=None, swit
     return plans
 
 
-def settled(steps=60, seed=3, **config):
+def settled(steps=60, **config):
     """A router whose single stream settled on a speculative plan under a firm hold (4-step
     spans unless asked otherwise; its deferred observations are test_deferred.py's)."""
     for name, value in HOLD4.items():
         config.setdefault(name, value)
     router = make_router(order=["ngram", "d1", "T"], config=RouterConfig(**config))
-    sim = Sim(STRONG, seed=seed)
+    sim = Sim(STRONG, seed=3)
     stream(router, sim, steps)
     return router, sim
 
@@ -256,7 +256,7 @@ def test_a_firm_hold_outlasts_its_requests_evidence_moving_and_a_due_probe(relea
             pinned = [(("T",), 0)]
         elif release == "refuted":  # trials of the pair rejected: the hold's count, the request's
             k, pair = hold.decision.k, hold.decision.chain[:2]
-            for _ in range(30):  # one rejection a cycle; enough against the ~90 accepted trials it settled on
+            for _ in range(10):
                 router.stream.tally(SimpleNamespace(forwards=[], outcomes=[SimpleNamespace(
                     seq_id=0, chain=hold.decision.chain, k=k, drafted=[k, k], accepted=[0, 0])]))
             req = router.requests[0]
@@ -333,37 +333,3 @@ def test_a_firm_holds_refutation_compares_like_with_like():
         probe = copy.deepcopy(req)
         probe.settle(router.board)
         assert (probe.version != req.version) == refuted  # the same line as the version's move
-
-
-@pytest.mark.parametrize("promising", [False, True])
-def test_a_probes_step_holds_the_plan_it_stood_in_for_unless_the_probe_is_promising(promising):
-    """A probe's step starts the firm hold of the plan decide() kept (its chain and k, held from
-    the next step), so no decision follows a refuted probe; a probe whose pair accepted more
-    than the request's estimate of it (`Prober.judge`'s "not refuted") releases it: the next
-    step decides. Negative control: a probe's step starting no hold (the rule before host25)
-    is followed by a decision whatever it found."""
-    for old in (False, True):
-        router, sim = settled()
-        if old:
-            keep = router.stream.keep
-
-            def keep_old(rows, pinned, decision, req, now, _keep=keep, _stream=router.stream):
-                if decision.reason == "probe":
-                    _stream.kept = _stream.probe = None
-                    return False
-                return _keep(rows, pinned, decision, req, now)
-            router.stream.keep = keep_old
-        # the probed pairs' acceptance: none at all, or every candidate (the n-gram always proposes)
-        for pair in [p for p in sim.alphas if p[0] == "ngram"]:
-            sim.alphas[pair] = 1.0 if promising else 0.0
-        sim.hit = 1.0
-        router.prober.budget = copy.deepcopy(router.prober.budget)
-        router.prober.budget.allow = lambda: True
-        router.prober.next_check = 0
-        plans = stream(router, sim, 40)
-        at = next(i for i, p in enumerate(plans) if p.decisions[0].reason == "probe")
-        before, probe, after = plans[at - 1].decisions[0], plans[at].decisions[0], plans[at + 1].decisions[0]
-        held = not old and not promising
-        assert (after.reason == "held") == held, (old, promising, probe, after)
-        if held:  # the plan the probe stood in for, as the stream ran it before
-            assert (after.chain, after.k) == (before.chain, before.k) and probe.chain[0] == "ngram"

@@ -589,7 +589,7 @@ class Router:
         else:
             self.cache_stats.miss(plans.key if plans is not None else None, key)
             plans = req.cached = self._plans(row, req, key)
-        decision = self.stream.kept = self._hysteresis(req, plans, k_cap)  # a probe's hold runs it after (stream_hold.py)
+        decision = self._hysteresis(req, plans, k_cap)
         if self.prober.due():
             decision = self.prober.decide(row, req, mode, k_cap, decision, plans)
         # what the realized check compares the cycle with: the model's prediction (probes are

@@ -20,12 +20,7 @@ probe wait for its end, caps k near the request's end instead of ending, and wat
 plan's models' speed jumps (a model-free drafter's timing noise fired its step detector ~25
 times a run); its shadow proposals run on its last step only (`keep` returns True: the decided
 step that starts it has none), and its steps are offered confident drafts as decided ones are
-(`BatchPlan.held` False). A probe's step (router/probing.py) starts the firm hold of the plan it
-stood in for (decide()'s before the probe took the cycle, `StreamHolder.kept`), released at once by
-a promising probe (its pair's trials there accepted more than the request's estimate when it was
-chosen: `Prober.judge`'s "not refuted"; host25): the decision after every probe was one of every
-~20 steps on chat at t=0.7 (14 probes and 14 decisions after them in ~300 steps), and after a
-refuted probe it kept the plan. Its steps' observations are folded when next read (router/deferred.py)
+(`BatchPlan.held` False). Its steps' observations are folded when next read (router/deferred.py)
 and it is released by its first pair's trials as it counts them (`HoldTrials`: the pair's
 estimate, as decisions read it, falling by more than `decision_tolerance` or past the plan's
 break-even with plain decoding, `break_even`) and its models' forwards (`watch`), by a row
@@ -120,7 +115,7 @@ class StreamHolder:
     # is the batch planner's PlainHold, spans growing to plain_hold_max) ...
     PLAIN_KEPT = ("hysteresis",)
     # ... of a speculative plan (a firm hold), every decided one but a probe, whose one cycle
-    # measures a pair (its step holds the plan it stood in for, `keep`), and the request's first
+    # measures a pair (the request's first decision is not held)
     FIRM = ("same", "hysteresis", "better", "changed", "persistent")
 
     def __init__(self, router):
@@ -134,10 +129,6 @@ class StreamHolder:
         # tokens) -> predicted seconds of one forward; model -> its streak of outliers (+1 slow, -1 fast)
         self.expected: dict[tuple[str, float], float] = {}
         self.streaks: dict[str, int] = {}
-        self.kept: Decision | None = None  # decide()'s plan before a probe took its cycle (policy.py)
-        # (seq_id, pair, the request's estimate of it then) of a probe whose step starts a firm
-        # hold of the plan it stood in for: a promising probe releases it (`tally`)
-        self.probe: tuple[int, tuple, float] | None = None
 
     def plan(self, rows: Sequence[RowContext], pinned: Sequence[Plan], req: RequestState | None,
              probe_due: bool, jumps: Mapping[str, int], now: int) -> BatchPlan | None:
@@ -170,19 +161,9 @@ class StreamHolder:
              req: RequestState | None, now: int) -> bool:
         """After a step planned by decide(): a single stream's decided speculative plan (`FIRM`:
         a firm hold) or plain plan kept by hysteresis (`PLAIN_KEPT`) is held until observed step
-        now + `stream_hold_steps`; a probe's step holds the speculative plan it stood in for (a
-        `FIRM` one: `kept`), unless the probe is promising (`tally`). True when a firm hold
-        started (the step's own shadow proposals are left out: the hold's last step runs them,
-        before the decision that reads them)."""
+        now + `stream_hold_steps`. True when a firm hold started (the step's own shadow proposals
+        are left out: the hold's last step runs them, before the decision that reads them)."""
         cfg = self.router.config
-        kept, self.kept, self.probe = self.kept, None, None
-        testing = None
-        if decision.reason == "probe" and kept is not None and kept.k > 0 and len(rows) == 1:
-            # a probe's step starts the firm hold of the plan it stood in for (module docstring)
-            testing = self.router.prober.testing.get(rows[0].seq_id)
-            if testing is None:  # not judged (probe_refute_wait 0): decided after it, as before
-                return False
-            decision = kept
         firm = decision.k > 0
         if (len(rows) != 1 or pinned or cfg.stream_hold_steps < 2 or req is None
                 or decision.reason not in (self.FIRM if firm else self.PLAIN_KEPT)):
@@ -193,11 +174,7 @@ class StreamHolder:
         floor = self.break_even(decision, req) if firm else -math.inf
         self.trials = HoldTrials.start(self.router, decision.chain, req, floor) if firm else None
         self.expected, self.streaks = {}, {}
-        # what the realized check compares a held cycle with (decide() set the probe's for its own)
-        pending = req.pending if testing is None else (
-            decision.chain, decision.t_eff / req.corrections.get(decision.chain, 1.0))
-        self.probe = (rows[0].seq_id, *testing) if testing is not None else None
-        self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), pending,
+        self.hold = StreamHold(rows[0].seq_id, dataclasses.replace(decision, reason="held"), req.pending,
                                req.version, epoch, certain_bucket(rows[0].certain_rate),
                                now + span, req.worse > 0, firm, watched, floor)
         return firm
@@ -247,29 +224,13 @@ class StreamHolder:
 
     def tally(self, report) -> None:
         """A step's report, queued unfolded (router/deferred.py): a firm hold's row's trials of
-        its first pair counted (`HoldTrials`); a hold started by a probe's step released when
-        that step shows the probe promising (`promising`)."""
+        its first pair counted (`HoldTrials`)."""
         hold, trials = self.hold, self.trials
         if hold is not None and trials is not None and len(report.outcomes) == 1 \
                 and report.outcomes[0].seq_id == hold.seq_id:
-            probe, self.probe = self.probe, None
-            if probe is not None and self.promising(probe, report.outcomes[0]):
-                self.hold = self.trials = None  # the probe's pair may win: the next step decides
-                return
             trials.count(report.outcomes[0])
             if not self.watch(hold, report.forwards):
                 self.hold = self.trials = None  # released: the next step folds and decides
-
-    def promising(self, probe: tuple[int, tuple, float], outcome) -> bool:
-        """Did a probe's cycle (`outcome`) accept more of its pair than the request's estimate
-        when it was chosen (router/probing.py `Prober.judge`: not refuted)? A cycle without a
-        trial of the pair (a model-free drafter's miss, another plan) is not."""
-        _, pair, estimate = probe
-        if tuple(outcome.chain[:2]) != pair:
-            return False
-        a, r = acceptance_trials(int(outcome.drafted[1]), int(outcome.accepted[1]),
-                                 outcome.k if pair[0] in self.router.model_free else None)
-        return a + r > 0 and a / (a + r) > estimate
 
     def watch(self, hold: StreamHold, forwards) -> bool:
         """A deferred firm hold's models' speeds, as the profile's step detector would read them
