@@ -11,6 +11,9 @@ cycle costs over target-only).
         [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R] [--set FIELD=VALUE ...]
 
 `--set`: RouterConfig fields of SpecRouter's router (a Python literal: stream_hold_steps=4).
+`--statics draft>target:1 ...`: static chains beside them ("draft" and "target" name the pool's
+last two models, as in router_variants.py): the steps of a chain SpecRouter mostly runs, at its cost
+without a router (a SpecRouter step of the same plan against it is the router's whole toll).
 `--base-router CHECKOUT`: a third system, "SR-base", whose router is another checkout's router
 package (its src/specrouter/router, loaded beside this one as `specrouter_base.router`; the rest of
 specrouter, RouterConfig included, is this checkout's, so its router must read this RouterConfig's
@@ -59,6 +62,7 @@ class Timers:
         self.steps: dict[str, int] = defaultdict(int)
         self.system = ""
         self.current: dict[str, float] = defaultdict(float)
+        self.plan = None  # the plan of the last executor step's one row (None: several rows)
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
@@ -70,8 +74,11 @@ class Timers:
         return timed
 
 
-def instrument(system, timers: Timers) -> None:
+def instrument(system, timers: Timers, marked: dict | None = None) -> None:
+    """Time `system`'s engine parts per step; `marked`: plan -> label, a one-row step running
+    such a plan is counted apart (kind + " " + label: SpecRouter's steps of a static's plan)."""
     engine = system.sr.engine
+    marked = marked or {}
     if engine.router is not None:
         engine.router.plan_batch = timers.wrap("plan_batch", engine.router.plan_batch)
         engine.router.observe_step = timers.wrap("observe_step", engine.router.observe_step)
@@ -87,6 +94,7 @@ def instrument(system, timers: Timers) -> None:
 
     def step(rows, plans, *args, **kwargs):
         timers.current["ran"] += 1
+        timers.plan = tuple(plans[0]) if len(plans) == 1 else None
         return timers.wrap("executor", executor_step)(rows, plans, *args, **kwargs)
 
     engine.executor.step = step
@@ -103,6 +111,8 @@ def instrument(system, timers: Timers) -> None:
         kind = "first" if first else engine.last_step_kind if timers.current.get("ran") else "none"
         if kind in ("spec", "plain", "held"):  # decided (decide() ran) or held
             kind += "-dec" if timers.current.get("decide") else "-nod"
+            if timers.plan in marked and engine.router is not None:
+                kind += " " + marked[timers.plan]
         key = f"{system.name} {kind}"
         timers.steps[key] += 1
         timers.seconds[(key, "step")] += wall
@@ -162,6 +172,7 @@ def main() -> None:
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE")
     ap.add_argument("--base-router", metavar="CHECKOUT", help="a third system: another checkout's router")
+    ap.add_argument("--statics", nargs="*", default=[], help="static chains beside them: draft>target:1 ...")
     args = ap.parse_args()
     base = base_router(args.base_router) if args.base_router else None
     config = dataclasses.replace(RouterConfig(), **{k: ast.literal_eval(v) for k, _, v in
@@ -177,12 +188,17 @@ def main() -> None:
     profile = load_or_sweep_profile(pool, progress=False)
     systems = [NativeSystem(pool, "target-only", (pool.target,), None),
                AdaptiveSystem(pool, "SpecRouter", profile=profile, progress=False, router_config=config)]
+    aliases = {"draft": pool.order[-2], "target": pool.target}
+    for spec in args.statics:
+        chain, _, k = spec.partition(":")
+        systems.append(NativeSystem(pool, spec, tuple(aliases.get(m, m) for m in chain.split(">")), int(k or 4)))
     if base is not None:
         systems.append(BaseRouterSystem(pool, "SR-base", *base, profile=profile, progress=False, router_config=config))
+    marked = {(tuple(s.chain), s.k or 0): s.name for s in systems if s.name in args.statics}
     for s in systems:
         s.reset()
         s.run(sr.encode("hello"), Decoding(0.0, 8, 0))  # first forwards allocate
-        instrument(s, TIMERS)
+        instrument(s, TIMERS, marked)
     cfg = BenchConfig(workloads=(args.workload,), prompts_per_type=args.prompts_per_type,
                       temperatures=(args.temperature,), slowdown=False, hf="none", peers=False, controls=controls)
     scenario = build_scenarios(cfg)[0]
@@ -223,6 +239,8 @@ def main() -> None:
                 f"{p} {1e3 * TIMERS.seconds[(key, p)] / n:.3f}" for p in INSIDE))
     for system in systems[1:]:
         router = system.sr.engine.router
+        if router is None:  # a static chain
+            continue
         stats = router.cache_stats
         print(f"{system.name} decision cache: hits {stats.hits}, misses {stats.misses} by changed key field "
               f"{stats.reasons}; evidence republished {router.board.publications}")
