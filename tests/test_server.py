@@ -233,7 +233,7 @@ def test_disconnect_aborts_row(server, client, monkeypatch):
     _wait(lambda: not engine.running)  # the row was aborted and its state freed
     assert seq.finish_reason == "abort" and seq.num_generated < 240
     assert engine.state.live() == []
-    # a non-streamed request whose client goes away is aborted too (polled every second)
+    # a non-streamed request whose client goes away is aborted too (server/generation.py watch_disconnect)
     conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
     conn.request("POST", "/v1/completions", headers={"Authorization": f"Bearer {KEY}",
                                                     "Content-Type": "application/json"},
