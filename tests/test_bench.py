@@ -67,6 +67,10 @@ def test_bench_writes_consistent_json_markdown_and_pngs(bench_out):
             assert s["oracle"]["tokens_per_second"] >= max(static.values())
             assert len({e["tokens"] for e in systems.values()}) == 1
         assert len(s["oracle"]["choices"]) == len(s["requests"]) == 4
+        for q in s["requests"]:  # target-only ran next to SpecRouter (bench/order.py), alternating
+            order = list(q["seconds"])
+            a, b = order.index("SpecRouter"), order.index("target-only")
+            assert b == (a + 1 if q["index"] % 2 == 0 else a - 1)
         assert [q["kind"] for q in s["requests"]] == ["extraction", "prose", "code", "chat"]
         assert s["decisions"] and {e["request"] for e in s["decisions"]} == {0, 1, 2, 3}
         assert all(isinstance(e["k"], int) and isinstance(e["step"], int) for e in s["decisions"])

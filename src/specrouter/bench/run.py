@@ -6,7 +6,8 @@
 2. Scenarios: each workload at each temperature, plus the mixed stream with a scripted slowdown
    of one model from a request onward (greedy). Within a scenario, request by request, every
    system decodes the request, the order of systems rotated by one per request, so drift
-   (thermal, co-tenants, caches) and order effects fall on every system alike.
+   (thermal, co-tenants, caches) and order effects fall on every system alike; target-only runs
+   next to SpecRouter, so the floor ratio's two halves ran in the same seconds (bench/order.py).
 3. Checks: in greedy scenarios every exact system (static chains, SpecRouter) must reproduce
    target-only's tokens; a difference raises `GreedyMismatchError` at once. The transformers
    baselines are compared and any difference is recorded, not fatal.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specrouter.bench.order import run_order
 from specrouter.bench.slowdown import Slowdown
 from specrouter.bench.structured import schema_valid
 from specrouter.bench.summary import (ADAPTIVE_CACHE, NO_HEAD, NO_SUFFIX, WITH_TREES, NO_TV, TARGET_CACHE, chain_label,
@@ -411,6 +413,7 @@ def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown 
         if s is not h.adaptive:
             s.reset()
     systems = [s for s in h.systems if _runs_in(s, sc)]
+    pair = (h.adaptive, h.target_only) if h.adaptive in systems and h.target_only in systems else None
     requests = []
     for i, req in enumerate(sc.workload.requests):
         current[0] = i
@@ -421,8 +424,7 @@ def run_scenario(sc: Scenario, h: Harness, cfg: BenchConfig, slowdown: Slowdown 
         decoding = Decoding(sc.temperature, cfg.max_new_tokens, cfg.seed + i, cfg.controls, req.json_schema)
         outs: dict[str, Outcome] = {}
         sent: dict[str, int] = {}
-        for j in range(len(systems)):
-            s = systems[(i + j) % len(systems)]  # rotated: no system always runs first
+        for s in run_order(systems, i, pair):  # rotated; target-only next to SpecRouter
             if req.conversation is not None:  # re-send the conversation: this system's own replies
                 key = (s.name, req.conversation)
                 messages = conversation_messages(req, histories.get(key, []))
@@ -516,7 +518,8 @@ def _meta(cfg: BenchConfig, h: Harness, scenarios: list[Scenario]) -> dict:
         "oracle": "per request, the fastest static (chain, k) measured on that request (target-only "
                   "included); tokens and seconds summed",
         "best_static": "the fastest static (chain, k) of the scenario, target-only included",
-        "interleaving": "request by request, every system in turn, the order rotated by one per request",
+        "interleaving": "request by request, every system in turn, the order rotated by one per request; "
+                        "target-only next to SpecRouter (after it on even requests, before it on odd ones)",
         "adaptive": "a fresh router per scenario (cold start from this machine's cost profile), "
                     "learning only from its own cycles",
     }

@@ -49,10 +49,13 @@ class Interrupts:
 
 def _swallows(frame) -> bool:
     """Is `frame` a callback whose exceptions CPython reports as "Exception ignored" and drops?
-    importlib's module-lock weakref callback (`_get_module_lock.<locals>.cb`) is where a Ctrl-C
-    during start-up lands now and then (seen in the CLI tests)."""
+    importlib's module-lock weakref callback (`_get_module_lock.<locals>.cb`) and finalizers
+    (`__del__`: regex's `SetBase.__del__` while transformers imports) are where a Ctrl-C during
+    start-up lands now and then (seen in the CLI tests)."""
     code = getattr(frame, "f_code", None)
-    return code is not None and code.co_name == "cb" and "importlib._bootstrap" in code.co_filename
+    if code is None:
+        return False
+    return code.co_name == "__del__" or (code.co_name == "cb" and "importlib._bootstrap" in code.co_filename)
 
 
 class _OneLine(logging.Formatter):
