@@ -110,3 +110,41 @@ def test_negative_controls_a_wrong_refused_breaks_equality(pool, prompts, monkey
             m.setattr(RowGrammar, "refused", wrong)
             broken = {chain: run(pool, prompts, params, chain)[0] for chain in CHAINS[:2]}
         assert broken != expected
+
+
+OTHER_PROCESSORS = [dict(repetition_penalty=1.8), dict(presence_penalty=1.0), dict(frequency_penalty=1.0),
+                    dict(logit_bias={5: 2.0}), dict(min_tokens=3), dict(allowed_token_ids=list(range(400))),
+                    dict(logprobs=2)]
+
+
+@pytest.mark.parametrize("extra", OTHER_PROCESSORS, ids=lambda d: next(iter(d)))
+def test_a_row_with_another_processor_or_logprobs_is_masked_eagerly(extra):
+    """Only a greedy row whose one processor is its grammar, asking no logprobs, is lazy: every
+    other processor reads (or changes) the whole processed row (review25 D4)."""
+    from types import SimpleNamespace
+
+    from specrouter.decoding.lazy_mask import lazy
+
+    def work(**kw):
+        p = SamplingParams(max_new_tokens=4, grammar=SPECS["json_schema"], **kw)
+        return SimpleNamespace(processors=True, seq=SimpleNamespace(params=p, grammar=object()))
+
+    assert lazy(work())  # (else this test shows nothing)
+    assert not lazy(work(**extra))
+    assert not lazy(work(temperature=0.7, seed=1))  # sampled: the whole masked distribution
+
+
+def test_a_penalty_beside_a_grammar_keeps_its_effect(pool, prompts, monkeypatch):
+    """A greedy constrained row with a repetition penalty: the shipped path equals eager masks
+    (every row processed). Negative control: a `lazy` that ignores the penalty (the row's
+    processors skipped where its grammar allows the raw argmax) changes the output."""
+    params = SamplingParams(max_new_tokens=MAX_NEW, grammar=SPECS["json_schema"], repetition_penalty=1.8)
+    chain = CHAINS[0]
+    shipped = run(pool, prompts, params, chain)[0]
+    with monkeypatch.context() as m:
+        eager(m)
+        assert shipped == run(pool, prompts, params, chain)[0]
+    with monkeypatch.context() as m:
+        m.setattr(executor_mod, "lazy", lambda w: bool(w.processors and w.seq.params.greedy
+                                                        and w.seq.grammar is not None))
+        assert run(pool, prompts, params, chain)[0] != shipped

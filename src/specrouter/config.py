@@ -107,9 +107,14 @@ class SamplingParams:
     def has_processors(self) -> bool:
         """Some history-dependent or token-level processor is on (min_p is not one: it is
         part of the temperature / top-k / top-p stage, sampling.py)."""
+        return self.has_processors_besides_grammar or self.grammar is not None
+
+    @property
+    def has_processors_besides_grammar(self) -> bool:
+        """A processor other than the grammar is on (penalties, logit_bias, min_tokens,
+        allowed_token_ids): a grammar row's masks are then applied eagerly (decoding/lazy_mask.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None
-                    or self.grammar is not None)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids is not None)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> SamplingParamsError:

@@ -26,9 +26,8 @@ from specrouter.decoding.sampling import SamplingTensors, choose_at
 def lazy(w) -> bool:
     """Whether row work `w` (decoding/executor.RowWork) gets its grammar's masks lazily."""
     p = w.seq.params
-    return (w.processors and p.greedy and w.seq.grammar is not None and p.logprobs is None
-            and p.allowed_token_ids is None and not p.logit_bias and not p.min_tokens
-            and not p.presence_penalty and not p.frequency_penalty and p.repetition_penalty == 1.0)
+    return bool(w.processors and p.greedy and w.seq.grammar is not None and p.logprobs is None
+                and not p.has_processors_besides_grammar)
 
 
 def choose_refused(logits: torch.Tensor, work: list, sampling: SamplingTensors, rows: list[int],
