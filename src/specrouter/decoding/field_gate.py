@@ -36,18 +36,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specrouter.state.sequence import common_prefix_len
+
 PRIOR = 1.0  # tokens of evidence for field drafts before their request's own
 DECAY = 0.95  # per cycle of the row: its evidence fades (~20 cycles)
-
-
-def matched(tokens: list[int], committed: list[int]) -> int:
-    """How many of `tokens` the target committed (their common prefix)."""
-    n = 0
-    for a, b in zip(tokens, committed):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 @dataclass
@@ -93,7 +85,7 @@ class FieldGate:
         self.pending = left
 
     def _score(self, c: Contest, after: list[int]) -> None:
-        f, o = matched(c.fields, after), matched(c.own, after)
+        f, o = common_prefix_len(c.fields, after), common_prefix_len(c.own, after)
         gain = f - o
         self.score += gain
         self.contests += 1
