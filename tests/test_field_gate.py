@@ -1,16 +1,19 @@
 """The per-request gate on field drafts (issue 30, session 25: decoding/field_gate.py).
 
 1. The gate's bookkeeping: a contest is scored only once the row has committed the tokens at
-   its positions (both sides then judged in full), not where its place was never reached; the
-   score decays every cycle; the gate closes on lost contests and opens again as they fade.
+   its positions (both sides then judged in full; the negative control of scoring it at once,
+   against the cycle's own tokens: the first test's contest would be scored lost by one token,
+   not three), not where its place was never reached; the score decays every drafted cycle;
+   the gate closes on lost contests and opens again as they fade.
 2. On a scripted target (tests/test_field_drafts.py's), greedy, ("ngram", "target"):
    - a request whose guesses fail (the output is a list that repeats one item the prompt does
      not name: the n-gram drafter copies it, every guess is another item of the prompt) closes
-     the gate, and the row then takes fewer target forwards than with the gate held open
-     (negative control: scoring a contest at once, before its positions are committed, credits
-     the n-gram's copy with one token past the guess's rejection at most: the gate stays open);
+     the gate, and the row then takes fewer target forwards than with the gate held open;
    - a request whose guesses succeed (the record's JSON) keeps it open and every guess offered;
-   - the outputs are plain constrained decoding's either way (exact whatever the gate decides).
+   - the outputs are plain constrained decoding's either way (exact whatever the gate decides);
+   - negative control: a contest recorded with its sides swapped fails both. (Scoring contests
+     at once still closes the gate on this loop (review25 D2): only section 1 tells the two
+     scorings apart.)
 3. The call sites that follow the gate, at the looping row's first item with an oracle drafter
    (the script's next tokens up to the next forced one): with the gate closed the executor drafts
    exactly what it drafts with field drafts off (the drafter re-asked FREE_ROUNDS times after
