@@ -32,8 +32,9 @@ import re
 from bisect import bisect_left
 from dataclasses import dataclass
 
-from specrouter.decoding.field_gate import Contest, matched
+from specrouter.decoding.field_gate import Contest
 from specrouter.decoding.json_scan import JsonScan
+from specrouter.state.sequence import common_prefix_len
 
 FREE_ROUNDS = 2  # a model-free drafter is asked again after forced tokens at most this often
 FIELD_ROUNDS = 8  # ... with field drafts (one a field: a draft may span this many)
@@ -111,7 +112,7 @@ def take_field_draft(w, at: int = 0) -> None:
         return
     offer = g.fields.gate.open
     if w.contest is None:
-        q = matched(own, chosen)
+        q = common_prefix_len(own, chosen)
         w.contest = Contest(w.start + at + q, w.cand[:at] + own[:q], chosen[q:], own[q:], offer)
     if offer:
         del w.cand[at:]

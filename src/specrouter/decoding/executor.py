@@ -43,6 +43,7 @@ import torch
 
 from specrouter.decoding import certain_drafts as certain
 from specrouter.drafters.base import ModelFreeDrafter
+from specrouter.decoding.field_gate import Contest
 from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.lazy_mask import choose_refused, lazy
 from specrouter.decoding.logprobs import generated_logprobs, prompt_logprobs
@@ -117,7 +118,7 @@ class RowWork:
     forced: list[int] = field(default_factory=list)
     certain: int = 0
     values: list[int] = field(default_factory=list)  # where JSON values start in a field-drafted `cand`
-    contest: object = None  # field draft against the drafter's proposal (decoding/field_gate.py Contest)
+    contest: Contest | None = None  # field draft against the drafter's proposal (decoding/field_gate.py)
     processors: bool = False  # the row's parameters have logits processors (SamplingParams.has_processors)
 
     def level(self, model: str) -> int:

@@ -18,16 +18,17 @@ committed:
   UNSEEN's SMS list a suffix draft copying the output's own loop lost by one token to guesses it
   beat by up to 16;
 - a contest's **gain** is the field draft's matched tokens less the proposal's (committed
-  tokens). The extra candidates a longer draft puts in the verifying forward are not charged:
-  charged at 0.1 token a candidate (~0.2-0.45 ms a verified position over ~2.8 ms a committed
-  token on the Zen 5), the gated router ran 398.4 tok/s on UNSEEN against 416.7 uncharged, in one
-  process (docs/structured-output.md "Session 25"): the token evidence decides, and a price would
-  be one more machine-specific constant (a GPU verifies a wider forward almost free);
-- the row's **score** is the decayed sum of its gains (every cycle of the row fades it by DECAY,
-  as the router fades a request's unused evidence), and the gate is open while the score plus
-  PRIOR (the benefit of the doubt a request's field drafts start with, in tokens) is positive. A closed gate offers the drafter's proposal and still scores the field draft
-  as a shadow, so a request whose guesses start paying opens it again, and the decay returns the
-  score toward the prior, where the next contest tries again.
+  tokens). The extra candidates a longer draft puts in the verifying forward are not charged: a
+  price per candidate would be one more machine-specific constant (what a verified position
+  costs against a committed token differs by machine; a GPU verifies a wider forward almost
+  free), and charging one showed no gain (docs/structured-output.md "Session 25");
+- the row's **score** is the decayed sum of its gains (every drafted cycle of the row fades it
+  by DECAY, as the router fades a request's unused evidence; a cycle the row decodes plainly
+  leaves it as it is), and the gate is open while the score plus PRIOR (the benefit of the
+  doubt a request's field drafts start with, in tokens) is positive. A closed gate offers the
+  drafter's proposal and still scores the field draft as a shadow, so a request whose guesses
+  start paying opens it again, and the decay returns the score toward the prior, where the
+  next contest tries again.
 
 Exact whatever it decides: only which candidates are verified changes.
 """
@@ -36,18 +37,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specrouter.state.sequence import common_prefix_len
+
 PRIOR = 1.0  # tokens of evidence for field drafts before their request's own
-DECAY = 0.95  # per cycle of the row: its evidence fades (~20 cycles)
-
-
-def matched(tokens: list[int], committed: list[int]) -> int:
-    """How many of `tokens` the target committed (their common prefix)."""
-    n = 0
-    for a, b in zip(tokens, committed):
-        if a != b:
-            break
-        n += 1
-    return n
+DECAY = 0.95  # per drafted cycle of the row: its evidence fades (~20 cycles); the same value as
+# RouterConfig.request_hit_decay's default (a separate constant: the gate reads no config)
 
 
 @dataclass
@@ -93,7 +87,7 @@ class FieldGate:
         self.pending = left
 
     def _score(self, c: Contest, after: list[int]) -> None:
-        f, o = matched(c.fields, after), matched(c.own, after)
+        f, o = common_prefix_len(c.fields, after), common_prefix_len(c.own, after)
         gain = f - o
         self.score += gain
         self.contests += 1
