@@ -191,7 +191,12 @@ def main() -> None:
     aliases = {"draft": pool.order[-2], "target": pool.target}
     for spec in args.statics:
         chain, _, k = spec.partition(":")
-        systems.append(NativeSystem(pool, spec, tuple(aliases.get(m, m) for m in chain.split(">")), int(k or 4)))
+        models = tuple(aliases.get(m, m) for m in chain.split(">"))
+        unknown = [m for m in models if m not in pool.order]
+        if len(models) < 2 or models[-1] != pool.target or unknown or not (k or "4").isdigit() or int(k or 4) < 1:
+            ap.error(f"--statics {spec!r}: expected chain>...>target[:k] (k >= 1) over the pool's models "
+                     f"{list(pool.order)} (or 'draft', 'target'){'; unknown: ' + ', '.join(unknown) if unknown else ''}")
+        systems.append(NativeSystem(pool, spec, models, int(k or 4)))
     if base is not None:
         systems.append(BaseRouterSystem(pool, "SR-base", *base, profile=profile, progress=False, router_config=config))
     marked = {(tuple(s.chain), s.k or 0): s.name for s in systems if s.name in args.statics}
