@@ -299,6 +299,7 @@ def test_a_plain_holds_longest_span_grows_with_the_rows(monkeypatch):
         seen, plans = spans(n)
         assert max(seen) == cap * (n - 1) and plans == len(seen), (n, seen)
     assert len(spans(4)[0]) == 8 and len(spans(8)[0]) == 7
+    assert max(spans(16, steps=240)[0]) == cap * 7  # capped at the 8-row span (a joiner waits for a hold's end)
 
     def load22(self, n, sampled):
         spec = self.calibrations.get((n, True, sampled))

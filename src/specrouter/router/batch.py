@@ -273,7 +273,9 @@ class BatchPlanner:
         limit = self.router.config.plain_hold_max
         spec = self.calibrations.get((n, True, sampled))
         standing = self.STANDING_HOLD if spec is not None and spec.failed else 1
-        return limit * max(n - 1, standing)
+        # no longer than at JOINS_KEEP_HOLD rows (112 steps): from there a joining row waits for
+        # the hold's end, and nothing above 8 rows was measured (review25 N12)
+        return limit * max(min(n, JOINS_KEEP_HOLD) - 1, standing)
 
     def _lease(self, now: int, steps: int) -> int:
         """`BatchPlan.steps` of a held plain batch (a single stream's too) planned at observed step `now`: its plain
