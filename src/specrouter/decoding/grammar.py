@@ -27,6 +27,7 @@ continues after them, and every level accepts them: its masked distribution is o
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
@@ -146,40 +147,9 @@ class RowGrammar:
         following `generated` + `path[: offset + g]`; positions after a refused or stop path
         token, or past the path (a shorter row's padding), are all True (nothing sampled there
         is committed)."""
-        import llguidance.torch as lt
-        import time
-
-        t0 = time.perf_counter()
-        self.sync(generated)
-        m = self.matcher
         bits = torch.full((G, self._words), -1, dtype=torch.int32)  # (G, W): all allowed
-        steps = 0
-        ok = not m.is_error()
-        for i in range(offset):
-            # validated before consumed: a refused token would leave the matcher in its error
-            # state, which no rollback clears (a draft whose masked logits were all -inf, e.g. a
-            # draft vocabulary without the one allowed token, proposes such a token)
-            if not ok or i >= len(path) or path[i] in self.stop_ids or m.validate_tokens([path[i]]) != 1:
-                ok = False
-                break
-            m.consume_token(path[i])
-            steps += 1
-        for g in range(G):
-            if not ok:
-                break
-            lt.fill_next_token_bitmask(m, bits, g)
-            if g + 1 < G:
-                if offset + g >= len(path):
-                    break  # padding positions of a shorter row
-                t = path[offset + g]
-                if t in self.stop_ids or m.validate_tokens([t]) != 1:
-                    break
-                m.consume_token(t)
-                steps += 1
-        if steps:
-            m.rollback(steps)
-        self.mask_seconds += time.perf_counter() - t0
-        self.masks_computed += G
+        for _ in self._masks_along(generated, path, offset, G, bits):
+            pass
         return unpack_bitmask(bits, self.vocab)  # (G, V)
 
     def refused(self, generated: list[int], path: list[int], offset: int, tokens: list[int]
@@ -194,37 +164,48 @@ class RowGrammar:
         (The bit is read from the mask, not from `validate_tokens`: llguidance's token check
         accepts more than its mask where the grammar forces text, e.g. 'T' where the mask
         allows only the token 'The'.)"""
+        bits = torch.empty((len(tokens), self._words), dtype=torch.int32)
+        words = bits.numpy()  # (a view: one bit read without torch's per-element cost)
+        out: list[tuple[int, torch.Tensor]] = []
+        for g in self._masks_along(generated, path, offset, len(tokens), bits):
+            t = tokens[g]
+            if t >= self.vocab or not (int(words[g, t >> 5]) >> (t & 31)) & 1:
+                out.append((g, unpack_bitmask(bits[g : g + 1], self.vocab)[0]))
+        return out
+
+    def _masks_along(self, generated: list[int], path: list[int], offset: int, G: int,
+                     bits: torch.Tensor):
+        """Fill `bits[g]` (G, W) int32 with the packed mask of position g = 0, 1, ... (position g
+        following `generated` + `path[: offset + g]`) and yield g once it is filled; the walk
+        stops after a refused or stop path token or at the path's end (a shorter row's padding),
+        and the matcher is rolled back to `generated` when the caller has taken every position.
+        Path tokens are validated before they are consumed: a refused one would leave the
+        matcher in its error state, which no rollback clears (a draft whose masked logits were
+        all -inf, e.g. a draft vocabulary without the one allowed token, proposes such a token)."""
         import llguidance.torch as lt
-        import time
 
         t0 = time.perf_counter()
         self.sync(generated)
         m = self.matcher
-        out: list[tuple[int, torch.Tensor]] = []
         steps, ok = self._advance(path[:offset])
-        ok = ok and len(path) >= offset
-        G = len(tokens)
-        bits = torch.empty((G, self._words), dtype=torch.int32)
-        words = bits.numpy()  # (a view: one bit read without torch's per-element cost)
-        for g, t in enumerate(tokens):
-            if not ok:
-                break
-            lt.fill_next_token_bitmask(m, bits, g)
-            if t >= self.vocab or not (int(words[g, t >> 5]) >> (t & 31)) & 1:
-                out.append((g, unpack_bitmask(bits[g : g + 1], self.vocab)[0]))
-            if g + 1 < G:
-                if offset + g >= len(path):
-                    break  # padding positions of a shorter row
-                p = path[offset + g]
-                if p in self.stop_ids or m.validate_tokens([p]) != 1:
-                    break
-                m.consume_token(p)
-                steps += 1
-        if steps:
-            m.rollback(steps)
-        self.mask_seconds += time.perf_counter() - t0
-        self.masks_computed += G
-        return out
+        try:
+            if ok and len(path) >= offset:
+                for g in range(G):
+                    lt.fill_next_token_bitmask(m, bits, g)
+                    yield g
+                    if g + 1 < G:
+                        if offset + g >= len(path):
+                            break  # padding positions of a shorter row
+                        t = path[offset + g]
+                        if t in self.stop_ids or m.validate_tokens([t]) != 1:
+                            break
+                        m.consume_token(t)
+                        steps += 1
+        finally:
+            if steps:
+                m.rollback(steps)
+            self.mask_seconds += time.perf_counter() - t0
+            self.masks_computed += G
 
     def _advance(self, path) -> tuple[int, bool]:
         """Consume `path` after the committed tokens, each token validated first (a refused one
@@ -256,7 +237,6 @@ class RowGrammar:
         and it is not a stop token (a stop token is left to the model: it ends the row,
         min_tokens may mask it)."""
         import llguidance.torch as lt
-        import time
 
         t0 = time.perf_counter()
         self.sync(generated)
