@@ -41,6 +41,7 @@ from specrouter.bench.run import BenchConfig, build_scenarios
 from specrouter.bench.systems import AdaptiveSystem, Decoding, NativeSystem
 from specrouter.config import RouterConfig
 from specrouter.engine import engine as engine_module
+from specrouter.errors import ChainError
 from specrouter.models.default_pool import default_pool_paths
 from specrouter.router.setup import load_or_sweep_profile
 
@@ -188,14 +189,14 @@ def main() -> None:
     profile = load_or_sweep_profile(pool, progress=False)
     systems = [NativeSystem(pool, "target-only", (pool.target,), None),
                AdaptiveSystem(pool, "SpecRouter", profile=profile, progress=False, router_config=config)]
-    aliases = {"draft": pool.order[-2], "target": pool.target}
     for spec in args.statics:
         chain, _, k = spec.partition(":")
-        models = tuple(aliases.get(m, m) for m in chain.split(">"))
-        unknown = [m for m in models if m not in pool.order]
-        if len(models) < 2 or models[-1] != pool.target or unknown or not (k or "4").isdigit() or int(k or 4) < 1:
-            ap.error(f"--statics {spec!r}: expected chain>...>target[:k] (k >= 1) over the pool's models "
-                     f"{list(pool.order)} (or 'draft', 'target'){'; unknown: ' + ', '.join(unknown) if unknown else ''}")
+        try:
+            models = pool.validate_chain(chain.split(">"))  # roles ("draft", "target") resolved
+        except ChainError as e:
+            ap.error(f"--statics {spec!r}: {e}")
+        if len(models) < 2 or not (k or "4").isdigit() or int(k or 4) < 1:
+            ap.error(f"--statics {spec!r}: expected a drafting chain ending at the target, chain>...>target[:k], k >= 1")
         systems.append(NativeSystem(pool, spec, models, int(k or 4)))
     if base is not None:
         systems.append(BaseRouterSystem(pool, "SR-base", *base, profile=profile, progress=False, router_config=config))
