@@ -371,7 +371,7 @@ class EvidenceBoard:
             rows = self._rows_cache[context] = {}
         return rows
 
-    def rows_for(self, row, router: float) -> dict | None:
+    def rows_for(self, row, router: float) -> dict:
         """`chain_rows` of a row's cost context (batch size, context bucket, processors, certain
         bucket, `router`: the router's seconds per cycle its plans are charged)."""
         cfg = self.router.config
