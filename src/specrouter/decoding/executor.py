@@ -533,7 +533,7 @@ class ChainExecutor:
         token (decoding/lazy_mask.py)."""
         positions = [] if sampling.all_greedy else token_positions(work, logits.shape[1], offset, offsets)
         tokens = choose_at(logits, sampling, [w.b for w in work], [w.seq.seed_key for w in work], positions)
-        rows = [b for b, w in enumerate(work) if w.processors and lazy(w)]
+        rows = [b for b, w in enumerate(work) if lazy(w)]
         if rows:  # greedy rows whose only processor is the grammar: masked where it refuses their token
             t0 = self.clock()
             choose_refused(logits, work, sampling, rows, offset, offsets, tokens)
