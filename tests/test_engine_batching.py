@@ -353,6 +353,40 @@ def test_plain_hold_of_a_small_batch_weighs_a_joining_row_alone():
     assert sum(decides.values()) == planned
 
 
+def test_from_four_rows_a_joining_row_waits_for_the_holds_end(monkeypatch):
+    """At 4 rows (JOINS_KEEP_HOLD: plain batching must be beaten by 30% there) a request replacing
+    a finished one keeps the hold without a decide, even one that would speculate on its own; it
+    is planned with the batch when the hold ends. At 3 rows the joiner is decided at once.
+    Negative control: joins weighed below 8 rows (main before load26): the 4-row joiner is
+    decided at the join."""
+    def target(b, t, L):  # verification cheap enough that an 80%-accepting row speculates
+        return 0.040 + 0.004 * (t - 1) * b
+
+    def join(n):
+        router = scripted_router(target)
+        for seq_id in range(n):  # the held rows' own drafts are mostly rejected: they decode plainly
+            req = router.request(seq_id, True)
+            for _ in range(40):
+                req.observe(("draft", "target"), 0, 1, router.config.request_decay)
+        decides = Counter()
+        inner = router.decide
+        router.decide = lambda row: (decides.update([row.seq_id]), inner(row))[1]
+        rows = rows_of(n)
+        assert all(d.k == 0 for d in router.plan_batch(rows).decisions) and router.planner.hold is not None
+        joined = rows[:-1] + [dataclasses.replace(rows[-1], seq_id=7)]  # request 7 (prior: 80%)
+        plan = router.plan_batch(joined)
+        return router, joined, plan, decides
+
+    router, joined, plan, decides = join(4)
+    assert plan.held and all(d.k == 0 for d in plan.decisions) and decides[7] == 0
+    router.observed_steps = router.planner.hold.until  # the hold's steps ran: planned with the batch
+    router.plan_batch(joined)
+    assert decides[7] == 1
+    assert join(3)[3][7] == 1  # below 4 rows the joiner is weighed at once
+    monkeypatch.setattr(batch_module, "JOINS_KEEP_HOLD", 8)
+    assert join(4)[3][7] == 1  # the negative control
+
+
 def test_a_joiner_whose_speculation_lost_at_this_batch_size_joins_the_hold():
     """A request that would speculate on its own joins a held 2-row batch: where the batch
     calibration says 2-row speculative steps realised half their predicted rate, it joins the

@@ -43,7 +43,12 @@ class PlainHold:
         16 steps at a time where speculation realised 1.3x plain (measured,
         benchmarks/serve_engine.py); the planner weighs them (`BatchPlanner.plan`). In a
         large batch a joining row changes the verdict rarely and weighing it costs every step
-        a row joins."""
+        a row joins. From 4 rows on (the plain margin asks speculation to beat plain batching
+        by 30% there, `BatchPlanner.plain_margin`) a join found the verdict plain in 44 of 45
+        joins, each a decide of the joiner (~0.5-0.9 ms: a new request's first PlanTable), 0.03
+        ms of a held 4-row step's ~0.16 ms of host time outside the executor against plain
+        batching's ~0.06 (AMD EPYC Zen 5, serve_engine.py --trace, docs/router.md load26): the
+        joiner is planned with the batch at the hold's end."""
         if n >= JOINS_KEEP_HOLD:
             return []
         return [r for r in rows if r.seq_id not in self.members]
@@ -56,7 +61,8 @@ class PlainHold:
         return now == self.until - 1
 
 
-JOINS_KEEP_HOLD = 8  # from this many rows on, rows joining a held batch do not end its hold
+JOINS_KEEP_HOLD = 4  # from this many rows on, rows joining a held batch do not end its hold
+SPAN_ROWS = 8  # a plain hold's longest span grows with the rows up to this many (`BatchPlanner.hold_limit`)
 
 
 @dataclass(frozen=True)
@@ -273,9 +279,9 @@ class BatchPlanner:
         limit = self.router.config.plain_hold_max
         spec = self.calibrations.get((n, True, sampled))
         standing = self.STANDING_HOLD if spec is not None and spec.failed else 1
-        # no longer than at JOINS_KEEP_HOLD rows (112 steps): from there a joining row waits for
-        # the hold's end, and nothing above 8 rows was measured (review25 N12)
-        return limit * max(min(n, JOINS_KEEP_HOLD) - 1, standing)
+        # no longer than at SPAN_ROWS rows (112 steps): a joining row waits for the hold's end
+        # (from JOINS_KEEP_HOLD rows on), and nothing above 8 rows was measured (review25 N12)
+        return limit * max(min(n, SPAN_ROWS) - 1, standing)
 
     def _lease(self, now: int, steps: int) -> int:
         """`BatchPlan.steps` of a held plain batch (a single stream's too) planned at observed step `now`: its plain
