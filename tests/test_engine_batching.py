@@ -425,8 +425,9 @@ def test_a_joiner_whose_speculation_lost_at_this_batch_size_joins_the_hold():
 
 def test_a_drafts_catch_up_is_priced_and_kept_out_of_the_calibration():
     """Speculation that is free per step (flat target forwards) is planned for a 2-row batch
-    whose draft is caught up; where the draft has not seen 400 tokens of each row (plain steps
-    before, `RowContext.lags`), its catch-up forward (charged over `spec_hold_steps`) makes the
+    whose draft is caught up; where the draft has not seen 800 tokens of each row (plain steps
+    before, `RowContext.lags`), its catch-up forward (charged over `spec_hold_steps`, 4: 0.2 s
+    a step at this draft's cost) makes the
     batch plain. A speculative step in which the draft caught up does not calibrate the planner
     (its forward was wider than the plans need); the same step without it does. Negative
     control: the same rows without lags speculate."""
@@ -436,7 +437,7 @@ def test_a_drafts_catch_up_is_priced_and_kept_out_of_the_calibration():
         return 0.0005 * t * b
 
     rows = rows_of(2)
-    behind = [dataclasses.replace(r, lags=(("draft", 400),)) for r in rows]
+    behind = [dataclasses.replace(r, context_len=1000, lags=(("draft", 800),)) for r in rows]
     assert all(d.k > 0 for d in scripted_router(lambda b, t, L: 0.040, draft).plan_batch(rows).decisions)
     assert all(d.k == 0 for d in scripted_router(lambda b, t, L: 0.040, draft).plan_batch(behind).decisions)
     router = scripted_router(lambda b, t, L: 0.040, draft)
@@ -631,7 +632,7 @@ def test_a_try_is_judged_against_plain_steps_as_slow_as_its_own():
 def test_a_failed_try_of_speculation_is_not_retried_while_its_error_stands(monkeypatch):
     """A 2-row batch whose speculative steps realise half their predicted rate: the try that
     confirms the loss (`StepCalibration.failed`) keeps its correction while plain steps run, so
-    over 700 steps it speculates only in its first try (at most 6 steps).
+    over 700 steps it speculates only in its first try (at most two speculative holds).
     Speculation that realises its prediction is not held back (700 of 700). Negative control:
     a failed try's evidence forgotten like any other (the `failed` flag never set) retries
     every 30-130 steps (at least 8 tries)."""
@@ -639,7 +640,7 @@ def test_a_failed_try_of_speculation_is_not_retried_while_its_error_stands(monke
         return [i for i, spec in enumerate(chosen) if spec and (i == 0 or not chosen[i - 1])]
 
     slow = run_calibrated(scripted_router(calibration_target), 2.0, 700)
-    assert sum(slow) <= 6 and tries(slow) == [0], tries(slow)
+    assert sum(slow) <= 2 * RouterConfig().spec_hold_steps and tries(slow) == [0], tries(slow)  # two holds
     assert all(run_calibrated(scripted_router(calibration_target), 1.0, 700))
     monkeypatch.setattr(batch_module.StepCalibration, "failed", property(lambda self: False, lambda self, v: None))
     assert len(tries(run_calibrated(scripted_router(calibration_target), 2.0, 700))) >= 8
@@ -866,10 +867,12 @@ def test_a_speculating_batch_keeps_its_plans_for_spec_hold_steps():
     flat = lambda b, t, L: 0.040  # noqa: E731 - every row speculates
     two = rows_of(2)
     three = rows_of(3)
-    decides, shadows, held = run(scripted_router(flat), [two, two, two, two, three, three])
-    assert held == [False, True, False, True, False, True]
-    assert shadows == [False, True, False, True, False, True]
-    assert decides == Counter({0: 3, 1: 3, 2: 1})  # the join (step 4) planned afresh
+    span = RouterConfig().spec_hold_steps
+    assert span == 4
+    decides, shadows, held = run(scripted_router(flat), [two] * (2 * span) + [three, three])
+    assert held == ([False] + [True] * (span - 1)) * 2 + [False, True]
+    assert shadows == ([False] * (span - 1) + [True]) * 2 + [False, False]
+    assert decides == Counter({0: 3, 1: 3, 2: 1})  # the join (step 2 * span) planned afresh
     router = scripted_router(flat)
     router.config = dataclasses.replace(router.config, spec_hold_steps=1)
     decides, shadows, held = run(router, [two] * 4)
