@@ -425,21 +425,25 @@ def test_a_joiner_whose_speculation_lost_at_this_batch_size_joins_the_hold():
 
 def test_a_drafts_catch_up_is_priced_and_kept_out_of_the_calibration():
     """Speculation that is free per step (flat target forwards) is planned for a 2-row batch
-    whose draft is caught up; where the draft has not seen 800 tokens of each row (plain steps
-    before, `RowContext.lags`), its catch-up forward (charged over `spec_hold_steps`, 4: 0.2 s
-    a step at this draft's cost) makes the
+    whose draft is caught up; where the draft has not seen 400 tokens of each row (plain steps
+    before, `RowContext.lags`), its catch-up forward (charged over `CATCH_UP_SPAN` steps) makes the
     batch plain. A speculative step in which the draft caught up does not calibrate the planner
     (its forward was wider than the plans need); the same step without it does. Negative
-    control: the same rows without lags speculate."""
+    controls: the same rows without lags speculate, and so do they with the catch-up charged over
+    the speculative hold's 4 steps (`spec_hold_steps`, as before load26)."""
     from specrouter.records.routing import ForwardRecord
 
     def draft(b, t, L):  # a draft's forward costs its tokens: a catch-up of 400 costs 0.2 s
         return 0.0005 * t * b
 
     rows = rows_of(2)
-    behind = [dataclasses.replace(r, context_len=1000, lags=(("draft", 800),)) for r in rows]
+    behind = [dataclasses.replace(r, lags=(("draft", 400),)) for r in rows]
     assert all(d.k > 0 for d in scripted_router(lambda b, t, L: 0.040, draft).plan_batch(rows).decisions)
     assert all(d.k == 0 for d in scripted_router(lambda b, t, L: 0.040, draft).plan_batch(behind).decisions)
+    over_the_hold = scripted_router(lambda b, t, L: 0.040, draft)
+    over_the_hold.planner.CATCH_UP_SPAN = over_the_hold.config.spec_hold_steps
+    assert over_the_hold.config.spec_hold_steps == 4
+    assert all(d.k > 0 for d in over_the_hold.plan_batch(behind).decisions)
     router = scripted_router(lambda b, t, L: 0.040, draft)
     plan = [(("draft", "target"), 4)] * 2
     for r in rows:

@@ -575,9 +575,8 @@ class BatchPlanner:
         `lags` (one per plan, `RowContext.lags`; missing: none): the tokens a speculating row's
         models below the target have not seen widen their first forward (a draft catching up
         after plain steps: ~2x a 2-row step's predicted seconds on a Zen 1, avx2 kernels); the
-        catch-up is paid once per switch to speculation, so it is charged over the speculative
-        hold's steps (`RouterConfig.spec_hold_steps`; `span`: over that many steps instead),
-        what the switch buys at least.
+        catch-up is paid once per switch to speculation, so it is charged over CATCH_UP_SPAN
+        steps (`span`: over that many steps instead), what the switch buys at least.
         `publish`: as `EvidenceBoard.predict`.
         Memoized (`_step_memo`): the same plans, context bucket, flags, lags and span under the
         same published evidence and overheads are the same seconds, computed once."""
@@ -602,6 +601,13 @@ class BatchPlanner:
             seconds = memo[1][key] = self._step_seconds(plans, context_len, processors, lags, span)
         return seconds
 
+    # the steps a switch to speculation is charged its draft's catch-up over (`step_seconds`):
+    # the speculative hold's span before load26 (`RouterConfig.spec_hold_steps` 2), which the
+    # plain margins were measured with. Over the 4-step hold since, a batch's first steps priced
+    # the catch-up at half: 4-row speculation was planned at the start of 4 of 4 runs' rounds
+    # (10-44 steps a run) and through the server (31 steps; its round 618 tok/s against 650 held
+    # plain), where charged over 2 steps it was planned in 1 of 4 (docs/router.md, load26)
+    CATCH_UP_SPAN = 2
     STEP_MEMO = True  # False: step_seconds computes every call (tests compare the two)
     STEP_MEMO_SIZE = 4096  # entries kept per published version
 
@@ -636,7 +642,7 @@ class BatchPlanner:
         def width(m: str, widths: list[int]) -> float:  # a packing runner costs its valid tokens
             return sum(widths) / len(widths) if m in router.packed else max(widths)
 
-        span = max(1, router.config.spec_hold_steps if span is None else span)
+        span = max(1, self.CATCH_UP_SPAN if span is None else span)
         for m in router.order:
             ks = draft.get(m, [])
             if m in router.model_free:
