@@ -47,8 +47,9 @@ class PlainHold:
         by 30% there, `BatchPlanner.plain_margin`) a join found the verdict plain in 44 of 45
         joins, each a decide of the joiner (~0.5-0.9 ms: a new request's first PlanTable), 0.03
         ms of a held 4-row step's ~0.16 ms of host time outside the executor against plain
-        batching's ~0.06 (AMD EPYC Zen 5, serve_engine.py --trace, docs/router.md load26): the
-        joiner is planned with the batch at the hold's end."""
+        batching's ~0.06 (AMD EPYC Zen 5, serve_engine.py --trace): the joiner is planned with
+        the batch at the hold's end (its first decision made there; the held steps' planning
+        0.046-0.051 -> 0.031-0.034 ms a step, docs/router.md load26)."""
         if n >= JOINS_KEEP_HOLD:
             return []
         return [r for r in rows if r.seq_id not in self.members]
@@ -603,10 +604,10 @@ class BatchPlanner:
 
     # the steps a switch to speculation is charged its draft's catch-up over (`step_seconds`):
     # the speculative hold's span before load26 (`RouterConfig.spec_hold_steps` 2), which the
-    # plain margins were measured with. Over the 4-step hold since, a batch's first steps priced
-    # the catch-up at half: 4-row speculation was planned at the start of 4 of 4 runs' rounds
-    # (10-44 steps a run) and through the server (31 steps; its round 618 tok/s against 650 held
-    # plain), where charged over 2 steps it was planned in 1 of 4 (docs/router.md, load26)
+    # plain margins were measured with. Charged over the 4-step hold since, 4-row speculation was
+    # planned in 4 of 4 runs (9-44 steps a run, serve_engine.py c=4) and through the server (31
+    # steps; its round 618 tok/s against 650 held plain), where charged over 2 steps it was
+    # planned in 1 of 7 (docs/router.md, load26)
     CATCH_UP_SPAN = 2
     STEP_MEMO = True  # False: step_seconds computes every call (tests compare the two)
     STEP_MEMO_SIZE = 4096  # entries kept per published version
