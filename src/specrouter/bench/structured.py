@@ -203,7 +203,8 @@ FRESH25 = [
 # "x €3.90" lines or "triple it"). The bench's schemas, so its figures compare with the other
 # sets'. Two list wordings were changed after a first plain run in which the target ran into the
 # 80-token cap on them (the invoice cut from three lines to two; a Japanese list, whose output the
-# target filled with invented katakana items, now a bento list in English with one Japanese word).
+# target filled with invented katakana items, now a bento list in English with one Japanese word,
+# the third wording: the second made the target copy the whole request into one item).
 # HELD OUT until the lead's first run at the end of session 26: nobody tunes on it, and only plain
 # decoding has been run on it (docs/structured-output.md "The session 26 held-out set").
 FRESH26 = [
