@@ -353,6 +353,40 @@ def test_plain_hold_of_a_small_batch_weighs_a_joining_row_alone():
     assert sum(decides.values()) == planned
 
 
+def test_from_four_rows_a_joining_row_waits_for_the_holds_end(monkeypatch):
+    """At 4 rows (JOINS_KEEP_HOLD: plain batching must be beaten by 30% there) a request replacing
+    a finished one keeps the hold without a decide, even one that would speculate on its own; it
+    is planned with the batch when the hold ends. At 3 rows the joiner is decided at once.
+    Negative control: joins weighed below 8 rows (main before load26): the 4-row joiner is
+    decided at the join."""
+    def target(b, t, L):  # verification cheap enough that an 80%-accepting row speculates
+        return 0.040 + 0.004 * (t - 1) * b
+
+    def join(n):
+        router = scripted_router(target)
+        for seq_id in range(n):  # the held rows' own drafts are mostly rejected: they decode plainly
+            req = router.request(seq_id, True)
+            for _ in range(40):
+                req.observe(("draft", "target"), 0, 1, router.config.request_decay)
+        decides = Counter()
+        inner = router.decide
+        router.decide = lambda row: (decides.update([row.seq_id]), inner(row))[1]
+        rows = rows_of(n)
+        assert all(d.k == 0 for d in router.plan_batch(rows).decisions) and router.planner.hold is not None
+        joined = rows[:-1] + [dataclasses.replace(rows[-1], seq_id=7)]  # request 7 (prior: 80%)
+        plan = router.plan_batch(joined)
+        return router, joined, plan, decides
+
+    router, joined, plan, decides = join(4)
+    assert plan.held and all(d.k == 0 for d in plan.decisions) and decides[7] == 0
+    router.observed_steps = router.planner.hold.until  # the hold's steps ran: planned with the batch
+    router.plan_batch(joined)
+    assert decides[7] == 1
+    assert join(3)[3][7] == 1  # below 4 rows the joiner is weighed at once
+    monkeypatch.setattr(batch_module, "JOINS_KEEP_HOLD", 8)
+    assert join(4)[3][7] == 1  # the negative control
+
+
 def test_a_joiner_whose_speculation_lost_at_this_batch_size_joins_the_hold():
     """A request that would speculate on its own joins a held 2-row batch: where the batch
     calibration says 2-row speculative steps realised half their predicted rate, it joins the
@@ -392,10 +426,11 @@ def test_a_joiner_whose_speculation_lost_at_this_batch_size_joins_the_hold():
 def test_a_drafts_catch_up_is_priced_and_kept_out_of_the_calibration():
     """Speculation that is free per step (flat target forwards) is planned for a 2-row batch
     whose draft is caught up; where the draft has not seen 400 tokens of each row (plain steps
-    before, `RowContext.lags`), its catch-up forward (charged over `spec_hold_steps`) makes the
+    before, `RowContext.lags`), its catch-up forward (charged over `CATCH_UP_SPAN` steps) makes the
     batch plain. A speculative step in which the draft caught up does not calibrate the planner
     (its forward was wider than the plans need); the same step without it does. Negative
-    control: the same rows without lags speculate."""
+    controls: the same rows without lags speculate, and so do they with the catch-up charged over
+    the speculative hold's 4 steps (`spec_hold_steps`, as before load26)."""
     from specrouter.records.routing import ForwardRecord
 
     def draft(b, t, L):  # a draft's forward costs its tokens: a catch-up of 400 costs 0.2 s
@@ -405,6 +440,10 @@ def test_a_drafts_catch_up_is_priced_and_kept_out_of_the_calibration():
     behind = [dataclasses.replace(r, lags=(("draft", 400),)) for r in rows]
     assert all(d.k > 0 for d in scripted_router(lambda b, t, L: 0.040, draft).plan_batch(rows).decisions)
     assert all(d.k == 0 for d in scripted_router(lambda b, t, L: 0.040, draft).plan_batch(behind).decisions)
+    over_the_hold = scripted_router(lambda b, t, L: 0.040, draft)
+    over_the_hold.planner.CATCH_UP_SPAN = over_the_hold.config.spec_hold_steps
+    assert over_the_hold.config.spec_hold_steps == 4
+    assert all(d.k > 0 for d in over_the_hold.plan_batch(behind).decisions)
     router = scripted_router(lambda b, t, L: 0.040, draft)
     plan = [(("draft", "target"), 4)] * 2
     for r in rows:
@@ -597,7 +636,7 @@ def test_a_try_is_judged_against_plain_steps_as_slow_as_its_own():
 def test_a_failed_try_of_speculation_is_not_retried_while_its_error_stands(monkeypatch):
     """A 2-row batch whose speculative steps realise half their predicted rate: the try that
     confirms the loss (`StepCalibration.failed`) keeps its correction while plain steps run, so
-    over 700 steps it speculates only in its first try (at most 6 steps).
+    over 700 steps it speculates only in its first try (at most two speculative holds).
     Speculation that realises its prediction is not held back (700 of 700). Negative control:
     a failed try's evidence forgotten like any other (the `failed` flag never set) retries
     every 30-130 steps (at least 8 tries)."""
@@ -605,7 +644,7 @@ def test_a_failed_try_of_speculation_is_not_retried_while_its_error_stands(monke
         return [i for i, spec in enumerate(chosen) if spec and (i == 0 or not chosen[i - 1])]
 
     slow = run_calibrated(scripted_router(calibration_target), 2.0, 700)
-    assert sum(slow) <= 6 and tries(slow) == [0], tries(slow)
+    assert sum(slow) <= 2 * RouterConfig().spec_hold_steps and tries(slow) == [0], tries(slow)  # two holds
     assert all(run_calibrated(scripted_router(calibration_target), 1.0, 700))
     monkeypatch.setattr(batch_module.StepCalibration, "failed", property(lambda self: False, lambda self, v: None))
     assert len(tries(run_calibrated(scripted_router(calibration_target), 2.0, 700))) >= 8
@@ -832,10 +871,12 @@ def test_a_speculating_batch_keeps_its_plans_for_spec_hold_steps():
     flat = lambda b, t, L: 0.040  # noqa: E731 - every row speculates
     two = rows_of(2)
     three = rows_of(3)
-    decides, shadows, held = run(scripted_router(flat), [two, two, two, two, three, three])
-    assert held == [False, True, False, True, False, True]
-    assert shadows == [False, True, False, True, False, True]
-    assert decides == Counter({0: 3, 1: 3, 2: 1})  # the join (step 4) planned afresh
+    span = RouterConfig().spec_hold_steps
+    assert span == 4
+    decides, shadows, held = run(scripted_router(flat), [two] * (2 * span) + [three, three])
+    assert held == ([False] + [True] * (span - 1)) * 2 + [False, True]
+    assert shadows == ([False] * (span - 1) + [True]) * 2 + [False, False]
+    assert decides == Counter({0: 3, 1: 3, 2: 1})  # the join (step 2 * span) planned afresh
     router = scripted_router(flat)
     router.config = dataclasses.replace(router.config, spec_hold_steps=1)
     decides, shadows, held = run(router, [two] * 4)

@@ -31,8 +31,9 @@ def test_caches_equal_a_fresh_prefill_after_every_step(tiny_pool_dirs):
     # the scripted one and the decisions do not depend on how busy the machine is
     # sampled rows may speculate in 2-row batches (the default is 1, router/batch.py): the chains then
     # switch under every kind of row, which is what the caches are checked through
-    # the 4-row margin this world was built with (0.10 at 4 rows; load25 made it grow per row)
-    cfg = RouterConfig(patience=2, sampling_spec_max_batch=2, batch_plain_margin=0.10 / 3)
+    # the 4-row margin this world was built with (0.10 at 4 rows; load25 made it grow per row),
+    # and its speculative holds' span (2; load26 made it 4: the world then never decodes plainly)
+    cfg = RouterConfig(patience=2, sampling_spec_max_batch=2, batch_plain_margin=0.10 / 3, spec_hold_steps=2)
     router = Router.from_pool(pool, scripted_profile({}), config=cfg,
                               timer=lambda: 0.0, step_clock=lambda: 0.0)
     eng = Engine(pool, max_num_seqs=5, max_model_len=96, router=router, clock=lambda: 0.0)

@@ -388,8 +388,12 @@ class RouterConfig:
     plain_hold_max: int = 16
     # speculative hold (router/batch.py): a multi-row batch's speculative plans are kept for the
     # same rows this many steps (1: re-planned every step); planning a 2-4 row batch afresh
-    # (every row decided, the joint alternatives weighed) costs ~1-1.5 ms of a ~13 ms step
-    spec_hold_steps: int = 2
+    # (every row decided, the joint alternatives weighed) costs ~1-1.5 ms of a ~13 ms step.
+    # 4 since load26 (2 before: at c=2 on a Zen 5 a 2-row speculative step paid 0.40 ms of
+    # planning and 0.11 of shadow proposals of its 0.8 ms outside the executor, ~10% of an 8 ms
+    # step, and the batch calibration, which counts a step's planning, read such steps 5% slower:
+    # docs/router.md "load26")
+    spec_hold_steps: int = 4
     # a single stream's speculative hold (router/stream_hold.py): a speculative plan decide()
     # kept ("same" or "hysteresis") runs this many steps without decide() unless its evidence,
     # its models' speeds or a due probe release it first (1: decided every step); deciding cost

@@ -43,7 +43,13 @@ class PlainHold:
         16 steps at a time where speculation realised 1.3x plain (measured,
         benchmarks/serve_engine.py); the planner weighs them (`BatchPlanner.plan`). In a
         large batch a joining row changes the verdict rarely and weighing it costs every step
-        a row joins."""
+        a row joins. From 4 rows on (the plain margin asks speculation to beat plain batching
+        by 30% there, `BatchPlanner.plain_margin`) a join found the verdict plain in 44 of 45
+        joins, each a decide of the joiner (~0.5-0.9 ms: a new request's first PlanTable), 0.03
+        ms of a held 4-row step's ~0.16 ms of host time outside the executor against plain
+        batching's ~0.06 (AMD EPYC Zen 5, serve_engine.py --trace): the joiner is planned with
+        the batch at the hold's end (its first decision made there; the held steps' planning
+        0.046-0.051 -> 0.031-0.034 ms a step, docs/router.md load26)."""
         if n >= JOINS_KEEP_HOLD:
             return []
         return [r for r in rows if r.seq_id not in self.members]
@@ -56,7 +62,8 @@ class PlainHold:
         return now == self.until - 1
 
 
-JOINS_KEEP_HOLD = 8  # from this many rows on, rows joining a held batch do not end its hold
+JOINS_KEEP_HOLD = 4  # from this many rows on, rows joining a held batch do not end its hold
+SPAN_ROWS = 8  # a plain hold's longest span grows with the rows up to this many (`BatchPlanner.hold_limit`)
 
 
 @dataclass(frozen=True)
@@ -273,9 +280,9 @@ class BatchPlanner:
         limit = self.router.config.plain_hold_max
         spec = self.calibrations.get((n, True, sampled))
         standing = self.STANDING_HOLD if spec is not None and spec.failed else 1
-        # no longer than at JOINS_KEEP_HOLD rows (112 steps): from there a joining row waits for
-        # the hold's end, and nothing above 8 rows was measured (review25 N12)
-        return limit * max(min(n, JOINS_KEEP_HOLD) - 1, standing)
+        # no longer than at SPAN_ROWS rows (112 steps): a joining row waits for the hold's end
+        # (from JOINS_KEEP_HOLD rows on), and nothing above 8 rows was measured (review25 N12)
+        return limit * max(min(n, SPAN_ROWS) - 1, standing)
 
     def _lease(self, now: int, steps: int) -> int:
         """`BatchPlan.steps` of a held plain batch (a single stream's too) planned at observed step `now`: its plain
@@ -569,9 +576,8 @@ class BatchPlanner:
         `lags` (one per plan, `RowContext.lags`; missing: none): the tokens a speculating row's
         models below the target have not seen widen their first forward (a draft catching up
         after plain steps: ~2x a 2-row step's predicted seconds on a Zen 1, avx2 kernels); the
-        catch-up is paid once per switch to speculation, so it is charged over the speculative
-        hold's steps (`RouterConfig.spec_hold_steps`; `span`: over that many steps instead),
-        what the switch buys at least.
+        catch-up is paid once per switch to speculation, so it is charged over CATCH_UP_SPAN
+        steps (`span`: over that many steps instead), what the switch buys at least.
         `publish`: as `EvidenceBoard.predict`.
         Memoized (`_step_memo`): the same plans, context bucket, flags, lags and span under the
         same published evidence and overheads are the same seconds, computed once."""
@@ -596,6 +602,13 @@ class BatchPlanner:
             seconds = memo[1][key] = self._step_seconds(plans, context_len, processors, lags, span)
         return seconds
 
+    # the steps a switch to speculation is charged its draft's catch-up over (`step_seconds`):
+    # the speculative hold's span before load26 (`RouterConfig.spec_hold_steps` 2), which the
+    # plain margins were measured with. Charged over the 4-step hold since, 4-row speculation was
+    # planned in 4 of 4 runs (9-44 steps a run, serve_engine.py c=4) and through the server (31
+    # steps; its round 618 tok/s against 650 held plain), where charged over 2 steps it was
+    # planned in 1 of 7 (docs/router.md, load26)
+    CATCH_UP_SPAN = 2
     STEP_MEMO = True  # False: step_seconds computes every call (tests compare the two)
     STEP_MEMO_SIZE = 4096  # entries kept per published version
 
@@ -630,7 +643,7 @@ class BatchPlanner:
         def width(m: str, widths: list[int]) -> float:  # a packing runner costs its valid tokens
             return sum(widths) / len(widths) if m in router.packed else max(widths)
 
-        span = max(1, router.config.spec_hold_steps if span is None else span)
+        span = max(1, self.CATCH_UP_SPAN if span is None else span)
         for m in router.order:
             ks = draft.get(m, [])
             if m in router.model_free:
