@@ -887,18 +887,13 @@ def test_new_requests_start_from_an_upper_quantile_of_finished_requests():
     assert router.alpha(pair, GREEDY) == glob  # the global estimate itself is unchanged
     fresh.counts[pair] = [0.0, 30.0]  # its own evidence soon dominates
     assert router.alpha(pair, GREEDY, fresh) < 0.2
-    # before request_min_finished (3) finished requests, the global alpha, or while it rests on
-    # thin evidence (< min_evidence trials) the pair's cold prior above it (first26,
-    # tests/test_request_prior_cold.py); from the third, their quantile
+    # before request_min_finished (3) finished requests, the global alpha; from the third, their quantile
     few = make_router(order)
     for sid in range(2):
         few.request(sid, True).counts[pair] = [28.0, 12.0]
         few.finish_request(sid)
     few.similarity.observe_acceptance(pair, GREEDY, 10, 30)
-    thin = few.similarity.alpha(pair, GREEDY)
-    assert few.alpha(pair, GREEDY, few.request(5, True)) == max(thin, few.similarity.prior(pair)) > thin
-    few.similarity.observe_acceptance(pair, GREEDY, 20, 60)  # 120 trials: the global alone
-    assert few.alpha(pair, GREEDY, few.request(7, True)) == few.similarity.alpha(pair, GREEDY)
+    assert few.alpha(pair, GREEDY, few.request(5, True)) == few.similarity.alpha(pair, GREEDY)
     few.request(2, True).counts[pair] = [28.0, 12.0]
     few.finish_request(2)
     assert few.alpha(pair, GREEDY, few.request(6, True)) == pytest.approx(0.7)

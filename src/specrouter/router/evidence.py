@@ -7,7 +7,7 @@ while both are unchanged.
   cycle, but a snapshot of them (`Published`, one per router, and `RequestEvidence`, one per
   request) that is republished, with a new version, when the live evidence moved materially:
   - a pair's acceptance prior (`Router.request_prior`: the global alpha, or the finished
-    requests' quantile (the pair's cold prior before there is one) above it) or a request's own alpha moved by more than
+    requests' quantile above it) or a request's own alpha moved by more than
     `decision_tolerance` (0.05) since it was published, or a model-free drafter's hit rate
     (global or a request's) by more than `decision_hit_tolerance` (0.1). Both are about the
     estimators' own noise (an alpha over a ~200-trial window, a hit rate over ~20 proposals):

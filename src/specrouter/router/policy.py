@@ -58,9 +58,7 @@ model pair the prior is optimistic: the global alpha, or if higher the `request_
 (0.75) of the alphas that recent finished requests reached on their own evidence. The global
 mean of a mixed stream is the alpha of no request type, and starting below a type's own rate
 would keep that type from ever trying the draft it gains from; starting at an upper quantile
-costs at most a few cycles on a request type that does not; before 3 finished requests reached
-an alpha of the pair, while the global rests on thin evidence (one request's tail), the pair's
-cold prior stands in for the quantile. (A model-free drafter keeps the
+costs at most a few cycles on a request type that does not. (A model-free drafter keeps the
 global alpha: a pessimistic prior was tried and cost the extraction requests their first
 cycles more than it saved on chat.) Model-free drafters can be
 shadow-scored for free every cycle (`observe_shadow`), so a request's n-gram estimate is always
@@ -449,27 +447,13 @@ class Router:
 
     def request_prior(self, pair: Pair, mode: str, glob: float | None = None) -> float:
         """A request's prior alpha for a pair (module docstring): max(global, the quantile of
-        finished requests' own alphas). After a first request finished and before
-        `request_min_finished` (3) of them reached an alpha of the pair, while the global alpha
-        rests on fewer trials than the estimator trusts alone (`SimilarityConfig.min_evidence`:
-        about one request's), the pair's cold prior (`SimilarityEstimator.prior`) stands in for
-        that quantile. (Before any request finished the global is the running requests' own
-        evidence and stays their prior.) The global alpha for model-free drafters.
-
-        Why (first26, docs/router.md): that thin global is the last request's tail. On the mixed
-        stream at t=0.7 an extraction request whose draft accepted 0.04 left 0.09 as the first
-        prose request's prior, which began on model-free chains (30 cycles at 1.07 tokens a
-        cycle, where static draft>target k=1 committed 1.23) and, running no draft, did not
-        measure its own."""
+        finished requests' own alphas); the global alpha for model-free drafters and before 3
+        finished requests."""
         glob = self.similarity.alpha(pair, mode) if glob is None else glob
         if pair[0] in self.model_free:
             return glob
         edge = self.finished.quantile(pair, mode)
-        if edge is None:
-            if not self.finished.count or self.similarity.alpha_detail(pair, mode)[1] == "observed":
-                return glob
-            edge = self.similarity.prior(pair)
-        return max(glob, edge)
+        return glob if edge is None else max(glob, edge)
 
     def hit_rate(self, drafter: str, req: RequestState | None = None) -> float:
         glob = self.similarity.hit_rate(drafter)

@@ -132,10 +132,8 @@ class FinishedRequests:
         self.size, self.q, self.min_trials, self.min_requests = size, q, min_trials, min_requests
         self._alphas: dict[tuple[Pair, str], deque[float]] = {}
         self._quantiles: dict[tuple[Pair, str], float] = {}
-        self.count = 0  # requests recorded (with or without a pair of enough trials)
 
     def record(self, req: RequestState, mode: str, skip: Collection[str] = ()) -> None:
-        self.count += 1
         for pair, (acc, rej) in req.counts.items():
             if acc + rej >= self.min_trials and pair[0] not in skip:
                 hist = self._alphas.setdefault((pair, mode), deque(maxlen=self.size))
