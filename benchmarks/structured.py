@@ -22,7 +22,7 @@ forward / as certain drafts; per request, target forwards of plain+jf / specrout
 specrouter and specrouter's field gate.
 
 Run: `python benchmarks/structured.py [--rounds 2] [--pool default]
-[--requests original|reworded|heldout|unseen|fresh25|all]`.
+[--requests original|reworded|heldout|unseen|fresh25|fresh26|all]`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 
 # the requests and the validator are the `structured` workload's (`specrouter bench --workloads
 # structured` runs them beside the other workloads, against every static chain)
-from specrouter.bench.structured import FRESH25, HELDOUT, REWORDED, STRUCTURED, UNSEEN  # noqa: E402
+from specrouter.bench.structured import FRESH25, FRESH26, HELDOUT, REWORDED, STRUCTURED, UNSEEN  # noqa: E402
 from specrouter.bench.structured import schema_valid as valid  # noqa: E402
 
 
@@ -94,15 +94,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="passes over the requests (the first warms up)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--pool", nargs="+", default=["default"])
-    ap.add_argument("--requests", choices=["original", "reworded", "heldout", "unseen", "fresh25", "all"],
+    ap.add_argument("--requests",
+                    choices=["original", "reworded", "heldout", "unseen", "fresh25", "fresh26", "all"],
                     default="original",
                     help="the bench's 9 requests, the 6 reworded ones (bench/structured.py REWORDED), "
                     "the 9 of session 23 (HELDOUT), the 9 of session 24 (UNSEEN), the 12 held out in "
-                    "session 25 (FRESH25), or all five sets")
+                    "session 25 (FRESH25), the 12 held out in session 26 (FRESH26), or all six sets")
     args = ap.parse_args()
     global REQUESTS
     REQUESTS = {"original": STRUCTURED, "reworded": REWORDED, "heldout": HELDOUT, "unseen": UNSEEN,
-                "fresh25": FRESH25, "all": STRUCTURED + REWORDED + HELDOUT + UNSEEN + FRESH25}[args.requests]
+                "fresh25": FRESH25, "fresh26": FRESH26,
+                "all": STRUCTURED + REWORDED + HELDOUT + UNSEEN + FRESH25 + FRESH26}[args.requests]
     from specrouter import SpecRouter
     from specrouter.router.policy import Router
 

@@ -191,6 +191,59 @@ FRESH25 = [
 ]
 
 
+# held-out requests (issue 30, session 26): written at the start of session 26, before that
+# session's structured-path changes landed, by a helper who had not read the field-draft code
+# (decoding/field_drafts.py, field_gate.py, json_scan.py, lazy_mask.py, engine/constrained.py) nor
+# docs/structured-output.md's field-draft and gate sections; worded as clients send such requests
+# and unlike every set above (YAML front matter, a psql result row, a Japanese/English note, a
+# Portuguese support-chat excerpt; a function-calling system prompt, a shipping label, a Dutch
+# request, a home-automation rule; a supplier invoice with euro prices, a group chat, a bento
+# list with a Japanese word, a recipe to scale), values to normalise (dd/mm/yyyy, "t" for true,
+# "metric", "metric_units: false", "vrijdag t/m maandag", a weekday range, "48 h", quantities as
+# "x €3.90" lines or "triple it"). The bench's schemas, so its figures compare with the other
+# sets'. Two list wordings were changed after a first plain run in which the target ran into the
+# 80-token cap on them (the invoice cut from three lines to two; a Japanese list, whose output the
+# target filled with invented katakana items, now a bento list in English with one Japanese word,
+# the third wording: the second made the target copy the whole request into one item).
+# HELD OUT until the lead's first run at the end of session 26: nobody tunes on it, and only plain
+# decoding has been run on it (docs/structured-output.md "The session 26 held-out set").
+FRESH26 = [
+    ("extract", PERSON, "Fill name, born, city and occupation as JSON from the author block of this "
+     "post:\n---\ntitle: \"Notes from the night shift\"\nauthor: Sipho Ndlovu\nauthor_born: 1977\n"
+     "home: Durban\nrole: Air traffic controller\ndraft: false\ntags: [aviation, sleep]\n---"),
+    ("tool", WEATHER_CALL, "You are a function-calling assistant. Available tool: get_weather(city: "
+     "string, unit: \"celsius\" | \"fahrenheit\", days: integer).\nUser: planning a hike near Banff, "
+     "Monday through Thursday. I think in Fahrenheit, sorry!"),
+    ("list", SHOPPING, "Turn the lines of this supplier invoice into a JSON shopping list (item, "
+     "quantity) for the reorder:\nINV-2026-0912  Lumen SARL\n1. LED bulbs ..... 6 x €3.90 = €23.40\n"
+     "2. duct tape ..... 3 x €4.20 = €12.60\nTotal €36.00 (VAT incl.)"),
+    ("extract", PERSON, "Here's what `SELECT * FROM members WHERE id = 318;` gave me, as JSON with "
+     "name, born, city and occupation please:\n id  | surname | given  | birth_yr | town    | trade  "
+     "          | is_active\n-----+---------+--------+----------+---------+------------------+----------"
+     "\n 318 | Jansen  | Pieter | 1962     | Utrecht | bicycle mechanic | t\n(1 row)"),
+    ("tool", WEATHER_CALL, "Our logistics dashboard needs a get_weather call for the delivery on this "
+     "label:\nSHIP TO: Aroha Tane\n14 Kapiti Rd, Wellington 6011, NZ\nPKG 2 of 3 | 4.2 kg | FRAGILE: "
+     "yes\nDelivery window: 48 h\nDashboard units: metric"),
+    ("list", SHOPPING, "From our camping group chat, make the JSON shopping list:\n[18:41] Joana: "
+     "I'll bring the tent\n[18:42] Bram: we still need 2 gas canisters and marshmallows (3 bags?)\n"
+     "[18:42] Joana: +1, and one first aid kit\n[18:43] Keiko: mosquito spray x2 pls"),
+    ("extract", PERSON, "この人の情報をJSONにしてください (name, born, city, occupation, in English "
+     "please): 佐藤美咲 (Misaki Sato)、1994年生まれ、札幌在住。職業は図書館司書です。"),
+    ("tool", WEATHER_CALL, "Kun je get_weather aanroepen? We gaan een lang weekend naar Groningen, "
+     "vrijdag t/m maandag, en graag in graden Celsius. Dank je!"),
+    ("list", SHOPPING, "For tomorrow's bento (お弁当) we need 2 packs of nori, a jar of umeboshi and "
+     "edamame, maybe 3 bags. Can I have that as a JSON list?"),
+    ("extract", PERSON, "Support chat excerpt, extract the customer as JSON with name, born, city and "
+     "occupation:\n[10:02] Agent: Can I confirm your details?\n[10:03] Cliente: sim! Rafael Moreira, "
+     "nasci em 15/07/1986, moro em Recife\n[10:03] Cliente: sou enfermeiro, trabalho no turno da noite"),
+    ("tool", WEATHER_CALL, "Automation rule fired; emit the get_weather call it asks for.\nalias: "
+     "morning_briefing\ntrigger: \"06:30 on weekdays\"\naction:\n  service: weather.get_forecast\n"
+     "  data:\n    location: Ushuaia\n    horizon_days: 5\n    metric_units: false"),
+    ("list", SHOPPING, "This recipe serves 2 and I'm cooking for 6, so triple it and give me the "
+     "shopping list as JSON: 1 aubergine, 2 courgettes, 1 jar of passata."),
+]
+
+
 def schema_valid(doc: str, schema: dict) -> bool:
     """Whether `doc` is JSON that follows `schema` (the subset these schemas use)."""
     def ok(v, s):
