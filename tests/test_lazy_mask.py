@@ -2,7 +2,9 @@
 
 1. `refused` along a draft path returns exactly the positions whose token `allowed` masks (or
    a token llguidance's `validate_tokens` accepts but its mask does not: 'T' where the grammar
-   forces "The "), with `allowed`'s masks there, and skips what `allowed` leaves unmasked.
+   forces "The "), with `allowed`'s masks there, up to the first position whose token differs
+   from the path's candidate (nothing after it is read), and skips what `allowed` leaves
+   unmasked.
 2. The engine with lazy masks equals the engine with eager masks (every row processed), token
    for token, for several chains; the lazy path ran (fewer masks computed). Greedy equality to
    an independent reference is tests/test_grammar.py's (which runs the lazy path).
@@ -46,8 +48,10 @@ def test_refused_positions_are_the_masked_ones(pool, name):
                 tokens = [min(pool.eos_ids)] * G
             else:
                 tokens = torch.randint(pool.vocab_width, (G,), generator=g_).tolist()
-            got = rg.refused(generated, path, offset, tokens)
-            want = [g for g in range(G) if not masks[g][tokens[g]]]
+            # the walk ends at the first position whose token is not the path's candidate there
+            last = next((g for g in range(G) if offset + g >= len(path) or tokens[g] != path[offset + g]), G - 1)
+            got = list(rg.refused(generated, path, offset, list(tokens)))
+            want = [g for g in range(last + 1) if not masks[g][tokens[g]]]
             assert [g for g, _ in got] == want, (name, cut, offset, trial)
             for g, mask in got:
                 assert torch.equal(mask, masks[g])
@@ -61,6 +65,29 @@ def test_refused_positions_are_the_masked_ones(pool, name):
     assert [g for g, _ in rg.refused(generated, path, 0, tokens)] == [1]
 
 
+def test_the_walk_ends_at_the_first_rejection(pool):
+    """Past the first position whose token is not the path's candidate nothing is read: no mask
+    is computed there, and a refused token there is not yielded (session 26)."""
+    spec = SPECS["json_schema"]
+    doc = walk(pool, spec, 14, seed=3)
+    rg = row_grammar(pool, spec)
+    generated, path = doc[:2], doc[2:10]
+    bad = next(t for t in range(pool.vocab_width)
+               if not fresh_allowed(pool, spec, generated + path[:3])[0][t] and t not in pool.eos_ids)
+    tokens = path[:2] + [bad] * 6  # accepted twice, then refused tokens at every position
+    before = rg.masks_computed
+    got = list(rg.refused(generated, path, 0, list(tokens)))
+    assert [g for g, _ in got] == [2]  # position 2 is the first rejection: 3.. are never read
+    assert rg.masks_computed - before == 3
+    # the caller's new token at a refused position decides: the path's candidate goes on
+    row = path[:2] + [bad] * 6
+    walked = []
+    for g, _ in rg.refused(generated, path, 0, row):
+        walked.append(g)
+        row[g] = path[g] if g < 5 else row[g]  # the masked choice (here: the candidate) up to 4
+    assert walked == [2, 3, 4, 5]
+
+
 def test_a_token_the_check_accepts_but_the_mask_refuses_is_refused(pool):
     """Where the grammar forces text ("The "), llguidance's `validate_tokens` accepts a prefix
     token ('T') its mask refuses (only 'The' there): `refused` reads the mask."""
@@ -68,7 +95,7 @@ def test_a_token_the_check_accepts_but_the_mask_refuses_is_refused(pool):
     mask, m = fresh_allowed(pool, SPECS["lark"], [])
     odd = [t for t in range(pool.vocab_width) if m.validate_tokens([t]) == 1 and not mask[t]]
     assert odd  # (else this test shows nothing)
-    got = rg.refused([], [], 0, odd[:1])
+    got = list(rg.refused([], [], 0, odd[:1]))
     assert [g for g, _ in got] == [0] and torch.equal(got[0][1], mask)
 
 
@@ -81,10 +108,12 @@ def test_lazy_masks_equal_eager_masks(pool, prompts, name, monkeypatch):
     params = SamplingParams(max_new_tokens=MAX_NEW, grammar=SPECS[name])
     calls, real = [], RowGrammar.refused
 
-    def counted(self, *a):
-        out = real(self, *a)
-        calls.append(len(out))
-        return out
+    def counted(self, *a):  # (passes each item through: the caller's new token decides the walk)
+        n = 0
+        for item in real(self, *a):
+            n += 1
+            yield item
+        calls.append(n)
 
     with monkeypatch.context() as m:
         m.setattr(RowGrammar, "refused", counted)
@@ -102,10 +131,10 @@ def test_negative_controls_a_wrong_refused_breaks_equality(pool, prompts, monkey
     real = RowGrammar.refused
 
     def committed_only(self, generated, path, offset, tokens):  # every position masked at the committed state
-        first = real(self, generated, [], 0, tokens[:1])
+        first = list(real(self, generated, [], 0, tokens[:1]))
         return [(g, first[0][1]) for g in range(len(tokens))] if first else []
 
-    for wrong in (committed_only, lambda self, generated, path, offset, tokens: []):
+    for wrong in (committed_only, lambda self, generated, path, offset, tokens: iter(())):
         with monkeypatch.context() as m:
             m.setattr(RowGrammar, "refused", wrong)
             broken = {chain: run(pool, prompts, params, chain)[0] for chain in CHAINS[:2]}

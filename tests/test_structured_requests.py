@@ -1,6 +1,6 @@
 """The request sets of the `structured` workload beside the bench's own (issue 30): REWORDED
 (session 21), HELDOUT (session 23; read since for a rule choice), UNSEEN (session 24, run since) and
-FRESH25 (session 25, run since) and FRESH26 (session 26, held out from tuning) must have the bench's
+FRESH25 (session 25, run since) and FRESH26 (session 26, run since) must have the bench's
 shape, so that benchmarks/structured.py --requests reworded|heldout|unseen|fresh25|fresh26|all runs
 them like STRUCTURED: each kind with its schema, the kinds interleaved (the first of each kind first),
 chat-length messages, and no request copied from another set nor a person or city of one (nor, for

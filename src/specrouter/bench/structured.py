@@ -205,8 +205,8 @@ FRESH25 = [
 # 80-token cap on them (the invoice cut from three lines to two; a Japanese list, whose output the
 # target filled with invented katakana items, now a bento list in English with one Japanese word,
 # the third wording: the second made the target copy the whole request into one item).
-# HELD OUT until the lead's first run at the end of session 26: nobody tunes on it, and only plain
-# decoding has been run on it (docs/structured-output.md "The session 26 held-out set").
+# Held out until the lead's first SpecRouter run (session 26, main 02c967d: 1.58x / 1.75x plain +
+# jump forward, docs/structured-output.md "The session 26 held-out set"); no longer held out.
 FRESH26 = [
     ("extract", PERSON, "Fill name, born, city and occupation as JSON from the author block of this "
      "post:\n---\ntitle: \"Notes from the night shift\"\nauthor: Sipho Ndlovu\nauthor_born: 1977\n"

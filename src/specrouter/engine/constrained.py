@@ -70,7 +70,7 @@ def before_step(rows: list[Sequence], eos_ids: tuple[int, ...], jump_forward: bo
             continue
         generated = seq.output_ids
         g.sync(generated)
-        if g.dead_end or (not g.finished and not g.allowed(generated, [], 0, 1).any()):
+        if g.dead_end or (not g.finished and not g.allows_some(generated)):
             seq.done, seq.finish_reason = True, DEAD_END
             seq.error = f"the grammar allows no continuation: {g.error() or 'no token is allowed'}"
             continue
