@@ -311,6 +311,24 @@ def test_a_plain_holds_longest_span_grows_with_the_rows(monkeypatch):
     assert max(seen) == cap and plans == 13, seen
 
 
+def plain_rows_router(plain_ids):
+    """A scripted router whose verification is cheap enough that an 80%-accepting row speculates,
+    with requests `plain_ids` whose own drafts were rejected 40 times (they decode plainly), and a
+    Counter of decide() calls per seq_id."""
+    def target(b, t, L):
+        return 0.040 + 0.004 * (t - 1) * b
+
+    router = scripted_router(target)
+    for seq_id in plain_ids:
+        req = router.request(seq_id, True)
+        for _ in range(40):
+            req.observe(("draft", "target"), 0, 1, router.config.request_decay)
+    decides = Counter()
+    inner = router.decide
+    router.decide = lambda row: (decides.update([row.seq_id]), inner(row))[1]
+    return router, decides
+
+
 def test_plain_hold_of_a_small_batch_weighs_a_joining_row_alone():
     """Below JOINS_KEEP_HOLD rows, a request replacing a finished one (the batch size unchanged:
     a server under steady load) is decided on its own: one that would decode plainly joins the
@@ -319,17 +337,7 @@ def test_plain_hold_of_a_small_batch_weighs_a_joining_row_alone():
     the hold undecided."""
     from specrouter.router.batch import JOINS_KEEP_HOLD
 
-    def target(b, t, L):  # verification cheap enough that an 80%-accepting row speculates
-        return 0.040 + 0.004 * (t - 1) * b
-
-    router = scripted_router(target)
-    for seq_id in (0, 1, 5):  # these requests' own drafts are mostly rejected: they decode plainly
-        req = router.request(seq_id, True)
-        for _ in range(40):
-            req.observe(("draft", "target"), 0, 1, router.config.request_decay)
-    decides = Counter()
-    inner = router.decide
-    router.decide = lambda row: (decides.update([row.seq_id]), inner(row))[1]
+    router, decides = plain_rows_router((0, 1, 5))
     two = rows_of(2)
     assert all(d.k == 0 for d in router.plan_batch(two).decisions) and router.planner.hold is not None
     router.plan_batch(two)  # the same rows: held
@@ -349,7 +357,7 @@ def test_plain_hold_of_a_small_batch_weighs_a_joining_row_alone():
     router.plan_batch(big)
     planned = sum(decides.values())
     assert router.planner.hold is not None
-    router.plan_batch(big[1:] + [dataclasses.replace(big[0], seq_id=99)])  # a join at 8 rows: held
+    router.plan_batch(big[1:] + [dataclasses.replace(big[0], seq_id=99)])  # a join at JOINS_KEEP_HOLD rows: held
     assert sum(decides.values()) == planned
 
 
@@ -359,18 +367,8 @@ def test_from_four_rows_a_joining_row_waits_for_the_holds_end(monkeypatch):
     is planned with the batch when the hold ends. At 3 rows the joiner is decided at once.
     Negative control: joins weighed below 8 rows (main before load26): the 4-row joiner is
     decided at the join."""
-    def target(b, t, L):  # verification cheap enough that an 80%-accepting row speculates
-        return 0.040 + 0.004 * (t - 1) * b
-
     def join(n):
-        router = scripted_router(target)
-        for seq_id in range(n):  # the held rows' own drafts are mostly rejected: they decode plainly
-            req = router.request(seq_id, True)
-            for _ in range(40):
-                req.observe(("draft", "target"), 0, 1, router.config.request_decay)
-        decides = Counter()
-        inner = router.decide
-        router.decide = lambda row: (decides.update([row.seq_id]), inner(row))[1]
+        router, decides = plain_rows_router(range(n))
         rows = rows_of(n)
         assert all(d.k == 0 for d in router.plan_batch(rows).decisions) and router.planner.hold is not None
         joined = rows[:-1] + [dataclasses.replace(rows[-1], seq_id=7)]  # request 7 (prior: 80%)
