@@ -273,9 +273,10 @@ class BatchPlanner:
 
         At 4 rows (AMD EPYC Zen 5, serve_engine.py --trace, load25) a batch whose speculation
         never failed re-planned every 16 steps at ~1.5 ms (4 decides) for plain every time,
-        0.105 ms of its held steps' 0.24 ms outside the executor (plain batching's 0.05). From 8
-        rows on (load22: 2x plain_hold_max there before) the hold's end is the only re-check (joins
-        keep it) and a re-plan decides every row (~1.4-2.2 ms at 8 rows); held 8-row steps' host
+        0.105 ms of its held steps' 0.24 ms outside the executor (plain batching's 0.05). From
+        JOINS_KEEP_HOLD rows on (4 since load26; 8 in load22, which held 2x plain_hold_max there)
+        the hold's end is the only re-check (joins keep it) and a re-plan decides every row (~1.4-2.2
+        ms at 8 rows); held 8-row steps' host
         seconds outside the executor went 0.31-0.37 -> 0.19-0.25 ms with 32-step holds."""
         limit = self.router.config.plain_hold_max
         spec = self.calibrations.get((n, True, sampled))
