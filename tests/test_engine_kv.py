@@ -2,6 +2,7 @@
 joining and leaving), the adaptive router switching chains and draft lengths between cycles,
 and after every step each model's cache equals a fresh prefill of the row's committed tokens."""
 
+import pytest
 import torch
 from test_state import assert_cache_is_fresh_prefill
 
@@ -24,7 +25,8 @@ def scripted_profile(slow: dict[str, float]) -> CostProfile:
     return prof
 
 
-def test_caches_equal_a_fresh_prefill_after_every_step(tiny_pool_dirs):
+@pytest.mark.parametrize("hold_steps", [2, None], ids=["hold2", "hold-default"])
+def test_caches_equal_a_fresh_prefill_after_every_step(tiny_pool_dirs, hold_steps):
     torch.manual_seed(0)  # sampling rows draw from the engine's default stream
     pool = Pool.load([tiny_pool_dirs[n] for n in NAMES], names=NAMES, target="target", dtype="float64")
     # constant clocks: forwards and the router's own host work take no time, so the profile stays
@@ -32,8 +34,10 @@ def test_caches_equal_a_fresh_prefill_after_every_step(tiny_pool_dirs):
     # sampled rows may speculate in 2-row batches (the default is 1, router/batch.py): the chains then
     # switch under every kind of row, which is what the caches are checked through
     # the 4-row margin this world was built with (0.10 at 4 rows; load25 made it grow per row),
-    # and its speculative holds' span (2; load26 made it 4: the world then never decodes plainly)
-    cfg = RouterConfig(patience=2, sampling_spec_max_batch=2, batch_plain_margin=0.10 / 3, spec_hold_steps=2)
+    # and its speculative holds' span: 2, the span it was built with, and the default (4 since
+    # load26), so the shipped span is checked too (review26 N3)
+    span = {} if hold_steps is None else {"spec_hold_steps": hold_steps}
+    cfg = RouterConfig(patience=2, sampling_spec_max_batch=2, batch_plain_margin=0.10 / 3, **span)
     router = Router.from_pool(pool, scripted_profile({}), config=cfg,
                               timer=lambda: 0.0, step_clock=lambda: 0.0)
     eng = Engine(pool, max_num_seqs=5, max_model_len=96, router=router, clock=lambda: 0.0)
