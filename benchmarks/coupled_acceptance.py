@@ -48,6 +48,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sr = SpecRouter.from_pretrained(default_pool_paths(), adaptive=False)
+    # teacher forcing below writes slot 0 of each runner, where the prefix cache may keep an
+    # earlier request's KV for reuse: without it, repeated prompts or seeds would read what this
+    # script overwrote (found by dtemp27)
+    sr.engine.prefix_cache = None
     pool = sr.pool
     draft = next(n for n in pool.order if n in pool.runners and n != pool.target)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.tokens, seed=0)
