@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from specrouter import SpecRouter
-from specrouter.config import SamplingParams
+from specrouter.config import EngineConfig, SamplingParams, SpecRouterConfig
 from specrouter.decoding.noise import coupled_argmax, position_keys, seed_key
 from specrouter.decoding.sampling import SamplingTensors, process_logits, scaled_logits
 from specrouter.models.default_pool import default_pool_paths
@@ -47,12 +47,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    sr = SpecRouter.from_pretrained(default_pool_paths(), adaptive=False)
-    # teacher forcing below writes slot 0 of each runner, where the prefix cache may keep an
-    # earlier request's KV for reuse: without it, repeated prompts or seeds would read what this
+    # no prefix cache: teacher forcing below writes slot 0 of each runner, where the cache may
+    # keep an earlier request's KV for reuse, so repeated prompts or seeds would read what this
     # script overwrote (found by dtemp27)
-    sr.engine.prefix_cache = None
-    pool = sr.pool
+    pool = SpecRouter.from_pretrained(default_pool_paths(), adaptive=False).pool
+    sr = SpecRouter(pool, config=SpecRouterConfig(engine=EngineConfig(prefix_cache=False)))
     draft = next(n for n in pool.order if n in pool.runners and n != pool.target)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.tokens, seed=0)
     st = SamplingTensors.from_params([params])
