@@ -21,7 +21,6 @@ from specrouter import SpecRouter
 from specrouter.config import EngineConfig, SamplingParams, SpecRouterConfig
 from specrouter.decoding.noise import coupled_argmax, position_keys, seed_key
 from specrouter.decoding.sampling import SamplingTensors, process_logits, scaled_logits
-from specrouter.models.default_pool import default_pool_paths
 from specrouter.models.runners.base import ForwardBatch
 
 PROMPTS = [
@@ -50,8 +49,8 @@ def main() -> None:
     # no prefix cache: teacher forcing below writes slot 0 of each runner, where the cache may
     # keep an earlier request's KV for reuse, so repeated prompts or seeds would read what this
     # script overwrote (found by dtemp27)
-    pool = SpecRouter.from_pretrained(default_pool_paths(), adaptive=False).pool
-    sr = SpecRouter(pool, config=SpecRouterConfig(engine=EngineConfig(prefix_cache=False)))
+    sr = SpecRouter.from_config(SpecRouterConfig(engine=EngineConfig(adaptive=False, prefix_cache=False)))
+    pool = sr.pool
     draft = next(n for n in pool.order if n in pool.runners and n != pool.target)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.tokens, seed=0)
     st = SamplingTensors.from_params([params])
