@@ -43,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-from specrouter.distill.corpus import Corpus, CorpusSpec, build_corpus, load_corpus
+from specrouter.distill.corpus import PROMPT_SETS, Corpus, CorpusSpec, build_corpus, load_corpus
 from specrouter.distill.evaluate import evaluate, greedy_agreement, step_ms
 from specrouter.distill.loss import sparse_kl_loss  # noqa: F401  (part of this module's API)
 from specrouter.errors import CheckpointError, SpecRouterError
@@ -318,6 +318,7 @@ class DistillConfig:
     save_dtype: str = "bfloat16"  # dtype of the final weights: bfloat16, float16 or float32
     greedy_eval_tokens: int = 96  # tokens the target writes per prompt of the end-to-end greedy evaluation; 0 skips it
     draft_vocab_size: int = 16384  # the draft proposes only this many tokens, the most frequent in training (0: all)
+    prompts: str = "v2"  # the corpus's prompt set (corpus.PROMPT_SETS); "v1" rebuilds the drafts made before v2
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> SpecRouterError:
@@ -348,6 +349,8 @@ class DistillConfig:
             raise bad(f"eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
         if self.warmup_steps is not None and self.warmup_steps < 1:
             raise bad(f"warmup_steps must be >= 1 or None, got {self.warmup_steps!r}")
+        if self.prompts not in PROMPT_SETS:
+            raise bad(f"prompts must be one of {PROMPT_SETS}, got {self.prompts!r}")
         if self.threads is not None and self.threads < 1:
             raise bad(f"threads must be >= 1 or None, got {self.threads!r}")
 
@@ -366,7 +369,7 @@ class DistillConfig:
             target=str(self.target), vocab_size=vocab_size, corpus_tokens=self.corpus_tokens,
             generated_fraction=self.generated_fraction, seq_len=self.seq_len, teacher_topk=self.teacher_topk,
             temperature=self.temperature, greedy_fraction=self.greedy_fraction,
-            eval_fraction=self.eval_fraction, seed=self.seed)
+            eval_fraction=self.eval_fraction, seed=self.seed, prompts=self.prompts)
 
     def args(self) -> dict:
         """JSON-ready fields (recipe.json's "args")."""
