@@ -315,7 +315,10 @@ def test_distill_config_is_validated_and_built_from_the_cli_flags(tmp_path):
     assert cfg == DistillConfig(target="t", out_dir=str(tmp_path), steps=0, seed=1,
                                 extra_corpus_dirs=("c1", "c2"), resume=False)
     assert cfg.args()["out_dir"] == str(tmp_path) and cfg.corpus_path == tmp_path / "corpus"
+    assert cfg.prompts == "v2" and cfg.corpus_spec(320).prompts == "v2"  # new runs: prompt set v2
+    v1 = config_from_args("t", parser.parse_args(["distill", "--out-dir", "o", "--prompts", "v1"]))
+    assert v1.corpus_spec(320).prompts == "v1"
     for bad in (dict(save_dtype="int8"), dict(init="random"), dict(batch_size=0), dict(lr=0.0),
-                dict(eval_fraction=1.0), dict(ce_weight=1.5), dict(steps=-1)):
+                dict(eval_fraction=1.0), dict(ce_weight=1.5), dict(steps=-1), dict(prompts="v3")):
         with pytest.raises(SpecRouterError):
             DistillConfig(target="t", out_dir="o", **bad)
