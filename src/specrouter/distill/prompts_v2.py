@@ -130,17 +130,17 @@ def _passage(rng: random.Random) -> str:
         f"to hire {n} more people by {month}, but {other} is worried that the costs, about ${price} per "
         f"person per week, will be higher than planned. The next meeting is on {month} {rng.randint(1, 28)}.",
         f"I bought this blender {n} weeks ago for ${price}. It is loud, but it crushes ice easily and "
-        f"the jar is easy to clean. The lid started to crack after a month, and customer service took "
+        "the jar is easy to clean. The lid started to crack after a month, and customer service took "
         f"{rng.randint(2, 9)} days to answer my email. Overall it does the job, but I expected more.",
         f"The city council of {place} voted on {day} to expand its bike lanes by {n} kilometers. "
-        f"Supporters say the plan will cut traffic and pollution, while some shop owners fear losing "
+        "Supporters say the plan will cut traffic and pollution, while some shop owners fear losing "
         f"parking spaces. Work is expected to begin in {month} and cost around {price} thousand dollars.",
         f"Hi team, a quick update: the launch moved from {day} to next week because testing found "
         f"{n} bugs in the checkout page. {who} is fixing the payment ones first. Please send me your "
         f"notes by {month} {rng.randint(1, 28)}. Thanks, {other}",
         f"Researchers studying {subject} followed {n * 10} volunteers for {rng.randint(2, 12)} months. "
-        f"They found that small daily habits mattered more than occasional big efforts, although the "
-        f"effect was weaker in older participants. The authors say larger studies are needed.",
+        "They found that small daily habits mattered more than occasional big efforts, although the "
+        "effect was weaker in older participants. The authors say larger studies are needed.",
         f"Our trip to {place} started badly: the train was {n} minutes late and it rained all of the "
         f"first day. Then the sun came out, we found a tiny restaurant near the harbour, and {who} "
         f"says it was the best meal of the year. We paid {price} euros for the whole weekend.",
@@ -241,9 +241,9 @@ def _plan(rng):
         f"Plan a {rng.randint(2, 7)}-day trip to {rng.choice(PLACES)} on a budget.",
         f"Help me plan a birthday party for {rng.randint(5, 30)} people.",
         f"Make a study plan for learning {rng.choice(SUBJECTS)} in {rng.randint(2, 8)} weeks.",
-        f"Create a weekly meal plan for someone who wants to eat less meat.",
+        "Create a weekly meal plan for someone who wants to eat less meat.",
         f"I have {rng.randint(2, 6)} hours on Saturday. Plan a productive but relaxing day.",
-        f"Outline a project plan for launching a small online shop.",
+        "Outline a project plan for launching a small online shop.",
         f"Give me a {rng.randint(4, 12)}-week plan for {rng.choice(ACTIVITIES)}.",
     ))
 
@@ -281,13 +281,13 @@ def _travel(rng):
 def _email(rng):
     who = rng.choice(PEOPLE)
     return rng.choice((
-        f"Write an email to my landlord asking to fix the heating.",
+        "Write an email to my landlord asking to fix the heating.",
         f"Draft a short email to {who} declining a meeting invitation politely.",
         f"Write a follow-up email after a job interview for a {rng.choice(('designer', 'nurse', 'data analyst', 'teacher'))} position.",
         f"Help me write an email asking my boss for a day off on {rng.choice(('Friday', 'Monday'))}.",
         f"Write a thank-you note to {who} for helping me move.",
         f"Compose an email to customers announcing a {rng.randint(10, 50)}% discount this weekend.",
-        f"Write a complaint email about a delayed package.",
+        "Write a complaint email about a delayed package.",
     ))
 
 
@@ -305,7 +305,7 @@ def _joke(rng):
     s = rng.choice(SUBJECTS)
     return rng.choice((
         f"Tell me a joke about {s}.", "Tell me a joke.", f"Make a pun about {s}.",
-        f"Write a funny one-liner for a birthday card.", f"Got any good jokes about programmers?",
+        "Write a funny one-liner for a birthday card.", "Got any good jokes about programmers?",
     ))
 
 
@@ -314,12 +314,12 @@ def _code_question(rng):
     return rng.choice((
         f"Write a {lang} function to {t}.", f"How do I {t} in {lang}?",
         f"What's the fastest way to {t} in Python?", f"Can you show me how to {t}? Use {lang}.",
-        f"Why does my Python code give 'IndexError: list index out of range' when I loop over a list?",
-        f"Explain what this does:\n\nsquares = [x * x for x in range(10) if x % 2 == 0]",
+        "Why does my Python code give 'IndexError: list index out of range' when I loop over a list?",
+        "Explain what this does:\n\nsquares = [x * x for x in range(10) if x % 2 == 0]",
         "How do Python decorators work? Show me a tiny example that logs each call.",
         f"Write a SQL query that returns the {rng.randint(3, 10)} customers with the most orders.",
-        f"How do I undo my last git commit?", f"Explain recursion with a {lang} example.",
-        f"Review this function and suggest improvements:\n\ndef avg(xs):\n    total = 0\n    for x in xs:\n        total = total + x\n    return total / len(xs)",
+        "How do I undo my last git commit?", f"Explain recursion with a {lang} example.",
+        "Review this function and suggest improvements:\n\ndef avg(xs):\n    total = 0\n    for x in xs:\n        total = total + x\n    return total / len(xs)",
     ))
 
 
@@ -352,7 +352,7 @@ def _roleplay(rng):
         f"Act as a tour guide in {rng.choice(PLACES)} and welcome our group.",
         "You are a pirate captain. Tell your crew about today's plan.",
         "Play a shopkeeper in a fantasy village. I walk in and ask what you sell.",
-        f"Pretend to be a customer who is unhappy about a late order, and I'll be support.",
+        "Pretend to be a customer who is unhappy about a late order, and I'll be support.",
     ))
 
 
@@ -405,7 +405,7 @@ def _register(rng: random.Random, ask: str) -> str:
             ("", " Thank you!", " Thanks in advance.", " I appreciate it."))
     context = rng.choice((
         f"I'm a {rng.choice(('student', 'nurse', 'teacher', 'retired engineer', 'new manager', 'parent of two'))} "
-        f"and I don't have much time.",
+        "and I don't have much time.",
         "I've tried searching online but the answers were confusing.", "This is for a school project.",
         "My English is not perfect, sorry.", "I need this for work tomorrow.",
     ))
@@ -448,10 +448,10 @@ def prose_prompt(rng: random.Random, snippets: list[str]) -> str:
         lambda: f"# What I learned from a year of {rng.choice(ACTIVITIES)}\n\n",
         lambda: f"Review: {rng.choice(DISHES).capitalize()} at a new cafe in {p}\n\n",
         lambda: f"Dear {who},\n\nI hope this letter finds you well. I am writing to",
-        lambda: f"Dear diary,\n\nToday was",
+        lambda: "Dear diary,\n\nToday was",
         lambda: f"How to get started with {s}\n\nStep 1:",
         lambda: f"{s[0].upper()}{s[1:]}\n\nFrom Wikipedia, the free encyclopedia\n\n",
-        lambda: f"Good evening, everyone. Thank you all for coming tonight. ",
+        lambda: "Good evening, everyone. Thank you all for coming tonight. ",
         lambda: f"{c[0].upper()}{c[1:]} had never",
         lambda: f'"Are you sure about this?" {who} asked.\n\n"',
         lambda: f"Introducing the new {rng.choice(('SmartMug', 'TrailLite backpack', 'EchoDesk lamp', 'Nimbus umbrella'))}: ",
