@@ -33,7 +33,7 @@ SUBJECTS = (
     "fermentation", "wind turbines", "the placebo effect", "jet engines", "the Amazon river",
     "credit scores", "memory and forgetting", "the periodic table", "urban gardening",
     "the Apollo program", "procrastination", "quantum computing", "antibiotics", "the Vikings",
-    "houseplants", "inflation", "sleep cycles", "the printing press", "electric guitars",
+    "houseplants", "inflation", "sleep cycles", "the telegraph", "electric guitars",
     "recycling plastics", "the Mughal Empire", "telescopes", "minimalism", "marathon training",
     "the water table", "GPS satellites", "the Great Depression", "honey", "volcanic islands",
     "remote work", "caffeine", "the Renaissance painters", "open source software", "lightning",
@@ -41,9 +41,9 @@ SUBJECTS = (
     "meditation", "rust on metal", "the stock exchange", "tea ceremonies", "hurricanes",
     "public transport", "DNA sequencing", "vinyl records", "the Maya civilization", "mushrooms",
     "batteries", "the scientific method", "jazz improvisation", "desert ecosystems",
-    "password managers", "the Roman roads", "photosynthesis", "budget airlines", "origami",
+    "password managers", "the Roman roads", "tidal energy", "budget airlines", "origami",
     "earthquake safety", "the human eye", "video game design", "cheese making", "glaciers",
-    "the French Revolution", "language learning", "microplastics", "chess openings",
+    "the French Revolution", "urban beekeeping", "microplastics", "chess openings",
     "the Hubble telescope", "freelancing", "wildfires", "the metric system", "bees",
 )
 PEOPLE = (
@@ -51,7 +51,7 @@ PEOPLE = (
     "Mei", "Jonas", "Fatima", "Luca", "Hannah", "Ravi", "Chloe", "Ahmed", "Ingrid", "Sam",
 )
 PLACES = (
-    "Lisbon", "Kyoto", "Marrakesh", "Vancouver", "Prague", "Cape Town", "Hanoi", "Edinburgh",
+    "Tallinn", "Kyoto", "Marrakesh", "Vancouver", "Prague", "Cape Town", "Hanoi", "Edinburgh",
     "Buenos Aires", "Reykjavik", "Istanbul", "Melbourne", "Oaxaca", "Copenhagen", "Nairobi",
     "a small coastal town", "the mountains", "a national park", "the countryside",
 )
@@ -63,7 +63,7 @@ DISHES = (
 CHARACTERS = (
     "a retired astronaut", "a shy librarian", "a talking fox", "a street musician", "twin detectives",
     "a baker who can't taste", "the last dragon", "a ship's cat", "a time-traveling student",
-    "a robot gardener", "an old fisherman", "a nervous wizard", "a lighthouse on a cliff",
+    "a robot gardener", "an old fisherman", "a nervous wizard", "a windmill on a hill",
     "two rival chefs", "a girl who collects maps", "a ghost in a museum",
 )
 CODE_TASKS = (
@@ -74,7 +74,7 @@ CODE_TASKS = (
     "validate a phone number", "compute the Levenshtein distance", "shuffle a deck of cards",
     "implement a queue with two stacks", "find the k most common words", "merge overlapping intervals",
     "compute the dot product of two vectors", "flatten a dictionary of dictionaries",
-    "debounce a function call", "retry a network request with backoff", "read a config file",
+    "debounce a function call", "retry a network request with backoff", "rotate a log file",
     "sum the digits of a number", "find all primes below n", "check balanced parentheses",
     "convert snake_case to camelCase", "paginate a list of items", "cache function results",
     "compute the median of a stream", "build a word frequency histogram", "deep copy a nested list",
@@ -84,9 +84,9 @@ CODE_TASKS = (
 LANGUAGES = ("Python", "JavaScript", "TypeScript", "Java", "C", "C++", "Rust", "Go", "Bash", "SQL")
 ACTIVITIES = (
     "waking up earlier", "learning to play the guitar", "running my first 10k", "saving for a house",
-    "keeping a journal", "reading more books", "cooking at home more", "learning Spanish",
+    "keeping a journal", "reading more books", "cooking at home more", "learning to knit",
     "getting better at chess", "staying productive while working from home", "starting a podcast",
-    "training a puppy", "drinking more water", "getting into photography", "preparing for a job interview",
+    "training a puppy", "drinking more water", "getting into photography", "preparing for a long hike",
 )
 OPINION_TOPICS = (
     "homework", "four-day work weeks", "electric scooters in cities", "social media for teenagers",
@@ -283,7 +283,7 @@ def _email(rng):
     return rng.choice((
         "Write an email to my landlord asking to fix the heating.",
         f"Draft a short email to {who} declining a meeting invitation politely.",
-        f"Write a follow-up email after a job interview for a {rng.choice(('designer', 'nurse', 'data analyst', 'teacher'))} position.",
+        f"Write a follow-up email after a client meeting about the {rng.choice(('website', 'catering', 'office move', 'training'))} project.",
         f"Help me write an email asking my boss for a day off on {rng.choice(('Friday', 'Monday'))}.",
         f"Write a thank-you note to {who} for helping me move.",
         f"Compose an email to customers announcing a {rng.randint(10, 50)}% discount this weekend.",
@@ -348,7 +348,7 @@ def _opinion(rng):
 def _roleplay(rng):
     return rng.choice((
         f"Pretend you are {rng.choice(CHARACTERS)} and introduce yourself.",
-        "Let's practice a job interview. You are the interviewer. Ask me the first question.",
+        "Let's practice a salary negotiation. You are my manager. Start the conversation.",
         f"Act as a tour guide in {rng.choice(PLACES)} and welcome our group.",
         "You are a pirate captain. Tell your crew about today's plan.",
         "Play a shopkeeper in a fantasy village. I walk in and ask what you sell.",
@@ -358,7 +358,7 @@ def _roleplay(rng):
 
 def _define(rng):
     w = rng.choice(("serendipity", "opportunity cost", "entropy", "a metaphor", "an API", "biodiversity",
-                    "a mortgage", "irony", "latency", "a haiku", "photosynthesis", "a hypothesis"))
+                    "a mortgage", "irony", "latency", "a haiku", "an isotope", "a hypothesis"))
     return rng.choice((f"Define {w}.", f"What does {w} mean?", f"What is {w}? Give an example.",
                        f"Use {w} in a sentence."))
 
