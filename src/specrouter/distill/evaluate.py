@@ -23,19 +23,23 @@ from specrouter.distill.corpus import SOURCES, Corpus
 
 # (kind, text, through the chat template?)
 HELDOUT_PROMPTS: tuple[tuple[str, str, bool], ...] = (
-    ("code", "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n", False),
-    ("code", "import json\n\n\ndef load_config(path):\n", False),
-    ("code", "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n", False),
-    ("code", "Write a Python function that counts the vowels in a string.", True),
-    ("prose", "The old bridge over the river had stood for two hundred years, and", False),
-    ("prose", "Photosynthesis is the process by which plants", False),
-    ("prose", "Write a short paragraph about a city at night.", True),
-    ("chat", "What is the capital of Japan, and what is it known for?", True),
-    ("chat", "Give me three tips for learning a new language.", True),
-    ("chat", "Explain what a database index is in simple terms.", True),
-    ("extraction", "List the colours in this sentence, one per line: The red car passed a blue "
-                   "house with a green door and a yellow fence.", True),
-    ("extraction", "Repeat this sentence exactly: Every morning the baker opens the shop at six.", True),
+    ("code", "def rle_encode(s):\n    \"\"\"Run-length encode a string: 'aaab' -> 'a3b1'.\"\"\"\n", False),
+    ("code", "import re\n\n\ndef parse_duration(text):\n    \"\"\"Turn strings like '2h30m' or '45s' into "
+             "seconds.\"\"\"\n", False),
+    ("code", "class RingBuffer:\n    def __init__(self, capacity):\n        self.capacity = capacity\n"
+             "        self.data = []\n\n    def append(self, value):\n", False),
+    ("code", "Using only the standard library, write a Python function that finds duplicate files in a "
+             "folder by comparing their hashes.", True),
+    ("prose", "The tram rattled past the bakery just as the snow began to fall, and", False),
+    ("prose", "Volcanic soil is unusually fertile because", False),
+    ("prose", "Write a short paragraph about an old woman repairing clocks in a small workshop.", True),
+    ("chat", "How do I get red wine out of a white cotton shirt?", True),
+    ("chat", "Why do cats knock things off tables?", True),
+    ("chat", "How does a fridge keep its inside cold when the kitchen around it is warm?", True),
+    ("extraction", "Pull out every number in this text as a comma-separated list: The stall sold 14 "
+                   "apples, 7 pears and 23 plums before noon, then 5 more apples.", True),
+    ("extraction", "Copy this sentence word for word: The ferry to the island leaves twice a day, at "
+                   "nine and at four.", True),
 )
 
 
