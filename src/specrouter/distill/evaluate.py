@@ -7,9 +7,11 @@ generated position, whether the draft's argmax is the token the target wrote. Th
 the per-token acceptance probability a greedy draft-then-verify cycle sees (docs/design.md: greedy
 acceptance = P(argmax_draft == argmax_target) along the target's own output).
 
-The prompts are written here by hand and none comes from the distillation corpus (whose
-prompts are generated from templates, see corpus.py), so the figure is held out by
-construction.
+The prompts are written here by hand (session 28; the earlier set was not held out: the v1
+generator wrote its chat prompt whole and paraphrased two more, docs/drafts.md), on topics
+that neither prompt generator's lists (corpus.py's v1, prompts_v2.py) nor the bench's prompts
+hold. tests/test_distill_heldout.py fails if either generator writes a word run of min(5, its
+words) of any of them, or if one is a bench prompt.
 """
 
 from __future__ import annotations
@@ -24,22 +26,20 @@ from specrouter.distill.corpus import SOURCES, Corpus
 # (kind, text, through the chat template?)
 HELDOUT_PROMPTS: tuple[tuple[str, str, bool], ...] = (
     ("code", "def rle_encode(s):\n    \"\"\"Run-length encode a string: 'aaab' -> 'a3b1'.\"\"\"\n", False),
-    ("code", "import re\n\n\ndef parse_duration(text):\n    \"\"\"Turn strings like '2h30m' or '45s' into "
-             "seconds.\"\"\"\n", False),
-    ("code", "class RingBuffer:\n    def __init__(self, capacity):\n        self.capacity = capacity\n"
-             "        self.data = []\n\n    def append(self, value):\n", False),
-    ("code", "Using only the standard library, write a Python function that finds duplicate files in a "
-             "folder by comparing their hashes.", True),
-    ("prose", "The tram rattled past the bakery just as the snow began to fall, and", False),
-    ("prose", "Volcanic soil is unusually fertile because", False),
-    ("prose", "Write a short paragraph about an old woman repairing clocks in a small workshop.", True),
+    ("code", "import itertools\n\n\ndef tic_tac_toe_winner(board):\n", False),
+    ("code", "class Thermostat:\n    def __init__(self, target):\n        self.target = target\n"
+             "        self.heating = False\n\n    def update(self, reading):\n", False),
+    ("code", "Write a Python function that checks whether a filled-in 9x9 sudoku grid is valid.", True),
+    ("prose", "The kettle had barely begun to whistle when someone knocked at the back door, and", False),
+    ("prose", "Sea otters hold hands while they sleep so that", False),
+    ("prose", "Write a short paragraph about a village football match on a muddy pitch.", True),
     ("chat", "How do I get red wine out of a white cotton shirt?", True),
-    ("chat", "Why do cats knock things off tables?", True),
+    ("chat", "Why does my own voice sound so strange on a recording?", True),
     ("chat", "How does a fridge keep its inside cold when the kitchen around it is warm?", True),
-    ("extraction", "Pull out every number in this text as a comma-separated list: The stall sold 14 "
-                   "apples, 7 pears and 23 plums before noon, then 5 more apples.", True),
-    ("extraction", "Copy this sentence word for word: The ferry to the island leaves twice a day, at "
-                   "nine and at four.", True),
+    ("extraction", "Name only the tools in this sentence, comma-separated: Before lunch Ana fetched a "
+                   "hammer, her uncle borrowed the saw, and the twins lost a screwdriver in the grass.", True),
+    ("extraction", "Copy this sentence word for word: The choir rehearses in the old chapel every "
+                   "Thursday, except in August.", True),
 )
 
 
