@@ -11,7 +11,7 @@ import re
 import pytest
 
 from specrouter.bench import structured, workloads
-from specrouter.distill import corpus, prompts_v2
+from specrouter.distill import corpus, prompts_v2, prompts_v2_raw
 from specrouter.distill.evaluate import HELDOUT_PROMPTS
 
 RUN = 5  # words; a shorter prompt must not appear whole
@@ -49,7 +49,7 @@ def _v1(rng: random.Random) -> list[str]:
 
 def _v2(rng: random.Random) -> list[str]:
     return ([m["content"] for m in prompts_v2.chat_messages(rng)[1]]
-            + [prompts_v2.prose_prompt(rng, []), prompts_v2.code_prompt(rng, []), prompts_v2.qa_prompt(rng)])
+            + [prompts_v2_raw.prose_prompt(rng, []), prompts_v2_raw.code_prompt(rng, []), prompts_v2_raw.qa_prompt(rng)])
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from fixtures import make_tiny_llama, make_tiny_tokenizer
 
-from specrouter.distill import prompts_v2
+from specrouter.distill import prompts_v2, prompts_v2_raw
 from specrouter.distill.corpus import GEN_MIX_V2, CorpusSpec, _chat_ids, _prompt_stream, build_corpus
 from specrouter.errors import SpecRouterError
 
@@ -33,8 +33,8 @@ def tokenizer(tmp_path_factory):
 
 def _draws(seed: int, n: int = 50):
     rng = random.Random(seed)
-    return [(prompts_v2.chat_messages(rng), prompts_v2.prose_prompt(rng, ["a doc paragraph"]),
-             prompts_v2.code_prompt(rng, ["def f(x):\n"]), prompts_v2.qa_prompt(rng)) for _ in range(n)]
+    return [(prompts_v2.chat_messages(rng), prompts_v2_raw.prose_prompt(rng, ["a doc paragraph"]),
+             prompts_v2_raw.code_prompt(rng, ["def f(x):\n"]), prompts_v2_raw.qa_prompt(rng)) for _ in range(n)]
 
 
 def test_v2_prompts_are_a_function_of_the_seed():

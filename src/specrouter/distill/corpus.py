@@ -33,6 +33,7 @@ from typing import Iterator
 
 import torch
 
+from specrouter.distill import prompts_v2, prompts_v2_raw
 from specrouter.errors import SpecRouterError
 
 # source -> kind; kinds are what the report breaks agreement down by
@@ -487,8 +488,6 @@ def _chat_ids(tokenizer, messages: list[dict], max_prompt: int) -> list[int]:
 
 def _prompt_stream(tokenizer, spec: CorpusSpec, rng: random.Random) -> Iterator[tuple]:
     """Endless stream of (source, prompt token ids, greedy, is_eval)."""
-    from specrouter.distill import prompts_v2
-
     code = _code_snippets([p for p in stdlib_files() if not _is_eval(str(p), spec.eval_fraction)], rng)
     prose = _prose_snippets(doc_files(), rng)
     v2 = spec.prompts == "v2"
@@ -499,11 +498,11 @@ def _prompt_stream(tokenizer, spec: CorpusSpec, rng: random.Random) -> Iterator[
     while True:
         name = rng.choices(list(mix), list(mix.values()))[0]
         if name == "gen-code":
-            text = (prompts_v2.code_prompt if v2 else _code_prompt)(rng, code)
+            text = (prompts_v2_raw.code_prompt if v2 else _code_prompt)(rng, code)
         elif name == "gen-prose":
-            text = (prompts_v2.prose_prompt if v2 else _prose_prompt)(rng, prose)
+            text = (prompts_v2_raw.prose_prompt if v2 else _prose_prompt)(rng, prose)
         elif name == "gen-qa":
-            text = (prompts_v2.qa_prompt if v2 else _qa_prompt)(rng)
+            text = (prompts_v2_raw.qa_prompt if v2 else _qa_prompt)(rng)
         else:
             text = None
             messages = prompts_v2.chat_messages(rng)[1] if v2 else _chat_messages(rng)

@@ -10,11 +10,9 @@ This set widens every generated source:
   given passage, extract fields from it, compare, plan, brainstorm, recipes, travel, emails,
   stories, poems, jokes, code questions, math word problems, opinions, role play, definitions,
   in several registers (terse, casual, polite, detailed with context);
-- prose: openings of many genres (news, blog, review, letter, diary, how-to, encyclopedia,
-  speech, story, dialogue, product copy) and /usr/share/doc paragraphs;
-- code: more tasks and languages, docstring-, comment-, test- and signature-led openings, and
-  standard-library snippets;
-- Q&A: several answer formats, reading questions over a given passage, word problems.
+- prose, code and Q&A: the raw-completion openings, in prompts_v2_raw.py.
+
+This file holds the word lists both draw from, the composed passages, and the chat asks.
 
 Every generator is a pure function of its `random.Random`: a corpus's prompts are a function of
 its seed. Passages to summarize, edit or extract from are composed here from parts, so no
@@ -119,7 +117,7 @@ SYSTEM_PROMPTS = (
 # Composed passages (what a user pastes to be summarized, edited or mined)
 
 
-def _passage(rng: random.Random) -> str:
+def passage(rng: random.Random) -> str:
     who, other = rng.sample(PEOPLE, 2)
     place, subject = rng.choice(PLACES), rng.choice(SUBJECTS)
     day = rng.choice(("Monday", "Tuesday", "Wednesday", "Thursday", "Friday"))
@@ -190,7 +188,7 @@ def _advise(rng):
 
 
 def _rewrite(rng):
-    text = _messy_text(rng) if rng.random() < 0.6 else _passage(rng)
+    text = _messy_text(rng) if rng.random() < 0.6 else passage(rng)
     how = rng.choice((
         "Fix the grammar in this sentence", "Rewrite this to sound more professional",
         "Make this more concise", "Rewrite this in a friendly, casual tone", "Proofread this",
@@ -201,7 +199,7 @@ def _rewrite(rng):
 
 
 def _summarize(rng):
-    text = _passage(rng)
+    text = passage(rng)
     how = rng.choice((
         "Summarize this in one sentence:", "TL;DR this please", "Give me the key points of the text below.",
         "Summarize the following for a busy executive.", "What is the main idea here?",
@@ -211,7 +209,7 @@ def _summarize(rng):
 
 
 def _extract(rng):
-    text = _passage(rng)
+    text = passage(rng)
     how = rng.choice((
         "List every person, place and date mentioned in this text.",
         "Extract the numbers from this text and say what each one means.",
@@ -323,7 +321,7 @@ def _code_question(rng):
     ))
 
 
-def _math(rng):
+def word_problem(rng):
     a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 12)
     who = rng.choice(PEOPLE)
     return rng.choice((
@@ -367,7 +365,7 @@ CHAT_KINDS: dict[str, Callable[[random.Random], str]] = {
     "explain": _explain, "advise": _advise, "rewrite": _rewrite, "summarize": _summarize,
     "extract": _extract, "compare": _compare, "plan": _plan, "brainstorm": _brainstorm,
     "recipe": _recipe, "travel": _travel, "email": _email, "story": _story, "joke": _joke,
-    "code": _code_question, "math": _math, "opinion": _opinion, "roleplay": _roleplay,
+    "code": _code_question, "math": word_problem, "opinion": _opinion, "roleplay": _roleplay,
     "define": _define,
 }
 
@@ -433,75 +431,3 @@ def chat_messages(rng: random.Random) -> tuple[str, list[dict]]:
     else:
         messages.append({"role": "user", "content": _register(rng, CHAT_KINDS[kind](rng))})
     return kind, messages
-
-
-# ---------------------------------------------------------------------------------------------
-# Raw completions: prose, code, Q&A
-
-
-def prose_prompt(rng: random.Random, snippets: list[str]) -> str:
-    s, c, p, who = rng.choice(SUBJECTS), rng.choice(CHARACTERS), rng.choice(PLACES), rng.choice(PEOPLE)
-    if snippets and rng.random() < 0.2:
-        return rng.choice(snippets)
-    forms = [
-        lambda: f"{p.capitalize()}, {rng.choice(('Monday', 'Friday', 'Sunday'))} - Officials announced today that",
-        lambda: f"# What I learned from a year of {rng.choice(ACTIVITIES)}\n\n",
-        lambda: f"Review: {rng.choice(DISHES).capitalize()} at a new cafe in {p}\n\n",
-        lambda: f"Dear {who},\n\nI hope this letter finds you well. I am writing to",
-        lambda: "Dear diary,\n\nToday was",
-        lambda: f"How to get started with {s}\n\nStep 1:",
-        lambda: f"{s[0].upper()}{s[1:]}\n\nFrom Wikipedia, the free encyclopedia\n\n",
-        lambda: "Good evening, everyone. Thank you all for coming tonight. ",
-        lambda: f"{c[0].upper()}{c[1:]} had never",
-        lambda: f'"Are you sure about this?" {who} asked.\n\n"',
-        lambda: f"Introducing the new {rng.choice(('SmartMug', 'TrailLite backpack', 'EchoDesk lamp', 'Nimbus umbrella'))}: ",
-        lambda: f"The main reason {s} matters today is",
-        lambda: f"When I first moved to {p}, I",
-        lambda: f"Chapter {rng.randint(1, 12)}\n\nThe morning {who} left {p},",
-        lambda: f"Abstract. We study {s} and",
-        lambda: f"Frequently asked questions about {s}\n\n1.",
-    ]
-    return rng.choice(forms)()
-
-
-def code_prompt(rng: random.Random, snippets: list[str]) -> str:
-    t = rng.choice(CODE_TASKS)
-    name = "_".join(w for w in t.lower().replace("-", " ").split() if w.isalnum())[:40]
-    camel = name.split("_")[0] + "".join(w.capitalize() for w in name.split("_")[1:])
-    if snippets and rng.random() < 0.3:
-        return rng.choice(snippets)
-    forms = [
-        lambda: f"def {name}(",
-        lambda: f'def {name}(items):\n    """{t.capitalize()}.\n\n    Args:\n',
-        lambda: f"# {t.capitalize()}\nimport {rng.choice(('os', 're', 'json', 'math', 'itertools', 'collections'))}\n\n",
-        lambda: f"from typing import List, Optional\n\n\ndef {name}(",
-        lambda: f"import pytest\n\n\ndef test_{name}():\n",
-        lambda: f"class {camel[0].upper() + camel[1:]}:\n    \"\"\"",
-        lambda: f"// {t.capitalize()}\nfunction {camel}(",
-        lambda: f"// {t}\nconst {camel} = (",
-        lambda: f"/* {t} */\n#include <stdio.h>\n#include <stdlib.h>\n\n",
-        lambda: f"// {t}\nfn {name}(",
-        lambda: f"// {t}\nfunc {camel}(",
-        lambda: f"#!/usr/bin/env bash\n# {t}\n",
-        lambda: f"-- {t}\nSELECT ",
-        lambda: f"public class {camel[0].upper() + camel[1:]} {{\n    // {t}\n",
-        lambda: f"```{rng.choice(('python', 'javascript', 'rust', 'go'))}\n// {t}\n",
-        lambda: f"if __name__ == \"__main__\":\n    # {t}\n",
-    ]
-    return rng.choice(forms)()
-
-
-def qa_prompt(rng: random.Random) -> str:
-    s = rng.choice(SUBJECTS)
-    r = rng.random()
-    if r < 0.2:
-        return f"{_passage(rng)}\n\nQuestion: {rng.choice(('Who is mentioned?', 'What happened?', 'What are the numbers about?', 'When is the next step?'))}\nAnswer:"
-    if r < 0.35:
-        return f"Question: {_math(rng)}\nAnswer:"
-    return rng.choice((
-        f"Q: What is {s}?\nA:", f"Question: How does {s} affect everyday life?\nAnswer:",
-        f"Q: What are common myths about {s}?\nA:", f"FAQ\n\nWhat is the best way to learn about {s}?\n\n",
-        f"Quiz question: name one fact about {s}.\nAnswer:", f"Q: Who first studied {s}?\nA:",
-        f"Question: Is {s} good or bad? Explain briefly.\nAnswer:",
-        f"Q: Can you summarize {s} in one sentence?\nA:",
-    ))
