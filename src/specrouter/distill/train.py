@@ -446,8 +446,10 @@ def run_distill(cfg: DistillConfig) -> DistillReport:
         _copy_tokenizer(Path(cfg.target), teacher.tokenizer, out)
     opt = _optimizer(student, cfg, state)
 
+    init_recipe = _init_from_recipe(cfg, out, resuming)
+
     def write_recipe() -> None:
-        _write_recipe(cfg, out, progress, student, spec, corpus)
+        _write_recipe(cfg, out, progress, student, spec, corpus, init_recipe)
 
     write_recipe()
     # 4. training
@@ -523,14 +525,33 @@ def _optimizer(student, cfg: DistillConfig, state: dict | None) -> torch.optim.A
     return opt
 
 
+def _init_from_recipe(cfg: DistillConfig, out: Path, resuming: bool) -> dict | None:
+    """The recipe of the draft a warm start began from (its folder's recipe.json, or its run's
+    when it is a run's `checkpoint` folder; None if it has none), read once before training: the
+    folder may be overwritten later (a shipped asset replaced by this run's draft). A resumed run
+    keeps what its first call recorded."""
+    if resuming:
+        old = out / "recipe.json"
+        return json.loads(old.read_text()).get("init_from_recipe") if old.is_file() else None
+    if cfg.init_from is None:
+        return None
+    folder = Path(cfg.init_from)
+    candidates = [folder / "recipe.json"] + ([folder.parent / "recipe.json"] if folder.name == "checkpoint" else [])
+    found = next((f for f in candidates if f.is_file()), None)
+    return json.loads(found.read_text()) if found is not None else None
+
+
 def _write_recipe(cfg: DistillConfig, out: Path, progress: _Progress, student, spec: CorpusSpec,
-                  corpus: Corpus) -> None:
+                  corpus: Corpus, init_recipe: dict | None) -> None:
     recipe = {
         "args": cfg.args(), "seed": cfg.seed, "steps_done": progress.step, "tokens_seen": progress.tokens_seen,
         "student_config": student.config.to_dict(), "shape": cfg.shape,
         "corpus": {"dir": str(cfg.corpus_path), "extra_dirs": [str(d) for d in cfg.extra_corpus_dirs],
-                   "spec": spec.__dict__, "sources": corpus.composition()},
+                   "spec": spec.__dict__, "sources": corpus.composition(),
+                   # each extra corpus's own spec (prompt set, seed, size: what rebuilds it)
+                   "extra_specs": [json.loads((Path(d) / "spec.json").read_text()) for d in cfg.extra_corpus_dirs]},
         "init_from": str(cfg.init_from) if cfg.init_from is not None else None,
+        "init_from_recipe": init_recipe,
         "versions": _versions(),
     }
     (out / "recipe.json").write_text(json.dumps(recipe, indent=1, default=str))
