@@ -278,6 +278,17 @@ def test_second_stage_on_two_corpora_starts_from_the_first(target, runs, tmp_pat
                      extra_corpus_dirs=[other], init_from=root / "b", **SMALL)
     recipe = json.loads((tmp_path / "stage2" / "recipe.json").read_text())
     assert recipe["init_from"] == str(root / "b") and recipe["corpus"]["extra_dirs"] == [str(other)]
+    # what rebuilds the start and the extra corpus is recorded, not only their paths (review27 N7)
+    first = json.loads((root / "b" / "recipe.json").read_text())
+    assert recipe["init_from_recipe"] == first and first["init_from_recipe"] is None
+    assert recipe["corpus"]["extra_specs"] == [json.loads((other / "spec.json").read_text())]
+    assert recipe["corpus"]["extra_specs"][0]["seed"] == 1
+    # a run's checkpoint folder gives its run's recipe; a resumed call keeps the first call's record
+    from specrouter.distill.train import DistillConfig, _init_from_recipe
+
+    from_ckpt = DistillConfig(target=target, out_dir="o", init_from=root / "b" / "checkpoint")
+    assert _init_from_recipe(from_ckpt, tmp_path / "none", resuming=False) == first
+    assert _init_from_recipe(from_ckpt, tmp_path / "stage2", resuming=True) == first
     # a warm start: the first evaluation is already near where stage 1 ended, not at a fresh start
     assert stage2.history[0]["kl"] < straight.history[0]["kl"]
     with pytest.raises(SpecRouterError, match="shape"):
@@ -315,7 +326,10 @@ def test_distill_config_is_validated_and_built_from_the_cli_flags(tmp_path):
     assert cfg == DistillConfig(target="t", out_dir=str(tmp_path), steps=0, seed=1,
                                 extra_corpus_dirs=("c1", "c2"), resume=False)
     assert cfg.args()["out_dir"] == str(tmp_path) and cfg.corpus_path == tmp_path / "corpus"
+    assert cfg.prompts == "v2" and cfg.corpus_spec(320).prompts == "v2"  # new runs: prompt set v2
+    v1 = config_from_args("t", parser.parse_args(["distill", "--out-dir", "o", "--prompts", "v1"]))
+    assert v1.corpus_spec(320).prompts == "v1"
     for bad in (dict(save_dtype="int8"), dict(init="random"), dict(batch_size=0), dict(lr=0.0),
-                dict(eval_fraction=1.0), dict(ce_weight=1.5), dict(steps=-1)):
+                dict(eval_fraction=1.0), dict(ce_weight=1.5), dict(steps=-1), dict(prompts="v3")):
         with pytest.raises(SpecRouterError):
             DistillConfig(target="t", out_dir="o", **bad)

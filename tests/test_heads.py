@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from fixtures import make_tiny_llama
+from fixtures import make_tiny_llama, make_tiny_tokenizer
 from test_row_invariance import SMOLLM2_135M, random_runner
 
 from specrouter.distill.corpus import SOURCE_IDS, Corpus
@@ -273,9 +273,36 @@ def test_head_config_from_the_cli_flags(tmp_path):
     cfg = head_config_from_args("t", args)
     assert cfg == HeadDistillConfig(target="t", out_dir=str(tmp_path), steps=5, unroll=3)
     assert cfg.corpus_tokens == 150_000 and cfg.lr == 1e-3 and cfg.compare_draft is None
-    for bad in ({"unroll": 0}, {"lr": 0.0}, {"save_dtype": "int8"}, {"steps": -1}, {"ce_weight": 2.0}):
+    for bad in ({"unroll": 0}, {"lr": 0.0}, {"save_dtype": "int8"}, {"steps": -1}, {"ce_weight": 2.0},
+                {"prompts": "v3"}):
         with pytest.raises(SpecRouterError):
             HeadDistillConfig(target="t", out_dir="o", **bad)
+
+
+def test_head_corpus_uses_the_prompt_set_given(tmp_path, monkeypatch):
+    """--prompts reaches a head's own corpus (review27 N3: it was dropped); v1 by default, the
+    set the shipped head was built with."""
+    import argparse
+
+    from specrouter.cli.distill import head_config_from_args, register
+    from specrouter.heads import generate
+    from specrouter.heads import train as head_train
+
+    make_tiny_tokenizer(tmp_path / "t")
+    specs = []
+
+    def record(runner, tokenizer, spec, *a, **kw):
+        specs.append(spec)
+        raise InterruptedError  # stop before anything is generated
+
+    monkeypatch.setattr(generate, "generate_corpus", record)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    for flags, want in (([], "v1"), (["--prompts", "v2"], "v2")):
+        args = parser.parse_args(["distill", "--head", "--out-dir", str(tmp_path / "o"), *flags])
+        with pytest.raises(InterruptedError):
+            head_train._load_corpus(head_config_from_args(tmp_path / "t", args), 320, None)
+        assert specs[-1].prompts == want
 
 
 def test_generated_corpus_carries_the_runners_features_and_labels(target, tmp_path):

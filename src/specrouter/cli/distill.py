@@ -44,6 +44,7 @@ def config_from_args(target, args: argparse.Namespace):
         threads=args.threads, corpus_dir=args.corpus_dir,
         extra_corpus_dirs=tuple(args.extra_corpus_dir or ()), init_from=args.init_from,
         greedy_eval_tokens=args.greedy_eval_tokens, draft_vocab_size=args.draft_vocab_size,
+        **_given(args, "prompts"),
     )
 
 
@@ -67,7 +68,7 @@ def head_config_from_args(target, args: argparse.Namespace):
         seq_len=args.seq_len, unroll=args.unroll, noise=args.noise, seed=args.seed,
         resume=not args.no_resume, threads=args.threads, corpus_dir=args.corpus_dir,
         features_dir=args.features_dir, eval_depth=args.eval_depth, compare_draft=compare,
-        **_given(args, "steps", "lr", "corpus_tokens"),
+        **_given(args, "steps", "lr", "corpus_tokens", "prompts"),
     )
 
 
@@ -125,6 +126,10 @@ def register(sub) -> None:
                    help="tokens per prompt of the end-to-end greedy-agreement evaluation (0: skip)")
     p.add_argument("--draft-vocab-size", type=int, default=16384,
                    help="the draft proposes only the N most frequent corpus tokens (0: all)")
+    p.add_argument("--prompts", choices=("v1", "v2"), default=None,
+                   help="the corpus's prompt set: v2 (system prompts, multi-turn chats, many kinds of "
+                        "ask; the default for a draft) or v1 (one-turn templated chats: rebuilds the "
+                        "drafts made before v2; the default with --head, as the shipped head was built)")
     p.add_argument("--eval-only", action="store_true",
                    help="only evaluate the draft in --out-dir: held-out greedy agreement")
     h = p.add_argument_group("draft head (--head): an EAGLE-style head on the target's features")

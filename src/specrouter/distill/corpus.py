@@ -6,7 +6,9 @@ at every position t, the target's top-k next-token log-probabilities given token
 Two kinds of rows, all offline:
 
 - generated: the target continues varied prompts (raw code, raw prose, chat through its chat
-  template, Q&A), greedily or sampled, in batches. The distributions come for free from the
+  template, Q&A), greedily or sampled, in batches. Two prompt sets: "v1" (this module's
+  templates: one-turn chats from 12 asks) and "v2" (prompts_v2.py: system prompts, multi-turn
+  chats, many kinds of ask and registers, wider prose / code / Q&A forms). The distributions come for free from the
   generation forwards, so a generated token costs one decode step of the target.
 - natural: windows of Python standard-library sources (tests skipped) and of /usr/share/doc
   text, labelled by one teacher forward per window.
@@ -31,6 +33,7 @@ from typing import Iterator
 
 import torch
 
+from specrouter.distill import prompts_v2, prompts_v2_raw
 from specrouter.errors import SpecRouterError
 
 # source -> kind; kinds are what the report breaks agreement down by
@@ -43,7 +46,11 @@ SOURCES = {
     "docs": "prose",
 }
 SOURCE_IDS = {name: i for i, name in enumerate(SOURCES)}
-GEN_MIX = {"gen-code": 0.35, "gen-prose": 0.3, "gen-chat": 0.25, "gen-qa": 0.1}
+GEN_MIX = {"gen-code": 0.35, "gen-prose": 0.3, "gen-chat": 0.25, "gen-qa": 0.1}  # prompts "v1"
+# "v2" leans to chat, the kind real traffic is and the v1 draft agrees with least, and keeps v1's
+# code share (session 27: a v2 corpus with 0.25 code lost code agreement, docs/drafts.md)
+GEN_MIX_V2 = {"gen-code": 0.35, "gen-prose": 0.15, "gen-chat": 0.4, "gen-qa": 0.1}
+PROMPT_SETS = ("v1", "v2")
 NATURAL_MIX = {"stdlib": 0.75, "docs": 0.25}
 SHARD_ROWS = 128  # rows per shard (= one generation batch)
 CORPUS_VERSION = 1
@@ -350,6 +357,12 @@ class CorpusSpec:
     eval_fraction: float  # share of prompts / files held out
     seed: int
     version: int = CORPUS_VERSION
+    # the prompt set of the generated rows; a spec.json written before v2 existed reads as "v1"
+    prompts: str = "v1"
+
+    def __post_init__(self) -> None:
+        if self.prompts not in PROMPT_SETS:
+            raise SpecRouterError(f"prompts must be one of {PROMPT_SETS}, got {self.prompts!r}")
 
 
 class Corpus:
@@ -461,24 +474,42 @@ def _natural_windows(tokenizer, spec: CorpusSpec, rng: random.Random) -> Iterato
             yield name, toks[s : s + spec.seq_len], is_eval
 
 
+def _chat_ids(tokenizer, messages: list[dict], max_prompt: int) -> list[int]:
+    """A chat through the chat template, its earliest exchanges after the system prompt dropped
+    while it is over `max_prompt` tokens (then, if still over, its start cut)."""
+    while True:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        first = 1 if messages[0]["role"] == "system" else 0
+        if len(ids) <= max_prompt or len(messages) - first < 3:
+            return ids[-max_prompt:]
+        messages = messages[:first] + messages[first + 2:]
+
+
 def _prompt_stream(tokenizer, spec: CorpusSpec, rng: random.Random) -> Iterator[tuple]:
     """Endless stream of (source, prompt token ids, greedy, is_eval)."""
     code = _code_snippets([p for p in stdlib_files() if not _is_eval(str(p), spec.eval_fraction)], rng)
     prose = _prose_snippets(doc_files(), rng)
-    max_prompt = max(8, spec.seq_len // 4)
+    v2 = spec.prompts == "v2"
+    mix = GEN_MIX_V2 if v2 else GEN_MIX
+    # v2 chats carry system prompts, earlier turns and pasted passages: room for them
+    max_prompt = max(8, spec.seq_len // (2 if v2 else 4))
     n = 0
     while True:
-        name = rng.choices(list(GEN_MIX), list(GEN_MIX.values()))[0]
+        name = rng.choices(list(mix), list(mix.values()))[0]
         if name == "gen-code":
-            text = _code_prompt(rng, code)
+            text = (prompts_v2_raw.code_prompt if v2 else _code_prompt)(rng, code)
         elif name == "gen-prose":
-            text = _prose_prompt(rng, prose)
+            text = (prompts_v2_raw.prose_prompt if v2 else _prose_prompt)(rng, prose)
         elif name == "gen-qa":
-            text = _qa_prompt(rng)
+            text = (prompts_v2_raw.qa_prompt if v2 else _qa_prompt)(rng)
         else:
-            text = tokenizer.apply_chat_template(
-                _chat_messages(rng), add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt:]
+            text = None
+            messages = prompts_v2.chat_messages(rng)[1] if v2 else _chat_messages(rng)
+        if text is None:
+            ids = _chat_ids(tokenizer, messages, max_prompt)
+        else:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt:]
         n += 1
         yield name, ids, rng.random() < spec.greedy_fraction, _is_eval(f"prompt-{n}", spec.eval_fraction)
 
@@ -499,7 +530,7 @@ def build_corpus(
     corpus_dir.mkdir(parents=True, exist_ok=True)
     spec_path = corpus_dir / "spec.json"
     if spec_path.exists():
-        old = json.loads(spec_path.read_text())
+        old = {"prompts": "v1", **json.loads(spec_path.read_text())}
         # the target is compared by vocabulary, not by path: a moved or re-converted target
         # (same model, another folder) keeps its corpus
         if {**old, "target": None} != {**spec.__dict__, "target": None}:

@@ -7,9 +7,11 @@ generated position, whether the draft's argmax is the token the target wrote. Th
 the per-token acceptance probability a greedy draft-then-verify cycle sees (docs/design.md: greedy
 acceptance = P(argmax_draft == argmax_target) along the target's own output).
 
-The prompts are written here by hand and none comes from the distillation corpus (whose
-prompts are generated from templates, see corpus.py), so the figure is held out by
-construction.
+The prompts are written here by hand (session 28; the earlier set was not held out: the v1
+generator wrote its chat prompt whole and paraphrased two more, docs/drafts.md), on topics
+that neither prompt generator's lists (corpus.py's v1, prompts_v2.py) nor the bench's prompts
+hold. tests/test_distill_heldout.py fails if either generator writes a word run of min(5, its
+words) of any of them, or if one is a bench prompt.
 """
 
 from __future__ import annotations
@@ -23,19 +25,21 @@ from specrouter.distill.corpus import SOURCES, Corpus
 
 # (kind, text, through the chat template?)
 HELDOUT_PROMPTS: tuple[tuple[str, str, bool], ...] = (
-    ("code", "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n", False),
-    ("code", "import json\n\n\ndef load_config(path):\n", False),
-    ("code", "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n", False),
-    ("code", "Write a Python function that counts the vowels in a string.", True),
-    ("prose", "The old bridge over the river had stood for two hundred years, and", False),
-    ("prose", "Photosynthesis is the process by which plants", False),
-    ("prose", "Write a short paragraph about a city at night.", True),
-    ("chat", "What is the capital of Japan, and what is it known for?", True),
-    ("chat", "Give me three tips for learning a new language.", True),
-    ("chat", "Explain what a database index is in simple terms.", True),
-    ("extraction", "List the colours in this sentence, one per line: The red car passed a blue "
-                   "house with a green door and a yellow fence.", True),
-    ("extraction", "Repeat this sentence exactly: Every morning the baker opens the shop at six.", True),
+    ("code", "def rle_encode(s):\n    \"\"\"Run-length encode a string: 'aaab' -> 'a3b1'.\"\"\"\n", False),
+    ("code", "import itertools\n\n\ndef tic_tac_toe_winner(board):\n", False),
+    ("code", "class Thermostat:\n    def __init__(self, target):\n        self.target = target\n"
+             "        self.heating = False\n\n    def update(self, reading):\n", False),
+    ("code", "Write a Python function that checks whether a filled-in 9x9 sudoku grid is valid.", True),
+    ("prose", "The kettle had barely begun to whistle when someone knocked at the back door, and", False),
+    ("prose", "Sea otters hold hands while they sleep so that", False),
+    ("prose", "Write a short paragraph about a village football match on a muddy pitch.", True),
+    ("chat", "How do I get red wine out of a white cotton shirt?", True),
+    ("chat", "Why does my own voice sound so strange on a recording?", True),
+    ("chat", "How does a fridge keep its inside cold when the kitchen around it is warm?", True),
+    ("extraction", "Name only the tools in this sentence, comma-separated: Before lunch Ana fetched a "
+                   "hammer, her uncle borrowed the saw, and the twins lost a screwdriver in the grass.", True),
+    ("extraction", "Copy this sentence word for word: The choir rehearses in the old chapel every "
+                   "Thursday, except in August.", True),
 )
 
 

@@ -43,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-from specrouter.distill.corpus import Corpus, CorpusSpec, build_corpus, load_corpus
+from specrouter.distill.corpus import PROMPT_SETS, Corpus, CorpusSpec, build_corpus, load_corpus
 from specrouter.distill.evaluate import evaluate, greedy_agreement, step_ms
 from specrouter.distill.loss import sparse_kl_loss  # noqa: F401  (part of this module's API)
 from specrouter.errors import CheckpointError, SpecRouterError
@@ -318,6 +318,7 @@ class DistillConfig:
     save_dtype: str = "bfloat16"  # dtype of the final weights: bfloat16, float16 or float32
     greedy_eval_tokens: int = 96  # tokens the target writes per prompt of the end-to-end greedy evaluation; 0 skips it
     draft_vocab_size: int = 16384  # the draft proposes only this many tokens, the most frequent in training (0: all)
+    prompts: str = "v2"  # the corpus's prompt set (corpus.PROMPT_SETS); "v1" rebuilds the drafts made before v2
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> SpecRouterError:
@@ -348,6 +349,8 @@ class DistillConfig:
             raise bad(f"eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
         if self.warmup_steps is not None and self.warmup_steps < 1:
             raise bad(f"warmup_steps must be >= 1 or None, got {self.warmup_steps!r}")
+        if self.prompts not in PROMPT_SETS:
+            raise bad(f"prompts must be one of {PROMPT_SETS}, got {self.prompts!r}")
         if self.threads is not None and self.threads < 1:
             raise bad(f"threads must be >= 1 or None, got {self.threads!r}")
 
@@ -366,7 +369,7 @@ class DistillConfig:
             target=str(self.target), vocab_size=vocab_size, corpus_tokens=self.corpus_tokens,
             generated_fraction=self.generated_fraction, seq_len=self.seq_len, teacher_topk=self.teacher_topk,
             temperature=self.temperature, greedy_fraction=self.greedy_fraction,
-            eval_fraction=self.eval_fraction, seed=self.seed)
+            eval_fraction=self.eval_fraction, seed=self.seed, prompts=self.prompts)
 
     def args(self) -> dict:
         """JSON-ready fields (recipe.json's "args")."""
@@ -443,8 +446,10 @@ def run_distill(cfg: DistillConfig) -> DistillReport:
         _copy_tokenizer(Path(cfg.target), teacher.tokenizer, out)
     opt = _optimizer(student, cfg, state)
 
+    init_recipe = _init_from_recipe(cfg, out, resuming)
+
     def write_recipe() -> None:
-        _write_recipe(cfg, out, progress, student, spec, corpus)
+        _write_recipe(cfg, out, progress, student, spec, corpus, init_recipe)
 
     write_recipe()
     # 4. training
@@ -520,14 +525,33 @@ def _optimizer(student, cfg: DistillConfig, state: dict | None) -> torch.optim.A
     return opt
 
 
+def _init_from_recipe(cfg: DistillConfig, out: Path, resuming: bool) -> dict | None:
+    """The recipe of the draft a warm start began from (its folder's recipe.json, or its run's
+    when it is a run's `checkpoint` folder; None if it has none), read once before training: the
+    folder may be overwritten later (a shipped asset replaced by this run's draft). A resumed run
+    keeps what its first call recorded."""
+    if resuming:
+        old = out / "recipe.json"
+        return json.loads(old.read_text()).get("init_from_recipe") if old.is_file() else None
+    if cfg.init_from is None:
+        return None
+    folder = Path(cfg.init_from)
+    candidates = [folder / "recipe.json"] + ([folder.parent / "recipe.json"] if folder.name == "checkpoint" else [])
+    found = next((f for f in candidates if f.is_file()), None)
+    return json.loads(found.read_text()) if found is not None else None
+
+
 def _write_recipe(cfg: DistillConfig, out: Path, progress: _Progress, student, spec: CorpusSpec,
-                  corpus: Corpus) -> None:
+                  corpus: Corpus, init_recipe: dict | None) -> None:
     recipe = {
         "args": cfg.args(), "seed": cfg.seed, "steps_done": progress.step, "tokens_seen": progress.tokens_seen,
         "student_config": student.config.to_dict(), "shape": cfg.shape,
         "corpus": {"dir": str(cfg.corpus_path), "extra_dirs": [str(d) for d in cfg.extra_corpus_dirs],
-                   "spec": spec.__dict__, "sources": corpus.composition()},
+                   "spec": spec.__dict__, "sources": corpus.composition(),
+                   # each extra corpus's own spec (prompt set, seed, size: what rebuilds it)
+                   "extra_specs": [json.loads((Path(d) / "spec.json").read_text()) for d in cfg.extra_corpus_dirs]},
         "init_from": str(cfg.init_from) if cfg.init_from is not None else None,
+        "init_from_recipe": init_recipe,
         "versions": _versions(),
     }
     (out / "recipe.json").write_text(json.dumps(recipe, indent=1, default=str))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specrouter.distill.corpus import PROMPT_SETS
 from specrouter.errors import SpecRouterError
 from specrouter.heads.evaluate import (
     DrafterReport,
@@ -75,6 +76,7 @@ class HeadDistillConfig:
     temperature: float = 0.7
     greedy_fraction: float = 0.5
     eval_fraction: float = 0.08
+    prompts: str = "v1"  # the corpus's prompt set (distill/corpus.py PROMPT_SETS); v1 built the shipped head
     features_dir: str | Path | None = None  # default OUT_DIR/features
     dtype: str = "auto"  # the runner's precision for features and step costs (auto: the engine's)
     eval_every: int = 100  # steps between quick held-out evaluations (32 rows) in the history
@@ -99,6 +101,8 @@ class HeadDistillConfig:
                                   "ce_weight in [0, 1]")
         if self.save_dtype not in ("bfloat16", "float16", "float32"):
             raise SpecRouterError(f"save_dtype must be bfloat16, float16 or float32, got {self.save_dtype!r}")
+        if self.prompts not in PROMPT_SETS:
+            raise SpecRouterError(f"invalid head settings: prompts must be one of {PROMPT_SETS}, got {self.prompts!r}")
 
     @property
     def corpus_path(self) -> Path:
@@ -155,7 +159,7 @@ def _load_corpus(cfg: HeadDistillConfig, vocab: int, runner):
         spec = CorpusSpec(target=str(cfg.target), vocab_size=vocab, corpus_tokens=cfg.corpus_tokens,
                           generated_fraction=1.0, seq_len=cfg.seq_len, teacher_topk=cfg.teacher_topk,
                           temperature=cfg.temperature, greedy_fraction=cfg.greedy_fraction,
-                          eval_fraction=cfg.eval_fraction, seed=cfg.seed)
+                          eval_fraction=cfg.eval_fraction, seed=cfg.seed, prompts=cfg.prompts)
         tokenizer = AutoTokenizer.from_pretrained(str(cfg.target))
         generate_corpus(runner, tokenizer, spec, cfg.corpus_path, cfg.features_path, progress=cfg.progress)
     return load_corpus(cfg.corpus_path), time.time() - t0
