@@ -21,9 +21,9 @@ CODE = [
     "def split_bill(total_cents: int, shares: dict[str, int]) -> dict[str, int]:\n"
     '    """Divide a bill between people in proportion to their shares, in whole cents, so that\n'
     '    the parts add up to `total_cents` exactly; leftover cents go to the largest shares."""\n',
-    "def tide_peaks(heights: list[float]) -> list[int]:\n"
-    '    """Return the indexes of the readings that are strictly higher than both neighbours\n'
-    '    (the high tides in a series of water-level measurements)."""\n',
+    "def bowling_score(rolls: list[int]) -> int:\n"
+    '    """Score a complete game of ten-pin bowling from the pins knocked down by each roll,\n'
+    '    with the bonuses for strikes and spares and the extra rolls of the tenth frame."""\n',
     "class SeatingChart:\n"
     '    """Assigns wedding guests to numbered tables of a fixed size, keeping guests who asked\n'
     '    to sit together at the same table."""\n\n'
@@ -37,7 +37,8 @@ CODE = [
 ]
 
 PROSE = [
-    "The lighthouse keeper's daughter had never once set foot on the mainland, but every autumn she",
+    "The salt merchants of the delta never wrote anything down, so when the river shifted its course"
+    " one spring they",
     "Peat bogs preserve almost everything that falls into them, because the water is acidic, cold and"
     " nearly free of oxygen, which means that",
     "By the time the night ferry reached the third island, the cook had already",
@@ -48,26 +49,26 @@ PROSE = [
 ]
 
 CHAT = [
-    "What should I pack for a three-day canoe trip on a quiet river in early autumn?",
-    "Explain to a twelve-year-old why the moon looks bigger when it is near the horizon.",
+    "I'm hosting my first board game evening for six adults who rarely play. Which kinds of games suit a mixed group?",
+    "Explain to a twelve-year-old why a rubber band feels warm right after you stretch it quickly.",
     "Write a short, friendly note asking my neighbour to collect my mail while I am away for a week.",
-    "What are the pros and cons of learning the accordion as an adult beginner?",
-    "How does a sourdough starter stay alive, and what happens if I forget to feed it for a month?",
-    "I keep forgetting to water my houseplants. Can you suggest a simple routine that sticks?",
+    "What is a fair way to split household chores between three flatmates who work different shifts?",
+    "My sewing machine keeps skipping stitches on thick denim. What are the usual causes?",
+    "Suggest a name and a short motto for our village's new volunteer fire brigade.",
 ]
 
 EXTRACTION = [
     "Repeat the following list exactly, one item per line:\n"
     "- two spools of brass wire\n- a bag of river gravel\n- seven cedar shingles\n"
     "- one tin of linseed oil\n- a coil of hemp rope\n- three pairs of canvas gloves",
-    'Convert this timetable to a JSON array of objects with the keys "station" and "minutes":\n'
-    "Harbor Street 0\nMill Pond 4\nQuarry Lane 9\nOld Tannery 13\nNorth Orchard 18\nBell Tower 22",
+    'Convert these rowing results to a JSON array of objects with the keys "crew" and "seconds":\n'
+    "Kingfisher 412\nOtter Bend 419\nGrey Heron 425\nWillow Reach 431\nStone Lock 438\nAlder Point 446",
     "Copy this Python function exactly, without any changes:\n\n"
     "def kiln_schedule(peak, ramp):\n    steps = []\n    temp = 20\n    while temp < peak:\n"
     "        temp = min(peak, temp + ramp)\n        steps.append(temp)\n    return steps",
     "List every person's name in this paragraph, one per line, in order of appearance:\n"
     "At the village fair, Ottoline Brask judged the marrow contest while her cousin Teodor Vime sold"
-    " honey from a cart. Later, Priya Annerud and the blacksmith Caspar Holt argued about the"
+    " plum jam from a cart. Later, Ilse Annerud and the blacksmith Caspar Holt argued about the"
     " tug-of-war rules until Wren Dalloway settled it with a coin toss.",
     "Repeat this paragraph word for word:\n"
     "The old footbridge over the Kessel was built from oak in 1887 and rebuilt in stone after the"
