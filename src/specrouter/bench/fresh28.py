@@ -41,11 +41,12 @@ PROSE = [
     " one spring they",
     "Peat bogs preserve almost everything that falls into them, because the water is acidic, cold and"
     " nearly free of oxygen, which means that",
-    "By the time the night ferry reached the third island, the cook had already",
-    "Before refrigerated railcars existed, a growing city's supply of fresh milk depended on",
+    "By the time the snowplough reached the last farmhouse on the ridge, the family had already",
+    "In the decades before pasteurisation, a growing city's supply of fresh milk depended on",
     "My grandmother kept a ledger of every jar she ever canned, and when we opened it after the funeral"
     " we found",
-    "Lichens are not single organisms at all but partnerships between a fungus and",
+    "A church bell is tuned after it is cast, by shaving thin rings of metal from its inner wall,"
+    " which lowers",
 ]
 
 CHAT = [
@@ -58,10 +59,10 @@ CHAT = [
 ]
 
 EXTRACTION = [
-    "Repeat the following list exactly, one item per line:\n"
+    "Write out this shopping list again exactly as given, keeping each item on its own line:\n"
     "- two spools of brass wire\n- a bag of river gravel\n- seven cedar shingles\n"
     "- one tin of linseed oil\n- a coil of hemp rope\n- three pairs of canvas gloves",
-    'Convert these rowing results to a JSON array of objects with the keys "crew" and "seconds":\n'
+    'Turn these rowing results into JSON, an array of objects whose keys are "crew" and "seconds":\n'
     "Kingfisher 412\nOtter Bend 419\nGrey Heron 425\nWillow Reach 431\nStone Lock 438\nAlder Point 446",
     "Copy this Python function exactly, without any changes:\n\n"
     "def kiln_schedule(peak, ramp):\n    steps = []\n    temp = 20\n    while temp < peak:\n"
@@ -70,7 +71,7 @@ EXTRACTION = [
     "At the village fair, Ottoline Brask judged the marrow contest while her cousin Teodor Vime sold"
     " plum jam from a cart. Later, Ilse Annerud and the blacksmith Caspar Holt argued about the"
     " tug-of-war rules until Wren Dalloway settled it with a coin toss.",
-    "Repeat this paragraph word for word:\n"
+    "Reproduce the paragraph below verbatim:\n"
     "The old footbridge over the Kessel was built from oak in 1887 and rebuilt in stone after the"
     " flood of 1921. Its three arches are uneven because the masons ran short of granite and"
     " finished the eastern span with brick taken from a demolished mill.",
