@@ -47,6 +47,7 @@ def test_bench_writes_consistent_json_markdown_and_pngs(bench_out):
         assert (bench_out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     names = [s["name"] for s in result["scenarios"]]
     assert names == ["mixed greedy", "mixed t=0.7", "mixed greedy + slowdown"]
+    assert result["meta"]["config"]["prompt_set"] == "original" and "(prompt set original)" in md
     for s in result["scenarios"]:
         systems = s["systems"]
         tps = {n: e["tokens_per_second"] for n, e in systems.items()}

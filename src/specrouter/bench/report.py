@@ -379,7 +379,8 @@ def markdown(result: dict) -> str:
         f"(the bench itself adds about its thread count; more means other processes shared "
         f"the cores and the timings are noisy).",
         f"Mode: {'quick' if cfg['quick'] else 'full'}; max_new_tokens {cfg['max_new_tokens']}; "
-        f"{cfg['prompts_per_type']} prompt(s) per type; static k in {cfg['ks']}; "
+        f"{cfg['prompts_per_type']} prompt(s) per type (prompt set {cfg.get('prompt_set', 'original')}); "
+        f"static k in {cfg['ks']}; "
         f"run time {m['seconds']['total']:.0f} s (set-up {m['seconds']['setup']:.0f} s).", "",
         f"- Timing: {m['timing']}.",
         f"- Static chains: {m['k_selection']}.",

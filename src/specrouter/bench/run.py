@@ -44,6 +44,7 @@ from specrouter.bench.workloads import (
     Scenario,
     build_workloads,
     conversation_messages,
+    prompts_of,
 )
 from specrouter.config import MAX_DRAFT_LENGTH, RouterConfig
 from specrouter.errors import SpecRouterError
@@ -65,6 +66,7 @@ class BenchConfig:
     workloads: tuple[str, ...] = ("code", "prose", "chat", "extraction", "mixed")
     kinds: tuple[str, ...] = MIXED_ORDER  # request types of the mixed stream, in stream order
     prompts_per_type: int = 3  # first n prompts of each type (workloads.py)
+    prompt_set: str = "original"  # the four types' prompts: "original" or "fresh28" (workloads.PROMPT_SETS)
     mixed_block: int = 2  # the mixed stream changes type every this many requests
     repeat: int = 1  # passes over each workload's requests
     max_new_tokens: int = 64
@@ -104,6 +106,7 @@ class BenchConfig:
 
         if self.plain_path not in ("auto", "process", *PATHS):
             raise ValueError(f"plain_path must be 'auto', 'process' or one of {PATHS}, got {self.plain_path!r}")
+        prompts_of(self.prompt_set)  # raises on an unknown prompt set
         if self.hf not in ("all", "greedy", "none"):
             raise ValueError(f"hf must be 'all', 'greedy' or 'none', got {self.hf!r}")
         streams = ("mixed", "templated", "multiturn", "structured")
@@ -139,12 +142,14 @@ def temperature_label(t: float) -> str:
 
 
 def build_scenarios(cfg: BenchConfig) -> list[Scenario]:
-    wls = build_workloads(cfg.workloads, cfg.prompts_per_type, cfg.mixed_block, cfg.repeat, cfg.kinds)
+    wls = build_workloads(cfg.workloads, cfg.prompts_per_type, cfg.mixed_block, cfg.repeat, cfg.kinds,
+                          cfg.prompt_set)
     out = [Scenario(f"{wl.name} {temperature_label(t)}", wl, t, None,
                     cfg.hf == "all" or (cfg.hf == "greedy" and t == 0))
            for wl in wls for t in cfg.temperatures]
     if cfg.slowdown:
-        mixed = build_workloads(("mixed",), cfg.prompts_per_type, cfg.mixed_block, cfg.repeat, cfg.kinds)[0]
+        mixed = build_workloads(("mixed",), cfg.prompts_per_type, cfg.mixed_block, cfg.repeat, cfg.kinds,
+                                cfg.prompt_set)[0]
         start = min(max(1, round(len(mixed.requests) * cfg.slowdown_at)), len(mixed.requests) - 1)
         out.append(Scenario("mixed greedy + slowdown", mixed, 0.0, start, cfg.hf == "all"))
     return out

@@ -9,7 +9,10 @@ Request types (`KINDS`), each a different regime for speculation:
   the n-gram / prompt-lookup drafter proposes long correct runs.
 
 The lists are ordered: `--prompts-per-type n` takes the first n of each, so a quick run uses the
-most typical prompt of every type.
+most typical prompt of every type. Two prompt sets (`PROMPT_SETS`, `--prompt-set`) give these four
+types: "original" (the lists below, what every earlier figure was measured on) and "fresh28"
+(bench/fresh28.py: held out from the drafts' training prompts, written in session 28). The other
+streams (templated, multiturn, structured) are the same in both.
 
 The templated stream (`templated_stream`, workload "templated") is traffic that repeats itself
 ACROSS requests, where a drafter that learns from earlier requests (suffix) gains and one that
@@ -35,6 +38,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from specrouter.bench import fresh28
 from specrouter.bench.structured import PER_KIND, STRUCTURED
 
 KINDS = ("code", "prose", "chat", "extraction")
@@ -125,6 +129,7 @@ CONVERSATIONS = [  # the user's messages, one conversation each (TURNS turns)
 ]
 TURNS = 5  # turns per conversation
 PROMPTS = {"code": CODE, "prose": PROSE, "chat": CHAT, "extraction": EXTRACTION}
+PROMPT_SETS = {"original": PROMPTS, "fresh28": fresh28.PROMPTS}  # --prompt-set: the four types' prompts
 CHAT_KINDS = frozenset({"chat", "extraction"})  # sent through the target's chat template
 
 
@@ -148,11 +153,18 @@ class Workload:
     requests: tuple[Request, ...]
 
 
-def requests_of(kind: str, n: int) -> list[Request]:
-    """The first `n` prompts of a request type."""
+def prompts_of(prompt_set: str) -> dict[str, list[str]]:
+    """The four request types' prompt lists of a prompt set ("original" or "fresh28")."""
+    if prompt_set not in PROMPT_SETS:
+        raise ValueError(f"unknown prompt set {prompt_set!r}; use one of {tuple(PROMPT_SETS)}")
+    return PROMPT_SETS[prompt_set]
+
+
+def requests_of(kind: str, n: int, prompt_set: str = "original") -> list[Request]:
+    """The first `n` prompts of a request type, from `prompt_set`."""
     if kind not in PROMPTS:
         raise ValueError(f"unknown request type {kind!r}; use one of {KINDS}")
-    prompts = PROMPTS[kind]
+    prompts = prompts_of(prompt_set)[kind]
     if not 1 <= n <= len(prompts):
         raise ValueError(f"prompts per type must be in 1..{len(prompts)}, got {n}")
     return [Request(kind, p, kind in CHAT_KINDS) for p in prompts[:n]]
@@ -190,12 +202,13 @@ def conversation_messages(req: Request, history: list[dict]) -> list[dict]:
     return history + [{"role": "user", "content": req.prompt}]
 
 
-def mixed_stream(n: int, block: int = 2, kinds: tuple[str, ...] = MIXED_ORDER) -> list[Request]:
-    """Every type's first `n` prompts, the type shifting every `block` requests:
+def mixed_stream(n: int, block: int = 2, kinds: tuple[str, ...] = MIXED_ORDER,
+                 prompt_set: str = "original") -> list[Request]:
+    """Every type's first `n` prompts (of `prompt_set`), the type shifting every `block` requests:
     with n=3, block=2: e0 e1 p0 p1 c0 c1 h0 h1 e2 p2 c2 h2 (extraction, prose, code, chat)."""
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
-    queues = {k: requests_of(k, n) for k in kinds}
+    queues = {k: requests_of(k, n, prompt_set) for k in kinds}
     out: list[Request] = []
     while any(queues.values()):
         for k in kinds:
@@ -205,15 +218,17 @@ def mixed_stream(n: int, block: int = 2, kinds: tuple[str, ...] = MIXED_ORDER) -
 
 
 def build_workloads(names: tuple[str, ...], n: int, block: int = 2, repeat: int = 1,
-                    kinds: tuple[str, ...] = MIXED_ORDER) -> list[Workload]:
-    """Workloads by name: a request type (its first `n` prompts) or "mixed" (`mixed_stream` of
-    `kinds`); every request list is repeated `repeat` times (passes over the same prompts)."""
+                    kinds: tuple[str, ...] = MIXED_ORDER, prompt_set: str = "original") -> list[Workload]:
+    """Workloads by name: a request type (its first `n` prompts of `prompt_set`) or "mixed"
+    (`mixed_stream` of `kinds`); every request list is repeated `repeat` times (passes over the
+    same prompts). `prompt_set` picks the four types' prompts; the other streams ignore it."""
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
+    prompts_of(prompt_set)  # a bad name fails before any stream is built
     out = []
     for name in names:
         if name == "mixed":
-            reqs = mixed_stream(n, block, kinds)
+            reqs = mixed_stream(n, block, kinds, prompt_set)
         elif name == "templated":
             reqs = templated_stream(n)
         elif name == "multiturn":
@@ -221,7 +236,7 @@ def build_workloads(names: tuple[str, ...], n: int, block: int = 2, repeat: int 
         elif name == "structured":
             reqs = structured_stream(min(n, PER_KIND))
         else:
-            reqs = requests_of(name, n)
+            reqs = requests_of(name, n, prompt_set)
         out.append(Workload(name, tuple(reqs) * repeat))
     return out
 

@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kinds", nargs="+", default=None,
                    help="request types of the mixed stream, in order (default: extraction prose code chat)")
     p.add_argument("--prompts-per-type", type=int, default=None, help="default 3 (1..6)")
+    p.add_argument("--prompt-set", choices=["original", "fresh28"], default=None,
+                   help="the code/prose/chat/extraction prompts: original (default; every earlier figure) or "
+                        "fresh28 (held out from the drafts' training prompts; docs/benchmarks.md)")
     p.add_argument("--mixed-block", type=int, default=None,
                    help="the mixed stream changes type every N requests (default 2)")
     p.add_argument("--repeat", type=int, default=None,
@@ -95,7 +98,7 @@ def config_from_args(args: argparse.Namespace):
     over = {"dtype": pool.dtype, "device": pool.device}
     if pool.models != (DEFAULT_POOL,):
         over["models"] = pool.models
-    for field in ("target", "out_dir", "threads", "prompts_per_type", "mixed_block",
+    for field in ("target", "out_dir", "threads", "prompts_per_type", "prompt_set", "mixed_block",
                   "repeat", "max_new_tokens", "max_levels", "hf", "hf_assistant", "slowdown_model",
                   "slowdown_factor", "slowdown_at", "seed", "profile_path", "plain_path"):
         if getattr(args, field) is not None:
@@ -125,6 +128,9 @@ SERVE_WORKLOADS = ("mixed", "shared-prompt")  # --serve --workloads: the mixed s
 def cmd_serve_bench(args: argparse.Namespace) -> int:
     from specrouter.bench.serve import ServeBenchConfig
 
+    if getattr(args, "prompt_set", None) is not None:  # the serve bench sends its own request mix (bench/serve.py)
+        print("specrouter bench: error: --prompt-set applies to the in-process bench, not --serve", file=sys.stderr)
+        return 2
     over = {}
     for field, name in (("threads", "threads"), ("dtype", "dtype"), ("target", "target"),
                         ("max_new_tokens", "max_new_tokens"), ("requests", "requests"), ("seed", "seed"),
