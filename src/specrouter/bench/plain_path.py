@@ -7,8 +7,10 @@ step was measured 10-17% slower than the `avx2` path's (docs/kernels.md). Plain 
 only 1-token steps, so a target-only row on the process's path would be a handicapped baseline.
 
 `fastest_plain_path` loads the target once more on each other kernel path this CPU runs, times
-a 1-token step on each (the fastest of a few, in turns), and returns the fastest path with the
-target loaded there. The bench then runs its "target-only" row on that path; target-only on the
+sustained 1-token decoding on each (a run of consecutive steps, the fastest run of a few, in
+turns), and returns the fastest path with the target loaded there. A run, not the fastest single
+step: a session-28 bench took the avx512 path on single steps 2% faster than avx512bf16's, and its
+target-only row then decoded 9% slower than avx512bf16's reference row in the same process. The bench then runs its "target-only" row on that path; target-only on the
 process's path stays as the greedy reference (bits differ between paths, so SpecRouter's greedy
 output is checked against the same path's plain decoding).
 """
@@ -20,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 PROBE_CONTEXT = 128  # tokens in the slot while a 1-token step is timed
-PROBE_STEPS = 12  # timed 1-token steps per path per round (the fastest counts)
-PROBE_ROUNDS = 2  # rounds over every path, in turns
+PROBE_STEPS = 24  # consecutive 1-token steps per path per round, timed as one run
+PROBE_ROUNDS = 3  # rounds over every path, in turns (the fastest run counts)
 MARGIN = 0.02  # another path must be this much faster per step to replace the process's
 
 
@@ -41,19 +43,23 @@ class PlainPath:
 
 
 def one_token_seconds(runner, *, context: int = PROBE_CONTEXT, steps: int = PROBE_STEPS, seed: int = 0) -> float:
-    """The fastest of `steps` 1-token forwards of `runner` at `context` tokens of context."""
+    """Seconds per step of sustained plain decoding on `runner`: `steps` consecutive 1-token
+    forwards after `context` tokens (the context grows as in decoding; one warm-up step first)."""
     from specrouter.models.runners.base import ForwardBatch
-    from specrouter.router.profile import _min_time
 
     rng = random.Random(seed)
     vocab = int(runner.vocab_size)
-    runner.reserve(max(runner.num_slots, 1), max(runner.max_len, context + 2))
+    runner.reserve(max(runner.num_slots, 1), max(runner.max_len, context + steps + 2))
     slot = runner.allocate_slot()
     try:
         prompt = [rng.randrange(vocab) for _ in range(context)]
         runner.forward(ForwardBatch.build([slot], [0], [prompt], [[context - 1]]))
-        one = ForwardBatch.build([slot], [context], [[rng.randrange(vocab)]], [[0]])
-        return _min_time(lambda: runner.forward(one), steps, 1, time.perf_counter)  # one warm-up
+        tokens = [rng.randrange(vocab) for _ in range(steps + 1)]
+        runner.forward(ForwardBatch.build([slot], [context], [[tokens[0]]], [[0]]))  # warm-up
+        t0 = time.perf_counter()
+        for i in range(1, steps + 1):
+            runner.forward(ForwardBatch.build([slot], [context + i], [[tokens[i]]], [[0]]))
+        return (time.perf_counter() - t0) / steps
     finally:
         runner.free_slot(slot)
 
@@ -90,7 +96,7 @@ def fastest_plain_path(pool, paths: list[str] | None = None, *, margin: float = 
     runners = {here: target}
     for p in paths:
         runners[p] = load_llama_runner(target.checkpoint_dir, name=target.name, dtype=target.dtype,
-                                       num_slots=1, max_len=PROBE_CONTEXT + 2, kernels=p)
+                                       num_slots=1, max_len=PROBE_CONTEXT + PROBE_STEPS + 2, kernels=p)
         runners[p].checkpoint_dir = target.checkpoint_dir
     seconds = {p: float("inf") for p in runners}
     for _ in range(PROBE_ROUNDS):  # in turns: a machine that slows down slows every path alike
@@ -102,7 +108,7 @@ def fastest_plain_path(pool, paths: list[str] | None = None, *, margin: float = 
     if force is not None:
         best = force
     step_ms = {p: 1e3 * s for p, s in seconds.items()}
-    log("plain decoding's 1-token step per kernel path: "
+    log("plain decoding's 1-token step (sustained) per kernel path: "
         + ", ".join(f"{p} {ms:.2f} ms" for p, ms in sorted(step_ms.items(), key=lambda kv: kv[1]))
         + (f"; target-only runs on {best} (SpecRouter on {here})" if best != here else ""))
     return PlainPath(best, here, step_ms, None if best == here else runners[best])
