@@ -402,7 +402,7 @@ def markdown(result: dict) -> str:
         where = (f"target-only ran on `{pp['path']}`, the fastest plain path; SpecRouter on `{pp['process_path']}`, "
                  f"whose target-only is the greedy reference" if pp["path"] != pp["process_path"]
                  else f"target-only ran on SpecRouter's path `{pp['path']}`, the fastest")
-        lines.append(f"- Plain baseline: the target's 1-token step per kernel path (sustained decoding) ({steps}); {where}.")
+        lines.append(f"- Plain baseline: the target's 1-token step per kernel path in sustained decoding ({steps}); {where}.")
     for note in m["omitted"]:
         lines.append(f"- Left out: {note}.")
     lines += ["", "## Tokens/s and ratios", ""] + summary_table(result)
