@@ -101,9 +101,9 @@ def test_the_topic_check_finds_a_generator_taught_a_fresh28_topic(monkeypatch):
     # CODE_TASKS are found in the lists and in the draws
     _teach(monkeypatch, "_TOPICS", "church bells")
     _teach(monkeypatch, "CODE_TASKS", "score a game of ten-pin bowling")
-    assert [s for s, _ in _topic_hits(TOPICS, _list_strings())] == ["bowling", "church bell"]
-    assert [s for s, _ in _topic_hits(TOPICS, _draws(_v1))] == ["church bell"]
-    assert [s for s, _ in _topic_hits(TOPICS, _draws(_v2))] == ["bowling"]
+    assert {"bowling", "church bell"} <= {s for s, _ in _topic_hits(TOPICS, _list_strings())}
+    assert "church bell" in {s for s, _ in _topic_hits(TOPICS, _draws(_v1))}
+    assert "bowling" in {s for s, _ in _topic_hits(TOPICS, _draws(_v2))}
 
 
 @pytest.mark.parametrize("which", ["v1", "v2"])

@@ -118,16 +118,16 @@ def _bench_strings() -> list[str]:
 
 
 def test_the_check_finds_a_prompt_a_generator_writes(generated):
-    # negative control: the old set's chat prompt, which v1 writes whole (review27 D2), a prompt of
-    # 10+ words each generator writes from another seed (not one of the draws checked against: the
-    # check sees a generator's phrasing, not only its exact strings), and a bench prompt are found.
-    # (A short unseen draw can slip by: "List five facts about jazz music." shares no 5-word run
-    # with seed 0's v1 draws; the topic check below is what sees a new slot filler.)
+    # negative control: the old set's chat prompt, which v1 writes whole (review27 D2), the longest
+    # prompt each generator writes from another seed that is not one of the draws checked against
+    # (the check sees a generator's phrasing, not only its exact strings), and a bench prompt are
+    # found. (A short unseen draw can slip by: "List five facts about jazz music." shares no 5-word
+    # run with seed 0's v1 draws; the topic tests below are what see a new slot filler.)
     assert _shared(["Give me three tips for learning a new language."], generated["v1"])
     for name, draw in (("v1", _v1), ("v2", _v2)):
         rng = random.Random(1)
-        other = next(t for _ in range(DRAWS) for t in draw(rng)
-                     if t not in generated[name] and len(_words(t)) >= 10)
+        other = max((t for _ in range(DRAWS) for t in draw(rng) if t not in generated[name]),
+                    key=lambda t: (len(_words(t)), t))
         assert _shared([other], generated[name]), (name, other)
     assert _shared([workloads.CHAT[1]], _bench_strings())
 
@@ -138,9 +138,9 @@ def test_the_topic_check_finds_a_generator_taught_a_held_out_topic(monkeypatch):
     _teach(monkeypatch, "SUBJECTS", "sea otters")
     _teach(monkeypatch, "CODE_TASKS", "model a thermostat that switches heating on and off")
     _teach(monkeypatch, "_TASKS", "validate a sudoku board")
-    assert [s for s, _ in _topic_hits(HELDOUT_TOPICS, _list_strings())] == ["otter", "sudoku", "thermostat"]
-    assert [s for s, _ in _topic_hits(HELDOUT_TOPICS, _draws(_v1))] == ["sudoku"]
-    assert [s for s, _ in _topic_hits(HELDOUT_TOPICS, _draws(_v2))] == ["otter", "thermostat"]
+    assert {"otter", "sudoku", "thermostat"} <= {s for s, _ in _topic_hits(HELDOUT_TOPICS, _list_strings())}
+    assert "sudoku" in {s for s, _ in _topic_hits(HELDOUT_TOPICS, _draws(_v1))}
+    assert {"otter", "thermostat"} <= {s for s, _ in _topic_hits(HELDOUT_TOPICS, _draws(_v2))}
     assert _topic_hits([("pasteur", "peat")], ["Pasteurisation: repeat"]) == [("pasteur", "pasteurisation: repeat")]
 
 
