@@ -1,14 +1,24 @@
 """The bench's "fresh28" prompt set (bench/fresh28.py): 6 prompts of each open-text type in the
 original set's shapes, chosen by `prompt_set` / `--prompt-set`, and held out: neither draft prompt
 generator (v1, v2) writes a word run of min(5, its words) of any of them in a few thousand seeded
-draws, and none shares such a run with the bench's other strings or the distillation held-out set."""
+draws, and none shares such a run with the bench's other strings or the distillation held-out set;
+no topic stem of fresh28.TOPICS begins a word of those draws or of the generators' module-level
+lists (review28 N4: a generator taught a fresh28 topic in other words)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from test_distill_heldout import _bench_strings, _shared, _v1, _v2, _words
+from test_distill_heldout import (
+    _bench_strings,
+    _draws,
+    _list_strings,
+    _shared,
+    _teach,
+    _topic_hits,
+    _v1,
+    _v2,
+    _words,
+)
 
 from specrouter.bench import BenchConfig, fresh28
 from specrouter.bench.workloads import (
@@ -23,8 +33,8 @@ from specrouter.cli.bench import config_from_args
 from specrouter.cli.main import build_parser, main
 from specrouter.distill.evaluate import HELDOUT_PROMPTS
 
-DRAWS = 3000
 FRESH = [t for k in KINDS for t in fresh28.PROMPTS[k]]
+TOPICS = [stems for k in KINDS for stems in fresh28.TOPICS[k]]
 # two prompts of the blind draft (commit 566fcc2) that the check replaced: v2's travel ask writes
 # "what should I pack for a ...", v1's chat ask "what are the pros and cons of ..."
 BLIND = {"v2": "What should I pack for a three-day canoe trip on a quiet river in early autumn?",
@@ -33,11 +43,7 @@ BLIND = {"v2": "What should I pack for a three-day canoe trip on a quiet river i
 
 @pytest.fixture(scope="module")
 def generated():
-    out = {}
-    for name, draw in (("v1", _v1), ("v2", _v2)):
-        rng = random.Random(0)
-        out[name] = {t for _ in range(DRAWS) for t in draw(rng)}
-    return out
+    return {"v1": _draws(_v1), "v2": _draws(_v2)}
 
 
 def test_six_distinct_prompts_of_each_type_in_the_original_shapes():
@@ -51,6 +57,10 @@ def test_six_distinct_prompts_of_each_type_in_the_original_shapes():
     for t in fresh28.EXTRACTION:  # the payload to copy follows the request
         ask, payload = t.split("\n", 1)
         assert ask.endswith(":") and len(_words(payload)) >= 10
+    for kind in KINDS:  # one entry of topic stems per prompt, in order, naming its own prompt's topic
+        assert len(fresh28.TOPICS[kind]) == len(fresh28.PROMPTS[kind])
+        for text, stems in zip(fresh28.PROMPTS[kind], fresh28.TOPICS[kind]):
+            assert stems and _topic_hits([stems], [text]), (stems, text)
     for kind in KINDS:
         reqs = requests_of(kind, 6, "fresh28")
         assert [r.prompt for r in reqs] == fresh28.PROMPTS[kind]
@@ -84,6 +94,27 @@ def test_the_check_finds_the_blind_drafts_replaced_prompts(generated):
     for name, text in BLIND.items():
         assert _shared([text], generated[name]), name
     assert _shared([fresh28.CHAT[0]], _bench_strings())
+
+
+def test_the_topic_check_finds_a_generator_taught_a_fresh28_topic(monkeypatch):
+    # negative control (review28 N4): fresh28 topics added in other words to v1's _TOPICS and v2's
+    # CODE_TASKS are found in the lists and in the draws
+    _teach(monkeypatch, "_TOPICS", "church bells")
+    _teach(monkeypatch, "CODE_TASKS", "score a game of ten-pin bowling")
+    assert {"bowling", "church bell"} <= {s for s, _ in _topic_hits(TOPICS, _list_strings())}
+    assert "church bell" in {s for s, _ in _topic_hits(TOPICS, _draws(_v1))}
+    assert "bowling" in {s for s, _ in _topic_hits(TOPICS, _draws(_v2))}
+
+
+@pytest.mark.parametrize("which", ["v1", "v2"])
+def test_no_generator_draws_a_fresh28_topic(generated, which):
+    hits = _topic_hits(TOPICS, generated[which])
+    assert not hits, f"the {which} generator writes fresh28 topics: {hits}"
+
+
+def test_no_generator_list_holds_a_fresh28_topic():
+    hits = _topic_hits(TOPICS, _list_strings())
+    assert not hits, f"the generators' lists hold fresh28 topics: {hits}"
 
 
 @pytest.mark.parametrize("which", ["v1", "v2"])

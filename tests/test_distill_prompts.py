@@ -126,3 +126,18 @@ def test_v1_stream_is_pinned(tokenizer, monkeypatch):
         name, ids, greedy, is_eval = next(stream)
         h.update(repr((name, tokenizer.decode(ids), greedy, is_eval)).encode())
     assert h.hexdigest()[:16] == "0ae5adc587b63cd3"
+
+
+def test_v1_helpers_are_pinned():
+    # the stream pin above draws 50 prompts (16 of v1's 52 topics, never the "Q: Why is ..." form):
+    # 3,000 draws of each v1 helper reach every list entry and every form, so an edit of corpus.py's
+    # v1 lists or templates moves this hash (review28 N6). No tokenizer: the text is hashed.
+    import hashlib
+
+    from specrouter.distill import corpus
+
+    rng, h = random.Random(0), hashlib.sha256()
+    for _ in range(3000):
+        h.update(repr((corpus._chat_messages(rng), corpus._prose_prompt(rng, ["<prose snippet>"]),
+                       corpus._code_prompt(rng, ["<code snippet>"]), corpus._qa_prompt(rng))).encode())
+    assert h.hexdigest()[:16] == "8a94dd130e7141a2"

@@ -4,7 +4,8 @@ Written blind in session 28 (before reading the bench's lists, the draft's promp
 the distillation held-out set), then checked: no prompt shares a run of min(5, words) words with
 seeded draws of the v1 / v2 prompt generators, the bench's strings, `distill.evaluate`'s
 HELDOUT_PROMPTS, or the decoded rows of the s28 distillation corpus, and none is on a topic the
-generators' lists name (tests/test_bench_fresh28.py re-checks the generators). It stays held out
+generators' lists name (tests/test_bench_fresh28.py re-checks the generators: word runs, and the
+topic stems of TOPICS in their draws and module-level lists). It stays held out
 until someone tunes on it. Shapes, ordered most typical first (`--prompts-per-type n` takes n):
 - code: raw completion of a Python stub (header + docstring, sometimes an import);
 - prose: raw continuation of an opening sentence fragment;
@@ -82,3 +83,16 @@ EXTRACTION = [
 ]
 
 PROMPTS = {"code": CODE, "prose": PROSE, "chat": CHAT, "extraction": EXTRACTION}
+
+# the topic of each prompt, same order as PROMPTS[kind]: stems that begin a word (case-insensitive;
+# "-" and "_" read as spaces, camelCase split) of no v1/v2 generator draw or list string
+TOPICS = {
+    "code": [("business day", "weekday"), ("split bill", "split the bill"), ("bowling",),
+             ("seating", "wedding"), ("parse quantit", "1 1/2 cups"), ("hexagon", "hex neighbo")],
+    "prose": [("salt merchant",), ("peat",), ("snowplough", "snowplow"), ("pasteur",),
+              ("ledger", "canned"), ("church bell",)],
+    "chat": [("board game",), ("rubber band",), ("neighbo", "collect my mail"), ("chore", "flatmate"),
+             ("sewing", "stitch"), ("fire brigade", "motto")],
+    "extraction": [("linseed", "cedar shingle"), ("rowing", "regatta"), ("kiln",),
+                   ("marrow", "village fair"), ("footbridge",), ("boiler", "chimney")],
+}

@@ -11,7 +11,9 @@ The prompts are written here by hand (session 28; the earlier set was not held o
 generator wrote its chat prompt whole and paraphrased two more, docs/drafts.md), on topics
 that neither prompt generator's lists (corpus.py's v1, prompts_v2.py) nor the bench's prompts
 hold. tests/test_distill_heldout.py fails if either generator writes a word run of min(5, its
-words) of any of them, or if one is a bench prompt.
+words) of any of them, if one is a bench prompt, or if a topic stem of HELDOUT_TOPICS begins a
+word of a generator's draw or of a string in its module-level lists (a generator taught a held-out
+topic in other words: review28 D1).
 """
 
 from __future__ import annotations
@@ -40,6 +42,15 @@ HELDOUT_PROMPTS: tuple[tuple[str, str, bool], ...] = (
                    "hammer, her uncle borrowed the saw, and the twins lost a screwdriver in the grass.", True),
     ("extraction", "Copy this sentence word for word: The choir rehearses in the old chapel every "
                    "Thursday, except in August.", True),
+)
+
+# the topic of each HELDOUT_PROMPTS entry, same order: stems that begin a word (case-insensitive;
+# "-" and "_" read as spaces, camelCase split) of no generator draw or list string
+HELDOUT_TOPICS: tuple[tuple[str, ...], ...] = (
+    ("run length", "rle"), ("tic tac toe", "noughts and crosses"), ("thermostat",), ("sudoku",),
+    ("kettle",), ("otter",), ("football", "soccer"),
+    ("red wine", "stain"), ("own voice", "recording"), ("fridge", "refrigerat"),
+    ("screwdriver", "hammer"), ("choir", "chapel"),
 )
 
 
