@@ -497,18 +497,16 @@ def _prompt_stream(tokenizer, spec: CorpusSpec, rng: random.Random) -> Iterator[
     n = 0
     while True:
         name = rng.choices(list(mix), list(mix.values()))[0]
-        if name == "gen-code":
-            text = (prompts_v2_raw.code_prompt if v2 else _code_prompt)(rng, code)
-        elif name == "gen-prose":
-            text = (prompts_v2_raw.prose_prompt if v2 else _prose_prompt)(rng, prose)
-        elif name == "gen-qa":
-            text = (prompts_v2_raw.qa_prompt if v2 else _qa_prompt)(rng)
-        else:
-            text = None
+        if name == "gen-chat":
             messages = prompts_v2.chat_messages(rng)[1] if v2 else _chat_messages(rng)
-        if text is None:
             ids = _chat_ids(tokenizer, messages, max_prompt)
         else:
+            if name == "gen-code":
+                text = (prompts_v2_raw.code_prompt if v2 else _code_prompt)(rng, code)
+            elif name == "gen-prose":
+                text = (prompts_v2_raw.prose_prompt if v2 else _prose_prompt)(rng, prose)
+            else:
+                text = (prompts_v2_raw.qa_prompt if v2 else _qa_prompt)(rng)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt:]
         n += 1
         yield name, ids, rng.random() < spec.greedy_fraction, _is_eval(f"prompt-{n}", spec.eval_fraction)
