@@ -9,10 +9,10 @@ only 1-token steps, so a target-only row on the process's path would be a handic
 `fastest_plain_path` loads the target once more on each other kernel path this CPU runs, times
 sustained 1-token decoding on each (a run of consecutive steps, the fastest run of a few, in
 turns), and returns the fastest path with the target loaded there. A run, not the fastest single
-step: a session-28 bench took the avx512 path on single steps 2% faster than avx512bf16's, and its
-target-only row then decoded 9% slower than avx512bf16's reference row in the same process. The bench then runs its "target-only" row on that path; target-only on the
-process's path stays as the greedy reference (bits differ between paths, so SpecRouter's greedy
-output is checked against the same path's plain decoding).
+step: single steps once picked a path whose target-only row then decoded 9% slower than the
+reference row beside it (docs/benchmarks.md, session 28). The bench then runs its "target-only"
+row on that path; target-only on the process's path stays as the greedy reference (bits differ
+between paths, so SpecRouter's greedy output is checked against the same path's plain decoding).
 """
 
 from __future__ import annotations
