@@ -123,6 +123,45 @@ def test_the_last_tiles_partial_outputs_get_the_bits_of_whole_ones(which, dtype)
     assert torch.equal(linear_add(r[:, :34], x, part), linear_add(r, x, whole)[:, :34])
 
 
+def _cpu_vendor() -> str:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+@pytest.mark.parametrize("which", [p for p in NATIVE_PATHS if p.values[0] in ("amx", "avx512bf16", "avx512")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear512s_prefetch_policies_give_the_same_bits(which, dtype):
+    """linear512's float32 and vdpbf16ps tiles prefetch their weight stream 8 KiB ahead,
+    non-temporal, on AMD and 2 KiB ahead into L1 elsewhere, where float32 at 1-3 rows also runs
+    4 tiles side by side (`set_linear512_prefetch`, "auto" the CPU vendor's, docs/kernels.md
+    session 29): the same FMAs per output, so every row count 1-33 gets the same bits under
+    both, plain and residual-fused, on a weight of 7 tiles (a group of 4 and single tiles) whose
+    prefetches run past its end; an unknown policy is refused."""
+    kernel = _kernel(which, dtype)
+    ops = rowinv()
+    g = torch.Generator().manual_seed(29)
+    lin = Linear.pack((torch.randn(200, 96, generator=g) * 0.1).to(dtype), torch.randn(200, generator=g).to(dtype),
+                      kernel=kernel)
+    x = torch.randn(33, 96, generator=g).to(dtype)
+    r = torch.randn(33, 200, generator=g).to(dtype)
+    before = ops.set_linear512_prefetch("auto")
+    try:
+        assert ops.set_linear512_prefetch("auto") == ("nta" if _cpu_vendor() == "AuthenticAMD" else "t0")
+        out = {}
+        for kind in ("nta", "t0"):
+            ops.set_linear512_prefetch(kind)
+            out[kind] = [(linear(x[:n], lin), linear_add(r[:n], x[:n], lin)) for n in range(1, 34)]
+        for (a, a_add), (b, b_add) in zip(out["nta"], out["t0"]):
+            assert torch.equal(a, b) and torch.equal(a_add, b_add)
+        assert torch.equal(out["t0"][32][0][:5], out["t0"][4][0])  # and row-invariant
+        with pytest.raises(RuntimeError, match="nta, t0 or auto"):
+            ops.set_linear512_prefetch("t1")
+    finally:
+        ops.set_linear512_prefetch(before)
+
+
 def test_kernels_name_one_choice_per_precision():
     assert FALLBACK_BY_DTYPE[torch.float32] == (ONEDNN_BLOCKED if ONEDNN else MM)
     assert FALLBACK_BY_DTYPE[torch.bfloat16] in (ONEDNN_BLOCKED, ATEN_LINEAR)
