@@ -19,6 +19,9 @@ package (its src/specrouter/router, loaded beside this one as `specrouter_base.r
 specrouter, RouterConfig included, is this checkout's, so its router must read this RouterConfig's
 fields): an old router against the new one in one process, on the same prompts in turns; prints
 their ratios and whether their outputs were the same.
+With `--statics`, each system's decode steps of a static's plan are also shown inside the
+executor: each forward's ms by model and width, and the executor's own ms outside them (the
+same plan, the same work: what differs there is not the router's planning).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ PARTS = ("plan_batch", "observe_step", "tree_shapes", "tree_observe", "shadow_pr
 # "engine_report" the StepReport, "collect" the outputs and a finished request's end (drafters
 # indexing it, the prefix cache, the router's finish_request)
 ENGINE = ("_plan_step", "_report", "_collect")
+MAX_DECODE_WIDTH = 8  # forwards at most this wide: a decode step's (not a prefill's or a long catch-up's)
 INSIDE = ("decide", "plans", "board")  # inside plan_batch: decide(), its PlanTables (cache misses), board.current()
 
 
@@ -64,6 +68,8 @@ class Timers:
         self.system = ""
         self.current: dict[str, float] = defaultdict(float)
         self.plan = None  # the plan of the last executor step's one row (None: several rows)
+        # "system label" -> seconds inside the executor's decode steps of a static's plan (`instrument`)
+        self.inside: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
@@ -96,7 +102,20 @@ def instrument(system, timers: Timers, marked: dict | None = None) -> None:
     def step(rows, plans, *args, **kwargs):
         timers.current["ran"] += 1
         timers.plan = tuple(plans[0]) if len(plans) == 1 else None
-        return timers.wrap("executor", executor_step)(rows, plans, *args, **kwargs)
+        result = timers.wrap("executor", executor_step)(rows, plans, *args, **kwargs)
+        if timers.plan in marked and all(f.new_tokens <= MAX_DECODE_WIDTH for f in result.forwards):
+            # a decode step of a static's plan (no prefill or catch-up wider than that): its
+            # forwards one by one (model, width) and the executor's own time outside them
+            key = f"{system.name} {marked[timers.plan]}"
+            inside = timers.inside[key]
+            inside["steps"] += 1
+            inside["outside forwards"] += timers.current["executor"] - sum(f.seconds for f in result.forwards)
+            seen = defaultdict(int)
+            for f in result.forwards:
+                seen[f.model] += 1
+                inside[f"{f.model} #{seen[f.model]} w{f.new_tokens:g}"] += f.seconds
+                inside[f"{f.model} #{seen[f.model]} w{f.new_tokens:g} n"] += 1
+        return result
 
     engine.executor.step = step
     engine_step = engine.step
@@ -243,6 +262,12 @@ def main() -> None:
         if key.startswith(("SpecRouter", "SR-base")):
             print(f"{key:24s} inside plan_batch, ms per step: " + " ".join(
                 f"{p} {1e3 * TIMERS.seconds[(key, p)] / n:.3f}" for p in INSIDE))
+    for key, inside in sorted(TIMERS.inside.items()):  # the same plan inside the executor, by system
+        n = inside["steps"]
+        print(f"{key:24s} inside the executor, {n:.0f} decode steps, ms per step: outside forwards "
+              f"{1e3 * inside['outside forwards'] / n:.3f}; forwards (model #i width: ms, steps) " + ", ".join(
+                  f"{name.split('-')[0]} {name.split(' ', 1)[1]}: {1e3 * v / inside[name + ' n']:.3f} ({inside[name + ' n']:.0f})"
+                  for name, v in inside.items() if " #" in name and not name.endswith(" n")))
     for system in systems[1:]:
         router = system.sr.engine.router
         if router is None:  # a static chain
