@@ -44,6 +44,7 @@ from specrouter.bench.run import BenchConfig, build_scenarios
 from specrouter.bench.systems import AdaptiveSystem, Decoding, NativeSystem
 from specrouter.config import RouterConfig
 from specrouter.engine import engine as engine_module
+from specrouter.engine.contention import thread_governor
 from specrouter.errors import ChainError
 from specrouter.models.default_pool import default_pool_paths
 from specrouter.router.setup import load_or_sweep_profile
@@ -229,19 +230,27 @@ def main() -> None:
     scenario = build_scenarios(cfg)[0]
     totals = defaultdict(lambda: [0, 0.0])
     same = 0  # requests whose SpecRouter and SR-base outputs were the same
+    # the thread's torch threads cut while another process took a core (engine/contention.py):
+    # such a system's forwards ran slower for a while, a co-tenant's doing and not its own
+    governor, drops = thread_governor(), defaultdict(int)
     n = len(systems)
     for i, req in enumerate(scenario.workload.requests):
         ids = sr.encode(req.prompt, chat=req.chat)
         dec = Decoding(args.temperature, cfg.max_new_tokens, cfg.seed + i, controls)
         outs = {}
         for s in systems[i % n:] + systems[:i % n]:
+            d0 = governor.drops
             out = s.run(ids, dec)
+            drops[s.name] += governor.drops - d0
             outs[s.name] = list(out.token_ids)
             totals[s.name][0] += len(out.token_ids)
             totals[s.name][1] += out.seconds
         same += outs["SpecRouter"] == outs.get("SR-base")
     print(f"{scenario.name}, t={args.temperature:g}: tokens/s " + ", ".join(
         f"{n} {t / s:.1f}" for n, (t, s) in totals.items()))
+    if any(drops.values()):
+        print("torch threads cut for a co-tenant (TeamGovernor drops) during: "
+              + ", ".join(f"{name} {n}" for name, n in drops.items() if n))
     rate = {name: t / s for name, (t, s) in totals.items()}
     if base is not None:
         print(f"SpecRouter / target-only {rate['SpecRouter'] / rate['target-only']:.3f}, SR-base / target-only "
