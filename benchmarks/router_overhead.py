@@ -19,6 +19,9 @@ package (its src/specrouter/router, loaded beside this one as `specrouter_base.r
 specrouter, RouterConfig included, is this checkout's, so its router must read this RouterConfig's
 fields): an old router against the new one in one process, on the same prompts in turns; prints
 their ratios and whether their outputs were the same.
+With `--statics`, each system's decode steps of a static's plan are also shown inside the
+executor: each forward's ms by model and width, and the executor's own ms outside them (the
+same plan, the same work: what differs there is not the router's planning).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from specrouter.bench.run import BenchConfig, build_scenarios
 from specrouter.bench.systems import AdaptiveSystem, Decoding, NativeSystem
 from specrouter.config import RouterConfig
 from specrouter.engine import engine as engine_module
+from specrouter.engine.contention import thread_governor
 from specrouter.errors import ChainError
 from specrouter.models.default_pool import default_pool_paths
 from specrouter.router.setup import load_or_sweep_profile
@@ -52,6 +56,7 @@ PARTS = ("plan_batch", "observe_step", "tree_shapes", "tree_observe", "shadow_pr
 # "engine_report" the StepReport, "collect" the outputs and a finished request's end (drafters
 # indexing it, the prefix cache, the router's finish_request)
 ENGINE = ("_plan_step", "_report", "_collect")
+MAX_DECODE_WIDTH = 8  # forwards at most this wide: a decode step's (not a prefill's or a long catch-up's)
 INSIDE = ("decide", "plans", "board")  # inside plan_batch: decide(), its PlanTables (cache misses), board.current()
 
 
@@ -64,6 +69,8 @@ class Timers:
         self.system = ""
         self.current: dict[str, float] = defaultdict(float)
         self.plan = None  # the plan of the last executor step's one row (None: several rows)
+        # "system label" -> seconds inside the executor's decode steps of a static's plan (`instrument`)
+        self.inside: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
@@ -96,7 +103,20 @@ def instrument(system, timers: Timers, marked: dict | None = None) -> None:
     def step(rows, plans, *args, **kwargs):
         timers.current["ran"] += 1
         timers.plan = tuple(plans[0]) if len(plans) == 1 else None
-        return timers.wrap("executor", executor_step)(rows, plans, *args, **kwargs)
+        result = timers.wrap("executor", executor_step)(rows, plans, *args, **kwargs)
+        if timers.plan in marked and all(f.new_tokens <= MAX_DECODE_WIDTH for f in result.forwards):
+            # a decode step of a static's plan (no prefill or catch-up wider than that): its
+            # forwards one by one (model, width) and the executor's own time outside them
+            key = f"{system.name} {marked[timers.plan]}"
+            inside = timers.inside[key]
+            inside["steps"] += 1
+            inside["outside forwards"] += timers.current["executor"] - sum(f.seconds for f in result.forwards)
+            seen = defaultdict(int)
+            for f in result.forwards:
+                seen[f.model] += 1
+                inside[f"{f.model} #{seen[f.model]} w{f.new_tokens:g}"] += f.seconds
+                inside[f"{f.model} #{seen[f.model]} w{f.new_tokens:g} n"] += 1
+        return result
 
     engine.executor.step = step
     engine_step = engine.step
@@ -210,19 +230,27 @@ def main() -> None:
     scenario = build_scenarios(cfg)[0]
     totals = defaultdict(lambda: [0, 0.0])
     same = 0  # requests whose SpecRouter and SR-base outputs were the same
+    # the thread's torch threads cut while another process took a core (engine/contention.py):
+    # such a system's forwards ran slower for a while, a co-tenant's doing and not its own
+    governor, drops = thread_governor(), defaultdict(int)
     n = len(systems)
     for i, req in enumerate(scenario.workload.requests):
         ids = sr.encode(req.prompt, chat=req.chat)
         dec = Decoding(args.temperature, cfg.max_new_tokens, cfg.seed + i, controls)
         outs = {}
         for s in systems[i % n:] + systems[:i % n]:
+            d0 = governor.drops
             out = s.run(ids, dec)
+            drops[s.name] += governor.drops - d0
             outs[s.name] = list(out.token_ids)
             totals[s.name][0] += len(out.token_ids)
             totals[s.name][1] += out.seconds
         same += outs["SpecRouter"] == outs.get("SR-base")
     print(f"{scenario.name}, t={args.temperature:g}: tokens/s " + ", ".join(
         f"{n} {t / s:.1f}" for n, (t, s) in totals.items()))
+    if any(drops.values()):
+        print("torch threads cut for a co-tenant (TeamGovernor drops) during: "
+              + ", ".join(f"{name} {n}" for name, n in drops.items() if n))
     rate = {name: t / s for name, (t, s) in totals.items()}
     if base is not None:
         print(f"SpecRouter / target-only {rate['SpecRouter'] / rate['target-only']:.3f}, SR-base / target-only "
@@ -243,6 +271,12 @@ def main() -> None:
         if key.startswith(("SpecRouter", "SR-base")):
             print(f"{key:24s} inside plan_batch, ms per step: " + " ".join(
                 f"{p} {1e3 * TIMERS.seconds[(key, p)] / n:.3f}" for p in INSIDE))
+    for key, inside in sorted(TIMERS.inside.items()):  # the same plan inside the executor, by system
+        n = inside["steps"]
+        print(f"{key:24s} inside the executor, {n:.0f} decode steps, ms per step: outside forwards "
+              f"{1e3 * inside['outside forwards'] / n:.3f}; forwards (model #i width: ms, steps) " + ", ".join(
+                  f"{name.split('-')[0]} {name.split(' ', 1)[1]}: {1e3 * v / inside[name + ' n']:.3f} ({inside[name + ' n']:.0f})"
+                  for name, v in inside.items() if " #" in name and not name.endswith(" n")))
     for system in systems[1:]:
         router = system.sr.engine.router
         if router is None:  # a static chain

@@ -23,6 +23,7 @@ import heapq
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.ma  # noqa: F401 - np.unique's first call imports it lazily (~9 ms; request_state.py)
 
 SEPARATOR = -1  # ends a continuation (between requests in a store; matches no token)
 
