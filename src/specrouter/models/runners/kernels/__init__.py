@@ -36,7 +36,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(f) for f in ("rowinv.cpp", "linear256.cpp", "linear512.cpp", "linearamx.cpp",
-                                                 "noise.cpp", "tv.cpp", "penalty.cpp")]
+                                                 "noise.cpp", "tv.cpp", "penalty.cpp", "tree.cpp")]
 HEADERS = [Path(__file__).with_name(f) for f in ("bf16.h", "finish16.h", "cut.h")]  # included by rowinv.cpp and the linears (cut.h: noise.cpp and tv.cpp)
 ENV = "SPECROUTER_KERNELS"  # a path of PATHS: force it ("torch": never build or use the native kernels)
 # the kernel paths, fastest first, and the CPU flags (Linux's names) each needs; the native
