@@ -185,6 +185,22 @@ def test_token_noise_is_the_reference_noise_of_those_tokens():
     assert torch.equal(token_noise(keys, tokens), exponential_noise(keys, 4096).gather(1, tokens))
 
 
+def test_token_noise_native_and_torch_hash_are_the_reference(monkeypatch):
+    """`token_noise` with the native uniforms (kernels/noise.cpp `token_uniforms`, where built)
+    and with the torch hash: the reference noise bit for bit, block argmins included."""
+    from specrouter.decoding import noise
+
+    g = torch.Generator().manual_seed(8)
+    keys = torch.randint(0, 1 << 32, (6,), generator=g)
+    tokens = torch.randint(0, 49152, (6, 32), generator=g)
+    arg = (noise._uniform(keys[:, None], "block_arg", tokens[:, :3] // noise.BLOCK) * noise.BLOCK).long()
+    tokens[:, :3] = tokens[:, :3] // noise.BLOCK * noise.BLOCK + arg.clamp(max=noise.BLOCK - 1)  # blocks' argmins
+    want = noise.exponential_noise(keys, 49152).gather(1, tokens)
+    assert torch.equal(noise.token_noise(keys, tokens), want)
+    monkeypatch.setattr(noise, "_native", lambda: None)
+    assert torch.equal(noise.token_noise(keys, tokens), want)
+
+
 def test_draft_tree_keeps_the_best_nodes_as_a_tree():
     """DraftTree (decoding/tree_drafting.py): nodes grown depth by depth under expanded
     frontier nodes; `best` keeps the budget best by cumulative draft log-probability, always a

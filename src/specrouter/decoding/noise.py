@@ -123,11 +123,16 @@ def token_noise(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     ranks a few candidates by their noisy scores, decoding/tree_drafting.py)."""
     k = keys[:, None]  # (N, 1)
     blocks = tokens // BLOCK  # (N, M)
-    # the three streams' uniforms in one pass of the hash (integer math: the same bits as three
-    # `_uniform` calls, a third of the small tensor ops): token, block_arg, block_min
-    streams = torch.tensor([_STREAM["token"], _STREAM["block_arg"], _STREAM["block_min"]],
-                           dtype=torch.long, device=keys.device)[:, None, None]  # (3, 1, 1)
-    u = _uniform_streams(k ^ streams, k, torch.stack([tokens, blocks, blocks]))  # (3, N, M)
+    # the three streams' uniforms (integer hashing: the same bits as three `_uniform` calls):
+    # token, block_arg, block_min; natively (kernels/noise.cpp `token_uniforms`) where built,
+    # else in one pass of the torch hash (a third of the small tensor ops)
+    ops = _native() if keys.device.type == "cpu" else None
+    if ops is not None:
+        u = ops.token_uniforms(keys, tokens)  # (3, N, M)
+    else:
+        streams = torch.tensor([_STREAM["token"], _STREAM["block_arg"], _STREAM["block_min"]],
+                               dtype=torch.long, device=keys.device)[:, None, None]  # (3, 1, 1)
+        u = _uniform_streams(k ^ streams, k, torch.stack([tokens, blocks, blocks]))  # (3, N, M)
     extra = -torch.log(u[0])  # (N, M)
     arg = (u[1] * BLOCK).long().clamp_(max=BLOCK - 1)  # (N, M)
     extra = torch.where(tokens % BLOCK == arg, 0.0, extra)
