@@ -6,7 +6,10 @@ linearamx.cpp: `linear_amx`, the bfloat16 linear on AMX tiles) and the sampling 
 (noise.cpp: `coupled_argmax`, decoding/noise.py's lazy Gumbel-max in one call) and the router's
 similarity signal (tv.cpp: `tv_rows`, decoding/tv.py's D_TV in one call), the sampler's
 top-k / top-p / min-p cut (cut.h, shared by noise.cpp's `top_k_top_p_mask` / `choose_tokens` and
-tv.cpp) and the penalties (penalty.cpp: `penalize`, decoding/processors.py's in one call); bf16.h holds
+tv.cpp) and the penalties (penalty.cpp: `penalize`, decoding/processors.py's in one call) and a
+token tree's host work (tree.cpp: `topk_rows`, torch.topk bit for bit, ties included, and `move_kv`,
+the accepted branch's KV move in one call; noise.cpp's `token_uniforms`: the tree drafter's
+noise hashes); bf16.h holds
 the bfloat16 widening and rounding both linears and the other ops share.
 
 `rowinv()` returns `torch.ops.specrouter_rowinv` (all of those ops) or None where
