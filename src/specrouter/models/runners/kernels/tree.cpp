@@ -10,8 +10,8 @@
 // (std::make_heap / pop_heap / sort_heap over the same pairs and comparator), and the pairs
 // that do not compare before the top (almost all of a vocabulary) are skipped 8 at a time by
 // a vector compare against the top's value (x > top, or x NaN), which is exactly the
-// condition under which partial_sort would have touched them. ~5 us a row of 49k against
-// torch's ~70 us (tree drafting ranks every expanded node's children this way,
+// condition under which partial_sort would have touched them. ~6 us a row of 49k against
+// torch's ~80 us (tree drafting ranks every expanded node's children this way,
 // decoding/tree_drafting.py). Where k * 64 > V (torch's nth_element path) the caller keeps
 // torch.topk.
 //
