@@ -185,6 +185,22 @@ def test_token_noise_is_the_reference_noise_of_those_tokens():
     assert torch.equal(token_noise(keys, tokens), exponential_noise(keys, 4096).gather(1, tokens))
 
 
+def test_token_noise_native_and_torch_hash_are_the_reference(monkeypatch):
+    """`token_noise` with the native uniforms (kernels/noise.cpp `token_uniforms`, where built)
+    and with the torch hash: the reference noise bit for bit, block argmins included."""
+    from specrouter.decoding import noise
+
+    g = torch.Generator().manual_seed(8)
+    keys = torch.randint(0, 1 << 32, (6,), generator=g)
+    tokens = torch.randint(0, 49152, (6, 32), generator=g)
+    arg = (noise._uniform(keys[:, None], "block_arg", tokens[:, :3] // noise.BLOCK) * noise.BLOCK).long()
+    tokens[:, :3] = tokens[:, :3] // noise.BLOCK * noise.BLOCK + arg.clamp(max=noise.BLOCK - 1)  # blocks' argmins
+    want = noise.exponential_noise(keys, 49152).gather(1, tokens)
+    assert torch.equal(noise.token_noise(keys, tokens), want)
+    monkeypatch.setattr(noise, "_native", lambda: None)
+    assert torch.equal(noise.token_noise(keys, tokens), want)
+
+
 def test_draft_tree_keeps_the_best_nodes_as_a_tree():
     """DraftTree (decoding/tree_drafting.py): nodes grown depth by depth under expanded
     frontier nodes; `best` keeps the budget best by cumulative draft log-probability, always a
@@ -220,3 +236,70 @@ def test_draft_tree_keeps_the_best_nodes_as_a_tree():
     assert walk(tree, [10, 21, 5, 5, 99, 5]) == ([0, 3], 99)
     assert walk(tree, [10, 20, 5, 30, 5, 7]) == ([0, 2, 4], 7)
     assert walk(tree, [13, 5, 5, 5, 5, 5]) == ([], 13)
+
+
+def test_position_key_is_position_keys():
+    from specrouter.decoding.noise import position_key
+
+    rng = random.Random(3)
+    pairs = [(rng.randrange(1 << 32), rng.randrange(1 << 31)) for _ in range(500)] + [(0, 0), ((1 << 32) - 1, 0)]
+    want = position_keys(torch.tensor([s for s, _ in pairs]), torch.tensor([p for _, p in pairs])).tolist()
+    assert [position_key(s, p) for s, p in pairs] == want
+
+
+@pytest.mark.skipif(bool(why_not_native()), reason="native kernels unavailable")
+def test_native_topk_is_torch_topk_ties_included():
+    """kernels/tree.cpp `topk_rows` replays torch's partial_sort: the same values and indices,
+    in torch's order among equal values (which is not index order), NaNs first; rows of a
+    draft's logits (-inf outside its vocabulary subset, bfloat16-rounded: many ties)."""
+    from specrouter.decoding.tree_drafting import topk
+    from specrouter.models.runners.kernels import rowinv
+
+    ops, g, V = rowinv(), torch.Generator().manual_seed(5), 49152
+    tie_orders_differ = 0
+    for trial in range(60):
+        R = 1 + trial % 5
+        x = torch.full((R, V), float("-inf"))
+        cols = torch.randperm(V, generator=g)[:16000]
+        x[:, cols] = (torch.randn(R, len(cols), generator=g) * (0.5, 2.0, 8.0)[trial % 3]).to(torch.bfloat16).float()
+        if trial % 10 == 0:
+            x[0, cols[:3]] = float("nan")
+        if trial % 4 == 0:
+            x = torch.log_softmax(x, -1)
+        if trial % 5 == 0:
+            x = torch.randint(0, 12, (R, V), generator=g).float()  # ties everywhere
+        for k in (1, 3, 8, 32, 768):
+            want_v, want_i = x.topk(k, dim=-1)
+            got_v, got_i = ops.topk_rows(x, k)
+            assert torch.equal(got_i, want_i) and torch.equal(got_v.nan_to_num(7.0), want_v.nan_to_num(7.0))
+            assert torch.equal(topk(x, k)[1], want_i)
+            stable = torch.sort(x.nan_to_num(float("inf")), dim=-1, descending=True, stable=True).indices[:, :k]
+            tie_orders_differ += not torch.equal(want_i, stable)
+    assert tie_orders_differ > 0, "the ties must exercise torch's own (non-index) order"
+    x = torch.randn(3, V + 7, generator=g)[:, 5: V + 5]  # rows not contiguous
+    assert torch.equal(ops.topk_rows(x, 4)[1], x.topk(4, dim=-1)[1])
+    small = torch.randn(2, 100, generator=g)  # k * 64 > V: torch's nth_element path, kept
+    assert torch.equal(topk(small, 3)[1], small.topk(3, dim=-1)[1])
+
+
+@pytest.mark.skipif(bool(why_not_native()), reason="native kernels unavailable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_move_kv_is_torch_indexing(dtype):
+    """kernels/tree.cpp `move_kv` writes exactly what ModelRunner.move_kv's torch gather per layer
+    writes (rows start + nodes[i] -> start + i, in increasing i), and nothing else."""
+    from specrouter.models.runners.kernels import rowinv
+
+    ops, rng, g = rowinv(), random.Random(11), torch.Generator().manual_seed(11)
+    for _ in range(20):
+        ks = [torch.randn(3, 2, 80, 16, generator=g).to(dtype) for _ in range(3)]  # (S, KV, P, D)
+        vs = [torch.randn(3, 2, 80, 16, generator=g).to(dtype) for _ in range(3)]
+        slot, start = rng.randrange(3), rng.randrange(40)
+        nodes = sorted(rng.sample(range(30), rng.randrange(1, 8)))  # increasing, so nodes[i] >= i
+        want_k, want_v = [c.clone() for c in ks], [c.clone() for c in vs]
+        dst = torch.arange(start, start + len(nodes))
+        src = torch.tensor(nodes) + start
+        for kc, vc in zip(want_k, want_v):
+            kc[slot, :, dst] = kc[slot, :, src]
+            vc[slot, :, dst] = vc[slot, :, src]
+        ops.move_kv(ks, vs, slot, start, nodes)
+        assert all(torch.equal(a, b) for a, b in zip(ks + vs, want_k + want_v))

@@ -81,12 +81,15 @@ def position_keys(seed_keys: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return _mix32(seed_keys ^ _mix32((positions * _GOLDEN + 0x85EBCA6B) & _MASK))
 
 
+def position_key(seed_key: int, position: int) -> int:
+    """`position_keys` of one (seed key, position), in Python ints (the same integer math: a
+    few rows' keys without ~10 tensor ops)."""
+    return _mix32_int(seed_key ^ _mix32_int((position * _GOLDEN + 0x85EBCA6B) & _MASK))
+
+
 def _uniform(keys: torch.Tensor, stream: str, counters: torch.Tensor) -> torch.Tensor:
     """float64 uniforms in (0, 1): keys and counters broadcast (int64)."""
-    x = _mix32(keys ^ _STREAM[stream])
-    x = _mix32((x + counters * _GOLDEN) & _MASK)
-    x = _mix32(x ^ keys)
-    return (x.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
+    return _uniform_streams(keys ^ _STREAM[stream], keys, counters)
 
 
 def _block_min(keys: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -120,10 +123,29 @@ def token_noise(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     ranks a few candidates by their noisy scores, decoding/tree_drafting.py)."""
     k = keys[:, None]  # (N, 1)
     blocks = tokens // BLOCK  # (N, M)
-    extra = -torch.log(_uniform(k, "token", tokens))  # (N, M)
-    arg = (_uniform(k, "block_arg", blocks) * BLOCK).long().clamp_(max=BLOCK - 1)  # (N, M)
+    # the three streams' uniforms (integer hashing: the same bits as three `_uniform` calls):
+    # token, block_arg, block_min; natively (kernels/noise.cpp `token_uniforms`) where built,
+    # else in one pass of the torch hash (a third of the small tensor ops)
+    ops = _native() if keys.device.type == "cpu" else None
+    if ops is not None:
+        u = ops.token_uniforms(keys, tokens)  # (3, N, M)
+    else:
+        streams = torch.tensor([_STREAM["token"], _STREAM["block_arg"], _STREAM["block_min"]],
+                               dtype=torch.long, device=keys.device)[:, None, None]  # (3, 1, 1)
+        u = _uniform_streams(k ^ streams, k, torch.stack([tokens, blocks, blocks]))  # (3, N, M)
+    extra = -torch.log(u[0])  # (N, M)
+    arg = (u[1] * BLOCK).long().clamp_(max=BLOCK - 1)  # (N, M)
     extra = torch.where(tokens % BLOCK == arg, 0.0, extra)
-    return _block_min(k, blocks) + extra
+    return -torch.log(u[2]) / BLOCK + extra  # _block_min + extra
+
+
+def _uniform_streams(keyed: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """`_uniform(keys, stream, counters)` with keys ^ stream given (`keyed`): keyed, keys and
+    counters broadcast (int64)."""
+    x = _mix32(keyed)
+    x = _mix32((x + counters * _GOLDEN) & _MASK)
+    x = _mix32(x ^ keys)
+    return (x.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
 
 
 def coupled_argmax_reference(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

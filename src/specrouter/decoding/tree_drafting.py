@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specrouter.decoding.noise import position_keys, token_noise
+from specrouter.decoding.noise import native_ops, position_key, token_noise
 from specrouter.decoding.tree import TokenTree
 from specrouter.models.runners.base import ForwardBatch
 
@@ -113,16 +113,27 @@ class DraftTree:
         return tuple(out)
 
 
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.topk(k, dim=-1)` (values, indices) of a (R, V) tensor, bit for bit, ties in torch's own
+    order: the native `topk_rows` (kernels/tree.cpp: torch's partial_sort replayed, most of the
+    row skipped by vector compares; ~6 us a row of 49k against ~80) where it applies (CPU
+    float32, k * 64 <= V: torch's partial_sort path), else torch's."""
+    ops = native_ops() if x.device.type == "cpu" and x.dtype == torch.float32 and 1 <= k and k * 64 <= x.shape[-1] else None
+    return ops.topk_rows(x, k) if ops is not None else x.topk(k, dim=-1)
+
+
 def rank_children(logits: torch.Tensor, width: int, temperature: list[float],
                   keys: torch.Tensor | None) -> tuple[list[list[int]], list[list[float]]]:
     """Logits (R, V) at R nodes being expanded -> per node its `width` best children and their
     draft log-probabilities (at the row's temperature; 1 if greedy), best first (module doc: a
     greedy node by probability, a sampling node (temperature > 0) by its noisy score at the
     children's position, `keys` (R,) int64)."""
-    temps = torch.tensor([t if t else 1.0 for t in temperature], dtype=torch.float32, device=logits.device)[:, None]
-    logp = torch.log_softmax(logits.float() / temps, dim=-1)  # (R, V)
+    x = logits.float()
+    if any(temperature):  # x / 1 is x: greedy rows alone skip the division
+        x = x / torch.tensor([t if t else 1.0 for t in temperature], dtype=torch.float32, device=x.device)[:, None]
+    logp = torch.log_softmax(x, dim=-1)  # (R, V)
     noisy = [i for i, t in enumerate(temperature) if t]
-    top_lp, top_tok = logp.topk(min(max(width, POOL) if noisy else width, logp.shape[-1]), dim=-1)  # (R, W')
+    top_lp, top_tok = topk(logp, min(max(width, POOL) if noisy else width, logp.shape[-1]))  # (R, W')
     if noisy and keys is not None:
         rows = torch.tensor(noisy, dtype=torch.long, device=logits.device)
         sub_tok, sub_lp = top_tok.index_select(0, rows), top_lp.index_select(0, rows)  # (R', W')
@@ -140,9 +151,8 @@ def _expand_rows(ex, work: list, trees: list[DraftTree], nodes: list[list[int]],
     temps = [work[b].seq.params.temperature for b, _ in owner]
     keys = None
     if any(temps):  # a child's noise is keyed by its position: start + its depth
-        seeds = torch.tensor([work[b].seq.seed_key for b, _ in owner], dtype=torch.long)
-        pos = torch.tensor([work[b].start + (0 if n < 0 else trees[b].depths[n] + 1) for b, n in owner], dtype=torch.long)
-        keys = position_keys(seeds, pos)
+        keys = torch.tensor([position_key(work[b].seq.seed_key, work[b].start + (0 if n < 0 else trees[b].depths[n] + 1))
+                             for b, n in owner], dtype=torch.long)
     children = [w.tree_children or w.tree_width for w in work]
     toks, lps = rank_children(logits, max(children), temps, keys)
     new: list[list[int]] = [[] for _ in work]
@@ -175,7 +185,8 @@ def draft_tree(ex, name: str, work: list, root_logits: torch.Tensor) -> None:
             parents.append(par), wanted.append(at)
         batch = ForwardBatch.build(slots, starts, feeds, wanted, parents=parents)
         logits = ex._timed_forward(name, batch, len(active), ex._width(name, batch, len(active)))  # (B', G, V)
-        flat = torch.cat([logits[i, : len(at)] for i, at in enumerate(wanted)])  # (sum frontier, V)
+        flat = (logits[0, : len(wanted[0])] if len(wanted) == 1  # (sum frontier, V)
+                else torch.cat([logits[i, : len(at)] for i, at in enumerate(wanted)]))
         grown = _expand_rows(ex, [work[b] for b in active], [trees[b] for b in active],
                              [trees[b].frontier for b in active], flat)
         new = [[] for _ in work]

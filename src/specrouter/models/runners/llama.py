@@ -423,6 +423,9 @@ class LlamaRunner(ModelRunner):
     def move_kv(self, slot: int, start: int, nodes: list[int]) -> None:
         if nodes == list(range(len(nodes))):  # the branch is where it belongs already
             return
+        if self._ops is not None and self.device.type == "cpu":  # one native call (kernels/tree.cpp), the same bytes
+            self._ops.move_kv(self._k, self._v, slot, start, nodes)
+            return
         dst = torch.arange(start, start + len(nodes), device=self.device)
         src = torch.tensor(nodes, dtype=torch.long, device=self.device) + start
         for kc, vc in zip(self._k, self._v):  # (S, KV, P, D) each; the gather reads before it writes

@@ -6,7 +6,10 @@ linearamx.cpp: `linear_amx`, the bfloat16 linear on AMX tiles) and the sampling 
 (noise.cpp: `coupled_argmax`, decoding/noise.py's lazy Gumbel-max in one call) and the router's
 similarity signal (tv.cpp: `tv_rows`, decoding/tv.py's D_TV in one call), the sampler's
 top-k / top-p / min-p cut (cut.h, shared by noise.cpp's `top_k_top_p_mask` / `choose_tokens` and
-tv.cpp) and the penalties (penalty.cpp: `penalize`, decoding/processors.py's in one call); bf16.h holds
+tv.cpp) and the penalties (penalty.cpp: `penalize`, decoding/processors.py's in one call) and a
+token tree's host work (tree.cpp: `topk_rows`, torch.topk bit for bit, ties included, and `move_kv`,
+the accepted branch's KV move in one call; noise.cpp's `token_uniforms`: the tree drafter's
+noise hashes); bf16.h holds
 the bfloat16 widening and rounding both linears and the other ops share.
 
 `rowinv()` returns `torch.ops.specrouter_rowinv` (all of those ops) or None where
@@ -36,7 +39,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(f) for f in ("rowinv.cpp", "linear256.cpp", "linear512.cpp", "linearamx.cpp",
-                                                 "noise.cpp", "tv.cpp", "penalty.cpp")]
+                                                 "noise.cpp", "tv.cpp", "penalty.cpp", "tree.cpp")]
 HEADERS = [Path(__file__).with_name(f) for f in ("bf16.h", "finish16.h", "cut.h")]  # included by rowinv.cpp and the linears (cut.h: noise.cpp and tv.cpp)
 ENV = "SPECROUTER_KERNELS"  # a path of PATHS: force it ("torch": never build or use the native kernels)
 # the kernel paths, fastest first, and the CPU flags (Linux's names) each needs; the native

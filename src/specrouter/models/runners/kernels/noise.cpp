@@ -462,6 +462,33 @@ at::Tensor torch_exp(const at::Tensor& x) {
 
 bool has_torch_exp() { return cut::exp_ok(); }
 
+// noise.py `token_noise`'s three uniforms of (keys (N,) int64 position keys, tokens (N, M) int64):
+// (3, N, M) float64: U(key, "token", v), U(key, "block_arg", v / BLOCK), U(key, "block_min",
+// v / BLOCK) (integer hashing: the bits of the torch path's; the logarithms stay torch's)
+at::Tensor token_uniforms(const at::Tensor& keys, const at::Tensor& tokens) {
+  TORCH_CHECK(keys.dim() == 1 && tokens.dim() == 2 && keys.size(0) == tokens.size(0) && keys.scalar_type() == at::kLong
+              && tokens.scalar_type() == at::kLong && keys.device().is_cpu() && tokens.device().is_cpu(),
+              "token_uniforms: keys (N,) and tokens (N, M) int64 on the CPU");
+  const at::Tensor k = keys.contiguous(), t = tokens.contiguous();
+  const int64_t N = t.size(0), M = t.size(1);
+  at::Tensor out = at::empty({3, N, M}, t.options().dtype(at::kDouble));
+  const int64_t* pk = k.data_ptr<int64_t>();
+  const int64_t* pt = t.data_ptr<int64_t>();
+  double* po = out.data_ptr<double>();
+  for (int64_t n = 0; n < N; ++n) {
+    const uint32_t key = static_cast<uint32_t>(pk[n]);
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t v = pt[n * M + m];
+      TORCH_CHECK(v >= 0, "token_uniforms: tokens must be >= 0");
+      const int64_t i = n * M + m;
+      po[i] = uniform(key, STREAM_TOKEN, static_cast<uint64_t>(v));
+      po[N * M + i] = uniform(key, STREAM_ARG, static_cast<uint64_t>(v / BLOCK));
+      po[2 * N * M + i] = uniform(key, STREAM_MIN, static_cast<uint64_t>(v / BLOCK));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specrouter_rowinv, m) {
@@ -471,6 +498,7 @@ TORCH_LIBRARY_FRAGMENT(specrouter_rowinv, m) {
   m.def("top_k_top_p_mask(Tensor x, Tensor top_k, Tensor top_p) -> (Tensor, Tensor)");
   m.def("torch_exp(Tensor x) -> Tensor");
   m.def("has_torch_exp() -> bool", &has_torch_exp);
+  m.def("token_uniforms(Tensor keys, Tensor tokens) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) {
@@ -478,4 +506,5 @@ TORCH_LIBRARY_IMPL(specrouter_rowinv, CPU, m) {
   m.impl("choose_tokens", &choose_tokens);
   m.impl("top_k_top_p_mask", &top_k_top_p_mask);
   m.impl("torch_exp", &torch_exp);
+  m.impl("token_uniforms", &token_uniforms);
 }
