@@ -207,5 +207,7 @@ def test_the_router_prunes_suffix_trees_and_stays_exact(pool, monkeypatch):
         assert _gen(sr, [p]) == [o]
     assert policy.chosen, "the policy must have verified some suffix trees"
     assert any(0 < n < total for n, total in pruned), f"no tree was cut short: {pruned}"
-    # trees are off by default: no tree policy
-    assert named_router(pool, ("target",), "float32", ngram=False, suffix=True).engine.tree_policy is None
+    # trees for greedy rows by default (a policy that keeps sampled rows on chains); "off": no policy
+    default = named_router(pool, ("target",), "float32", ngram=False, suffix=True).engine.tree_policy
+    assert default is not None and not default.sampled and policy.sampled
+    assert named_router(pool, ("target",), "float32", ngram=False, suffix=True, trees="off").engine.tree_policy is None

@@ -166,3 +166,28 @@ def test_more_children_than_the_frontier_and_censored_evidence():
         blunt.observe((-1,), 8)  # none of 8
     assert censored.rates(0)[4] > 0.02 and blunt.rates(0)[4] < 0.01
     assert censored.rates(0)[0] < 0.05
+
+
+def test_greedy_mode_keeps_sampled_rows_on_chains():
+    """EngineConfig.trees "greedy" (the default) builds the policy with sampled=False: a sampled
+    row keeps its chain (None: no tree for the step) where a greedy row, and a sampled row under
+    "on", get the tree; the config reads True / False as "on" / "off" and refuses other modes."""
+    import pytest
+
+    from specrouter.config import EngineConfig
+
+    greedy_only, both = _policy(0.01), _policy(0.01)
+    greedy_only.sampled = False
+    for p in (greedy_only, both):
+        for mode in (True, False):
+            for _ in range(300):
+                p._evidence("draft", mode).observe((0, 0, 0, 0, 1))
+    plan = [(("draft", "target"), 3)]
+    greedy = SimpleNamespace(seq_id=1, params=SimpleNamespace(greedy=True), tokens=[1] * 10)
+    sampled = SimpleNamespace(seq_id=2, params=SimpleNamespace(greedy=False), tokens=[1] * 10)
+    assert greedy_only.shapes([greedy], plan)[0][0] > 0 and both.shapes([sampled], plan)[0][0] > 0
+    assert greedy_only.shapes([sampled], plan) is None
+    assert EngineConfig().trees == "greedy"
+    assert EngineConfig(trees=True).trees == "on" and EngineConfig(trees=False).trees == "off"
+    with pytest.raises(ValueError, match="trees must be one of"):
+        EngineConfig(trees="sometimes")

@@ -66,13 +66,14 @@ class SpecRouter:
         # token trees: priced by the package Router's cost profile (a router of the protocol alone
         # keeps chains), and only on a CPU pool (the GPU path's Triton attention has no tree mask:
         # its runner refuses a tree batch)
-        if isinstance(router, Router) and self.config.engine.trees and pool.device.type == "cpu":
+        if isinstance(router, Router) and self.config.engine.trees != "off" and pool.device.type == "cpu":
             from specrouter.engine.tree_policy import TreePolicy
 
             profile, target = router.profile, pool.target
             drafters = frozenset(m for m in pool.runners if m != target and m not in pool.heads)
             free = frozenset(n for n, d in pool.drafters.items() if d.proposes_trees)
-            self.engine.tree_policy = TreePolicy.from_profile(profile, target, drafters, free=free)
+            self.engine.tree_policy = TreePolicy.from_profile(profile, target, drafters, free=free,
+                                                              sampled=self.config.engine.trees == "on")
 
     @classmethod
     def from_config(cls, config: SpecRouterConfig, *, progress: bool = False) -> "SpecRouter":
@@ -111,7 +112,7 @@ class SpecRouter:
         threads: int | None = None,
         router_config: RouterConfig | None = None,
         device: str = "auto",
-        trees: bool = False,
+        trees: bool | str = "greedy",
     ) -> "SpecRouter":
         """Load a pool: "default" (the embedded pool: n-gram, the shipped draft,
         SmolLM2-135M-Instruct), or HF checkpoint directories / .gguf files, plus the
@@ -128,8 +129,9 @@ class SpecRouter:
         or "cuda:N"; a CUDA device torch cannot use here raises DeviceError before any weights
         load (docs/gpu.md).
 
-        `trees`: the router may verify token trees instead of chains where they pay
-        (`EngineConfig.trees`, docs/trees.md; off by default)."""
+        `trees`: which rows the router may give a token tree instead of a chain where it pays
+        (`EngineConfig.trees`: "greedy", the default, "on" for sampled rows too, "off";
+        docs/trees.md)."""
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         models = [paths] if isinstance(paths, (str, Path)) else list(paths)

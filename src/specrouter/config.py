@@ -645,6 +645,9 @@ class PoolConfig:
             raise ValueError("target: 'draft' names the smallest draft, not a target")
 
 
+TREE_MODES = ("off", "greedy", "on")  # EngineConfig.trees: which rows may verify token trees
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How requests are decoded unless they ask otherwise."""
@@ -654,12 +657,20 @@ class EngineConfig:
     adaptive: bool = True  # the router picks chain and k per request every cycle; False: the pool's default chain
     prefix_cache: bool = True  # reuse the KV of earlier requests' shared prefixes (state/prefix_cache.py)
     kv_cache_gb: float | None = None  # parked-KV budget of the prefix cache; None: a tenth of RAM, at most 4 GiB
-    # the router may verify token trees instead of chains where its tree policy predicts a gain;
-    # off by default: measured, trees gained nothing on any workload (docs/trees.md "Trees by default")
-    trees: bool = False
+    # where the router may verify token trees instead of chains (its tree policy picks a tree only
+    # where measured costs predict a gain; a single stream only): "greedy" (default: greedy rows),
+    # "on" (sampled rows too), "off" (chains only); True / False read as "on" / "off". Greedy rows
+    # by default since session 29: with verification nearly flat (Intel AMX, T(9)/T(1) 1.3) and a
+    # tree cycle's host work halved, the router with trees ran 1.02-1.23x the router without them
+    # on greedy workloads, level (0.95-1.08x) at t=0.7 (docs/trees.md "Trees by default")
+    trees: str = "greedy"
 
     def __post_init__(self) -> None:
         check_kv_cache_gb(self.kv_cache_gb)
+        if isinstance(self.trees, bool):
+            object.__setattr__(self, "trees", "on" if self.trees else "off")
+        if self.trees not in TREE_MODES:
+            raise ValueError(f"trees must be one of {', '.join(TREE_MODES)} (or a bool), got {self.trees!r}")
         if self.chain is not None:
             object.__setattr__(self, "chain", tuple(self.chain))
             check_chain_names(self.chain)

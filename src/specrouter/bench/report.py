@@ -276,12 +276,12 @@ def summary_table(result: dict) -> list[str]:
             _f(s["oracle"]["tokens_per_second"]), _f(t.get(ADAPTIVE)),
             _x(r["specrouter/target_only"]), _x(r["specrouter/best_static"]), _x(r["specrouter/oracle"]),
             _x(r["specrouter/hf_assisted"]), _x(r.get("specrouter/no_suffix")), _x(r.get("specrouter/no_head")),
-            _x(r.get("specrouter/no_tv")),
+            _x(r.get("specrouter/no_tv")), _x(r.get("specrouter/no_trees")),
         ])
     return _table(["scenario", "target-only", "HF generate", HF_FP32, "HF assisted", "best static (chain, k)",
                    "best 3-level", "oracle", "SpecRouter", "SR / target-only", "SR / best static",
                    "SR / oracle", "SR / HF assisted", "SR / SR without suffix", "SR / SR without head",
-                   "SR / SR without D_TV"], rows)
+                   "SR / SR without D_TV", "SR / SR without trees"], rows)
 
 
 def peer_table(result: dict) -> list[str]:

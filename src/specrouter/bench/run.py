@@ -26,7 +26,7 @@ import torch
 from specrouter.bench.order import run_order
 from specrouter.bench.slowdown import Slowdown
 from specrouter.bench.structured import schema_valid
-from specrouter.bench.summary import (ADAPTIVE_CACHE, NO_HEAD, NO_SUFFIX, WITH_TREES, NO_TV, TARGET_CACHE, chain_label,
+from specrouter.bench.summary import (ADAPTIVE_CACHE, NO_HEAD, NO_SUFFIX, NO_TREES, NO_TV, TARGET_CACHE, chain_label,
                                       summarize)
 from specrouter.bench.systems import (
     AdaptiveSystem,
@@ -259,7 +259,7 @@ def setup(cfg: BenchConfig, *, progress: bool = True, log=print) -> Harness:
     if SUFFIX in pool.drafters:
         ablations.append(AdaptiveSystem(pool.without_drafters([SUFFIX]), NO_SUFFIX, profile=profile))
     if pool.model_drafts and pool.runners[pool.target].supports_trees:
-        ablations.append(AdaptiveSystem(pool, WITH_TREES, profile=profile, router_config=cfg.router, trees=True))
+        ablations.append(AdaptiveSystem(pool, NO_TREES, profile=profile, router_config=cfg.router, trees="off"))
     if pool.heads:
         ablations.append(AdaptiveSystem(pool.without_drafters(pool.heads), NO_HEAD, profile=profile))
     systems += ablations

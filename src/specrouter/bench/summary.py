@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 NO_SUFFIX = "SpecRouter (no suffix)"  # the same router over the pool without the suffix drafter
 NO_HEAD = "SpecRouter (no head)"  # ... over the pool without its draft heads (issue 18's goal)
-WITH_TREES = "SpecRouter (trees)"  # ... the router with token trees (issue 28; off by default)
+NO_TREES = "SpecRouter (no trees)"  # ... the router with chains only (token trees: greedy rows by default, issue 28)
 NO_TV = "SpecRouter (no D_TV)"  # ... the same pool, the router learning from acceptance counts only
 TARGET_CACHE = "target-only +cache"  # target-only with the prefix cache on (every other system: off)
 ADAPTIVE_CACHE = "SpecRouter +cache"  # SpecRouter with the prefix cache on
@@ -187,7 +187,7 @@ def _ratios(tps: dict[str, float], sr: float | None, reference: str, best_static
         "specrouter/no_suffix": _ratio(sr, tps.get(NO_SUFFIX)),
         "specrouter/no_head": _ratio(sr, tps.get(NO_HEAD)),
         "specrouter/no_tv": _ratio(sr, tps.get(NO_TV)),
-        "trees/specrouter": _ratio(tps.get(WITH_TREES), sr),
+        "specrouter/no_trees": _ratio(sr, tps.get(NO_TREES)),
         "specrouter/hf_generate": _ratio(sr, hf_gen),
         "specrouter/hf_assisted": _ratio(sr, hf_asst),
         "hf_generate/target_only": _ratio(hf_gen, tps[reference]),

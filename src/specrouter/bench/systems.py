@@ -72,7 +72,7 @@ class System:
         pass
 
 
-def _config(prefix_cache: bool, trees: bool = False) -> SpecRouterConfig:
+def _config(prefix_cache: bool, trees: bool | str = "greedy") -> SpecRouterConfig:
     return SpecRouterConfig(engine=EngineConfig(prefix_cache=prefix_cache, trees=trees))
 
 
@@ -120,9 +120,9 @@ class AdaptiveSystem(System):
 
     def __init__(self, pool, name: str = "SpecRouter", *, profile_path: str | Path | None = None,
                  progress: bool = True, profile=None, router_config: RouterConfig | None = None,
-                 prefix_cache: bool = False, trees: bool = False):
+                 prefix_cache: bool = False, trees: bool | str = "greedy"):
         self.pool, self.name = pool, name
-        self.trees = trees  # the router may verify token trees (EngineConfig.trees)
+        self.trees = trees  # which rows the router may give token trees (EngineConfig.trees)
         self.prefix_cache = prefix_cache
         self.kind = "adaptive+cache" if prefix_cache else "adaptive"
         self.profile_path, self.progress = profile_path, progress

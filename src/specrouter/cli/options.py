@@ -123,9 +123,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, k_help: str) -> None:
     g.add_argument("--trees", action="store_true",
                    help="in a single stream the router may verify a token tree instead of a chain (a "
                         "model draft's alternatives, or every continuation the suffix drafter saw) "
-                        "where its measured costs predict a gain (default: chains only; measured, "
-                        "trees gained nothing here: docs/trees.md)")
-    g.add_argument("--no-trees", action="store_true", help="chains only (the default; overrides --trees)")
+                        "where its measured costs predict a gain, in sampled rows too (default: "
+                        "greedy rows only: docs/trees.md)")
+    g.add_argument("--no-trees", action="store_true", help="chains only (overrides --trees)")
     c = p.add_argument_group("prefix cache")
     c.add_argument("--no-prefix-cache", action="store_true",
                    help="recompute every prompt (default: a request that starts like an earlier "
@@ -149,7 +149,8 @@ def engine_config(args: argparse.Namespace, *, k_alone: bool = False) -> EngineC
                             adaptive=not args.static,
                             prefix_cache=not getattr(args, "no_prefix_cache", False),
                             kv_cache_gb=getattr(args, "kv_cache_gb", None),
-                            trees=getattr(args, "trees", False) and not getattr(args, "no_trees", False))
+                            trees=("off" if getattr(args, "no_trees", False) else
+                                   "on" if getattr(args, "trees", False) else "greedy"))
     except (ChainError, ValueError) as e:
         raise UsageError(str(e)) from None
 

@@ -125,10 +125,11 @@ class TreePolicy:
     def __init__(self, target_cost: Callable[[int, int], float], draft_cost: Callable[[str, int, int], float],
                  drafters: frozenset[str], *, free: frozenset[str] = frozenset(), widths: tuple[int, ...] = (2, 3, 4),
                  children: tuple[int, ...] = (8,), margin: float = 0.10, max_nodes: int = MAX_NODES,
-                 max_depth: int = MAX_DEPTH, refresh: int = 16):
+                 max_depth: int = MAX_DEPTH, refresh: int = 16, sampled: bool = True):
         self.target_cost = target_cost  # (n new tokens, context L) -> seconds of one row's target forward
         self.draft_cost = draft_cost  # (drafter, n new tokens, context L) -> seconds of one drafter forward
         self.drafters = drafters  # the model drafters that grow trees (not heads, not model-free)
+        self.sampled = sampled  # sampled rows may get trees too (EngineConfig.trees "on"; "greedy": not)
         self.free = free  # the model-free drafters that propose trees (`prune`)
         self.widths, self.margin, self.max_nodes, self.max_depth = widths, margin, max_nodes, max_depth
         # children per expanded node searched besides the width (more children cost no draft
@@ -234,6 +235,8 @@ class TreePolicy:
         if len(rows) != 1:
             return None
         (chain, k), seq = plans[0], rows[0]
+        if not self.sampled and not seq.params.greedy:
+            return None
         if len(chain) == 2 and chain[0] in self.free and k >= 1:
             return [(self.max_nodes, 1, int(k))]
         if len(chain) != 2 or chain[0] not in self.drafters:
