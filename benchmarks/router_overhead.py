@@ -208,7 +208,9 @@ def main() -> None:
     pool = sr.pool
     profile = load_or_sweep_profile(pool, progress=False)
     systems = [NativeSystem(pool, "target-only", (pool.target,), None),
-               AdaptiveSystem(pool, "SpecRouter", profile=profile, progress=False, router_config=config)]
+               # chains only (trees="off"): SR-base's router class is another checkout's, which
+               # never gets a tree policy, and a static runs its chain: plan for plan
+               AdaptiveSystem(pool, "SpecRouter", profile=profile, progress=False, router_config=config, trees="off")]
     for spec in args.statics:
         chain, _, k = spec.partition(":")
         try:

@@ -663,7 +663,9 @@ class EngineConfig:
     # by default since session 29: with verification nearly flat (Intel AMX, T(9)/T(1) 1.3) and a
     # tree cycle's host work halved, the router with trees ran 1.02-1.23x the router without them
     # on greedy workloads, level (0.95-1.08x) at t=0.7 (docs/trees.md "Trees by default")
-    trees: str = "greedy"
+    # (the library, generate, chat, demo and bench; `specrouter serve` keeps chains: its batches
+    # are planned by the batch planner, which does not price trees)
+    trees: str | bool = "greedy"
 
     def __post_init__(self) -> None:
         check_kv_cache_gb(self.kv_cache_gb)

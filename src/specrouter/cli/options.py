@@ -109,8 +109,9 @@ def pool_config(args: argparse.Namespace) -> PoolConfig:
         raise UsageError(str(e)) from None
 
 
-def add_engine_arguments(p: argparse.ArgumentParser, *, k_help: str) -> None:
-    """--chain, --k, --static."""
+def add_engine_arguments(p: argparse.ArgumentParser, *, k_help: str, trees: bool = True) -> None:
+    """--chain, --k, --static, and (`trees`) --trees / --no-trees (not for serve: the server's
+    batches keep chains)."""
     g = p.add_argument_group("chain")
     g.add_argument("--chain", nargs="+", default=None, metavar="MODEL",
                    help="pin a static chain, cheapest first, ending at the target: pool names or "
@@ -120,12 +121,18 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, k_help: str) -> None:
     g.add_argument("--k", type=_draft_length, default=None, help=k_help)
     g.add_argument("--static", action="store_true",
                    help="no router: the pool's default chain (its smallest draft, then the target)")
+    if not trees:
+        return _add_prefix_cache_arguments(p)
     g.add_argument("--trees", action="store_true",
                    help="in a single stream the router may verify a token tree instead of a chain (a "
                         "model draft's alternatives, or every continuation the suffix drafter saw) "
                         "where its measured costs predict a gain, in sampled rows too (default: "
                         "greedy rows only: docs/trees.md)")
     g.add_argument("--no-trees", action="store_true", help="chains only (overrides --trees)")
+    _add_prefix_cache_arguments(p)
+
+
+def _add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("prefix cache")
     c.add_argument("--no-prefix-cache", action="store_true",
                    help="recompute every prompt (default: a request that starts like an earlier "

@@ -219,7 +219,7 @@ def register(sub) -> None:
     s.add_argument("--seed", type=int, default=None, help="seed of unseeded sampling requests' stream")
     s.add_argument("--log-level", default="info", help="debug | info | warning | error")
     add_engine_arguments(s, k_help="draft length of requests that pin a chain without "
-                                   "specrouter_k, and of --chain / --static (default 4)")
+                                   "specrouter_k, and of --chain / --static (default 4)", trees=False)
     add_pool_arguments(s, flags=("models", "target", "dtype", "backend", "no_ngram", "no_suffix", "threads",
                                  "profile_path", "device"))
     r = s.add_argument_group("scale-out on Ray Serve (needs the ray extra; see docs/ray.md)")

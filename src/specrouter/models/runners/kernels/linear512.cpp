@@ -252,7 +252,7 @@ T512 void run_tiles_fma(const float* x, int64_t N, int64_t K, const W* w, int64_
   const int64_t B = block_rows(N);
   int64_t t = t0;
   if constexpr (sizeof(W) == 4 && P == Pf::t0) {
-    if (N <= GROUP_ROWS) {  // GROUP tiles a pass, then the rest one at a time
+    if (N >= 1 && N <= GROUP_ROWS) {  // GROUP tiles a pass, then the rest one at a time (no rows: nothing)
       for (; t + GROUP <= t1; t += GROUP) {
         const W* wt = w + t * K * TILE;
         if (N == 1) tile_f32_group<1>(x, K, wt, acc);
