@@ -121,18 +121,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, k_help: str, trees: bool
     g.add_argument("--k", type=_draft_length, default=None, help=k_help)
     g.add_argument("--static", action="store_true",
                    help="no router: the pool's default chain (its smallest draft, then the target)")
-    if not trees:
-        return _add_prefix_cache_arguments(p)
-    g.add_argument("--trees", action="store_true",
-                   help="in a single stream the router may verify a token tree instead of a chain (a "
-                        "model draft's alternatives, or every continuation the suffix drafter saw) "
-                        "where its measured costs predict a gain, in sampled rows too (default: "
-                        "greedy rows only: docs/trees.md)")
-    g.add_argument("--no-trees", action="store_true", help="chains only (overrides --trees)")
-    _add_prefix_cache_arguments(p)
-
-
-def _add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
+    if trees:
+        g.add_argument("--trees", action="store_true",
+                       help="in a single stream the router may verify a token tree instead of a chain (a "
+                            "model draft's alternatives, or every continuation the suffix drafter saw) "
+                            "where its measured costs predict a gain, in sampled rows too (default: "
+                            "greedy rows only: docs/trees.md)")
+        g.add_argument("--no-trees", action="store_true", help="chains only (overrides --trees)")
     c = p.add_argument_group("prefix cache")
     c.add_argument("--no-prefix-cache", action="store_true",
                    help="recompute every prompt (default: a request that starts like an earlier "
