@@ -8,9 +8,10 @@ lists (review28 N4: a generator taught a fresh28 topic in other words)."""
 from __future__ import annotations
 
 import pytest
-from test_distill_heldout import (
+from test_distill_heldout import (  # noqa: F401  (generated: the generators' draws, a fixture)
     _bench_strings,
     _draws,
+    generated,
     _list_strings,
     _shared,
     _teach,
@@ -40,10 +41,6 @@ TOPICS = [stems for k in KINDS for stems in fresh28.TOPICS[k]]
 BLIND = {"v2": "What should I pack for a three-day canoe trip on a quiet river in early autumn?",
          "v1": "What are the pros and cons of learning the accordion as an adult beginner?"}
 
-
-@pytest.fixture(scope="module")
-def generated():
-    return {"v1": _draws(_v1), "v2": _draws(_v2)}
 
 
 def test_six_distinct_prompts_of_each_type_in_the_original_shapes():
