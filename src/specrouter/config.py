@@ -295,6 +295,11 @@ class RouterConfig:
     # is not what the request's later ones will, and the request's estimate returns toward its
     # prior instead of keeping it plain to its end (router/policy.py `fade_idle`); 1.0: never
     request_idle_decay: float = 0.95
+    # a single stream decoding without its model draft (plain, a model-free chain) catches the
+    # draft up once it lags by this many generated tokens, and each of those positions is an
+    # acceptance trial of (draft, target) for the request and the pair: the draft's token there
+    # against the committed one (router/catch_up.py; ~1% of the plain steps it covers); 0: off
+    catch_up_every: int = 8
     request_prior_strength: float = 8.0  # pseudo-trials of the global alpha in a request's estimate
     request_hit_prior_strength: float = 2.0  # pseudo-proposals of the global hit rate in a request's (one per cycle, not ~k trials)
     # a new request's prior for a model pair: the global alpha, or if higher this quantile of
@@ -477,6 +482,8 @@ class RouterConfig:
                 or not 0.0 < self.realized_clip[0] <= 1.0 <= self.realized_clip[1]:
             raise ValueError("realized_decay and realized_fade must be in (0, 1], realized_prior_tokens and realized_tolerance "
                              ">= 0, realized_clip a (low <= 1 <= high) pair above 0")
+        if isinstance(self.catch_up_every, bool) or not isinstance(self.catch_up_every, int) or self.catch_up_every < 0:
+            raise ValueError(f"catch_up_every must be an int >= 0 (0: off), got {self.catch_up_every!r}")
         if self.request_prior_strength < 0 or self.request_hit_prior_strength < 0:
             raise ValueError("request prior strengths must be >= 0")
         if self.decision_margin_sampling < 0 or self.decision_margin_greedy < 0:

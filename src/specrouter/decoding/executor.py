@@ -44,6 +44,7 @@ import torch
 from specrouter.decoding import certain_drafts as certain
 from specrouter.drafters.base import ModelFreeDrafter
 from specrouter.decoding.field_gate import Contest
+from specrouter.decoding.catch_up import catch_up_drafts, caught_up_trials
 from specrouter.decoding.head_drafting import draft_with_head, refeed_gaps
 from specrouter.decoding.lazy_mask import choose_refused, lazy
 from specrouter.decoding.logprobs import generated_logprobs, prompt_logprobs
@@ -120,6 +121,9 @@ class RowWork:
     values: list[int] = field(default_factory=list)  # where JSON values start in a field-drafted `cand`
     contest: Contest | None = None  # field draft against the drafter's proposal (decoding/field_gate.py)
     processors: bool = False  # the row's parameters have logits processors (SamplingParams.has_processors)
+    # per model draft caught up this cycle (router/catch_up.py): (model, the positions its tokens
+    # were sampled for, those tokens), scored against the committed ones in `_result` (decoding/catch_up.py)
+    caught: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
 
     def level(self, model: str) -> int:
         """Index of `model` in the row's chain (-1: not in it)."""
@@ -205,6 +209,7 @@ class ChainExecutor:
         sampling: SamplingTensors,
         min_confidence: list[float] | None = None,
         trees: list[tuple[int, int]] | None = None,
+        catch_up: list[tuple[str, ...]] | None = None,
     ) -> StepResult:
         """One cycle for every row, row b running `plans[b] = (chain, k)`; commits >= 1 token
         per row. Rows' random numbers come from `seq.seed_key` and positions only.
@@ -212,7 +217,8 @@ class ChainExecutor:
         `trees[b] = (budget, width[, depth])`: row b's model drafter grows a token tree `depth`
         deep (default: its k), `width` nodes expanded per depth into `width` children each,
         and the target verifies its best `budget` nodes (a budget <= depth: the chain); only
-        where the tree can run (`_tree_ok`)."""
+        where the tree can run (`_tree_ok`). `catch_up[b]`: model drafts row b's chain leaves
+        out that catch up on its committed tokens first, for their evidence (`_catch_up`)."""
         t_start = self.clock()
         self._forwards: list[ForwardRecord] = []
         self._ftime: dict[str, float] = {}
@@ -233,6 +239,8 @@ class ChainExecutor:
             elif budget > depth > 0 and width > 1 and not heads_draft and self._tree_ok(w, budget, width, depth):
                 w.k, w.tree_budget, w.tree_width = depth, budget, width
                 w.tree_children = shape[3] if len(shape) > 3 else 0
+        if catch_up:
+            catch_up_drafts(self, work, catch_up, sampling)
         for name in self._models_in_use(work):
             if name in self.drafters:
                 self._propose(name, [w for w in work if w.chain[0] == name and w.k > 0])
@@ -679,7 +687,8 @@ class ChainExecutor:
             outcomes.append(RowOutcome(seq_id=seq.seq_id, chain=w.chain, k=w.k, drafted=list(w.drafted),
                                        accepted=list(w.accepted), greedy=seq.params.greedy,
                                        context_len=w.start, tv=list(w.tv) if self.measure_tv else None,
-                                       certain=certain_kept))
+                                       certain=certain_kept,
+                                       caught_up=caught_up_trials(w.caught, seq.tokens) if w.caught else ()))
             proposals.append(w.proposal or [])
             groups.setdefault(w.chain, []).append((w, len(w.cand)))
         wall = self.clock() - t_start

@@ -167,6 +167,7 @@ class Engine:
         # serving metrics count steps by kind (server/metrics.py `observe_step`)
         self.last_step_kind = ""
         self._held = False  # the last plan was the router's hold (BatchPlan.held)
+        self._catch_up: dict[int, tuple[str, ...]] = {}  # seq_id -> drafts caught up this step (BatchPlan.catch_up)
         # a lease (BatchPlan.steps): (the rows' seq_ids, their plans, steps left) the router let
         # stand; the steps run on it are reported to the router when it ends (`_report_lease`)
         self._lease: tuple[tuple[int, ...], list[Plan], int] | None = None
@@ -392,7 +393,7 @@ class Engine:
         others (planned jointly, for the batch this step really runs), then the confident drafts
         the router takes (drafts.py); and the draft length of this step's shadow proposals."""
         plans: list = [s.plan.pinned for s in rows]
-        self._held = False
+        self._held, self._catch_up = False, {}
         if self.router is None:
             return plans, 0
         ids = tuple(s.seq_id for s in rows)
@@ -415,6 +416,9 @@ class Engine:
         for i, d in zip(free, batch.decisions):
             plans[i] = (d.chain, d.k)
             rows[i].plan.min_confidence = d.min_confidence
+        for i, models in zip(free, batch.catch_up):  # drafts caught up for their evidence (router/catch_up.py)
+            if models:
+                self._catch_up[rows[i].seq_id] = models
         if free and not batch.held:
             drafters = {n: d for n, d in self.pool.drafters.items() if n not in self.failed_models}
             offers = confident_offers([rows[i] for i in free], [plans[i] for i in free], drafters, self.steps)
@@ -468,7 +472,9 @@ class Engine:
             try:
                 trees = self.tree_policy.shapes(rows, plans) if self.tree_policy is not None else None
                 self.executor.prune_tree = self.tree_policy.prune if self.tree_policy is not None else None
-                result = self.executor.step(rows, plans, sampling, [s.plan.min_confidence for s in rows], trees)
+                catch = [tuple(m for m in self._catch_up.get(s.seq_id, ()) if m not in self.failed_models)
+                         for s in rows] if self._catch_up else None
+                result = self.executor.step(rows, plans, sampling, [s.plan.min_confidence for s in rows], trees, catch)
                 return result, shadow, shadow_k
             except ModelFailure as failure:
                 if not self._on_step_failure(failure, rows, plans):

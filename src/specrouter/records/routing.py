@@ -97,6 +97,9 @@ class RowOutcome:
     #                                     candidates (RouterProtocol.tv_positions); NaN: none; None: not measured
     certain: int = 0  # grammar-forced candidates the target committed (decoding/certain_drafts.py):
     #                   not in `drafted` / `accepted`, which count the drafters' own candidates
+    # (model, matches, trials) of each model draft the row caught up this cycle (router/catch_up.py):
+    # its tokens at the positions the row generated against the committed ones, teacher-forced
+    caught_up: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,9 @@ class BatchPlan:
     # without shadow proposals after this one; the engine runs them without asking again and
     # reports those steps when the lease ends (router/batch.py `BatchPlanner.plan`: a held batch)
     steps: int = 1
+    # per row asked about: the model drafts it catches up this step for their evidence, in a
+    # forward of their own (router/catch_up.py); () for every row when empty
+    catch_up: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)

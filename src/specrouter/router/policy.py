@@ -77,6 +77,7 @@ import numpy as np
 
 from specrouter.config import RouterConfig
 from specrouter.router.batch import BatchPlanner
+from specrouter.router.catch_up import stream_catch_ups
 from specrouter.router.deferred import Deferral
 from specrouter.router.cost_model import (
     break_even_confidence,
@@ -290,6 +291,8 @@ class Router:
                                         key=lambda p: (self.order.index(p[0]), self.order.index(p[1])))
         self.pair_chains = {p: [i for i, c in enumerate(self.chains) if p in zip(c[:-1], c[1:])]
                             for p in self.pairs}  # chains that measure the pair
+        # model drafts straight below the target (router/catch_up.py: caught up for their evidence)
+        self.target_drafts = frozenset(m for m, v in self.pairs if v == target and m not in self.first_only)
         # (first, middle, verifier) of the chains of >= 3 levels drafted by a model-free drafter:
         # level 3's acceptance of confirmed tokens (cost_model.py, point 4), estimated apart
         # (besides the pair's, which counts every token)
@@ -335,7 +338,8 @@ class Router:
     # -- RouterProtocol ---------------------------------------------------------------------
     def plan_batch(self, rows: Sequence[RowContext], pinned: Sequence[Plan] = ()) -> BatchPlan:
         """The plans of a step's rows, chosen for the batch the step really runs
-        (`BatchPlanner.plan`)."""
+        (`BatchPlanner.plan`), with the model drafts a single stream catches up for their
+        evidence (router/catch_up.py)."""
         hold = self.stream.hold
         if self.deferral.queue and not (hold is not None and hold.firm):
             self.deferral.fold()  # the step reads the evidence (deferred.py)
@@ -361,16 +365,21 @@ class Router:
                                  self.observed_steps) if self.stream.hold is not None else None
         if batch is not None:  # a single stream's kept plan (stream_hold.py): no decide
             self.outside.held()  # a held plain step is what plain decoding costs (outside_plain)
-            return batch
-        if self.deferral.queue:
-            self.deferral.fold()  # a firm hold ended: its steps' evidence before the decision
-        held = self.planner.held_decisions
-        batch = self.planner.plan(rows, pinned)
-        if self.planner.held_decisions > held:  # a hold planned the step: no decide
-            self.outside.held()
-        elif seq is not None and self.stream.keep(rows, pinned, batch.decisions[0], self.requests.get(seq),
-                                                  self.observed_steps):
-            return dataclasses.replace(batch, shadow_k=0)  # a firm hold's last step runs them
+        else:
+            if self.deferral.queue:
+                self.deferral.fold()  # a firm hold ended: its steps' evidence before the decision
+            held = self.planner.held_decisions
+            batch = self.planner.plan(rows, pinned)
+            if self.planner.held_decisions > held:  # a hold planned the step: no decide
+                self.outside.held()
+            elif seq is not None and self.stream.keep(rows, pinned, batch.decisions[0], self.requests.get(seq),
+                                                      self.observed_steps):
+                batch = dataclasses.replace(batch, shadow_k=0)  # a firm hold's last step runs them
+        every = self.config.catch_up_every
+        if every and seq is not None and not pinned and rows[0].lags_generated:
+            catch = stream_catch_ups(rows, [batch.decisions[0].chain], 0, every, self.target_drafts - self.failed)
+            if catch:  # its draft's evidence while it decodes without it (router/catch_up.py)
+                batch = dataclasses.replace(batch, catch_up=catch)
         return batch
 
     def take_confident_drafts(self, rows: Sequence[RowContext], plans: list[Plan],
@@ -724,6 +733,9 @@ class Router:
                 observe_trials(self, req, pair, mode, a, rej, 1.0 - tv if math.isfinite(tv) else None)
                 if j == 2 and chain[:3] in self.triples:  # and its confirmed tokens (cost_model.py, 4)
                     observe_trials(self, req, chain[:3], mode, *confirmed_trials(cand, acc, int(r.accepted[1])))
+            for model, matches, trials in r.caught_up:  # teacher-forced trials (router/catch_up.py)
+                if (model, self.target) in self.pair_chains:
+                    observe_trials(self, req, (model, self.target), mode, matches, trials - matches)
 
     def _observe_realized(self, req: RequestState, r: RowOutcome, wall_time: float) -> None:
         """The realized check (step 1b) of chains drafted by a model-free drafter, whose cost
