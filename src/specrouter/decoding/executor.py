@@ -221,6 +221,7 @@ class ChainExecutor:
         out that catch up on its committed tokens first, for their evidence (`_catch_up`)."""
         t_start = self.clock()
         self._forwards: list[ForwardRecord] = []
+        self._ran: set[str] = set()  # models that ran a forward this step (ForwardRecord.later)
         self._ftime: dict[str, float] = {}
         self._ftoks: dict[str, int] = {}
         self._tv_seconds = 0.0
@@ -664,7 +665,10 @@ class ChainExecutor:
         self._ftoks[name] = self._ftoks.get(name, 0) + sum(batch.num_tokens_list)
         if context is None:
             context = sum(batch.starts_list) // rows
-        self._forwards.append(ForwardRecord(model=name, rows=rows, new_tokens=width, context_len=context, seconds=dt))
+        later = name in self._ran
+        self._ran.add(name)
+        self._forwards.append(ForwardRecord(model=name, rows=rows, new_tokens=width, context_len=context, seconds=dt,
+                                            later=later))
         return out
 
     # -- commit -----------------------------------------------------------------------------

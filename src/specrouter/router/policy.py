@@ -209,7 +209,7 @@ def observe_forwards(router: "Router", forwards: Sequence[ForwardRecord]) -> Non
     for f in forwards:
         router.prober.model_seen[f.model] = now
         if f.model in router.profile:
-            router.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
+            router.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count, f.later)
 
 
 def fold_step(router: "Router", report: StepReport) -> None:
@@ -525,7 +525,7 @@ class Router:
             # (one DP width for all) they are equal bit for bit
             lat, tok = chain_rows([self.chains[i] for i in todo], cfg.k_max, costs=costs,
                                   alphas=alphas, overhead=published.times["spec"] + router,
-                                  draft_step_overhead=published.times["draft_step"],
+                                  draft_step_overhead=published.times["draft_step"], later=published.later,
                                   min_width=self.dp_width, prepared=rows)
             latency[todo], tokens[todo] = lat, tok
         if rows is not None:
