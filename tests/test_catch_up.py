@@ -18,6 +18,7 @@ import random
 
 import pytest
 import torch
+import processors_reference as reference
 from fixtures import load_named_pool
 from test_router import L0, Sim, make_router, observe_cycle
 from test_state import assert_cache_is_fresh_prefill
@@ -42,13 +43,13 @@ class PlainCatchingUp:
     measure_tv = False
     tv_positions = 0
 
-    def __init__(self, every: int):
-        self.every, self.reports = every, []
+    def __init__(self, every: int, draft: str = "draft"):
+        self.every, self.draft, self.reports = every, draft, []
 
     def plan_batch(self, rows, pinned=()):
         decisions = [Decision(("target",), 0, 0.01, "same") for _ in rows]
         return BatchPlan(decisions, catch_up=stream_catch_ups(rows, [d.chain for d in decisions], len(pinned),
-                                                              self.every, {"draft"}))
+                                                              self.every, {self.draft}))
 
     def take_confident_drafts(self, rows, plans, offers, pinned=()):
         return plans
@@ -63,15 +64,20 @@ class PlainCatchingUp:
         pass
 
 
-def teacher_forced(pool, tokens, seq_key, params, positions):
+def teacher_forced(pool, tokens, seq_key, params, positions, prompt_len):
     """The draft's token at each of `positions` (sequence positions) given the tokens before
-    it: one fresh prefill of the draft over `tokens`, logits everywhere, sampled as the executor
-    samples (decoding/sampling.py `choose_at`: the row's seed key and the position)."""
+    it: one fresh prefill of the draft over `tokens`, logits everywhere, each position's
+    processed by the reference processors (tests/processors_reference.py) with the tokens before
+    it as its history, sampled as the executor samples (decoding/sampling.py `choose_at`: the
+    row's seed key and the position)."""
     runner = pool.runners["draft"]
     slot = runner.allocate_slot()
     try:
         batch = ForwardBatch.build([slot], [0], [tokens], [[p - 1 for p in positions]])
-        logits = runner.forward(batch)  # (1, G, V)
+        logits = runner.forward(batch).double()  # (1, G, V)
+        if params.has_processors:
+            logits = torch.stack([reference.process_row(logits[0, g : g + 1], reference.RowHistory(
+                params, tokens[:p], prompt_len, frozenset(), [], 0))[0] for g, p in enumerate(positions)])[None]
         return choose_at(logits, SamplingTensors.from_params([params]), [0], [seq_key], positions)[0].tolist()
     finally:
         runner.free_slot(slot)
@@ -92,16 +98,21 @@ def run(pool, router, prompt, params):
     return seq
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-def test_caught_up_trials_are_the_drafts_teacher_forced_agreement(tiny_pool_dirs, temperature):
+PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3)
+
+
+@pytest.mark.parametrize("temperature,controls", [(0.0, {}), (0.8, {}), (0.0, PENALTIES), (0.8, PENALTIES)],
+                         ids=["greedy", "sampled", "greedy-penalties", "sampled-penalties"])
+def test_caught_up_trials_are_the_drafts_teacher_forced_agreement(tiny_pool_dirs, temperature, controls):
     """Every 3 generated tokens the plain stream's draft catches up; the trials reported are,
     over exactly the positions caught up on (the first generated one to the last catch-up's
-    cycle start), the positions where the draft's own token (argmax, or its coupled sample)
+    cycle start), the positions where the draft's own token (argmax, or its coupled sample; with
+    penalties, of its logits processed with the tokens before each position as their history)
     equals the committed one; the draft's first catch-up also prefilled the prompt; the output
     is plain decoding's."""
     pool = load_named_pool(tiny_pool_dirs, ("target", "draft"))
     prompt = [5, 17, 33, 8, 90, 41, 7, 5, 17, 33]
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=temperature, seed=3)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=temperature, seed=3, **controls)
     router = PlainCatchingUp(every=3)
     seq = run(pool, router, prompt, params)
     plain = run(pool, None, prompt, params)
@@ -112,17 +123,43 @@ def test_caught_up_trials_are_the_drafts_teacher_forced_agreement(tiny_pool_dirs
     last = caught[-1][0]  # the last catch-up's cycle start: the position its last token sampled
     positions = list(range(len(prompt), last + 1))
     assert sum(c[0][2] for _, c in caught) == len(positions)
-    drafted = teacher_forced(pool, seq.tokens[:last], seq.seed_key, params, positions)
+    drafted = teacher_forced(pool, seq.tokens[:last], seq.seed_key, params, positions, len(prompt))
     want = sum(d == seq.tokens[p] for d, p in zip(drafted, positions))
     got = sum(c[0][1] for _, c in caught)
-    print(f"\n{got} of {len(positions)} positions agree ({temperature=})")
+    print(f"\n{got} of {len(positions)} positions agree ({temperature=}, {controls=})")
     assert got == want
     assert 0 < got < len(positions)  # the test would see a wrong position's token (noise: a draft, not a copy)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.3], ids=["greedy", "sampled"])
+def test_an_exact_copy_caught_up_under_penalties_agrees_everywhere(tiny_pool_dirs, temperature, monkeypatch):
+    """A draft that is an exact copy of the target, caught up under strong penalties on a
+    repeating prompt: every trial agrees (its logits processed with the same history as the
+    target's were: greedy, and sampled through the shared noise). Negative control: the same
+    run with the catch-up's processors skipped disagrees where the penalties moved the target."""
+    pool = load_named_pool(tiny_pool_dirs, ("target", "same"))
+    prompt = [5, 17, 33, 8] * 4
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=temperature, seed=5,
+                            presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.5)
+
+    def trials():
+        router = PlainCatchingUp(every=3, draft="same")
+        run(pool, router, prompt, params)
+        caught = [r.outcomes[0].caught_up[0] for r in router.reports if r.outcomes[0].caught_up]
+        return sum(c[1] for c in caught), sum(c[2] for c in caught)
+
+    matches, n = trials()
+    assert n >= 24 and matches == n, (matches, n)
+    import specrouter.decoding.catch_up as catch_up_module
+    monkeypatch.setattr(catch_up_module, "process_rows", lambda logits, rows, inplace=False: logits.double())
+    unprocessed, n2 = trials()
+    print(f"\n{matches}/{n} agree processed, {unprocessed}/{n2} unprocessed ({temperature=})")
+    assert n2 == n and unprocessed < n
+
+
 def test_catch_up_rule():
     """`catch_up_models`: models the row's chain leaves out, lagging by `every` generated
-    tokens or more; never with processors, never with `every` 0; `stream_catch_ups`: a single
+    tokens or more (processors or not), never with `every` 0; `stream_catch_ups`: a single
     stream's only."""
     row = RowContext(0, 40, lags=(("d", 12), ("m", 3)), lags_generated=(("d", 8), ("m", 3)))
     assert catch_up_models(row, ("T",), 8, {"d", "m"}) == ("d",)
@@ -130,7 +167,7 @@ def test_catch_up_rule():
     assert catch_up_models(row, ("ngram", "T"), 3, {"d"}) == ("d",)
     assert catch_up_models(row, ("d", "T"), 3, {"d", "m"}) == ("m",)
     assert catch_up_models(row, ("T",), 0, {"d", "m"}) == ()
-    assert catch_up_models(dataclasses.replace(row, processors=True), ("T",), 3, {"d"}) == ()
+    assert catch_up_models(dataclasses.replace(row, processors=True), ("T",), 3, {"d"}) == ("d",)
     assert stream_catch_ups([row], [("T",)], 0, 8, {"d"}) == (("d",),)
     assert stream_catch_ups([row, row], [("T",), ("T",)], 0, 8, {"d"}) == ()
     assert stream_catch_ups([row], [("T",)], 1, 8, {"d"}) == ()

@@ -8,6 +8,7 @@ row's output is the target's."""
 
 from __future__ import annotations
 
+from specrouter.decoding.processors import RowHistory, process_rows
 from specrouter.decoding.sampling import SamplingTensors
 from specrouter.models.runners.base import ForwardBatch
 
@@ -18,18 +19,20 @@ def catch_up_drafts(ex, work: list, catch_up: list[tuple[str, ...]], sampling: S
     whose next token the row generated; the token the draft samples there (as it would have
     drafted it: greedy argmax, or the position-keyed noise every level shares) is kept in
     `w.caught` and scored against the committed one when the cycle commits (`caught_up_trials`).
-    Rows whose chain runs the model, rows with logits processors, and rows past the model's
-    cache are left out."""
+    A row's logits processors (penalties, logit_bias, min_tokens) process each position with the
+    committed tokens before it as its history, as the draft's own draft path would have had them
+    there. Rows whose chain runs the model, rows with a grammar (its state at a past position is
+    not kept), and rows past the model's cache are left out."""
     by_model: dict[str, list] = {}
     for w, models in zip(work, catch_up):
-        if w.processors:
+        if w.seq.grammar is not None:
             continue
         for m in models:
             if m in ex.runners and m not in ex.heads and m not in w.chain and ex.runners[m].max_len >= w.start:
                 by_model.setdefault(m, []).append(w)
     for name in [m for m in ex.order if m in by_model]:
         rows = by_model[name]
-        slots, starts, feeds, positions, offsets = [], [], [], [], []
+        slots, starts, feeds, positions, offsets, histories = [], [], [], [], [], []
         for w in rows:
             st = ex.state.state(w.seq.seq_id, name)
             c = st.cache_len
@@ -40,15 +43,32 @@ def catch_up_drafts(ex, work: list, catch_up: list[tuple[str, ...]], sampling: S
             feeds.append(pending)
             positions.append(list(range(first, len(pending))))
             offsets.append([c + i + 1 - w.start for i in positions[-1]])
+            p0 = c + first + 1  # the first position sampled: its history is the tokens before it
+            histories.append((w, p0) if w.processors else None)
             ex.state.fed(st, w.seq.tokens, [])
         batch = ForwardBatch.build(slots, starts, feeds, positions)
         logits = ex._timed_forward(name, batch, len(rows), ex._width(name, batch, len(rows)),
                                    sum(starts) // len(starts))  # (B, G, V)
         G = logits.shape[1]
+        if any(h is not None for h in histories):  # (timed as the step's processors)
+            t0 = ex.clock()
+            logits = process_rows(logits if logits.device.type == "cpu" else logits.cpu(),
+                                  [None if h is None else past_history(*h, G) for h in histories]).to(logits.device)
+            ex._proc_seconds += ex.clock() - t0
+            ex._proc_rows += sum(h is not None for h in histories)
         padded = [o + [o[-1]] * (G - len(o)) for o in offsets]
         tokens = ex._sample(logits, rows, sampling, offsets=padded).tolist()  # (B, G)
         for w, o, t in zip(rows, offsets, tokens):
             w.caught.append((name, [w.start + x for x in o], t[: len(o)]))
+
+
+def past_history(w, p0: int, G: int) -> RowHistory:
+    """The processors' history of row w's logits at positions p0 .. p0 + G - 1 (decoding/
+    processors.py `RowHistory`): the committed tokens before p0, then the committed ones after
+    it as the path (a padded position past the row's own reads its last token again)."""
+    path = w.seq.tokens[p0 : w.start]
+    path = path + (path or w.seq.tokens[:p0])[-1:] * max(0, G - 1 - len(path))
+    return RowHistory(w.seq.params, w.seq.tokens[:p0], w.seq.prompt_len, w.seq.stop_ids, path, 0)
 
 
 def caught_up_trials(caught: list[tuple[str, list[int], list[int]]], tokens: list[int]

@@ -23,10 +23,12 @@ AMX, bf16: 0.74 ms for 8 tokens with logits at all 8, against a 9.1 ms target st
 plain steps it covers); the draft's cache is then current, so speculating again pays no
 catch-up. Never the target's output: the draft's tokens are only compared.
 
-Not for: multi-row steps (under load the batch planner's margin, not the evidence, keeps rows
-plain, and a catch-up would slow every row of the step), rows with logits processors or a
-grammar (their draft distribution at a past position would need the processors' history there),
-draft heads and model-free drafters (shadow proposals score those every cycle).
+A row's logits processors (penalties, logit_bias, min_tokens) process the draft's logits at each
+position with the committed tokens before it as their history, as on a draft path. Not for:
+multi-row steps (under load the batch planner's margin, not the evidence, keeps rows plain, and a
+catch-up would slow every row of the step), rows with a grammar (its state at a past position is
+not kept; the executor leaves them out), draft heads and model-free drafters (shadow proposals
+score those every cycle).
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ def catch_up_models(row: RowContext, chain: Chain, every: int, drafts: Collectio
     """The models of `drafts` (model drafts of the target) that `row`, planned to run `chain`
     this step, catches up for their evidence: those not in the chain lagging by at least `every`
     tokens the row generated (`RowContext.lags_generated`; a draft that never saw the prompt
-    prefills it in the same forward). None where `every` <= 0 or the row has processors (its
-    grammar included)."""
-    if every <= 0 or row.processors or not row.lags_generated:  # (a grammar is a processor)
+    prefills it in the same forward). None where `every` <= 0 (the executor leaves a row with a
+    grammar out: decoding/catch_up.py)."""
+    if every <= 0 or not row.lags_generated:
         return ()
     return tuple(m for m, n in row.lags_generated if n >= every and m in drafts and m not in chain)
 
