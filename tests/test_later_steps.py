@@ -101,3 +101,25 @@ def test_a_cheap_later_step_moves_the_routers_k_up():
     print(f"\nlater 1.0: {old.chain} k={old.k}; later 0.2: {new.chain} k={new.k}")
     assert new.chain == old.chain == ("d2", "T")
     assert new.k > old.k and new.t_eff < old.t_eff
+
+
+def test_a_firm_hold_is_not_released_by_its_drafts_later_steps():
+    """review30's finding 1: a firm hold watches its models' forwards against the profile
+    (`StreamHolder.watch`); a draft's later steps at their learned factor (0.6 of a first step,
+    below 1 / jump_ratio) must not read as a speed jump, where a real slowdown still does."""
+    from types import SimpleNamespace
+
+    from specrouter.records.routing import ForwardRecord
+
+    router = make_router(order=["d2", "T"], timer=lambda: 0.0)
+    prof = router.profile
+    base = prof.predict("d2", 1, 1, L0)
+    for _ in range(40):
+        prof.observe("d2", 1, 1, L0, 0.6 * base, later=True)
+    hold = SimpleNamespace(watched=("d2",))  # (all `watch` reads of a StreamHold)
+    steps = [ForwardRecord("d2", 1, 1, L0, base), ForwardRecord("d2", 1, 1, L0, 0.6 * base, later=True),
+             ForwardRecord("d2", 1, 1, L0, 0.6 * base, later=True), ForwardRecord("d2", 1, 1, L0, 0.6 * base, later=True)]
+    router.stream.expected, router.stream.streaks = {}, {}
+    assert router.stream.watch(hold, steps) and router.stream.watch(hold, steps)
+    slow = [ForwardRecord("d2", 1, 1, L0, 3 * base), ForwardRecord("d2", 1, 1, L0, 1.8 * base, later=True)]
+    assert not router.stream.watch(hold, slow)

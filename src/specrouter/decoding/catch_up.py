@@ -13,6 +13,9 @@ from specrouter.decoding.sampling import SamplingTensors
 from specrouter.models.runners.base import ForwardBatch
 
 
+MAX_SCORED = 64  # positions a catch-up scores at most (its logits: MAX_SCORED x vocabulary floats)
+
+
 def catch_up_drafts(ex, work: list, catch_up: list[tuple[str, ...]], sampling: SamplingTensors) -> None:
     """The executor `ex`'s rows `work` (its RowWork): each model draft a row catches up (router/catch_up.py) fed the row's committed tokens
     it has not seen, in ONE forward per model over its rows, with logits at every position
@@ -37,7 +40,8 @@ def catch_up_drafts(ex, work: list, catch_up: list[tuple[str, ...]], sampling: S
             st = ex.state.state(w.seq.seq_id, name)
             c = st.cache_len
             pending = w.seq.tokens[c:]  # (start - c) tokens: the logits at index i sample position c + i + 1
-            first = max(0, w.seq.prompt_len - 1 - c)  # from the first position the row generated
+            # from the first position the row generated, its last MAX_SCORED at most
+            first = max(0, w.seq.prompt_len - 1 - c, len(pending) - MAX_SCORED)
             slots.append(st.slot)
             starts.append(c)
             feeds.append(pending)

@@ -218,7 +218,7 @@ class ChainExecutor:
         deep (default: its k), `width` nodes expanded per depth into `width` children each,
         and the target verifies its best `budget` nodes (a budget <= depth: the chain); only
         where the tree can run (`_tree_ok`). `catch_up[b]`: model drafts row b's chain leaves
-        out that catch up on its committed tokens first, for their evidence (`_catch_up`)."""
+        out that catch up on its committed tokens first, for their evidence (decoding/catch_up.py `catch_up_drafts`)."""
         t_start = self.clock()
         self._forwards: list[ForwardRecord] = []
         self._ran: set[str] = set()  # models that ran a forward this step (ForwardRecord.later)

@@ -525,7 +525,8 @@ class Router:
             # (one DP width for all) they are equal bit for bit
             lat, tok = chain_rows([self.chains[i] for i in todo], cfg.k_max, costs=costs,
                                   alphas=alphas, overhead=published.times["spec"] + router,
-                                  draft_step_overhead=published.times["draft_step"], later=published.later,
+                                  draft_step_overhead=published.times["draft_step"],
+                                  later={m: s / published.steps[m] for m, s in published.later.items() if published.steps[m] > 0},
                                   min_width=self.dp_width, prepared=rows)
             latency[todo], tokens[todo] = lat, tok
         if rows is not None:
