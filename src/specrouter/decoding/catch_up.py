@@ -17,8 +17,9 @@ MAX_SCORED = 64  # positions a catch-up scores at most (its logits: MAX_SCORED x
 
 
 def catch_up_drafts(ex, work: list, catch_up: list[tuple[str, ...]], sampling: SamplingTensors) -> None:
-    """The executor `ex`'s rows `work` (its RowWork): each model draft a row catches up (router/catch_up.py) fed the row's committed tokens
-    it has not seen, in ONE forward per model over its rows, with logits at every position
+    """The executor `ex`'s rows `work` (its RowWork): each model draft a row catches up
+    (router/catch_up.py) fed the row's committed tokens it has not seen, in ONE forward per
+    model over its rows, with logits at every position
     whose next token the row generated; the token the draft samples there (as it would have
     drafted it: greedy argmax, or the position-keyed noise every level shares) is kept in
     `w.caught` and scored against the committed one when the cycle commits (`caught_up_trials`).

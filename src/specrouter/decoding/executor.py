@@ -218,10 +218,10 @@ class ChainExecutor:
         deep (default: its k), `width` nodes expanded per depth into `width` children each,
         and the target verifies its best `budget` nodes (a budget <= depth: the chain); only
         where the tree can run (`_tree_ok`). `catch_up[b]`: model drafts row b's chain leaves
-        out that catch up on its committed tokens first, for their evidence (decoding/catch_up.py `catch_up_drafts`)."""
+        out that catch up on its committed tokens first, for their evidence
+        (decoding/catch_up.py `catch_up_drafts`)."""
         t_start = self.clock()
         self._forwards: list[ForwardRecord] = []
-        self._ran: set[str] = set()  # models that ran a forward this step (ForwardRecord.later)
         self._ftime: dict[str, float] = {}
         self._ftoks: dict[str, int] = {}
         self._tv_seconds = 0.0
@@ -665,10 +665,7 @@ class ChainExecutor:
         self._ftoks[name] = self._ftoks.get(name, 0) + sum(batch.num_tokens_list)
         if context is None:
             context = sum(batch.starts_list) // rows
-        later = name in self._ran
-        self._ran.add(name)
-        self._forwards.append(ForwardRecord(model=name, rows=rows, new_tokens=width, context_len=context, seconds=dt,
-                                            later=later))
+        self._forwards.append(ForwardRecord(model=name, rows=rows, new_tokens=width, context_len=context, seconds=dt))
         return out
 
     # -- commit -----------------------------------------------------------------------------

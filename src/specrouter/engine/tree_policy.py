@@ -18,8 +18,7 @@ values): the root's C children at depth 0 are worth p_r(0); at each depth the W 
 expanded, a child of rank r < C of a node worth v is worth v * p_r(d); the N best nodes plus the
 target's own token. W = C = 1, N = D is the chain. Time per cycle: the drafter's D forwards (the
 first over its pending tokens, the others over the frontier and its ancestors, at most W * d
-tokens, at the profile's `later` factor: their weights are still in cache), D host steps, and
-T(N + 1). A tree is chosen only when its time per token beats the
+tokens), D host steps, and T(N + 1). A tree is chosen only when its time per token beats the
 chain's (the router's k) by `margin`; "no speculation" stays the router's choice. Trees are used
 for a step of ONE row (single stream): under load the extra nodes cost every row of the batch,
 which this policy does not model (the batch keeps chains).
@@ -126,13 +125,9 @@ class TreePolicy:
     def __init__(self, target_cost: Callable[[int, int], float], draft_cost: Callable[[str, int, int], float],
                  drafters: frozenset[str], *, free: frozenset[str] = frozenset(), widths: tuple[int, ...] = (2, 3, 4),
                  children: tuple[int, ...] = (8,), margin: float = 0.10, max_nodes: int = MAX_NODES,
-                 max_depth: int = MAX_DEPTH, refresh: int = 16, sampled: bool = True,
-                 later: Callable[[str], float] = lambda drafter: 1.0):
+                 max_depth: int = MAX_DEPTH, refresh: int = 16, sampled: bool = True):
         self.target_cost = target_cost  # (n new tokens, context L) -> seconds of one row's target forward
         self.draft_cost = draft_cost  # (drafter, n new tokens, context L) -> seconds of one drafter forward
-        # drafter -> a forward after its first of the cycle over `draft_cost` (CostProfile.later:
-        # its weights still in cache)
-        self.later = later
         self.drafters = drafters  # the model drafters that grow trees (not heads, not model-free)
         self.sampled = sampled  # sampled rows may get trees too (EngineConfig.trees "on"; "greedy": not)
         self.free = free  # the model-free drafters that propose trees (`prune`)
@@ -163,7 +158,7 @@ class TreePolicy:
         extrapolated; the sweep widens to n = 32 only where such a forward is cheap)."""
         kwargs.setdefault("max_nodes", profile.max_new_tokens(target) - 1)
         return cls(lambda n, L: profile.predict(target, 1, n, L), lambda d, n, L: profile.predict(d, 1, n, L),
-                   drafters, later=profile.later, **kwargs)
+                   drafters, **kwargs)
 
     def _evidence(self, drafter: str, greedy: bool) -> RankEvidence:
         key = (drafter, greedy)
@@ -193,8 +188,8 @@ class TreePolicy:
         t_target, t_draft, tree, tree_e, tree_raw = self._search(drafter, greedy, context, fresh)
         chain_k = min(k, self.max_nodes)
         chain_e = expected_tokens(rates, chain_k, chain_k, 1)
-        chain_t = ((t_draft[1] * (1 + (chain_k - 1) * self.later(drafter)) + chain_k * self.host["chain"]
-                    + t_target[chain_k + 1]) / (chain_e * self._calibration("chain")))
+        chain_t = ((chain_k * (t_draft[1] + self.host["chain"]) + t_target[chain_k + 1])
+                   / (chain_e * self._calibration("chain")))
         if tree is not None and tree_raw / self._calibration("tree") < chain_t * (1 - self.margin):
             return tree, tree_e
         return (0, 1, k), chain_e
@@ -215,13 +210,11 @@ class TreePolicy:
         t_draft = {n: self.draft_cost(drafter, n, context) for n in {1, 2, *(w * d for w in self.widths
                                                                           for d in range(1, self.max_depth))}}
         best, best_e, best_raw = None, 1.0, float("inf")
-        later = self.later(drafter)
         for width in self.widths:
             for kids in sorted({width, *(c for c in self.children if c > width)}):
                 levels, values = node_levels(rates, self.max_depth, width, kids), []
                 for depth in range(2, self.max_depth + 1):
-                    draft = (t_draft[2] + later * sum(t_draft[width * d] for d in range(1, depth))
-                             + depth * self.host["tree"])
+                    draft = t_draft[2] + sum(t_draft[width * d] for d in range(1, depth)) + depth * self.host["tree"]
                     values = sorted(values + levels[depth - 1] + (levels[0] if depth == 2 else []), reverse=True)
                     gain = 1.0
                     for nodes in range(1, min(len(values), self.max_nodes) + 1):

@@ -113,9 +113,6 @@ class ForwardRecord:
     context_len: int  # L: mean cached positions of the rows before the forward
     seconds: float  # wall time, all `count` forwards together
     count: int = 1  # e.g. a draft model's k sequential one-token steps
-    # a forward after its model's first of the same step (a draft's steps 2..k, a tree's deeper
-    # levels): its weights are still in cache, so the profile prices it apart (CostProfile.later)
-    later: bool = False
 
 
 @dataclass(frozen=True)

@@ -659,9 +659,8 @@ class BatchPlanner:
                     first + (predict(m, len(widths), caught, context_len) - first) / span
             if ks:
                 step_host = router.overhead["draft_step"]
-                later = router.profile.later(m)  # its weights still in cache (CostProfile.later)
                 for i in range(2, max(ks) + 1):  # the draft's later steps, over the rows still drafting
-                    total += predict(m, sum(1 for k in ks if k >= i), 1, context_len) * later + step_host
+                    total += predict(m, sum(1 for k in ks if k >= i), 1, context_len) + step_host
         return max(total, 1e-9)
 
     PLAIN_PREDICTION_STEPS = 16  # a plain step's predicted seconds are reused this many steps

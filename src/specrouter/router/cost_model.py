@@ -258,14 +258,13 @@ def _draft_distribution(hit_rate: float, k_max: int, width: int) -> np.ndarray:
 
 
 def _draft_costs(drafter, table: np.ndarray | None, ks: np.ndarray, draft_catchup: int,
-                 step_overhead: float = 0.0, later: float = 1.0) -> np.ndarray:
+                 step_overhead: float = 0.0) -> np.ndarray:
     """(K,) seconds of drafting k tokens for each k in ks."""
     if isinstance(drafter, ModelFreeDraft):
         return drafter.costs(ks)
     # k sequential forwards; the first one also carries the pending catch-up tokens; each later
-    # one is a step of its own, with its host work, its forward at `later` times the table's
-    # (its weights still in cache from the first: CostProfile.later)
-    return table[1 + draft_catchup] + (ks - 1) * (table[1] * later + step_overhead)
+    # one is a step of its own, with its host work
+    return table[1 + draft_catchup] + (ks - 1) * (table[1] + step_overhead)
 
 
 def _cycle_by_k(
@@ -565,7 +564,6 @@ def chain_rows(
     draft_step_overhead: float = 0.0,
     min_width: int = 0,
     prepared: dict | None = None,
-    later: Mapping[str, float] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(expected_latency (C, K), expected_tokens (C, K)) of `best_plan`'s table, without its
     checks or its argmin: for the router, which evaluates its chains at every decision on cost
@@ -574,9 +572,7 @@ def chain_rows(
     bit (draft_catchup 0). `prepared`: a dict the caller passes again only with the same costs,
     overheads and width (the router's per published evidence and cost context,
     `EvidenceBoard.chain_rows`): what reads no estimate (the cost tables, the drafters' seconds,
-    `_rows`' arrangement of them) is computed once into it, the same arrays a fresh call makes.
-    `later`: per model drafter, its draft steps after the first at this factor of its cost row
-    (CostProfile.later; absent: 1)."""
+    `_rows`' arrangement of them) is computed once into it, the same arrays a fresh call makes."""
     width = max(k_max + max(len(c) for c in chains), min_width)
     memo = prepared.setdefault(("inputs", k_max, width), {}) if prepared is not None else {}
     ks = np.arange(1, k_max + 1)
@@ -597,8 +593,7 @@ def chain_rows(
             else:
                 tables[d] = tables.get(d) if d in tables else _table_of(drafter, width)
                 if d not in seconds:
-                    seconds[d] = _draft_costs(drafter, tables[d], ks, 0, draft_step_overhead,
-                                              later.get(d, 1.0) if later else 1.0) + overhead
+                    seconds[d] = _draft_costs(drafter, tables[d], ks, 0, draft_step_overhead) + overhead
                 drafts[d] = (seconds[d], _draft_distribution(1.0, k_max, width))
     return _rows(chains, k_max, width, tables, drafts, alphas, memo if prepared is not None else None)
 

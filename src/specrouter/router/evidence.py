@@ -15,8 +15,7 @@ while both are unchanged.
     decision a miss;
   - the profile's step detector fired (a slowdown or a recovery), or a time moved by more than
     `decision_time_tolerance` (5%) of the target's one-token step: a model's predicted
-    one-token step (its speed factor, its refined shape), a draft's one-token step after its
-    first of a step (`CostProfile.later`), or a per-cycle overhead (the
+    one-token step (its speed factor, its refined shape) or a per-cycle overhead (the
     engine's, plain or speculative, or the router's own decide() time). Times are measured
     against the target's step because plans are: a drafter 20x cheaper than the target may
     drift 20x more (relatively) before it matters as much;
@@ -68,7 +67,6 @@ class Published:
     hits: Mapping[str, float]  # model-free drafter -> global hit rate
     times: Mapping[str, float]  # host seconds: "plain", "spec" (per cycle), "draft_step" (per draft step), "processor" (per row-forward of a row with processors), "router" (one decide)
     steps: Mapping[str, float]  # model -> seconds of its one-token step (b = 1), as the profile predicts
-    later: Mapping[str, float]  # model below the target -> seconds of a one-token forward after its first of a step (CostProfile.later times `steps`)
     jumps: Mapping[str, int]  # model -> times the profile's step detector fired
     failed: frozenset[str]  # models out of service
     scale: float  # seconds of the target's one-token step (b = 1): the yardstick of time tolerances
@@ -168,7 +166,6 @@ def material_change(live: Published, published: Published, config: RouterConfig)
         ("priors", lambda: moved(live.priors, published.priors, config.decision_tolerance, config.prune_below)),
         ("hits", lambda: moved(live.hits, published.hits, config.decision_hit_tolerance, config.prune_below)),
         ("steps", lambda: moved(live.steps, published.steps, seconds)),
-        ("later", lambda: moved(live.later, published.later, seconds)),
         ("times", lambda: moved(live.times, published.times, seconds)),
     )
     return next((name for name, check in checks if check()), "")
@@ -267,7 +264,6 @@ class EvidenceBoard:
             hits={d: r.similarity.hit_rate(d) for d in sorted(r.model_free)},
             times={**r.overhead, "router": r.decide_seconds},
             steps=steps,
-            later={m: r.profile.later(m) * s for m, s in steps.items() if m != r.target},
             jumps=dict(r.profile.jumps),
             failed=frozenset(r.failed),
             scale=steps[r.target],

@@ -209,7 +209,7 @@ def observe_forwards(router: "Router", forwards: Sequence[ForwardRecord]) -> Non
     for f in forwards:
         router.prober.model_seen[f.model] = now
         if f.model in router.profile:
-            router.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count, f.later)
+            router.profile.observe(f.model, f.rows, f.new_tokens, f.context_len, f.seconds, f.count)
 
 
 def fold_step(router: "Router", report: StepReport) -> None:
@@ -526,7 +526,6 @@ class Router:
             lat, tok = chain_rows([self.chains[i] for i in todo], cfg.k_max, costs=costs,
                                   alphas=alphas, overhead=published.times["spec"] + router,
                                   draft_step_overhead=published.times["draft_step"],
-                                  later={m: s / published.steps[m] for m, s in published.later.items() if published.steps[m] > 0},
                                   min_width=self.dp_width, prepared=rows)
             latency[todo], tokens[todo] = lat, tok
         if rows is not None:

@@ -31,14 +31,6 @@ batch rows x new tokens x context length, times one speed factor:
   slowly (`shape_alpha`, 0.05, in log space, weighted by the interpolation weights), so a sweep
   whose shape is off (e.g. t=1 steps relatively slower in the engine than in the sweep) is
   corrected without the fast factor oscillating between cells.
-- The speed and the shape are learned from a step's FIRST forward of each model only. A forward
-  after it in the same step (a draft's steps 2..k, a tree's deeper levels:
-  `ForwardRecord.later`) finds the model's weights still in cache, where the first found them
-  evicted by the target's forward before it (the shipped 11M draft, 2-core Intel Xeon with AMX,
-  bf16: 0.96 ms a cycle's first one-token step, 0.58 ms a later one, medians); those teach the
-  model's `later` factor (its seconds over the first forward's prediction, a fast EMA as
-  `speed`'s), which the cost model applies to draft steps 2..k (cost_model.py `_draft_costs`),
-  the batch planner to a batch's later draft steps and the tree policy to a tree's deeper levels.
 
 Persistence: one JSON file (`default_profile_path()`, `$SPECROUTER_CACHE/profiles.json`, else
 `$XDG_CACHE_HOME/specrouter/...`, else `~/.cache/specrouter/...`) holds the shapes of every
@@ -201,9 +193,6 @@ class _ModelTable:
     seconds: np.ndarray  # (nb, nt, nl) shape of T_M on the grid (speed factor excluded)
     speed: float = 1.0  # fast multiplicative correction (online)
     usual: float = 1.0  # usual speed (slow EMA in log of clipped levels): what a probe expects of it
-    # a forward after the model's first of the same step, over what the table and speed predict
-    # (fast EMA in log, as speed): its weights are still in cache (CostProfile.later)
-    later: float = 1.0
     streak: list[float] = field(default_factory=list)  # log speed levels of a step in progress
     streak_up: bool | None = None  # its direction
     observations: int = 0
@@ -343,15 +332,6 @@ class CostProfile:
         """Its usual speed (module docstring): the speed its observations read over the longer run."""
         return self._table(name).usual
 
-    def later(self, name: str) -> float:
-        """A forward after the model's first of the same step (a draft's steps 2..k, a tree's
-        deeper levels) over what `predict` says (1: the same): the first finds the model's
-        weights evicted by the target's forward before it, the later ones find them in cache
-        (the shipped 11M draft, 2-core Intel Xeon with AMX, bf16: 0.96 ms a cycle's first
-        one-token step, 0.58 ms a later one, medians). Learned from the forwards the executor
-        flags (`ForwardRecord.later`); 1 until one is seen."""
-        return self._table(name).later
-
     def _table(self, name: str) -> _ModelTable:
         try:
             return self._models[name]
@@ -359,15 +339,12 @@ class CostProfile:
             raise KeyError(f"no cost profile for model {name!r}; profiled: {list(self._models)}") from None
 
     # -- online refresh ---------------------------------------------------------------------
-    def observe(self, name: str, b: int, t: int, L: int, seconds: float, count: int = 1, later: bool = False) -> None:
-        """`count` forwards of shape (b, t, L) took `seconds` in total; `later`: each after the
-        model's first forward of its step (ForwardRecord.later)."""
-        self.observe_many(name, [(b, t, L)] * count, seconds, later)
+    def observe(self, name: str, b: int, t: int, L: int, seconds: float, count: int = 1) -> None:
+        """`count` forwards of shape (b, t, L) took `seconds` in total."""
+        self.observe_many(name, [(b, t, L)] * count, seconds)
 
-    def observe_many(self, name: str, shapes: Sequence[Shape], seconds: float, later: bool = False) -> None:
-        """Forwards of the given shapes took `seconds` in total (e.g. a drafter's k steps).
-        `later`: forwards after the model's first of their step, which teach its `later` factor
-        only (the speed and the shape are a step's first forward's: see `later`)."""
+    def observe_many(self, name: str, shapes: Sequence[Shape], seconds: float) -> None:
+        """Forwards of the given shapes took `seconds` in total (e.g. a drafter's k steps)."""
         m = self._models.get(name)
         if m is None or not shapes or not (math.isfinite(seconds) and seconds > 0):
             return
@@ -379,12 +356,6 @@ class CostProfile:
             return
         cfg = self.config
         level = math.log(seconds / base)  # log of the speed this observation alone implies
-        if later:  # its factor over the first forward's prediction, clipped as an outlier's EMA step
-            clip = math.log(cfg.jump_ratio)
-            m.later *= math.exp(cfg.ema_alpha * min(max(level - math.log(m.speed * m.later), -clip), clip))
-            m.observations += 1
-            self.version += 1
-            return
         log_ratio = level - math.log(m.speed)
         # 1. speed: a step detector (jump to the mean level of the streak), else a fast EMA
         outlier = abs(log_ratio) > math.log(cfg.jump_ratio)

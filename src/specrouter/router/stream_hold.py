@@ -127,7 +127,7 @@ class StreamHolder:
         self.trials: HoldTrials | None = None
         # ... and its models' forwards against the profile's speed then (`watch`): (model, new
         # tokens) -> predicted seconds of one forward; model -> its streak of outliers (+1 slow, -1 fast)
-        self.expected: dict[tuple[str, float, bool], float] = {}  # (model, width, later) -> seconds
+        self.expected: dict[tuple[str, float], float] = {}
         self.streaks: dict[str, int] = {}
 
     def plan(self, rows: Sequence[RowContext], pinned: Sequence[Plan], req: RequestState | None,
@@ -237,19 +237,16 @@ class StreamHolder:
         (router/profile.py: `jump_after` forwards in a row off by more than `jump_ratio`, the same
         way): False once one jumped. Folded only at the hold's end, a draft that slowed 5x for
         good ran the rest of an 8-step span (-4.8% in test_router_lock_in's world); each forward
-        is compared with the profile's prediction of its shape when the hold first saw it (a
-        forward after its model's first of the step, `ForwardRecord.later`, at the profile's
-        `later` factor: its weights still in cache, ~0.6x a first one's)."""
+        is compared with the profile's prediction of its shape when the hold first saw it."""
         profile, watched = self.router.profile, hold.watched or ()
         cfg = profile.config
         for f in forwards:
             if f.model not in watched or f.seconds <= 0.0 or f.count < 1:
                 continue
-            key = (f.model, f.new_tokens, f.later)
+            key = (f.model, f.new_tokens)
             expected = self.expected.get(key)
             if expected is None:
-                expected = self.expected[key] = profile.predict(f.model, f.rows, f.new_tokens, f.context_len) * (
-                    profile.later(f.model) if f.later else 1.0)
+                expected = self.expected[key] = profile.predict(f.model, f.rows, f.new_tokens, f.context_len)
             if expected <= 0.0:
                 continue
             ratio = f.seconds / f.count / expected
