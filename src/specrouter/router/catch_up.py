@@ -38,22 +38,25 @@ from collections.abc import Collection, Sequence
 from specrouter.records.routing import Chain, RowContext
 
 
-def catch_up_models(row: RowContext, chain: Chain, every: int, drafts: Collection[str]) -> tuple[str, ...]:
+def catch_up_models(row: RowContext, chain: Chain, every: int, drafts: Collection[str],
+                    failed: Collection[str] = ()) -> tuple[str, ...]:
     """The models of `drafts` (model drafts of the target) that `row`, planned to run `chain`
-    this step, catches up for their evidence: those not in the chain lagging by at least `every`
-    tokens the row generated (`RowContext.lags_generated`; a draft that never saw the prompt
-    prefills it in the same forward). None where `every` <= 0 (the executor leaves a row with a
-    grammar out: decoding/catch_up.py)."""
+    this step, catches up for their evidence: those not in the chain (nor `failed`) lagging by
+    at least `every` tokens the row generated (`RowContext.lags_generated`; a draft that never
+    saw the prompt prefills it in the same forward). None where `every` <= 0 (the executor
+    leaves a row with a grammar out: decoding/catch_up.py)."""
     if every <= 0 or not row.lags_generated:
         return ()
-    return tuple(m for m, n in row.lags_generated if n >= every and m in drafts and m not in chain)
+    return tuple(m for m, n in row.lags_generated
+                 if n >= every and m in drafts and m not in chain and m not in failed)
 
 
 def stream_catch_ups(rows: Sequence[RowContext], chains: Sequence[Chain], pinned: int, every: int,
-                     drafts: Collection[str]) -> tuple[tuple[str, ...], ...]:
-    """Per row of a step's plan (`BatchPlan.catch_up`): a single stream's catch-ups; none in a
-    multi-row step (module docstring)."""
-    if len(rows) != 1 or pinned or every <= 0:
+                     drafts: Collection[str], failed: Collection[str] = ()) -> tuple[tuple[str, ...], ...]:
+    """Per row of a step's plan (`BatchPlan.catch_up`; `pinned`: the step's pinned rows): a
+    single stream's catch-ups; none in a multi-row step (module docstring). Every gate is here,
+    cheapest first: `Router.plan_batch` calls it on every step."""
+    if len(rows) != 1 or pinned or every <= 0 or not rows[0].lags_generated:
         return ()
-    models = catch_up_models(rows[0], chains[0], every, drafts)
+    models = catch_up_models(rows[0], chains[0], every, drafts, failed)
     return (models,) if models else ()

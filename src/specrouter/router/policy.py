@@ -375,11 +375,10 @@ class Router:
             elif seq is not None and self.stream.keep(rows, pinned, batch.decisions[0], self.requests.get(seq),
                                                       self.observed_steps):
                 batch = dataclasses.replace(batch, shadow_k=0)  # a firm hold's last step runs them
-        every = self.config.catch_up_every
-        if every and seq is not None and not pinned and rows[0].lags_generated:
-            catch = stream_catch_ups(rows, [batch.decisions[0].chain], 0, every, self.target_drafts - self.failed)
-            if catch:  # its draft's evidence while it decodes without it (router/catch_up.py)
-                batch = dataclasses.replace(batch, catch_up=catch)
+        catch = stream_catch_ups(rows, [d.chain for d in batch.decisions], len(pinned), self.config.catch_up_every,
+                                 self.target_drafts, self.failed)
+        if catch:  # a single stream's draft's evidence while it decodes without it (router/catch_up.py)
+            batch = dataclasses.replace(batch, catch_up=catch)
         return batch
 
     def take_confident_drafts(self, rows: Sequence[RowContext], plans: list[Plan],
